@@ -1,0 +1,48 @@
+"""The `topoagent` command line: one subcommand per module under topoagent/commands/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand name -> module under topoagent.commands.  Each module defines
+# `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
+COMMANDS = {
+    "matrix": "topoagent.commands.matrix",
+}
+
+
+class UsageError(Exception):
+    """Bad input a user can fix: printed as one line, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="topoagent",
+        description="GPU topology discovery, link measurement and placement for one node.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in COMMANDS.values():
+        importlib.import_module(module_name).register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"topoagent {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # `topoagent ... | head`: the reader left; not an error worth a traceback.
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

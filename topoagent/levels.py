@@ -1,0 +1,232 @@
+"""The one vocabulary of link levels, and what bandwidth each level is expected to give.
+
+Levels use the words users know from ``nvidia-smi topo -m``, ordered closest first:
+
+    SELF < NV(n) < PIX < PXB < PHB < NODE < SYS < NET_SUBNET < NET_OTHER
+
+``NV(n)`` with more links sorts before ``NV(m)`` with fewer.  ``SOC`` (printed by old
+drivers) is read as ``SYS``.  The last two reach beyond the node: a peer on the same
+InfiniBand subnet, and any other peer.
+
+Expected bandwidths are **per direction, in GB/s (10^9 bytes/s)**, the rates the
+hardware is built for.  They are the prior; fresh probe measurements override them.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from dataclasses import dataclass
+from functools import total_ordering
+
+
+class LevelKind(enum.IntEnum):
+    """Link kinds, in order from closest to farthest."""
+
+    SELF = 0
+    NV = 1
+    PIX = 2
+    PXB = 3
+    PHB = 4
+    NODE = 5
+    SYS = 6
+    NET_SUBNET = 7
+    NET_OTHER = 8
+
+
+class LevelError(ValueError):
+    """A string is not a link level."""
+
+
+_NV_RE = re.compile(r"NV(\d+)")
+_ALIASES = {"X": LevelKind.SELF, "SELF": LevelKind.SELF, "SOC": LevelKind.SYS}
+
+
+@total_ordering
+@dataclass(frozen=True, slots=True)
+class LinkLevel:
+    """One level; ``nvlinks`` is the bonded link count for NV, 0 otherwise."""
+
+    kind: LevelKind
+    nvlinks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind is LevelKind.NV and self.nvlinks < 1:
+            raise LevelError("an NV level needs at least one link")
+        if self.kind is not LevelKind.NV and self.nvlinks:
+            raise LevelError(f"{self.kind.name} carries no NVLink count")
+
+    @classmethod
+    def parse(cls, text: str) -> "LinkLevel":
+        """Read a level as nvidia-smi prints it (``X``, ``NV12``, ``PIX``, ``SOC``...)."""
+        token = text.strip().upper()
+        if token in _ALIASES:
+            return cls(_ALIASES[token])
+        match = _NV_RE.fullmatch(token)
+        if match:
+            links = int(match.group(1))
+            if links < 1:
+                raise LevelError(f"{text!r}: NV needs at least one link")
+            return cls(LevelKind.NV, links)
+        try:
+            kind = LevelKind[token]
+        except KeyError:
+            raise LevelError(f"{text!r} is not a link level") from None
+        if kind is LevelKind.NV:
+            raise LevelError(f"{text!r}: NV needs a link count, like NV12")
+        return cls(kind)
+
+    def sort_key(self) -> tuple[int, int]:
+        """Closer sorts first; among NV levels, more links is closer."""
+        return (int(self.kind), -self.nvlinks)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, LinkLevel):
+            return NotImplemented
+        return self.sort_key() < other.sort_key()
+
+    @property
+    def is_nvlink(self) -> bool:
+        return self.kind is LevelKind.NV
+
+    def __str__(self) -> str:
+        if self.kind is LevelKind.SELF:
+            return "X"
+        if self.kind is LevelKind.NV:
+            return f"NV{self.nvlinks}"
+        return self.kind.name
+
+
+SELF = LinkLevel(LevelKind.SELF)
+PIX = LinkLevel(LevelKind.PIX)
+PXB = LinkLevel(LevelKind.PXB)
+PHB = LinkLevel(LevelKind.PHB)
+NODE = LinkLevel(LevelKind.NODE)
+SYS = LinkLevel(LevelKind.SYS)
+
+
+def nv(links: int) -> LinkLevel:
+    return LinkLevel(LevelKind.NV, links)
+
+
+# --- Expected bandwidth tables -------------------------------------------------------
+#
+# NVLink, GB/s per link per direction, by NVLink generation.  Sources: NVIDIA's product
+# briefs -- P100 (NVLink 1): 4 links, 160 GB/s bidirectional = 20 GB/s/link/direction;
+# V100 (NVLink 2): 6 links, 300 GB/s = 25; A100 (NVLink 3): 12 links, 600 GB/s = 25;
+# H100/H200 (NVLink 4): 18 links, 900 GB/s = 25; B200 (NVLink 5): 18 links, 1.8 TB/s = 50.
+# NCCL's topo.h keeps lower *achievable* constants (e.g. SM80_NVLINK_BW 20.0,
+# SM90_NVLINK_BW 20.6, SM100_NVLINK_BW 40.1 GB/s per link); we keep the hardware rate
+# here and let probes report what is achieved.
+NVLINK_GBPS_PER_LINK: dict[int, float] = {1: 20.0, 2: 25.0, 3: 25.0, 4: 25.0, 5: 50.0}
+# When nvidia-smi tells only the link count, the generation is unknown: NVLink 2-4
+# (V100..H200, the bulk of deployed machines) all run 25 GB/s per link.
+NVLINK_GBPS_PER_LINK_GENERIC = 25.0
+
+# PCIe, GB/s per lane per direction after line encoding: transfer rate × encoding / 8.
+# Gen1/2: 2.5/5 GT/s with 8b/10b; Gen3/4/5: 8/16/32 GT/s with 128b/130b (PCI-SIG base
+# specifications); Gen6: 64 GT/s PAM4 with FLIT mode (242/256 efficiency).
+PCIE_GBPS_PER_LANE: dict[int, float] = {
+    1: 2.5 * 0.8 / 8,
+    2: 5.0 * 0.8 / 8,
+    3: 8.0 * 128 / 130 / 8,
+    4: 16.0 * 128 / 130 / 8,
+    5: 32.0 * 128 / 130 / 8,
+    6: 64.0 * 242 / 256 / 8,
+}
+# PCIe link speed as sysfs prints it (``current_link_speed``) -> generation.
+PCIE_GT_S_TO_GEN: dict[float, int] = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
+# Unknown link (nvidia-smi alone): Gen4 x16, the link of A100/H100-class servers.
+DEFAULT_PCIE_GEN = 4
+DEFAULT_PCIE_WIDTH = 16
+
+# Crossing host bridges costs P2P throughput even on the same socket.  Fractions of the
+# PCIe link rate, from NVIDIA's p2pBandwidthLatencyTest on PCIe servers (see
+# shared/corpus/bandwidth: RTX 6000 Ada pairs across root ports reach ~0.8 of the
+# same-switch rate) and NCCL, which models PHB/NODE paths as PCIe but penalises them.
+PHB_FRACTION = 0.8
+NODE_FRACTION = 0.7
+
+# Socket interconnect, GB/s per direction for one link.  Intel UPI at 10.4 GT/s moves
+# 2 bytes per transfer = 20.8 GB/s (Intel Xeon Scalable datasheets); AMD xGMI-2 links
+# are ~18-25 GB/s per direction.  NCCL's constants are lower (QPI_BW 6, SKL_QPI_BW 10,
+# AMD_BW 16) because they model achieved GPU P2P through the CPUs.
+SOCKET_LINK_GBPS = 20.8
+
+# Beyond the node: a network port, by default one 200 Gb/s HDR port = 25 GB/s.
+NET_SUBNET_GBPS = 25.0
+NET_OTHER_GBPS = 12.5
+
+
+def pcie_gbps(gen: int | None = None, width: int | None = None) -> float:
+    """Per-direction bandwidth of a PCIe link of this generation and width."""
+    lane = PCIE_GBPS_PER_LANE.get(gen or DEFAULT_PCIE_GEN, PCIE_GBPS_PER_LANE[DEFAULT_PCIE_GEN])
+    return lane * (width or DEFAULT_PCIE_WIDTH)
+
+
+def nvlink_gbps(links: int, generation: int | None = None) -> float:
+    rate = NVLINK_GBPS_PER_LINK.get(generation or 0, NVLINK_GBPS_PER_LINK_GENERIC)
+    return rate * links
+
+
+def expected_gbps(
+    level: LinkLevel,
+    *,
+    nvlink_generation: int | None = None,
+    pcie_gen: int | None = None,
+    pcie_width: int | None = None,
+) -> float | None:
+    """Expected per-direction bandwidth of a pair at this level (None for SELF).
+
+    ``pcie_gen``/``pcie_width`` describe the narrowest PCIe link on the path when known.
+    """
+    pcie = pcie_gbps(pcie_gen, pcie_width)
+    match level.kind:
+        case LevelKind.SELF:
+            return None
+        case LevelKind.NV:
+            return nvlink_gbps(level.nvlinks, nvlink_generation)
+        case LevelKind.PIX | LevelKind.PXB:
+            return round(pcie, 2)
+        case LevelKind.PHB:
+            return round(pcie * PHB_FRACTION, 2)
+        case LevelKind.NODE:
+            return round(pcie * NODE_FRACTION, 2)
+        case LevelKind.SYS:
+            return round(min(pcie * NODE_FRACTION, SOCKET_LINK_GBPS), 2)
+        case LevelKind.NET_SUBNET:
+            return NET_SUBNET_GBPS
+        case LevelKind.NET_OTHER:
+            return NET_OTHER_GBPS
+    raise AssertionError(level)  # pragma: no cover - the match is exhaustive
+
+
+# Architecture (NVML/CUDA compute capability major) -> NVLink generation.
+NVLINK_GENERATION_BY_MODEL = (
+    ("P100", 1),
+    ("V100", 2),
+    ("A100", 3),
+    ("A800", 3),
+    ("H100", 4),
+    ("H200", 4),
+    ("H800", 4),
+    ("H20", 4),
+    ("GH200", 4),
+    ("B200", 5),
+    ("B100", 5),
+    ("GB200", 5),
+    ("B300", 5),
+    ("GB300", 5),
+)
+
+
+def nvlink_generation_for_model(model: str | None) -> int | None:
+    """NVLink generation from a GPU model name such as 'NVIDIA A100-SXM4-80GB'."""
+    if not model:
+        return None
+    upper = model.upper()
+    # Longest names first so 'GH200' is not taken for 'H200'.
+    for name, gen in sorted(NVLINK_GENERATION_BY_MODEL, key=lambda item: -len(item[0])):
+        if re.search(rf"(?<![A-Z0-9]){name}(?![0-9])", upper):
+            return gen
+    return None

@@ -1,0 +1,162 @@
+"""The distance matrix the placement core and the exporters read.
+
+One value per GPU pair (level, expected bandwidth, measured bandwidth when a probe has
+run) and per GPU↔NIC pair (level).  It can be built from an `nvidia-smi topo -m` matrix
+alone, or from a discovered NodeTopology with richer facts (UUIDs, PCI addresses,
+PCIe generation and width, NVLink generation).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+from topoagent.levels import LinkLevel, expected_gbps, nvlink_generation_for_model
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    index: int  # the index nvidia-smi / NVML print (GPU3 -> 3)
+    name: str  # "GPU3"
+    uuid: str | None = None
+    pci_address: str | None = None  # "0000:07:00.0"
+    numa_node: int | None = None
+    cpus: str | None = None  # cpulist of the CPUs close to this GPU, "0-47,96-143"
+    model: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class NicInfo:
+    name: str  # as nvidia-smi names it: "NIC0" or "mlx5_0"
+    device: str | None = None  # RDMA device, "mlx5_1"
+    pci_address: str | None = None
+    numa_node: int | None = None
+    netdev: str | None = None  # "ibp12s0"
+    rate_gbps: float | None = None  # port rate in Gb/s, e.g. 400
+    active: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    """A measured GPU→GPU copy bandwidth (GB/s, per direction) and when it was taken."""
+
+    gbps: float
+    taken_at: float  # Unix time
+
+
+@dataclass(frozen=True)
+class DistanceMatrix:
+    gpus: tuple[GpuInfo, ...]
+    nics: tuple[NicInfo, ...]
+    gpu_levels: tuple[tuple[LinkLevel, ...], ...]
+    gpu_expected_gbps: tuple[tuple[float | None, ...], ...]
+    gpu_nic_levels: tuple[tuple[LinkLevel | None, ...], ...] = ()
+    # (i, j) -> measurement, i < j; fresh measurements override expectations.
+    measured: dict[tuple[int, int], Measurement] = field(default_factory=dict)
+    # Measurements older than this (seconds) no longer override the expectation.
+    measurement_max_age_s: float = 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        n = len(self.gpus)
+        if len(self.gpu_levels) != n or any(len(row) != n for row in self.gpu_levels):
+            raise ValueError("gpu_levels must be a square matrix over the GPUs")
+        if len(self.gpu_expected_gbps) != n or any(len(r) != n for r in self.gpu_expected_gbps):
+            raise ValueError("gpu_expected_gbps must be a square matrix over the GPUs")
+        if self.gpu_nic_levels and (
+            len(self.gpu_nic_levels) != n
+            or any(len(row) != len(self.nics) for row in self.gpu_nic_levels)
+        ):
+            raise ValueError("gpu_nic_levels must have one row per GPU and one column per NIC")
+
+    @property
+    def size(self) -> int:
+        return len(self.gpus)
+
+    def level(self, i: int, j: int) -> LinkLevel:
+        return self.gpu_levels[i][j]
+
+    def bandwidth(self, i: int, j: int, now: float | None = None) -> float | None:
+        """Measured bandwidth when fresh, else expected; None for i == j."""
+        if i == j:
+            return None
+        key = (i, j) if i < j else (j, i)
+        m = self.measured.get(key)
+        if m is not None and (now is None or now - m.taken_at <= self.measurement_max_age_s):
+            return m.gbps
+        return self.gpu_expected_gbps[i][j]
+
+    def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> "DistanceMatrix":
+        merged = dict(self.measured)
+        for (i, j), m in measured.items():
+            merged[(min(i, j), max(i, j))] = m
+        return replace(self, measured=merged)
+
+    def gpu_by_index(self, index: int) -> int:
+        """Position in ``gpus`` of the GPU with this nvidia-smi index."""
+        for pos, gpu in enumerate(self.gpus):
+            if gpu.index == index:
+                return pos
+        raise KeyError(index)
+
+    @classmethod
+    def from_topo_matrix(cls, topo: "TopoMatrix") -> "DistanceMatrix":  # noqa: F821
+        """Build from a parsed `nvidia-smi topo -m` (the declared witness alone).
+
+        GPU pairs whose level is unknown (both rows cut off) are refused: a placement on
+        guessed levels would be a silent wrong answer.
+        """
+        gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu"]
+        nic_rows = [i for i, d in enumerate(topo.devices) if d.kind == "nic"]
+        gpus = tuple(
+            GpuInfo(
+                index=int(topo.devices[i].name[3:]),
+                name=topo.devices[i].name,
+                numa_node=first_numa_node(topo.devices[i].numa_affinity),
+                cpus=topo.devices[i].cpu_affinity,
+            )
+            for i in gpu_rows
+        )
+        nics = tuple(
+            NicInfo(name=topo.devices[i].name, device=topo.devices[i].device) for i in nic_rows
+        )
+        levels = []
+        for i in gpu_rows:
+            row = []
+            for j in gpu_rows:
+                level = topo.levels[i][j]
+                if level is None:
+                    raise ValueError(
+                        f"level of {topo.devices[i].name}/{topo.devices[j].name} is unknown "
+                        "(truncated nvidia-smi output)"
+                    )
+                row.append(level)
+            levels.append(tuple(row))
+        expected = tuple(tuple(expected_gbps(level) for level in row) for row in levels)
+        gpu_nic = tuple(tuple(topo.levels[i][j] for j in nic_rows) for i in gpu_rows)
+        return cls(
+            gpus=gpus,
+            nics=nics,
+            gpu_levels=tuple(levels),
+            gpu_expected_gbps=expected,
+            gpu_nic_levels=gpu_nic,
+        )
+
+
+def first_numa_node(numa_affinity: str | None) -> int | None:
+    """The NUMA node of a GPU from nvidia-smi's 'NUMA Affinity' cell.
+
+    A list such as '0,2-17' (Grace: the CPU node, then the GPU-memory nodes) starts with
+    the node whose CPUs are close; a range such as '0-7' means the driver could not narrow
+    it down, which we report as unknown.
+    """
+    if not numa_affinity:
+        return None
+    first = numa_affinity.split(",")[0]
+    if re.fullmatch(r"\d+", first):
+        return int(first)
+    return None
+
+
+def nvlink_generation(gpus: tuple[GpuInfo, ...]) -> int | None:
+    gens = {nvlink_generation_for_model(g.model) for g in gpus}
+    return gens.pop() if len(gens) == 1 else None
