@@ -79,8 +79,9 @@ class TopoMatrix:
 # --- tokens ---------------------------------------------------------------------------
 
 _LEVEL_TOKEN = re.compile(r"X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC")
-_DEVICE_NAME = re.compile(r"GPU\d+|NIC\d+|[A-Za-z][A-Za-z0-9]*?_?\d+")
-_GLUED_NAMES = re.compile(r"GPU\d+|NIC\d+|[A-Za-z]+\d*_\d+|[A-Za-z]+\d+")
+# RDMA device names are lower case (mlx5_0, mlx4_0, bnxt_re0); upper case is GPUn/NICn only.
+_DEVICE_NAME = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9]*_\d+|[a-z][a-z_]*\d+")
+_GLUED_NAMES = re.compile(r"GPU\d+|NIC\d+|[a-z]+\d*_\d+|[a-z][a-z_]*\d+")
 _TRAILING_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _TRAILING_RE = re.compile("|".join(re.escape(c) for c in _TRAILING_COLUMNS))
 _CPULIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
@@ -163,6 +164,7 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     body_closed_at: int | None = None
     in_nic_legend = False
     last_text_before_rows: tuple[int, str] | None = None
+    legend_notes: list[str] = []
 
     for line_no, raw in enumerate(lines, start=1):
         line = _clean(raw)
@@ -174,7 +176,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
             continue
         if in_nic_legend:
             entry = _NIC_LEGEND_ENTRY.fullmatch(stripped)
-            if entry:
+            if entry and line_no == len(lines) and not text.endswith("\n"):
+                legend_notes.append(
+                    f"line {line_no}: NIC Legend entry {entry.group(1)} ends with no line end "
+                    "and may be cut off; ignored"
+                )
+            elif entry:
                 nic_legend[entry.group(1)] = entry.group(2)
             continue
         if stripped.startswith("Legend"):
@@ -208,7 +215,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     if not rows:
         raise TopoParseError("no matrix rows found (expected lines like 'GPU0  X  NV12 ...')")
 
-    notes: list[str] = []
+    notes: list[str] = list(legend_notes)
+    if not text.endswith("\n") and rows[-1].line_no == len(lines):
+        notes.append(
+            f"line {rows[-1].line_no}: the output ends inside row {rows[-1].label} with no line end; "
+            "if it was cut off, that row's last value may be incomplete"
+        )
     width = max(len(r.cells) for r in rows)
     complete: list[_Row] = []
     for position, row in enumerate(rows):

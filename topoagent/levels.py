@@ -136,8 +136,10 @@ PCIE_GBPS_PER_LANE: dict[int, float] = {
 }
 # PCIe link speed as sysfs prints it (``current_link_speed``) -> generation.
 PCIE_GT_S_TO_GEN: dict[float, int] = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 64.0: 6}
-# Unknown link (nvidia-smi alone): Gen4 x16, the link of A100/H100-class servers.
-DEFAULT_PCIE_GEN = 4
+# Unknown link (nvidia-smi alone): Gen3 x16, as NCCL assumes (its PCI_BW of 12 GB/s is
+# the achieved rate of a Gen3 x16 link).  It keeps every NV level above every PCIe level,
+# the order nvidia-smi itself declares; discovery fills in the real generation and width.
+DEFAULT_PCIE_GEN = 3
 DEFAULT_PCIE_WIDTH = 16
 
 # Crossing host bridges costs P2P throughput even on the same socket.  Fractions of the

@@ -1,0 +1,5 @@
+import sys
+
+from topoagent.cli import main
+
+sys.exit(main())
