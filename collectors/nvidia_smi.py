@@ -332,13 +332,16 @@ def _assemble_levels(
     index = {n: i for i, n in enumerate(names)}
     grid: list[list[LinkLevel | None]] = [[None] * width for _ in range(width)]
     source: list[list[int | None]] = [[None] * width for _ in range(width)]
+    parsed: dict[str, LinkLevel] = {}  # a matrix repeats a handful of distinct cells
     for row in rows:
         i = index[row.label]
         for j, cell in enumerate(row.cells):
-            try:
-                level = LinkLevel.parse(cell)
-            except LevelError as exc:
-                raise TopoParseError(str(exc), row.line_no, row.text) from None
+            level = parsed.get(cell)
+            if level is None:
+                try:
+                    level = parsed[cell] = LinkLevel.parse(cell)
+                except LevelError as exc:
+                    raise TopoParseError(str(exc), row.line_no, row.text) from None
             if (level.kind is LevelKind.SELF) != (i == j):
                 raise TopoParseError(
                     f"{row.label}/{names[j]}: 'X' is only valid on the diagonal",
@@ -358,12 +361,14 @@ def _assemble_levels(
                 )
             grid[i][j] = grid[j][i] = a if a is not None else b
         grid[i][i] = LinkLevel(LevelKind.SELF)
+    kinds = [_device_kind(n) for n in names]
     for i, name in enumerate(names):
-        for j, other in enumerate(names):
-            level = grid[i][j]
-            if level is not None and level.is_nvlink and "nic" in (_device_kind(name), _device_kind(other)):
+        if kinds[i] == "gpu":
+            continue
+        for j, level in enumerate(grid[i]):
+            if level is not None and level.is_nvlink:
                 raise TopoParseError(
-                    f"{name}/{other}: NVLink ({level}) joins GPUs only", source[i][j] or source[j][i]
+                    f"{name}/{names[j]}: NVLink ({level}) joins GPUs only", source[i][j] or source[j][i]
                 )
     return tuple(tuple(r) for r in grid)
 
