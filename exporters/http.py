@@ -1,0 +1,309 @@
+"""The agent's HTTP API (aiohttp): /topology, /place, /leases, /metrics, health, OpenAPI.
+
+Built by `make_app(agent, token)`; shared state lives under typed `web.AppKey`s and the
+agent's background work starts and stops with the app through `cleanup_ctx`.  Every
+error is JSON `{"error": ..., "detail": ...}`; a bad field is named in `detail`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from aiohttp import web
+
+from topoagent.agent import Agent, PlaceRequest, log_event
+from topoagent.exporters.openapi import MIN_LEVELS, PATTERNS, PLACE_LIMITS, openapi_document
+from topoagent.exporters.prometheus import MetricsPage
+
+AGENT = web.AppKey("agent", Agent)
+
+
+class Token:
+    """The bearer token; b"" = no token file, mutating endpoints off.  SIGHUP may swap it."""
+
+    def __init__(self, value: bytes = b"") -> None:
+        self.value = value
+
+
+TOKEN = web.AppKey("token", Token)
+METRICS = web.AppKey("metrics", MetricsPage)
+OPENAPI = web.AppKey("openapi", bytes)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, error: str, detail: str, extra: dict[str, Any] | None = None) -> None:
+        super().__init__(detail)
+        self.status, self.error, self.detail, self.extra = status, error, detail, extra or {}
+
+
+def error_response(status: int, error: str, detail: str, **extra: Any) -> web.Response:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    return web.json_response({"error": error, "detail": detail, **extra}, status=status, headers=headers)
+
+
+_HTTP_ERRORS = {400: "bad_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large", 415: "unsupported_media_type"}
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return error_response(exc.status, exc.error, exc.detail, **exc.extra)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        detail = exc.text or exc.reason
+        if exc.status == 413:
+            detail = f"request body is larger than {request.app[AGENT].config.max_body_bytes} bytes"
+        resp = error_response(exc.status, _HTTP_ERRORS.get(exc.status, "http_error"), detail)
+        if exc.status == 405 and "Allow" in exc.headers:
+            resp.headers["Allow"] = exc.headers["Allow"]
+        return resp
+    except Exception as exc:  # a bug: say so plainly, keep serving
+        log_event("handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
+        return error_response(500, "internal", "internal error; see the agent's log")
+
+
+def _token_ok(request: web.Request) -> bool:
+    token = request.app[TOKEN].value
+    header = request.headers.get("Authorization", "")
+    scheme, _, given = header.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        return False
+    return hmac.compare_digest(given.strip().encode(), token)
+
+
+def require_token(request: web.Request) -> None:
+    if not request.app[TOKEN].value:
+        raise ApiError(403, "forbidden", "mutating endpoints are off: the agent was started without --token-file")
+    if not _token_ok(request):
+        raise ApiError(401, "unauthorized", "send Authorization: Bearer <token> (the agent's --token-file)")
+
+
+OPEN_PATHS = {"/healthz", "/readyz"}
+
+
+@web.middleware
+async def read_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+    agent = request.app[AGENT]
+    if agent.config.require_token_for_reads and request.path not in OPEN_PATHS and request.app[TOKEN].value:
+        if not _token_ok(request):
+            raise ApiError(401, "unauthorized", "this agent requires Authorization: Bearer <token> for reads too")
+    return await handler(request)
+
+
+def _ready_snapshot(agent: Agent):
+    snapshot = agent.snapshot
+    if snapshot is None:
+        raise ApiError(503, "not_ready", "no topology loaded yet; discovery is running")
+    return snapshot
+
+
+# -- request validation -------------------------------------------------------------------
+
+def _int(field: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {json.dumps(value)[:40]}")
+    if not low <= value <= high:
+        raise ApiError(400, "bad_request", f"{field}: must be from {low} to {high}, got {value}")
+    return value
+
+
+def _gpu_list(field: str, value: Any, known: set[int]) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise ApiError(400, "bad_request", f"{field}: expected a list of GPU indices")
+    if len(value) > PLACE_LIMITS["gpus_max"]:
+        raise ApiError(400, "bad_request", f"{field}: more than {PLACE_LIMITS['gpus_max']} entries")
+    out = []
+    for n, item in enumerate(value):
+        index = _int(f"{field}[{n}]", item, 0, PLACE_LIMITS["gpu_index_max"])
+        if index not in known:
+            raise ApiError(400, "bad_request", f"{field}[{n}]: no GPU {index} on this node (GPUs: {sorted(known)})")
+        out.append(index)
+    return tuple(dict.fromkeys(out))
+
+
+def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, dict[str, Any] | None]:
+    """The typed request and the `reserve` part, or ApiError 400 naming the field."""
+    if not isinstance(doc, dict):
+        raise ApiError(400, "bad_request", "body: expected a JSON object")
+    allowed = {"gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "reserve"}
+    unknown = sorted(set(doc) - allowed)
+    if unknown:
+        raise ApiError(400, "bad_request", f"unknown field(s): {', '.join(unknown)}")
+    if "gpus" not in doc:
+        raise ApiError(400, "bad_request", "gpus: required")
+    gpus = _int("gpus", doc["gpus"], 1, PLACE_LIMITS["gpus_max"])
+    pattern = doc.get("pattern", "allreduce")
+    if pattern not in PATTERNS:
+        raise ApiError(400, "bad_request", f"pattern: expected one of {', '.join(PATTERNS)}")
+    min_level = doc.get("min_level")
+    if min_level is not None and min_level not in MIN_LEVELS:
+        raise ApiError(400, "bad_request", f"min_level: expected one of {', '.join(MIN_LEVELS)}")
+    single_numa = doc.get("single_numa", False)
+    if not isinstance(single_numa, bool):
+        raise ApiError(400, "bad_request", "single_numa: expected true or false")
+    include = _gpu_list("include", doc.get("include", []), known_gpus)
+    exclude = _gpu_list("exclude", doc.get("exclude", []), known_gpus)
+    both = sorted(set(include) & set(exclude))
+    if both:
+        raise ApiError(400, "bad_request", f"include/exclude: GPUs {both} are in both")
+    nics = _int("nics", doc.get("nics", 0), 0, PLACE_LIMITS["nics_max"])
+    reserve = doc.get("reserve")
+    if reserve is not None:
+        reserve = _parse_reserve(reserve)
+    return PlaceRequest(gpus, pattern, min_level, single_numa, include, exclude, nics), reserve
+
+
+def _parse_reserve(reserve: Any) -> dict[str, Any]:
+    if not isinstance(reserve, dict):
+        raise ApiError(400, "bad_request", 'reserve: expected {"owner": ..., "ttl_s": ...}')
+    unknown = sorted(set(reserve) - {"owner", "ttl_s"})
+    if unknown:
+        raise ApiError(400, "bad_request", f"reserve: unknown field(s): {', '.join(unknown)}")
+    owner = reserve.get("owner")
+    if not isinstance(owner, str) or not 1 <= len(owner) <= PLACE_LIMITS["owner_max_len"]:
+        raise ApiError(400, "bad_request", f"reserve.owner: expected a string of 1 to {PLACE_LIMITS['owner_max_len']} characters")
+    if not owner.isprintable():
+        raise ApiError(400, "bad_request", "reserve.owner: control characters are not allowed")
+    ttl = reserve.get("ttl_s")
+    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
+        raise ApiError(400, "bad_request", "reserve.ttl_s: expected a number of seconds")
+    if not 0 < ttl <= PLACE_LIMITS["ttl_max_s"]:
+        raise ApiError(400, "bad_request", f"reserve.ttl_s: must be > 0 and at most {PLACE_LIMITS['ttl_max_s']}, got {ttl}")
+    return {"owner": owner, "ttl_s": float(ttl)}
+
+
+async def read_json(request: web.Request) -> Any:
+    # Any Content-Type is read as JSON: `curl -d` sends form-urlencoded by default.
+    raw = await request.read()  # raises 413 past client_max_size
+    if not raw:
+        raise ApiError(400, "bad_request", "body: empty; expected a JSON object")
+    try:
+        return json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, "bad_request", f"body: not valid JSON: {str(exc)[:120]}") from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+# -- handlers -------------------------------------------------------------------------------
+
+async def topology(request: web.Request) -> web.StreamResponse:
+    snapshot = _ready_snapshot(request.app[AGENT])
+    fmt = request.query.get("format", "json")
+    if fmt == "matrix":
+        return web.Response(text=snapshot.facts.matrix_text, content_type="text/plain")
+    if fmt != "json":
+        raise ApiError(400, "bad_request", "format: expected json or matrix")
+    etag = snapshot.etag
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    inm = request.headers.get("If-None-Match", "")
+    if inm and (inm.strip() == "*" or etag in [t.strip() for t in inm.split(",")]):
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
+
+
+async def place(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    doc = await read_json(request)
+    if isinstance(doc, dict) and "reserve" in doc:
+        require_token(request)  # before anything is said about the request
+    snapshot = _ready_snapshot(agent)
+    try:
+        req, reserve = parse_place_request(doc, {g.index for g in snapshot.facts.matrix.gpus})
+    except ApiError:
+        agent.placement_requests["invalid"] += 1
+        raise
+    if reserve is None:
+        outcome = agent.place(req)
+        lease = None
+    else:
+        outcome, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
+    if not outcome.fits:
+        detail = outcome.body.get("detail", "no placement satisfies the request")
+        raise ApiError(409, "no_fit", detail, {"nofit": outcome.body})
+    body = dict(outcome.body)
+    if lease is not None:
+        body["lease"] = lease.to_json()
+    return web.json_response(body)
+
+
+async def list_leases(request: web.Request) -> web.Response:
+    return web.json_response({"leases": [l.to_json() for l in request.app[AGENT].active_leases()]})
+
+
+async def delete_lease(request: web.Request) -> web.Response:
+    require_token(request)
+    lease = await request.app[AGENT].release(request.match_info["lease_id"])
+    if lease is None:
+        raise ApiError(404, "not_found", "no such lease (released, expired or never granted)")
+    return web.json_response(lease.to_json())
+
+
+async def refresh(request: web.Request) -> web.Response:
+    require_token(request)
+    agent = request.app[AGENT]
+    await agent.request_refresh("request")
+    snapshot = _ready_snapshot(agent)
+    return web.json_response({"snapshot_version": snapshot.version, "stale": snapshot.stale, "error": snapshot.error})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    page = request.app[METRICS].render()
+    return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    snapshot = _ready_snapshot(request.app[AGENT])
+    return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+
+
+async def index(request: web.Request) -> web.Response:
+    paths = ["/topology", "/topology?format=matrix", "/place", "/leases", "/metrics", "/healthz", "/readyz", "/openapi.json"]
+    return web.json_response({"service": "topoagent", "endpoints": paths})
+
+
+def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web.Application:
+    """The app; with `run_agent` the agent's loop starts and stops with it."""
+    app = web.Application(middlewares=[json_errors, read_auth], client_max_size=agent.config.max_body_bytes)
+    app[AGENT] = agent
+    app[TOKEN] = Token(token)
+    app[METRICS] = MetricsPage(agent)
+    app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
+
+    async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:
+        await agent.start()
+        yield
+        await agent.stop()
+
+    if run_agent:
+        app.cleanup_ctx.append(agent_lifetime)
+    app.router.add_get("/", index)
+    app.router.add_get("/topology", topology)
+    app.router.add_post("/place", place)
+    app.router.add_get("/leases", list_leases)
+    app.router.add_delete("/leases/{lease_id}", delete_lease)
+    app.router.add_post("/refresh", refresh)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/openapi.json", openapi)
+    return app

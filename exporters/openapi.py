@@ -1,0 +1,221 @@
+"""The OpenAPI 3 document served at /openapi.json.
+
+It is the contract the tests hold real responses to (schemathesis checks every
+documented status and body shape), so it is written by hand and kept next to the
+handlers' validation rules it describes: `PLACE_LIMITS` is read by both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import topoagent
+
+PATTERNS = ["allreduce", "alltoall", "pipeline", "independent"]
+MIN_LEVELS = ["NV", "PIX", "PXB", "PHB", "NODE", "SYS"]
+PLACE_LIMITS = {
+    "gpus_max": 1024,
+    "gpu_index_max": 1023,
+    "nics_max": 64,
+    "owner_max_len": 128,
+    "ttl_max_s": 7 * 24 * 3600,
+}
+
+ERROR = {
+    "type": "object",
+    "required": ["error", "detail"],
+    "properties": {"error": {"type": "string"}, "detail": {"type": "string"}},
+}
+
+
+def _err(description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+
+
+def _json(description: str, ref: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
+
+
+READ_ERRORS = {"401": _err("The agent requires a token for reads and none or a wrong one was given.")}
+MUTATE_ERRORS = {
+    "401": _err("Missing or wrong `Authorization: Bearer` token."),
+    "403": _err("Mutating endpoints are off: the agent was started without a token file."),
+}
+
+INDEX = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": PLACE_LIMITS["gpu_index_max"]}, "maxItems": PLACE_LIMITS["gpus_max"]}
+
+PLACE_REQUEST = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["gpus"],
+    "properties": {
+        "gpus": {"type": "integer", "minimum": 1, "maximum": PLACE_LIMITS["gpus_max"], "description": "How many GPUs the job needs."},
+        "pattern": {"type": "string", "enum": PATTERNS, "default": "allreduce"},
+        "min_level": {"type": "string", "enum": MIN_LEVELS, "description": "Every pair at least this close."},
+        "single_numa": {"type": "boolean", "default": False},
+        "include": {**INDEX, "description": "GPUs (nvidia-smi indices) the answer must contain."},
+        "exclude": {**INDEX, "description": "GPUs the answer must not contain."},
+        "nics": {"type": "integer", "minimum": 0, "maximum": PLACE_LIMITS["nics_max"], "default": 0},
+        "reserve": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["owner", "ttl_s"],
+            "description": "Hold the answer as a lease (needs the bearer token).",
+            "properties": {
+                "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"]},
+                "ttl_s": {"type": "number", "exclusiveMinimum": 0, "maximum": PLACE_LIMITS["ttl_max_s"]},
+            },
+        },
+    },
+}
+
+LEASE = {
+    "type": "object",
+    "required": ["id", "owner", "gpus", "created_at", "expires_at"],
+    "properties": {
+        "id": {"type": "string"},
+        "owner": {"type": "string"},
+        "gpus": {"type": "array", "items": {"type": "integer"}},
+        "created_at": {"type": "number"},
+        "expires_at": {"type": "number"},
+    },
+}
+
+PLACEMENT = {
+    "type": "object",
+    "required": ["gpus"],
+    "properties": {
+        "gpus": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["index"],
+                "properties": {"index": {"type": "integer"}, "uuid": {"type": ["string", "null"]}, "pci_address": {"type": ["string", "null"]}},
+            },
+        },
+        "lease": {"$ref": "#/components/schemas/Lease"},
+    },
+}
+
+NOFIT = {
+    "type": "object",
+    "required": ["error", "detail", "nofit"],
+    "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": {"type": "object"}},
+}
+
+TOPOLOGY = {
+    "type": "object",
+    "required": ["gpus", "agent"],
+    "properties": {
+        "gpus": {"type": "array", "items": {"type": "object"}},
+        "agent": {
+            "type": "object",
+            "required": ["snapshot_version", "built_at", "stale", "collectors"],
+            "properties": {
+                "snapshot_version": {"type": "integer"},
+                "built_at": {"type": "number"},
+                "stale": {"type": "boolean"},
+                "error": {"type": ["string", "null"]},
+                "collectors": {"type": "array", "items": {"type": "object"}},
+            },
+        },
+    },
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    not_ready = {"503": _err("No topology loaded yet.")}
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "topoagent",
+            "version": topoagent.__version__,
+            "description": "GPU topology, placement and leases of one node.",
+        },
+        "components": {
+            "schemas": {"Error": ERROR, "PlaceRequest": PLACE_REQUEST, "Placement": PLACEMENT, "NoFit": NOFIT, "Lease": LEASE, "Topology": TOPOLOGY},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "paths": {
+            "/topology": {
+                "get": {
+                    "summary": "The node's topology (JSON), or nvidia-smi-style text with ?format=matrix.",
+                    "parameters": [
+                        {"name": "format", "in": "query", "required": False, "schema": {"type": "string", "enum": ["json", "matrix"]}},
+                        {"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": {
+                            "description": "The current snapshot; `agent.stale` is true when the last discovery failed.",
+                            "headers": {"ETag": {"schema": {"type": "string"}}},
+                            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Topology"}}, "text/plain": {"schema": {"type": "string"}}},
+                        },
+                        "304": {"description": "Unchanged since the ETag given in If-None-Match."},
+                        "400": _err("Unknown format."),
+                        **READ_ERRORS,
+                        **not_ready,
+                    },
+                }
+            },
+            "/place": {
+                "post": {
+                    "summary": "Which GPUs a job should get (dry run), or reserve them as a lease.",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PlaceRequest"}}}},
+                    "security": [{}, {"bearer": []}],
+                    "responses": {
+                        "200": _json("The placement (with `lease` when reserved).", "Placement"),
+                        "400": _err("Malformed JSON or a bad field; `detail` names it."),
+                        **MUTATE_ERRORS,
+                        "409": _json("It does not fit; `nofit` says why.", "NoFit"),
+                        "413": _err("Body larger than the limit."),
+                        **not_ready,
+                    },
+                }
+            },
+            "/leases": {
+                "get": {
+                    "summary": "Leases currently held.",
+                    "responses": {
+                        "200": {
+                            "description": "Active leases, oldest first.",
+                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {"leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}}}}}},
+                        },
+                        **READ_ERRORS,
+                    },
+                }
+            },
+            "/leases/{lease_id}": {
+                "delete": {
+                    "summary": "Release a lease.",
+                    "parameters": [{"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "security": [{"bearer": []}],
+                    "responses": {"200": _json("The released lease.", "Lease"), **MUTATE_ERRORS, "404": _err("No such lease.")},
+                }
+            },
+            "/refresh": {
+                "post": {
+                    "summary": "Re-discover the node now; answers when the run ends.",
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "200": {"description": "The snapshot after the run.", "content": {"application/json": {"schema": {"type": "object"}}}},
+                        **MUTATE_ERRORS,
+                        **not_ready,
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus text exposition.",
+                    "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}, **READ_ERRORS},
+                }
+            },
+            "/healthz": {"get": {"summary": "The process is alive.", "responses": {"200": {"description": "Alive.", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/readyz": {
+                "get": {
+                    "summary": "A topology is loaded.",
+                    "responses": {"200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}}, **not_ready},
+                }
+            },
+            "/openapi.json": {"get": {"summary": "This document.", "responses": {"200": {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+        },
+    }

@@ -1,0 +1,212 @@
+"""Prometheus exposition of the agent: custom Collectors that read the current snapshot.
+
+Two collectors, so a scrape does as little as possible:
+- `SnapshotCollector` yields what one snapshot fixes (GPU identity, link levels,
+  bandwidths, PCIe/NVLink/IB state, findings, collector results).  Its text is rendered
+  once per snapshot and reused by every scrape of that snapshot.
+- `RuntimeCollector` yields what changes between scrapes (snapshot age, placement
+  counters, leases): a handful of series.
+
+Names follow the Prometheus conventions: one `topoagent_` namespace, base units
+(`_seconds`, `_bytes_per_second`), `_total` only on counters, `_info` for identity.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+import topoagent
+from topoagent.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from topoagent.agent import Agent
+
+NS = "topoagent"
+GB = 1e9  # the matrix speaks GB/s (10^9 bytes/s); Prometheus wants bytes/s
+
+
+def _opt(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        facts = self.snapshot.facts
+        matrix = facts.matrix
+
+        gpu_info = InfoMetricFamily(f"{NS}_gpu", "Identity of each GPU.", labels=["gpu"])
+        for gpu in matrix.gpus:
+            gpu_info.add_metric(
+                [str(gpu.index)],
+                {"uuid": _opt(gpu.uuid), "pci_address": _opt(gpu.pci_address), "model": _opt(gpu.model), "numa_node": _opt(gpu.numa_node)},
+            )
+        yield gpu_info
+
+        level = GaugeMetricFamily(
+            f"{NS}_gpu_pair_link_level",
+            "Link level between two GPUs, closest first: 1 NV, 2 PIX, 3 PXB, 4 PHB, 5 NODE, 6 SYS; the level label names it as nvidia-smi does.",
+            labels=["gpu_a", "gpu_b", "level"],
+        )
+        expected = GaugeMetricFamily(
+            f"{NS}_gpu_pair_expected_bandwidth_bytes_per_second",
+            "Per-direction bandwidth a GPU pair's link level is built for.",
+            labels=["gpu_a", "gpu_b"],
+        )
+        measured = GaugeMetricFamily(
+            f"{NS}_gpu_pair_measured_bandwidth_bytes_per_second",
+            "Per-direction GPU-to-GPU copy bandwidth last measured by a probe.",
+            labels=["gpu_a", "gpu_b"],
+        )
+        measured_at = GaugeMetricFamily(
+            f"{NS}_gpu_pair_measured_timestamp_seconds",
+            "When the pair's bandwidth was last measured (Unix time).",
+            labels=["gpu_a", "gpu_b"],
+        )
+        for i in range(matrix.size):
+            for j in range(i + 1, matrix.size):
+                labels = [str(matrix.gpus[i].index), str(matrix.gpus[j].index)]
+                lvl = matrix.level(i, j)
+                level.add_metric([*labels, str(lvl)], int(lvl.kind))
+                gbps = matrix.gpu_expected_gbps[i][j]
+                if gbps is not None:
+                    expected.add_metric(labels, gbps * GB)
+                m = matrix.measured.get((i, j))
+                if m is not None:
+                    measured.add_metric(labels, m.gbps * GB)
+                    measured_at.add_metric(labels, m.taken_at)
+        yield from (level, expected, measured, measured_at)
+
+        affinity = GaugeMetricFamily(
+            f"{NS}_gpu_nic_link_level",
+            "Link level between a GPU and a NIC (same scale as topoagent_gpu_pair_link_level).",
+            labels=["gpu", "nic", "device", "level"],
+        )
+        for i, row in enumerate(matrix.gpu_nic_levels):
+            for j, lvl in enumerate(row):
+                if lvl is not None:
+                    nic = matrix.nics[j]
+                    affinity.add_metric([str(matrix.gpus[i].index), nic.name, _opt(nic.device), str(lvl)], int(lvl.kind))
+        yield affinity
+
+        speed = GaugeMetricFamily(
+            f"{NS}_pcie_link_speed_transfers_per_second",
+            "PCIe link speed of a device, current and the most it supports.",
+            labels=["device", "role", "state"],
+        )
+        width = GaugeMetricFamily(
+            f"{NS}_pcie_link_width_lanes", "PCIe link width of a device, current and the most it supports.", labels=["device", "role", "state"]
+        )
+        for link in facts.pcie_links:
+            for state, gts, lanes in (("current", link.current_speed_gts, link.current_width), ("max", link.max_speed_gts, link.max_width)):
+                if gts is not None:
+                    speed.add_metric([link.device, link.role, state], gts * 1e9)
+                if lanes is not None:
+                    width.add_metric([link.device, link.role, state], lanes)
+        yield from (speed, width)
+
+        nvlink = GaugeMetricFamily(f"{NS}_nvlink_up", "1 when an NVLink of a GPU is active.", labels=["gpu", "link"])
+        for nl in facts.nvlinks:
+            nvlink.add_metric([str(nl.gpu), str(nl.link)], 1.0 if nl.active else 0.0)
+        yield nvlink
+
+        ib_state = GaugeMetricFamily(f"{NS}_infiniband_port_active", "1 when an InfiniBand port is ACTIVE; the state label says what it is.", labels=["device", "port", "state"])
+        ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bits_per_second", "Signalling rate of an InfiniBand port.", labels=["device", "port"])
+        for port in facts.ib_ports:
+            ib_state.add_metric([port.device, str(port.port), port.state], 1.0 if port.state.upper() == "ACTIVE" else 0.0)
+            if port.rate_gbps is not None:
+                ib_rate.add_metric([port.device, str(port.port)], port.rate_gbps * 1e9)
+        yield from (ib_state, ib_rate)
+
+        findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind.", labels=["kind"])
+        counts: dict[str, int] = {}
+        for finding in facts.findings:
+            counts[finding.kind] = counts.get(finding.kind, 0) + 1
+        for kind, count in sorted(counts.items()):
+            findings.add_metric([kind], count)
+        yield findings
+
+        success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
+        duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
+        last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
+        statuses = {c.name: c for c in facts.collectors}
+        for c in statuses.values():
+            # A stale snapshot means the whole discovery run failed after these results.
+            ok = c.success and not self.snapshot.stale
+            success.add_metric([c.name], 1.0 if ok else 0.0)
+            duration.add_metric([c.name], c.duration_s)
+            if c.last_success_at is not None:
+                last_ok.add_metric([c.name], c.last_success_at)
+        yield from (success, duration, last_ok)
+
+        stale = GaugeMetricFamily(f"{NS}_snapshot_stale", "1 when the last discovery failed and the served topology is older.")
+        stale.add_metric([], 1.0 if self.snapshot.stale else 0.0)
+        built = GaugeMetricFamily(f"{NS}_snapshot_timestamp_seconds", "When the served topology was collected (Unix time).")
+        built.add_metric([], self.snapshot.built_at)
+        gpus = GaugeMetricFamily(f"{NS}_gpus", "GPUs on this node.")
+        gpus.add_metric([], matrix.size)
+        yield from (stale, built, gpus)
+
+
+class RuntimeCollector(Collector):
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self.agent
+        now = time.time()
+        build = InfoMetricFamily(f"{NS}_build", "Version of the running agent.")
+        build.add_metric([], {"version": topoagent.__version__})
+        yield build
+        up = GaugeMetricFamily(f"{NS}_ready", "1 when a topology is loaded and served.")
+        up.add_metric([], 1.0 if agent.snapshot else 0.0)
+        yield up
+        if agent.snapshot is not None:
+            age = GaugeMetricFamily(f"{NS}_snapshot_age_seconds", "Seconds since the served topology was collected.")
+            age.add_metric([], max(0.0, now - agent.snapshot.built_at))
+            yield age
+        requests = CounterMetricFamily(f"{NS}_placement_requests", "Placement requests answered, by outcome.", labels=["outcome"])
+        for outcome in ("placed", "nofit", "reserved", "invalid"):
+            requests.add_metric([outcome], agent.placement_requests[outcome])
+        yield requests
+        refreshes = CounterMetricFamily(f"{NS}_discovery_runs", "Discovery runs, by outcome.", labels=["outcome"])
+        for outcome in ("success", "failure"):
+            refreshes.add_metric([outcome], agent.refreshes[outcome])
+        yield refreshes
+        active = agent.active_leases()
+        leases = GaugeMetricFamily(f"{NS}_leases", "Leases currently held.")
+        leases.add_metric([], len(active))
+        leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
+        leased.add_metric([], sum(len(l.gpus) for l in active))
+        yield from (leases, leased)
+
+
+def _render(collector: Collector) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)
+
+
+class MetricsPage:
+    """The /metrics text: the snapshot part rendered once per snapshot, plus the runtime part."""
+
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._runtime = RuntimeCollector(agent)
+        self._cached: tuple[int, bytes] | None = None
+
+    def render(self) -> bytes:
+        snapshot = self.agent.snapshot
+        static = b""
+        if snapshot is not None:
+            if self._cached is None or self._cached[0] != snapshot.version:
+                self._cached = (snapshot.version, _render(SnapshotCollector(snapshot)))
+            static = self._cached[1]
+        return static + _render(self._runtime)

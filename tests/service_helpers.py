@@ -1,0 +1,133 @@
+"""Start the real `topoagent serve` as a child process on a free loopback port."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import FIXTURES
+
+TOPO_FIXTURE = FIXTURES / "nvidia-smi" / "hgx-h20-8gpu-8nic.txt"
+
+
+def make_root(base: Path, topo_text: str | None = None) -> Path:
+    """A recorded node in the snapshot format (docs/snapshot-format.md)."""
+    root = base / "root"
+    (root / "commands").mkdir(parents=True, exist_ok=True)
+    recording = root / "commands" / "nvidia-smi_topo_-m.out"
+    recording.write_text(topo_text if topo_text is not None else TOPO_FIXTURE.read_text())
+    return root
+
+
+@dataclass
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self):
+        return json.loads(self.body)
+
+
+@dataclass
+class Agent:
+    proc: subprocess.Popen
+    host: str
+    port: int
+    token: str | None
+    root: Path
+    state_dir: Path
+    log_path: Path
+
+    def request(self, method: str, path: str, body=None, *, token: str | None = None, headers: dict | None = None, raw: bytes | None = None) -> Reply:
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        hdrs = dict(headers or {})
+        if token is not None:
+            hdrs["Authorization"] = f"Bearer {token}"
+        payload = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        if payload is not None:
+            hdrs.setdefault("Content-Type", "application/json")
+        conn.request(method, path, body=payload, headers=hdrs)
+        resp = conn.getresponse()
+        reply = Reply(resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read())
+        conn.close()
+        return reply
+
+    def get(self, path: str, **kw) -> Reply:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body=None, **kw) -> Reply:
+        return self.request("POST", path, body, **kw)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None) -> Agent:
+    root = root or make_root(tmp)
+    state_dir = state_dir or tmp / "state"
+    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
+    token_text = None
+    if token:
+        token_text = token_value or secrets.token_urlsafe(24)
+        token_file = tmp / "token"
+        token_file.write_text(token_text + "\n")
+        args += ["--token-file", str(token_file)]
+    if config is not None:
+        cfg = tmp / "topoagent.toml"
+        cfg.write_text(config)
+        args += ["--config", str(cfg)]
+    args += extra or []
+    log_path = tmp / f"agent-{time.monotonic_ns()}.log"
+    log = open(log_path, "w")
+    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    line = proc.stdout.readline()
+    match = re.search(r"on http://([\d.]+):(\d+)", line)
+    if not match:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"agent did not start: {line!r}\n{log_path.read_text()}")
+    agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path)
+    wait_ready(agent)
+    return agent
+
+
+def wait_ready(agent: Agent, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if agent.get("/readyz").status == 200:
+            return
+        time.sleep(0.05)
+    raise AssertionError("agent never became ready:\n" + agent.log())
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        series, _, value = line.rpartition(" ")
+        if series.split("{")[0] != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in series for k, v in labels.items()):
+            continue
+        return float(value)
+    return None

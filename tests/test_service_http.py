@@ -1,0 +1,298 @@
+"""`topoagent serve` as schedulers and Prometheus meet it: a real process on loopback."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from service_helpers import Agent, make_root, metric_value, start_agent
+
+H20_GPUS = list(range(8))
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory) -> Agent:
+    a = start_agent(tmp_path_factory.mktemp("agent"))
+    yield a
+    a.stop()
+
+
+@pytest.fixture
+def fresh(tmp_path) -> Agent:
+    a = start_agent(tmp_path)
+    yield a
+    a.stop()
+
+
+def reserve(agent: Agent, gpus: int, owner: str = "job-42", ttl_s: float = 600, **extra):
+    return agent.post("/place", {"gpus": gpus, "reserve": {"owner": owner, "ttl_s": ttl_s}, **extra}, token=agent.token)
+
+
+# -- reads -------------------------------------------------------------------------------
+
+def test_topology_json_etag_and_304(agent):
+    first = agent.get("/topology")
+    assert first.status == 200
+    doc = first.json()
+    assert [g["index"] for g in doc["gpus"]] == H20_GPUS
+    pair01 = next(p for p in doc["gpu_pairs"] if (p["a"], p["b"]) == (0, 1))
+    assert pair01["level"] == "NV18"
+    assert doc["agent"]["stale"] is False
+    assert doc["agent"]["collectors"][0]["success"] is True
+    etag = first.headers["etag"]
+    again = agent.get("/topology", headers={"If-None-Match": etag})
+    assert again.status == 304 and again.body == b""
+    assert agent.get("/topology", headers={"If-None-Match": '"other"'}).status == 200
+
+
+def test_topology_matrix_text(agent):
+    reply = agent.get("/topology?format=matrix")
+    assert reply.status == 200
+    assert reply.headers["content-type"].startswith("text/plain")
+    lines = reply.body.decode().splitlines()
+    assert lines[0].split()[:2] == ["GPU0", "GPU1"]
+    assert lines[1].split()[:3] == ["GPU0", "X", "NV18"]
+    bad = agent.get("/topology?format=xml")
+    assert bad.status == 400 and "format" in bad.json()["detail"]
+
+
+def test_health_ready_openapi_and_index(agent):
+    assert agent.get("/healthz").json() == {"status": "alive"}
+    ready = agent.get("/readyz").json()
+    assert ready["status"] == "ready" and ready["stale"] is False
+    doc = agent.get("/openapi.json").json()
+    assert doc["openapi"].startswith("3.")
+    assert {"/topology", "/place", "/leases", "/leases/{lease_id}", "/metrics", "/healthz", "/readyz"} <= set(doc["paths"])
+    assert "/metrics" in agent.get("/").json()["endpoints"]
+
+
+def test_unknown_path_and_method_are_json_errors(agent):
+    missing = agent.get("/nope")
+    assert missing.status == 404 and missing.json()["error"] == "not_found"
+    wrong = agent.request("PUT", "/topology")
+    assert wrong.status == 405 and set(wrong.json()) == {"error", "detail"}
+
+
+def test_metrics_cover_the_node(agent):
+    reply = agent.get("/metrics")
+    assert reply.status == 200
+    text = reply.body.decode()
+    assert metric_value(text, "topoagent_gpus") == 8
+    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV18"}) == 1
+    assert metric_value(text, "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 450e9
+    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0", "level": "PIX"}) == 2
+    assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 1
+    assert metric_value(text, "topoagent_snapshot_stale") == 0
+    assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0
+    assert 'topoagent_gpu_info{gpu="3"' in text
+
+
+# -- placement and leases ------------------------------------------------------------------
+
+def test_dry_run_places_without_holding(fresh):
+    reply = fresh.post("/place", {"gpus": 4})
+    assert reply.status == 200, reply.body
+    gpus = [g["index"] for g in reply.json()["gpus"]]
+    assert len(gpus) == 4 and set(gpus) <= set(H20_GPUS)
+    assert fresh.get("/leases").json() == {"leases": []}
+    nofit = fresh.post("/place", {"gpus": 9})
+    assert nofit.status == 409
+    assert nofit.json()["error"] == "no_fit" and nofit.json()["nofit"]["reason"] == "not_enough_gpus"
+
+
+def test_reserve_list_release(fresh):
+    granted = reserve(fresh, 4)
+    assert granted.status == 200, granted.body
+    lease = granted.json()["lease"]
+    assert lease["owner"] == "job-42" and len(lease["gpus"]) == 4
+    assert lease["expires_at"] - lease["created_at"] == pytest.approx(600)
+    assert fresh.get("/leases").json()["leases"] == [lease]
+    # the held GPUs are busy for the next request
+    second = reserve(fresh, 4, owner="job-43").json()["lease"]
+    assert set(second["gpus"]).isdisjoint(lease["gpus"])
+    assert reserve(fresh, 1).status == 409
+    text = fresh.get("/metrics").body.decode()
+    assert metric_value(text, "topoagent_leases") == 2
+    assert metric_value(text, "topoagent_leased_gpus") == 8
+    assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "reserved"}) == 2
+    assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "nofit"}) == 1
+    gone = fresh.request("DELETE", f"/leases/{lease['id']}", token=fresh.token)
+    assert gone.status == 200 and gone.json()["id"] == lease["id"]
+    assert [l["id"] for l in fresh.get("/leases").json()["leases"]] == [second["id"]]
+    assert fresh.request("DELETE", f"/leases/{lease['id']}", token=fresh.token).status == 404
+
+
+def test_short_lease_expires(tmp_path):
+    a = start_agent(tmp_path, config="[leases]\nsweep_s = 0.2\n")
+    try:
+        assert reserve(a, 8, ttl_s=0.3).status == 200
+        assert reserve(a, 1).status == 409
+        import time
+
+        time.sleep(0.8)
+        assert a.get("/leases").json() == {"leases": []}
+        assert reserve(a, 8).status == 200
+        assert "event=lease_expired" in a.log()
+    finally:
+        a.stop()
+
+
+BAD_BODIES = [
+    (b"{not json", "body"),
+    (b"", "body"),
+    (b"[1, 2]", "body"),
+    (b'{"gpus": NaN}', "body"),
+    (json.dumps({"gpus": 0}).encode(), "gpus"),
+    (json.dumps({"gpus": 10**9}).encode(), "gpus"),
+    (json.dumps({"gpus": "four"}).encode(), "gpus"),
+    (json.dumps({"gpus": 2.5}).encode(), "gpus"),
+    (json.dumps({"gpus": True}).encode(), "gpus"),
+    (json.dumps({}).encode(), "gpus"),
+    (json.dumps({"gpus": 2, "colour": "red"}).encode(), "colour"),
+    (json.dumps({"gpus": 2, "pattern": "star"}).encode(), "pattern"),
+    (json.dumps({"gpus": 2, "min_level": "NV4"}).encode(), "min_level"),
+    (json.dumps({"gpus": 2, "single_numa": "yes"}).encode(), "single_numa"),
+    (json.dumps({"gpus": 2, "include": [12]}).encode(), "include[0]"),
+    (json.dumps({"gpus": 2, "exclude": "3"}).encode(), "exclude"),
+    (json.dumps({"gpus": 2, "include": [1], "exclude": [1]}).encode(), "include/exclude"),
+    (json.dumps({"gpus": 2, "nics": -1}).encode(), "nics"),
+    (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": -5}}).encode(), "reserve.ttl_s"),
+    (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": "600"}}).encode(), "reserve.ttl_s"),
+    (json.dumps({"gpus": 2, "reserve": {"owner": "", "ttl_s": 60}}).encode(), "reserve.owner"),
+    (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60, "x": 1}}).encode(), "x"),
+    (json.dumps({"gpus": 2, "reserve": ["j", 60]}).encode(), "reserve"),
+]
+
+
+def test_bad_input_is_400_naming_the_field_and_changes_nothing(fresh):
+    before_file = fresh.state_dir.joinpath("leases.json").exists()
+    for raw, field in BAD_BODIES:
+        reply = fresh.request("POST", "/place", raw=raw, token=fresh.token)
+        assert reply.status == 400, (raw, reply.body)
+        doc = reply.json()
+        assert set(doc) == {"error", "detail"} and doc["error"] == "bad_request"
+        assert field in doc["detail"], (raw, doc)
+    assert fresh.get("/leases").json() == {"leases": []}
+    assert fresh.state_dir.joinpath("leases.json").exists() == before_file
+    text = fresh.get("/metrics").body.decode()
+    assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "reserved"}) == 0
+    assert "Traceback" not in fresh.log()
+
+
+def test_oversized_body_is_413(fresh):
+    big = json.dumps({"gpus": 1, "include": [0] * 10000}).encode()
+    assert len(big) > 16 * 1024
+    reply = fresh.request("POST", "/place", raw=big, token=fresh.token)
+    assert reply.status == 413
+    assert reply.json()["error"] == "payload_too_large"
+    assert fresh.get("/leases").json() == {"leases": []}
+
+
+def test_token_is_required_to_mutate(fresh):
+    body = {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}
+    for token in (None, "wrong-token-wrong-token", ""):
+        reply = fresh.post("/place", body, token=token)
+        assert reply.status == 401, token
+        assert reply.headers["www-authenticate"] == "Bearer"
+    granted = reserve(fresh, 2).json()["lease"]
+    assert fresh.request("DELETE", f"/leases/{granted['id']}").status == 401
+    assert fresh.request("DELETE", f"/leases/{granted['id']}", token="nope").status == 401
+    assert fresh.post("/refresh").status == 401
+    assert [l["id"] for l in fresh.get("/leases").json()["leases"]] == [granted["id"]]
+    assert fresh.token not in fresh.log()
+
+
+def test_without_token_file_mutating_endpoints_are_off(tmp_path):
+    a = start_agent(tmp_path, token=False)
+    try:
+        assert "event=mutating_endpoints_off" in a.log()
+        reply = a.post("/place", {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}, token="anything")
+        assert reply.status == 403 and "token-file" in reply.json()["detail"]
+        assert a.post("/place", {"gpus": 2}).status == 200  # dry runs still answer
+        assert a.get("/leases").json() == {"leases": []}
+    finally:
+        a.stop()
+
+
+def test_config_can_require_token_for_reads(tmp_path):
+    a = start_agent(tmp_path, config="[http]\nrequire_token_for_reads = true\n")
+    try:
+        assert a.get("/topology").status == 401
+        assert a.get("/metrics").status == 401
+        assert a.get("/topology", token=a.token).status == 200
+        assert a.get("/healthz").status == 200  # liveness probes carry no secrets
+    finally:
+        a.stop()
+
+
+def test_refresh_on_demand(fresh):
+    before = fresh.get("/readyz").json()["snapshot_version"]
+    reply = fresh.post("/refresh", token=fresh.token)
+    assert reply.status == 200
+    assert reply.json()["snapshot_version"] > before and reply.json()["stale"] is False
+
+
+# -- resilience ------------------------------------------------------------------------------
+
+def test_failing_collector_serves_last_good_snapshot_as_stale(fresh):
+    good = fresh.get("/topology").json()
+    recording = fresh.root / "commands" / "nvidia-smi_topo_-m.out"
+    recording.write_text("this is not a topology\n")
+    assert fresh.post("/refresh", token=fresh.token).json()["stale"] is True
+    reply = fresh.get("/topology")
+    assert reply.status == 200
+    doc = reply.json()
+    assert doc["agent"]["stale"] is True
+    assert "TopoParseError" in doc["agent"]["error"]
+    assert doc["gpus"] == good["gpus"]
+    text = fresh.get("/metrics").body.decode()
+    assert metric_value(text, "topoagent_snapshot_stale") == 1
+    assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 0
+    assert metric_value(text, "topoagent_discovery_runs_total", {"outcome": "failure"}) >= 1
+    assert fresh.post("/place", {"gpus": 2}).status == 200
+    # and it recovers when the source does
+    recording.write_text((make_root.__globals__["TOPO_FIXTURE"]).read_text())
+    assert fresh.post("/refresh", token=fresh.token).json()["stale"] is False
+
+
+def test_hanging_collector_is_cut_off_by_its_timeout(tmp_path):
+    import os
+
+    a = start_agent(tmp_path, config="[discovery]\ntimeout_s = 0.5\n")
+    try:
+        recording = a.root / "commands" / "nvidia-smi_topo_-m.out"
+        recording.unlink()
+        os.mkfifo(recording)  # a read that never returns, like a wedged device
+        reply = a.post("/refresh", token=a.token)
+        assert reply.status == 200 and reply.json()["stale"] is True
+        assert "timed out" in reply.json()["error"]
+        assert a.get("/topology").status == 200
+        assert a.get("/topology").json()["agent"]["stale"] is True
+        text = a.get("/metrics").body.decode()
+        assert metric_value(text, "topoagent_snapshot_stale") == 1
+        assert a.stop() == 0  # the stuck read does not keep the process alive
+    finally:
+        if a.proc.poll() is None:
+            a.proc.kill()
+
+
+def test_readyz_is_503_until_a_topology_loads(tmp_path):
+    root = make_root(tmp_path, topo_text="garbage\n")
+    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s")]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        port = int(line.rsplit(":", 1)[1])
+        a = Agent(proc, "127.0.0.1", port, None, root, tmp_path / "s", tmp_path / "none")
+        ready = a.get("/readyz")
+        assert ready.status == 503 and ready.json()["error"] == "not_ready"
+        assert a.get("/topology").status == 503
+        assert a.post("/place", {"gpus": 1}).status == 503
+        assert a.get("/healthz").status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0

@@ -1,0 +1,135 @@
+"""`topoagent serve`: run the agent as a service (HTTP API + Prometheus metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from topoagent.cli import UsageError
+from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="run the agent: /topology, /place, /leases and /metrics over HTTP",
+        description=(
+            "Discover the node (or replay a recorded one with --root), keep the topology "
+            "current, and serve it over HTTP. Flags override the config file. SIGHUP "
+            "reloads the config; SIGTERM drains requests and exits 0."
+        ),
+    )
+    parser.add_argument("--config", metavar="FILE", help="TOML configuration (see systemd/topoagent.toml)")
+    parser.add_argument("--root", metavar="DIR|TARBALL", help='node to read: "/" (live, default) or a recorded snapshot')
+    parser.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN})")
+    parser.add_argument("--state-dir", metavar="DIR", help="where leases are kept (default /var/lib/topoagent)")
+    parser.add_argument("--token-file", metavar="FILE", help="bearer token for mutating endpoints; without it they are off")
+    parser.set_defaults(run=run)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    return {"root": args.root, "listen": args.listen, "state_dir": args.state_dir, "token_file": args.token_file}
+
+
+def read_token(path: str | None) -> bytes:
+    if path is None:
+        return b""
+    try:
+        token = Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    if len(token) < 16:
+        raise ConfigError(f"token file {path}: the token must be at least 16 characters")
+    return token
+
+
+def setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("JOURNAL_STREAM"):
+        # journald adds time and unit; a <N> prefix sets the priority (sd-daemon(3)).
+        class Journal(logging.Formatter):
+            PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+            def format(self, record: logging.LogRecord) -> str:
+                return f"<{self.PRIO.get(record.levelno, 6)}>{record.getMessage()}"
+
+        handler.setFormatter(Journal())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    root = logging.getLogger("topoagent")
+    root.handlers[:] = [handler]
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    # aiohttp's access log is one line per request: too loud for journald by default.
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging()
+    try:
+        config = load_config(args.config, _overrides(args))
+        token = read_token(config.token_file)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    from topoagent.agent import RootError
+
+    try:
+        return asyncio.run(serve(config, token, args))
+    except RootError as exc:
+        raise UsageError(str(exc)) from None
+    except OSError as exc:  # port in use, state dir not writable
+        raise UsageError(f"cannot start: {exc.strerror or exc}") from None
+
+
+async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from topoagent.agent import Agent, log_event
+    from topoagent.exporters.http import TOKEN, make_app
+
+    agent = Agent(config)
+    app = make_app(agent, token)
+    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None)
+    await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
+    site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    port = runner.addresses[0][1] if runner.addresses else config.listen.port
+    host = config.listen.host
+    base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    log_event("listening", url=base, root=config.root, state_dir=config.state_dir)
+    if not token:
+        log_event("mutating_endpoints_off", logging.WARNING, reason="no --token-file: reservations, releases and refreshes are refused (403)")
+    print(f"topoagent serving {config.root} on {base}", flush=True)
+    print(f"  {base}/topology  {base}/topology?format=matrix  {base}/metrics  {base}/openapi.json", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        try:
+            new = load_config(args.config, _overrides(args))
+            new_token = read_token(new.token_file)
+        except ConfigError as exc:
+            log_event("reload_failed", logging.ERROR, error=exc)
+            return
+        restart = agent.reload(new)
+        app[TOKEN].value = new_token
+        log_event("reloaded", config=args.config or "-", needs_restart=",".join(restart) or "none")
+
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, on_hup)
+    await stop.wait()
+    log_event("draining", timeout_s=config.drain_timeout_s)
+    await runner.cleanup()  # closes the listener, waits for in-flight requests, stops the agent
+    log_event("stopped")
+    return 0

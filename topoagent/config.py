@@ -1,0 +1,162 @@
+"""The agent's configuration: a TOML file, then command-line flags on top.
+
+Every key is checked once here, so the runtime can trust a `Config`; a bad file or flag
+raises `ConfigError` whose message names the key (`http.listen`, `discovery.interval_s`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import tomllib
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+# Loopback only by default: reads are open there.  9477 is this agent's fixed port so
+# Prometheus' `instance` label stays stable across restarts (see README, "Port").
+DEFAULT_PORT = 9477
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the key."""
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    listen: Listen = Listen("127.0.0.1", DEFAULT_PORT)
+    root: str = "/"  # "/" is the live node; a directory or tarball replays a recorded one
+    state_dir: str = "/var/lib/topoagent"
+    token_file: str | None = None
+    require_token_for_reads: bool = False
+    max_body_bytes: int = 16 * 1024
+    interval_s: float = 300.0  # re-discover this often even without udev events
+    timeout_s: float = 60.0  # a discovery run longer than this is cut off
+    udev: bool = True  # re-discover on PCI / InfiniBand / net hotplug (live root only)
+    udev_debounce_s: float = 2.0
+    lease_sweep_s: float = 5.0
+    drain_timeout_s: float = 10.0
+
+    @property
+    def live(self) -> bool:
+        return self.root == "/"
+
+
+# TOML layout: section -> {key: (Config field, checker)}.
+def _str(key: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    return value
+
+
+def _positive_seconds(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{key}: expected a number of seconds > 0, got {value!r}")
+    if value > 7 * 24 * 3600:
+        raise ConfigError(f"{key}: {value} s is more than a week")
+    return float(value)
+
+
+def _body_limit(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 256 <= value <= 16 * 1024 * 1024:
+        raise ConfigError(f"{key}: expected a byte count from 256 to 16777216, got {value!r}")
+    return value
+
+
+def parse_listen(key: str, value: Any) -> Listen:
+    """`HOST:PORT`, `[V6]:PORT` or `:PORT` (loopback)."""
+    text = _str(key, value)
+    host, sep, port_text = text.rpartition(":")
+    if not sep:
+        raise ConfigError(f"{key}: expected HOST:PORT, got {text!r}")
+    host = host.strip("[]") or "127.0.0.1"
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ConfigError(f"{key}: port {port_text!r} is not a number") from None
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{key}: port {port} is outside 0-65535")
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            raise ConfigError(f"{key}: {host!r} is not an IP address (or localhost)") from None
+    return Listen(host, port)
+
+
+SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
+    "http": {
+        "listen": ("listen", parse_listen),
+        "token_file": ("token_file", _str),
+        "require_token_for_reads": ("require_token_for_reads", _bool),
+        "max_body_bytes": ("max_body_bytes", _body_limit),
+        "drain_timeout_s": ("drain_timeout_s", _positive_seconds),
+    },
+    "discovery": {
+        "root": ("root", _str),
+        "interval_s": ("interval_s", _positive_seconds),
+        "timeout_s": ("timeout_s", _positive_seconds),
+        "udev": ("udev", _bool),
+        "udev_debounce_s": ("udev_debounce_s", _positive_seconds),
+    },
+    "leases": {
+        "state_dir": ("state_dir", _str),
+        "sweep_s": ("lease_sweep_s", _positive_seconds),
+    },
+}
+
+
+def config_from_toml(text: str, source: str = "config") -> Config:
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    values: dict[str, Any] = {}
+    for section, table in doc.items():
+        if section not in SCHEMA:
+            raise ConfigError(f"{section}: unknown section (known: {', '.join(SCHEMA)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{section}: expected a [{section}] table")
+        for key, value in table.items():
+            if key not in SCHEMA[section]:
+                known = ", ".join(SCHEMA[section])
+                raise ConfigError(f"{section}.{key}: unknown key (known: {known})")
+            field_name, check = SCHEMA[section][key]
+            values[field_name] = check(f"{section}.{key}", value)
+    return Config(**values)
+
+
+def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
+    """Read the TOML file (if any), then apply flag overrides (None = not given)."""
+    config = Config()
+    if path is not None:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"config {path} is not UTF-8 text") from None
+        config = config_from_toml(text, str(path))
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "listen" in flags:
+        flags["listen"] = parse_listen("--listen", flags["listen"])
+    known = {f.name for f in fields(Config)}
+    unknown = set(flags) - known
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    return replace(config, **flags)
