@@ -1,0 +1,23 @@
+"""The installed distribution holds every package of the source tree."""
+
+from __future__ import annotations
+
+import tomllib
+
+from conftest import REPO
+
+FOLDERS = {"topoagent": "topoagent", "collectors": "topoagent.collectors",
+           "probes": "topoagent.probes", "exporters": "topoagent.exporters"}
+
+
+def test_every_source_package_is_installed():
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(config["packages"])
+    mapping = config["package-dir"]
+    assert {v for v in mapping.values()} == set(FOLDERS)
+    found = set()
+    for folder, namespace in FOLDERS.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(REPO / folder).parts
+            found.add(".".join((namespace, *relative)))
+    assert found == listed, "add new packages to [tool.setuptools] packages in pyproject.toml"
