@@ -1,0 +1,87 @@
+"""Configuration: TOML, flags on top, and one clear line for every mistake."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from topoagent.config import DEFAULT_PORT, ConfigError, Listen, config_from_toml, load_config
+
+
+def test_defaults_listen_on_loopback_fixed_port():
+    config = load_config(None)
+    assert config.listen == Listen("127.0.0.1", DEFAULT_PORT)
+    assert config.root == "/" and config.live
+    assert config.token_file is None
+
+
+def test_file_then_flags(tmp_path):
+    path = tmp_path / "t.toml"
+    path.write_text('[http]\nlisten = "0.0.0.0:9000"\nrequire_token_for_reads = true\n[discovery]\ninterval_s = 30\n')
+    config = load_config(path, {"listen": "[::1]:9100", "root": "/snap", "state_dir": None})
+    assert config.listen == Listen("::1", 9100)
+    assert config.require_token_for_reads is True
+    assert config.interval_s == 30.0
+    assert config.root == "/snap" and not config.live
+
+
+@pytest.mark.parametrize(
+    "text, named",
+    [
+        ('[http]\nlisten = "localhost"\n', "http.listen"),
+        ('[http]\nlisten = "1.2.3.4:99999"\n', "http.listen"),
+        ('[http]\nlisten = "example.com:80"\n', "http.listen"),
+        ("[http]\nmax_body_bytes = 10\n", "http.max_body_bytes"),
+        ('[discovery]\ninterval_s = "5m"\n', "discovery.interval_s"),
+        ("[discovery]\ntimeout_s = -1\n", "discovery.timeout_s"),
+        ("[discovery]\nudev = 1\n", "discovery.udev"),
+        ("[discovery]\nrooot = '/'\n", "discovery.rooot"),
+        ("[cache]\nsize = 1\n", "cache"),
+        ("http = 3\n", "http"),
+        ("[http\n", "not valid TOML"),
+    ],
+)
+def test_bad_values_name_the_key(text, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        config_from_toml(text)
+
+
+def test_example_config_is_valid():
+    from conftest import REPO
+
+    config = load_config(REPO / "systemd" / "topoagent.toml")
+    assert config.listen.port == DEFAULT_PORT
+    assert config.state_dir == "/var/lib/topoagent"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--listen", "nowhere"], "--listen: expected HOST:PORT"),
+        (["--config", "/no/such.toml"], "cannot read config /no/such.toml"),
+        (["--token-file", "/no/such/token"], "cannot read token file"),
+        (["--root", "/no/such/root"], "no such file or directory"),
+    ],
+)
+def test_serve_refuses_bad_setup_with_one_line_exit_2(tmp_path, args, message):
+    result = subprocess.run(
+        [sys.executable, "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("topoagent serve: ") and message in last
+    assert "Traceback" not in result.stderr
+
+
+def test_short_token_is_refused(tmp_path):
+    token = tmp_path / "token"
+    token.write_text("short\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "topoagent", "serve", "--token-file", str(token), "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2
+    assert "at least 16 characters" in result.stderr

@@ -1,0 +1,174 @@
+"""Leases under load and across crashes; signals as systemd sends them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+
+import aiohttp
+
+from service_helpers import start_agent
+
+
+async def _reserve(session: aiohttp.ClientSession, url: str, token: str, gpus: int, owner: str):
+    body = {"gpus": gpus, "reserve": {"owner": owner, "ttl_s": 3600}}
+    async with session.post(f"{url}/place", json=body, headers={"Authorization": f"Bearer {token}"}) as resp:
+        return resp.status, (await resp.json())
+
+
+def test_1000_concurrent_reservations_from_50_clients_never_share_a_gpu(tmp_path):
+    agent = start_agent(tmp_path)
+    held_intervals: list[tuple[float, float, frozenset[int]]] = []
+    statuses: list[int] = []
+
+    async def client(n: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            for k in range(20):
+                status, doc = await _reserve(session, agent.url, agent.token, 1 + (n + k) % 3, f"c{n}")
+                statuses.append(status)
+                if status == 200:
+                    got = time.monotonic()
+                    lease = doc["lease"]
+                    await asyncio.sleep(0.002 * (k % 3))
+                    released_at = time.monotonic()  # before the DELETE is sent
+                    async with session.delete(f"{agent.url}/leases/{lease['id']}", headers={"Authorization": f"Bearer {agent.token}"}) as resp:
+                        assert resp.status == 200
+                    held_intervals.append((got, released_at, frozenset(lease["gpus"])))
+
+    async def main() -> None:
+        await asyncio.gather(*(client(n) for n in range(50)))
+
+    try:
+        asyncio.run(main())
+        assert len(statuses) == 1000
+        assert set(statuses) <= {200, 409}
+        assert statuses.count(200) >= 8
+        # Two leases that were held at the same moment (as the clients saw it) never
+        # share a GPU; the server held each at least as long.
+        held_intervals.sort()
+        for i, (start, end, gpus) in enumerate(held_intervals):
+            for start2, end2, gpus2 in held_intervals[i + 1 :]:
+                if start2 >= end:
+                    break
+                assert not gpus & gpus2, "a GPU was leased twice"
+        assert agent.get("/leases").json() == {"leases": []}
+    finally:
+        agent.stop()
+
+
+def test_without_releases_exactly_the_node_is_handed_out(tmp_path):
+    agent = start_agent(tmp_path)
+
+    async def main() -> list[tuple[int, dict]]:
+        async def client(n: int):
+            async with aiohttp.ClientSession() as session:
+                return [await _reserve(session, agent.url, agent.token, 1, f"c{n}") for _ in range(20)]
+
+        results = await asyncio.gather(*(client(n) for n in range(50)))
+        return [r for rs in results for r in rs]
+
+    try:
+        results = asyncio.run(main())
+        granted = [doc["lease"]["gpus"][0] for status, doc in results if status == 200]
+        assert sorted(granted) == list(range(8))
+        assert sum(1 for status, _ in results if status == 409) == 992
+    finally:
+        agent.stop()
+
+
+def test_kill_9_mid_stream_loses_no_acknowledged_lease(tmp_path):
+    agent = start_agent(tmp_path)
+    acked: dict[str, list[int]] = {}
+    released: set[str] = set()
+    stop = threading.Event()
+
+    async def client(n: int) -> None:
+        async with aiohttp.ClientSession() as session:
+            while not stop.is_set():
+                try:
+                    status, doc = await _reserve(session, agent.url, agent.token, 1, f"c{n}")
+                    if status == 200:
+                        acked[doc["lease"]["id"]] = doc["lease"]["gpus"]
+                        if len(acked) % 3 == 0:  # release some, so the book churns
+                            lid = doc["lease"]["id"]
+                            async with session.delete(f"{agent.url}/leases/{lid}", headers={"Authorization": f"Bearer {agent.token}"}) as resp:
+                                if resp.status == 200:
+                                    released.add(lid)
+                    else:
+                        # node full: free the oldest we know of and go on
+                        for lid in list(acked):
+                            if lid not in released:
+                                async with session.delete(f"{agent.url}/leases/{lid}", headers={"Authorization": f"Bearer {agent.token}"}) as resp:
+                                    if resp.status == 200:
+                                        released.add(lid)
+                                break
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    return
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(client(n)) for n in range(8)]
+        await asyncio.sleep(1.0)
+        os.kill(agent.proc.pid, signal.SIGKILL)
+        stop.set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert agent.proc.wait(timeout=10) == -signal.SIGKILL
+    assert len(acked) > 8, "the stream should have granted many leases before the kill"
+    again = start_agent(tmp_path, state_dir=agent.state_dir, token_value=agent.token)
+    try:
+        after = {l["id"]: l["gpus"] for l in again.get("/leases").json()["leases"]}
+        for lid, gpus in acked.items():
+            if lid not in released:
+                assert after.get(lid) == gpus, f"acknowledged lease {lid} lost"
+        assert not (released & set(after)), "an acknowledged release came back"
+    finally:
+        again.stop()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
+    agent = start_agent(tmp_path, config="[discovery]\ntimeout_s = 1.5\n")
+    recording = agent.root / "commands" / "nvidia-smi_topo_-m.out"
+    recording.unlink()
+    os.mkfifo(recording)
+    result: dict = {}
+
+    def slow_request() -> None:
+        result["reply"] = agent.post("/refresh", token=agent.token)
+
+    worker = threading.Thread(target=slow_request)
+    worker.start()
+    time.sleep(0.4)  # the refresh is in flight, waiting on the stuck read
+    agent.proc.send_signal(signal.SIGTERM)
+    worker.join(timeout=20)
+    assert agent.proc.wait(timeout=20) == 0
+    assert result["reply"].status == 200
+    assert result["reply"].json()["stale"] is True
+    log = agent.log()
+    assert "event=draining" in log and "event=stopped" in log
+
+
+def test_sighup_reloads_config(tmp_path):
+    agent = start_agent(tmp_path, config="[http]\nrequire_token_for_reads = false\n")
+    try:
+        assert agent.get("/topology").status == 200
+        (tmp_path / "topoagent.toml").write_text("[http]\nrequire_token_for_reads = true\n")
+        agent.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while agent.get("/topology").status != 401 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert agent.get("/topology").status == 401
+        assert agent.get("/topology", token=agent.token).status == 200
+        # a broken file is refused and the running config stays
+        (tmp_path / "topoagent.toml").write_text("[http]\nrequire_token_for_reads = 3\n")
+        agent.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while "event=reload_failed" not in agent.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "http.require_token_for_reads" in agent.log()
+        assert agent.get("/topology").status == 401
+    finally:
+        assert agent.stop() == 0
