@@ -11,6 +11,7 @@ import hmac
 import json
 import logging
 import math
+import re
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
@@ -109,6 +110,8 @@ def _ready_snapshot(agent: Agent):
 # -- request validation -------------------------------------------------------------------
 
 def _int(field: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # JSON Schema counts 4.0 as an integer
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, "bad_request", f"{field}: expected an integer, got {json.dumps(value)[:40]}")
     if not low <= value <= high:
@@ -125,7 +128,9 @@ def _gpu_list(field: str, value: Any, known: set[int]) -> tuple[int, ...]:
     for n, item in enumerate(value):
         index = _int(f"{field}[{n}]", item, 0, PLACE_LIMITS["gpu_index_max"])
         if index not in known:
-            raise ApiError(400, "bad_request", f"{field}[{n}]: no GPU {index} on this node (GPUs: {sorted(known)})")
+            # Well-formed, but this node cannot satisfy it: a NoFit, like too many GPUs.
+            detail = f"{field}[{n}]: no GPU {index} on this node"
+            raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "unknown_gpu", "detail": detail, "gpus": sorted(known)}})
         out.append(index)
     return tuple(dict.fromkeys(out))
 
@@ -145,7 +150,7 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, d
     if pattern not in PATTERNS:
         raise ApiError(400, "bad_request", f"pattern: expected one of {', '.join(PATTERNS)}")
     min_level = doc.get("min_level")
-    if min_level is not None and min_level not in MIN_LEVELS:
+    if "min_level" in doc and min_level not in MIN_LEVELS:
         raise ApiError(400, "bad_request", f"min_level: expected one of {', '.join(MIN_LEVELS)}")
     single_numa = doc.get("single_numa", False)
     if not isinstance(single_numa, bool):
@@ -154,12 +159,14 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, d
     exclude = _gpu_list("exclude", doc.get("exclude", []), known_gpus)
     both = sorted(set(include) & set(exclude))
     if both:
-        raise ApiError(400, "bad_request", f"include/exclude: GPUs {both} are in both")
+        detail = f"include/exclude: GPUs {both} are in both"
+        raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "conflicting_constraints", "detail": detail}})
     nics = _int("nics", doc.get("nics", 0), 0, PLACE_LIMITS["nics_max"])
-    reserve = doc.get("reserve")
-    if reserve is not None:
-        reserve = _parse_reserve(reserve)
+    reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
     return PlaceRequest(gpus, pattern, min_level, single_numa, include, exclude, nics), reserve
+
+
+CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")  # would forge lines in logs
 
 
 def _parse_reserve(reserve: Any) -> dict[str, Any]:
@@ -171,7 +178,7 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
     owner = reserve.get("owner")
     if not isinstance(owner, str) or not 1 <= len(owner) <= PLACE_LIMITS["owner_max_len"]:
         raise ApiError(400, "bad_request", f"reserve.owner: expected a string of 1 to {PLACE_LIMITS['owner_max_len']} characters")
-    if not owner.isprintable():
+    if CONTROL_CHARS.search(owner):
         raise ApiError(400, "bad_request", "reserve.owner: control characters are not allowed")
     ttl = reserve.get("ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):

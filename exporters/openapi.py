@@ -62,7 +62,7 @@ PLACE_REQUEST = {
             "required": ["owner", "ttl_s"],
             "description": "Hold the answer as a lease (needs the bearer token).",
             "properties": {
-                "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"]},
+                "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"], "pattern": "^[^\\x00-\\x1f\\x7f]+$"},
                 "ttl_s": {"type": "number", "exclusiveMinimum": 0, "maximum": PLACE_LIMITS["ttl_max_s"]},
             },
         },
@@ -159,11 +159,15 @@ def openapi_document() -> dict[str, Any]:
             },
             "/place": {
                 "post": {
+                    "operationId": "place",
                     "summary": "Which GPUs a job should get (dry run), or reserve them as a lease.",
                     "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/PlaceRequest"}}}},
                     "security": [{}, {"bearer": []}],
                     "responses": {
-                        "200": _json("The placement (with `lease` when reserved).", "Placement"),
+                        "200": {
+                            **_json("The placement (with `lease` when reserved).", "Placement"),
+                            "links": {"ReleaseLease": {"operationId": "releaseLease", "parameters": {"lease_id": "$response.body#/lease/id"}}},
+                        },
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **MUTATE_ERRORS,
                         "409": _json("It does not fit; `nofit` says why.", "NoFit"),
@@ -186,6 +190,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/leases/{lease_id}": {
                 "delete": {
+                    "operationId": "releaseLease",
                     "summary": "Release a lease.",
                     "parameters": [{"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                     "security": [{"bearer": []}],

@@ -118,11 +118,11 @@ class SnapshotCollector(Collector):
         yield nvlink
 
         ib_state = GaugeMetricFamily(f"{NS}_infiniband_port_active", "1 when an InfiniBand port is ACTIVE; the state label says what it is.", labels=["device", "port", "state"])
-        ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bits_per_second", "Signalling rate of an InfiniBand port.", labels=["device", "port"])
+        ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bytes_per_second", "Data rate of an InfiniBand port (its Gb/s rate over 8).", labels=["device", "port"])
         for port in facts.ib_ports:
             ib_state.add_metric([port.device, str(port.port), port.state], 1.0 if port.state.upper() == "ACTIVE" else 0.0)
             if port.rate_gbps is not None:
-                ib_rate.add_metric([port.device, str(port.port)], port.rate_gbps * 1e9)
+                ib_rate.add_metric([port.device, str(port.port)], port.rate_gbps * 1e9 / 8)
         yield from (ib_state, ib_rate)
 
         findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind.", labels=["kind"])

@@ -156,9 +156,8 @@ BAD_BODIES = [
     (json.dumps({"gpus": 2, "pattern": "star"}).encode(), "pattern"),
     (json.dumps({"gpus": 2, "min_level": "NV4"}).encode(), "min_level"),
     (json.dumps({"gpus": 2, "single_numa": "yes"}).encode(), "single_numa"),
-    (json.dumps({"gpus": 2, "include": [12]}).encode(), "include[0]"),
     (json.dumps({"gpus": 2, "exclude": "3"}).encode(), "exclude"),
-    (json.dumps({"gpus": 2, "include": [1], "exclude": [1]}).encode(), "include/exclude"),
+    (json.dumps({"gpus": 2, "reserve": {"owner": "a\nevent=forged", "ttl_s": 60}}).encode(), "reserve.owner"),
     (json.dumps({"gpus": 2, "nics": -1}).encode(), "nics"),
     (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": -5}}).encode(), "reserve.ttl_s"),
     (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": "600"}}).encode(), "reserve.ttl_s"),
@@ -181,6 +180,17 @@ def test_bad_input_is_400_naming_the_field_and_changes_nothing(fresh):
     text = fresh.get("/metrics").body.decode()
     assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "reserved"}) == 0
     assert "Traceback" not in fresh.log()
+
+
+def test_unknown_gpu_is_no_fit_naming_the_field(fresh):
+    cases = (({"gpus": 2, "include": [3, 12]}, "include[1]"), ({"gpus": 1, "exclude": [99]}, "exclude[0]"), ({"gpus": 2, "include": [1], "exclude": [1]}, "include/exclude"))
+    for body, field in cases:
+        reply = fresh.post("/place", {**body, "reserve": {"owner": "j", "ttl_s": 60}}, token=fresh.token)
+        assert reply.status == 409
+        doc = reply.json()
+        assert doc["error"] == "no_fit" and doc["nofit"]["reason"] in ("unknown_gpu", "conflicting_constraints")
+        assert doc["detail"].startswith(field)
+    assert fresh.get("/leases").json() == {"leases": []}
 
 
 def test_oversized_body_is_413(fresh):
