@@ -87,6 +87,7 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
     )
     if not ids:
         return _single_node(host), tuple(warnings)
+    usable = _online_cpus(host)
     nodes: list[NumaNode] = []
     for node_id in ids:
         base = f"{NODE_DIR}/node{node_id}"
@@ -117,8 +118,21 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
                     f"{base}/distance: {len(distances)} values for {len(ids)} nodes; ignored"
                 )
                 distances = ()
+        if usable is not None:
+            cpus = cpus & usable
         nodes.append(NumaNode(node_id, cpus, memory, distances))
     return NumaTopology(mark_identical_cpusets(nodes)), tuple(warnings)
+
+
+def _online_cpus(host: Host) -> frozenset[int] | None:
+    """CPUs the kernel has online: a node's cpulist can name CPUs that are not there."""
+    text = host.read_optional("/sys/devices/system/cpu/online")
+    if text is None:
+        return None
+    try:
+        return parse_cpulist(text)
+    except ValueError:
+        return None
 
 
 def _single_node(host: Host) -> NumaTopology:

@@ -17,6 +17,8 @@ from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_
 from topoagent.collectors.pci import format_cpulist, normalize_address
 from topoagent.host import Host
 
+# Same words live and replayed, so a snapshot replays to the same output.
+NO_NVML = "NVML not available on this node"
 _MAX_NVLINKS = 18  # NVML_NVLINK_MAX_LINKS grew to 36 in newer headers; no GPU uses more than 18
 _REMOTE_TYPES = {0: "gpu", 1: "cpu", 2: "switch"}  # NVML_NVLINK_DEVICE_TYPE_* (1 = IBM NPU)
 _P2P_STATUS = {0: "OK", 1: "CHIPSET_NOT_SUPPORTED", 2: "GPU_NOT_SUPPORTED",
@@ -255,12 +257,12 @@ async def collect(host: Host) -> CollectorResult[NvmlInfo]:
         if host.live:
             data = await asyncio.to_thread(read_live)
             if data is None:
-                raise NoData("NVML library or driver not available")
+                raise NoData(NO_NVML)
             host.note_nvml(data)
         else:
             data = host.nvml()
             if data is None:
-                raise NoData("no NVML recording (nvml.json) on this node")
+                raise NoData(NO_NVML)
         info = parse_nvml(data)
         if not info.gpus:
             raise NoData("NVML sees no GPUs")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
-from topoagent.host import Host
+from topoagent.host import Host, HostError
 from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 
 PCI_DEVICES = "/sys/bus/pci/devices"
@@ -293,18 +293,22 @@ def _read_device(
         else:
             if value >= 0:
                 numa_node, numa_source = value, "sysfs"
-    local_cpulist = read("local_cpulist")
+    # The mask is what hwloc reads; the list form is the fallback (they agree on real
+    # kernels, but hand-trimmed recordings may keep only one of them right).
+    local_cpulist: str | None = None
     local_cpus: frozenset[int] | None = None
+    mask = read("local_cpus")
     try:
-        if local_cpulist is not None:
-            local_cpus = parse_cpulist(local_cpulist)
+        if mask is not None:
+            local_cpus = parse_cpumask(mask)
         else:
-            mask = read("local_cpus")
-            if mask is not None:
-                local_cpus = parse_cpumask(mask)
-                local_cpulist = format_cpulist(local_cpus)
+            text = read("local_cpulist")
+            if text is not None:
+                local_cpus = parse_cpulist(text)
     except ValueError as exc:
-        warnings.append(f"{directory}/local_cpulist: {exc}")
+        warnings.append(f"{directory}/local_cpus: {exc}")
+    if local_cpus is not None:
+        local_cpulist = format_cpulist(local_cpus)
     if numa_node is None and local_cpus:
         numa_node = locate_numa_node(local_cpus, numa_cpus)
         if numa_node is not None:
@@ -320,8 +324,11 @@ def _read_device(
             parse_link_width(width_texts[1]),
         )
     driver = None
-    if host.exists(f"{directory}/driver"):
-        driver = host.realpath(f"{directory}/driver").rsplit("/", 1)[-1] or None
+    try:
+        # The link's own target names the driver; its directory need not be recorded.
+        driver = host.readlink(f"{directory}/driver").rstrip("/").rsplit("/", 1)[-1] or None
+    except (OSError, HostError):
+        pass
     return PciDevice(
         address=address,
         class_code=class_code,
