@@ -54,13 +54,15 @@ def _compare(root: Path | None, host: Host, name: str) -> None:
     # count only listed bridges in the depth.
     listed = {a: d for a, d in devices.items() if d["listed"]}
     assert set(listed) == set(theirs.pci_depth), "set of PCI addresses"
+    # Devices belong to nodes with CPUs (hwloc copies CPUs onto GPU-memory nodes).
+    cpu_nodes = {n: cpus for n, cpus in theirs.numa_cpus.items() if not nodes[n]["cpuless"]}
     for address, device in listed.items():
         parent, depth = device["parent"], 0
         while parent is not None:
             depth += devices[parent]["listed"]
             parent = devices[parent]["parent"]
         assert depth == theirs.pci_depth[address], f"bridge depth of {address}"
-        assert device["numa_node"] == hwloc_numa_node(theirs.pci_locality[address], theirs.numa_cpus), (
+        assert device["numa_node"] == hwloc_numa_node(theirs.pci_locality[address], cpu_nodes), (
             f"NUMA node of {address}"
         )
 
