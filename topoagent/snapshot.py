@@ -1,0 +1,89 @@
+"""Write what a recording Host was asked as a snapshot (docs/snapshot-format.md)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import shutil
+import socket
+import tarfile
+import tempfile
+from pathlib import Path
+
+from topoagent import __version__
+from topoagent.host import Host, HostError
+
+
+def write_snapshot(host: Host, out: str | os.PathLike[str]) -> Path:
+    """Write the recording of ``host`` to ``out`` (a new directory, or ``.tar.gz``)."""
+    if host.recording is None:
+        raise HostError("this host was not recording")
+    out_path = Path(out)
+    if out_path.name.endswith((".tar.gz", ".tgz")):
+        with tempfile.TemporaryDirectory(prefix="topoagent-snap-") as tmp:
+            stem = out_path.name.rsplit(".tar.gz", 1)[0].rsplit(".tgz", 1)[0] or "snapshot"
+            root = Path(tmp) / stem
+            _write_dir(host, root)
+            with tarfile.open(out_path, "w:gz") as archive:
+                archive.add(root, arcname=stem)
+        return out_path
+    if out_path.exists() and any(out_path.iterdir()):
+        raise HostError(f"{out}: exists and is not empty")
+    _write_dir(host, out_path)
+    return out_path
+
+
+def _inside(root: Path, node_path: str) -> Path:
+    return root / node_path.lstrip("/")
+
+
+def _write_dir(host: Host, root: Path) -> None:
+    rec = host.recording
+    assert rec is not None
+    root.mkdir(parents=True, exist_ok=True)
+    for directory, entries in rec.dirs.items():
+        base = _inside(root, directory)
+        base.mkdir(parents=True, exist_ok=True)
+        for name, kind in entries.items():
+            # Entries listed but never read still exist on replay, so listings match.
+            target = base / name
+            if kind == "dir":
+                target.mkdir(exist_ok=True)
+    for link, target in sorted(rec.symlinks.items()):
+        local = _inside(root, link)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if local.is_symlink() or local.exists():
+            if local.is_dir() and not local.is_symlink():
+                shutil.rmtree(local)
+            else:
+                local.unlink()
+        os.symlink(target, local)
+    for path, data in rec.files.items():
+        local = _inside(root, path)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(data)
+    for directory, entries in rec.dirs.items():
+        base = _inside(root, directory)
+        for name, kind in entries.items():
+            target = base / name
+            if kind == "file" and not target.exists() and not target.is_symlink():
+                target.touch()
+    if rec.commands:
+        commands = root / "commands"
+        commands.mkdir(exist_ok=True)
+        for stem, result in rec.commands.items():
+            (commands / f"{stem}.out").write_text(result.stdout)
+            if result.stderr:
+                (commands / f"{stem}.err").write_text(result.stderr)
+            if result.returncode:
+                (commands / f"{stem}.rc").write_text(f"{result.returncode}\n")
+    if rec.nvml is not None:
+        (root / "nvml.json").write_text(json.dumps(rec.nvml, indent=1) + "\n")
+    meta = {
+        "schema": 1,
+        "hostname": socket.gethostname(),
+        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "recorded_by": f"topoagent snapshot {__version__}",
+    }
+    (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")
