@@ -27,6 +27,7 @@ On the CPU backend each device number names a separate host buffer.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 SCHEMA = 1
@@ -73,12 +74,14 @@ def build_round_plan(
     numa_nodes: Iterable[int] = (),
     *,
     pairs: Iterable[tuple[int, int]] | None = None,
-    include_host: bool = True,
+    per_gpu: bool = True,
     defaults: PlanDefaults | None = None,
 ) -> dict[str, Any]:
-    """A full round: every ordered pair, both-at-once per unordered pair, host per node.
+    """A full round: every ordered pair, both-at-once per unordered pair, and per GPU
+    its on-device copy and host<->device from each NUMA node.
 
     ``pairs`` limits the pair measurements (unordered pairs); default: all of them.
+    ``per_gpu=False`` leaves out the per-GPU measurements.
     """
     if backend not in BACKENDS:
         raise PlanError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
@@ -101,13 +104,40 @@ def build_round_plan(
         add("p2p_bidir", src=a, dst=b)
         add("latency", src=a, dst=b)
         add("latency", src=b, dst=a)
-    for device in devices:
+    for device in devices if per_gpu else ():
         add("local_copy", device=device)
-        if include_host:
-            for node in sorted(set(numa_nodes)):
+        for node in sorted(set(numa_nodes)):
                 add("h2d", device=device, numa_node=node)
                 add("d2h", device=device, numa_node=node)
     return plan_with(backend, measurements, defaults)
+
+
+def plan_for_target(
+    gpus: tuple[int, ...], backend: str, numa_nodes: Iterable[int] = (), defaults: PlanDefaults | None = None
+) -> dict[str, Any]:
+    """The plan for one scheduled target: a pair (P2P both ways, latency) or one GPU."""
+    if len(gpus) == 2:
+        return build_round_plan(backend, gpus, pairs=[(gpus[0], gpus[1])], per_gpu=False, defaults=defaults)
+    if len(gpus) == 1:
+        return build_round_plan(backend, gpus, numa_nodes, pairs=[], defaults=defaults)
+    raise PlanError(f"a target is one GPU or a pair, not {len(gpus)}")
+
+
+def numa_nodes_with_cpus(root: Path = Path("/")) -> list[int]:
+    """NUMA nodes of this machine that have CPUs (host buffers can be bound there)."""
+    node_dir = root / "sys/devices/system/node"
+    try:
+        text = (node_dir / "has_cpu").read_text().strip()
+    except OSError:
+        return [0]  # no NUMA in sysfs: one node
+    nodes: list[int] = []
+    for part in text.split(","):
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            nodes.extend(range(int(lo), int(hi) + 1))
+        elif part:
+            nodes.append(int(part))
+    return nodes or [0]
 
 
 def plan_with(
