@@ -164,7 +164,7 @@ class ProbeSchedule:
         now = self.clock()
         due = sorted(
             (s for s in self.states.values() if s.due_at <= now),
-            key=lambda s: (not s.forced, s.due_at, s.target),
+            key=lambda s: (not s.forced, s.due_at, not s.target.is_pair, s.target),  # pairs first: placement needs them
         )
         for state in due:
             if not state.forced:
