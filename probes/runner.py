@@ -208,7 +208,7 @@ async def run_probe_round(
     timed_out = False
     try:
         await asyncio.wait_for(converse(), timeout_s)
-    except TimeoutError:
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
         timed_out = True
     finally:
         if proc.returncode is None:  # timed out, or the agent is being cancelled
