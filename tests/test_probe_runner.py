@@ -285,3 +285,22 @@ def test_cli_draws_progress_on_stderr(agent_run):
     plan = build_round_plan("cpu", range(8), [0])
     assert len(lines) >= expected_result_count(plan) - 16  # one per result (or skip)
     assert lines[-1].startswith(f"probe [{'#' * 24}]")
+
+
+def test_service_step_probes_the_scheduled_pair_through_a_real_worker():
+    from topoagent.probes.schedule import ProbeSchedule, ProbeTarget, ScheduleConfig
+    from topoagent.probes.service import ProbeService
+
+    clock = FakeClock()
+    schedule = ProbeSchedule([0, 1], ScheduleConfig(startup_delay_s=0), clock)
+    service = ProbeService(schedule, ProbeRunner(timeout_s=120, clock=clock), backend="cpu", numa_nodes=[0])
+    probe_round = asyncio.run(service.step({}))
+    assert probe_round.ok
+    assert service.last_verdict.target == ProbeTarget((0, 1))
+    assert service.last_verdict.outcome == "first"
+    p2p = sorted(f["direction"] for f in service.figures() if f["kind"] == "p2p")
+    assert p2p == ["0->1", "1->0"]
+    assert service.last_verdict.baseline == min(f["median"] for f in service.figures() if f["kind"] == "p2p")
+    # Busy GPU 1: only GPU 0's own target may run next.
+    from topoagent.probes.schedule import GpuActivity
+    assert schedule.next_probe({1: GpuActivity(utilization_percent=90)}) == ProbeTarget((0,))
