@@ -57,7 +57,7 @@ def main() -> int:
     root = args.root or default_root()
     print(f"in-process discover, {root}: {in_process(root, args.runs) * 1e3:.1f} ms (median of {args.runs})")
     print(f"in-process discover, live /: {in_process('/', args.runs) * 1e3:.1f} ms (median of {args.runs})")
-    topoagent = [sys.executable, "-m", "topoagent.cli", "discover", "--json"]
+    topoagent = [sys.executable, "-P", "-m", "topoagent", "discover", "--json"]
     replay = command(topoagent + ["--root", str(root)])
     ours_replay = statistics.median([command(topoagent + ["--root", str(root)]) for _ in range(args.runs)])
     print(f"whole command `topoagent discover --json --root {Path(root).name}`: {ours_replay * 1e3:.1f} ms"

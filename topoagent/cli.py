@@ -12,6 +12,7 @@ COMMANDS = {
     "matrix": "topoagent.commands.matrix",
     "discover": "topoagent.commands.discover",
     "snapshot": "topoagent.commands.snapshot",
+    "probe": "topoagent.commands.probe",
 }
 
 
