@@ -114,15 +114,16 @@ def _fits(measured: float, achievable: float) -> bool:
 
 
 def _farther_level_fit(
-    declared: LinkLevel, declared_expected: float, measured: float
+    declared: LinkLevel, declared_expected: float, measured: float, pair_pcie_gbps: float
 ) -> tuple[str, float] | None:
     """The farther level whose achieved rate the figure matches best, if it matches one.
 
     For a declared NVLink pair the PCIe levels are too close to each other to tell apart
     by bandwidth alone, so the answer is then "PCIe": the copy did not use NVLink.
     """
-    # Scale the PCIe ladder to this pair's link when discovery told us its gen/width.
-    scale = 1.0
+    # Scale the PCIe ladder (built on the default link) to this pair's PCIe link: for a
+    # PCIe pair its expectation already says so; for NVLink, the GPUs' own links do.
+    scale = pair_pcie_gbps / pcie_gbps()
     if declared.kind in (LevelKind.PIX, LevelKind.PXB, LevelKind.PHB, LevelKind.NODE, LevelKind.SYS):
         default = expected_gbps(declared)
         if default:
@@ -187,7 +188,9 @@ def findings_for(
                     measured=measured,
                 )
             )
-        fit = _farther_level_fit(level, expected, measured)
+        # The PCIe rate these two GPUs would fall back to: the slower of their links.
+        pcie = min(matrix.gpus[i].pcie_gbps(), matrix.gpus[j].pcie_gbps())
+        fit = _farther_level_fit(level, expected, measured, pcie)
         if fit is not None:
             like, like_expected = fit
             found.append(
@@ -235,12 +238,13 @@ def _host_findings(
     for f in figures:
         if f.get("kind") == "h2d" and f.get("median") is not None:
             by_gpu.setdefault(int(f["device"]), {})[int(f["numa_node"])] = float(f["median"])
-    achievable = pcie_gbps() * ACHIEVABLE_FRACTION
     for device, per_node in sorted(by_gpu.items()):
         try:
             gpu = matrix.gpus[matrix.gpu_by_index(device)]
         except KeyError:
             continue
+        link = gpu.pcie_gbps()
+        achievable = link * ACHIEVABLE_FRACTION
         subject = f"{gpu.name} host link"
         best_node, best = max(per_node.items(), key=lambda item: item[1])
         if best < degraded_fraction * achievable:
@@ -250,8 +254,8 @@ def _host_findings(
                     "warning",
                     subject,
                     f"host-to-{gpu.name} copies reach {best:.1f} GB/s at best (NUMA node {best_node}), "
-                    f"below half of the ~{achievable:.0f} GB/s a PCIe Gen4 x16 link achieves",
-                    expected=round(pcie_gbps(), 2),
+                    f"below half of the ~{achievable:.0f} GB/s its PCIe link achieves",
+                    expected=round(link, 2),
                     measured=best,
                 )
             )

@@ -8,7 +8,7 @@ from topoagent.cli import main
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["probe", "--root", "/"], "--root needs topology discovery"),
+        (["probe", "--root", "/nonexistent-root", "--backend", "cpu"], "/nonexistent-root: no such file"),
         (["probe", "--backend", "cuda"], "say which GPUs to probe"),
         (["probe", "--gpus", "0", "--backend", "cpu"], "--gpus needs at least 1"),
         (["probe", "--from-nvidia-smi", "/nonexistent/topo.txt"], "cannot read /nonexistent/topo.txt"),
@@ -28,3 +28,17 @@ def test_unreadable_matrix_names_the_file_and_line(tmp_path, capsys):
     assert main(["probe", "--from-nvidia-smi", str(bad), "--backend", "cpu"]) == 2
     err = capsys.readouterr().err
     assert str(bad) in err and "line" in err
+
+
+def test_probe_a_recorded_node_on_the_cpu_backend(capsys):
+    """--root discovers the recorded node, then measures every GPU pair for real (CPU)."""
+    import json
+
+    from conftest import FIXTURES
+
+    root = FIXTURES / "snapshots" / "dgx-a100"
+    assert main(["probe", "--root", str(root), "--backend", "cpu", "--json", "--no-progress"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["failure"] is None
+    assert len(doc["pairs"]) == 8 * 7 // 2
+    assert all(p["measured_gbps"] > 0 and p["level"] == "NV12" for p in doc["pairs"])

@@ -227,6 +227,8 @@ class NodeTopology:
                 numa_node=g.numa_node,
                 cpus=g.cpus,
                 model=g.model,
+                pcie_gen=g.link.max_gen if g.link else None,
+                pcie_width=g.link.current_width if g.link else None,
             )
             for g in self.gpus
         )

@@ -37,11 +37,16 @@ def open_host(root: str) -> Host:
         raise UsageError(str(exc)) from None
 
 
-def run(args: argparse.Namespace) -> int:
+def discover_root(root: str) -> "NodeTopology":  # noqa: F821
+    """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
     from topoagent.model import discover
 
-    with open_host(args.root) as host:
-        topology = asyncio.run(discover(host))
+    with open_host(root) as host:
+        return asyncio.run(discover(host))
+
+
+def run(args: argparse.Namespace) -> int:
+    topology = discover_root(args.root)
     if args.json:
         json.dump(topology.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")

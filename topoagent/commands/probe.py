@@ -52,16 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def matrix_from_root(root: str) -> DistanceMatrix:
-    """The one place `--root` meets discovery (wired when discovery is merged)."""
-    try:
-        from topoagent.host import Host  # type: ignore[import-not-found]
-        from topoagent.model import discover  # type: ignore[import-not-found]
-    except ImportError:
-        raise UsageError(
-            "--root needs topology discovery (topoagent.model.discover), which this build "
-            "does not have yet; use --from-nvidia-smi FILE or --gpus N"
-        ) from None
-    return discover(Host(root)).distance_matrix()
+    from topoagent.commands.discover import discover_root
+
+    return discover_root(root).distance_matrix()
 
 
 def matrix_from_nvidia_smi(path: str) -> DistanceMatrix:
