@@ -901,9 +901,9 @@ def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_i
             )
         elif name == "single_numa":
             counts = sorted(
-                ((g & candidates).bit_count(), prep.numa_keys[i][1]) for i, g in enumerate(prep.numa_masks)
+                ((g & candidates).bit_count(), -i) for i, g in enumerate(prep.numa_masks)
             )
-            most, node = counts[-1] if counts else (0, None)
+            most, node = counts[-1][0], _numa_label(prep, -counts[-1][1])
             reason = f"no NUMA node has {k} free GPUs (most: {most} on node {node})"
         else:
             reason = "the included GPUs cannot be part of any set meeting the other constraints"
@@ -915,6 +915,11 @@ def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_i
         else "no set of free GPUs meets the request"
     )
     return NoFit(request, reason, names[0] if names else "gpus", free_indices)
+
+
+def _numa_label(prep: _Prepared, group: int) -> int | str:
+    kind, value = prep.numa_keys[group]
+    return value if kind == "numa" else (f"cpus:{value}" if kind == "cpus" else "unknown")
 
 
 def _worst_pair_level(prep: _Prepared, mask: int) -> LinkLevel:
@@ -968,10 +973,7 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
         chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
 
     numa_groups = sorted({prep.numa_of[v] for v in order})
-    numa_labels: list[int | str] = []
-    for gi in numa_groups:
-        kind, value = prep.numa_keys[gi]
-        numa_labels.append(value if kind == "numa" else (f"cpus:{value}" if kind == "cpus" else "unknown"))
+    numa_labels = [_numa_label(prep, gi) for gi in numa_groups]
     cpu_sets = [parse_cpulist(matrix.gpus[v].cpus) for v in order if matrix.gpus[v].cpus]
     cpus = format_cpulist(set().union(*cpu_sets)) if cpu_sets and len(cpu_sets) == k else None
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
