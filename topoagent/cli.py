@@ -10,6 +10,7 @@ import sys
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
 COMMANDS = {
     "matrix": "topoagent.commands.matrix",
+    "place": "topoagent.commands.place",
 }
 
 
