@@ -405,6 +405,18 @@ class _Prepared:
             for i in range(n)
         ]
         self._classes: dict[bool, list[int]] = {}
+        self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
+        self._cpus_of: dict[int, str | None] = {}
+
+    def cpus_of(self, mask: int) -> str | None:
+        """The CPU list close to these GPUs (None when any GPU's is unknown)."""
+        got = self._cpus_of.get(mask, "")
+        if got == "":
+            sets = [self.gpu_cpus[v] for v in _bits(mask)]
+            got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
+            if len(self._cpus_of) < 100_000:
+                self._cpus_of[mask] = got
+        return got
 
     def _components_at_level(self, level: LinkLevel) -> list[int]:
         n = self.n
@@ -974,8 +986,7 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
 
     numa_groups = sorted({prep.numa_of[v] for v in order})
     numa_labels = [_numa_label(prep, gi) for gi in numa_groups]
-    cpu_sets = [parse_cpulist(matrix.gpus[v].cpus) for v in order if matrix.gpus[v].cpus]
-    cpus = format_cpulist(set().union(*cpu_sets)) if cpu_sets and len(cpu_sets) == k else None
+    cpus = prep.cpus_of(found.mask)
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
         nodes = ",".join(str(x) for x in numa_labels)
         numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
