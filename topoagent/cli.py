@@ -13,6 +13,7 @@ COMMANDS = {
     "discover": "topoagent.commands.discover",
     "snapshot": "topoagent.commands.snapshot",
     "probe": "topoagent.commands.probe",
+    "place": "topoagent.commands.place",
 }
 
 
