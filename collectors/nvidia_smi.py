@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.host import CommandNotFound, Host
 from topoagent.levels import LevelError, LevelKind, LinkLevel, expected_gbps
 
 
@@ -530,3 +532,32 @@ def topo_matrix_to_json(matrix: TopoMatrix) -> dict:
         "missing_rows": list(matrix.missing_rows),
         "notes": list(matrix.notes),
     }
+
+
+# --- collector ------------------------------------------------------------------------
+
+TOPO_COMMAND = ["nvidia-smi", "topo", "-m"]
+
+
+async def collect(host: Host, timeout: float = 20.0) -> CollectorResult[TopoMatrix]:
+    """Run `nvidia-smi topo -m` on the host: the driver's declared matrix."""
+
+    async def read() -> tuple[TopoMatrix, tuple[str, ...]]:
+        try:
+            result = await host.run(TOPO_COMMAND, timeout=timeout)
+        except CommandNotFound:
+            raise NoData("nvidia-smi not found") from None
+        command = " ".join(TOPO_COMMAND)
+        if result.returncode != 0:
+            detail = (result.stderr.strip() or result.stdout.strip()).splitlines()
+            reason = detail[0] if detail else "no output"
+            if "couldn't communicate with the nvidia driver" in reason.lower():
+                raise NoData(f"{command}: {reason}")
+            raise SourceError(f"{command}: exit code {result.returncode}: {reason}")
+        try:
+            topo = parse_topo_matrix(result.stdout)
+        except TopoParseError as exc:
+            raise SourceError(f"{command}: {exc}") from None
+        return topo, topo.notes
+
+    return await run_collector("nvidia_smi", read)

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 import topoagent
-from topoagent.snapshot import Snapshot
+from topoagent.served import Snapshot
 
 if TYPE_CHECKING:
     from topoagent.agent import Agent

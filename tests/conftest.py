@@ -1,14 +1,17 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 # CI lays shared/ beside the checkout; a developer's worktree has it there too.
 SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "corpus"
 FIXTURES = REPO / "fixtures"
+sys.path.insert(0, str(TESTS))
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,8 @@ TOPO = CORPUS / "nvidia-smi-topo"
 
 def topoagent(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "topoagent", *args],
+        # -P: the repo root (the cwd) must not shadow the installed package.
+        [sys.executable, "-P", "-m", "topoagent", *args],
         input=stdin,
         capture_output=True,
         text=True,

@@ -14,7 +14,7 @@ from topoagent.agent import Agent, discover_facts
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.matrix import Measurement
-from topoagent.snapshot import CollectorStatus, Finding, IbPort, NodeFacts, NvLink, PcieLink
+from topoagent.served import CollectorStatus, Finding, IbPort, NodeFacts, NvLink, PcieLink
 
 
 def promtool_check(text: bytes) -> subprocess.CompletedProcess:

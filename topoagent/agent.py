@@ -29,7 +29,7 @@ from typing import Any, Awaitable, Callable
 from topoagent.collectors.nvidia_smi import parse_topo_matrix, render_topo_matrix
 from topoagent.config import Config
 from topoagent.matrix import DistanceMatrix
-from topoagent.snapshot import CollectorStatus, NodeFacts, Snapshot
+from topoagent.served import CollectorStatus, NodeFacts, Snapshot
 
 log = logging.getLogger("topoagent")
 

@@ -10,6 +10,10 @@ import sys
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
 COMMANDS = {
     "matrix": "topoagent.commands.matrix",
+    "discover": "topoagent.commands.discover",
+    "snapshot": "topoagent.commands.snapshot",
+    "probe": "topoagent.commands.probe",
+    "place": "topoagent.commands.place",
     "serve": "topoagent.commands.serve",
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from topoagent.levels import LinkLevel, expected_gbps, nvlink_generation_for_model
+from topoagent.levels import LinkLevel, expected_gbps, nvlink_generation_for_model, pcie_gbps
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +23,13 @@ class GpuInfo:
     numa_node: int | None = None
     cpus: str | None = None  # cpulist of the CPUs close to this GPU, "0-47,96-143"
     model: str | None = None
+    # The GPU's own PCIe link as it can train (generation, lanes); None when unknown.
+    pcie_gen: int | None = None
+    pcie_width: int | None = None
+
+    def pcie_gbps(self) -> float:
+        """Per-direction rate of this GPU's host link (the default link when unknown)."""
+        return pcie_gbps(self.pcie_gen, self.pcie_width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +106,19 @@ class DistanceMatrix:
         raise KeyError(index)
 
     @classmethod
-    def from_topo_matrix(cls, topo: "TopoMatrix") -> "DistanceMatrix":  # noqa: F821
+    def from_topo_matrix(
+        cls,
+        topo: "TopoMatrix",  # noqa: F821
+        *,
+        pcie_gen: int | None = None,
+        pcie_width: int | None = None,
+    ) -> "DistanceMatrix":
         """Build from a parsed `nvidia-smi topo -m` (the declared witness alone).
 
-        GPU pairs whose level is unknown (both rows cut off) are refused: a placement on
-        guessed levels would be a silent wrong answer.
+        nvidia-smi does not say how the GPUs' PCIe links run; a caller that knows
+        (``pcie_gen``, ``pcie_width``) gets PCIe-level expectations for that link instead
+        of the default.  GPU pairs whose level is unknown (both rows cut off) are refused:
+        a placement on guessed levels would be a silent wrong answer.
         """
         gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu"]
         nic_rows = [i for i, d in enumerate(topo.devices) if d.kind == "nic"]
@@ -113,6 +128,8 @@ class DistanceMatrix:
                 name=topo.devices[i].name,
                 numa_node=first_numa_node(topo.devices[i].numa_affinity),
                 cpus=topo.devices[i].cpu_affinity,
+                pcie_gen=pcie_gen,
+                pcie_width=pcie_width,
             )
             for i in gpu_rows
         )
@@ -131,7 +148,10 @@ class DistanceMatrix:
                     )
                 row.append(level)
             levels.append(tuple(row))
-        expected = tuple(tuple(expected_gbps(level) for level in row) for row in levels)
+        expected = tuple(
+            tuple(expected_gbps(level, pcie_gen=pcie_gen, pcie_width=pcie_width) for level in row)
+            for row in levels
+        )
         gpu_nic = tuple(tuple(topo.levels[i][j] for j in nic_rows) for i in gpu_rows)
         return cls(
             gpus=gpus,

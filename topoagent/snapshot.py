@@ -1,124 +1,89 @@
-"""What the agent serves: one immutable snapshot of the node, swapped whole.
-
-Readers (HTTP handlers, the Prometheus collector) take `agent.snapshot` once and read
-only that value, so they never see half of one discovery and half of the next.  The JSON
-body and its ETag are computed once per snapshot, not per request.
-"""
+"""Write what a recording Host was asked as a snapshot (docs/snapshot-format.md)."""
 
 from __future__ import annotations
 
-import hashlib
+import datetime as _dt
 import json
-from dataclasses import dataclass, field, replace
-from typing import Any
+import os
+import shutil
+import socket
+import tarfile
+import tempfile
+from pathlib import Path
 
-from topoagent.matrix import DistanceMatrix
-
-
-@dataclass(frozen=True, slots=True)
-class CollectorStatus:
-    """node_exporter's pattern: every source says whether it worked and how long it took."""
-
-    name: str
-    success: bool
-    duration_s: float
-    last_success_at: float | None  # Unix time of this collector's last good run
-    error: str | None = None
+from topoagent import __version__
+from topoagent.host import Host, HostError
 
 
-@dataclass(frozen=True, slots=True)
-class Finding:
-    kind: str  # "level_disagreement", "degraded_link", ...
-    detail: str
+def write_snapshot(host: Host, out: str | os.PathLike[str]) -> Path:
+    """Write the recording of ``host`` to ``out`` (a new directory, or ``.tar.gz``)."""
+    if host.recording is None:
+        raise HostError("this host was not recording")
+    out_path = Path(out)
+    if out_path.name.endswith((".tar.gz", ".tgz")):
+        with tempfile.TemporaryDirectory(prefix="topoagent-snap-") as tmp:
+            stem = out_path.name.rsplit(".tar.gz", 1)[0].rsplit(".tgz", 1)[0] or "snapshot"
+            root = Path(tmp) / stem
+            _write_dir(host, root)
+            with tarfile.open(out_path, "w:gz") as archive:
+                archive.add(root, arcname=stem)
+        return out_path
+    if out_path.exists() and any(out_path.iterdir()):
+        raise HostError(f"{out}: exists and is not empty")
+    _write_dir(host, out_path)
+    return out_path
 
 
-@dataclass(frozen=True, slots=True)
-class PcieLink:
-    device: str  # PCI address
-    role: str  # "gpu", "nic", "bridge"
-    current_speed_gts: float | None
-    max_speed_gts: float | None
-    current_width: int | None
-    max_width: int | None
+def _inside(root: Path, node_path: str) -> Path:
+    return root / node_path.lstrip("/")
 
 
-@dataclass(frozen=True, slots=True)
-class NvLink:
-    gpu: int
-    link: int
-    active: bool
-
-
-@dataclass(frozen=True, slots=True)
-class IbPort:
-    device: str  # "mlx5_0"
-    port: int
-    state: str  # "ACTIVE", "DOWN", ...
-    rate_gbps: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeFacts:
-    """What one discovery run produced, in the shape the exporters read."""
-
-    topology: dict[str, Any]  # the NodeTopology JSON
-    matrix: DistanceMatrix
-    matrix_text: str  # nvidia-smi-style text for ?format=matrix
-    collectors: tuple[CollectorStatus, ...] = ()
-    findings: tuple[Finding, ...] = ()
-    pcie_links: tuple[PcieLink, ...] = ()
-    nvlinks: tuple[NvLink, ...] = ()
-    ib_ports: tuple[IbPort, ...] = ()
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    version: int  # increases with every swap
-    facts: NodeFacts
-    built_at: float  # Unix time the facts were collected
-    stale: bool = False  # the last discovery failed; these facts are older
-    error: str | None = None  # why the last discovery failed
-    failed_at: float | None = None
-    # Cached per snapshot (computed on first use, never per request).
-    _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
-
-    def marked_stale(self, version: int, error: str, failed_at: float) -> "Snapshot":
-        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, _cache=None)
-
-    def document(self) -> dict[str, Any]:
-        doc = dict(self.facts.topology)
-        doc["agent"] = {
-            "snapshot_version": self.version,
-            "built_at": self.built_at,
-            "stale": self.stale,
-            "error": self.error,
-            "failed_at": self.failed_at,
-            "collectors": [
-                {
-                    "name": c.name,
-                    "success": c.success,
-                    "duration_s": round(c.duration_s, 6),
-                    "last_success_at": c.last_success_at,
-                    "error": c.error,
-                }
-                for c in self.facts.collectors
-            ],
-            "findings": [{"kind": f.kind, "detail": f.detail} for f in self.facts.findings],
-        }
-        return doc
-
-    def _cached(self) -> tuple[bytes, str]:
-        if self._cache is None:
-            body = json.dumps(self.document(), indent=1).encode()
-            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-            # frozen: the cache is filled once, through object.__setattr__
-            object.__setattr__(self, "_cache", (body, etag))
-        return self._cache  # type: ignore[return-value]
-
-    @property
-    def body(self) -> bytes:
-        return self._cached()[0]
-
-    @property
-    def etag(self) -> str:
-        return self._cached()[1]
+def _write_dir(host: Host, root: Path) -> None:
+    rec = host.recording
+    assert rec is not None
+    root.mkdir(parents=True, exist_ok=True)
+    for directory, entries in rec.dirs.items():
+        base = _inside(root, directory)
+        base.mkdir(parents=True, exist_ok=True)
+        for name, kind in entries.items():
+            # Entries listed but never read still exist on replay, so listings match.
+            target = base / name
+            if kind == "dir":
+                target.mkdir(exist_ok=True)
+    for link, target in sorted(rec.symlinks.items()):
+        local = _inside(root, link)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        if local.is_symlink() or local.exists():
+            if local.is_dir() and not local.is_symlink():
+                shutil.rmtree(local)
+            else:
+                local.unlink()
+        os.symlink(target, local)
+    for path, data in rec.files.items():
+        local = _inside(root, path)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(data)
+    for directory, entries in rec.dirs.items():
+        base = _inside(root, directory)
+        for name, kind in entries.items():
+            target = base / name
+            if kind == "file" and not target.exists() and not target.is_symlink():
+                target.touch()
+    if rec.commands:
+        commands = root / "commands"
+        commands.mkdir(exist_ok=True)
+        for stem, result in rec.commands.items():
+            (commands / f"{stem}.out").write_text(result.stdout)
+            if result.stderr:
+                (commands / f"{stem}.err").write_text(result.stderr)
+            if result.returncode:
+                (commands / f"{stem}.rc").write_text(f"{result.returncode}\n")
+    if rec.nvml is not None:
+        (root / "nvml.json").write_text(json.dumps(rec.nvml, indent=1) + "\n")
+    meta = {
+        "schema": 1,
+        "hostname": socket.gethostname(),
+        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "recorded_by": f"topoagent snapshot {__version__}",
+    }
+    (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")

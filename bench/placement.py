@@ -1,0 +1,256 @@
+"""Placement benchmark: latency, quality against brute force, and a job-stream simulation.
+
+    python -m bench.placement            # everything (a few minutes on 2 cores)
+    python -m bench.placement --quick    # fewer samples and events
+
+Prints tables; asserts nothing (tests check correctness, this measures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from itertools import combinations, permutations
+from pathlib import Path
+
+from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit
+from bench.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
+from topoagent.collectors.nvidia_smi import parse_topo_matrix
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement import Placement, Request, numa_groups, place
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+CORPUS = SHARED / "corpus" / "nvidia-smi-topo"
+
+
+def corpus() -> list[tuple[str, DistanceMatrix]]:
+    out = []
+    for path in sorted(CORPUS.glob("*.txt")):
+        try:
+            m = DistanceMatrix.from_topo_matrix(parse_topo_matrix(path.read_text()))
+        except ValueError:
+            continue
+        if m.size >= 3:
+            out.append((path.name.split(".txt")[0][:34], m))
+    out.append(("synthetic-pcie-2socket-8", pcie_two_socket_8()))
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# --- latency --------------------------------------------------------------------------
+
+
+def latency(samples: int) -> None:
+    nodes = [
+        ("8: DGX-1 V100 cube mesh", next(m for n, m in corpus() if n.startswith("dlperf-8xV100"))),
+        ("8: HGX H20 NVSwitch+8 NIC", next(m for n, m in corpus() if n.startswith("sglang-24966"))),
+        ("8: PCIe 2 sockets", pcie_two_socket_8()),
+        ("16: NVSwitch DGX-2-like", nvswitch_16()),
+        ("16: PCIe 2 sockets x 4 sw", pcie_16()),
+        ("32: 4 sockets, NV18 zones", node_32()),
+    ]
+    print("\n## Latency of place() in-process, warm (ms; random busy sets, ring unless noted)\n")
+    print(f"{'node':28} {'k':>3} {'p50':>8} {'p99':>8} {'max':>8}   {'nics=2 p99':>10} {'alltoall p99':>12}")
+    rng = random.Random(1)
+    for name, m in nodes:
+        n = m.size
+        place(m, Request(gpus=1))  # builds the per-matrix tables once (cold cost below)
+        for k in sorted({1, 2, 3, 4, 8, n // 2, n - 2} - {0}):
+            if k > n:
+                continue
+            row = {}
+            for label, req in (
+                ("ring", Request(gpus=k)),
+                ("nics", Request(gpus=k, nics=min(2, len(m.nics)))),
+                ("a2a", Request(gpus=k, pattern="alltoall")),
+            ):
+                times = []
+                for _ in range(samples):
+                    busy = rng.sample(range(n), rng.randint(0, n - k))
+                    t0 = time.perf_counter_ns()
+                    place(m, req, busy)
+                    times.append((time.perf_counter_ns() - t0) / 1e6)
+                row[label] = times
+            r = row["ring"]
+            print(
+                f"{name:28} {k:>3} {statistics.median(r):8.3f} {pct(r, .99):8.3f} {max(r):8.3f}"
+                f"   {pct(row['nics'], .99):10.3f} {pct(row['a2a'], .99):12.3f}"
+            )
+    print("\ncold (first call on a new matrix, includes building its tables):")
+    for name, m in nodes:
+        fresh = DistanceMatrix(m.gpus, m.nics, m.gpu_levels, m.gpu_expected_gbps, m.gpu_nic_levels)
+        t0 = time.perf_counter()
+        place(fresh, Request(gpus=min(4, m.size)))
+        print(f"  {name:28} {1000 * (time.perf_counter() - t0):8.2f} ms")
+
+
+# --- quality against brute force -------------------------------------------------------
+
+
+class Truth:
+    """Brute-force ring bottleneck per subset, and the NUMA group of each GPU."""
+
+    def __init__(self, m: DistanceMatrix):
+        self.m = m
+        n = m.size
+        self.key = [[(m.bandwidth(a, b) or 0.0, tuple(-x for x in m.gpu_levels[a][b].sort_key())) for b in range(n)] for a in range(n)]
+        self.numa_of = {}
+        for gid, group in enumerate(numa_groups(m)):
+            for idx in group:
+                self.numa_of[m.gpu_by_index(idx)] = gid
+        self.ring: dict[tuple, tuple] = {}
+
+    def ring_key(self, subset: tuple[int, ...]):
+        if len(subset) < 2:
+            return (float("inf"), ())
+        got = self.ring.get(subset)
+        if got is None:
+            if len(subset) == 2:
+                got = self.key[subset[0]][subset[1]]
+            else:
+                first, rest = subset[0], subset[1:]
+                got = max(
+                    min([self.key[a][b] for a, b in zip((first,) + p, p + (first,))])
+                    for p in permutations(rest)
+                )
+            self.ring[subset] = got
+        return got
+
+    def numa(self, subset) -> int:
+        return len({self.numa_of[p] for p in subset})
+
+
+def policies(m: DistanceMatrix):
+    pair = PairScorePolicy(m)
+    zone = ZoneFirstPolicy(m)
+
+    def ours(k, busy):
+        answer = place(m, Request(gpus=k), busy)
+        return answer.indices if isinstance(answer, Placement) else None
+
+    return {"ours": ours, "first-fit": lambda k, b: first_fit(m, k, b), "pair-score": pair, "zone-first": zone}, pair
+
+
+def quality(max_gpus: int) -> None:
+    print("\n## Quality on every fixture: every free subset x every k (ring), against brute force\n")
+    print(f"{'fixture':36} {'policy':11} {'answers':>7} {'optimal(1)':>10} {'worst ratio':>11} {'needless NUMA':>13} {'invalid':>7}")
+    for name, m in corpus():
+        if m.size > max_gpus:
+            continue
+        truth = Truth(m)
+        pos = list(range(m.size))
+        pols, _ = policies(m)
+        stats = {p: [0, 0, 1.0, 0, 0] for p in pols}
+        for n_free in range(2, m.size + 1):
+            for free in combinations(pos, n_free):
+                busy = {m.gpus[p].index for p in pos if p not in free}
+                for k in range(2, n_free + 1):
+                    subsets = list(combinations(free, k))
+                    best = max(truth.ring_key(s) for s in subsets)
+                    for pname, policy in pols.items():
+                        st = stats[pname]
+                        st[0] += 1
+                        got = policy(k, busy)
+                        chosen = tuple(sorted(m.gpu_by_index(i) for i in got)) if got else ()
+                        if len(chosen) != k or len(set(chosen)) != k or any(m.gpus[p].index in busy for p in chosen):
+                            st[4] += 1
+                            continue
+                        key = truth.ring_key(chosen)
+                        st[1] += key == best
+                        st[2] = min(st[2], key[0] / best[0] if best[0] else 1.0)
+                        min_numa = min(truth.numa(s) for s in subsets if truth.ring_key(s) >= key)
+                        st[3] += truth.numa(chosen) > min_numa
+        for pname, (total, opt, worst, numa_bad, invalid) in stats.items():
+            print(f"{name:36} {pname:11} {total:7d} {100 * opt / total:9.1f}% {worst:11.2f} {numa_bad:13d} {invalid:7d}")
+
+
+# --- job-stream simulation -------------------------------------------------------------
+
+
+def simulate(events: int) -> None:
+    print("\n## Job stream: 1/2/4/8-GPU jobs arrive and leave (seeded); same stream for every policy\n")
+    print("delivered = mean ring bandwidth of multi-GPU jobs / the best the empty node offers for that k;")
+    print("clean = share of large jobs (8 GPUs, or a whole NUMA node's worth) placed at the empty-node best")
+    print("bandwidth on the fewest NUMA nodes; rejected = jobs that found too few free GPUs.\n")
+    print(f"{'fixture':36} {'policy':11} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8}")
+    nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [("synthetic-nvswitch-16", nvswitch_16()), ("synthetic-pcie-16", pcie_16())]
+    for name, m in nodes:
+        n = m.size
+        sizes = [s for s in (1, 2, 4, 8) if s <= n]
+        weights = [0.35, 0.3, 0.2, 0.15][: len(sizes)]
+        largest_numa = max(len(g) for g in numa_groups(m))
+        large = {s for s in sizes if s == 8 or s == largest_numa or s == n}
+        empty = {}
+        for k in sizes:
+            a = place(m, Request(gpus=k))
+            empty[k] = (a.bandwidth_gbps, a.objective.numa_nodes)
+        rng = random.Random(7)
+        stream = []
+        t = 0.0
+        for _ in range(events):
+            t += rng.expovariate(1.0)
+            k = rng.choices(sizes, weights)[0]
+            stream.append((t, k, rng.expovariate(1.0 / (1.6 * n / sum(s * w for s, w in zip(sizes, weights))))))
+        pols, pair = policies(m)
+        for pname, policy in pols.items():
+            running: list[tuple[float, tuple[int, ...]]] = []
+            ratios, clean, n_large, rejected = [], 0, 0, 0
+            for arrive, k, duration in stream:
+                running = [(end, g) for end, g in running if end > arrive]
+                busy = {i for _, g in running for i in g}
+                got = policy(k, busy)
+                if k in large:
+                    n_large += 1
+                if not got:
+                    rejected += 1
+                    continue
+                running.append((arrive + duration, tuple(got)))
+                if k >= 2:
+                    others = [g.index for g in m.gpus if g.index not in got]
+                    ev = place(m, Request(gpus=k), others)
+                    ratios.append(ev.bandwidth_gbps / empty[k][0])
+                    if k in large and ev.bandwidth_gbps >= empty[k][0] and ev.objective.numa_nodes <= empty[k][1]:
+                        clean += 1
+                elif k in large:
+                    clean += 1
+            mean = statistics.mean(ratios) if ratios else float("nan")
+            print(f"{name:36} {pname:11} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d} {rejected:8d}")
+        if pair.capped:
+            print(f"{'':36} (pair-score hit its time cap {pair.capped} times)")
+
+
+def pair_score_cost() -> None:
+    print("\n## Pair-score partition policy: time for one query on an empty node\n")
+    for name, m, ks in (("16: NVSwitch DGX-2-like", nvswitch_16(), (2, 3)),):
+        for k in ks:
+            policy = PairScorePolicy(m, time_cap_s=20.0)
+            t0 = time.perf_counter()
+            policy(k, set())
+            print(f"  {name} k={k}: {time.perf_counter() - t0:.2f} s{' (capped at 20 s)' if policy.capped else ''}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore"])
+    args = parser.parse_args()
+    samples = 200 if args.quick else 1000
+    events = 400 if args.quick else 3000
+    if args.only in (None, "latency"):
+        latency(samples)
+    if args.only in (None, "quality"):
+        quality(8)
+    if args.only in (None, "simulate"):
+        simulate(events)
+    if args.only in (None, "pairscore"):
+        pair_score_cost()
+
+
+if __name__ == "__main__":
+    main()

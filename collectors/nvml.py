@@ -1,0 +1,271 @@
+"""NVML: GPUs, their NVLinks, P2P status and health — the only module that imports pynvml.
+
+``read_live()`` asks the NVML library and answers in the ``nvml.json`` schema of
+docs/snapshot-format.md; a replayed node serves the same dict from its recording, so
+the rest of the agent sees one shape whichever way it came.  pynvml is imported only
+inside ``read_live`` so importing this module never needs the library; every NVML call
+is guarded because any one of them can be unsupported on a given GPU or driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.pci import format_cpulist, normalize_address
+from topoagent.host import Host
+
+# Same words live and replayed, so a snapshot replays to the same output.
+NO_NVML = "NVML not available on this node"
+_MAX_NVLINKS = 18  # NVML_NVLINK_MAX_LINKS grew to 36 in newer headers; no GPU uses more than 18
+_REMOTE_TYPES = {0: "gpu", 1: "cpu", 2: "switch"}  # NVML_NVLINK_DEVICE_TYPE_* (1 = IBM NPU)
+_P2P_STATUS = {0: "OK", 1: "CHIPSET_NOT_SUPPORTED", 2: "GPU_NOT_SUPPORTED",
+               3: "IOH_TOPOLOGY_NOT_SUPPORTED", 4: "DISABLED_BY_REGKEY", 5: "NOT_SUPPORTED",
+               6: "UNKNOWN"}
+
+
+@dataclass(frozen=True, slots=True)
+class NvLink:
+    link: int
+    active: bool
+    version: int | None
+    remote_pci_address: str | None
+    remote_type: str | None  # "gpu", "switch", "cpu" or None
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlGpu:
+    index: int
+    uuid: str | None
+    name: str | None
+    pci_address: str | None
+    memory_total_bytes: int | None
+    numa_node: int | None
+    cpu_affinity: str | None
+    nvlinks: tuple[NvLink, ...]
+    p2p: tuple[tuple[int, str], ...]  # (peer index, status)
+    health: tuple[tuple[str, Any], ...]  # ("temperature_c", 33), ...
+
+    def health_value(self, key: str) -> Any:
+        return dict(self.health).get(key)
+
+
+@dataclass(frozen=True, slots=True)
+class NvmlInfo:
+    driver_version: str | None
+    cuda_driver_version: int | None
+    nvml_version: str | None
+    gpus: tuple[NvmlGpu, ...]
+
+
+# --- pure parser of the recorded / live answers --------------------------------------
+
+
+def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
+    """The nvml.json dict -> NvmlInfo; raises SourceError naming the bad field."""
+    if not isinstance(data, dict):
+        raise SourceError(f"{what}: expected a JSON object")
+    raw_gpus = data.get("gpus", [])
+    if not isinstance(raw_gpus, list):
+        raise SourceError(f"{what}: 'gpus' must be a list")
+    gpus = []
+    for position, raw in enumerate(raw_gpus):
+        where = f"{what}: gpus[{position}]"
+        if not isinstance(raw, dict) or not isinstance(raw.get("index"), int):
+            raise SourceError(f"{where}: needs an integer 'index'")
+        links = []
+        for k, link in enumerate(raw.get("nvlinks") or []):
+            if not isinstance(link, dict) or not isinstance(link.get("link"), int):
+                raise SourceError(f"{where}.nvlinks[{k}]: needs an integer 'link'")
+            links.append(
+                NvLink(
+                    link=link["link"],
+                    active=bool(link.get("active")),
+                    version=link.get("version"),
+                    remote_pci_address=_address(link.get("remote_pci_bus_id"), f"{where}.nvlinks[{k}]"),
+                    remote_type=link.get("remote_type"),
+                )
+            )
+        p2p_raw = raw.get("p2p") or {}
+        try:
+            p2p = tuple(sorted((int(k), str(v)) for k, v in p2p_raw.items()))
+        except (AttributeError, ValueError):
+            raise SourceError(f"{where}.p2p: expected {{peer index: status}}") from None
+        health = raw.get("health") or {}
+        gpus.append(
+            NvmlGpu(
+                index=raw["index"],
+                uuid=raw.get("uuid"),
+                name=raw.get("name"),
+                pci_address=_address(raw.get("pci_bus_id"), where),
+                memory_total_bytes=raw.get("memory_total_bytes"),
+                numa_node=raw.get("numa_node") if isinstance(raw.get("numa_node"), int) and raw.get("numa_node") >= 0 else None,
+                cpu_affinity=raw.get("cpu_affinity"),
+                nvlinks=tuple(links),
+                p2p=p2p,
+                health=tuple(sorted(health.items())) if isinstance(health, dict) else (),
+            )
+        )
+    return NvmlInfo(
+        driver_version=data.get("driver_version"),
+        cuda_driver_version=data.get("cuda_driver_version"),
+        nvml_version=data.get("nvml_version"),
+        gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+    )
+
+
+def _address(value: object, where: str) -> str | None:
+    if value is None:
+        return None
+    try:
+        return normalize_address(str(value))
+    except ValueError:
+        raise SourceError(f"{where}: {value!r} is not a PCI bus id") from None
+
+
+# --- live reader ---------------------------------------------------------------------
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_live() -> dict | None:
+    """Ask the NVML library; None when there is no library or no driver (no data)."""
+    try:
+        import pynvml  # the only import of pynvml in the agent
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return None
+    try:
+        return _read_all(pynvml)
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _read_all(nv: Any) -> dict:
+    def ask(call: Callable[..., Any], *args: Any) -> Any:
+        # Any single NVML call may be unsupported on this GPU/driver: that field is null.
+        try:
+            return call(*args)
+        except Exception:
+            return None
+
+    count = ask(nv.nvmlDeviceGetCount) or 0
+    handles = [ask(nv.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+    gpus = []
+    for index, handle in enumerate(handles):
+        if handle is None:
+            continue
+        pci = ask(nv.nvmlDeviceGetPciInfo, handle)
+        memory = ask(nv.nvmlDeviceGetMemoryInfo, handle)
+        links = []
+        for link in range(_MAX_NVLINKS):
+            state = ask(nv.nvmlDeviceGetNvLinkState, handle, link)
+            if state is None:
+                continue  # link does not exist on this GPU
+            remote = ask(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
+            remote_type = ask(nv.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link)
+            links.append(
+                {
+                    "link": link,
+                    "active": bool(state),
+                    "version": ask(nv.nvmlDeviceGetNvLinkVersion, handle, link),
+                    "remote_pci_bus_id": _bus_id(remote),
+                    "remote_type": _REMOTE_TYPES.get(remote_type) if remote_type is not None else None,
+                }
+            )
+        p2p = {}
+        for peer_index, peer in enumerate(handles):
+            if peer is None or peer_index == index:
+                continue
+            status = ask(nv.nvmlDeviceGetP2PStatus, handle, peer, 0)  # 0 = P2P read caps
+            if status is not None:
+                p2p[str(peer_index)] = _P2P_STATUS.get(status, str(status))
+        affinity = ask(nv.nvmlDeviceGetCpuAffinity, handle, 64)
+        ecc_u = ask(nv.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
+        ecc_c = ask(nv.nvmlDeviceGetTotalEccErrors, handle, 0, 0)
+        power = ask(nv.nvmlDeviceGetPowerUsage, handle)
+        util = ask(nv.nvmlDeviceGetUtilizationRates, handle)
+        processes = ask(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
+        numa = ask(nv.nvmlDeviceGetNumaNodeId, handle)
+        gpus.append(
+            {
+                "index": index,
+                "uuid": _maybe_text(ask(nv.nvmlDeviceGetUUID, handle)),
+                "name": _maybe_text(ask(nv.nvmlDeviceGetName, handle)),
+                "pci_bus_id": _bus_id(pci),
+                "memory_total_bytes": getattr(memory, "total", None),
+                "numa_node": numa if isinstance(numa, int) and numa >= 0 else None,
+                "cpu_affinity": _affinity_to_cpulist(affinity),
+                "nvlinks": links,
+                "p2p": p2p,
+                "health": {
+                    "temperature_c": ask(nv.nvmlDeviceGetTemperature, handle, 0),
+                    "power_w": round(power / 1000.0, 1) if isinstance(power, (int, float)) else None,
+                    "memory_used_bytes": getattr(memory, "used", None),
+                    "ecc_uncorrected_total": ecc_u,
+                    "ecc_corrected_total": ecc_c,
+                    "utilization_gpu_percent": getattr(util, "gpu", None),
+                    "processes": [getattr(p, "pid", None) for p in processes],
+                },
+            }
+        )
+    return {
+        "driver_version": _maybe_text(ask(nv.nvmlSystemGetDriverVersion)),
+        "cuda_driver_version": ask(nv.nvmlSystemGetCudaDriverVersion),
+        "nvml_version": _maybe_text(ask(nv.nvmlSystemGetNVMLVersion)),
+        "gpus": gpus,
+    }
+
+
+def _maybe_text(value: object) -> str | None:
+    return None if value is None else _text(value)
+
+
+def _bus_id(pci: object) -> str | None:
+    bus_id = getattr(pci, "busId", None)
+    if bus_id is None:
+        return None
+    try:
+        return normalize_address(_text(bus_id))
+    except ValueError:
+        return None
+
+
+def _affinity_to_cpulist(words: object) -> str | None:
+    """NVML's CPU affinity (64-bit words, lowest CPUs first) -> cpulist."""
+    if not words:
+        return None
+    cpus = {w * 64 + bit for w, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1}
+    return format_cpulist(frozenset(cpus)) or None
+
+
+# --- collector -----------------------------------------------------------------------
+
+
+async def collect(host: Host) -> CollectorResult[NvmlInfo]:
+    async def read() -> tuple[NvmlInfo, tuple[str, ...]]:
+        if host.live:
+            data = await asyncio.to_thread(read_live)
+            if data is None:
+                raise NoData(NO_NVML)
+            host.note_nvml(data)
+        else:
+            data = host.nvml()
+            if data is None:
+                raise NoData(NO_NVML)
+        info = parse_nvml(data)
+        if not info.gpus:
+            raise NoData("NVML sees no GPUs")
+        return info, ()
+
+    return await run_collector("nvml", read)

@@ -1,0 +1,275 @@
+"""From measured figures to the matrix placement reads, and to findings people act on.
+
+``overlay`` puts each GPU pair's measured P2P bandwidth (the slower of its two
+directions) into ``DistanceMatrix.measured``, so ``matrix.bandwidth(i, j)`` — what
+placement ranks by — returns the measurement while it is fresh.
+
+``findings_for`` compares figures with what the declared level promises:
+
+- ``degraded_link``: a pair measures below ``degraded_fraction`` of what its level
+  achieves (an NVLink down, a link trained at x4);
+- ``level_contradiction``: the figure is what a *farther* level delivers (``PIX``
+  declared, but the copy runs at host-bridge speed);
+- ``no_peer_access``: a pair declared on NVLink or one PCIe switch cannot use P2P, so
+  its copies are staged through host memory;
+- ``host_link_degraded``: a GPU's best host↔device figure is below what its PCIe link
+  achieves;
+- ``numa_affinity_mismatch``: host copies from another NUMA node beat those from the
+  node the GPU is declared on.
+
+Levels promise hardware rates; copies achieve less.  ``ACHIEVABLE_FRACTION`` is the
+ratio seen in the NVIDIA tools' outputs kept in ``shared/corpus/bandwidth/``: PCIe Gen4
+x16 P2P 26.3 of 31.5 GB/s (0.84), H100 NVLink4 376 of 450 (0.84), nvbandwidth on H100
+371 of 450 (0.82), GB200 NVL4 747 of 900 (0.83), A100 276 of 300 (0.92).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from topoagent.levels import PHB, PIX, PXB, NODE, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
+from topoagent.matrix import DistanceMatrix, Measurement
+
+ACHIEVABLE_FRACTION = 0.83
+DEGRADED_FRACTION = 0.5  # below half of what the level achieves: degraded
+CRITICAL_FRACTION = 0.25
+# A figure "looks like" a level when it is within this factor of what that level achieves.
+LEVEL_FIT_FACTOR = 1.25
+NUMA_TOLERANCE = 0.15
+PCIE_LADDER = (PIX, PXB, PHB, NODE, SYS)
+FINDING_KINDS = (
+    "degraded_link",
+    "level_contradiction",
+    "no_peer_access",
+    "host_link_degraded",
+    "numa_affinity_mismatch",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFinding:
+    """Something a measurement says about the node; same shape as discovery's findings."""
+
+    kind: str
+    severity: str  # "info" | "warning" | "critical"
+    subject: str  # "GPU0-GPU1", "GPU3 host link"
+    message: str
+    expected: float | None = None  # GB/s
+    measured: float | None = None  # GB/s
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "severity": self.severity,
+            "subject": self.subject,
+            "message": self.message,
+            "expected": self.expected,
+            "measured": self.measured,
+            "unit": "GB/s",
+            "source": "probe",
+        }
+
+
+def unidirectional_by_pair(figures: Iterable[Mapping[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
+    """(a, b) with a < b -> {"gbps": slower direction's median, "taken_at", per direction}."""
+    directions: dict[tuple[int, int], list[Mapping[str, Any]]] = {}
+    for f in figures:
+        if f.get("kind") == "p2p" and f.get("median") is not None:
+            a, b = int(f["src"]), int(f["dst"])
+            directions.setdefault((min(a, b), max(a, b)), []).append(f)
+    out = {}
+    for pair, found in directions.items():
+        slower = min(found, key=lambda f: f["median"])
+        out[pair] = {
+            "gbps": float(slower["median"]),
+            "taken_at": float(max(f.get("received_at", 0.0) for f in found)),
+            "directions": {f["direction"]: float(f["median"]) for f in found},
+        }
+    return out
+
+
+def measurements_from_figures(
+    matrix: DistanceMatrix, figures: Iterable[Mapping[str, Any]]
+) -> dict[tuple[int, int], Measurement]:
+    """Matrix positions -> measurement, for the pairs of GPUs the matrix knows."""
+    out: dict[tuple[int, int], Measurement] = {}
+    for (a, b), seen in unidirectional_by_pair(figures).items():
+        try:
+            i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
+        except KeyError:
+            continue  # a device the matrix does not describe
+        out[(min(i, j), max(i, j))] = Measurement(gbps=seen["gbps"], taken_at=seen["taken_at"])
+    return out
+
+
+def overlay(matrix: DistanceMatrix, figures: Iterable[Mapping[str, Any]]) -> DistanceMatrix:
+    """The matrix with fresh measurements replacing expectations."""
+    return matrix.with_measurements(measurements_from_figures(matrix, list(figures)))
+
+
+def _fits(measured: float, achievable: float) -> bool:
+    return achievable > 0 and abs(math.log(measured / achievable)) <= math.log(LEVEL_FIT_FACTOR)
+
+
+def _farther_level_fit(
+    declared: LinkLevel, declared_expected: float, measured: float, pair_pcie_gbps: float
+) -> tuple[str, float] | None:
+    """The farther level whose achieved rate the figure matches best, if it matches one.
+
+    For a declared NVLink pair the PCIe levels are too close to each other to tell apart
+    by bandwidth alone, so the answer is then "PCIe": the copy did not use NVLink.
+    """
+    # Scale the PCIe ladder (built on the default link) to this pair's PCIe link: for a
+    # PCIe pair its expectation already says so; for NVLink, the GPUs' own links do.
+    scale = pair_pcie_gbps / pcie_gbps()
+    if declared.kind in (LevelKind.PIX, LevelKind.PXB, LevelKind.PHB, LevelKind.NODE, LevelKind.SYS):
+        default = expected_gbps(declared)
+        if default:
+            scale = declared_expected / default
+    declared_achievable = declared_expected * ACHIEVABLE_FRACTION
+    best: tuple[float, LinkLevel, float] | None = None
+    for level in PCIE_LADDER:
+        if not declared < level:
+            continue
+        expected = (expected_gbps(level) or 0.0) * scale
+        achievable = expected * ACHIEVABLE_FRACTION
+        # A farther level that promises (about) the same rate is no contradiction.
+        if achievable >= declared_achievable * (1 - NUMA_TOLERANCE):
+            continue
+        if not _fits(measured, achievable):
+            continue
+        distance = abs(math.log(measured / achievable))
+        if best is None or distance < best[0]:
+            best = (distance, level, expected)
+    if best is None:
+        return None
+    # Only if the figure is closer to that level than to the one declared.
+    if abs(math.log(measured / declared_achievable)) <= best[0]:
+        return None
+    if declared.is_nvlink:
+        return "PCIe", (expected_gbps(PIX) or 0.0) * scale
+    return str(best[1]), best[2]
+
+
+def findings_for(
+    matrix: DistanceMatrix,
+    figures: Iterable[Mapping[str, Any]],
+    *,
+    degraded_fraction: float = DEGRADED_FRACTION,
+) -> list[ProbeFinding]:
+    figures = list(figures)
+    found: list[ProbeFinding] = []
+    name = {g.index: g.name for g in matrix.gpus}
+
+    for (a, b), seen in sorted(unidirectional_by_pair(figures).items()):
+        try:
+            i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
+        except KeyError:
+            continue
+        level = matrix.level(i, j)
+        expected = matrix.gpu_expected_gbps[i][j]
+        if expected is None:
+            continue
+        achievable = expected * ACHIEVABLE_FRACTION
+        measured = seen["gbps"]
+        subject = f"{name[a]}-{name[b]}"
+        if measured < degraded_fraction * achievable:
+            severity = "critical" if measured < CRITICAL_FRACTION * achievable else "warning"
+            found.append(
+                ProbeFinding(
+                    "degraded_link",
+                    severity,
+                    subject,
+                    f"{subject} ({level}) copies at {measured:.1f} GB/s, "
+                    f"{measured / achievable:.0%} of the ~{achievable:.0f} GB/s a {level} link achieves",
+                    expected=expected,
+                    measured=measured,
+                )
+            )
+        # The PCIe rate these two GPUs would fall back to: the slower of their links.
+        pcie = min(matrix.gpus[i].pcie_gbps(), matrix.gpus[j].pcie_gbps())
+        fit = _farther_level_fit(level, expected, measured, pcie)
+        if fit is not None:
+            like, like_expected = fit
+            found.append(
+                ProbeFinding(
+                    "level_contradiction",
+                    "warning",
+                    subject,
+                    f"{subject} is declared {level} but copies at {measured:.1f} GB/s, "
+                    f"what a {like} path delivers (~{like_expected * ACHIEVABLE_FRACTION:.0f} GB/s)"
+                    + (": the copy is not using NVLink" if level.is_nvlink else ""),
+                    expected=expected,
+                    measured=measured,
+                )
+            )
+
+    for f in figures:
+        if f.get("kind") != "peer_access" or f.get("available", True):
+            continue
+        a, b = int(f["src"]), int(f["dst"])
+        try:
+            level = matrix.level(matrix.gpu_by_index(a), matrix.gpu_by_index(b))
+        except KeyError:
+            continue
+        if level.is_nvlink or level.kind in (LevelKind.PIX, LevelKind.PXB):
+            subject = f"{name[a]}->{name[b]}"
+            found.append(
+                ProbeFinding(
+                    "no_peer_access",
+                    "warning",
+                    subject,
+                    f"{subject} is declared {level} but peer access is not available; "
+                    "copies are staged through host memory",
+                )
+            )
+
+    found.extend(_host_findings(matrix, figures, degraded_fraction))
+    return found
+
+
+def _host_findings(
+    matrix: DistanceMatrix, figures: list[Mapping[str, Any]], degraded_fraction: float
+) -> list[ProbeFinding]:
+    found: list[ProbeFinding] = []
+    by_gpu: dict[int, dict[int, float]] = {}
+    for f in figures:
+        if f.get("kind") == "h2d" and f.get("median") is not None:
+            by_gpu.setdefault(int(f["device"]), {})[int(f["numa_node"])] = float(f["median"])
+    for device, per_node in sorted(by_gpu.items()):
+        try:
+            gpu = matrix.gpus[matrix.gpu_by_index(device)]
+        except KeyError:
+            continue
+        link = gpu.pcie_gbps()
+        achievable = link * ACHIEVABLE_FRACTION
+        subject = f"{gpu.name} host link"
+        best_node, best = max(per_node.items(), key=lambda item: item[1])
+        if best < degraded_fraction * achievable:
+            found.append(
+                ProbeFinding(
+                    "host_link_degraded",
+                    "warning",
+                    subject,
+                    f"host-to-{gpu.name} copies reach {best:.1f} GB/s at best (NUMA node {best_node}), "
+                    f"below half of the ~{achievable:.0f} GB/s its PCIe link achieves",
+                    expected=round(link, 2),
+                    measured=best,
+                )
+            )
+        local = per_node.get(gpu.numa_node) if gpu.numa_node is not None else None
+        if local is not None and best_node != gpu.numa_node and local < best * (1 - NUMA_TOLERANCE):
+            found.append(
+                ProbeFinding(
+                    "numa_affinity_mismatch",
+                    "warning",
+                    subject,
+                    f"{gpu.name} is declared on NUMA node {gpu.numa_node}, but host copies from node "
+                    f"{best_node} run faster ({best:.1f} vs {local:.1f} GB/s)",
+                    expected=best,
+                    measured=local,
+                )
+            )
+    return found

@@ -1,0 +1,307 @@
+"""Agent side of probing: run the worker as a child process and read what it measured.
+
+Torch never enters the agent process: the worker (``topoagent.probes.worker``) is started
+with ``asyncio.create_subprocess_exec``, fed its plan on stdin, and read line by line.
+A round that overruns its timeout is killed; a worker that crashes, runs out of memory
+or hits a CUDA error ends the round with a typed ``ProbeFailure`` (results it sent
+before failing are kept), and ``ProbeRunner`` then backs off geometrically before it
+starts another worker, so a broken GPU is not hammered every few seconds.
+
+For the service: ``ProbeRunner.latest_figures()`` gives the newest figure per
+measurement and direction, ``ProbeRunner.latest_round()`` the last round with its
+failure (if any) and duration — what ``/metrics`` and ``POST /probe`` need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from topoagent.probes.plan import validate_plan
+
+WORKER_MODULE = "topoagent.probes.worker"
+FAILURE_KINDS = ("timeout", "crash", "oom", "cuda_error", "unavailable", "plan_error", "backoff")
+STDERR_TAIL_BYTES = 4096
+WORKER_EXIT = {1: "crash", 2: "plan_error", 3: "oom", 4: "cuda_error", 5: "unavailable"}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeFailure:
+    """Why a round ended early.  ``kind`` is one of FAILURE_KINDS."""
+
+    kind: str
+    message: str
+    exit_code: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": self.kind, "message": self.message, "exit_code": self.exit_code}
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeRound:
+    """One run of the worker: what it measured, and how it ended."""
+
+    backend: str
+    started_at: float  # Unix time
+    duration_s: float
+    results: tuple[dict[str, Any], ...]
+    skipped: tuple[dict[str, Any], ...] = ()
+    worker: Mapping[str, Any] | None = None  # the worker's hello line
+    failure: ProbeFailure | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+    def figures(self) -> list[dict[str, Any]]:
+        """One figure per measurement and direction: bandwidth at the largest size.
+
+        Small sizes are kept in ``results`` (they show fixed costs); the largest size is
+        the plateau the link delivers and the figure the matrix and findings use.
+        """
+        best: dict[tuple[Any, ...], dict[str, Any]] = {}
+        for record in self.results:
+            key = figure_key(record)
+            held = best.get(key)
+            if held is None or record.get("size_bytes", 0) >= held.get("size_bytes", 0):
+                best[key] = record
+        return list(best.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "started_at": self.started_at,
+            "duration_s": round(self.duration_s, 6),
+            "worker": dict(self.worker) if self.worker else None,
+            "failure": self.failure.to_json() if self.failure else None,
+            "figures": self.figures(),
+            "results": list(self.results),
+            "skipped": list(self.skipped),
+        }
+
+
+def figure_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    return (
+        record.get("kind"),
+        record.get("src"),
+        record.get("dst"),
+        record.get("device"),
+        record.get("numa_node"),
+    )
+
+
+def worker_command() -> list[str]:
+    return [sys.executable, "-P", "-m", WORKER_MODULE]
+
+
+def worker_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA indices = nvidia-smi/NVML indices
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+async def _tail(stream: asyncio.StreamReader) -> bytes:
+    kept = b""
+    while chunk := await stream.read(65536):
+        kept = (kept + chunk)[-STDERR_TAIL_BYTES:]
+    return kept
+
+
+async def run_probe_round(
+    plan: Mapping[str, Any],
+    *,
+    timeout_s: float,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    command: Sequence[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    clock: Callable[[], float] = time.time,
+) -> ProbeRound:
+    """Run one worker over ``plan``; never raises for what the worker does.
+
+    ``on_record`` sees every result and skipped line as it arrives (progress bars).
+    ``command`` replaces the worker command line (tests stand in a hung or crashing
+    worker there, the hardware edge we cannot produce on a CPU).
+    """
+    validate_plan(plan)
+    started_at = clock()
+    t0 = time.monotonic()
+    results: list[dict[str, Any]] = []
+    skipped: list[dict[str, Any]] = []
+    hello: dict[str, Any] | None = None
+    reported: dict[str, Any] | None = None
+    finished = False
+
+    def end(failure: ProbeFailure | None) -> ProbeRound:
+        return ProbeRound(
+            backend=str(plan["backend"]),
+            started_at=started_at,
+            duration_s=time.monotonic() - t0,
+            results=tuple(results),
+            skipped=tuple(skipped),
+            worker=hello,
+            failure=failure,
+        )
+
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *(command or worker_command()),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=dict(env) if env is not None else worker_env(),
+            start_new_session=True,  # a signal to the agent's group does not reach it
+            limit=1 << 20,
+        )
+    except OSError as exc:
+        return end(ProbeFailure("unavailable", f"cannot start the probe worker: {exc}"))
+
+    assert proc.stdin and proc.stdout and proc.stderr
+    stderr_task = asyncio.create_task(_tail(proc.stderr))
+
+    async def converse() -> None:
+        nonlocal hello, reported, finished
+        try:
+            proc.stdin.write(json.dumps(plan).encode())
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # it died at once; its exit status tells why
+        async for raw in proc.stdout:
+            try:
+                record = json.loads(raw)
+            except ValueError:
+                continue  # a library printing to stdout; not ours
+            if not isinstance(record, dict):
+                continue
+            match record.get("type"):
+                case "hello":
+                    hello = record
+                case "result":
+                    record["received_at"] = clock()
+                    results.append(record)
+                    if on_record:
+                        on_record(record)
+                case "skipped":
+                    skipped.append(record)
+                    if on_record:
+                        on_record(record)
+                case "failure":
+                    reported = record
+                case "done":
+                    finished = True
+        await proc.wait()
+
+    timed_out = False
+    try:
+        await asyncio.wait_for(converse(), timeout_s)
+    except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+        timed_out = True
+    finally:
+        if proc.returncode is None:  # timed out, or the agent is being cancelled
+            proc.kill()
+            await proc.wait()
+    err_tail = (await stderr_task).decode(errors="replace").strip()
+    rc = proc.returncode
+
+    if timed_out:
+        return end(ProbeFailure("timeout", f"worker ran past {timeout_s:g} s and was killed", rc))
+    if reported is not None:
+        kind = str(reported.get("failure"))
+        return end(ProbeFailure(kind if kind in FAILURE_KINDS else "crash", str(reported.get("message", "")), rc))
+    if rc is not None and rc < 0:
+        name = _signal_name(-rc)
+        if -rc == signal.SIGKILL:
+            return end(ProbeFailure("oom", "worker killed by SIGKILL, most likely by the kernel's OOM killer", rc))
+        return end(ProbeFailure("crash", f"worker killed by {name}" + _last_line(err_tail), rc))
+    if rc != 0:
+        kind = WORKER_EXIT.get(rc or 1, "crash")
+        return end(ProbeFailure(kind, f"worker exited with status {rc}" + _last_line(err_tail), rc))
+    if not finished:
+        return end(ProbeFailure("crash", "worker exited before finishing its plan" + _last_line(err_tail), rc))
+    return end(None)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.strip()]
+    return f": {lines[-1].strip()[:300]}" if lines else ""
+
+
+@dataclass
+class ProbeRunner:
+    """Runs rounds one at a time, keeps the newest figures, backs off after failures.
+
+    After the n-th failure in a row the next round waits ``backoff_base_s * 2**(n-1)``
+    seconds (capped at ``backoff_max_s``) unless forced; a good round resets it.
+    """
+
+    timeout_s: float = 600.0
+    backoff_base_s: float = 60.0
+    backoff_max_s: float = 3600.0
+    clock: Callable[[], float] = time.time
+    command: Sequence[str] | None = None
+    consecutive_failures: int = 0
+    retry_at: float = 0.0
+    _latest: ProbeRound | None = None
+    _figures: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def backoff_s(self) -> float:
+        if self.consecutive_failures == 0:
+            return 0.0
+        return min(self.backoff_base_s * 2 ** (self.consecutive_failures - 1), self.backoff_max_s)
+
+    async def run(
+        self,
+        plan: Mapping[str, Any],
+        *,
+        force: bool = False,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> ProbeRound:
+        async with self._lock:  # one worker at a time: probes must not disturb each other
+            now = self.clock()
+            if not force and now < self.retry_at:
+                return ProbeRound(
+                    backend=str(plan["backend"]),
+                    started_at=now,
+                    duration_s=0.0,
+                    results=(),
+                    failure=ProbeFailure(
+                        "backoff",
+                        f"{self.consecutive_failures} failed round(s) in a row; "
+                        f"next try in {self.retry_at - now:.0f} s",
+                    ),
+                )
+            probe_round = await run_probe_round(
+                plan, timeout_s=self.timeout_s, on_record=on_record, command=self.command, clock=self.clock
+            )
+            for figure in probe_round.figures():
+                self._figures[figure_key(figure)] = figure
+            self._latest = probe_round
+            if probe_round.ok:
+                self.consecutive_failures = 0
+                self.retry_at = 0.0
+            else:
+                self.consecutive_failures += 1
+                self.retry_at = self.clock() + self.backoff_s()
+            return probe_round
+
+    def latest_round(self) -> ProbeRound | None:
+        return self._latest
+
+    def latest_figures(self) -> list[dict[str, Any]]:
+        """Newest figure per measurement and direction, across all rounds so far."""
+        return [dict(f) for f in self._figures.values()]

@@ -1,0 +1,113 @@
+"""Brute force for the placement objective: every k-subset, every order.  Slow and obvious,
+so it can judge place().  It reads the matrix directly, not the placement module's tables."""
+
+from __future__ import annotations
+
+from itertools import combinations, permutations
+
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement import Request, evaluate_damage
+
+
+_EDGES: dict[int, tuple[DistanceMatrix, list]] = {}
+
+
+def edge(matrix: DistanceMatrix, i: int, j: int):
+    hit = _EDGES.get(id(matrix))
+    if hit is None or hit[0] is not matrix:
+        n = matrix.size
+        table = [
+            [
+                (matrix.bandwidth(a, b) or 0.0, tuple(-x for x in matrix.gpu_levels[a][b].sort_key()))
+                for b in range(n)
+            ]
+            for a in range(n)
+        ]
+        hit = _EDGES[id(matrix)] = (matrix, table)
+    return hit[1][i][j]
+
+
+def pattern_key(matrix: DistanceMatrix, positions: tuple[int, ...], pattern: str):
+    """The best achievable weakest-link key of the pattern on these GPU positions."""
+    k = len(positions)
+    if k < 2 or pattern == "independent":
+        return None
+    if pattern == "alltoall":
+        return min(edge(matrix, a, b) for a, b in combinations(positions, 2))
+    if k == 2:
+        return edge(matrix, *positions)
+    first, rest = positions[0], positions[1:]
+    table = [[edge(matrix, a, b) for b in range(matrix.size)] for a in range(matrix.size)]
+    best = None
+    if pattern == "allreduce":
+        orders = ((first,) + p for p in permutations(rest))
+    else:
+        orders = permutations(positions)
+    for order in orders:
+        worst = min(table[order[i]][order[i + 1]] for i in range(k - 1))
+        if pattern == "allreduce":
+            worst = min(worst, table[order[-1]][order[0]])
+        if best is None or worst > best:
+            best = worst
+    return best
+
+
+def numa_key(matrix: DistanceMatrix, pos: int):
+    g = matrix.gpus[pos]
+    if g.numa_node is not None:
+        return ("numa", g.numa_node)
+    if g.cpus:
+        return ("cpus", g.cpus)
+    return ("unknown",)
+
+
+def _nic_kind(level) -> int:
+    return 99 if level is None else int(level.kind)
+
+
+def nic_cost(matrix: DistanceMatrix, positions, wanted: int) -> int:
+    if not wanted:
+        return 0
+    dists = sorted(
+        min(_nic_kind(matrix.gpu_nic_levels[p][j]) for p in positions) for j in range(len(matrix.nics))
+    )
+    return sum(dists[:wanted])
+
+
+def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
+    idx = {matrix.gpus[p].index for p in positions}
+    if not set(req.include) <= idx:
+        return False
+    if req.min_level is not None:
+        for a, b in combinations(positions, 2):
+            if matrix.gpu_levels[a][b] > req.min_level:
+                return False
+    if req.single_numa and len({numa_key(matrix, p) for p in positions}) > 1:
+        return False
+    return True
+
+
+def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
+    """(pattern key, numa, nic, damage) of the optimum, or None when nothing fits."""
+    busy = set(busy)
+    free = [p for p, g in enumerate(matrix.gpus) if g.index not in busy and g.index not in req.exclude]
+    best = None
+    for subset in combinations(free, req.gpus):
+        if not satisfies(matrix, subset, req):
+            continue
+        if key_cache is not None:
+            ck = (subset, req.pattern)
+            if ck not in key_cache:
+                key_cache[ck] = pattern_key(matrix, subset, req.pattern)
+            pk = key_cache[ck]
+        else:
+            pk = pattern_key(matrix, subset, req.pattern)
+        numa = len({numa_key(matrix, p) for p in subset})
+        nic = nic_cost(matrix, subset, req.nics)
+        damage = evaluate_damage(matrix, busy, [matrix.gpus[p].index for p in subset])
+        key = ((pk is not None, pk or (0.0, ())), -numa, -nic, -damage)
+        if best is None or key > best[0]:
+            best = (key, pk, numa, nic, damage)
+    if best is None:
+        return None
+    return best[1:]

@@ -1,0 +1,115 @@
+"""Host replays stay inside their root; a snapshot of this machine replays to the same output."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from conftest import SHARED
+
+from topoagent.cli import main
+from topoagent.host import CommandNotFound, Host, HostError
+
+
+def test_symlinks_resolve_inside_the_root(tmp_path: Path) -> None:
+    (tmp_path / "sys/class/net").mkdir(parents=True)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/hostname").write_text("replayed\n")
+    os.symlink("../../../../../../../etc", tmp_path / "sys/class/net/up")
+    os.symlink("/etc", tmp_path / "sys/class/net/absolute")
+    host = Host(tmp_path)
+    assert host.realpath("/sys/class/net/up") == "/etc"
+    # Both reach the recording's etc/, never this machine's.
+    assert host.read_text("/sys/class/net/up/hostname") == "replayed\n"
+    assert host.read_text("/sys/class/net/absolute/hostname") == "replayed\n"
+    assert host.read_optional("/sys/class/net/up/passwd") is None
+
+
+def test_tarball_members_escaping_the_root_are_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tar.gz"
+    with tarfile.open(bad, "w:gz") as archive:
+        info = tarfile.TarInfo("../escape")
+        data = b"x"
+        info.size = len(data)
+        archive.addfile(info, io.BytesIO(data))
+    with pytest.raises(HostError, match="unsafe member"):
+        Host(bad)
+    assert not (tmp_path / "escape").exists()
+
+
+def test_hwloc_tarball_is_a_root() -> None:
+    with Host(SHARED / "hwloc/linux/32intel64-2p8co2t+8ve.tar.bz2") as host:
+        assert host.realpath("/sys/bus/pci/devices/0000:1a:00.0") == (
+            "/sys/devices/pci0000:17/0000:17:00.0/0000:18:00.0/0000:19:04.0/0000:1a:00.0")
+
+
+def test_replayed_commands(tmp_path: Path) -> None:
+    (tmp_path / "commands").mkdir()
+    (tmp_path / "commands/nvidia-smi_topo_-m.out").write_text("out")
+    (tmp_path / "commands/nvidia-smi_topo_-m.rc").write_text("3")
+    host = Host(tmp_path)
+    result = asyncio.run(host.run(["nvidia-smi", "topo", "-m"]))
+    assert (result.stdout, result.returncode) == ("out", 3)
+    with pytest.raises(CommandNotFound):
+        asyncio.run(host.run(["ibstat"]))
+
+
+def test_live_commands_run_without_a_shell_and_time_out() -> None:
+    host = Host("/")
+    result = asyncio.run(host.run([sys.executable, "-c", "print('a;b')"]))
+    assert result.stdout == "a;b\n"
+    with pytest.raises(CommandNotFound):
+        asyncio.run(host.run(["no-such-command-topoagent"]))
+    from topoagent.host import CommandTimeout
+
+    with pytest.raises(CommandTimeout):
+        asyncio.run(host.run([sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.2))
+
+
+def _discover_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:
+    assert main(["discover", "--json", *args]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for status in out["collectors"].values():
+        status.pop("seconds")
+    return out
+
+
+@pytest.mark.parametrize("form", ["dir", "tar.gz"])
+def test_snapshot_of_this_machine_replays_to_the_same_discovery(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], form: str
+) -> None:
+    out = tmp_path / ("node" if form == "dir" else "node.tar.gz")
+    assert main(["snapshot", str(out)]) == 0
+    capsys.readouterr()
+    live = _discover_json(capsys)
+    replayed = _discover_json(capsys, "--root", str(out))
+    assert replayed == live
+    assert live["pci_devices"], "this machine has PCI devices to compare"
+
+
+def test_snapshot_holds_only_what_discovery_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["snapshot", str(tmp_path / "node")]) == 0
+    files = [p for p in (tmp_path / "node").rglob("*") if p.is_file() and not p.is_symlink()]
+    assert not any("/config" in str(p) or p.name == "resource" for p in files)
+    assert json.loads((tmp_path / "node/snapshot.json").read_text())["schema"] == 1
+
+
+def test_bad_root_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["discover", "--root", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no such file" in err
+
+
+def test_nvml_module_is_import_safe_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
+    from topoagent.collectors import nvml
+
+    assert nvml.read_live() is None
+    result = asyncio.run(nvml.collect(Host("/")))
+    assert result.status == "no_data"

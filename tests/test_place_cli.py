@@ -1,0 +1,66 @@
+"""`topoagent place`: single answers, --batch JSON lines, and one-line errors with exit 2."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from topoagent.cli import main
+
+CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus" / "nvidia-smi-topo"
+DGX1 = str(next(CORPUS.glob("dlperf-8xV100-SXM2-hybridcubemesh*")))
+
+
+def test_place_json(capsys):
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--busy", "3,4,5,7", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [g["index"] for g in data["gpus"]] in ([1, 2], [2, 1])
+    assert data["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(str(g["index"]) for g in data["gpus"])
+
+
+def test_place_text_and_no_fit(capsys):
+    assert main(["place", "--gpus", "4", "--from-nvidia-smi", DGX1, "--pattern", "alltoall"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("GPUs in rank order: ") and "alltoall: 25 GB/s" in out
+    assert main(["place", "--gpus", "8", "--from-nvidia-smi", DGX1, "--busy", "0"]) == 1
+    captured = capsys.readouterr()
+    assert "8 GPUs requested, 7 free" in captured.out and "no fit" in captured.err
+
+
+def test_bad_input_is_one_line_exit_2(capsys):
+    for argv in (
+        ["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--min-level", "FAST"],
+        ["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--busy", "x"],
+        ["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--busy", "12"],
+        ["place", "--gpus", "0", "--from-nvidia-smi", DGX1],
+        ["place", "--from-nvidia-smi", DGX1],
+        ["place", "--gpus", "2", "--from-nvidia-smi", "/nonexistent/topo.txt"],
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("topoagent place: ") and err.count("\n") == 1, err
+
+
+def test_batch_answers_in_order(monkeypatch, capsys):
+    lines = [
+        '{"gpus": 2, "busy": [3, 4, 5, 7]}',
+        "",
+        '{"gpus": 0}',
+        "not json",
+        '{"gpus": 9}',
+        '{"gpus": 2, "colour": "red"}',
+        '{"gpus": 4, "pattern": "pipeline", "busy": "0"}',
+        '{"gpus": 3, "single_numa": true, "nics": 1}',
+    ]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    assert main(["place", "--batch", "--from-nvidia-smi", DGX1]) == 0
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(answers) == 7
+    assert {g["index"] for g in answers[0]["gpus"]} == {1, 2}
+    assert answers[1]["error"]["field"] == "gpus" and answers[1]["error"]["line"] == 3
+    assert answers[2]["error"]["message"].startswith("not JSON")
+    assert answers[3]["fit"] is False and answers[3]["constraint"] == "gpus"
+    assert answers[4]["error"]["field"] == "colour"
+    assert answers[5]["error"]["field"] == "busy"
+    assert answers[6]["fit"] is True and len(answers[6]["gpus"]) == 3

@@ -1,0 +1,160 @@
+"""place() against brute force: on every complete corpus matrix, over every subset of free
+GPUs and every k, and on random matrices.  Terms (1) and (2) must equal brute force's best;
+(3) and (4) too, since the search is exact for them given (1)-(2)."""
+
+from __future__ import annotations
+
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from placement_oracle import best_keys, edge, numa_key, pattern_key, satisfies
+from topoagent.collectors.nvidia_smi import parse_topo_matrix
+from topoagent.levels import PHB, PIX, PXB, SYS, NODE, LinkLevel, expected_gbps, nv
+from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement, NicInfo
+from topoagent.placement import NoFit, Placement, Request, evaluate_damage, place
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+CORPUS = SHARED / "corpus" / "nvidia-smi-topo"
+
+
+def corpus_matrices() -> list[tuple[str, DistanceMatrix]]:
+    out = []
+    for path in sorted(CORPUS.glob("*.txt")):
+        try:
+            matrix = DistanceMatrix.from_topo_matrix(parse_topo_matrix(path.read_text()))
+        except ValueError:
+            continue  # truncated pastes: some GPU pair has no level
+        if matrix.size >= 2:
+            out.append((path.name, matrix))
+    return out
+
+
+CORPUS_MATRICES = corpus_matrices()
+
+
+def test_corpus_has_the_machines_the_issue_names():
+    names = " ".join(name for name, _ in CORPUS_MATRICES)
+    for expected in ("dlperf-8xV100", "delos", "asus", "sglang-24966", "dgxA100", "tensorflow", "ibm-ac922"):
+        assert expected in names
+    assert len(CORPUS_MATRICES) >= 15
+
+
+def answer_keys(matrix: DistanceMatrix, answer: Placement, cache: dict):
+    pos = tuple(sorted(matrix.gpu_by_index(g.index) for g in answer.gpus))
+    ck = (pos, answer.request.pattern)
+    if ck not in cache:
+        cache[ck] = pattern_key(matrix, pos, answer.request.pattern)
+    pk = cache[ck]
+    return pk, len({numa_key(matrix, p) for p in pos})
+
+
+def check_answer(matrix, req, busy, answer, cache):
+    expected = best_keys(matrix, req, busy, cache)
+    if expected is None:
+        assert isinstance(answer, NoFit), (req, busy, answer)
+        return
+    assert isinstance(answer, Placement), (req, busy, answer)
+    pos = tuple(matrix.gpu_by_index(i) for i in answer.indices)
+    # Valid: k distinct free GPUs meeting the constraints.
+    assert len(set(pos)) == req.gpus
+    assert not set(answer.indices) & set(busy)
+    assert satisfies(matrix, pos, req)
+    exp_pk, exp_numa, exp_nic, exp_damage = expected
+    got_pk, got_numa = answer_keys(matrix, answer, cache)
+    assert got_pk == exp_pk, (req, busy, answer.indices)
+    assert got_numa == exp_numa, (req, busy, answer.indices)
+    # The rank order really delivers the reported bottleneck.
+    if exp_pk is not None:
+        order = list(pos)
+        if req.pattern == "alltoall":
+            links = [edge(matrix, a, b) for a, b in combinations(order, 2)]
+        else:
+            links = [edge(matrix, order[i], order[i + 1]) for i in range(len(order) - 1)]
+            if req.pattern == "allreduce" and len(order) >= 3:
+                links.append(edge(matrix, order[-1], order[0]))
+        assert min(links) == exp_pk
+        assert answer.bandwidth_gbps == round(exp_pk[0], 2)
+    assert answer.objective.nic_cost == exp_nic
+    assert answer.objective.damage == exp_damage
+    assert evaluate_damage(matrix, busy, answer.indices) == exp_damage
+
+
+@pytest.mark.parametrize("name,matrix", CORPUS_MATRICES, ids=[n for n, _ in CORPUS_MATRICES])
+def test_corpus_every_free_subset_every_k_matches_brute_force(name, matrix):
+    indices = [g.index for g in matrix.gpus]
+    cache: dict = {}
+    for n_free in range(1, len(indices) + 1):
+        for free in combinations(indices, n_free):
+            busy = [i for i in indices if i not in free]
+            for k in range(1, n_free + 1):
+                for pattern in ("allreduce", "alltoall"):
+                    req = Request(gpus=k, pattern=pattern)
+                    check_answer(matrix, req, busy, place(matrix, req, busy), cache)
+    # Pipelines and NIC requests on the empty node.
+    for k in range(1, len(indices) + 1):
+        for req in (Request(gpus=k, pattern="pipeline"), Request(gpus=k, nics=min(2, len(matrix.nics)))):
+            check_answer(matrix, req, [], place(matrix, req, []), cache)
+
+
+# --- random matrices ------------------------------------------------------------------
+
+LEVEL_POOL = [nv(1), nv(2), nv(4), nv(12), PIX, PXB, PHB, NODE, SYS]
+
+
+@st.composite
+def random_case(draw):
+    n = draw(st.integers(2, 7))
+    levels = [[LinkLevel.parse("X")] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            levels[i][j] = levels[j][i] = draw(st.sampled_from(LEVEL_POOL))
+    numa = [draw(st.sampled_from([0, 0, 1, 2, None])) for _ in range(n)]
+    n_nics = draw(st.integers(0, 3))
+    nic_levels = tuple(
+        tuple(draw(st.sampled_from([PIX, PXB, NODE, SYS])) for _ in range(n_nics)) for _ in range(n)
+    )
+    gpus = tuple(
+        GpuInfo(index=i, name=f"GPU{i}", numa_node=numa[i], cpus=None if numa[i] is not None else "0-7")
+        for i in range(n)
+    )
+    expected = tuple(tuple(expected_gbps(lv) for lv in row) for row in levels)
+    measured = {}
+    if draw(st.booleans()):
+        for i in range(n):
+            for j in range(i + 1, n):
+                if draw(st.booleans()):
+                    measured[(i, j)] = Measurement(draw(st.sampled_from([10.0, 20.0, 24.0, 45.0])), 0.0)
+    matrix = DistanceMatrix(
+        gpus=gpus,
+        nics=tuple(NicInfo(name=f"mlx5_{j}") for j in range(n_nics)),
+        gpu_levels=tuple(tuple(r) for r in levels),
+        gpu_expected_gbps=expected,
+        gpu_nic_levels=nic_levels,
+        measured=measured,
+    )
+    busy = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n - 1))
+    free = [i for i in range(n) if i not in busy]
+    k = draw(st.integers(1, n))
+    include = draw(st.lists(st.sampled_from(free), unique=True, max_size=min(2, k))) if draw(st.booleans()) else []
+    exclude = draw(st.lists(st.sampled_from([i for i in free if i not in include] or [None]), unique=True, max_size=1))
+    req = Request(
+        gpus=k,
+        pattern=draw(st.sampled_from(["allreduce", "alltoall", "pipeline", "independent"])),
+        min_level=draw(st.sampled_from([None, None, "NV", "PIX", "NODE"])),
+        single_numa=draw(st.booleans()),
+        include=tuple(include),
+        exclude=tuple(e for e in exclude if e is not None),
+        nics=draw(st.integers(0, n_nics)),
+    )
+    return matrix, req, busy
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(random_case())
+def test_random_matrices_match_brute_force(case):
+    matrix, req, busy = case
+    check_answer(matrix, req, busy, place(matrix, req, busy), {})

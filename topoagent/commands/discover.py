@@ -1,0 +1,61 @@
+"""`topoagent discover`: find how this node (or a recorded one) is wired."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from topoagent.cli import UsageError
+from topoagent.collectors.nvidia_smi import render_topo_matrix
+from topoagent.host import Host, HostError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "discover",
+        help="discover GPUs, NICs, the PCIe tree and NUMA of this node (or a recording)",
+        description=(
+            "Read sysfs, NVML and `nvidia-smi topo -m`, derive every GPU/NIC pair's link "
+            "level and report disagreements and degraded links as findings."
+        ),
+    )
+    parser.add_argument("--root", metavar="DIR|TARBALL", default="/",
+                        help="a recorded node (snapshot directory or .tar.gz/.tar.bz2); default: this node")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="print the whole NodeTopology as JSON")
+    out.add_argument("--matrix", action="store_true",
+                     help="print the derived matrix in `nvidia-smi topo -m` form (the default)")
+    parser.set_defaults(run=run)
+
+
+def open_host(root: str) -> Host:
+    try:
+        return Host(root)
+    except HostError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def discover_root(root: str) -> "NodeTopology":  # noqa: F821
+    """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
+    from topoagent.model import discover
+
+    with open_host(root) as host:
+        return asyncio.run(discover(host))
+
+
+def run(args: argparse.Namespace) -> int:
+    topology = discover_root(args.root)
+    if args.json:
+        json.dump(topology.to_json(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    matrix = topology.topo_matrix()
+    if matrix.devices:
+        sys.stdout.write(render_topo_matrix(matrix))
+    else:
+        print("no GPUs or RDMA NICs found")
+    for finding in topology.findings:
+        print(f"{finding.severity}: {finding.subject}: {finding.message}", file=sys.stderr)
+    return 0

@@ -1,0 +1,218 @@
+"""`topoagent probe`: run one round of link measurements and print the figures.
+
+The measuring happens in a child process (``topoagent.probes.worker``, the only one that
+imports torch); this command builds the plan, shows progress on stderr, overlays the
+figures on the matrix and reports findings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from typing import Any, TextIO
+
+from topoagent.cli import UsageError
+from topoagent.collectors.nvidia_smi import TopoParseError, parse_topo_matrix
+from topoagent.matrix import DistanceMatrix
+from topoagent.probes.overlay import findings_for, overlay
+from topoagent.probes.plan import build_round_plan, expected_result_count, numa_nodes_with_cpus
+from topoagent.probes.runner import ProbeRound, run_probe_round
+
+CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "probe",
+        help="measure GPU links (P2P, latency, host per NUMA node) in a child process",
+        description=(
+            "Run one round of bandwidth probes in a child process and print each figure "
+            "(median and spread, GB/s per direction), the matrix with measurements "
+            "overlaid, and findings (degraded links, levels the figures contradict). "
+            "The cpu backend runs the same plan on host memory, for testing without a GPU."
+        ),
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--root", metavar="DIR", help="discover the node at DIR ('/' = this node)")
+    source.add_argument(
+        "--from-nvidia-smi",
+        metavar="FILE",
+        help="take GPUs and declared levels from `nvidia-smi topo -m` output (- for stdin)",
+    )
+    source.add_argument("--gpus", type=int, metavar="N", help="probe GPUs 0..N-1 with no declared topology")
+    parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="default: cuda")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="kill the worker after this long")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    progress = parser.add_mutually_exclusive_group()
+    progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress")
+    progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
+    parser.set_defaults(run=run)
+
+
+def matrix_from_root(root: str) -> DistanceMatrix:
+    from topoagent.commands.discover import discover_root
+
+    return discover_root(root).distance_matrix()
+
+
+def matrix_from_nvidia_smi(path: str) -> DistanceMatrix:
+    try:
+        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8", errors="replace").read()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    source = "stdin" if path == "-" else path
+    try:
+        return DistanceMatrix.from_topo_matrix(parse_topo_matrix(text))
+    except TopoParseError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+    except ValueError as exc:
+        raise UsageError(f"{source}: {exc}") from None
+
+
+def choose_devices(args: argparse.Namespace) -> tuple[DistanceMatrix | None, list[int]]:
+    if args.root:
+        matrix = matrix_from_root(args.root)
+        return matrix, [g.index for g in matrix.gpus]
+    if args.from_nvidia_smi:
+        matrix = matrix_from_nvidia_smi(args.from_nvidia_smi)
+        if not matrix.gpus:
+            raise UsageError(f"{args.from_nvidia_smi}: no GPUs in the matrix")
+        return matrix, [g.index for g in matrix.gpus]
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise UsageError("--gpus needs at least 1")
+        return None, list(range(args.gpus))
+    if args.backend == "cpu":
+        return None, list(range(CPU_STAND_INS))
+    raise UsageError("say which GPUs to probe: --root DIR, --from-nvidia-smi FILE or --gpus N")
+
+
+class ProgressBar:
+    """Text progress on stderr: redrawn in place on a terminal, one line each otherwise."""
+
+    WIDTH = 24
+
+    def __init__(self, total: int, stream: TextIO, enabled: bool):
+        self.total = max(total, 1)
+        self.done = 0
+        self.stream = stream
+        self.enabled = enabled
+        self.inline = enabled and stream.isatty()
+
+    def update(self, record: dict[str, Any]) -> None:
+        self.done += 2 if record.get("type") == "skipped" and record.get("kind") == "p2p_bidir" else 1
+        if not self.enabled:
+            return
+        filled = min(self.WIDTH, self.WIDTH * self.done // self.total)
+        what = f"{record.get('kind')} {record.get('direction', '')}".strip()
+        if record.get("size_bytes"):
+            what += f" {human_size(record['size_bytes'])}"
+        if record.get("type") == "skipped":
+            what += " (skipped)"
+        line = f"probe [{'#' * filled}{'.' * (self.WIDTH - filled)}] {min(self.done, self.total)}/{self.total} {what}"
+        if self.inline:
+            self.stream.write("\r\033[K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.inline:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def human_size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} B"
+
+
+def pair_rows(matrix: DistanceMatrix) -> list[dict[str, Any]]:
+    rows = []
+    for i in range(matrix.size):
+        for j in range(i + 1, matrix.size):
+            m = matrix.measured.get((i, j))
+            rows.append(
+                {
+                    "a": matrix.gpus[i].name,
+                    "b": matrix.gpus[j].name,
+                    "level": str(matrix.level(i, j)),
+                    "expected_gbps": matrix.gpu_expected_gbps[i][j],
+                    "measured_gbps": m.gbps if m else None,
+                    "bandwidth_gbps": matrix.bandwidth(i, j),
+                }
+            )
+    return rows
+
+
+def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings: list[Any], out: TextIO) -> None:
+    worker = probe_round.worker or {}
+    out.write(
+        f"backend {probe_round.backend} (torch {worker.get('torch', '?')}): "
+        f"{len(probe_round.results)} results in {probe_round.duration_s:.1f} s\n\n"
+    )
+    out.write(f"{'measurement':<12} {'direction':<14} {'size':>9} {'median':>10} {'p10..p90':>19} {'reps':>5}\n")
+    for r in probe_round.results:
+        if "median" not in r:
+            continue
+        unit = r.get("unit", "")
+        spread = f"{r['p10']:.2f}..{r['p90']:.2f}"
+        out.write(
+            f"{r['kind']:<12} {r.get('direction', ''):<14} {human_size(r['size_bytes']):>9} "
+            f"{r['median']:>10.2f} {spread:>19} {r['repetitions']:>5} {unit}\n"
+        )
+    peers = [r for r in probe_round.results if r.get("kind") == "peer_access"]
+    if peers:
+        out.write("\npeer access: " + ", ".join(f"{r['src']}->{r['dst']} {'yes' if r['available'] else 'no'}" for r in peers) + "\n")
+    for s in probe_round.skipped:
+        out.write(f"skipped {s.get('kind')} #{s.get('id')}: {s.get('reason')}\n")
+    if matrix is not None:
+        out.write(f"\n{'pair':<14} {'level':<6} {'expected':>9} {'measured':>9}  GB/s per direction\n")
+        for row in pair_rows(matrix):
+            measured = "-" if row["measured_gbps"] is None else f"{row['measured_gbps']:.2f}"
+            expected = "-" if row["expected_gbps"] is None else f"{row['expected_gbps']:.2f}"
+            out.write(f"{row['a'] + '-' + row['b']:<14} {row['level']:<6} {expected:>9} {measured:>9}\n")
+    if findings:
+        out.write("\nfindings:\n")
+        for f in findings:
+            out.write(f"  {f.severity:<8} {f.kind}: {f.message}\n")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    matrix, gpus = choose_devices(args)
+    plan = build_round_plan(args.backend, gpus, numa_nodes_with_cpus())
+    show = sys.stderr.isatty() if args.progress is None else args.progress
+    bar = ProgressBar(expected_result_count(plan), sys.stderr, show)
+    try:
+        probe_round = asyncio.run(run_probe_round(plan, timeout_s=args.timeout, on_record=bar.update))
+    finally:
+        bar.close()
+    figures = probe_round.figures()
+    findings = []
+    if matrix is not None:
+        matrix = overlay(matrix, figures)
+        findings = findings_for(matrix, figures)
+        if args.backend == "cpu":
+            print(
+                "note: the cpu backend copies host memory in place of GPUs; "
+                "its findings compare those copies with GPU link expectations",
+                file=sys.stderr,
+            )
+    if args.json:
+        doc = probe_round.to_json()
+        doc["pairs"] = pair_rows(matrix) if matrix is not None else None
+        doc["findings"] = [f.to_json() for f in findings]
+        json.dump(doc, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        render_text(probe_round, matrix, findings, sys.stdout)
+    if probe_round.failure is not None:
+        print(f"topoagent probe: {probe_round.failure.kind}: {probe_round.failure.message}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,38 @@
+"""`topoagent snapshot OUT`: record this node so it can be replayed with --root OUT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from topoagent.cli import UsageError
+from topoagent.host import Host, HostError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "snapshot",
+        help="record the files, commands and NVML answers discovery reads",
+        description=(
+            "Record exactly what `topoagent discover` reads on this node (sysfs/procfs "
+            "files, `nvidia-smi topo -m`, NVML answers) into a directory or .tar.gz that "
+            "`topoagent discover --root OUT` replays."
+        ),
+    )
+    parser.add_argument("out", metavar="OUT", help="new directory, or a path ending in .tar.gz")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from topoagent.model import discover
+    from topoagent.snapshot import write_snapshot
+
+    host = Host("/", record=True)
+    asyncio.run(discover(host))
+    try:
+        path = write_snapshot(host, args.out)
+    except (HostError, OSError) as exc:
+        raise UsageError(f"{args.out}: {exc}") from None
+    print(f"recorded this node into {path}", file=sys.stderr)
+    return 0

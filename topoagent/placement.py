@@ -1,0 +1,1082 @@
+"""The placement core: which k GPUs of this node a job should get, in which rank order.
+
+``place(matrix, request, busy) -> Placement | NoFit`` is pure: it reads a DistanceMatrix,
+a Request and the set of busy GPU indices, and returns a value.  The HTTP endpoint, the
+CLI and the lease manager are thin shells over it.
+
+Objective (lexicographic; an earlier term always wins over a later one)
+-----------------------------------------------------------------------
+1. **Pattern bandwidth**, maximised.  Every GPU pair has an edge key
+   ``(bandwidth, closeness)``: bandwidth is the measured GB/s when fresh, else the level's
+   expected GB/s; at equal bandwidth the closer level wins (so from an nvidia-smi matrix
+   alone NV n beats every PCIe level and more NVLinks beat fewer, and PIX beats PXB).
+   The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
+   (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
+   ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
+2. **Fewest NUMA nodes** (sockets) spanned.  A GPU's NUMA node is the one nvidia-smi or
+   sysfs reports; when only the CPU affinity is known, GPUs with the same CPU list count
+   as one node.
+3. **NIC affinity**, only when ``nics`` > 0: the sum of the link-kind distances of the
+   ``nics`` NICs closest to the set (each NIC's distance is its closest GPU in the set).
+4. **Least damage to what stays free**: for every zone of the node -- NUMA nodes and the
+   connected groups at each link level (NVLink zones, PCIe switches, host bridges) --
+   taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
+   best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
+   whole for later large jobs.
+5. **Deterministic tie-break**: the first set found in a fixed search order (zones in
+   hierarchy order, lowest GPU index first).
+
+Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
+and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
+
+* Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
+  distinct edge keys from best to worst (binary search when there are many) and, at each
+  threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
+  every member to have two such links inside the set and the whole set inside one
+  connected component, so a degree core and the components discard most thresholds in a
+  few bit operations.
+* Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
+  same NIC distances when NICs matter) are interchangeable; the search picks a *count*
+  from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
+  one per socket, when NICs do not matter).
+* Branch and bound over classes with lower bounds for (2) (NUMA nodes touched plus the
+  fewest further nodes that can hold the rest), (3) (the NIC cost of everything still
+  allowed -- it only falls as GPUs are added) and (4) (damage so far plus the least
+  each further GPU costs), and a memoised Hamiltonian check at the leaves for sets whose
+  links at ``t`` do not form a clique.
+
+The node ``score`` is ``10 x quality - loss``: quality is the pattern bandwidth in GB/s
+(absolute, so comparable across nodes; 0 for jobs without links), loss is the number of
+extra NUMA nodes spanned plus the number of whole zones the placement breaks.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable, Iterator
+
+from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
+from topoagent.matrix import DistanceMatrix
+
+PATTERNS = ("allreduce", "alltoall", "pipeline", "independent")
+REQUEST_FIELDS = ("gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics")
+
+
+class RequestError(ValueError):
+    """A request field is invalid; ``field`` names it."""
+
+    def __init__(self, field_name: str, message: str):
+        self.field = field_name
+        self.message = message
+        super().__init__(f"{field_name}: {message}")
+
+
+def _parse_min_level(value: Any) -> LinkLevel | None:
+    if value is None or isinstance(value, LinkLevel):
+        return value
+    if not isinstance(value, str):
+        raise RequestError("min_level", f"expected a link level such as 'NV' or 'PIX', got {value!r}")
+    if value.strip().upper() == "NV":
+        return nv(1)  # "any NVLink"
+    try:
+        level = LinkLevel.parse(value)
+    except LevelError as exc:
+        raise RequestError("min_level", str(exc)) from None
+    if level.kind in (LevelKind.SELF, LevelKind.NET_SUBNET, LevelKind.NET_OTHER):
+        raise RequestError("min_level", f"{value!r} is not a level between two GPUs of a node")
+    return level
+
+
+def _index_tuple(field_name: str, value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise RequestError(field_name, f"expected a list of GPU indices, got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
+            raise RequestError(field_name, f"{item!r} is not a GPU index")
+        out.append(item)
+    if len(set(out)) != len(out):
+        raise RequestError(field_name, "lists a GPU twice")
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a job asks for.  Construction validates; a bad field raises RequestError."""
+
+    gpus: int
+    pattern: str = "allreduce"
+    min_level: LinkLevel | None = None  # every pair at least this close (NV = any NVLink)
+    single_numa: bool = False
+    include: tuple[int, ...] = ()
+    exclude: tuple[int, ...] = ()
+    nics: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
+            raise RequestError("gpus", f"expected a whole number >= 1, got {self.gpus!r}")
+        if self.pattern not in PATTERNS:
+            raise RequestError("pattern", f"{self.pattern!r} is not one of {', '.join(PATTERNS)}")
+        object.__setattr__(self, "min_level", _parse_min_level(self.min_level))
+        if not isinstance(self.single_numa, bool):
+            raise RequestError("single_numa", f"expected true or false, got {self.single_numa!r}")
+        object.__setattr__(self, "include", _index_tuple("include", self.include))
+        object.__setattr__(self, "exclude", _index_tuple("exclude", self.exclude))
+        if set(self.include) & set(self.exclude):
+            both = sorted(set(self.include) & set(self.exclude))
+            raise RequestError("include", f"GPU {both[0]} is both included and excluded")
+        if len(self.include) > self.gpus:
+            raise RequestError("include", f"lists {len(self.include)} GPUs but only {self.gpus} requested")
+        if isinstance(self.nics, bool) or not isinstance(self.nics, int) or self.nics < 0:
+            raise RequestError("nics", f"expected a whole number >= 0, got {self.nics!r}")
+
+    @classmethod
+    def from_json(cls, obj: Any) -> "Request":
+        """From a JSON object; unknown keys are errors (a typo must not be ignored)."""
+        if not isinstance(obj, dict):
+            raise RequestError("request", "expected a JSON object")
+        unknown = sorted(set(obj) - set(REQUEST_FIELDS))
+        if unknown:
+            raise RequestError(unknown[0], "unknown request field")
+        if "gpus" not in obj:
+            raise RequestError("gpus", "missing")
+        return cls(**obj)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "pattern": self.pattern,
+            "min_level": str(self.min_level) if self.min_level else None,
+            "single_numa": self.single_numa,
+            "include": list(self.include),
+            "exclude": list(self.exclude),
+            "nics": self.nics,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedGpu:
+    rank: int
+    index: int
+    uuid: str | None
+    pci_address: str | None
+    numa_node: int | None
+    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs
+    nic_level: LinkLevel | None  # how close those NICs are
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "index": self.index,
+            "uuid": self.uuid,
+            "pci_address": self.pci_address,
+            "numa_node": self.numa_node,
+            "nearest_nics": list(self.nearest_nics),
+            "nic_level": str(self.nic_level) if self.nic_level else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PatternLink:
+    a: int  # GPU indices
+    b: int
+    level: LinkLevel
+    gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """The terms of the objective for one answer (see the module docstring)."""
+
+    bandwidth_gbps: float | None  # (1), None when the pattern has no links
+    bottleneck_level: LinkLevel | None  # (1), the level of the weakest pattern link
+    numa_nodes: int  # (2)
+    nic_cost: int  # (3), 0 when no NICs were asked for
+    damage: int  # (4)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "bottleneck_level": str(self.bottleneck_level) if self.bottleneck_level else None,
+            "numa_nodes": self.numa_nodes,
+            "nic_cost": self.nic_cost,
+            "damage": self.damage,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    request: Request
+    gpus: tuple[PlacedGpu, ...]  # in rank order
+    bandwidth_gbps: float | None
+    worst_level: LinkLevel | None
+    links: tuple[PatternLink, ...]
+    numa_nodes: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]  # the NICs chosen for the job (``nics`` asked), else nearest ones
+    env: dict[str, str]
+    numactl: tuple[str, ...]
+    score: float
+    objective: Objective
+    broken_zones: tuple[str, ...]
+    explain: tuple[str, ...]
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fit": True,
+            "gpus": [g.to_json() for g in self.gpus],
+            "pattern": self.request.pattern,
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "worst_level": str(self.worst_level) if self.worst_level else None,
+            "links": [
+                {"a": ln.a, "b": ln.b, "level": str(ln.level), "gbps": ln.gbps} for ln in self.links
+            ],
+            "numa_nodes": list(self.numa_nodes),
+            "cpus": self.cpus,
+            "nics": list(self.nics),
+            "env": dict(self.env),
+            "numactl": list(self.numactl),
+            "score": self.score,
+            "objective": self.objective.to_json(),
+            "broken_zones": list(self.broken_zones),
+            "explain": list(self.explain),
+            "request": self.request.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NoFit:
+    request: Request
+    reason: str
+    constraint: str  # the request field that cannot hold: gpus, include, min_level, ...
+    free: tuple[int, ...]
+    best_available: Placement | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fit": False,
+            "reason": self.reason,
+            "constraint": self.constraint,
+            "free": list(self.free),
+            "best_available": self.best_available.to_json() if self.best_available else None,
+            "request": self.request.to_json(),
+        }
+
+
+# --- cpulists -------------------------------------------------------------------------
+
+
+def parse_cpulist(text: str) -> set[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            cpus.update(range(int(lo), int(hi) + 1))
+        else:
+            cpus.add(int(part))
+    return cpus
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    ordered = sorted(set(cpus))
+    parts = []
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+# --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
+
+
+def _bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+_NO_NIC = 99
+
+
+class _Prepared:
+    """Everything about a matrix the search reads, as bitmasks over GPU positions."""
+
+    def __init__(self, matrix: DistanceMatrix, now: float | None):
+        n = matrix.size
+        self.n = n
+        self.matrix = matrix
+        self.all_mask = (1 << n) - 1
+        levels = matrix.gpu_levels
+        bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
+        self.bw = bw
+        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...).
+        keys = {
+            (bw[i][j], tuple(-x for x in levels[i][j].sort_key()))
+            for i in range(n)
+            for j in range(n)
+            if i != j
+        }
+        ordered = sorted(keys)
+        index_of = {key: r for r, key in enumerate(ordered)}
+        self.rank = [
+            [
+                index_of[(bw[i][j], tuple(-x for x in levels[i][j].sort_key()))] if i != j else -1
+                for j in range(n)
+            ]
+            for i in range(n)
+        ]
+        self.n_ranks = len(ordered)
+        self._adj: dict[int, list[int]] = {}
+        self._level_adj: dict[tuple[int, int], list[int]] = {}
+        self.ham_memo: dict[tuple[int, int, bool], tuple[int, ...] | None] = {}
+
+        # NUMA groups: the NUMA node when known, else the CPU list, else one group.
+        keys_numa: list[Any] = []
+        for g in matrix.gpus:
+            if g.numa_node is not None:
+                keys_numa.append(("numa", g.numa_node))
+            elif g.cpus:
+                keys_numa.append(("cpus", format_cpulist(parse_cpulist(g.cpus))))
+            else:
+                keys_numa.append(("unknown", None))
+        seen: dict[Any, int] = {}
+        self.numa_of = []
+        for key in keys_numa:
+            self.numa_of.append(seen.setdefault(key, len(seen)))
+        self.numa_keys = list(seen)
+        self.numa_masks = [0] * len(seen)
+        for i, gi in enumerate(self.numa_of):
+            self.numa_masks[gi] |= 1 << i
+
+        # GPU -> NIC distance as a LevelKind number; per NIC, the GPUs within each kind.
+        self.nic_kind = [
+            [
+                int(lv.kind) if lv is not None else _NO_NIC
+                for lv in (matrix.gpu_nic_levels[i] if matrix.gpu_nic_levels else ())
+            ]
+            for i in range(n)
+        ]
+        n_nics = len(matrix.nics) if matrix.gpu_nic_levels else 0
+        self.n_nics = n_nics
+        self.nic_steps: list[list[tuple[int, int]]] = []
+        for j in range(n_nics):
+            kinds = sorted({self.nic_kind[i][j] for i in range(n)})
+            steps = []
+            for kv in kinds:
+                mask = sum(1 << i for i in range(n) if self.nic_kind[i][j] <= kv)
+                steps.append((kv, mask))
+            self.nic_steps.append(steps)
+
+        # Zones: connected groups at each distinct link level, plus NUMA nodes.
+        self.zone_levels: list[tuple[str, list[int]]] = []  # (name, gpu -> zone mask)
+        seen_partitions: set[tuple[int, ...]] = set()
+        distinct_levels = sorted({levels[i][j] for i in range(n) for j in range(n) if i != j})
+        for level in distinct_levels:
+            zone_of = self._components_at_level(level)
+            partition = tuple(sorted(set(zone_of)))
+            if len(partition) in (1, n) or partition in seen_partitions:
+                continue
+            seen_partitions.add(partition)
+            self.zone_levels.append((f"{level} zone", zone_of))
+        if len(self.numa_masks) > 1:
+            zone_of = [self.numa_masks[self.numa_of[i]] for i in range(n)]
+            partition = tuple(sorted(set(zone_of)))
+            if partition not in seen_partitions:
+                self.zone_levels.append(("NUMA node", zone_of))
+        # Coarse zones first, so the hierarchy key groups GPUs like the machine does.
+        self.zone_levels.sort(key=lambda item: len(set(item[1])))
+        self.hier_key = [
+            tuple(min(_bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
+            for i in range(n)
+        ]
+        self._classes: dict[bool, list[int]] = {}
+        self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
+        self._cpus_of: dict[int, str | None] = {}
+
+    def cpus_of(self, mask: int) -> str | None:
+        """The CPU list close to these GPUs (None when any GPU's is unknown)."""
+        got = self._cpus_of.get(mask, "")
+        if got == "":
+            sets = [self.gpu_cpus[v] for v in _bits(mask)]
+            got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
+            if len(self._cpus_of) < 100_000:
+                self._cpus_of[mask] = got
+        return got
+
+    def _components_at_level(self, level: LinkLevel) -> list[int]:
+        n = self.n
+        limit = level.sort_key()
+        adj = [
+            sum(1 << j for j in range(n) if j != i and self.matrix.gpu_levels[i][j].sort_key() <= limit)
+            for i in range(n)
+        ]
+        zone_of = [0] * n
+        remaining = self.all_mask
+        while remaining:
+            seed = remaining & -remaining
+            comp = seed
+            frontier = seed
+            while frontier:
+                reach = 0
+                for v in _bits(frontier):
+                    reach |= adj[v]
+                frontier = reach & ~comp
+                comp |= frontier
+            for v in _bits(comp):
+                zone_of[v] = comp
+            remaining &= ~comp
+        return zone_of
+
+    def adj(self, r: int) -> list[int]:
+        """Per GPU, the GPUs joined to it by a link whose key ranks at least ``r``."""
+        got = self._adj.get(r)
+        if got is None:
+            got = [
+                sum(1 << j for j, rk in enumerate(row) if rk >= r) for row in self.rank
+            ]
+            self._adj[r] = got
+        return got
+
+    def level_adj(self, level: LinkLevel) -> list[int]:
+        """Per GPU, the GPUs at least as close as ``level``."""
+        key = level.sort_key()
+        got = self._level_adj.get(key)
+        if got is None:
+            got = [
+                sum(
+                    1 << j
+                    for j in range(self.n)
+                    if j != i and self.matrix.gpu_levels[i][j].sort_key() <= key
+                )
+                for i in range(self.n)
+            ]
+            self._level_adj[key] = got
+        return got
+
+    def classes(self, with_nics: bool) -> list[int]:
+        """Interchangeable GPUs, as masks in hierarchy order (see the module docstring)."""
+        got = self._classes.get(with_nics)
+        if got is not None:
+            return got
+        n = self.n
+        assigned = [-1] * n
+        classes: list[int] = []
+        for u in sorted(range(n), key=lambda i: self.hier_key[i]):
+            if assigned[u] >= 0:
+                continue
+            mask = 1 << u
+            for v in range(n):
+                if v == u or assigned[v] >= 0 or self.numa_of[u] != self.numa_of[v]:
+                    continue
+                if with_nics and self.nic_kind[u] != self.nic_kind[v]:
+                    continue
+                if all(
+                    self.rank[u][w] == self.rank[v][w] for w in range(n) if w != u and w != v
+                ):
+                    mask |= 1 << v
+                    assigned[v] = len(classes)
+            assigned[u] = len(classes)
+            classes.append(mask)
+        self._classes[with_nics] = classes
+        return classes
+
+    def nic_cost(self, mask: int, wanted: int) -> int:
+        dists = []
+        for steps in self.nic_steps:
+            for kv, m in steps:
+                if m & mask:
+                    dists.append(kv)
+                    break
+            else:
+                dists.append(_NO_NIC)
+        dists.sort()
+        return sum(dists[:wanted])
+
+    def ham(self, mask: int, r: int, cycle: bool) -> tuple[int, ...] | None:
+        """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
+        key = (mask, r, cycle)
+        if key in self.ham_memo:
+            return self.ham_memo[key]
+        if len(self.ham_memo) > 200_000:
+            self.ham_memo.clear()
+        result = self._ham_search(mask, self.adj(r), cycle)
+        self.ham_memo[key] = result
+        return result
+
+    def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
+        verts = sorted(_bits(mask), key=lambda v: self.hier_key[v])
+        k = len(verts)
+        if k == 1:
+            return tuple(verts)
+        if all((adj[v] & mask) == mask & ~(1 << v) for v in verts):
+            return tuple(verts)  # a clique: any order; hierarchy order keeps neighbours close
+        if k == 2:
+            return None
+        degree = {v: (adj[v] & mask).bit_count() for v in verts}
+        if min(degree.values()) < (2 if cycle else 1):
+            return None
+        if not cycle and sum(1 for d in degree.values() if d == 1) > 2:
+            return None
+        starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
+        rank = self.rank
+        for start in starts:
+            path = [start]
+
+            def extend(last: int, visited: int) -> bool:
+                if len(path) == k:
+                    return not cycle or bool(adj[last] & (1 << start))
+                left = mask & ~visited
+                if cycle and not (adj[start] & left):
+                    return False
+                options = list(_bits(adj[last] & left))
+                # Fewest onward options first (finds Hamiltonian paths fast), best link first.
+                options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
+                for v in options:
+                    path.append(v)
+                    if extend(v, visited | (1 << v)):
+                        return True
+                    path.pop()
+                return False
+
+            if extend(start, 1 << start):
+                return tuple(path)
+        return None
+
+
+_PREPARED: dict[int, tuple[weakref.ref, frozenset, _Prepared]] = {}
+
+
+def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
+    fresh = frozenset(
+        key
+        for key, m in matrix.measured.items()
+        if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+    )
+    hit = _PREPARED.get(id(matrix))
+    if hit is not None and hit[0]() is matrix and hit[1] == fresh:
+        return hit[2]
+    prepared = _Prepared(matrix, now)
+    if len(_PREPARED) > 64:
+        _PREPARED.clear()
+    _PREPARED[id(matrix)] = (weakref.ref(matrix), fresh, prepared)
+    return prepared
+
+
+# --- the search -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Found:
+    mask: int
+    order: tuple[int, ...]
+    rank: int | None
+    key: tuple[int, int, int]
+
+
+class _Search:
+    """Branch and bound over interchangeable-GPU classes at one bandwidth threshold."""
+
+    def __init__(self, prep: _Prepared, req: Request, free_all: int, candidates: int, include: int):
+        self.prep = prep
+        self.req = req
+        self.k = req.gpus
+        self.free_all = free_all  # not busy: what damage is measured against
+        self.candidates = candidates  # not busy, not excluded
+        self.include = include
+        self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
+        self.zone_free: list[dict[int, int]] = [{} for _ in prep.zone_levels]
+        self.n_zone_levels = len(prep.zone_levels)
+
+    def links_needed(self) -> bool:
+        return self.k >= 2 and self.req.pattern != "independent"
+
+    def run(self) -> _Found | None:
+        prep = self.prep
+        if not self.links_needed():
+            return self._search_at(None, stop_at_first=False)
+        present = self._ranks_present()
+        if not present:
+            return None
+        # Feasibility falls as the threshold rises: find the best feasible one.
+        if len(present) <= 8:
+            for r in reversed(present):
+                found = self._search_at(r, stop_at_first=False)
+                if found is not None:
+                    return found
+            return None
+        lo, hi = 0, len(present) - 1  # present ascending; find the highest feasible
+        if self._search_at(present[lo], stop_at_first=True) is None:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._search_at(present[mid], stop_at_first=True) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self._search_at(present[lo], stop_at_first=False)
+
+    def _ranks_present(self) -> list[int]:
+        rank = self.prep.rank
+        verts = list(_bits(self.candidates))
+        h = self.h_adj
+        seen = set()
+        for a_pos, a in enumerate(verts):
+            row = rank[a]
+            for b in verts[a_pos + 1 :]:
+                if h is None or h[a] >> b & 1:
+                    seen.add(row[b])
+        return sorted(seen)
+
+    def _search_at(self, r: int | None, stop_at_first: bool) -> _Found | None:
+        prep = self.prep
+        k = self.k
+        pattern = self.req.pattern
+        n = prep.n
+        h = self.h_adj
+        if r is None:
+            eff = list(h) if h is not None else None
+        else:
+            adj = prep.adj(r)
+            eff = [adj[i] & h[i] for i in range(n)] if h is not None else adj
+        # Degree core: a ring member needs 2 good links inside the set, a path member 1,
+        # an all-to-all member k-1.
+        need = 0
+        if r is not None:
+            need = {"allreduce": 2, "pipeline": 1, "alltoall": k - 1}[pattern]
+            need = min(need, k - 1)
+        elif h is not None:
+            need = k - 1  # min_level: the set is a clique of close-enough pairs
+        verts = self.candidates
+        if need:
+            changed = True
+            while changed:
+                changed = False
+                for v in _bits(verts):
+                    if (eff[v] & verts).bit_count() < need:
+                        verts &= ~(1 << v)
+                        changed = True
+        if self.include & ~verts:
+            return None
+        if verts.bit_count() < k:
+            return None
+        comps = [verts] if eff is None else self._components(verts, eff)
+        comps = [c for c in comps if c.bit_count() >= k and not (self.include & ~c)]
+        if not comps:
+            return None
+        # Per GPU, which other GPUs may join it.
+        allowed = [self.prep.all_mask] * n
+        if h is not None:
+            allowed = [h[i] for i in range(n)]
+        if r is not None and pattern == "alltoall":
+            allowed = [allowed[i] & eff[i] for i in range(n)]
+        if self.req.single_numa:
+            allowed = [allowed[i] & prep.numa_masks[prep.numa_of[i]] for i in range(n)]
+        self.allowed = allowed
+        self.r = r
+        self.check_order = r is not None and pattern in ("allreduce", "pipeline") and k >= 3
+        self.best: _Found | None = None
+        self.stop_at_first = stop_at_first
+        classes_all = prep.classes(self.req.nics > 0)
+        for comp in comps:
+            start = self.include
+            cand = comp & ~start
+            ok = True
+            for v in _bits(start):
+                cand &= allowed[v]
+                if (start & ~(1 << v)) & ~allowed[v]:
+                    ok = False
+            if not ok:
+                continue
+            classes = [c & cand for c in classes_all if c & cand]
+            dmg = self._damage_add(0, start)
+            self._branch(classes, 0, start, k - start.bit_count(), cand, dmg)
+            if self.best is not None and stop_at_first:
+                break
+        return self.best
+
+    @staticmethod
+    def _components(verts: int, eff: list[int]) -> list[int]:
+        comps = []
+        remaining = verts
+        while remaining:
+            seed = remaining & -remaining
+            comp = seed
+            frontier = seed
+            while frontier:
+                reach = 0
+                for v in _bits(frontier):
+                    reach |= eff[v]
+                frontier = reach & verts & ~comp
+                comp |= frontier
+            comps.append(comp)
+            remaining &= ~comp
+        return comps
+
+    def _zone_free(self, level: int, zone: int) -> int:
+        cache = self.zone_free[level]
+        got = cache.get(zone)
+        if got is None:
+            got = (zone & self.free_all).bit_count()
+            cache[zone] = got
+        return got
+
+    def _damage_add(self, taken: int, add: int) -> int:
+        """Damage of taking ``add`` on top of ``taken``: sum of f^2 - (f-s)^2 increments."""
+        cost = 0
+        for level, (_, zone_of) in enumerate(self.prep.zone_levels):
+            t = taken
+            for v in _bits(add):
+                z = zone_of[v]
+                f = self._zone_free(level, z)
+                s = (t & z).bit_count()
+                cost += 2 * (f - s) - 1
+                t |= 1 << v
+        return cost
+
+    def _numa_bound(self, taken: int, cand: int, rem: int) -> int:
+        touched = 0
+        cap = 0
+        others = []
+        for g in self.prep.numa_masks:
+            if g & taken:
+                touched += 1
+                cap += (g & cand).bit_count()
+            else:
+                c = (g & cand).bit_count()
+                if c:
+                    others.append(c)
+        need = rem - cap
+        if need > 0:
+            others.sort(reverse=True)
+            for c in others:
+                touched += 1
+                need -= c
+                if need <= 0:
+                    break
+            else:
+                return 1 << 30
+        return touched
+
+    def _branch(self, classes: list[int], ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+        if rem == 0:
+            self._leaf(taken, dmg)
+            return
+        if cand.bit_count() < rem:
+            return
+        best = self.best
+        if best is not None:
+            if self.stop_at_first:
+                return
+            bound = (
+                self._numa_bound(taken, cand, rem),
+                self.prep.nic_cost(taken | cand, self.req.nics) if self.req.nics else 0,
+                dmg + rem * self.n_zone_levels,
+            )
+            if bound >= best.key:
+                return
+        while ci < len(classes) and not (classes[ci] & cand):
+            ci += 1
+        if ci >= len(classes):
+            return
+        members = list(_bits(classes[ci] & cand))
+        rest = cand & ~classes[ci]
+        allowed = self.allowed
+        top = min(len(members), rem)
+        if top >= 2 and not (allowed[members[0]] >> members[1] & 1):
+            top = 1  # all pairs inside a class are alike: if one pair may not join, none may
+        for c in range(top, -1, -1):
+            pick = 0
+            nxt = rest
+            for v in members[:c]:
+                pick |= 1 << v
+                nxt &= allowed[v]
+            self._branch(
+                classes, ci + 1, taken | pick, rem - c, nxt, dmg + self._damage_add(taken, pick)
+            )
+            if self.best is not None and self.stop_at_first:
+                return
+
+    def _leaf(self, taken: int, dmg: int) -> None:
+        prep = self.prep
+        order: tuple[int, ...] | None
+        if self.check_order:
+            order = prep.ham(taken, self.r, self.req.pattern == "allreduce")
+            if order is None:
+                return
+        elif self.r is not None and self.k == 2:
+            order = tuple(sorted(_bits(taken)))
+            a, b = order
+            if prep.rank[a][b] < self.r:
+                return
+        else:
+            order = tuple(sorted(_bits(taken), key=lambda v: prep.hier_key[v]))
+        numa = sum(1 for g in prep.numa_masks if g & taken)
+        nic = prep.nic_cost(taken, self.req.nics) if self.req.nics else 0
+        key = (numa, nic, dmg)
+        if self.best is None or key < self.best.key:
+            self.best = _Found(taken, order, self.r, key)
+
+
+# --- the answer -----------------------------------------------------------------------
+
+
+def place(
+    matrix: DistanceMatrix,
+    request: Request,
+    busy: Iterable[int] = (),
+    *,
+    now: float | None = None,
+) -> Placement | NoFit:
+    """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
+    prep = _prepare(matrix, now)
+    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+
+    def mask_of(field_name: str, indices: Iterable[int]) -> int:
+        mask = 0
+        for i in indices:
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise RequestError(field_name, f"{i!r} is not a GPU index")
+            if i not in pos_of:
+                known = ", ".join(str(g.index) for g in matrix.gpus)
+                raise RequestError(field_name, f"GPU {i} is not on this node (GPUs: {known})")
+            mask |= 1 << pos_of[i]
+        return mask
+
+    busy_mask = mask_of("busy", busy)
+    include = mask_of("include", request.include)
+    exclude = mask_of("exclude", request.exclude)
+    free_all = prep.all_mask & ~busy_mask
+    candidates = free_all & ~exclude
+    free_indices = tuple(matrix.gpus[v].index for v in _bits(candidates))
+    k = request.gpus
+    if include & busy_mask:
+        gone = [matrix.gpus[v].index for v in _bits(include & busy_mask)]
+        return NoFit(request, f"included GPU {gone[0]} is busy", "include", free_indices)
+    if candidates.bit_count() < k:
+        return NoFit(
+            request,
+            f"{k} GPUs requested, {candidates.bit_count()} free"
+            + (f" of {prep.n}" if prep.n else "")
+            + (f" ({exclude.bit_count()} excluded)" if exclude else ""),
+            "gpus",
+            free_indices,
+        )
+    if request.nics > prep.n_nics:
+        relaxed = replace(request, nics=prep.n_nics)
+        best = place(matrix, relaxed, busy, now=now)
+        return NoFit(
+            request,
+            f"{request.nics} NICs requested, the node has {prep.n_nics}",
+            "nics",
+            free_indices,
+            best if isinstance(best, Placement) else None,
+        )
+    found = _Search(prep, request, free_all, candidates, include).run()
+    if found is not None:
+        return _build(prep, request, found, free_all)
+    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now)
+
+
+def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now) -> NoFit:
+    k = request.gpus
+    relaxations = []
+    if request.min_level is not None:
+        relaxations.append(("min_level", replace(request, min_level=None)))
+    if request.single_numa:
+        relaxations.append(("single_numa", replace(request, single_numa=False)))
+    if request.include:
+        relaxations.append(("include", replace(request, include=())))
+    for name, relaxed in relaxations:
+        found = _Search(prep, relaxed, free_all, candidates, include if name != "include" else 0).run()
+        if found is None:
+            continue
+        best = _build(prep, relaxed, found, free_all)
+        if name == "min_level":
+            reason = (
+                f"no {k} free GPUs are all within {request.min_level} of each other; "
+                f"the best set has pairs at {_worst_pair_level(prep, found.mask)}"
+            )
+        elif name == "single_numa":
+            counts = sorted(
+                ((g & candidates).bit_count(), -i) for i, g in enumerate(prep.numa_masks)
+            )
+            most, node = counts[-1][0], _numa_label(prep, -counts[-1][1])
+            reason = f"no NUMA node has {k} free GPUs (most: {most} on node {node})"
+        else:
+            reason = "the included GPUs cannot be part of any set meeting the other constraints"
+        return NoFit(request, reason, name, free_indices, best)
+    names = [name for name, _ in relaxations]
+    reason = (
+        f"constraints {', '.join(names)} cannot hold together"
+        if len(names) > 1
+        else "no set of free GPUs meets the request"
+    )
+    return NoFit(request, reason, names[0] if names else "gpus", free_indices)
+
+
+def _numa_label(prep: _Prepared, group: int) -> int | str:
+    kind, value = prep.numa_keys[group]
+    return value if kind == "numa" else (f"cpus:{value}" if kind == "cpus" else "unknown")
+
+
+def _worst_pair_level(prep: _Prepared, mask: int) -> LinkLevel:
+    verts = list(_bits(mask))
+    levels = [prep.matrix.gpu_levels[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
+    return max(levels)
+
+
+def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
+    matrix = prep.matrix
+    order = list(found.order)
+    k = len(order)
+    links: list[PatternLink] = []
+
+    def link(a: int, b: int) -> PatternLink:
+        return PatternLink(
+            matrix.gpus[a].index, matrix.gpus[b].index, matrix.gpu_levels[a][b], round(prep.bw[a][b], 2)
+        )
+
+    if k >= 2 and req.pattern != "independent":
+        if req.pattern == "alltoall":
+            links = [link(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+        else:
+            links = [link(order[i], order[i + 1]) for i in range(k - 1)]
+            if req.pattern == "allreduce" and k >= 3:
+                links.append(link(order[-1], order[0]))
+    bandwidth = min((ln.gbps for ln in links), default=None)
+    worst = max((ln.level for ln in links), default=None)
+    weakest = min(links, key=lambda ln: (ln.gbps, tuple(-x for x in ln.level.sort_key())), default=None)
+
+    # NICs: per GPU the closest; for the job, the `nics` closest to the set.
+    nic_names = [n.device or n.name for n in matrix.nics]
+    placed = []
+    for rank_no, v in enumerate(order):
+        g = matrix.gpus[v]
+        kinds = prep.nic_kind[v]
+        nearest: tuple[str, ...] = ()
+        nic_level = None
+        if kinds and min(kinds) < _NO_NIC:
+            best_kind = min(kinds)
+            nearest = tuple(nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
+            nic_level = next(matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind)
+        placed.append(PlacedGpu(rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level))
+    if req.nics:
+        dist = []
+        for j, steps in enumerate(prep.nic_steps):
+            kv = next((kv for kv, m in steps if m & found.mask), _NO_NIC)
+            dist.append((kv, j))
+        chosen = tuple(nic_names[j] for _, j in sorted(dist)[: req.nics])
+    else:
+        chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
+
+    numa_groups = sorted({prep.numa_of[v] for v in order})
+    numa_labels = [_numa_label(prep, gi) for gi in numa_groups]
+    cpus = prep.cpus_of(found.mask)
+    if numa_labels and all(isinstance(x, int) for x in numa_labels):
+        nodes = ",".join(str(x) for x in numa_labels)
+        numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
+    elif cpus:
+        numactl = ("numactl", f"--physcpubind={cpus}")
+    else:
+        numactl = ()
+    env = {
+        # nvidia-smi indices equal CUDA's only in PCI bus order.
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(p.index) for p in placed),
+    }
+    if chosen:
+        env["NCCL_IB_HCA"] = "=" + ",".join(chosen)  # '=' : exact names, mlx5_1 is not mlx5_10
+
+    broken = _broken_zones(prep, found.mask, free_all)
+    objective = Objective(
+        bandwidth_gbps=bandwidth,
+        bottleneck_level=weakest.level if weakest else None,
+        numa_nodes=found.key[0],
+        nic_cost=found.key[1],
+        damage=found.key[2],
+    )
+    quality = bandwidth or 0.0
+    loss = (objective.numa_nodes - 1) + len(broken)
+    score = round(10 * quality - loss, 3)
+
+    explain = []
+    if weakest is not None:
+        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[req.pattern]
+        explain.append(
+            f"{shape} bottleneck {weakest.gbps:g} GB/s over {weakest.level} "
+            f"(GPU{weakest.a}-GPU{weakest.b}); no free set of {k} does better"
+        )
+    if objective.numa_nodes == 1:
+        explain.append(f"stays on one NUMA node ({numa_labels[0]})")
+    else:
+        explain.append(
+            f"spans {objective.numa_nodes} NUMA nodes: no set on fewer has the same bandwidth"
+        )
+    if req.nics:
+        explain.append(f"{req.nics} NIC(s) closest to the set: {', '.join(chosen)}")
+    if broken:
+        explain.append("breaks whole free zones: " + "; ".join(broken))
+    else:
+        explain.append("keeps every whole free zone whole")
+    return Placement(
+        request=req,
+        gpus=tuple(placed),
+        bandwidth_gbps=bandwidth,
+        worst_level=worst,
+        links=tuple(links),
+        numa_nodes=tuple(numa_labels),
+        cpus=cpus,
+        nics=chosen,
+        env=env,
+        numactl=numactl,
+        score=score,
+        objective=objective,
+        broken_zones=tuple(broken),
+        explain=tuple(explain),
+    )
+
+
+def _broken_zones(prep: _Prepared, mask: int, free_all: int) -> list[str]:
+    out = []
+    for name, zone_of in prep.zone_levels:
+        for z in sorted(set(zone_of)):
+            if z.bit_count() > 1 and not (z & ~free_all) and (z & mask) and (z & ~mask):
+                members = ",".join(str(prep.matrix.gpus[v].index) for v in _bits(z))
+                out.append(f"{name} {{{members}}}")
+    return out
+
+
+def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
+    """Objective term (4) for an arbitrary set: lets tests and benchmarks compare policies."""
+    prep = _prepare(matrix, None)
+    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    busy_mask = sum(1 << pos_of[i] for i in busy)
+    search = _Search(prep, Request(gpus=1), prep.all_mask & ~busy_mask, 0, 0)
+    return search._damage_add(0, sum(1 << pos_of[i] for i in chosen))
+
+
+def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
+    """GPU indices per NUMA group as the objective counts them (term 2)."""
+    prep = _prepare(matrix, None)
+    return [tuple(matrix.gpus[v].index for v in _bits(m)) for m in prep.numa_masks]
+
+
+def edge_key(matrix: DistanceMatrix, a: int, b: int, now: float | None = None) -> tuple[float, tuple[int, int]]:
+    """The comparable key of one GPU pair (by index): (GB/s, closeness); larger is better."""
+    i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
+    return (matrix.bandwidth(i, j, now) or 0.0, tuple(-x for x in matrix.gpu_levels[i][j].sort_key()))

@@ -1,0 +1,124 @@
+"""What the agent serves: one immutable snapshot of the node, swapped whole.
+
+Readers (HTTP handlers, the Prometheus collector) take `agent.snapshot` once and read
+only that value, so they never see half of one discovery and half of the next.  The JSON
+body and its ETag are computed once per snapshot, not per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from topoagent.matrix import DistanceMatrix
+
+
+@dataclass(frozen=True, slots=True)
+class CollectorStatus:
+    """node_exporter's pattern: every source says whether it worked and how long it took."""
+
+    name: str
+    success: bool
+    duration_s: float
+    last_success_at: float | None  # Unix time of this collector's last good run
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    kind: str  # "level_disagreement", "degraded_link", ...
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class PcieLink:
+    device: str  # PCI address
+    role: str  # "gpu", "nic", "bridge"
+    current_speed_gts: float | None
+    max_speed_gts: float | None
+    current_width: int | None
+    max_width: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class NvLink:
+    gpu: int
+    link: int
+    active: bool
+
+
+@dataclass(frozen=True, slots=True)
+class IbPort:
+    device: str  # "mlx5_0"
+    port: int
+    state: str  # "ACTIVE", "DOWN", ...
+    rate_gbps: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeFacts:
+    """What one discovery run produced, in the shape the exporters read."""
+
+    topology: dict[str, Any]  # the NodeTopology JSON
+    matrix: DistanceMatrix
+    matrix_text: str  # nvidia-smi-style text for ?format=matrix
+    collectors: tuple[CollectorStatus, ...] = ()
+    findings: tuple[Finding, ...] = ()
+    pcie_links: tuple[PcieLink, ...] = ()
+    nvlinks: tuple[NvLink, ...] = ()
+    ib_ports: tuple[IbPort, ...] = ()
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    version: int  # increases with every swap
+    facts: NodeFacts
+    built_at: float  # Unix time the facts were collected
+    stale: bool = False  # the last discovery failed; these facts are older
+    error: str | None = None  # why the last discovery failed
+    failed_at: float | None = None
+    # Cached per snapshot (computed on first use, never per request).
+    _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
+
+    def marked_stale(self, version: int, error: str, failed_at: float) -> "Snapshot":
+        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, _cache=None)
+
+    def document(self) -> dict[str, Any]:
+        doc = dict(self.facts.topology)
+        doc["agent"] = {
+            "snapshot_version": self.version,
+            "built_at": self.built_at,
+            "stale": self.stale,
+            "error": self.error,
+            "failed_at": self.failed_at,
+            "collectors": [
+                {
+                    "name": c.name,
+                    "success": c.success,
+                    "duration_s": round(c.duration_s, 6),
+                    "last_success_at": c.last_success_at,
+                    "error": c.error,
+                }
+                for c in self.facts.collectors
+            ],
+            "findings": [{"kind": f.kind, "detail": f.detail} for f in self.facts.findings],
+        }
+        return doc
+
+    def _cached(self) -> tuple[bytes, str]:
+        if self._cache is None:
+            body = json.dumps(self.document(), indent=1).encode()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+            # frozen: the cache is filled once, through object.__setattr__
+            object.__setattr__(self, "_cache", (body, etag))
+        return self._cache  # type: ignore[return-value]
+
+    @property
+    def body(self) -> bytes:
+        return self._cached()[0]
+
+    @property
+    def etag(self) -> str:
+        return self._cached()[1]
