@@ -178,8 +178,8 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
     owner = reserve.get("owner")
     if not isinstance(owner, str) or not 1 <= len(owner) <= PLACE_LIMITS["owner_max_len"]:
         raise ApiError(400, "bad_request", f"reserve.owner: expected a string of 1 to {PLACE_LIMITS['owner_max_len']} characters")
-    if CONTROL_CHARS.search(owner):
-        raise ApiError(400, "bad_request", "reserve.owner: control characters are not allowed")
+    if CONTROL_CHARS.search(owner) or not owner.strip():
+        raise ApiError(400, "bad_request", "reserve.owner: must name someone, without control characters")
     ttl = reserve.get("ttl_s")
     if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
         raise ApiError(400, "bad_request", "reserve.ttl_s: expected a number of seconds")
@@ -237,7 +237,8 @@ async def place(request: web.Request) -> web.Response:
     else:
         outcome, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
     if not outcome.fits:
-        detail = outcome.body.get("detail", "no placement satisfies the request")
+        body = outcome.body
+        detail = f"{body.get('constraint', 'request')}: {body.get('reason', 'no placement satisfies it')}"
         raise ApiError(409, "no_fit", detail, {"nofit": outcome.body})
     body = dict(outcome.body)
     if lease is not None:

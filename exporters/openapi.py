@@ -62,7 +62,7 @@ PLACE_REQUEST = {
             "required": ["owner", "ttl_s"],
             "description": "Hold the answer as a lease (needs the bearer token).",
             "properties": {
-                "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"], "pattern": "^[^\\x00-\\x1f\\x7f]+$"},
+                "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"], "pattern": "^[^\\x00-\\x1f\\x7f]*[^\\s\\x00-\\x1f\\x7f][^\\x00-\\x1f\\x7f]*$"},
                 "ttl_s": {"type": "number", "exclusiveMinimum": 0, "maximum": PLACE_LIMITS["ttl_max_s"]},
             },
         },

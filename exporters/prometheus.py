@@ -136,11 +136,8 @@ class SnapshotCollector(Collector):
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
         last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
-        statuses = {c.name: c for c in facts.collectors}
-        for c in statuses.values():
-            # A stale snapshot means the whole discovery run failed after these results.
-            ok = c.success and not self.snapshot.stale
-            success.add_metric([c.name], 1.0 if ok else 0.0)
+        for c in self.snapshot.collectors:
+            success.add_metric([c.name], 1.0 if c.success else 0.0)
             duration.add_metric([c.name], c.duration_s)
             if c.last_success_at is not None:
                 last_ok.add_metric([c.name], c.last_success_at)

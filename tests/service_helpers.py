@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,15 +17,22 @@ from pathlib import Path
 
 from conftest import FIXTURES
 
-TOPO_FIXTURE = FIXTURES / "nvidia-smi" / "hgx-h20-8gpu-8nic.txt"
+DGX_A100 = FIXTURES / "snapshots" / "dgx-a100"
+TOPO_RECORDING = "commands/nvidia-smi_topo_-m.out"
 
 
-def make_root(base: Path, topo_text: str | None = None) -> Path:
-    """A recorded node in the snapshot format (docs/snapshot-format.md)."""
+def wedge(root: Path) -> Path:
+    """Make a sysfs file of the recorded node block forever when read, like a hung device."""
+    path = root / "sys" / "devices" / "system" / "node" / "node0" / "cpulist"
+    path.unlink()
+    os.mkfifo(path)
+    return path
+
+
+def make_root(base: Path) -> Path:
+    """A private copy of the recorded DGX A100 that a test may break."""
     root = base / "root"
-    (root / "commands").mkdir(parents=True, exist_ok=True)
-    recording = root / "commands" / "nvidia-smi_topo_-m.out"
-    recording.write_text(topo_text if topo_text is not None else TOPO_FIXTURE.read_text())
+    shutil.copytree(DGX_A100, root, symlinks=True)
     return root
 
 
@@ -82,7 +90,7 @@ class Agent:
 
 
 def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None) -> Agent:
-    root = root or make_root(tmp)
+    root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
     args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
     token_text = None

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from service_helpers import Agent, make_root, metric_value, start_agent
+from service_helpers import DGX_A100, TOPO_RECORDING, Agent, make_root, metric_value, start_agent, wedge
 
-H20_GPUS = list(range(8))
+GPUS = list(range(8))  # the recorded DGX A100
 
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory) -> Agent:
-    a = start_agent(tmp_path_factory.mktemp("agent"))
+    a = start_agent(tmp_path_factory.mktemp("agent"), root=DGX_A100)
     yield a
     a.stop()
 
@@ -38,11 +38,12 @@ def test_topology_json_etag_and_304(agent):
     first = agent.get("/topology")
     assert first.status == 200
     doc = first.json()
-    assert [g["index"] for g in doc["gpus"]] == H20_GPUS
-    pair01 = next(p for p in doc["gpu_pairs"] if (p["a"], p["b"]) == (0, 1))
-    assert pair01["level"] == "NV18"
+    assert [g["index"] for g in doc["gpus"]] == GPUS
+    assert doc["gpus"][0]["model"] == "NVIDIA A100-SXM4-40GB"
+    pair01 = next(p for p in doc["pairs"] if (p["a"], p["b"]) == ("GPU0", "GPU1"))
+    assert pair01["level"] == "NV12"
     assert doc["agent"]["stale"] is False
-    assert doc["agent"]["collectors"][0]["success"] is True
+    assert {c["name"] for c in doc["agent"]["collectors"] if c["success"]} == {"numa", "pci", "infiniband", "nvml", "nvidia_smi"}
     etag = first.headers["etag"]
     again = agent.get("/topology", headers={"If-None-Match": etag})
     assert again.status == 304 and again.body == b""
@@ -55,7 +56,7 @@ def test_topology_matrix_text(agent):
     assert reply.headers["content-type"].startswith("text/plain")
     lines = reply.body.decode().splitlines()
     assert lines[0].split()[:2] == ["GPU0", "GPU1"]
-    assert lines[1].split()[:3] == ["GPU0", "X", "NV18"]
+    assert lines[1].split()[:3] == ["GPU0", "X", "NV12"]
     bad = agent.get("/topology?format=xml")
     assert bad.status == 400 and "format" in bad.json()["detail"]
 
@@ -82,9 +83,9 @@ def test_metrics_cover_the_node(agent):
     assert reply.status == 200
     text = reply.body.decode()
     assert metric_value(text, "topoagent_gpus") == 8
-    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV18"}) == 1
-    assert metric_value(text, "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 450e9
-    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0", "level": "PIX"}) == 2
+    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV12"}) == 1
+    assert metric_value(text, "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 300e9
+    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0", "level": "PXB"}) == 3
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 1
     assert metric_value(text, "topoagent_snapshot_stale") == 0
     assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0
@@ -97,11 +98,12 @@ def test_dry_run_places_without_holding(fresh):
     reply = fresh.post("/place", {"gpus": 4})
     assert reply.status == 200, reply.body
     gpus = [g["index"] for g in reply.json()["gpus"]]
-    assert len(gpus) == 4 and set(gpus) <= set(H20_GPUS)
+    assert len(gpus) == 4 and set(gpus) <= set(GPUS)
     assert fresh.get("/leases").json() == {"leases": []}
     nofit = fresh.post("/place", {"gpus": 9})
     assert nofit.status == 409
-    assert nofit.json()["error"] == "no_fit" and nofit.json()["nofit"]["reason"] == "not_enough_gpus"
+    assert nofit.json()["error"] == "no_fit" and nofit.json()["nofit"]["constraint"] == "gpus"
+    assert nofit.json()["detail"] == "gpus: 9 GPUs requested, 8 free of 8"
 
 
 def test_reserve_list_release(fresh):
@@ -248,35 +250,40 @@ def test_refresh_on_demand(fresh):
 
 # -- resilience ------------------------------------------------------------------------------
 
-def test_failing_collector_serves_last_good_snapshot_as_stale(fresh):
+def test_failing_collector_serves_last_good_snapshot_as_stale(tmp_path):
+    fresh = start_agent(tmp_path, root=make_root(tmp_path))
+    try:
+        failing_collector_scenario(fresh)
+    finally:
+        assert fresh.stop() == 0
+
+
+def failing_collector_scenario(fresh: Agent) -> None:
     good = fresh.get("/topology").json()
-    recording = fresh.root / "commands" / "nvidia-smi_topo_-m.out"
+    recording = fresh.root / TOPO_RECORDING
     recording.write_text("this is not a topology\n")
     assert fresh.post("/refresh", token=fresh.token).json()["stale"] is True
     reply = fresh.get("/topology")
     assert reply.status == 200
     doc = reply.json()
     assert doc["agent"]["stale"] is True
-    assert "TopoParseError" in doc["agent"]["error"]
-    assert doc["gpus"] == good["gpus"]
+    assert "collector nvidia_smi" in doc["agent"]["error"]
+    assert doc["pairs"] == good["pairs"]  # the declared levels were not dropped
     text = fresh.get("/metrics").body.decode()
     assert metric_value(text, "topoagent_snapshot_stale") == 1
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 0
+    assert metric_value(text, "topoagent_collector_success", {"collector": "pci"}) == 1
     assert metric_value(text, "topoagent_discovery_runs_total", {"outcome": "failure"}) >= 1
     assert fresh.post("/place", {"gpus": 2}).status == 200
     # and it recovers when the source does
-    recording.write_text((make_root.__globals__["TOPO_FIXTURE"]).read_text())
+    recording.write_text((DGX_A100 / TOPO_RECORDING).read_text())
     assert fresh.post("/refresh", token=fresh.token).json()["stale"] is False
 
 
 def test_hanging_collector_is_cut_off_by_its_timeout(tmp_path):
-    import os
-
-    a = start_agent(tmp_path, config="[discovery]\ntimeout_s = 0.5\n")
+    a = start_agent(tmp_path, root=make_root(tmp_path), config="[discovery]\ntimeout_s = 4\n")
     try:
-        recording = a.root / "commands" / "nvidia-smi_topo_-m.out"
-        recording.unlink()
-        os.mkfifo(recording)  # a read that never returns, like a wedged device
+        wedge(a.root)  # a read that never returns
         reply = a.post("/refresh", token=a.token)
         assert reply.status == 200 and reply.json()["stale"] is True
         assert "timed out" in reply.json()["error"]
@@ -291,8 +298,11 @@ def test_hanging_collector_is_cut_off_by_its_timeout(tmp_path):
 
 
 def test_readyz_is_503_until_a_topology_loads(tmp_path):
-    root = make_root(tmp_path, topo_text="garbage\n")
-    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s")]
+    root = make_root(tmp_path)
+    wedge(root)  # discovery never finishes
+    config = tmp_path / "t.toml"
+    config.write_text("[discovery]\ntimeout_s = 30\n")
+    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--config", str(config)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()

@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from pathlib import Path
+from dataclasses import replace
 
 import pytest
 
-from service_helpers import TOPO_FIXTURE, metric_value, start_agent
-from topoagent.agent import Agent, discover_facts
+from conftest import FIXTURES
+from service_helpers import metric_value, start_agent
+from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.matrix import Measurement
-from topoagent.served import CollectorStatus, Finding, IbPort, NodeFacts, NvLink, PcieLink
+
+SNAPSHOTS = FIXTURES / "snapshots"
 
 
 def promtool_check(text: bytes) -> subprocess.CompletedProcess:
@@ -24,60 +26,51 @@ def promtool_check(text: bytes) -> subprocess.CompletedProcess:
     return subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
 
 
-def rich_facts(root: Path) -> NodeFacts:
-    """Facts as full discovery reports them: PCIe, NVLink and IB state, findings, probes."""
-    base = asyncio.run(discover_facts(root))
-    matrix = base.matrix.with_measurements({(0, 1): Measurement(gbps=389.5, taken_at=1_700_000_000.0)})
-    return NodeFacts(
-        topology=base.topology,
-        matrix=matrix,
-        matrix_text=base.matrix_text,
-        collectors=(
-            CollectorStatus("nvidia_smi", True, 0.012, 1_700_000_000.0),
-            CollectorStatus("infiniband", False, 0.003, None, "ibstat missing"),
-        ),
-        findings=(Finding("degraded_link", "GPU3 x8 of x16"), Finding("degraded_link", "NIC2 Gen4 of Gen5"), Finding("level_disagreement", "GPU0/GPU4")),
-        pcie_links=(PcieLink("0000:18:00.0", "gpu", 16.0, 32.0, 8, 16),),
-        nvlinks=(NvLink(0, 0, True), NvLink(0, 1, False)),
-        ib_ports=(IbPort("mlx5_0", 1, "ACTIVE", 400.0), IbPort("mlx5_1", 1, "DOWN", None)),
-    )
-
-
-@pytest.fixture
-def page(tmp_path) -> bytes:
-    (tmp_path / "commands").mkdir()
-    (tmp_path / "commands" / "nvidia-smi_topo_-m.out").write_text(TOPO_FIXTURE.read_text())
+def metrics_of(snapshot: str, tmp_path, measured: bool = False) -> str:
+    """Discover a recorded node with the real collectors and render /metrics."""
 
     async def build() -> bytes:
-        agent = Agent(Config(root=str(tmp_path), state_dir=str(tmp_path / "state"), udev=False))
-        agent._root = tmp_path
-        agent._discover = lambda root: asyncio.to_thread(rich_facts, root)
-        await agent._refresh_once("test")
-        agent.placement_requests["placed"] += 3
-        return MetricsPage(agent).render()
+        agent = Agent(Config(root=str(SNAPSHOTS / snapshot), state_dir=str(tmp_path / "state"), udev=False))
+        await agent.start()
+        try:
+            await agent.request_refresh("test")
+            if measured:  # a probe result, as the probe scheduler overlays it
+                snap = agent.snapshot
+                matrix = snap.facts.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
+                agent.snapshot = replace(snap, version=snap.version + 1, facts=replace(snap.facts, matrix=matrix))
+            agent.placement_requests["placed"] += 3
+            return MetricsPage(agent).render()
+        finally:
+            await agent.stop()
 
-    return asyncio.run(build())
+    return asyncio.run(build()).decode()
 
 
-def test_promtool_finds_nothing_to_complain_about(page):
-    result = promtool_check(page)
-    assert result.returncode == 0 and result.stdout == b"" and result.stderr == b"", result.stdout + result.stderr
+@pytest.mark.parametrize("snapshot", ["dgx-a100", "degraded", "pcie-2socket", "vm-1gpu"])
+def test_promtool_finds_nothing_to_complain_about(snapshot, tmp_path):
+    text = metrics_of(snapshot, tmp_path, measured=snapshot == "dgx-a100")
+    result = promtool_check(text.encode())
+    assert result.returncode == 0 and not result.stdout and not result.stderr, result.stdout + result.stderr
 
 
-def test_every_fact_family_is_exposed_in_base_units(page):
-    text = page.decode()
-    assert metric_value(text, "topoagent_pcie_link_speed_transfers_per_second", {"state": "current"}) == 16e9
-    assert metric_value(text, "topoagent_pcie_link_width_lanes", {"state": "max"}) == 16
-    assert metric_value(text, "topoagent_nvlink_up", {"gpu": "0", "link": "1"}) == 0
-    assert metric_value(text, "topoagent_infiniband_port_active", {"device": "mlx5_1", "state": "DOWN"}) == 0
-    assert metric_value(text, "topoagent_infiniband_port_rate_bytes_per_second", {"device": "mlx5_0"}) == 50e9
-    assert metric_value(text, "topoagent_findings", {"kind": "degraded_link"}) == 2
-    assert metric_value(text, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 389.5e9
-    assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband"}) == 0
-    assert metric_value(text, "topoagent_collector_last_success_timestamp_seconds", {"collector": "nvidia_smi"}) == 1.7e9
+def test_dgx_a100_identity_links_and_base_units(tmp_path):
+    text = metrics_of("dgx-a100", tmp_path, measured=True)
+    assert 'topoagent_gpu_info{gpu="0",model="NVIDIA A100-SXM4-40GB",numa_node="3",pci_address="0000:07:00.0",uuid="GPU-a13ea39b-79e0-dde4-386c-854e124e28d7"} 1.0' in text
+    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV12"}) == 1
+    assert metric_value(text, "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 300e9
+    assert metric_value(text, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 231.5e9
+    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0", "level": "PXB"}) == 3
+    assert metric_value(text, "topoagent_pcie_link_speed_transfers_per_second", {"device": "0000:07:00.0", "state": "max"}) == 16e9
+    assert metric_value(text, "topoagent_pcie_link_width_lanes", {"device": "0000:07:00.0", "state": "current"}) == 16
+    assert metric_value(text, "topoagent_nvlink_up", {"gpu": "0", "link": "11"}) == 1
+    for collector in ("numa", "pci", "infiniband", "nvml", "nvidia_smi"):
+        assert metric_value(text, "topoagent_collector_success", {"collector": collector}) == 1
+        assert metric_value(text, "topoagent_collector_duration_seconds", {"collector": collector}) >= 0
+        assert metric_value(text, "topoagent_collector_last_success_timestamp_seconds", {"collector": collector}) > 1.7e9
     assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "placed"}) == 3
     assert metric_value(text, "topoagent_build_info") == 1
-    # one namespace, counters alone end in _total
+    assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0
+    # one namespace; counters, and only counters, end in _total
     for line in text.splitlines():
         if line.startswith("# TYPE"):
             _, _, name, kind = line.split()
@@ -85,8 +78,19 @@ def test_every_fact_family_is_exposed_in_base_units(page):
             assert name.endswith("_total") == (kind == "counter"), line
 
 
+def test_degraded_node_shows_its_faults(tmp_path):
+    text = metrics_of("degraded", tmp_path)
+    assert metric_value(text, "topoagent_findings", {"kind": "pcie-degraded"}) == 2
+    assert metric_value(text, "topoagent_findings", {"kind": "nvlink-down"}) == 1
+    assert metric_value(text, "topoagent_findings", {"kind": "ib-port-down"}) == 1
+    assert metric_value(text, "topoagent_nvlink_up", {"gpu": "5", "link": "7"}) == 0
+    assert metric_value(text, "topoagent_infiniband_port_active", {"device": "mlx5_6", "state": "DOWN"}) == 0
+    assert metric_value(text, "topoagent_infiniband_port_rate_bytes_per_second", {"device": "mlx5_0"}) == 50e9
+    assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "current", "device": "0000:5d:00.0"}) == 8
+
+
 def test_promtool_on_the_live_service(tmp_path):
-    agent = start_agent(tmp_path)
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100")
     try:
         agent.post("/place", {"gpus": 2})
         result = promtool_check(agent.get("/metrics").body)

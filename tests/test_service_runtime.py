@@ -1,30 +1,38 @@
-"""The runtime's own rules: hotplug bursts are debounced, tarball roots replay, stale marks."""
+"""The runtime's own rules: hotplug bursts are debounced, lost sources keep old facts."""
 
 from __future__ import annotations
 
 import asyncio
 import tarfile
-from pathlib import Path
+from dataclasses import replace
 
-from service_helpers import make_root, start_agent
+import pytest
+
+from service_helpers import DGX_A100, start_agent
 from topoagent.agent import Agent, discover_facts
 from topoagent.config import Config
+from topoagent.host import Host
 
 
-def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path):
-    root = make_root(tmp_path)
+@pytest.fixture(scope="module")
+def facts():
+    with Host(str(DGX_A100)) as host:
+        return asyncio.run(discover_facts(host))
+
+
+def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
     runs: list[float] = []
 
-    async def counting(root_dir: Path):
+    async def counting(host: Host):
         runs.append(asyncio.get_running_loop().time())
-        return await discover_facts(root_dir)
+        return facts
 
     async def scenario() -> None:
-        agent = Agent(Config(root=str(root), state_dir=str(tmp_path / "s"), udev_debounce_s=0.2, interval_s=3600), discover=counting)
+        agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), udev_debounce_s=0.2, interval_s=3600), discover=counting)
         await agent.start()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         assert len(runs) == 1  # startup
-        # a NIC reset: remove + add + a flurry of changes on net and infiniband
+        # a NIC reset: a flurry of changes on net and infiniband
         for n in range(30):
             agent.on_device_event("net" if n % 2 else "infiniband", "change", f"ibp{n}s0")
             await asyncio.sleep(0.01)
@@ -37,26 +45,35 @@ def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path):
     asyncio.run(scenario())
 
 
-def test_failure_keeps_facts_and_records_error(tmp_path):
-    root = make_root(tmp_path)
-    calls = {"n": 0}
+def test_a_source_lost_keeps_the_old_facts_and_says_why(tmp_path, facts):
+    without_smi = replace(
+        facts,
+        collectors=tuple(replace(c, success=False, status="error", error="exit 9", last_success_at=None) if c.name == "nvidia_smi" else c for c in facts.collectors),
+    )
+    answers = iter([facts, without_smi, OSError("sysfs read failed: Input/output error"), facts])
 
-    async def flaky(root_dir: Path):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise OSError("sysfs read failed: Input/output error")
-        return await discover_facts(root_dir)
+    async def scripted(host: Host):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     async def scenario() -> None:
-        agent = Agent(Config(root=str(root), state_dir=str(tmp_path / "s"), interval_s=3600), discover=flaky)
+        agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), interval_s=3600), discover=scripted)
         await agent.start()
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
         first = agent.snapshot
+        assert not first.stale
         await agent.request_refresh("test")
-        stale = agent.snapshot
-        assert stale.stale and "Input/output error" in stale.error
-        assert stale.facts is first.facts and stale.version > first.version
-        assert first.stale is False  # the old value was not changed, a new one swapped in
+        lost = agent.snapshot
+        assert lost.stale and "collector nvidia_smi: error: exit 9" in lost.error
+        assert lost.facts is first.facts and lost.version > first.version
+        smi = {c.name: c for c in lost.collectors}["nvidia_smi"]
+        assert not smi.success and smi.last_success_at == {c.name: c for c in first.collectors}["nvidia_smi"].last_success_at
+        assert first.stale is False  # the old value was not changed: a new one swapped in
+        await agent.request_refresh("test")
+        assert agent.snapshot.stale and "Input/output error" in agent.snapshot.error
+        assert not any(c.success for c in agent.snapshot.collectors)
         await agent.request_refresh("test")
         assert agent.snapshot.stale is False and agent.snapshot.error is None
         await agent.stop()
@@ -65,13 +82,12 @@ def test_failure_keeps_facts_and_records_error(tmp_path):
 
 
 def test_serves_a_snapshot_tarball(tmp_path):
-    make_root(tmp_path / "src")
     tarball = tmp_path / "node.tar.gz"
     with tarfile.open(tarball, "w:gz") as archive:
-        archive.add(tmp_path / "src" / "root", arcname="h20-node")
+        archive.add(DGX_A100, arcname="dgx-a100")
     agent = start_agent(tmp_path, root=tarball)
     try:
         doc = agent.get("/topology").json()
-        assert len(doc["gpus"]) == 8
+        assert len(doc["gpus"]) == 8 and doc["gpus"][0]["model"] == "NVIDIA A100-SXM4-40GB"
     finally:
         assert agent.stop() == 0

@@ -16,20 +16,24 @@ import asyncio
 import json
 import logging
 import os
-import secrets
-import tarfile
-import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
-from topoagent.collectors.nvidia_smi import parse_topo_matrix, render_topo_matrix
+from topoagent.collectors.base import ERROR, OK
+from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.config import Config
+from topoagent.host import Host, HostError
+from topoagent.leases import Lease, LeaseStore
 from topoagent.matrix import DistanceMatrix
-from topoagent.served import CollectorStatus, NodeFacts, Snapshot
+from topoagent.model import NodeTopology, discover
+from topoagent.placement import NoFit, Placement, Request, RequestError, place
+from topoagent.served import CollectorStatus, Finding, NodeFacts, PcieLink, Snapshot
+from topoagent.served import IbPort as IbPortFact
+from topoagent.served import NvLink as NvLinkFact
 
 log = logging.getLogger("topoagent")
 
@@ -49,37 +53,16 @@ class RootError(ValueError):
     """--root is neither "/", a snapshot directory nor a snapshot tarball."""
 
 
-def open_root(root: str) -> tuple[Path, tempfile.TemporaryDirectory | None]:
-    """The directory to read the node from; a tarball is unpacked once into a temp dir."""
-    path = Path(root)
-    if root == "/" or path.is_dir():
-        return path, None
-    if path.is_file():
-        if not tarfile.is_tarfile(path):
-            raise RootError(f"--root {root}: not a directory and not a tar archive")
-        holder = tempfile.TemporaryDirectory(prefix="topoagent-root-")
-        with tarfile.open(path) as archive:
-            archive.extractall(holder.name, filter="data")  # refuses links out, devices
-        entries = [p for p in Path(holder.name).iterdir()]
-        # `tar czf x.tar.gz dgx-a100/` wraps the snapshot in one top directory
-        inner = entries[0] if len(entries) == 1 and entries[0].is_dir() else Path(holder.name)
-        return inner, holder
-    raise RootError(f"--root {root}: no such file or directory")
-
-
-# ---------------------------------------------------------------------------------------
-# Adapters.  INTERIM until discovery (topoagent/host.py + model.py) and the placement
-# core (topoagent/placement.py + leases.py) are merged: discovery here reads only the
-# recorded `nvidia-smi topo -m`, placement takes the first free GPUs by index, and the
-# lease book is a small JSON file.  Replace the bodies, keep the signatures.
-# ---------------------------------------------------------------------------------------
-
-TOPO_COMMAND = ("nvidia-smi", "topo", "-m")
-TOPO_RECORDING = "commands/nvidia-smi_topo_-m.out"
+def open_root(root: str) -> Host:
+    """The node to read; a tarball is unpacked once, for the life of the agent."""
+    try:
+        return Host(root)
+    except HostError as exc:
+        raise RootError(f"--root {exc}") from None
 
 
 def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run a blocking read where a hang cannot hold the process hostage.
+    """Run blocking work where a hang cannot hold the process hostage.
 
     asyncio.to_thread's pool threads are joined at exit, so one read stuck on a dead
     device would stop the agent from ever exiting; a daemon thread is simply abandoned.
@@ -93,72 +76,54 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
     def work() -> None:
         try:
-            value = fn()
+            result = (True, fn())
         except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting task
-            loop.call_soon_threadsafe(settle, False, exc)
-        else:
-            loop.call_soon_threadsafe(settle, True, value)
+            result = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *result)
+        except RuntimeError:
+            pass  # the agent stopped while this run was stuck; nobody is waiting
 
-    threading.Thread(target=work, name="topoagent-read", daemon=True).start()
+    threading.Thread(target=work, name="topoagent-discovery", daemon=True).start()
     return future
 
 
-async def _read_topo_text(root: Path) -> str:
-    if str(root) == "/":
-        proc = await asyncio.create_subprocess_exec(
-            *TOPO_COMMAND, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-        )
-        try:
-            out, err = await proc.communicate()
-        except asyncio.CancelledError:
-            proc.kill()
-            raise
-        if proc.returncode != 0:
-            raise RuntimeError(f"nvidia-smi topo -m exited {proc.returncode}: {err.decode()[:200]}")
-        return out.decode()
-    recording = root / TOPO_RECORDING
-    return await run_in_daemon_thread(lambda: recording.read_text(encoding="utf-8", errors="replace"))
+# ---------------------------------------------------------------------------------------
+# Adapters: the only places that know discovery's, placement's and leases' shapes.
+# ---------------------------------------------------------------------------------------
 
 
-def _topology_json(matrix: DistanceMatrix) -> dict[str, Any]:
-    gpus = [asdict(g) for g in matrix.gpus]
-    nics = [asdict(n) for n in matrix.nics]
-    pairs = []
-    for i in range(matrix.size):
-        for j in range(i + 1, matrix.size):
-            pairs.append(
-                {
-                    "a": matrix.gpus[i].index,
-                    "b": matrix.gpus[j].index,
-                    "level": str(matrix.level(i, j)),
-                    "expected_gbps": matrix.gpu_expected_gbps[i][j],
-                }
-            )
-    gpu_nic = []
-    for i, row in enumerate(matrix.gpu_nic_levels):
-        for j, level in enumerate(row):
-            if level is not None:
-                gpu_nic.append({"gpu": matrix.gpus[i].index, "nic": matrix.nics[j].name, "level": str(level)})
-    return {"schema": 1, "gpus": gpus, "nics": nics, "gpu_pairs": pairs, "gpu_nic": gpu_nic}
-
-
-async def discover_facts(root: Path) -> NodeFacts:
-    """Adapter over discovery: the node's facts, or an exception saying why not."""
-    started = time.time()
-    try:
-        text = await _read_topo_text(root)
-        topo = parse_topo_matrix(text)
-        matrix = DistanceMatrix.from_topo_matrix(topo)
-    except Exception as exc:
-        exc.add_note(f"collector nvidia_smi after {time.time() - started:.3f}s")
-        raise
-    status = CollectorStatus("nvidia_smi", True, time.time() - started, time.time())
+def facts_from_topology(topo: NodeTopology, now: float) -> NodeFacts:
+    """Discovery's NodeTopology in the shape the exporters read."""
+    pcie: list[PcieLink] = []
+    for role, devices in (("gpu", topo.gpus), ("nic", topo.nics)):
+        for dev in devices:
+            if dev.link is not None and dev.pci_address:
+                pcie.append(PcieLink(dev.pci_address, role, dev.link.current_gts, dev.link.max_gts, dev.link.current_width, dev.link.max_width))
     return NodeFacts(
-        topology=_topology_json(matrix),
-        matrix=matrix,
-        matrix_text=render_topo_matrix(topo),
-        collectors=(status,),
+        topology=topo.to_json(timings=True),
+        matrix=topo.distance_matrix(),
+        matrix_text=render_topo_matrix(topo.topo_matrix()),
+        collectors=tuple(
+            # node_exporter's rule: a source that is simply absent is quiet, not a failure
+            CollectorStatus(c.name, c.status != ERROR, c.seconds, now if c.status != ERROR else None, c.message if c.status != OK else None, c.status)
+            for c in topo.collectors
+        ),
+        findings=tuple(Finding(f.kind, f"{f.subject}: {f.message}") for f in topo.findings),
+        pcie_links=tuple(pcie),
+        nvlinks=tuple(NvLinkFact(g.index, nl.link, nl.active) for g in topo.gpus for nl in g.nvlinks),
+        ib_ports=tuple(
+            IbPortFact(n.device or n.name, p.number, p.state or "UNKNOWN", p.rate_gbps) for n in topo.nics for p in n.ports
+        ),
     )
+
+
+async def discover_facts(host: Host) -> NodeFacts:
+    """Run discovery on its own thread and loop: a read stuck in the kernel (or a
+    replayed FIFO) blocks that thread, never the agent's loop, and the agent's timeout
+    can walk away from it."""
+    topo = await run_in_daemon_thread(lambda: asyncio.run(discover(host)))
+    return facts_from_topology(topo, time.time())
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,95 +144,33 @@ class PlaceOutcome:
     body: dict[str, Any]  # the Placement or NoFit JSON
 
 
+def _placement_request(request: PlaceRequest) -> Request:
+    return Request(request.gpus, request.pattern, request.min_level, request.single_numa, request.include, request.exclude, request.nics)
+
+
+def _outcome(answer: Placement | NoFit) -> PlaceOutcome:
+    if isinstance(answer, NoFit):
+        return PlaceOutcome(False, (), answer.to_json())
+    return PlaceOutcome(True, answer.indices, answer.to_json())
+
+
+def _unsatisfiable(exc: RequestError) -> PlaceOutcome:
+    # Well-formed JSON the node cannot satisfy (a GPU it lacks, include > gpus): a NoFit.
+    return PlaceOutcome(False, (), {"fit": False, "reason": exc.message, "constraint": exc.field})
+
+
 def place_gpus(matrix: DistanceMatrix, request: PlaceRequest, busy: frozenset[int]) -> PlaceOutcome:
-    """Adapter over `topoagent.placement.place` (INTERIM: first free GPUs by index)."""
-    free = [g.index for g in matrix.gpus if g.index not in busy and g.index not in request.exclude]
-    blocked = [g for g in request.include if g not in free]
-    if blocked:
-        return PlaceOutcome(False, (), {"reason": "include_busy", "detail": f"GPUs {blocked} are busy or excluded", "free": free})
-    chosen = list(request.include) + [g for g in free if g not in request.include]
-    chosen = chosen[: request.gpus]
-    if len(chosen) < request.gpus:
-        return PlaceOutcome(
-            False, (), {"reason": "not_enough_gpus", "detail": f"{request.gpus} GPUs asked, {len(free)} free", "free": free}
-        )
-    by_index = {g.index: g for g in matrix.gpus}
-    body = {
-        "gpus": [
-            {"index": i, "uuid": by_index[i].uuid, "pci_address": by_index[i].pci_address} for i in chosen
-        ],
-        "env": {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in chosen)},
-        "explain": ["interim first-free placement: topoagent.placement is not wired in yet"],
-    }
-    return PlaceOutcome(True, tuple(chosen), body)
-
-
-@dataclass(frozen=True, slots=True)
-class Lease:
-    id: str  # unguessable: whoever holds it can name the lease
-    owner: str
-    gpus: tuple[int, ...]
-    created_at: float
-    expires_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "owner": self.owner, "gpus": list(self.gpus), "created_at": self.created_at, "expires_at": self.expires_at}
-
-
-class LeaseBook:
-    """Adapter over `topoagent.leases` (INTERIM): leases persisted as one JSON file.
-
-    Written temp + fsync + rename + fsync(dir) before a lease is acknowledged, so a
-    crash after the answer never loses it.
-    """
-
-    FILE = "leases.json"
-
-    def __init__(self, state_dir: Path) -> None:
-        self.state_dir = state_dir
-        self.path = state_dir / self.FILE
-        self.leases: dict[str, Lease] = {}
-
-    def load(self) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            raw = self.path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            return
-        try:
-            self.leases = {d["id"]: Lease(d["id"], d["owner"], tuple(d["gpus"]), d["created_at"], d["expires_at"]) for d in json.loads(raw)["leases"]}
-        except (ValueError, KeyError, TypeError) as exc:
-            aside = self.path.with_suffix(f".corrupt-{int(time.time())}")
-            self.path.rename(aside)
-            log_event("leases_corrupt", logging.ERROR, moved_to=aside, error=exc)
-
-    def busy(self, now: float) -> frozenset[int]:
-        return frozenset(g for lease in self.leases.values() if lease.expires_at > now for g in lease.gpus)
-
-    def persist(self, leases: dict[str, Lease]) -> None:
-        doc = {"schema": 1, "leases": [lease.to_json() for lease in leases.values()]}
-        fd, tmp = tempfile.mkstemp(dir=self.state_dir, prefix=".leases-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(doc, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        dir_fd = os.open(self.state_dir, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    try:
+        return _outcome(place(matrix, _placement_request(request), busy))
+    except RequestError as exc:
+        return _unsatisfiable(exc)
 
 
 # ---------------------------------------------------------------------------------------
 # Runtime
 # ---------------------------------------------------------------------------------------
 
-Discover = Callable[[Path], Awaitable[NodeFacts]]
+Discover = Callable[[Host], Awaitable[NodeFacts]]
 
 
 class Agent:
@@ -278,22 +181,27 @@ class Agent:
         self.started_at = time.time()
         self.placement_requests: Counter[str] = Counter()
         self.refreshes: Counter[str] = Counter()  # by outcome
-        self.leases = LeaseBook(Path(config.state_dir))
-        self._lease_lock = asyncio.Lock()
+        self.lease_store: LeaseStore | None = None
+        # What the store holds, kept here so reads (/leases, /metrics) never touch disk
+        # or its lock from the event loop; refreshed after every change we make.
+        self._leases: tuple[Lease, ...] = ()
         self._refresh_task: asyncio.Task | None = None
         self._refresh_again = False
-        self._root: Path | None = None
-        self._root_holder: tempfile.TemporaryDirectory | None = None
+        self.host: Host | None = None
         self._tasks: list[asyncio.Task] = []
         self._udev_close: Callable[[], None] | None = None
         self._debounce: asyncio.TimerHandle | None = None
         self._version = 0
+        self.abandoned_runs = 0
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self._root, self._root_holder = open_root(self.config.root)
-        self.leases.load()
-        log_event("leases_loaded", count=len(self.leases.leases), path=self.leases.path)
+        self.host = open_root(self.config.root)
+        self.lease_store = LeaseStore(self.config.state_dir)
+        if self.lease_store.recovered_from:
+            log_event("leases_corrupt", logging.ERROR, moved_to=self.lease_store.recovered_from)
+        self._leases = tuple(self.lease_store.leases())
+        log_event("leases_loaded", count=len(self._leases), path=self.lease_store.path)
         self._tasks = [
             asyncio.create_task(self._timer_loop(), name="discovery-timer"),
             asyncio.create_task(self._lease_sweeper(), name="lease-sweeper"),
@@ -306,27 +214,30 @@ class Agent:
             self._udev_close()
         if self._debounce:
             self._debounce.cancel()
+        if self._refresh_task and not self._refresh_task.done():
+            self.abandoned_runs += 1  # cancelled mid-read: its thread may never return
         for task in [*self._tasks, self._refresh_task]:
             if task and not task.done():
                 task.cancel()
         await asyncio.gather(*[t for t in self._tasks if t], return_exceptions=True)
-        if self._root_holder:
-            self._root_holder.cleanup()
+        if self.host:
+            self.host.close()
 
     def reload(self, config: Config) -> list[str]:
         """Apply a re-read configuration; returns the settings that need a restart."""
         needs_restart = [k for k in ("listen", "state_dir") if getattr(config, k) != getattr(self.config, k)]
         root_changed = config.root != self.config.root
-        self.config = replace(config, **{k: getattr(self.config, k) for k in needs_restart})
         if root_changed:
             try:
-                root, holder = open_root(config.root)
+                host = open_root(config.root)
             except RootError as exc:
                 log_event("reload_root_refused", logging.ERROR, error=exc)
+                needs_restart.append("root")
             else:
-                if self._root_holder:
-                    self._root_holder.cleanup()
-                self._root, self._root_holder = root, holder
+                old, self.host = self.host, host
+                if old:
+                    old.close()
+        self.config = replace(config, **{k: getattr(self.config, k) for k in needs_restart})
         self.request_refresh("reload")
         return needs_restart
 
@@ -348,31 +259,50 @@ class Agent:
             reason = "coalesced"
 
     async def _refresh_once(self, reason: str) -> None:
-        assert self._root is not None
+        assert self.host is not None
         started = time.time()
         timeout = self.config.timeout_s
         try:
-            facts = await asyncio.wait_for(self._discover(self._root), timeout)
+            facts = await asyncio.wait_for(self._discover(self.host), timeout)
         except asyncio.TimeoutError:
-            self._failed(f"discovery timed out after {timeout:g}s", started, reason)
+            self.abandoned_runs += 1  # its thread may stay stuck in a read for good
+            return self._failed(f"discovery timed out after {timeout:g}s", started, reason)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a collector's bug must not take the agent down
             notes = "; ".join(getattr(exc, "__notes__", []))
-            self._failed(f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else ""), started, reason)
-        else:
-            self._version += 1
-            self.snapshot = Snapshot(version=self._version, facts=facts, built_at=time.time())
-            self.refreshes["success"] += 1
-            log_event("discovery_ok", reason=reason, version=self._version, gpus=facts.matrix.size, seconds=f"{time.time() - started:.3f}")
+            return self._failed(f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else ""), started, reason)
+        previous = self.snapshot
+        statuses = self._with_last_success(facts.collectors)
+        facts = replace(facts, collectors=statuses)
+        if previous is not None:
+            # A source that worked before and fails now would make the new facts poorer
+            # (an nvidia-smi timeout drops every declared level): keep the old facts.
+            # A source that answered before and is gone now (no_data) counts as lost too.
+            worked = {c.name for c in previous.facts.collectors if c.status == "ok"}
+            lost = [c for c in statuses if c.status != "ok" and c.name in worked]
+            if lost:
+                error = "; ".join(f"collector {c.name}: {c.status}: {c.error}" for c in lost)
+                return self._failed(error, started, reason, statuses)
+        self._version += 1
+        self.snapshot = Snapshot(version=self._version, facts=facts, built_at=time.time())
+        self.refreshes["success"] += 1
+        log_event("discovery_ok", reason=reason, version=self._version, gpus=facts.matrix.size, findings=len(facts.findings), seconds=f"{time.time() - started:.3f}")
 
-    def _failed(self, error: str, started: float, reason: str) -> None:
+    def _with_last_success(self, statuses: tuple[CollectorStatus, ...]) -> tuple[CollectorStatus, ...]:
+        before = {c.name: c.last_success_at for c in (self.snapshot.collectors if self.snapshot else ())}
+        return tuple(c if c.last_success_at is not None else replace(c, last_success_at=before.get(c.name)) for c in statuses)
+
+    def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
         self.refreshes["failure"] += 1
-        self.last_failure = (error, time.time() - started)
-        log_event("discovery_failed", logging.ERROR, reason=reason, error=error, seconds=f"{time.time() - started:.3f}")
-        if self.snapshot is not None:
-            self._version += 1
-            self.snapshot = self.snapshot.marked_stale(self._version, error, time.time())
+        elapsed = time.time() - started
+        log_event("discovery_failed", logging.ERROR, reason=reason, error=error, seconds=f"{elapsed:.3f}")
+        if self.snapshot is None:
+            return
+        if statuses is None:  # the whole run failed: no source answered this time
+            statuses = tuple(replace(c, success=False, duration_s=elapsed, error=error, status="error") for c in self.snapshot.collectors)
+        self._version += 1
+        self.snapshot = self.snapshot.marked_stale(self._version, error, time.time(), statuses)
 
     async def _timer_loop(self) -> None:
         while True:
@@ -394,8 +324,12 @@ class Agent:
         self._debounce = loop.call_later(self.config.udev_debounce_s, self.request_refresh, "udev")
 
     # -- placement and leases -----------------------------------------------------------
+    def active_leases(self) -> list[Lease]:
+        now = time.time()
+        return [lease for lease in self._leases if lease.expires_at > now]
+
     def busy(self) -> frozenset[int]:
-        return self.leases.busy(time.time())
+        return frozenset(g for lease in self.active_leases() for g in lease.gpus)
 
     def place(self, request: PlaceRequest) -> PlaceOutcome:
         assert self.snapshot is not None
@@ -404,50 +338,53 @@ class Agent:
         return outcome
 
     async def reserve(self, request: PlaceRequest, owner: str, ttl_s: float) -> tuple[PlaceOutcome, Lease | None]:
-        # One reservation at a time, from reading `busy` to the fsync'd write: two
-        # concurrent requests can never both see a GPU free.
-        async with self._lease_lock:
-            assert self.snapshot is not None
-            now = time.time()
-            outcome = place_gpus(self.snapshot.facts.matrix, request, self.leases.busy(now))
-            if not outcome.fits:
-                self.placement_requests["nofit"] += 1
-                return outcome, None
-            lease = Lease(secrets.token_urlsafe(18), owner, outcome.gpus, now, now + ttl_s)
-            updated = {**self.leases.leases, lease.id: lease}
-            await asyncio.to_thread(self.leases.persist, updated)
-            self.leases.leases = updated
-            self.placement_requests["reserved"] += 1
-        log_event("lease_granted", lease=lease.id[:6], owner=owner, gpus=",".join(map(str, lease.gpus)), ttl_s=ttl_s)
+        """Place and lease in one step under the store's lock (so no GPU is leased
+        twice), durable on disk before this returns."""
+        assert self.snapshot is not None and self.lease_store is not None
+        matrix, store = self.snapshot.facts.matrix, self.lease_store
+
+        def work() -> tuple[PlaceOutcome, Lease | None, tuple[Lease, ...]]:
+            try:
+                answer = store.reserve_placement(matrix, _placement_request(request), owner, ttl_s)
+            except RequestError as exc:
+                return _unsatisfiable(exc), None, tuple(store.leases())
+            if isinstance(answer, NoFit):
+                return _outcome(answer), None, tuple(store.leases())
+            lease, placement = answer
+            return _outcome(placement), lease, tuple(store.leases())
+
+        outcome, lease, self._leases = await asyncio.to_thread(work)
+        self.placement_requests["reserved" if lease else "nofit"] += 1
+        if lease:
+            log_event("lease_granted", lease=lease.id[:6], owner=owner, gpus=",".join(map(str, lease.gpus)), ttl_s=ttl_s)
         return outcome, lease
 
     async def release(self, lease_id: str) -> Lease | None:
-        async with self._lease_lock:
-            lease = self.leases.leases.get(lease_id)
-            if lease is None:
-                return None
-            updated = {k: v for k, v in self.leases.leases.items() if k != lease_id}
-            await asyncio.to_thread(self.leases.persist, updated)
-            self.leases.leases = updated
-        log_event("lease_released", lease=lease_id[:6], owner=lease.owner)
+        assert self.lease_store is not None
+        store = self.lease_store
+
+        def work() -> tuple[Lease | None, tuple[Lease, ...]]:
+            held = {lease.id: lease for lease in store.leases()}
+            released = held.get(lease_id) if store.release(lease_id) else None
+            return released, tuple(store.leases())
+
+        lease, self._leases = await asyncio.to_thread(work)
+        if lease:
+            log_event("lease_released", lease=lease_id[:6], owner=lease.owner)
         return lease
 
-    def active_leases(self) -> list[Lease]:
-        now = time.time()
-        return sorted((l for l in self.leases.leases.values() if l.expires_at > now), key=lambda l: l.created_at)
-
     async def _lease_sweeper(self) -> None:
+        assert self.lease_store is not None
+        store = self.lease_store
         while True:
             await asyncio.sleep(self.config.lease_sweep_s)
-            async with self._lease_lock:
-                now = time.time()
-                expired = [l for l in self.leases.leases.values() if l.expires_at <= now]
-                if expired:
-                    updated = {k: v for k, v in self.leases.leases.items() if v.expires_at > now}
-                    await asyncio.to_thread(self.leases.persist, updated)
-                    self.leases.leases = updated
-            for lease in expired:
-                log_event("lease_expired", lease=lease.id[:6], owner=lease.owner)
+            before = {lease.id: lease for lease in self._leases}
+            store_now = await asyncio.to_thread(lambda: (store.expire(), tuple(store.leases()))[1])
+            self._leases = store_now
+            now_ids = {lease.id for lease in store_now}
+            for lid, lease in before.items():
+                if lid not in now_ids and lease.expires_at <= time.time():
+                    log_event("lease_expired", lease=lid[:6], owner=lease.owner)
 
 
 def start_udev_watch(on_event: Callable[[str, str, str], None]) -> Callable[[], None] | None:

@@ -24,6 +24,7 @@ class CollectorStatus:
     duration_s: float
     last_success_at: float | None  # Unix time of this collector's last good run
     error: str | None = None
+    status: str = "ok"  # "ok", "no_data" (source absent: quiet, still a success) or "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,11 +80,18 @@ class Snapshot:
     stale: bool = False  # the last discovery failed; these facts are older
     error: str | None = None  # why the last discovery failed
     failed_at: float | None = None
+    # Collector results of the latest run when it failed (the facts are from an older one).
+    latest_collectors: tuple[CollectorStatus, ...] | None = None
     # Cached per snapshot (computed on first use, never per request).
     _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
 
-    def marked_stale(self, version: int, error: str, failed_at: float) -> "Snapshot":
-        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, _cache=None)
+    def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> "Snapshot":
+        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, latest_collectors=collectors, _cache=None)
+
+    @property
+    def collectors(self) -> tuple[CollectorStatus, ...]:
+        """How each source fared in the latest run (which may be newer than the facts)."""
+        return self.latest_collectors if self.latest_collectors is not None else self.facts.collectors
 
     def document(self) -> dict[str, Any]:
         doc = dict(self.facts.topology)
@@ -97,11 +105,12 @@ class Snapshot:
                 {
                     "name": c.name,
                     "success": c.success,
+                    "status": c.status,
                     "duration_s": round(c.duration_s, 6),
                     "last_success_at": c.last_success_at,
                     "error": c.error,
                 }
-                for c in self.facts.collectors
+                for c in self.collectors
             ],
             "findings": [{"kind": f.kind, "detail": f.detail} for f in self.facts.findings],
         }
