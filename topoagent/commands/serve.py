@@ -109,7 +109,14 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     if not token:
         log_event("mutating_endpoints_off", logging.WARNING, reason="no --token-file: reservations, releases and refreshes are refused (403)")
     print(f"topoagent serving {config.root} on {base}", flush=True)
-    print(f"  {base}/topology  {base}/topology?format=matrix  {base}/metrics  {base}/openapi.json", flush=True)
+    for label, path in (("topology", "/topology"), ("matrix", "/topology?format=matrix"), ("metrics", "/metrics"), ("leases", "/leases"), ("API", "/openapi.json")):
+        print(f"  {label:9} {base}{path}", flush=True)
+    if token:
+        example = '{"gpus": 4, "reserve": {"owner": "me", "ttl_s": 600}}'
+        print(f"  reserve   curl -H \"Authorization: Bearer $(cat {config.token_file})\" -d '{example}' {base}/place", flush=True)
+    else:
+        print("  (no --token-file: reservations are off; POST /place answers dry runs)", flush=True)
+    print("  Ctrl-C or SIGTERM stops it; SIGHUP reloads the config", flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
