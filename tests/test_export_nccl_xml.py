@@ -101,8 +101,9 @@ def test_hgx_h100_switch_blocks_match_the_dump_line_for_line(tmp_path, h200_dump
             attrs += ["class", "device", "subsystem_device"]
         for attr in attrs:
             assert mine.get(attr) == theirs.get(attr), (theirs.get("busid"), attr)
-        # Same children (NCCL's own order within a switch varies with discovery order).
-        assert {c.get("busid") for c in mine.findall("pci")} == {c.get("busid") for c in theirs.findall("pci")}
+        # Same children (NCCL's own order within a switch varies with discovery order); the
+        # paste stops inside the last switch, so that one shows fewer.
+        assert {c.get("busid") for c in theirs.findall("pci")} <= {c.get("busid") for c in mine.findall("pci")}
         gpu, their_gpu = mine.find("gpu"), theirs.find("gpu")
         if their_gpu is not None:
             assert {k: gpu.get(k) for k in ("dev", "sm", "rank", "gdr")} == dict(their_gpu.attrib)
