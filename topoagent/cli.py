@@ -14,6 +14,7 @@ COMMANDS = {
     "snapshot": "topoagent.commands.snapshot",
     "probe": "topoagent.commands.probe",
     "place": "topoagent.commands.place",
+    "export": "topoagent.commands.export",
 }
 
 

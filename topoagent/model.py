@@ -102,6 +102,7 @@ class NicTopo:
     netdevs: tuple[str, ...] = ()
     ports: tuple[IbPort, ...] = ()
     link: PciLink | None = None
+    node_guid: str | None = None  # "0x4885b8933c4c5d93"
 
     @property
     def active(self) -> bool | None:
@@ -343,6 +344,7 @@ def _nic_json(n: NicTopo) -> dict:
         "numa_node": n.numa_node,
         "netdev": n.netdevs[0] if n.netdevs else None,
         "netdevs": list(n.netdevs),
+        "node_guid": n.node_guid,
         "link": _link_json(n.link),
         "ports": [
             {"port": p.number, "state": p.state, "phys_state": p.phys_state,
@@ -544,6 +546,7 @@ def merge(
                 netdevs=hca.netdevs,
                 ports=hca.ports,
                 link=dev.link if dev else None,
+                node_guid=hca.node_guid,
             )
         )
         if dev is not None:
