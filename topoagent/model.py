@@ -678,35 +678,80 @@ def _nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int]) 
     return found
 
 
+def faces_down(device: PciDevice) -> bool:
+    """Whether a bridge is a downstream-facing port (root port or switch downstream port).
+
+    sysfs gives each device one link status: a root port or a switch's downstream port
+    shows the link *below* it, every other device (endpoint, switch upstream port) the
+    link *above* it.  The port type lives in config space, which we do not read; along a
+    chain of bridges the kinds alternate from the root port down (root port, upstream,
+    downstream, upstream, ...), so the depth tells them apart.
+    """
+    return _is_bridge(device) and device.depth % 2 == 0
+
+
+def _is_bridge(device: PciDevice) -> bool:
+    return device.kind == pci_collector.BRIDGE
+
+
 def _pcie_findings(
     tree: PciTree | None, gpu_pci: dict[str, PciDevice], nic_pci: dict[str, PciDevice]
 ) -> list[Finding]:
+    """One finding per physical link that runs below what its device end can do.
+
+    A link is judged from its device end (the endpoint or switch upstream port): the port
+    above shows the same link, so judging both would report one fault twice, and a port
+    wider or faster than the card in it is no fault.  When the port above cannot go
+    faster either, the link is as good as the slot allows: said, as information.
+    """
     if tree is None:
         return []
+    names = {dev.address: name for name, dev in {**gpu_pci, **nic_pci}.items()}
+    by_address = {d.address: d for d in tree.devices}
     found: list[Finding] = []
-    watched = {**gpu_pci, **nic_pci}
-    for d in tree.of_kind(NVSWITCH):
-        watched[d.address] = d
     seen: set[str] = set()
-    for name, dev in watched.items():
-        for d in [dev] + [x for x in (tree.get(b) for b in dev.bridges) if x is not None]:
-            if d.address in seen or d.link is None:
-                continue
-            seen.add(d.address)
-            link = d.link
-            label = name if d is dev and name != d.address else d.address
-            if link.width_below_max:
-                found.append(Finding(
-                    "pcie-degraded", "warning", label,
-                    f"{d.address} link runs x{link.current_width} of x{link.max_width}",
-                ))
-            if link.speed_below_max:
-                idle = d.kind in (GPU, pci_collector.BRIDGE)
-                found.append(Finding(
-                    "pcie-slow", "info" if idle else "warning", label,
-                    f"{d.address} link runs at {link.current_gts:g} GT/s of {link.max_gts:g} GT/s"
-                    + (" (GPUs slow their link when idle; check under load)" if idle else ""),
-                ))
+    for d in tree.devices:
+        link = d.link
+        if link is None or faces_down(d):
+            continue
+        port = by_address.get(d.parent) if d.parent else None
+        if port is not None and not faces_down(port):
+            port = None
+        # Functions of one card share the link: key it by the port above when known.
+        key = port.address if port is not None else d.address
+        if key in seen:
+            continue
+        label = names.get(d.address, d.address)
+        seen_here = False
+        if link.width_below_max:
+            seen_here = True
+            capped = port is not None and port.link is not None and port.link.max_width is not None \
+                and port.link.max_width <= (link.current_width or 0)
+            found.append(Finding(
+                "pcie-degraded", "info" if capped else "warning", label,
+                f"{d.address} link runs x{link.current_width} of x{link.max_width}"
+                + (f" (the port above, {port.address}, has only x{port.link.max_width})" if capped
+                   else f" (the port above, {port.address}, sees the same)"
+                   if port is not None and port.link is not None and port.link.current_width == link.current_width
+                   else ""),
+            ))
+        if link.speed_below_max:
+            seen_here = True
+            capped = port is not None and port.link is not None and port.link.max_gts is not None \
+                and port.link.max_gts <= (link.current_gts or 0)
+            idle = d.kind in (GPU, pci_collector.BRIDGE)
+            if capped:
+                note = f" (the port above, {port.address}, tops out at {port.link.max_gts:g} GT/s)"
+            elif idle:
+                note = " (GPUs slow their link when idle; check under load)"
+            else:
+                note = ""
+            found.append(Finding(
+                "pcie-slow", "info" if idle or capped else "warning", label,
+                f"{d.address} link runs at {link.current_gts:g} GT/s of {link.max_gts:g} GT/s{note}",
+            ))
+        if seen_here:
+            seen.add(key)
     return found
 
 
