@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.host import Host, HostError
@@ -99,12 +99,14 @@ class PciDevice:
 @dataclass(frozen=True, slots=True)
 class PciTree:
     devices: tuple[PciDevice, ...]
+    _by_address: dict[str, PciDevice] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Pair derivation looks devices up thousands of times on a big node.
+        self._by_address.update((d.address, d) for d in self.devices)
 
     def get(self, address: str) -> PciDevice | None:
-        for device in self.devices:
-            if device.address == address:
-                return device
-        return None
+        return self._by_address.get(address)
 
     def of_kind(self, kind: str) -> tuple[PciDevice, ...]:
         return tuple(d for d in self.devices if d.kind == kind)

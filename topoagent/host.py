@@ -84,6 +84,10 @@ class Host:
         else:
             raise HostError(f"{root}: no such file or directory")
         self.description = "live node" if self.live else f"recording {root}"
+        # A recording does not change while it is replayed: cache link lookups.
+        self._root_text = str(self.root).rstrip("/")
+        self._links: dict[str, str | None] = {}
+        self._resolved: dict[str, str] = {}
 
     # --- life cycle -------------------------------------------------------------------
 
@@ -136,36 +140,46 @@ class Host:
         """Where a node path that needs no further resolving lies on this machine."""
         return self.root / str(node_path).lstrip("/") if not self.live else node_path
 
-    def _resolve(self, path: str) -> str:
-        pending = list(PurePosixPath("/", path).parts[1:])
-        resolved: list[str] = []
-        hops = 0
-        while pending:
-            part = pending.pop(0)
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if resolved:
-                    resolved.pop()
-                continue
-            candidate = self.root.joinpath(*resolved, part)
-            try:
-                is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
-            except OSError:
-                is_link = False  # missing: the rest cannot be links either
-            if is_link:
-                hops += 1
-                if hops > _MAX_SYMLINK_HOPS:
-                    raise HostError(f"{path}: too many levels of symbolic links")
-                target = os.readlink(candidate)
-                if target.startswith("/"):
-                    resolved = []
-                pending = list(PurePosixPath(target).parts) + pending
-                if target.startswith("/"):
-                    pending = pending[1:]
+    def _resolve(self, path: str, hops: int = 0) -> str:
+        """Resolve inside the root: the parent first (cached), then the last component.
+
+        Plain strings and a cache per directory: discovery resolves thousands of sysfs
+        paths ten components deep, mostly in the same few hundred directories.
+        """
+        cached = self._resolved.get(path)
+        if cached is not None:
+            return cached
+        if hops > _MAX_SYMLINK_HOPS:
+            raise HostError(f"{path}: too many levels of symbolic links")
+        parent, _, name = path.rstrip("/").rpartition("/")
+        base = self._resolve(parent, hops) if parent else "/"
+        prefix = "" if base == "/" else base
+        if name in ("", "."):
+            result = base
+        elif name == "..":
+            result = base.rsplit("/", 1)[0] or "/"
+        else:
+            target = self._link_target(f"{prefix}/{name}")
+            if target is None:
+                result = f"{prefix}/{name}"
             else:
-                resolved.append(part)
-        return "/" + "/".join(resolved)
+                joined = target if target.startswith("/") else f"{prefix}/{target}"
+                result = self._resolve(joined, hops + 1)
+        self._resolved[path] = result
+        return result
+
+    def _link_target(self, node_path: str) -> str | None:
+        """The target of a symlink in the recording; None when it is not one (or missing)."""
+        try:
+            return self._links[node_path]
+        except KeyError:
+            pass
+        try:
+            target: str | None = os.readlink(self._root_text + node_path)
+        except OSError:  # not a link, or missing: then nothing below it is a link either
+            target = None
+        self._links[node_path] = target
+        return target
 
     def _local(self, path: str) -> Path:
         """Where the file lies on this machine, after resolving links inside the root."""

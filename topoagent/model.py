@@ -125,7 +125,7 @@ class Pair:
     expected_gbps: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class NodeTopology:
     schema_version: int
     hostname: str | None
@@ -138,6 +138,13 @@ class NodeTopology:
     collectors: tuple[CollectorStatus, ...]
     declared: TopoMatrix | None = None
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        # Short on purpose: asyncio.run() (3.11) formats the main task's result while
+        # restoring its SIGINT handler, and the full dataclass repr of a big node took
+        # longer than reading it.
+        return (f"NodeTopology(hostname={self.hostname!r}, gpus={len(self.gpus)}, "
+                f"nics={len(self.nics)}, pairs={len(self.pairs)}, findings={len(self.findings)})")
 
     def __post_init__(self) -> None:
         for pair in self.pairs:
