@@ -7,6 +7,8 @@ import asyncio
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -284,3 +286,24 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
     sources = {p.source for p in topo.pairs if p.level.is_nvlink}
     assert sources == {"nvidia-smi"}
     assert {p.source for p in topo.pairs if not p.level.is_nvlink} == {"derived"}
+
+
+# --- what a one-shot discover loads ------------------------------------------------------
+
+
+def test_discover_command_loads_no_heavy_modules(tmp_path: Path) -> None:
+    script = (
+        "import sys, json\n"
+        "from topoagent.cli import main\n"
+        f"rc = main(['discover', '--json', '--root', {str(SNAPSHOTS / 'dgx-a100')!r}])\n"
+        "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
+        "sys.exit(rc)\n"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
+                          cwd=tmp_path, check=True)
+    assert json.loads(done.stdout)["schema_version"] == 1
+    loaded = set(json.loads(done.stderr.strip().splitlines()[-1]))
+    heavy = {"aiohttp", "prometheus_client", "pynvml", "torch", "psutil",
+             "topoagent.placement", "topoagent.probes"}
+    assert not {m.split(".")[0] if not m.startswith("topoagent") else m for m in loaded} & heavy
+    assert "topoagent.model" in loaded  # it did discover
