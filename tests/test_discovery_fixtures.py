@@ -206,7 +206,10 @@ def test_discover_json_has_the_issue_shapes(capsys: pytest.CaptureFixture[str]) 
         address = devices[address]["parent"]
         chain.append(address)
     assert len(chain) == gpu0["depth"] and devices[chain[-1]]["kind"] == "bridge"
-    assert set(gpu0["link"]) >= {"current_gts", "current_width", "max_gts", "max_width"}
+    # sysfs writes '16.0 GT/s PCIe' here and '8 GT/s' on older kernels (pcie-2socket).
+    assert (SNAPSHOTS / "dgx-a100/sys/bus/pci/devices/0000:07:00.0/max_link_speed").read_text() == "16.0 GT/s PCIe\n"
+    assert {k: gpu0["link"][k] for k in ("current_gts", "current_width", "max_gts", "max_width", "max_gen")} == {
+        "current_gts": 16.0, "current_width": 16, "max_gts": 16.0, "max_width": 16, "max_gen": 4}
     assert [g["name"] for g in out["gpus"]] == [f"GPU{k}" for k in range(8)]
     assert out["gpus"][0]["address"] == "0000:07:00.0" and len(out["gpus"][0]["nvlinks"]) == 12
     nic0 = out["nics"][0]
