@@ -87,6 +87,18 @@ def test_derived_matrix_equals_the_real_nvidia_smi_capture(name: str, tmp_path: 
 
 
 @pytest.mark.parametrize("name", ALL)
+def test_discover_matrix_prints_what_was_derived(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["discover", "--matrix", "--root", str(SNAPSHOTS / name)]) == 0
+    captured = capsys.readouterr()
+    printed = parse_topo_matrix(captured.out)
+    topo = discover_at(SNAPSHOTS / name)
+    assert [(d.name, d.device) for d in printed.devices] == [(d.name, d.device) for d in topo.topo_matrix().devices]
+    assert all(level == topo.level(a.name, b.name) for a, b, level in printed.pairs())
+    # Findings go to stderr, one line each, so the matrix stays parseable.
+    assert len(captured.err.splitlines()) == len(topo.findings)
+
+
+@pytest.mark.parametrize("name", ALL)
 def test_derived_and_declared_agree_pair_for_pair(name: str) -> None:
     topo = discover_at(SNAPSHOTS / name)
     real = recorded_matrix(name)
