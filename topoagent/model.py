@@ -714,16 +714,16 @@ def _pcie_findings(
     if tree is None:
         return []
     names = {dev.address: name for name, dev in {**gpu_pci, **nic_pci}.items()}
-    by_address = {d.address: d for d in tree.devices}
     found: list[Finding] = []
     seen: set[str] = set()
     for d in tree.devices:
         link = d.link
         if link is None or faces_down(d):
             continue
-        port = by_address.get(d.parent) if d.parent else None
+        port = tree.get(d.parent) if d.parent else None
         if port is not None and not faces_down(port):
             port = None
+        port_link = port.link if port is not None else None
         # Functions of one card share the link: key it by the port above when known.
         key = port.address if port is not None else d.address
         if key in seen:
@@ -732,23 +732,24 @@ def _pcie_findings(
         seen_here = False
         if link.width_below_max:
             seen_here = True
-            capped = port is not None and port.link is not None and port.link.max_width is not None \
-                and port.link.max_width <= (link.current_width or 0)
+            capped = port_link is not None and port_link.max_width is not None \
+                and port_link.max_width <= (link.current_width or 0)
+            note = ""
+            if capped:
+                note = f" (the port above, {port.address}, has only x{port_link.max_width})"
+            elif port_link is not None and port_link.current_width == link.current_width:
+                note = f" (the port above, {port.address}, sees the same)"
             found.append(Finding(
                 "pcie-degraded", "info" if capped else "warning", label,
-                f"{d.address} link runs x{link.current_width} of x{link.max_width}"
-                + (f" (the port above, {port.address}, has only x{port.link.max_width})" if capped
-                   else f" (the port above, {port.address}, sees the same)"
-                   if port is not None and port.link is not None and port.link.current_width == link.current_width
-                   else ""),
+                f"{d.address} link runs x{link.current_width} of x{link.max_width}{note}",
             ))
         if link.speed_below_max:
             seen_here = True
-            capped = port is not None and port.link is not None and port.link.max_gts is not None \
-                and port.link.max_gts <= (link.current_gts or 0)
+            capped = port_link is not None and port_link.max_gts is not None \
+                and port_link.max_gts <= (link.current_gts or 0)
             idle = d.kind in (GPU, pci_collector.BRIDGE)
             if capped:
-                note = f" (the port above, {port.address}, tops out at {port.link.max_gts:g} GT/s)"
+                note = f" (the port above, {port.address}, tops out at {port_link.max_gts:g} GT/s)"
             elif idle:
                 note = " (GPUs slow their link when idle; check under load)"
             else:
