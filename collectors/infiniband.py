@@ -103,6 +103,9 @@ def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
     warnings: list[str] = []
     for name in sorted(names, key=_natural):
         base = f"{IB_CLASS}/{name}"
+        if not host.is_dir(base):
+            warnings.append(f"{base}: dangling link to {host.realpath(base)}; skipped")
+            continue
         address = None
         device_path = host.realpath(f"{base}/device")
         last = device_path.rstrip("/").rsplit("/", 1)[-1]
