@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import statistics
 import subprocess
@@ -24,6 +25,10 @@ sys.path.insert(0, str(REPO))
 
 from topoagent.host import Host  # noqa: E402
 from topoagent.model import discover  # noqa: E402
+
+
+# What `topoagent discover` imports (the CLI registers only the command it runs).
+DISCOVER_IMPORTS = "import topoagent.cli; topoagent.cli.build_parser('discover'); import topoagent.model"
 
 
 def default_root() -> Path:
@@ -43,9 +48,14 @@ def in_process(root: str | Path, runs: int) -> float:
     return statistics.median(times)
 
 
+# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
+# would make every run compile every module again and time the compiler instead.
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def command(argv: list[str]) -> float:
     start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=CHILD_ENV)
     return time.perf_counter() - start
 
 
@@ -58,10 +68,15 @@ def main() -> int:
     print(f"in-process discover, {root}: {in_process(root, args.runs) * 1e3:.1f} ms (median of {args.runs})")
     print(f"in-process discover, live /: {in_process('/', args.runs) * 1e3:.1f} ms (median of {args.runs})")
     topoagent = [sys.executable, "-P", "-m", "topoagent", "discover", "--json"]
-    replay = command(topoagent + ["--root", str(root)])
+    replay = command(topoagent + ["--root", str(root)])  # also writes the bytecode caches
     ours_replay = statistics.median([command(topoagent + ["--root", str(root)]) for _ in range(args.runs)])
     print(f"whole command `topoagent discover --json --root {Path(root).name}`: {ours_replay * 1e3:.1f} ms"
           f" (first run {replay * 1e3:.1f} ms)")
+    # Where a one-shot command's time goes before it reads anything.
+    bare = statistics.median([command([sys.executable, "-P", "-c", "pass"]) for _ in range(args.runs)])
+    imports = statistics.median([command([sys.executable, "-P", "-c", DISCOVER_IMPORTS]) for _ in range(args.runs)])
+    print(f"  of which: interpreter start {bare * 1e3:.1f} ms, + discover's imports {(imports - bare) * 1e3:.1f} ms"
+          f" (median of {args.runs})")
     lstopo = shutil.which("lstopo-no-graphics")
     if lstopo is None:
         print("lstopo-no-graphics not installed: no side-by-side comparison")

@@ -41,6 +41,7 @@ class Hca:
     pci_address: str | None
     ports: tuple[IbPort, ...]
     netdevs: tuple[str, ...]
+    node_guid: str | None = None  # "0x4885b8933c4c5d93", as NCCL writes a net's guid
 
 
 def parse_rate(text: str | None) -> tuple[float | None, str | None]:
@@ -80,6 +81,16 @@ def parse_subnet_prefix(gid: str | None) -> str | None:
     return ":".join(groups[:4]).lower()
 
 
+def parse_node_guid(text: str | None) -> str | None:
+    """sysfs ``node_guid`` ``4885:b893:3c4c:5d93`` -> ``0x4885b8933c4c5d93``; junk -> None."""
+    if not text:
+        return None
+    digits = text.strip().replace(":", "").lower()
+    if not re.fullmatch(r"[0-9a-f]{1,16}", digits):
+        return None
+    return f"0x{int(digits, 16):016x}"
+
+
 def _port_sort_key(name: str) -> int:
     return int(name) if name.isdigit() else 1 << 30
 
@@ -92,6 +103,9 @@ def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
     warnings: list[str] = []
     for name in sorted(names, key=_natural):
         base = f"{IB_CLASS}/{name}"
+        if not host.is_dir(base):
+            warnings.append(f"{base}: dangling link to {host.realpath(base)}; skipped")
+            continue
         address = None
         device_path = host.realpath(f"{base}/device")
         last = device_path.rstrip("/").rsplit("/", 1)[-1]
@@ -118,7 +132,8 @@ def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
                 )
             )
         netdevs = tuple(host.listdir(f"{base}/device/net"))
-        hcas.append(Hca(name, address, tuple(ports), netdevs))
+        guid = parse_node_guid(host.read_optional(f"{base}/node_guid"))
+        hcas.append(Hca(name, address, tuple(ports), netdevs, guid))
     return tuple(hcas), tuple(warnings)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.host import Host, HostError
@@ -21,6 +21,7 @@ PCI_DEVICES = "/sys/bus/pci/devices"
 _PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _ROOT_COMPLEX = re.compile(r"pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}")
 _SPEED = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*GT/s")
+_NO_LINK = re.compile(r"\s*(?:Unknown(?: speed)?|0)\s*", re.IGNORECASE)
 
 NVIDIA = 0x10DE
 
@@ -98,12 +99,14 @@ class PciDevice:
 @dataclass(frozen=True, slots=True)
 class PciTree:
     devices: tuple[PciDevice, ...]
+    _by_address: dict[str, PciDevice] = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Pair derivation looks devices up thousands of times on a big node.
+        self._by_address.update((d.address, d) for d in self.devices)
 
     def get(self, address: str) -> PciDevice | None:
-        for device in self.devices:
-            if device.address == address:
-                return device
-        return None
+        return self._by_address.get(address)
 
     def of_kind(self, kind: str) -> tuple[PciDevice, ...]:
         return tuple(d for d in self.devices if d.kind == kind)
@@ -313,15 +316,21 @@ def _read_device(
         numa_node = locate_numa_node(local_cpus, numa_cpus)
         if numa_node is not None:
             numa_source = "local_cpus"
-    speed_texts = [read(n) for n in ("current_link_speed", "max_link_speed")]
-    width_texts = [read(n) for n in ("current_link_width", "max_link_width")]
+    link_files = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+    texts = {n: read(n) for n in link_files}
     link = None
-    if any(t is not None for t in speed_texts + width_texts):
+    if any(t is not None for t in texts.values()):
+        values: dict[str, float | int | None] = {}
+        for n, t in texts.items():
+            values[n] = parse_link_speed(t) if n.endswith("speed") else parse_link_width(t)
+            # 'Unknown speed' and width 0 mean no link trained; anything else unread is damage.
+            if t is not None and values[n] is None and not _NO_LINK.fullmatch(t):
+                warnings.append(f"{directory}/{n}: {t!r} is not a link {n.rsplit('_', 1)[-1]}")
         link = PciLink(
-            parse_link_speed(speed_texts[0]),
-            parse_link_width(width_texts[0]),
-            parse_link_speed(speed_texts[1]),
-            parse_link_width(width_texts[1]),
+            values["current_link_speed"],  # type: ignore[arg-type]
+            values["current_link_width"],  # type: ignore[arg-type]
+            values["max_link_speed"],  # type: ignore[arg-type]
+            values["max_link_width"],  # type: ignore[arg-type]
         )
     driver = None
     try:
@@ -380,6 +389,10 @@ def read_pci_tree(
             warnings.append(f"{PCI_DEVICES}/{name}: not a PCI address, skipped")
             continue
         real = host.realpath(f"{PCI_DEVICES}/{name}")
+        if not host.is_dir(real):
+            # A link to nowhere (device removed mid-read, or a damaged recording).
+            warnings.append(f"{PCI_DEVICES}/{name}: dangling link to {real}; skipped")
+            continue
         paths[address] = real
         placement[address] = parse_device_path(real)
     for address, real in paths.items():

@@ -30,7 +30,8 @@ def run_lstopo(root: str | None) -> str:
                HWLOC_KEEP_NVIDIA_GPU_NUMA_NODES="1")
     if root is not None:
         env["HWLOC_FSROOT"] = root
-    assert LSTOPO is not None
+    # The oracle is required, not optional: scripts/test installs Debian's hwloc-nox.
+    assert LSTOPO is not None, "lstopo-no-graphics not found: install Debian's hwloc-nox (scripts/test does)"
     done = subprocess.run([LSTOPO, "--whole-io", "--disallowed", "--of", "xml", "-"],
                           env=env, capture_output=True, text=True, timeout=120, check=True)
     return done.stdout

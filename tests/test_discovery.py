@@ -198,3 +198,19 @@ def test_matrix_renders_our_derived_levels(tmp_path: Path) -> None:
     text = render_topo_matrix(run(tmp_path).topo_matrix(), style="tabs")
     again = parse_topo_matrix(text)
     assert str(again.level("GPU0", "GPU3")) == "NV4"
+
+
+def test_a_link_is_judged_once_and_a_slot_limit_is_not_a_fault(tmp_path: Path) -> None:
+    node = FakeNode(tmp_path)
+    # A x16 GPU in a slot wired x8: the root port itself has only x8.
+    node.bridge("pci0000:00/0000:00:01.0", width=(8, 8))
+    node.pci("pci0000:00/0000:00:01.0/0000:01:00.0", GPU_CLASS, width=(8, 16))
+    # A Gen4 NIC trained at Gen3 under a Gen4 port: both ends could do more.
+    node.bridge("pci0000:00/0000:00:02.0", speed=("8.0 GT/s PCIe", "16.0 GT/s PCIe"))
+    nic = "pci0000:00/0000:00:02.0/0000:02:00.0"
+    node.pci(nic, IB_CLASS, vendor=0x15B3, speed=("8.0 GT/s PCIe", "16.0 GT/s PCIe"))
+    node.hca("mlx5_0", nic)
+    topo = run(tmp_path)
+    found = sorted((f.kind, f.severity, f.subject) for f in topo.findings)
+    assert found == [("pcie-degraded", "info", "GPU0"), ("pcie-slow", "warning", "NIC0")]
+    assert "has only x8" in next(f.message for f in topo.findings if f.subject == "GPU0")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import SHARED
-from hwloc_oracle import LSTOPO, read_view, run_lstopo
+from hwloc_oracle import read_view, run_lstopo
 
 from topoagent.collectors.pci import parse_cpulist
 from topoagent.host import Host
@@ -76,10 +76,8 @@ def hwloc_numa_node(locality: frozenset[int], numa_cpus: dict[int, frozenset[int
     return holders[0] if len(holders) == 1 else None
 
 
-needs_lstopo = pytest.mark.skipif(LSTOPO is None, reason="hwloc (lstopo-no-graphics) not installed; scripts/test installs it")
 
 
-@needs_lstopo
 @pytest.mark.parametrize("tarball", RECORDINGS, ids=lambda p: p.name.split(".")[0])
 def test_discover_agrees_with_lstopo_on_hwloc_recording(tarball: Path, tmp_path: Path) -> None:
     with tarfile.open(tarball) as archive:
@@ -89,7 +87,6 @@ def test_discover_agrees_with_lstopo_on_hwloc_recording(tarball: Path, tmp_path:
         _compare(root, host, root.name)
 
 
-@needs_lstopo
 def test_discover_agrees_with_lstopo_on_this_machine() -> None:
     _compare(None, Host("/"), "live")
 

@@ -121,7 +121,7 @@ for i in range(100000):
 
 def test_every_acknowledged_lease_survives_sigkill(tmp_path):
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path)],
+        [sys.executable, "-P", "-c", CHILD, str(tmp_path)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -58,7 +58,7 @@ AGENT_WITHOUT_TORCH = textwrap.dedent(
 @pytest.fixture(scope="module")
 def agent_run():
     proc = subprocess.run(
-        [sys.executable, "-c", AGENT_WITHOUT_TORCH, str(H20)],
+        [sys.executable, "-P", "-c", AGENT_WITHOUT_TORCH, str(H20)],
         capture_output=True, text=True, timeout=300, cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr

@@ -14,6 +14,7 @@ COMMANDS = {
     "snapshot": "topoagent.commands.snapshot",
     "probe": "topoagent.commands.probe",
     "place": "topoagent.commands.place",
+    "export": "topoagent.commands.export",
     "serve": "topoagent.commands.serve",
 }
 
@@ -22,19 +23,28 @@ class UsageError(Exception):
     """Bad input a user can fix: printed as one line, exit code 2."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every subcommand, or with ``only`` that one.
+
+    Registering a subcommand imports its module, and some pull in heavy code (placement,
+    probes); a one-shot `topoagent discover` should pay for its own imports only.
+    """
     parser = argparse.ArgumentParser(
         prog="topoagent",
         description="GPU topology discovery, link measurement and placement for one node.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for module_name in COMMANDS.values():
-        importlib.import_module(module_name).register(sub)
+    for name, module_name in COMMANDS.items():
+        if only is None or name == only:
+            importlib.import_module(module_name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    # The command comes first: build only its parser (top-level help still lists all).
+    parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     try:
         return args.run(args)

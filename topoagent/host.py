@@ -70,8 +70,8 @@ class Host:
         self._tempdir: tempfile.TemporaryDirectory[str] | None = None
         root_path = Path(root)
         self.live = str(root) == "/"
-        if record and not self.live:
-            raise HostError("only the live node ('/') can be recorded")
+        # A replayed node can be recorded too: that trims a recording to what discovery
+        # reads, and lets tests check that record -> replay changes nothing.
         self.recording: Recording | None = Recording() if record else None
         if self.live:
             self.root = Path("/")
@@ -84,6 +84,10 @@ class Host:
         else:
             raise HostError(f"{root}: no such file or directory")
         self.description = "live node" if self.live else f"recording {root}"
+        # A recording does not change while it is replayed: cache link lookups.
+        self._root_text = str(self.root).rstrip("/")
+        self._links: dict[str, str | None] = {}
+        self._resolved: dict[str, str] = {}
 
     # --- life cycle -------------------------------------------------------------------
 
@@ -123,43 +127,59 @@ class Host:
 
     def realpath(self, path: str) -> str:
         """The path with every symlink resolved, as the node sees it (never outside root)."""
-        if self.live:
-            resolved = os.path.realpath(path)
-            if self.recording is not None:
-                self._record_links(path)
-            return resolved
-        return self._resolve(path)
+        resolved = os.path.realpath(path) if self.live else self._resolve(path)
+        if self.recording is not None:
+            self._record_links(path)
+        return resolved
 
-    def _resolve(self, path: str) -> str:
-        pending = list(PurePosixPath("/", path).parts[1:])
-        resolved: list[str] = []
-        hops = 0
-        while pending:
-            part = pending.pop(0)
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if resolved:
-                    resolved.pop()
-                continue
-            candidate = self.root.joinpath(*resolved, part)
-            try:
-                is_link = stat.S_ISLNK(os.lstat(candidate).st_mode)
-            except OSError:
-                is_link = False  # missing: the rest cannot be links either
-            if is_link:
-                hops += 1
-                if hops > _MAX_SYMLINK_HOPS:
-                    raise HostError(f"{path}: too many levels of symbolic links")
-                target = os.readlink(candidate)
-                if target.startswith("/"):
-                    resolved = []
-                pending = list(PurePosixPath(target).parts) + pending
-                if target.startswith("/"):
-                    pending = pending[1:]
+    def _real(self, path: str) -> str:
+        """realpath without recording (for the recorder's own bookkeeping)."""
+        return os.path.realpath(path) if self.live else self._resolve(path)
+
+    def _on_disk(self, node_path: Path) -> Path:
+        """Where a node path that needs no further resolving lies on this machine."""
+        return self.root / str(node_path).lstrip("/") if not self.live else node_path
+
+    def _resolve(self, path: str, hops: int = 0) -> str:
+        """Resolve inside the root: the parent first (cached), then the last component.
+
+        Plain strings and a cache per directory: discovery resolves thousands of sysfs
+        paths ten components deep, mostly in the same few hundred directories.
+        """
+        cached = self._resolved.get(path)
+        if cached is not None:
+            return cached
+        if hops > _MAX_SYMLINK_HOPS:
+            raise HostError(f"{path}: too many levels of symbolic links")
+        parent, _, name = path.rstrip("/").rpartition("/")
+        base = self._resolve(parent, hops) if parent else "/"
+        prefix = "" if base == "/" else base
+        if name in ("", "."):
+            result = base
+        elif name == "..":
+            result = base.rsplit("/", 1)[0] or "/"
+        else:
+            target = self._link_target(f"{prefix}/{name}")
+            if target is None:
+                result = f"{prefix}/{name}"
             else:
-                resolved.append(part)
-        return "/" + "/".join(resolved)
+                joined = target if target.startswith("/") else f"{prefix}/{target}"
+                result = self._resolve(joined, hops + 1)
+        self._resolved[path] = result
+        return result
+
+    def _link_target(self, node_path: str) -> str | None:
+        """The target of a symlink in the recording; None when it is not one (or missing)."""
+        try:
+            return self._links[node_path]
+        except KeyError:
+            pass
+        try:
+            target: str | None = os.readlink(self._root_text + node_path)
+        except OSError:  # not a link, or missing: then nothing below it is a link either
+            target = None
+        self._links[node_path] = target
+        return target
 
     def _local(self, path: str) -> Path:
         """Where the file lies on this machine, after resolving links inside the root."""
@@ -168,17 +188,20 @@ class Host:
         return self.root / self._resolve(path).lstrip("/")
 
     def _record_links(self, path: str) -> None:
-        """Note every symlink met on the way to ``path`` (live recording only)."""
+        """Note every symlink met on the way to ``path`` (paths as the node sees them)."""
         assert self.recording is not None
         current = Path("/")
         parts = list(PurePosixPath(path).parts[1:])
         hops = 0
         while parts and hops < _MAX_SYMLINK_HOPS:
             part = parts.pop(0)
+            if part == "..":
+                current = current.parent
+                continue
             candidate = current / part
-            if candidate.is_symlink():
+            if self._on_disk(candidate).is_symlink():
                 hops += 1
-                target = os.readlink(candidate)
+                target = os.readlink(self._on_disk(candidate))
                 self.recording.symlinks[str(candidate)] = target
                 base = Path("/") if target.startswith("/") else current
                 current = Path(os.path.normpath(base / target))
@@ -197,7 +220,7 @@ class Host:
         if self.recording is not None:
             self._record_links(path)
             data = local.read_bytes()
-            self.recording.files[os.path.realpath(path)] = data
+            self.recording.files[self._real(path)] = data
             return data.decode("utf-8", errors="replace")
         with open(local, encoding="utf-8", errors="replace") as handle:
             return handle.read()
@@ -235,7 +258,7 @@ class Host:
         target = os.readlink(self._local(parent) / name)
         if self.recording is not None:
             self._record_links(parent)
-            self.recording.symlinks[os.path.join(os.path.realpath(parent), name)] = target
+            self.recording.symlinks[os.path.join(self._real(parent), name)] = target
         return target
 
     def listdir(self, path: str) -> list[str]:
@@ -248,7 +271,7 @@ class Host:
             return []
         if self.recording is not None:
             self._record_links(path)
-            self.recording.dirs[os.path.realpath(path)] = found
+            self.recording.dirs[self._real(path)] = found
         return sorted(found)
 
     # --- commands and NVML ------------------------------------------------------------
@@ -258,7 +281,10 @@ class Host:
         if not argv:
             raise HostError("empty command")
         if not self.live:
-            return self._replay_command(argv)
+            replayed = self._replay_command(argv)
+            if self.recording is not None:
+                self.recording.commands[command_file_stem(argv)] = replayed
+            return replayed
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -316,6 +342,7 @@ class Host:
             raise HostError(f"{path}: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):
             raise HostError(f"{path}: NVML recording must be a JSON object")
+        self.note_nvml(data)
         return data
 
     def note_nvml(self, data: dict) -> None:

@@ -102,6 +102,7 @@ class NicTopo:
     netdevs: tuple[str, ...] = ()
     ports: tuple[IbPort, ...] = ()
     link: PciLink | None = None
+    node_guid: str | None = None  # "0x4885b8933c4c5d93"
 
     @property
     def active(self) -> bool | None:
@@ -125,7 +126,7 @@ class Pair:
     expected_gbps: float | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class NodeTopology:
     schema_version: int
     hostname: str | None
@@ -138,6 +139,13 @@ class NodeTopology:
     collectors: tuple[CollectorStatus, ...]
     declared: TopoMatrix | None = None
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
+
+    def __repr__(self) -> str:
+        # Short on purpose: asyncio.run() (3.11) formats the main task's result while
+        # restoring its SIGINT handler, and the full dataclass repr of a big node took
+        # longer than reading it.
+        return (f"NodeTopology(hostname={self.hostname!r}, gpus={len(self.gpus)}, "
+                f"nics={len(self.nics)}, pairs={len(self.pairs)}, findings={len(self.findings)})")
 
     def __post_init__(self) -> None:
         for pair in self.pairs:
@@ -343,6 +351,7 @@ def _nic_json(n: NicTopo) -> dict:
         "numa_node": n.numa_node,
         "netdev": n.netdevs[0] if n.netdevs else None,
         "netdevs": list(n.netdevs),
+        "node_guid": n.node_guid,
         "link": _link_json(n.link),
         "ports": [
             {"port": p.number, "state": p.state, "phys_state": p.phys_state,
@@ -544,6 +553,7 @@ def merge(
                 netdevs=hca.netdevs,
                 ports=hca.ports,
                 link=dev.link if dev else None,
+                node_guid=hca.node_guid,
             )
         )
         if dev is not None:
@@ -678,35 +688,81 @@ def _nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int]) 
     return found
 
 
+def faces_down(device: PciDevice) -> bool:
+    """Whether a bridge is a downstream-facing port (root port or switch downstream port).
+
+    sysfs gives each device one link status: a root port or a switch's downstream port
+    shows the link *below* it, every other device (endpoint, switch upstream port) the
+    link *above* it.  The port type lives in config space, which we do not read; along a
+    chain of bridges the kinds alternate from the root port down (root port, upstream,
+    downstream, upstream, ...), so the depth tells them apart.
+    """
+    return _is_bridge(device) and device.depth % 2 == 0
+
+
+def _is_bridge(device: PciDevice) -> bool:
+    return device.kind == pci_collector.BRIDGE
+
+
 def _pcie_findings(
     tree: PciTree | None, gpu_pci: dict[str, PciDevice], nic_pci: dict[str, PciDevice]
 ) -> list[Finding]:
+    """One finding per physical link that runs below what its device end can do.
+
+    A link is judged from its device end (the endpoint or switch upstream port): the port
+    above shows the same link, so judging both would report one fault twice, and a port
+    wider or faster than the card in it is no fault.  When the port above cannot go
+    faster either, the link is as good as the slot allows: said, as information.
+    """
     if tree is None:
         return []
+    names = {dev.address: name for name, dev in {**gpu_pci, **nic_pci}.items()}
     found: list[Finding] = []
-    watched = {**gpu_pci, **nic_pci}
-    for d in tree.of_kind(NVSWITCH):
-        watched[d.address] = d
     seen: set[str] = set()
-    for name, dev in watched.items():
-        for d in [dev] + [x for x in (tree.get(b) for b in dev.bridges) if x is not None]:
-            if d.address in seen or d.link is None:
-                continue
-            seen.add(d.address)
-            link = d.link
-            label = name if d is dev and name != d.address else d.address
-            if link.width_below_max:
-                found.append(Finding(
-                    "pcie-degraded", "warning", label,
-                    f"{d.address} link runs x{link.current_width} of x{link.max_width}",
-                ))
-            if link.speed_below_max:
-                idle = d.kind in (GPU, pci_collector.BRIDGE)
-                found.append(Finding(
-                    "pcie-slow", "info" if idle else "warning", label,
-                    f"{d.address} link runs at {link.current_gts:g} GT/s of {link.max_gts:g} GT/s"
-                    + (" (GPUs slow their link when idle; check under load)" if idle else ""),
-                ))
+    for d in tree.devices:
+        link = d.link
+        if link is None or faces_down(d):
+            continue
+        port = tree.get(d.parent) if d.parent else None
+        if port is not None and not faces_down(port):
+            port = None
+        port_link = port.link if port is not None else None
+        # Functions of one card share the link: key it by the port above when known.
+        key = port.address if port is not None else d.address
+        if key in seen:
+            continue
+        label = names.get(d.address, d.address)
+        seen_here = False
+        if link.width_below_max:
+            seen_here = True
+            capped = port_link is not None and port_link.max_width is not None \
+                and port_link.max_width <= (link.current_width or 0)
+            note = ""
+            if capped:
+                note = f" (the port above, {port.address}, has only x{port_link.max_width})"
+            elif port_link is not None and port_link.current_width == link.current_width:
+                note = f" (the port above, {port.address}, sees the same)"
+            found.append(Finding(
+                "pcie-degraded", "info" if capped else "warning", label,
+                f"{d.address} link runs x{link.current_width} of x{link.max_width}{note}",
+            ))
+        if link.speed_below_max:
+            seen_here = True
+            capped = port_link is not None and port_link.max_gts is not None \
+                and port_link.max_gts <= (link.current_gts or 0)
+            idle = d.kind in (GPU, pci_collector.BRIDGE)
+            if capped:
+                note = f" (the port above, {port.address}, tops out at {port_link.max_gts:g} GT/s)"
+            elif idle:
+                note = " (GPUs slow their link when idle; check under load)"
+            else:
+                note = ""
+            found.append(Finding(
+                "pcie-slow", "info" if idle or capped else "warning", label,
+                f"{d.address} link runs at {link.current_gts:g} GT/s of {link.max_gts:g} GT/s{note}",
+            ))
+        if seen_here:
+            seen.add(key)
     return found
 
 

@@ -80,10 +80,25 @@ def _write_dir(host: Host, root: Path) -> None:
                 (commands / f"{stem}.rc").write_text(f"{result.returncode}\n")
     if rec.nvml is not None:
         (root / "nvml.json").write_text(json.dumps(rec.nvml, indent=1) + "\n")
+    recorded_by = f"topoagent snapshot {__version__}"
+    hostname: str | None = socket.gethostname()
+    if not host.live:
+        # Re-recorded from a recording: keep the node's name, say where it came from.
+        hostname = _recorded_hostname(host.root)
+        recorded_by += f" --root {host.description.removeprefix('recording ')}"
     meta = {
         "schema": 1,
-        "hostname": socket.gethostname(),
+        "hostname": hostname,
         "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "recorded_by": f"topoagent snapshot {__version__}",
+        "recorded_by": recorded_by,
     }
     (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def _recorded_hostname(root: Path) -> str | None:
+    try:
+        meta = json.loads((root / "snapshot.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = meta.get("hostname") if isinstance(meta, dict) else None
+    return name if isinstance(name, str) else None

@@ -58,4 +58,8 @@ def run(args: argparse.Namespace) -> int:
         print("no GPUs or RDMA NICs found")
     for finding in topology.findings:
         print(f"{finding.severity}: {finding.subject}: {finding.message}", file=sys.stderr)
+    for collector in topology.collectors:
+        # Damaged single files did not stop the collector, but the user should know.
+        for warning in collector.warnings:
+            print(f"warning: {collector.name}: {warning}", file=sys.stderr)
     return 0

@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     parser.add_argument("out", metavar="OUT", help="new directory, or a path ending in .tar.gz")
+    parser.add_argument("--root", metavar="DIR|TARBALL", default="/",
+                        help="re-record a recorded node (keeps only what discovery reads); "
+                             "default: this node")
     parser.set_defaults(run=run)
 
 
@@ -28,11 +31,16 @@ def run(args: argparse.Namespace) -> int:
     from topoagent.model import discover
     from topoagent.snapshot import write_snapshot
 
-    host = Host("/", record=True)
-    asyncio.run(discover(host))
     try:
-        path = write_snapshot(host, args.out)
-    except (HostError, OSError) as exc:
-        raise UsageError(f"{args.out}: {exc}") from None
-    print(f"recorded this node into {path}", file=sys.stderr)
+        host = Host(args.root, record=True)
+    except HostError as exc:
+        raise UsageError(str(exc)) from None
+    with host:
+        asyncio.run(discover(host))
+        try:
+            path = write_snapshot(host, args.out)
+        except (HostError, OSError) as exc:
+            raise UsageError(f"{args.out}: {exc}") from None
+    what = "this node" if host.live else args.root
+    print(f"recorded {what} into {path}", file=sys.stderr)
     return 0

@@ -1,0 +1,145 @@
+"""Slurm ``gres.conf`` lines for the node's GPUs, in Slurm's own numbering.
+
+gres.conf(5), as Slurm documents it:
+
+- ``File=/dev/nvidiaN``: N is the driver's *minor number*, which need not equal the GPU's
+  index.  We read it from /proc/driver/nvidia/gpus/<bus id>/information when the node shows
+  it and otherwise assume minor = index (said in a comment line).
+- ``Cores=``: *logical core indices*, not OS CPU numbers: core 0 is the first core of the
+  first socket, core 1 the second (lstopo's ``Core L#``).  Hyperthread siblings are one
+  core.  We map the GPU's close CPUs to cores with sysfs's CPU topology when the node has
+  it, else by the assumption `collectors.cpu.assume_core_map` states (said in a comment).
+  A GPU close to every core gets no ``Cores=``: Slurm asks not to set it then.
+- ``Links=``: one number per GPU *in PCI bus id order* (Slurm numbers devices that way):
+  -1 for the GPU itself, the NVLink count to that peer, 0 for none.  Through an NVSwitch
+  every pair counts the links each GPU has into the fabric (nvidia-smi's NV<n>).
+- ``Type=``: the model as Slurm's NVML autodetection spells it (lower case, spaces as
+  underscores), so a ``Type`` here also matches ``AutoDetect=nvml``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from topoagent.collectors.cpu import ASSUMED_SMT2, CoreMap
+from topoagent.collectors.pci import parse_cpulist
+from topoagent.host import Host
+from topoagent.model import GpuTopo, NodeTopology
+
+_MINOR = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)
+
+
+class GresError(ValueError):
+    """The node has nothing to write a gres.conf about."""
+
+
+@dataclass(frozen=True, slots=True)
+class GresLine:
+    gpu: str  # "GPU3"
+    type: str | None
+    file: str
+    cores: frozenset[int] | None  # None: any core
+    links: tuple[int, ...]
+
+    def render(self) -> str:
+        parts = ["Name=gpu"]
+        if self.type:
+            parts.append(f"Type={self.type}")
+        parts.append(f"File={self.file}")
+        if self.cores is not None:
+            parts.append(f"Cores={format_ranges(self.cores)}")
+        if self.links:
+            parts.append("Links=" + ",".join(str(n) for n in self.links))
+        return " ".join(parts)
+
+
+def format_ranges(values: frozenset[int] | set[int]) -> str:
+    """{0,1,2,3,8} -> "0-3,8"."""
+    out: list[str] = []
+    ordered = sorted(values)
+    start = prev = None
+    for v in ordered:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(out)
+
+
+def slurm_type(model: str | None) -> str | None:
+    if not model:
+        return None
+    return re.sub(r"\s+", "_", model.strip()).lower()
+
+
+def read_device_minors(host: Host, topology: NodeTopology) -> dict[str, int]:
+    """GPU name -> /dev/nvidia minor number, from the driver's procfs, where it shows."""
+    minors: dict[str, int] = {}
+    for gpu in topology.gpus:
+        if not gpu.pci_address:
+            continue
+        text = host.read_optional(f"/proc/driver/nvidia/gpus/{gpu.pci_address}/information")
+        match = _MINOR.search(text or "")
+        if match:
+            minors[gpu.name] = int(match.group(1))
+    return minors
+
+
+def bus_order(gpus: tuple[GpuTopo, ...]) -> list[GpuTopo]:
+    """Slurm's device numbering: by PCI bus id (GPUs without one last, by index)."""
+    return sorted(gpus, key=lambda g: (g.pci_address is None, g.pci_address or "", g.index))
+
+
+def gres_lines(topology: NodeTopology, cores: CoreMap | None,
+               minors: dict[str, int] | None = None) -> list[GresLine]:
+    if not topology.gpus:
+        raise GresError("no GPUs found; nothing to put in gres.conf")
+    minors = minors or {}
+    ordered = bus_order(topology.gpus)
+    lines = []
+    for gpu in ordered:
+        links = []
+        for peer in ordered:
+            if peer is gpu:
+                links.append(-1)
+                continue
+            level = topology.level(gpu.name, peer.name)
+            links.append(level.nvlinks if level is not None and level.is_nvlink else 0)
+        gpu_cores = None
+        if cores is not None and gpu.cpus:
+            try:
+                mine = cores.cores(parse_cpulist(gpu.cpus))
+            except ValueError:
+                mine = frozenset()
+            if mine and mine != cores.all_cores:
+                gpu_cores = mine
+        minor = minors.get(gpu.name, gpu.index)
+        lines.append(GresLine(gpu.name, slurm_type(gpu.model), f"/dev/nvidia{minor}",
+                              gpu_cores, tuple(links) if len(ordered) > 1 else ()))
+    return lines
+
+
+def render_gres(topology: NodeTopology, cores: CoreMap | None,
+                minors: dict[str, int] | None = None) -> str:
+    lines = gres_lines(topology, cores, minors)
+    head = [f"# gres.conf for {topology.hostname or 'this node'}, written by topoagent export gres",
+            "# Links= lists NVLink counts to each GPU in PCI bus id order (-1 = itself)."]
+    if cores is None:
+        head.append("# Cores= left out: the node's CPUs are unknown.")
+    elif cores.assumed and any(line.cores is not None for line in lines):
+        how = ("SMT-2 with thread c+N/2 the sibling of c" if cores.source == ASSUMED_SMT2
+               else "one thread per core")
+        head.append(f"# Cores= assume {how} (sysfs CPU topology not available); check with lstopo -l.")
+    if minors is None or len(minors) < len(topology.gpus):
+        head.append("# File= assumes /dev/nvidia minor numbers equal the GPU indices.")
+    return "\n".join(head + [line.render() for line in lines]) + "\n"
+
+
+__all__ = ["GresError", "GresLine", "bus_order", "format_ranges", "gres_lines",
+           "read_device_minors", "render_gres", "slurm_type"]

@@ -1,0 +1,136 @@
+"""A Node Feature Discovery local feature file (``features.d``): one ``name=value`` per line.
+
+nfd-worker's local source reads every file in
+/etc/kubernetes/node-feature-discovery/features.d/ and nfd-master turns each line into a
+node label.  Names carry our own prefix (``topoagent.io/``); NFD allows any namespace but
+kubernetes.io's.  Every name and value is checked against Kubernetes' label syntax here,
+so a bad model string can never make nfd-master drop the whole file.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+from topoagent.levels import LevelKind
+from topoagent.model import NodeTopology
+
+DEFAULT_PREFIX = "topoagent.io"
+
+# Kubernetes label syntax (k8s.io/apimachinery validation): a qualified name is an optional
+# DNS-subdomain prefix and '/', then a name of at most 63 characters; a value is at most 63
+# characters of the same alphabet, or empty.
+LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+class LabelError(ValueError):
+    """A label name or value Kubernetes would refuse."""
+
+
+def check_label(key: str, value: str) -> None:
+    prefix, sep, name = key.rpartition("/")
+    if sep and (len(prefix) > 253 or not LABEL_PREFIX.match(prefix)):
+        raise LabelError(f"{key!r}: prefix is not a DNS subdomain")
+    if len(name) > 63 or not LABEL_NAME.match(name):
+        raise LabelError(f"{key!r}: name is not a valid label name")
+    if len(value) > 63 or not LABEL_VALUE.match(value):
+        raise LabelError(f"{key!r}: value {value!r} is not a valid label value")
+
+
+def label_value(text: str) -> str:
+    """Any text made into a valid label value: other characters become '-', ends trimmed."""
+    value = re.sub(r"[^A-Za-z0-9_.-]+", "-", text.strip())[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:.2f}".rstrip("0")
+
+
+def nvlink_zones(topology: NodeTopology) -> list[set[str]]:
+    """GPUs joined by NVLink (directly or through other GPUs/NVSwitches), largest first."""
+    names = [g.name for g in topology.gpus]
+    parent = {n: n for n in names}
+
+    def find(n: str) -> str:
+        while parent[n] != n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            level = topology.level(a, b)
+            if level is not None and level.is_nvlink:
+                parent[find(a)] = find(b)
+    zones: dict[str, set[str]] = {}
+    for n in names:
+        zones.setdefault(find(n), set()).add(n)
+    return sorted(zones.values(), key=len, reverse=True)
+
+
+def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[str, str]:
+    gpus, nics = topology.gpus, topology.nics
+    features: dict[str, str] = {"gpu.count": str(len(gpus))}
+    models = {g.model for g in gpus if g.model}
+    if models:
+        model = models.pop() if len(models) == 1 else "mixed"
+        features["gpu.model"] = label_value(model.removeprefix("NVIDIA ")) or "unknown"
+    if gpus:
+        zones = nvlink_zones(topology)
+        largest = len(zones[0]) if zones and len(zones[0]) > 1 else 0
+        features["nvlink.zone-size"] = str(largest)
+        features["nvlink.zones"] = str(sum(1 for z in zones if len(z) > 1))
+        links = [
+            topology.level(a.name, b.name)
+            for i, a in enumerate(gpus) for b in gpus[i + 1:]
+        ]
+        nv_counts = [lvl.nvlinks for lvl in links if lvl is not None and lvl.is_nvlink]
+        if nv_counts:
+            features["nvlink.links-per-pair"] = str(min(nv_counts))
+    nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
+    via_fabric = any(l.remote_type == "switch" and l.active for g in gpus for l in g.nvlinks)
+    features["nvswitch"] = "true" if nvswitches or via_fabric else "false"
+    if nvswitches:
+        features["nvswitch.count"] = str(nvswitches)
+    per_node = Counter(g.numa_node for g in gpus if g.numa_node is not None)
+    if per_node:
+        low, high = min(per_node.values()), max(per_node.values())
+        # One number when the GPUs are spread evenly, else "min-max".
+        features["gpu.per-numa-node"] = str(high) if low == high else f"{low}-{high}"
+        features["gpu.numa-nodes"] = str(len(per_node))
+    rdma = [n for n in nics if n.ports]
+    features["nic.count"] = str(len(rdma))
+    if gpus:
+        close = {
+            n.name for n in rdma for g in gpus
+            if (lvl := topology.level(g.name, n.name)) is not None
+            and lvl.kind in (LevelKind.PIX, LevelKind.PXB)
+        }
+        features["nic.per-gpu"] = _number(round(len(close) / len(gpus), 2))
+    active = [p for n in rdma for p in n.ports if p.active]
+    features["ib.active-ports"] = str(len(active))
+    rates = [p.rate_gbps for p in active if p.rate_gbps]
+    if rates:
+        features["ib.rate-gbps"] = _number(max(rates))
+    severities = Counter(f.severity for f in topology.findings)
+    features["findings"] = str(len(topology.findings))
+    features["findings.errors"] = str(severities.get("error", 0))
+    features["findings.warnings"] = str(severities.get("warning", 0))
+    labelled = {f"{prefix}/{name}": value for name, value in features.items()}
+    for key, value in labelled.items():
+        check_label(key, value)
+    return labelled
+
+
+def render_nfd(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> str:
+    lines = [f"# Node Feature Discovery features for {topology.hostname or 'this node'}, "
+             "written by topoagent export nfd"]
+    lines += [f"{key}={value}" for key, value in nfd_features(topology, prefix).items()]
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["DEFAULT_PREFIX", "LABEL_NAME", "LABEL_PREFIX", "LABEL_VALUE", "LabelError",
+           "check_label", "label_value", "nfd_features", "nvlink_zones", "render_nfd"]

@@ -1,0 +1,390 @@
+"""A picture of the node: NUMA nodes, PCIe switches, GPUs and NICs, NVLink, findings.
+
+Drawn on the server as plain SVG (no script, no external asset), so the same text works as
+a file (`topoagent export svg`), inline in the agent's page (`render_page`) and in a report.
+
+Layout, left to right by NUMA node:
+
+    ┌ NUMA 3 · CPUs 48-63 ───────────────┐
+    │ ┌ PCIe switch 0000:01:00.0 ──────┐ │
+    │ │ [NIC0] [NIC1]                  │ │   NICs on top,
+    │ │ [GPU0] [GPU1]                  │ │   GPUs at the bottom of their switch,
+    │ └────────────────────────────────┘ │
+    └──────────┼──────┼──────────────────┘
+    ═══════════╧══════╧═══ NVSwitch fabric  so NVLink leaves every GPU straight down:
+                                            a bus for a switch fabric (16 GPUs stay
+                                            readable), arcs for direct links.
+
+Each GPU and NIC rectangle carries ``data-device="GPU3"`` / ``"NIC1"`` for tests and for
+anyone styling the page.  Line widths follow the link count, or the measured bandwidth when
+the distance matrix holds a fresh measurement.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+import time
+from dataclasses import dataclass, field
+
+from topoagent.matrix import DistanceMatrix
+from topoagent.model import Finding, GpuTopo, NicTopo, NodeTopology
+
+GPU_W, GPU_H = 92, 58
+NIC_W, NIC_H = 92, 40
+GAP = 10
+SW_PAD, SW_TITLE = 10, 20
+NUMA_PAD, NUMA_TITLE = 12, 26
+EMPTY_NUMA_W = 130
+MARGIN = 20
+
+COLORS = {
+    "gpu": "#76b900", "gpu_text": "#10240a", "nic": "#3b82c4", "nic_down": "#9aa5b1",
+    "numa": "#f4f6f8", "numa_stroke": "#5b6b7b", "switch": "#ffffff", "switch_stroke": "#8a99a8",
+    "nvlink": "#2f7d1c", "fabric": "#1f5f12", "error": "#d1242f", "warning": "#e08a00",
+    "info": "#6e7781", "text": "#1f2328", "muted": "#57606a",
+}
+SEVERITY_RANK = {"error": 3, "warning": 2, "info": 1}
+
+
+@dataclass
+class _Box:
+    x: float
+    y: float
+    w: float
+    h: float
+
+
+@dataclass
+class _Switch:
+    key: str | None  # bus id of the switch (or root port); None: on the host bridge
+    label: str
+    gpus: list[GpuTopo] = field(default_factory=list)
+    nics: list[NicTopo] = field(default_factory=list)
+
+    @property
+    def width(self) -> float:
+        n = max(len(self.gpus), len(self.nics), 1)
+        return 2 * SW_PAD + n * GPU_W + (n - 1) * GAP
+
+    @property
+    def height(self) -> float:
+        rows = (GPU_H if self.gpus else 0) + (NIC_H if self.nics else 0)
+        rows += GAP if self.gpus and self.nics else 0
+        return SW_TITLE + rows + SW_PAD
+
+
+def _esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _short_model(model: str | None) -> str:
+    if not model:
+        return "GPU"
+    text = model.removeprefix("NVIDIA ").removeprefix("Tesla ")
+    return text if len(text) <= 14 else text[:13] + "…"
+
+
+def _switch_of(topology: NodeTopology, address: str | None) -> tuple[str | None, str]:
+    dev = topology.pci.get(address) if topology.pci and address else None
+    if dev is None or not dev.bridges:
+        return None, "host bridge"
+    if len(dev.bridges) >= 2:
+        return dev.bridges[1], f"PCIe switch {dev.bridges[1].removeprefix('0000:')}"
+    return dev.bridges[0], f"root port {dev.bridges[0].removeprefix('0000:')}"
+
+
+def _device_findings(topology: NodeTopology) -> dict[str, list[Finding]]:
+    """Findings per GPU/NIC name, matched by name, RDMA device or a PCI address on its path."""
+    names: dict[str, str] = {}
+    for g in topology.gpus:
+        names[g.name] = g.name
+        if g.pci_address:
+            names[g.pci_address] = g.name
+    for n in topology.nics:
+        names[n.name] = n.name
+        if n.device:
+            names[n.device] = n.name
+        if n.pci_address:
+            names[n.pci_address] = n.name
+    by_device: dict[str, list[Finding]] = {}
+    for finding in topology.findings:
+        tokens = set(re.split(r"[\s/,()]+", f"{finding.subject} {finding.message}"))
+        hits = {names[t] for t in tokens if t in names}
+        for name in hits:
+            by_device.setdefault(name, []).append(finding)
+    return by_device
+
+
+def _fabric(topology: NodeTopology) -> dict[str, int]:
+    """GPU name -> active NVLinks into an NVSwitch fabric."""
+    links: dict[str, int] = {}
+    for g in topology.gpus:
+        count = sum(1 for l in g.nvlinks if l.active and l.remote_type == "switch")
+        if count:
+            links[g.name] = count
+    return links
+
+
+def _measured(matrix: DistanceMatrix | None) -> dict[frozenset[str], float]:
+    if matrix is None:
+        return {}
+    now = time.time()
+    out = {}
+    for (i, j), m in matrix.measured.items():
+        if now - m.taken_at <= matrix.measurement_max_age_s:
+            out[frozenset((matrix.gpus[i].name, matrix.gpus[j].name))] = m.gbps
+    return out
+
+
+def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> str:
+    findings_of = _device_findings(topology)
+    fabric = _fabric(topology)
+    measured = _measured(matrix)
+
+    # --- group devices: NUMA node -> switch -> GPUs / NICs
+    numa_ids = [n.id for n in topology.numa.nodes] if topology.numa else []
+    groups: dict[int | None, dict[str | None, _Switch]] = {i: {} for i in numa_ids}
+    for dev in [*topology.gpus, *topology.nics]:
+        node = dev.numa_node if dev.numa_node is not None and dev.numa_node in groups else None
+        if dev.numa_node is None and len(numa_ids) == 1:
+            node = numa_ids[0]
+        key, label = _switch_of(topology, dev.pci_address)
+        switch = groups.setdefault(node, {}).setdefault(key, _Switch(key, label))
+        (switch.gpus if isinstance(dev, GpuTopo) else switch.nics).append(dev)
+
+    # --- place NUMA boxes in one row
+    x = MARGIN
+    top = MARGIN + 34
+    numa_boxes: list[tuple[int | None, _Box, list[tuple[_Switch, _Box]]]] = []
+    max_h = 0.0
+    for node, switches in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        if not switches:
+            box = _Box(x, top, EMPTY_NUMA_W, NUMA_TITLE + 40)
+            numa_boxes.append((node, box, []))
+            x += box.w + GAP * 2
+            continue
+        placed = []
+        sx = x + NUMA_PAD
+        ordered = sorted(switches.values(), key=lambda s: (not s.gpus, s.key or ""))
+        inner_h = max(s.height for s in ordered)
+        for s in ordered:
+            placed.append((s, _Box(sx, top + NUMA_TITLE, s.width, inner_h)))
+            sx += s.width + GAP
+        box = _Box(x, top, sx - GAP + NUMA_PAD - x, NUMA_TITLE + inner_h + NUMA_PAD)
+        numa_boxes.append((node, box, placed))
+        max_h = max(max_h, box.h)
+        x += box.w + GAP * 2
+    width = max(x - GAP * 2 + MARGIN, 640)
+    for _, box, _ in numa_boxes:
+        box.h = max(box.h, max_h) if box.h > NUMA_TITLE + 40 else box.h
+
+    parts: list[str] = []
+    gpu_anchor: dict[str, tuple[float, float]] = {}  # bottom centre of each GPU
+
+    def device_rect(name: str, kind: str, bx: float, by: float, w: float, h: float,
+                    fill: str, lines: list[str], tooltip: str) -> None:
+        found = findings_of.get(name, [])
+        worst = max((f.severity for f in found), key=lambda s: SEVERITY_RANK.get(s, 0), default=None)
+        stroke = COLORS[worst] if worst else "#33404d"
+        sw = 3 if worst in ("error", "warning") else 1
+        tip = tooltip + "".join(f"\n{f.severity}: {f.message}" for f in found)
+        parts.append(
+            f'<rect class="device {kind}" data-device="{_esc(name)}" x="{bx:.1f}" y="{by:.1f}" '
+            f'width="{w}" height="{h}" rx="5" fill="{fill}" stroke="{stroke}" stroke-width="{sw}">'
+            f"<title>{_esc(tip)}</title></rect>"
+        )
+        for k, line in enumerate(lines):
+            weight = ' font-weight="bold"' if k == 0 else ""
+            size = 13 if k == 0 else 10
+            parts.append(f'<text x="{bx + w / 2:.1f}" y="{by + 16 + k * 13:.1f}" font-size="{size}"'
+                         f'{weight} text-anchor="middle" fill="{COLORS["gpu_text"] if kind == "gpu" else "#ffffff"}">'
+                         f"{_esc(line)}</text>")
+        if worst in ("error", "warning"):
+            cx, cy = bx + w - 4, by + 4
+            parts.append(f'<g class="finding-badge" data-finding-for="{_esc(name)}">'
+                         f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="9" fill="{COLORS[worst]}" stroke="#fff"/>'
+                         f'<text x="{cx:.1f}" y="{cy + 4:.1f}" font-size="12" font-weight="bold" '
+                         f'text-anchor="middle" fill="#fff">!</text></g>')
+
+    for node, box, placed in numa_boxes:
+        cpus = ""
+        if topology.numa and node is not None:
+            n = topology.numa.node(node)
+            cpus = f" · CPUs {n.cpulist}" if n and n.cpus else " · no CPUs"
+        title = f"NUMA {node}{cpus}" if node is not None else "NUMA unknown"
+        parts.append(f'<g class="numa" data-numa="{_esc(node if node is not None else "unknown")}">')
+        parts.append(f'<rect x="{box.x}" y="{box.y}" width="{box.w:.1f}" height="{box.h:.1f}" rx="8" '
+                     f'fill="{COLORS["numa"]}" stroke="{COLORS["numa_stroke"]}" stroke-width="1.5"/>')
+        text = title if placed or len(title) < 22 else f"NUMA {node}"
+        parts.append(f'<text x="{box.x + 8}" y="{box.y + 17}" font-size="12" font-weight="bold" '
+                     f'fill="{COLORS["text"]}">{_esc(text)}</text>')
+        if not placed:
+            parts.append(f'<text x="{box.x + 8}" y="{box.y + 36}" font-size="10" fill="{COLORS["muted"]}">'
+                         f'{_esc(cpus.removeprefix(" · ") or "no devices")}</text>')
+            parts.append(f'<text x="{box.x + 8}" y="{box.y + 50}" font-size="10" fill="{COLORS["muted"]}">'
+                         f"no GPUs or NICs</text>")
+        parts.append("</g>")
+        for switch, sbox in placed:
+            parts.append(f'<rect class="switch" data-switch="{_esc(switch.key or "host")}" x="{sbox.x:.1f}" '
+                         f'y="{sbox.y:.1f}" width="{sbox.w:.1f}" height="{sbox.h:.1f}" rx="6" '
+                         f'fill="{COLORS["switch"]}" stroke="{COLORS["switch_stroke"]}" stroke-dasharray="4 3"/>')
+            parts.append(f'<text x="{sbox.x + 6:.1f}" y="{sbox.y + 14:.1f}" font-size="10" '
+                         f'fill="{COLORS["muted"]}">{_esc(switch.label)}</text>')
+            row_y = sbox.y + SW_TITLE
+            if switch.nics:
+                for k, nic in enumerate(switch.nics):
+                    nx = sbox.x + SW_PAD + k * (NIC_W + GAP)
+                    rate = f"{nic.rate_gbps:g} Gb/s" if nic.rate_gbps else ("down" if nic.ports else "")
+                    layer = "RoCE" if nic.ports and all(p.roce for p in nic.ports) else "IB"
+                    fill = COLORS["nic"] if nic.active is not False else COLORS["nic_down"]
+                    device_rect(nic.name, "nic", nx, row_y, NIC_W, NIC_H, fill,
+                                [f"{nic.name} {nic.device or ''}".strip(), f"{rate} {layer}".strip()],
+                                f"{nic.name} {nic.device or ''} {nic.pci_address or ''}")
+                row_y += NIC_H + GAP
+            for k, gpu in enumerate(switch.gpus):
+                gx = sbox.x + SW_PAD + k * (GPU_W + GAP)
+                gy = sbox.y + sbox.h - SW_PAD - GPU_H
+                link = ""
+                if gpu.link and gpu.link.max_gen:
+                    link = f"PCIe{gpu.link.max_gen} x{gpu.link.current_width or '?'}"
+                device_rect(gpu.name, "gpu", gx, gy, GPU_W, GPU_H, COLORS["gpu"],
+                            [gpu.name, _short_model(gpu.model), link],
+                            f"{gpu.name} {gpu.model or ''} {gpu.pci_address or ''}")
+                gpu_anchor[gpu.name] = (gx + GPU_W / 2, gy + GPU_H)
+
+    y = top + max_h + 24
+
+    # --- NVLink: a bus for a switch fabric, arcs for direct links
+    if fabric:
+        xs = [gpu_anchor[n][0] for n in fabric if n in gpu_anchor]
+        if xs:
+            bar_y = y + 22
+            switches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
+            usual = max(fabric.values())
+            for name, links in fabric.items():
+                if name not in gpu_anchor:
+                    continue
+                gx, gy = gpu_anchor[name]
+                degraded = links < usual
+                color = COLORS["warning"] if degraded else COLORS["fabric"]
+                dash = ' stroke-dasharray="6 4"' if degraded else ""
+                parts.append(f'<line class="nvlink fabric-link" data-gpu="{_esc(name)}" x1="{gx:.1f}" y1="{gy:.1f}" '
+                             f'x2="{gx:.1f}" y2="{bar_y:.1f}" stroke="{color}" stroke-width="{_width(links):.1f}"'
+                             f'{dash}><title>{_esc(name)}: {links} NVLinks into the fabric</title></line>')
+                parts.append(f'<text x="{gx + 4:.1f}" y="{bar_y - 6:.1f}" font-size="9" fill="{color}">NV{links}</text>')
+            x0, x1 = min(xs) - 30, max(xs) + 30
+            label = f"NVSwitch fabric · {switches} NVSwitch{'es' if switches != 1 else ''}" if switches \
+                else "NVSwitch fabric"
+            parts.append(f'<rect class="nvswitch-fabric" x="{x0:.1f}" y="{bar_y:.1f}" width="{x1 - x0:.1f}" '
+                         f'height="22" rx="4" fill="{COLORS["fabric"]}"/>')
+            parts.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{bar_y + 15:.1f}" font-size="12" font-weight="bold" '
+                         f'text-anchor="middle" fill="#fff">{_esc(label)} · GPUs {len(xs)}</text>')
+            y = bar_y + 22 + 20
+    direct = []
+    for i, a in enumerate(topology.gpus):
+        for b in topology.gpus[i + 1:]:
+            level = topology.level(a.name, b.name)
+            if level is None or not level.is_nvlink or (a.name in fabric and b.name in fabric):
+                continue
+            if a.name in gpu_anchor and b.name in gpu_anchor:
+                direct.append((a.name, b.name, level.nvlinks))
+    if direct:
+        deepest = y
+        for a, b, links in direct:
+            (ax, ay), (bx, by) = gpu_anchor[a], gpu_anchor[b]
+            depth = 26 + 0.22 * abs(bx - ax)
+            base = max(ay, by)
+            cy = base + depth + (y - base)
+            gbps = measured.get(frozenset((a, b)))
+            stroke = _width(links) if gbps is None else _width(gbps / 25.0)
+            label = f"NV{links}" if gbps is None else f"NV{links} · {gbps:.0f} GB/s"
+            parts.append(f'<path class="nvlink direct-link" data-pair="{_esc(a)}-{_esc(b)}" '
+                         f'd="M{ax:.1f},{ay:.1f} C{ax:.1f},{cy:.1f} {bx:.1f},{cy:.1f} {bx:.1f},{by:.1f}" '
+                         f'fill="none" stroke="{COLORS["nvlink"]}" stroke-opacity="0.75" '
+                         f'stroke-width="{stroke:.1f}"><title>{_esc(a)} ↔ {_esc(b)}: {_esc(label)}</title></path>')
+            mid_y = 0.25 * base + 0.75 * cy
+            parts.append(f'<text x="{(ax + bx) / 2:.1f}" y="{mid_y + 3:.1f}" font-size="10" text-anchor="middle" '
+                         f'fill="{COLORS["nvlink"]}" stroke="#fff" stroke-width="3" paint-order="stroke">'
+                         f"{_esc(label)}</text>")
+            deepest = max(deepest, mid_y + 14)
+        y = deepest + 10
+    if not fabric and not direct:
+        parts.append(f'<text x="{MARGIN}" y="{y + 10:.1f}" font-size="11" fill="{COLORS["muted"]}">'
+                     "No NVLink: GPUs talk over PCIe.</text>")
+        y += 24
+
+    # --- legend and findings
+    y += 8
+    legend_y = y
+    parts.append(f'<g class="legend" transform="translate({MARGIN},{legend_y:.1f})">')
+    parts.append('<text x="0" y="12" font-size="12" font-weight="bold">Legend</text>')
+    items = [
+        (f'<rect x="0" y="20" width="26" height="16" rx="3" fill="{COLORS["gpu"]}" stroke="#33404d"/>', "GPU"),
+        (f'<rect x="0" y="20" width="26" height="16" rx="3" fill="{COLORS["nic"]}" stroke="#33404d"/>', "NIC (RDMA)"),
+        (f'<rect x="0" y="20" width="26" height="16" rx="3" fill="#fff" stroke="{COLORS["switch_stroke"]}" '
+         f'stroke-dasharray="4 3"/>', "PCIe switch"),
+        (f'<rect x="0" y="20" width="26" height="16" rx="3" fill="{COLORS["numa"]}" '
+         f'stroke="{COLORS["numa_stroke"]}"/>', "NUMA node"),
+        (f'<line x1="0" y1="28" x2="26" y2="28" stroke="{COLORS["nvlink"]}" stroke-width="{_width(2):.1f}"/>',
+         "NVLink (width = links or GB/s)"),
+        (f'<rect x="0" y="21" width="26" height="14" rx="3" fill="{COLORS["fabric"]}"/>', "NVSwitch fabric"),
+        (f'<circle cx="13" cy="28" r="8" fill="{COLORS["warning"]}"/>', "finding"),
+    ]
+    lx = 0
+    for shape, text in items:
+        parts.append(f'<g transform="translate({lx},0)">{shape}'
+                     f'<text x="32" y="32" font-size="11">{_esc(text)}</text></g>')
+        lx += 40 + 7 * len(text)
+    parts.append("</g>")
+    y = legend_y + 50
+    if topology.findings:
+        parts.append(f'<g class="findings" transform="translate({MARGIN},{y:.1f})">')
+        parts.append(f'<text x="0" y="12" font-size="12" font-weight="bold">Findings ({len(topology.findings)})</text>')
+        for k, f in enumerate(topology.findings):
+            parts.append(f'<text class="finding" data-severity="{_esc(f.severity)}" x="0" y="{30 + k * 15}" '
+                         f'font-size="11" fill="{COLORS.get(f.severity, COLORS["text"])}">'
+                         f"{_esc(f.severity)}: {_esc(f.subject)}: {_esc(f.message)}</text>")
+        parts.append("</g>")
+        y += 30 + 15 * len(topology.findings)
+        width = max(width, MARGIN * 2 + 7 * max(len(f"{f.severity}: {f.subject}: {f.message}")
+                                                  for f in topology.findings))
+    height = y + MARGIN
+    header = (f'<text x="{MARGIN}" y="{MARGIN + 12}" font-size="16" font-weight="bold" fill="{COLORS["text"]}">'
+              f"{_esc(topology.hostname or 'node')} · {len(topology.gpus)} GPU"
+              f"{'s' if len(topology.gpus) != 1 else ''} · {len(topology.nics)} NIC"
+              f"{'s' if len(topology.nics) != 1 else ''}</text>")
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="topoagent-topology" width="{width:.0f}" '
+        f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
+        f'font-family="DejaVu Sans, Helvetica, Arial, sans-serif">'
+        f'<rect width="100%" height="100%" fill="#ffffff"/>'
+        + header + "".join(parts) + "</svg>\n"
+    )
+
+
+def _width(weight: float) -> float:
+    """Stroke width for a link weight (NVLink count, or GB/s ÷ 25): readable from 1 to 18."""
+    return max(1.5, min(12.0, 1.2 + weight * 0.8))
+
+
+def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> str:
+    """A standalone HTML page (inline SVG, inline CSS; nothing fetched, no script)."""
+    title = f"topoagent · {topology.hostname or 'node'}"
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{_esc(title)}</title>"
+        "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
+        "<style>body{margin:0;padding:12px;font-family:DejaVu Sans,Helvetica,Arial,sans-serif;"
+        "color:#1f2328;background:#fff}h1{font-size:18px;margin:0 0 8px}"
+        ".error{color:#d1242f}.warning{color:#e08a00}.info{color:#6e7781}"
+        "svg{max-width:100%;height:auto}ul{font-size:13px}</style></head><body>"
+        f"<h1>{_esc(title)}</h1>"
+        f"{render_svg(topology, matrix)}"
+        "<p style=\"font-size:12px;color:#57606a\">JSON: <a href=\"/topology\">/topology</a> · "
+        "metrics: <a href=\"/metrics\">/metrics</a></p>"
+        "</body></html>\n"
+    )
+
+
+__all__ = ["render_page", "render_svg"]

@@ -1,0 +1,81 @@
+"""The node picture, loaded in real headless Chromium: one shape per GPU and NIC, a screenshot kept."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES, REPO
+from topoagent.commands.discover import discover_root
+from topoagent.exporters.svg import render_page, render_svg
+
+SNAPSHOTS = FIXTURES / "snapshots"
+ARTIFACTS = REPO / "test-artifacts"
+ALL = sorted(p.name for p in SNAPSHOTS.iterdir())
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def chromium(args: list[str], profile: Path) -> subprocess.CompletedProcess:
+    binary = shutil.which("chromium") or shutil.which("chromium-browser")
+    if binary is None:
+        pytest.fail("chromium not found: install the Debian package 'chromium' (scripts/test does)")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--disable-extensions", "--disable-dev-shm-usage", f"--user-data-dir={profile}"]
+    return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=90)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_svg_is_well_formed_with_one_shape_per_device(name):
+    topology = discover_root(str(SNAPSHOTS / name))
+    root = ET.fromstring(render_svg(topology))
+    shapes = [e.get("data-device") for e in root.iter() if e.get("data-device")]
+    assert sorted(shapes) == sorted([g.name for g in topology.gpus] + [n.name for n in topology.nics])
+    assert not any(e.tag in (f"{SVG_NS}script", f"{SVG_NS}image") for e in root.iter())
+    assert "href" not in render_svg(topology)  # nothing fetched from anywhere
+
+
+def test_nvswitch_fabric_is_one_bus_not_n_squared_edges():
+    root = ET.fromstring(render_svg(discover_root(str(SNAPSHOTS / "dgx2"))))
+    assert len([e for e in root.iter() if e.get("class") == "nvswitch-fabric"]) == 1
+    assert len([e for e in root.iter() if "fabric-link" in (e.get("class") or "")]) == 16
+    assert not [e for e in root.iter() if "direct-link" in (e.get("class") or "")]
+
+
+def test_direct_nvlinks_are_edges_weighted_by_link_count():
+    root = ET.fromstring(render_svg(discover_root(str(SNAPSHOTS / "dgx1-v100"))))
+    edges = {e.get("data-pair"): float(e.get("stroke-width")) for e in root.iter()
+             if "direct-link" in (e.get("class") or "")}
+    assert len(edges) == 16  # the hybrid cube mesh: each GPU links to 4 others
+    assert edges["GPU0-GPU3"] > edges["GPU0-GPU1"]  # NV2 drawn wider than NV1
+
+
+def test_findings_are_marked_on_their_devices():
+    root = ET.fromstring(render_svg(discover_root(str(SNAPSHOTS / "degraded"))))
+    marked = {e.get("data-finding-for") for e in root.iter() if e.get("data-finding-for")}
+    assert {"GPU3", "GPU5", "NIC6"} <= marked
+    assert len([e for e in root.iter() if e.get("class") == "finding"]) == 4
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_page_loads_in_headless_chromium_and_is_kept_as_a_screenshot(name, tmp_path):
+    topology = discover_root(str(SNAPSHOTS / name))
+    page = tmp_path / f"{name}.html"
+    page.write_text(render_page(topology))
+    dom = chromium(["--dump-dom", page.as_uri()], tmp_path / "profile")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    found = re.findall(r'<rect class="device (gpu|nic)" data-device="([A-Z]+\d+)"', dom.stdout)
+    assert sorted(d for _, d in found) == sorted([g.name for g in topology.gpus] + [n.name for n in topology.nics])
+    width, height = map(int, re.search(r'<svg[^>]*width="(\d+)" height="(\d+)"', dom.stdout).groups())
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / f"{name}.png"
+    shot.unlink(missing_ok=True)
+    done = chromium([f"--screenshot={shot}", f"--window-size={width + 40},{height + 90}", page.as_uri()],
+                    tmp_path / "profile")
+    assert done.returncode == 0 and shot.stat().st_size > 10_000, done.stderr[-2000:]
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,101 @@
+"""`topoagent export FORMAT`: this node's topology in the formats other tools read."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from topoagent.cli import UsageError
+
+FORMATS = {
+    "nccl-xml": "NCCL topology file for NCCL_TOPO_FILE",
+    "gres": "Slurm gres.conf lines for the node's GPUs",
+    "nfd": "Node Feature Discovery local feature file (features.d)",
+    "svg": "a picture of the node (SVG)",
+    "html": "the same picture in a standalone HTML page",
+}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "export",
+        help="write the topology as an NCCL topology file, gres.conf, NFD features or a picture",
+        description="Discover this node (or a recording) and write it in another tool's format.",
+    )
+    formats = parser.add_subparsers(dest="format", metavar="FORMAT", required=True)
+    for name, text in FORMATS.items():
+        fmt = formats.add_parser(name, help=text, description=text)
+        fmt.add_argument("--root", metavar="DIR|TARBALL", default="/",
+                         help="a recorded node (snapshot directory or tarball); default: this node")
+        fmt.add_argument("-o", "--output", metavar="FILE",
+                         help="write here (atomically) instead of standard output")
+        if name == "nfd":
+            fmt.add_argument("--prefix", default="topoagent.io",
+                             help="label namespace (default: topoagent.io)")
+        fmt.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from topoagent.commands.discover import open_host
+    from topoagent.model import discover
+
+    with open_host(args.root) as host:
+        topology = asyncio.run(discover(host))
+        text = _render(args, host, topology)
+    _write(text, args.output)
+    return 0
+
+
+def _render(args: argparse.Namespace, host, topology) -> str:  # noqa: ANN001 - Host, NodeTopology
+    if args.format == "nccl-xml":
+        from topoagent.collectors.cpu import read_cpu_model
+        from topoagent.exporters.nccl_xml import NcclXmlError, render_nccl_xml
+
+        try:
+            return render_nccl_xml(topology, read_cpu_model(host))
+        except NcclXmlError as exc:
+            raise UsageError(str(exc)) from None
+    if args.format == "gres":
+        from topoagent.collectors.cpu import read_core_map
+        from topoagent.exporters.gres import GresError, read_device_minors, render_gres
+
+        try:
+            return render_gres(topology, read_core_map(host, topology.numa),
+                               read_device_minors(host, topology))
+        except GresError as exc:
+            raise UsageError(str(exc)) from None
+    if args.format == "nfd":
+        from topoagent.exporters.nfd import LabelError, check_label, render_nfd
+
+        try:
+            check_label(f"{args.prefix}/gpu.count", "0")
+        except LabelError:
+            raise UsageError(f"--prefix {args.prefix!r} is not a valid label namespace") from None
+        return render_nfd(topology, args.prefix)
+    from topoagent.exporters.svg import render_page, render_svg
+
+    return render_svg(topology) if args.format == "svg" else render_page(topology)
+
+
+def _write(text: str, output: str | None) -> None:
+    if output is None or output == "-":
+        sys.stdout.write(text)
+        return
+    path = Path(output)
+    if not path.parent.is_dir():
+        raise UsageError(f"{path.parent}: no such directory")
+    # Write beside the target and rename, so a reader (NCCL, slurmd, nfd-worker) never
+    # sees half a file.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        raise UsageError(f"{path}: {exc.strerror}") from None
