@@ -125,12 +125,13 @@ class SnapshotCollector(Collector):
                 ib_rate.add_metric([port.device, str(port.port)], port.rate_gbps * 1e9 / 8)
         yield from (ib_state, ib_rate)
 
-        findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind.", labels=["kind"])
-        counts: dict[str, int] = {}
+        findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind and severity.", labels=["kind", "severity"])
+        counts: dict[tuple[str, str], int] = {}
         for finding in facts.findings:
-            counts[finding.kind] = counts.get(finding.kind, 0) + 1
-        for kind, count in sorted(counts.items()):
-            findings.add_metric([kind], count)
+            key = (finding.kind, finding.severity)
+            counts[key] = counts.get(key, 0) + 1
+        for key, count in sorted(counts.items()):
+            findings.add_metric(list(key), count)
         yield findings
 
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])

@@ -80,7 +80,7 @@ def test_dgx_a100_identity_links_and_base_units(tmp_path):
 
 def test_degraded_node_shows_its_faults(tmp_path):
     text = metrics_of("degraded", tmp_path)
-    assert metric_value(text, "topoagent_findings", {"kind": "pcie-degraded"}) == 2
+    assert metric_value(text, "topoagent_findings", {"kind": "pcie-degraded", "severity": "warning"}) == 1
     assert metric_value(text, "topoagent_findings", {"kind": "nvlink-down"}) == 1
     assert metric_value(text, "topoagent_findings", {"kind": "ib-port-down"}) == 1
     assert metric_value(text, "topoagent_nvlink_up", {"gpu": "5", "link": "7"}) == 0

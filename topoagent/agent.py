@@ -109,7 +109,7 @@ def facts_from_topology(topo: NodeTopology, now: float) -> NodeFacts:
             CollectorStatus(c.name, c.status != ERROR, c.seconds, now if c.status != ERROR else None, c.message if c.status != OK else None, c.status)
             for c in topo.collectors
         ),
-        findings=tuple(Finding(f.kind, f"{f.subject}: {f.message}") for f in topo.findings),
+        findings=tuple(Finding(f.kind, f"{f.subject}: {f.message}", f.severity) for f in topo.findings),
         pcie_links=tuple(pcie),
         nvlinks=tuple(NvLinkFact(g.index, nl.link, nl.active) for g in topo.gpus for nl in g.nvlinks),
         ib_ports=tuple(

@@ -29,8 +29,9 @@ class CollectorStatus:
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    kind: str  # "level_disagreement", "degraded_link", ...
+    kind: str  # "level-disagreement", "pcie-degraded", ...
     detail: str
+    severity: str = "warning"  # "info", "warning" or "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class Snapshot:
                 }
                 for c in self.collectors
             ],
-            "findings": [{"kind": f.kind, "detail": f.detail} for f in self.facts.findings],
+            "findings": [{"kind": f.kind, "severity": f.severity, "detail": f.detail} for f in self.facts.findings],
         }
         return doc
 
