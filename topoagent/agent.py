@@ -284,8 +284,10 @@ class Agent:
             if lost:
                 error = "; ".join(f"collector {c.name}: {c.status}: {c.error}" for c in lost)
                 return self._failed(error, started, reason, statuses)
+        snapshot = Snapshot(version=self._version + 1, facts=facts, built_at=time.time())
+        await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         self._version += 1
-        self.snapshot = Snapshot(version=self._version, facts=facts, built_at=time.time())
+        self.snapshot = snapshot
         self.refreshes["success"] += 1
         log_event("discovery_ok", reason=reason, version=self._version, gpus=facts.matrix.size, findings=len(facts.findings), seconds=f"{time.time() - started:.3f}")
 
