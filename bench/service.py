@@ -41,7 +41,7 @@ def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, str, str]:
     token = secrets.token_urlsafe(24)
     (tmp / "token").write_text(token)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0",
+        [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0",
          "--state-dir", str(tmp / "state"), "--token-file", str(tmp / "token")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )

@@ -92,7 +92,7 @@ class Agent:
 def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None) -> Agent:
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
-    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
+    args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
     token_text = None
     if token:
         token_text = token_value or secrets.token_urlsafe(24)

@@ -30,8 +30,7 @@ def test_dashboard_is_grafana_json_with_unique_panels():
 
 
 def test_every_metric_the_dashboard_queries_is_in_a_real_scrape(tmp_path):
-    # The exporter and agent come from the service work; this scrapes them for real.
-    agent_mod = pytest.importorskip("topoagent.agent", reason="the agent (exporters/prometheus.py) is not merged yet")
+    from topoagent import agent as agent_mod
     from prometheus_client.parser import text_string_to_metric_families
 
     from topoagent.config import Config

@@ -67,7 +67,7 @@ def test_example_config_is_valid():
 )
 def test_serve_refuses_bad_setup_with_one_line_exit_2(tmp_path, args, message):
     result = subprocess.run(
-        [sys.executable, "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args],
+        [sys.executable, "-P", "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args],
         capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2, result.stderr
@@ -80,7 +80,7 @@ def test_short_token_is_refused(tmp_path):
     token = tmp_path / "token"
     token.write_text("short\n")
     result = subprocess.run(
-        [sys.executable, "-m", "topoagent", "serve", "--token-file", str(token), "--listen", "127.0.0.1:0"],
+        [sys.executable, "-P", "-m", "topoagent", "serve", "--token-file", str(token), "--listen", "127.0.0.1:0"],
         capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2

@@ -302,7 +302,7 @@ def test_readyz_is_503_until_a_topology_loads(tmp_path):
     wedge(root)  # discovery never finishes
     config = tmp_path / "t.toml"
     config.write_text("[discovery]\ntimeout_s = 30\n")
-    args = [sys.executable, "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--config", str(config)]
+    args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--config", str(config)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
