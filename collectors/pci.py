@@ -13,7 +13,7 @@ import asyncio
 import re
 from dataclasses import dataclass, field, replace
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, run_collector
 from topoagent.host import Host, HostError
 from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 

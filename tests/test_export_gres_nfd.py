@@ -3,7 +3,6 @@ the CPU core map against lstopo's Core L# on real hwloc recordings."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET

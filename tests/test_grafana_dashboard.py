@@ -6,7 +6,6 @@ import asyncio
 import json
 import re
 
-import pytest
 
 from conftest import FIXTURES, REPO
 

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import re
-import stat
 import tarfile
 import tempfile
 from dataclasses import dataclass, field

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from topoagent.levels import LinkLevel, expected_gbps, nvlink_generation_for_model, pcie_gbps
+
+if TYPE_CHECKING:
+    from topoagent.collectors.nvidia_smi import TopoMatrix
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +112,7 @@ class DistanceMatrix:
     @classmethod
     def from_topo_matrix(
         cls,
-        topo: "TopoMatrix",  # noqa: F821
+        topo: TopoMatrix,
         *,
         pcie_gen: int | None = None,
         pcie_width: int | None = None,

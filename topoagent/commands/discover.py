@@ -6,10 +6,14 @@ import argparse
 import asyncio
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from topoagent.cli import UsageError
 from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.host import Host, HostError
+
+if TYPE_CHECKING:
+    from topoagent.model import NodeTopology
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -37,7 +41,7 @@ def open_host(root: str) -> Host:
         raise UsageError(str(exc)) from None
 
 
-def discover_root(root: str) -> "NodeTopology":  # noqa: F821
+def discover_root(root: str) -> NodeTopology:
     """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
     from topoagent.model import discover
 

@@ -6,13 +6,8 @@ import argparse
 import json
 import sys
 
-from topoagent.cli import UsageError
-from topoagent.collectors.nvidia_smi import (
-    TopoParseError,
-    parse_topo_matrix,
-    render_topo_matrix,
-    topo_matrix_to_json,
-)
+from topoagent.collectors.nvidia_smi import render_topo_matrix, topo_matrix_to_json
+from topoagent.commands.sources import read_topo_matrix
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,23 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run)
 
 
-def read_text(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    try:
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-
-
 def run(args: argparse.Namespace) -> int:
-    text = read_text(args.from_nvidia_smi)
-    try:
-        topo = parse_topo_matrix(text)
-    except TopoParseError as exc:
-        source = "stdin" if args.from_nvidia_smi == "-" else args.from_nvidia_smi
-        raise UsageError(f"{source}: {exc}") from None
+    topo = read_topo_matrix(args.from_nvidia_smi)
     if args.json:
         json.dump(topo_matrix_to_json(topo), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from topoagent.cli import UsageError
+from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import PATTERNS, NoFit, Placement, Request, RequestError, place
 
@@ -44,27 +45,6 @@ def index_list(option: str, text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"{option}: expected GPU indices like 0,3, got {text!r}") from None
-
-
-def matrix_from_root(root: str) -> DistanceMatrix:
-    """Discover the node under ``root`` (live or recorded) and return its distance matrix."""
-    from topoagent.commands.discover import discover_root
-
-    return discover_root(root).distance_matrix()
-
-
-def matrix_from_nvidia_smi(path: str) -> DistanceMatrix:
-    from topoagent.collectors.nvidia_smi import TopoParseError, parse_topo_matrix
-
-    try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8", errors="replace").read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        return DistanceMatrix.from_topo_matrix(parse_topo_matrix(text))
-    except ValueError as exc:  # TopoParseError is a ValueError too
-        source = "stdin" if path == "-" else path
-        raise UsageError(f"{source}: {exc}") from None
 
 
 def load_matrix(args: argparse.Namespace) -> DistanceMatrix:

@@ -14,7 +14,7 @@ import sys
 from typing import Any, TextIO
 
 from topoagent.cli import UsageError
-from topoagent.collectors.nvidia_smi import TopoParseError, parse_topo_matrix
+from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import build_round_plan, expected_result_count, numa_nodes_with_cpus
@@ -49,26 +49,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress")
     progress.add_argument("--no-progress", dest="progress", action="store_false", help="never show progress")
     parser.set_defaults(run=run)
-
-
-def matrix_from_root(root: str) -> DistanceMatrix:
-    from topoagent.commands.discover import discover_root
-
-    return discover_root(root).distance_matrix()
-
-
-def matrix_from_nvidia_smi(path: str) -> DistanceMatrix:
-    try:
-        text = sys.stdin.read() if path == "-" else open(path, encoding="utf-8", errors="replace").read()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    source = "stdin" if path == "-" else path
-    try:
-        return DistanceMatrix.from_topo_matrix(parse_topo_matrix(text))
-    except TopoParseError as exc:
-        raise UsageError(f"{source}: {exc}") from None
-    except ValueError as exc:
-        raise UsageError(f"{source}: {exc}") from None
 
 
 def choose_devices(args: argparse.Namespace) -> tuple[DistanceMatrix | None, list[int]]:
