@@ -51,6 +51,27 @@ class NvmlGpu:
     def health_value(self, key: str) -> Any:
         return dict(self.health).get(key)
 
+    @property
+    def utilization_percent(self) -> float | None:
+        return _percent(self.health_value("utilization_gpu_percent"))
+
+    @property
+    def processes(self) -> tuple[int, ...]:
+        return _pids(self.health_value("processes"))
+
+
+def _percent(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _pids(value: Any) -> tuple[int, ...]:
+    # A process NVML could not name (pid None) still occupies the GPU: count it as 0.
+    if not isinstance(value, list):
+        return ()
+    return tuple(p if isinstance(p, int) and not isinstance(p, bool) else 0 for p in value)
+
 
 @dataclass(frozen=True, slots=True)
 class NvmlInfo:
@@ -247,6 +268,61 @@ def _affinity_to_cpulist(words: object) -> str | None:
         return None
     cpus = {w * 64 + bit for w, word in enumerate(words) for bit in range(64) if int(word) >> bit & 1}
     return format_cpulist(frozenset(cpus)) or None
+
+
+def read_live_activity() -> dict | None:
+    """Just what each GPU is doing now (utilization, compute processes), in the
+    nvml.json shape: two NVML calls per GPU, cheap enough to ask every few seconds."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        gpus = []
+        for index in range(_ask(pynvml.nvmlDeviceGetCount) or 0):
+            handle = _ask(pynvml.nvmlDeviceGetHandleByIndex, index)
+            if handle is None:
+                continue
+            util = _ask(pynvml.nvmlDeviceGetUtilizationRates, handle)
+            processes = _ask(pynvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
+            gpus.append({"index": index, "health": {
+                "utilization_gpu_percent": getattr(util, "gpu", None),
+                "processes": [getattr(p, "pid", None) for p in processes],
+            }})
+        return {"gpus": gpus}
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _ask(call: Callable[..., Any], *args: Any) -> Any:
+    try:
+        return call(*args)
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuActivityReading:
+    index: int
+    utilization_percent: float | None
+    processes: tuple[int, ...]  # PIDs of compute processes (0: one NVML could not name)
+
+
+def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
+    """What each GPU runs now; a replayed node answers from its recording.  None when
+    the node has no NVML.  Blocking: call it off the event loop."""
+    data = read_live_activity() if host.live else host.nvml()
+    if data is None:
+        return None
+    info = parse_nvml(data)
+    return tuple(GpuActivityReading(g.index, g.utilization_percent, g.processes) for g in info.gpus)
 
 
 # --- collector -----------------------------------------------------------------------

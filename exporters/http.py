@@ -7,6 +7,7 @@ error is JSON `{"error": ..., "detail": ...}`; a bad field is named in `detail`.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -16,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from topoagent.agent import Agent, PlaceRequest, log_event
+from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff, log_event
 from topoagent.exporters.openapi import MIN_LEVELS, PATTERNS, PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
 
@@ -214,8 +215,7 @@ async def topology(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "bad_request", "format: expected json or matrix")
     etag = snapshot.etag
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
-    inm = request.headers.get("If-None-Match", "")
-    if inm and (inm.strip() == "*" or etag in [t.strip() for t in inm.split(",")]):
+    if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
     return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
 
@@ -284,9 +284,35 @@ async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[OPENAPI], content_type="application/json")
 
 
+def _not_modified(request: web.Request, etag: str) -> bool:
+    inm = request.headers.get("If-None-Match", "")
+    return bool(inm) and (inm.strip() == "*" or etag in [t.strip() for t in inm.split(",")])
+
+
 async def index(request: web.Request) -> web.Response:
-    paths = ["/topology", "/topology?format=matrix", "/place", "/leases", "/metrics", "/healthz", "/readyz", "/openapi.json"]
-    return web.json_response({"service": "topoagent", "endpoints": paths})
+    """The picture of the node: an HTML page with the SVG drawn here (no script)."""
+    snapshot = _ready_snapshot(request.app[AGENT])
+    try:
+        body, etag = await asyncio.to_thread(snapshot.page)  # once per snapshot, off the loop
+    except LookupError as exc:
+        raise ApiError(503, "not_ready", str(exc)) from None
+    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    if _not_modified(request, etag):
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=body, content_type="text/html", charset="utf-8", headers=headers)
+
+
+async def probe(request: web.Request) -> web.Response:
+    require_token(request)
+    agent = request.app[AGENT]
+    _ready_snapshot(agent)
+    try:
+        scheduled = agent.request_probe_round()
+    except ProbesOff as exc:
+        raise ApiError(409, "probes_off", str(exc)) from None
+    except ProbeRunning as exc:
+        raise ApiError(409, "probe_running", str(exc)) from None
+    return web.json_response(scheduled, status=202)
 
 
 def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web.Application:
@@ -310,6 +336,7 @@ def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web
     app.router.add_get("/leases", list_leases)
     app.router.add_delete("/leases/{lease_id}", delete_lease)
     app.router.add_post("/refresh", refresh)
+    app.router.add_post("/probe", probe)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

@@ -208,6 +208,37 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/probe": {
+                "post": {
+                    "summary": "Measure every GPU pair and GPU now (busy GPUs and the duty-cycle cap overridden); answers at once, the figures reach /topology and /metrics as each target finishes.",
+                    "security": [{"bearer": []}],
+                    "responses": {
+                        "202": {
+                            "description": "The round is scheduled: the backend and the targets, in the order they run.",
+                            "content": {"application/json": {"schema": {
+                                "type": "object",
+                                "required": ["backend", "forced", "targets"],
+                                "properties": {"backend": {"type": "string", "enum": ["cuda", "cpu"]}, "forced": {"type": "boolean"}, "targets": {"type": "array", "items": {"type": "string"}}},
+                            }}},
+                        },
+                        **MUTATE_ERRORS,
+                        "409": _err("Probes are off on this agent (`probes_off`), or a probe round is still running (`probe_running`)."),
+                        **not_ready,
+                    },
+                }
+            },
+            "/": {
+                "get": {
+                    "summary": "A picture of the node: an HTML page with an SVG of sockets, PCIe switches, GPUs, NICs and links (measured bandwidth when probed).",
+                    "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": {"description": "The page.", "headers": {"ETag": {"schema": {"type": "string"}}}, "content": {"text/html": {"schema": {"type": "string"}}}},
+                        "304": {"description": "Unchanged since the ETag given in If-None-Match."},
+                        **READ_ERRORS,
+                        **not_ready,
+                    },
+                }
+            },
             "/metrics": {
                 "get": {
                     "summary": "Prometheus text exposition.",

@@ -144,6 +144,8 @@ class SnapshotCollector(Collector):
                 last_ok.add_metric([c.name], c.last_success_at)
         yield from (success, duration, last_ok)
 
+        yield from _probe_figures(facts.probe_figures)
+
         stale = GaugeMetricFamily(f"{NS}_snapshot_stale", "1 when the last discovery failed and the served topology is older.")
         stale.add_metric([], 1.0 if self.snapshot.stale else 0.0)
         built = GaugeMetricFamily(f"{NS}_snapshot_timestamp_seconds", "When the served topology was collected (Unix time).")
@@ -151,6 +153,30 @@ class SnapshotCollector(Collector):
         gpus = GaugeMetricFamily(f"{NS}_gpus", "GPUs on this node.")
         gpus.add_metric([], matrix.size)
         yield from (stale, built, gpus)
+
+
+def _probe_figures(figures) -> Iterator[Metric]:
+    """Each probe figure (largest size, median of its repetitions) as its own series."""
+    bandwidth = GaugeMetricFamily(
+        f"{NS}_probe_bandwidth_bytes_per_second",
+        "Copy bandwidth a probe measured (median, per direction): p2p and p2p_bidir between GPUs, h2d/d2h from a NUMA node, local_copy on one GPU.",
+        labels=["kind", "direction"],
+    )
+    latency = GaugeMetricFamily(f"{NS}_probe_latency_seconds", "Small-copy latency a probe measured (median).", labels=["direction"])
+    peer = GaugeMetricFamily(f"{NS}_probe_peer_access", "1 when a GPU can copy straight to its peer (P2P), 0 when copies go through host memory.", labels=["src", "dst"])
+    for f in figures:
+        kind, median = f.get("kind"), f.get("median")
+        direction = str(f.get("direction", ""))
+        if kind == "latency" and median is not None:
+            latency.add_metric([direction], median * 1e-6)  # the worker reports microseconds
+        elif kind == "peer_access" and "available" in f:
+            peer.add_metric([str(f.get("src")), str(f.get("dst"))], 1.0 if f["available"] else 0.0)
+        elif median is not None and f.get("unit") == "GB/s":
+            bandwidth.add_metric([str(kind), direction], median * GB)
+    yield from (bandwidth, latency, peer)
+
+
+PROBE_OUTCOMES = ("ok", "timeout", "crash", "oom", "cuda_error", "unavailable", "plan_error", "backoff")
 
 
 class RuntimeCollector(Collector):
@@ -184,6 +210,41 @@ class RuntimeCollector(Collector):
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
         leased.add_metric([], sum(len(l.gpus) for l in active))
         yield from (leases, leased)
+        busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
+        leased_set = {g for lease in active for g in lease.gpus}
+        running = agent.gpus_with_processes()
+        for gpu in sorted(leased_set | running):
+            busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)
+        yield busy
+        yield from self._probes(now)
+
+    def _probes(self, now: float) -> Iterator[Metric]:
+        agent = self.agent
+        enabled = GaugeMetricFamily(f"{NS}_probes_enabled", "1 when the agent measures its links ([probes] enabled).")
+        enabled.add_metric([], 1.0 if agent.config.probes_enabled else 0.0)
+        yield enabled
+        if not agent.config.probes_enabled:
+            return
+        rounds = CounterMetricFamily(f"{NS}_probe_rounds", "Probe worker runs, by outcome: ok, or why it failed (backoff: skipped after failures).", labels=["outcome"])
+        for outcome in PROBE_OUTCOMES:
+            rounds.add_metric([outcome], agent.probe_rounds[outcome])
+        seconds = CounterMetricFamily(f"{NS}_probe_seconds", "Wall time spent probing; its rate is the probe duty cycle.")
+        seconds.add_metric([], agent.probe_seconds_total)
+        yield from (rounds, seconds)
+        latest = agent.latest_probe_round()
+        if latest is not None:
+            duration = GaugeMetricFamily(f"{NS}_probe_last_duration_seconds", "How long the last probe worker run took.")
+            duration.add_metric([], latest.duration_s)
+            started = GaugeMetricFamily(f"{NS}_probe_last_run_timestamp_seconds", "When the last probe worker run started (Unix time).")
+            started.add_metric([], latest.started_at)
+            yield from (duration, started)
+        service = agent.probes
+        if service is not None:
+            failures = GaugeMetricFamily(f"{NS}_probe_consecutive_failures", "Probe rounds failed in a row (the worker backs off geometrically).")
+            failures.add_metric([], service.runner.consecutive_failures)
+            running = GaugeMetricFamily(f"{NS}_probe_in_progress", "1 while a probe worker runs.")
+            running.add_metric([], 1.0 if service.schedule.in_flight is not None else 0.0)
+            yield from (failures, running)
 
 
 def _render(collector: Collector) -> bytes:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.overlay import ProbeFinding, findings_for, overlay
-from topoagent.probes.plan import numa_nodes_with_cpus, plan_for_target
+from topoagent.probes.plan import PlanDefaults, numa_nodes_with_cpus, plan_for_target
 from topoagent.probes.runner import ProbeRound, ProbeRunner
 from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, Verdict
 
@@ -35,6 +35,7 @@ class ProbeService:
     runner: ProbeRunner
     backend: str = "cuda"
     numa_nodes: Iterable[int] = field(default_factory=numa_nodes_with_cpus)
+    defaults: PlanDefaults | None = None  # sizes and counts; None: the backend's own
     last_verdict: Verdict | None = None
 
     async def step(
@@ -47,7 +48,7 @@ class ProbeService:
         if target is None:
             return None
         forced = self.schedule.states[target].forced if target in self.schedule.states else False
-        plan = plan_for_target(target.gpus, self.backend, self.numa_nodes)
+        plan = plan_for_target(target.gpus, self.backend, self.numa_nodes, self.defaults)
         probe_round = await self.runner.run(plan, force=forced, on_record=on_record)
         self.last_verdict = self.schedule.record(
             target,

@@ -125,6 +125,13 @@ def set_process_affinity(cpus: set[int]) -> None:
             pass  # the thread ended meanwhile
 
 
+def set_process_affinity_quietly(cpus: set[int]) -> None:
+    try:
+        set_process_affinity(cpus)
+    except PermissionError:
+        pass
+
+
 class bound_to_node:
     def __init__(self, node: int):
         self.cpus = node_cpus(node)
@@ -135,7 +142,11 @@ class bound_to_node:
         allowed = self.cpus & self.saved
         if not allowed:
             raise Skip("this worker may not run on that NUMA node's CPUs (its cpuset excludes them)")
-        set_process_affinity(allowed)
+        try:
+            set_process_affinity(allowed)
+        except PermissionError:  # a seccomp filter (systemd's @resources) or a locked cpuset
+            set_process_affinity_quietly(self.saved)
+            raise Skip("binding to that NUMA node's CPUs is not permitted here (sched_setaffinity refused)") from None
 
     def __exit__(self, *exc: object) -> None:
         set_process_affinity(self.saved)

@@ -79,3 +79,20 @@ def test_page_loads_in_headless_chromium_and_is_kept_as_a_screenshot(name, tmp_p
                     tmp_path / "profile")
     assert done.returncode == 0 and shot.stat().st_size > 10_000, done.stderr[-2000:]
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_running_service_serves_the_picture_at_root(tmp_path):
+    """`topoagent serve --root fixtures/snapshots/dgx-a100`, then `/` in real Chromium."""
+    from service_helpers import start_agent
+
+    topology = discover_root(str(SNAPSHOTS / "dgx-a100"))
+    agent = start_agent(tmp_path)
+    try:
+        page = agent.get("/")
+        assert page.status == 200 and page.headers["content-type"].startswith("text/html")
+        dom = chromium(["--dump-dom", f"{agent.url}/"], tmp_path / "profile")
+        assert dom.returncode == 0, dom.stderr[-2000:]
+        found = re.findall(r'<rect class="device (gpu|nic)" data-device="([A-Z]+\d+)"', dom.stdout)
+        assert sorted(d for _, d in found) == sorted([g.name for g in topology.gpus] + [n.name for n in topology.nics])
+    finally:
+        assert agent.stop() == 0

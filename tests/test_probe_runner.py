@@ -304,3 +304,18 @@ def test_service_step_probes_the_scheduled_pair_through_a_real_worker():
     # Busy GPU 1: only GPU 0's own target may run next.
     from topoagent.probes.schedule import GpuActivity
     assert schedule.next_probe({1: GpuActivity(utilization_percent=90)}) == ProbeTarget((0,))
+
+
+def test_a_refused_cpu_binding_skips_the_host_copy_instead_of_crashing(monkeypatch):
+    # Under systemd's SystemCallFilter=~@resources, sched_setaffinity fails with EPERM.
+    from topoagent.probes import worker
+
+    def refuse(tid, cpus):
+        raise PermissionError(1, "Operation not permitted")
+
+    node = min(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")
+               if (p / "cpulist").read_text().strip())
+    monkeypatch.setattr(worker.os, "sched_setaffinity", refuse)
+    with pytest.raises(worker.Skip, match="not permitted"):
+        with worker.bound_to_node(node):
+            pass

@@ -39,6 +39,11 @@ def test_file_then_flags(tmp_path):
         ("[discovery]\nudev = 1\n", "discovery.udev"),
         ("[discovery]\nrooot = '/'\n", "discovery.rooot"),
         ("[cache]\nsize = 1\n", "cache"),
+        ('[probes]\nbackend = "rocm"\n', "probes.backend"),
+        ("[probes]\nenabled = \"yes\"\n", "probes.enabled"),
+        ("[probes]\nduty_cycle = 5\n", "probes.duty_cycle"),
+        ("[probes]\nsizes_bytes = []\n", "probes.sizes_bytes"),
+        ("[probes]\nmin_interval_s = 100\nmax_interval_s = 10\n", "probes.min_interval_s"),
         ("http = 3\n", "http"),
         ("[http\n", "not valid TOML"),
     ],
@@ -46,6 +51,18 @@ def test_file_then_flags(tmp_path):
 def test_bad_values_name_the_key(text, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         config_from_toml(text)
+
+
+def test_probes_are_off_unless_asked_for_by_file_or_flag(tmp_path):
+    assert load_config(None).probes_enabled is False
+    path = tmp_path / "t.toml"
+    path.write_text('[probes]\nenabled = true\nbackend = "cpu"\nduty_cycle = 0.005\nsizes_bytes = [4096, 65536]\n')
+    config = load_config(path)
+    assert (config.probes_enabled, config.probe_backend, config.probe_duty_cycle) == (True, "cpu", 0.005)
+    assert config.probe_sizes_bytes == (4096, 65536)
+    assert load_config(path, {"probes": "off"}).probes_enabled is False
+    flagged = load_config(None, {"probes": "cuda"})
+    assert flagged.probes_enabled and flagged.probe_backend == "cuda"
 
 
 def test_example_config_is_valid():

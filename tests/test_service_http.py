@@ -67,8 +67,11 @@ def test_health_ready_openapi_and_index(agent):
     assert ready["status"] == "ready" and ready["stale"] is False
     doc = agent.get("/openapi.json").json()
     assert doc["openapi"].startswith("3.")
-    assert {"/topology", "/place", "/leases", "/leases/{lease_id}", "/metrics", "/healthz", "/readyz"} <= set(doc["paths"])
-    assert "/metrics" in agent.get("/").json()["endpoints"]
+    assert {"/", "/topology", "/place", "/probe", "/leases", "/leases/{lease_id}", "/metrics", "/healthz", "/readyz"} <= set(doc["paths"])
+    page = agent.get("/")
+    assert page.status == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert b"<svg" in page.body and b'href="/metrics"' in page.body
+    assert agent.get("/", headers={"If-None-Match": page.headers["etag"]}).status == 304
 
 
 def test_unknown_path_and_method_are_json_errors(agent):

@@ -91,3 +91,30 @@ def test_serves_a_snapshot_tarball(tmp_path):
         assert len(doc["gpus"]) == 8 and doc["gpus"][0]["model"] == "NVIDIA A100-SXM4-40GB"
     finally:
         assert agent.stop() == 0
+
+
+def test_a_changed_topology_tells_the_probe_schedule_to_probe_soon(tmp_path, facts):
+    # An NVLink that went down between two discoveries: old measurements say nothing now.
+    first = next(n for n in facts.nvlinks if n.active)
+    link_down = replace(facts, nvlinks=tuple(replace(n, active=False) if n == first else n for n in facts.nvlinks))
+    answers = iter([facts, facts, link_down])
+
+    async def scripted(host: Host):
+        return next(answers)
+
+    async def scenario() -> None:
+        config = Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), interval_s=3600,
+                        probes_enabled=True, probe_backend="cpu", probe_startup_delay_s=3600)
+        agent = Agent(config, discover=scripted)
+        await agent.start()
+        await asyncio.sleep(0.05)
+        schedule = agent.probes.schedule
+        assert len(schedule.states) == 28 + 8  # every pair, every GPU
+        assert schedule.next_wakeup() - schedule.clock() > 3000  # start-up delay
+        await agent.request_refresh("test")  # same wiring: nothing to re-measure
+        assert schedule.next_wakeup() - schedule.clock() > 3000
+        await agent.request_refresh("test")  # the link is down
+        assert agent.probes.schedule.next_wakeup() - schedule.clock() <= 10
+        await agent.stop()
+
+    asyncio.run(scenario())

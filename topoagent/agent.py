@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from topoagent.collectors.base import ERROR, OK
 from topoagent.collectors.nvidia_smi import render_topo_matrix
@@ -34,6 +34,11 @@ from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.served import CollectorStatus, Finding, NodeFacts, PcieLink, Snapshot
 from topoagent.served import IbPort as IbPortFact
 from topoagent.served import NvLink as NvLinkFact
+
+if TYPE_CHECKING:
+    from topoagent.collectors.nvml import GpuActivityReading
+    from topoagent.probes.runner import ProbeRound
+    from topoagent.probes.service import ProbeService
 
 log = logging.getLogger("topoagent")
 
@@ -115,7 +120,80 @@ def facts_from_topology(topo: NodeTopology, now: float) -> NodeFacts:
         ib_ports=tuple(
             IbPortFact(n.device or n.name, p.number, p.state or "UNKNOWN", p.rate_gbps) for n in topo.nics for p in n.ports
         ),
+        node=topo,
     )
+
+
+# Probe findings speak info/warning/critical; the served findings info/warning/error.
+_PROBE_SEVERITY = {"critical": "error"}
+
+
+def facts_with_probes(facts: NodeFacts, figures: list[dict[str, Any]]) -> NodeFacts:
+    """Discovery's facts with the probes' figures overlaid: measured bandwidth in the
+    matrix (placement ranks by it), on each GPU pair of the topology JSON, and the
+    findings the measurements support."""
+    from topoagent.probes.overlay import findings_for, overlay
+
+    matrix = overlay(facts.matrix, figures)
+    probe_findings = findings_for(matrix, figures)
+    measured = {
+        frozenset((matrix.gpus[i].name, matrix.gpus[j].name)): m for (i, j), m in matrix.measured.items()
+    }
+    topology = dict(facts.topology)
+    pairs = []
+    for pair in topology.get("pairs", []):
+        m = measured.get(frozenset((pair.get("a"), pair.get("b"))))
+        pairs.append({**pair, "measured_gbps": round(m.gbps, 3) if m else None, "measured_at": m.taken_at if m else None})
+    topology["pairs"] = pairs
+    topology["findings"] = [*topology.get("findings", []), *(f.to_json() for f in probe_findings)]
+    served = tuple(
+        Finding(f.kind, f"{f.subject}: {f.message}", _PROBE_SEVERITY.get(f.severity, f.severity)) for f in probe_findings
+    )
+    return replace(facts, matrix=matrix, topology=topology, findings=facts.findings + served, probe_figures=tuple(figures))
+
+
+def topology_signature(facts: NodeFacts) -> tuple:
+    """What, when it changes, makes old measurements meaningless: the GPUs, their
+    levels, their active NVLinks.  (Not PCIe link speed: idle GPUs downtrain it.)"""
+    m = facts.matrix
+    return (
+        tuple((g.index, g.uuid, g.pci_address) for g in m.gpus),
+        tuple(tuple(str(level) for level in row) for row in m.gpu_levels),
+        tuple(sorted((n.gpu, n.link) for n in facts.nvlinks if n.active)),
+    )
+
+
+def make_probe_service(config: Config, gpus: list[int]) -> "ProbeService":
+    from topoagent.probes.plan import DEFAULTS
+    from topoagent.probes.runner import ProbeRunner
+    from topoagent.probes.schedule import ProbeSchedule, ScheduleConfig
+    from topoagent.probes.service import ProbeService
+
+    schedule = ProbeSchedule(
+        gpus,
+        ScheduleConfig(
+            startup_delay_s=config.probe_startup_delay_s,
+            change_delay_s=min(10.0, config.probe_startup_delay_s),
+            min_interval_s=config.probe_min_interval_s,
+            max_interval_s=config.probe_max_interval_s,
+            duty_cycle=config.probe_duty_cycle,
+            busy_utilization_percent=config.probe_busy_utilization_percent,
+        ),
+    )
+    defaults = DEFAULTS[config.probe_backend]
+    if config.probe_sizes_bytes is not None:
+        defaults = replace(defaults, sizes_bytes=config.probe_sizes_bytes)
+    if config.probe_repetitions is not None:
+        defaults = replace(defaults, repetitions=config.probe_repetitions)
+    return ProbeService(schedule, ProbeRunner(timeout_s=config.probe_timeout_s), backend=config.probe_backend, defaults=defaults)
+
+
+class ProbesOff(Exception):
+    """POST /probe on an agent whose [probes] are not enabled."""
+
+
+class ProbeRunning(Exception):
+    """POST /probe while a probe is in flight or a forced round is still going."""
 
 
 async def discover_facts(host: Host) -> NodeFacts:
@@ -193,6 +271,17 @@ class Agent:
         self._debounce: asyncio.TimerHandle | None = None
         self._version = 0
         self.abandoned_runs = 0
+        # Probes: discovery's facts before any overlay, the service (made at the first
+        # discovery, when the GPUs are known), and what the rounds did.
+        self._discovered: NodeFacts | None = None
+        self._signature: tuple | None = None
+        self.probes: ProbeService | None = None
+        self.probe_rounds: Counter[str] = Counter()  # by outcome: "ok" or the failure kind
+        self.probe_seconds_total = 0.0
+        self._probe_wake = asyncio.Event()
+        # GPU index -> what NVML says it runs (refreshed every activity_interval_s).
+        self.activity: dict[int, GpuActivityReading] = {}
+        self.activity_read_at: float | None = None
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -205,7 +294,11 @@ class Agent:
         self._tasks = [
             asyncio.create_task(self._timer_loop(), name="discovery-timer"),
             asyncio.create_task(self._lease_sweeper(), name="lease-sweeper"),
+            asyncio.create_task(self._activity_loop(), name="gpu-activity"),
         ]
+        if self.config.probes_enabled:
+            self._tasks.append(asyncio.create_task(self._probe_loop(), name="probes"))
+            log_event("probes_enabled", backend=self.config.probe_backend, duty_cycle=self.config.probe_duty_cycle)
         if self.config.udev and self.config.live:
             self._udev_close = start_udev_watch(self.on_device_event)
 
@@ -225,7 +318,8 @@ class Agent:
 
     def reload(self, config: Config) -> list[str]:
         """Apply a re-read configuration; returns the settings that need a restart."""
-        needs_restart = [k for k in ("listen", "state_dir") if getattr(config, k) != getattr(self.config, k)]
+        probe_keys = tuple(k for k in Config.__dataclass_fields__ if k.startswith("probe"))
+        needs_restart = [k for k in ("listen", "state_dir", *probe_keys) if getattr(config, k) != getattr(self.config, k)]
         root_changed = config.root != self.config.root
         if root_changed:
             try:
@@ -284,6 +378,13 @@ class Agent:
             if lost:
                 error = "; ".join(f"collector {c.name}: {c.status}: {c.error}" for c in lost)
                 return self._failed(error, started, reason, statuses)
+        self._discovered = facts
+        self._note_topology(facts)
+        if facts.node is not None:
+            self._set_activity_from_node(facts.node)
+        if self.config.probes_enabled:
+            figures = self.probes.figures() if self.probes else []
+            facts = await asyncio.to_thread(facts_with_probes, facts, figures)
         snapshot = Snapshot(version=self._version + 1, facts=facts, built_at=time.time())
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         self._version += 1
@@ -330,8 +431,14 @@ class Agent:
         now = time.time()
         return [lease for lease in self._leases if lease.expires_at > now]
 
+    def gpus_with_processes(self) -> frozenset[int]:
+        """GPUs NVML last saw running compute processes (a job the agent did not place)."""
+        own = os.getpid()
+        return frozenset(i for i, seen in self.activity.items() if any(p != own for p in seen.processes))
+
     def busy(self) -> frozenset[int]:
-        return frozenset(g for lease in self.active_leases() for g in lease.gpus)
+        """Leased GPUs and GPUs running processes: placement keeps off both."""
+        return frozenset(g for lease in self.active_leases() for g in lease.gpus) | self.gpus_with_processes()
 
     def place(self, request: PlaceRequest) -> PlaceOutcome:
         assert self.snapshot is not None
@@ -344,10 +451,11 @@ class Agent:
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
         matrix, store = self.snapshot.facts.matrix, self.lease_store
+        running = self.gpus_with_processes()
 
         def work() -> tuple[PlaceOutcome, Lease | None, tuple[Lease, ...]]:
             try:
-                answer = store.reserve_placement(matrix, _placement_request(request), owner, ttl_s)
+                answer = store.reserve_placement(matrix, _placement_request(request), owner, ttl_s, running)
             except RequestError as exc:
                 return _unsatisfiable(exc), None, tuple(store.leases())
             if isinstance(answer, NoFit):
@@ -374,6 +482,147 @@ class Agent:
         if lease:
             log_event("lease_released", lease=lease_id[:6], owner=lease.owner)
         return lease
+
+    # -- GPU activity (busy GPUs) ----------------------------------------------------------
+    def _set_activity_from_node(self, node: NodeTopology) -> None:
+        from topoagent.collectors.nvml import GpuActivityReading
+
+        self.activity = {g.index: GpuActivityReading(g.index, g.utilization_percent, g.processes) for g in node.gpus}
+        self.activity_read_at = time.time()
+
+    async def read_activity(self) -> None:
+        """Ask NVML (or the recording) what each GPU runs; on failure keep what we had."""
+        from topoagent.collectors.nvml import read_activity
+
+        host = self.host
+        if host is None:
+            return
+        try:
+            readings = await asyncio.wait_for(run_in_daemon_thread(lambda: read_activity(host)), self.config.timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # NVML hung or failed: busy stays as last seen
+            log_event("gpu_activity_failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
+            return
+        if readings is not None:
+            self.activity = {r.index: r for r in readings}
+            self.activity_read_at = time.time()
+
+    async def _activity_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.activity_interval_s)
+            await self.read_activity()
+
+    # -- probes -----------------------------------------------------------------------------
+    def _note_topology(self, facts: NodeFacts) -> None:
+        """A new discovery: start probing (first time) or tell the schedule what changed."""
+        signature = topology_signature(facts)
+        changed = self._signature is not None and signature != self._signature
+        self._signature = signature
+        if not self.config.probes_enabled:
+            return
+        gpus = [g.index for g in facts.matrix.gpus]
+        if self.probes is None:
+            self.probes = make_probe_service(self.config, gpus)
+        elif changed:
+            self.probes.schedule.on_topology_change(gpus)
+            log_event("probe_topology_changed", gpus=len(gpus))
+        self._probe_wake.set()
+
+    def probe_activity(self) -> dict[int, Any]:
+        from topoagent.probes.schedule import GpuActivity
+
+        own = os.getpid()
+        activity = {
+            i: GpuActivity(seen.utilization_percent, sum(1 for p in seen.processes if p != own))
+            for i, seen in self.activity.items()
+        }
+        for gpu in {g for lease in self.active_leases() for g in lease.gpus}:
+            # A leased GPU belongs to a job that may start any moment: leave it alone.
+            seen = activity.get(gpu, GpuActivity())
+            activity[gpu] = GpuActivity(seen.utilization_percent, seen.other_processes + 1)
+        return activity
+
+    def request_probe_round(self) -> dict[str, Any]:
+        """POST /probe: every target due now, busy GPUs and the duty cap overridden."""
+        service = self.probes
+        if not self.config.probes_enabled:
+            raise ProbesOff("probes are off on this agent ([probes] enabled = false)")
+        if service is None:
+            raise ProbeRunning("the first discovery has not finished; probes start after it")
+        schedule = service.schedule
+        # A requested round is running while any of its targets is still forced; a
+        # background probe in flight is no conflict: the forced targets go next.
+        forced = [t for t, st in schedule.states.items() if st.forced]
+        if forced:
+            running = schedule.in_flight.key if schedule.in_flight else "none"
+            raise ProbeRunning(f"a requested probe round is running: {len(forced)} target(s) left (in flight: {running})")
+        schedule.request_round(force=True)
+        self._probe_wake.set()
+        targets = sorted(schedule.states, key=lambda t: (not t.is_pair, t))  # the order they run in
+        log_event("probe_round_requested", targets=len(targets))
+        return {"backend": service.backend, "forced": True, "targets": [t.key for t in targets]}
+
+    async def _probe_loop(self) -> None:
+        while True:
+            service = self.probes
+            if service is None or self.snapshot is None:
+                await self._wait_probe_wake(1.0)
+                continue
+            await self.read_activity()
+            self._probe_wake.clear()
+            try:
+                probe_round = await service.step(self.probe_activity())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in the probe glue must not stop the agent
+                log_event("probe_crashed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+                service.schedule.in_flight = None
+                await self._wait_probe_wake(self.config.activity_interval_s)
+                continue
+            if probe_round is not None:
+                self._account_probe(probe_round)
+                if probe_round.results:
+                    await self._publish_probes()
+                continue
+            wakeup = service.schedule.next_wakeup()
+            delay = self.config.activity_interval_s if wakeup is None else wakeup - service.schedule.clock()
+            # Due but not allowed (busy GPUs, duty cap): look again when activity is re-read.
+            await self._wait_probe_wake(min(max(delay, 0.05), self.config.activity_interval_s) if delay > 0 else self.config.activity_interval_s)
+
+    async def _wait_probe_wake(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._probe_wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    def _account_probe(self, probe_round: ProbeRound) -> None:
+        outcome = "ok" if probe_round.failure is None else probe_round.failure.kind
+        self.probe_rounds[outcome] += 1
+        self.probe_seconds_total += probe_round.duration_s
+        verdict = self.probes.last_verdict if self.probes else None
+        target = verdict.target.key if verdict else "?"
+        if probe_round.failure is None:
+            log_event("probe_ok", target=target, results=len(probe_round.results), seconds=f"{probe_round.duration_s:.3f}", verdict=verdict.outcome if verdict else "-")
+        elif probe_round.failure.kind != "backoff":
+            log_event("probe_failed", logging.WARNING, target=target, kind=probe_round.failure.kind, error=probe_round.failure.message)
+
+    def latest_probe_round(self) -> ProbeRound | None:
+        return self.probes.runner.latest_round() if self.probes else None
+
+    async def _publish_probes(self) -> None:
+        """Swap in a snapshot with the newest figures overlaid on the last discovery."""
+        while self.probes is not None:
+            based_on, discovered = self.snapshot, self._discovered
+            if based_on is None or discovered is None:
+                return
+            facts = await asyncio.to_thread(facts_with_probes, discovered, self.probes.figures())
+            snapshot = based_on.with_facts(self._version + 1, facts)
+            await asyncio.to_thread(lambda: snapshot.body)
+            if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
+                self._version += 1
+                self.snapshot = snapshot
+                return
 
     async def _lease_sweeper(self) -> None:
         assert self.lease_store is not None

@@ -45,6 +45,18 @@ class Config:
     udev_debounce_s: float = 2.0
     lease_sweep_s: float = 5.0
     drain_timeout_s: float = 10.0
+    activity_interval_s: float = 10.0  # re-read GPU utilization/processes (busy GPUs)
+    # [probes]: link measurements in a child process (off unless asked for)
+    probes_enabled: bool = False
+    probe_backend: str = "cuda"  # "cpu" copies host memory instead (testing without a GPU)
+    probe_duty_cycle: float = 0.01  # at most this share of each GPU's wall time
+    probe_timeout_s: float = 600.0  # a worker running longer is killed
+    probe_startup_delay_s: float = 30.0  # first probes this long after start-up
+    probe_min_interval_s: float = 900.0
+    probe_max_interval_s: float = 24 * 3600.0
+    probe_busy_utilization_percent: float = 5.0
+    probe_sizes_bytes: tuple[int, ...] | None = None  # None: the backend's defaults
+    probe_repetitions: int | None = None
 
     @property
     def live(self) -> bool:
@@ -70,6 +82,39 @@ def _positive_seconds(key: str, value: Any) -> float:
     if value > 7 * 24 * 3600:
         raise ConfigError(f"{key}: {value} s is more than a week")
     return float(value)
+
+
+def _backend(key: str, value: Any) -> str:
+    if value not in ("cuda", "cpu"):
+        raise ConfigError(f"{key}: expected \"cuda\" or \"cpu\", got {value!r}")
+    return value
+
+
+def _fraction(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+    return float(value)
+
+
+def _percent(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+        raise ConfigError(f"{key}: expected a percentage from 0 to 100, got {value!r}")
+    return float(value)
+
+
+def _sizes(key: str, value: Any) -> tuple[int, ...]:
+    ok = isinstance(value, list) and value and all(
+        isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 34 for v in value
+    )
+    if not ok:
+        raise ConfigError(f"{key}: expected a non-empty list of byte counts from 1 to 2^34, got {value!r}")
+    return tuple(value)
+
+
+def _repetitions(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
+        raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {value!r}")
+    return value
 
 
 def _body_limit(key: str, value: Any) -> int:
@@ -113,10 +158,23 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "timeout_s": ("timeout_s", _positive_seconds),
         "udev": ("udev", _bool),
         "udev_debounce_s": ("udev_debounce_s", _positive_seconds),
+        "activity_interval_s": ("activity_interval_s", _positive_seconds),
     },
     "leases": {
         "state_dir": ("state_dir", _str),
         "sweep_s": ("lease_sweep_s", _positive_seconds),
+    },
+    "probes": {
+        "enabled": ("probes_enabled", _bool),
+        "backend": ("probe_backend", _backend),
+        "duty_cycle": ("probe_duty_cycle", _fraction),
+        "timeout_s": ("probe_timeout_s", _positive_seconds),
+        "startup_delay_s": ("probe_startup_delay_s", _positive_seconds),
+        "min_interval_s": ("probe_min_interval_s", _positive_seconds),
+        "max_interval_s": ("probe_max_interval_s", _positive_seconds),
+        "busy_utilization_percent": ("probe_busy_utilization_percent", _percent),
+        "sizes_bytes": ("probe_sizes_bytes", _sizes),
+        "repetitions": ("probe_repetitions", _repetitions),
     },
 }
 
@@ -138,6 +196,8 @@ def config_from_toml(text: str, source: str = "config") -> Config:
                 raise ConfigError(f"{section}.{key}: unknown key (known: {known})")
             field_name, check = SCHEMA[section][key]
             values[field_name] = check(f"{section}.{key}", value)
+    if values.get("probe_min_interval_s", 900.0) > values.get("probe_max_interval_s", 24 * 3600.0):
+        raise ConfigError("probes.min_interval_s: must not exceed probes.max_interval_s")
     return Config(**values)
 
 
@@ -155,6 +215,13 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     if "listen" in flags:
         flags["listen"] = parse_listen("--listen", flags["listen"])
+    if "probes" in flags:  # --probes off|cpu|cuda
+        choice = flags.pop("probes")
+        if choice not in ("off", "cpu", "cuda"):
+            raise ConfigError(f"--probes: expected off, cpu or cuda, got {choice!r}")
+        flags["probes_enabled"] = choice != "off"
+        if choice != "off":
+            flags["probe_backend"] = choice
     known = {f.name for f in fields(Config)}
     unknown = set(flags) - known
     if unknown:

@@ -91,6 +91,9 @@ class GpuTopo:
     link: PciLink | None = None
     nvlink_generation: int | None = None
     nvlinks: tuple[NvLink, ...] = ()
+    # What NVML saw running when discovery ran (None/() when NVML did not say).
+    utilization_percent: float | None = None
+    processes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +343,8 @@ def _gpu_json(g: GpuTopo) -> dict:
              "remote_address": l.remote_pci_address, "remote_type": l.remote_type}
             for l in g.nvlinks
         ],
+        "utilization_percent": g.utilization_percent,
+        "processes": list(g.processes),
     }
 
 
@@ -511,6 +516,8 @@ def merge(
                     or max((l.version or 0 for l in g.nvlinks), default=0)
                     or None,
                     nvlinks=g.nvlinks,
+                    utilization_percent=g.utilization_percent,
+                    processes=g.processes,
                 )
             )
             if dev is not None:

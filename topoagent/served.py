@@ -10,9 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 from topoagent.matrix import DistanceMatrix
+
+if TYPE_CHECKING:
+    from topoagent.model import NodeTopology
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,9 @@ class IbPort:
 
 @dataclass(frozen=True, slots=True)
 class NodeFacts:
-    """What one discovery run produced, in the shape the exporters read."""
+    """What one discovery run produced, in the shape the exporters read, with the
+    probes' measurements overlaid when there are any (``matrix.measured``,
+    ``probe_figures``, probe findings among ``findings``)."""
 
     topology: dict[str, Any]  # the NodeTopology JSON
     matrix: DistanceMatrix
@@ -71,6 +76,8 @@ class NodeFacts:
     pcie_links: tuple[PcieLink, ...] = ()
     nvlinks: tuple[NvLink, ...] = ()
     ib_ports: tuple[IbPort, ...] = ()
+    node: "NodeTopology | None" = None  # discovery's own value (the picture at / draws it)
+    probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
 
 
 @dataclass(frozen=True)
@@ -85,9 +92,14 @@ class Snapshot:
     latest_collectors: tuple[CollectorStatus, ...] | None = None
     # Cached per snapshot (computed on first use, never per request).
     _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
+    _page: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
 
     def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> "Snapshot":
-        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, latest_collectors=collectors, _cache=None)
+        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, latest_collectors=collectors, _cache=None, _page=None)
+
+    def with_facts(self, version: int, facts: NodeFacts) -> "Snapshot":
+        """The same discovery state with new facts (a probe result overlaid)."""
+        return replace(self, version=version, facts=facts, _cache=None, _page=None)
 
     @property
     def collectors(self) -> tuple[CollectorStatus, ...]:
@@ -114,6 +126,7 @@ class Snapshot:
                 for c in self.collectors
             ],
             "findings": [{"kind": f.kind, "severity": f.severity, "detail": f.detail} for f in self.facts.findings],
+            "probe_figures": [_figure_json(f) for f in self.facts.probe_figures],
         }
         return doc
 
@@ -125,6 +138,18 @@ class Snapshot:
             object.__setattr__(self, "_cache", (body, etag))
         return self._cache  # type: ignore[return-value]
 
+    def page(self) -> tuple[bytes, str]:
+        """The HTML picture of the node and its ETag, rendered once per snapshot."""
+        if self._page is None:
+            from topoagent.exporters.svg import render_page
+
+            if self.facts.node is None:
+                raise LookupError("this snapshot has no discovered topology to draw")
+            body = render_page(self.facts.node, self.facts.matrix).encode()
+            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
+            object.__setattr__(self, "_page", (body, etag))
+        return self._page  # type: ignore[return-value]
+
     @property
     def body(self) -> bytes:
         return self._cached()[0]
@@ -132,3 +157,11 @@ class Snapshot:
     @property
     def etag(self) -> str:
         return self._cached()[1]
+
+
+FIGURE_FIELDS = ("kind", "direction", "src", "dst", "device", "numa_node", "size_bytes", "unit",
+                 "median", "p10", "p90", "repetitions", "available", "received_at")
+
+
+def _figure_json(figure: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: figure[k] for k in FIGURE_FIELDS if k in figure}

@@ -29,11 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--listen", metavar="HOST:PORT", help=f"address to serve on (default {DEFAULT_LISTEN})")
     parser.add_argument("--state-dir", metavar="DIR", help="where leases are kept (default /var/lib/topoagent)")
     parser.add_argument("--token-file", metavar="FILE", help="bearer token for mutating endpoints; without it they are off")
+    parser.add_argument("--probes", choices=("off", "cpu", "cuda"), help="measure links in a child process with this backend ([probes] in the config)")
     parser.set_defaults(run=run)
 
 
 def _overrides(args: argparse.Namespace) -> dict:
-    return {"root": args.root, "listen": args.listen, "state_dir": args.state_dir, "token_file": args.token_file}
+    return {"root": args.root, "listen": args.listen, "state_dir": args.state_dir, "token_file": args.token_file, "probes": args.probes}
 
 
 def read_token(path: str | None) -> bytes:
@@ -109,13 +110,15 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     if not token:
         log_event("mutating_endpoints_off", logging.WARNING, reason="no --token-file: reservations, releases and refreshes are refused (403)")
     print(f"topoagent serving {config.root} on {base}", flush=True)
-    for label, path in (("topology", "/topology"), ("matrix", "/topology?format=matrix"), ("metrics", "/metrics"), ("leases", "/leases"), ("API", "/openapi.json")):
+    for label, path in (("picture", "/"), ("topology", "/topology"), ("matrix", "/topology?format=matrix"), ("metrics", "/metrics"), ("leases", "/leases"), ("API", "/openapi.json")):
         print(f"  {label:9} {base}{path}", flush=True)
     if token:
         example = '{"gpus": 4, "reserve": {"owner": "me", "ttl_s": 600}}'
         print(f"  reserve   curl -H \"Authorization: Bearer $(cat {config.token_file})\" -d '{example}' {base}/place", flush=True)
     else:
         print("  (no --token-file: reservations are off; POST /place answers dry runs)", flush=True)
+    if config.probes_enabled:
+        print(f"  probes    {config.probe_backend} backend; POST {base}/probe (token) measures now", flush=True)
     print("  Ctrl-C or SIGTERM stops it; SIGHUP reloads the config", flush=True)
 
     stop = asyncio.Event()

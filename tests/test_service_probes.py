@@ -1,0 +1,191 @@
+"""Probes inside the running service, over real HTTP on loopback.
+
+`topoagent serve --root fixtures/snapshots/dgx-a100` with `[probes]` on the cpu backend:
+a real worker child process copies real buffers, and its figures must reach /topology,
+/metrics and /place, while the agent process itself never maps torch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from service_helpers import make_root, metric_value, start_agent
+
+# Small copies, few repetitions: a target takes about as long as the worker's start.
+PROBES = """
+[probes]
+enabled = true
+backend = "cpu"
+startup_delay_s = 0.1
+sizes_bytes = [65536]
+repetitions = 3
+timeout_s = 60
+"""
+WAIT_S = 90  # bound on waiting for probes; a target takes ~2 s on a loaded 2-core box
+
+
+def wait_for(what: str, check, agent, timeout: float = WAIT_S):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"never saw {what} within {timeout} s:\n{agent.log()[-3000:]}")
+
+
+def measured_pairs(agent) -> dict[tuple[str, str], float]:
+    doc = agent.get("/topology").json()
+    return {(p["a"], p["b"]): p["measured_gbps"] for p in doc["pairs"] if p.get("measured_gbps")}
+
+
+@pytest.fixture(scope="module")
+def probing(tmp_path_factory):
+    agent = start_agent(tmp_path_factory.mktemp("probing"), config=PROBES)
+    try:
+        wait_for("a measured GPU pair", lambda: measured_pairs(agent), agent)
+        yield agent
+    finally:
+        assert agent.stop() == 0
+
+
+def test_measured_figures_reach_topology_metrics_and_place(probing):
+    pairs = measured_pairs(probing)
+    (a, b), gbps = next(iter(pairs.items()))
+    assert a.startswith("GPU") and b.startswith("GPU") and gbps > 0
+    doc = probing.get("/topology").json()
+    assert all("measured_gbps" in p for p in doc["pairs"])  # null until measured
+    figures = doc["agent"]["probe_figures"]
+    assert {"p2p", "p2p_bidir", "latency", "peer_access"} <= {f["kind"] for f in figures}
+    assert all(f["size_bytes"] == 65536 for f in figures if f["kind"] == "p2p")
+
+    metrics = probing.get("/metrics").body.decode()
+    labels = {"gpu_a": a[3:], "gpu_b": b[3:]}
+    series = metric_value(metrics, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second", labels)
+    assert series == pytest.approx(measured_pairs(probing)[(a, b)] * 1e9, rel=1e-3)
+    assert metric_value(metrics, "topoagent_probe_bandwidth_bytes_per_second", {"kind": "p2p", "direction": f"{a[3:]}->{b[3:]}"}) > 0
+    assert metric_value(metrics, "topoagent_probe_latency_seconds", {"direction": f"{a[3:]}->{b[3:]}"}) > 0
+    assert metric_value(metrics, "topoagent_probe_rounds_total", {"outcome": "ok"}) >= 1
+    assert metric_value(metrics, "topoagent_probe_seconds_total") > 0
+    assert metric_value(metrics, "topoagent_probes_enabled") == 1
+
+    # Placement ranks by the measurement now, not by the NV12 expectation (300 GB/s).
+    placed = probing.post("/place", {"gpus": 2, "include": [int(a[3:]), int(b[3:])]}).json()
+    assert placed["links"][0]["gbps"] == pytest.approx(measured_pairs(probing)[(a, b)], rel=1e-3)
+    assert placed["links"][0]["gbps"] < 300
+
+
+def test_low_measurements_become_findings_in_topology_and_metrics(probing):
+    # Host-memory copies are far below what NVLink achieves: the links read as degraded.
+    doc = probing.get("/topology").json()
+    probe_findings = [f for f in doc["findings"] if f.get("source") == "probe"]
+    assert any(f["kind"] == "degraded_link" and f["measured"] < f["expected"] for f in probe_findings)
+    assert any(f["kind"] == "degraded_link" for f in doc["agent"]["findings"])
+    metrics = probing.get("/metrics").body.decode()
+    assert sum(
+        float(line.rpartition(" ")[2]) for line in metrics.splitlines()
+        if line.startswith('topoagent_findings{kind="degraded_link"')
+    ) >= 1
+
+
+def test_metrics_with_probe_series_pass_promtool(probing):
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail("promtool not found: install the Debian package 'prometheus' (scripts/test does)")
+    text = probing.get("/metrics").body
+    assert b"topoagent_probe_bandwidth_bytes_per_second" in text
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+
+
+def test_the_serving_process_never_maps_torch(probing):
+    maps = Path(f"/proc/{probing.proc.pid}/maps").read_text()
+    assert "python" in maps  # we are reading the right process
+    assert "torch" not in maps
+    assert measured_pairs(probing)  # ... although its worker measured with torch
+
+
+def test_post_probe_needs_the_token_then_schedules_every_target_once(probing):
+    assert probing.post("/probe").status == 401
+    assert probing.post("/probe", token="wrong-token-wrong-token").status == 401
+    first = probing.post("/probe", token=probing.token)
+    assert first.status == 202, first.body
+    body = first.json()
+    assert body["backend"] == "cpu" and body["forced"] is True
+    pairs = [t for t in body["targets"] if t.startswith("pair:")]
+    assert len(pairs) == 28 and body["targets"][:28] == pairs  # pairs first: placement needs them
+    assert sorted(t for t in body["targets"] if t.startswith("gpu:")) == [f"gpu:{i}" for i in range(8)]
+    again = probing.post("/probe", token=probing.token)
+    assert again.status == 409 and again.json()["error"] == "probe_running"
+    assert probing.get("/healthz").status == 200
+
+
+def test_a_worker_that_fails_leaves_the_service_up_and_shows_in_metrics(tmp_path):
+    # A worker cut off by its timeout (it cannot even import torch in 50 ms): killed,
+    # counted, backed off; the topology keeps being served.
+    agent = start_agent(tmp_path, config=PROBES.replace("timeout_s = 60", "timeout_s = 0.05"))
+    try:
+        def failed():
+            metrics = agent.get("/metrics").body.decode()
+            return (metric_value(metrics, "topoagent_probe_rounds_total", {"outcome": "timeout"}) or 0) >= 1 and metrics
+
+        metrics = wait_for("a timed-out probe in /metrics", failed, agent)
+        assert metric_value(metrics, "topoagent_probe_consecutive_failures") >= 1
+        assert metric_value(metrics, "topoagent_probe_rounds_total", {"outcome": "ok"}) == 0
+        topo = agent.get("/topology")
+        assert topo.status == 200 and not topo.json()["agent"]["stale"]
+        assert not measured_pairs(agent)
+        assert agent.get("/healthz").status == 200 and agent.get("/readyz").status == 200
+        assert "event=probe_failed" in agent.log() and "kind=timeout" in agent.log()
+    finally:
+        assert agent.stop() == 0
+
+
+def with_process_on_gpu(root: Path, gpu: int, pid: int) -> None:
+    path = root / "nvml.json"
+    doc = json.loads(path.read_text())
+    for entry in doc["gpus"]:
+        if entry["index"] == gpu:
+            entry["health"]["processes"] = [pid]
+            entry["health"]["utilization_gpu_percent"] = 97
+    path.write_text(json.dumps(doc, indent=1))
+
+
+def test_a_gpu_running_a_process_is_busy_for_place_leases_and_probes(tmp_path):
+    root = make_root(tmp_path)
+    with_process_on_gpu(root, 1, 4242)
+    agent = start_agent(tmp_path, root=root, config=PROBES)
+    try:
+        gpu1 = agent.get("/topology").json()["gpus"][1]
+        assert gpu1["processes"] == [4242] and gpu1["utilization_percent"] == 97
+
+        # Pairs are probed in order 0-1, 0-2, ...: the probes step over the busy GPU1.
+        wait_for("pair GPU0-GPU2 measured", lambda: ("GPU0", "GPU2") in measured_pairs(agent), agent)
+        assert not [p for p in measured_pairs(agent) if "GPU1" in p]
+
+        nofit = agent.post("/place", {"gpus": 8})
+        assert nofit.status == 409  # 7 GPUs are free
+        assert agent.post("/place", {"gpus": 1, "include": [1]}).status == 409
+        assert 1 not in [g["index"] for g in agent.post("/place", {"gpus": 7}).json()["gpus"]]
+        lease = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-1", "ttl_s": 60}}, token=agent.token)
+        assert lease.status == 200 and 1 not in lease.json()["lease"]["gpus"]
+        metrics = agent.get("/metrics").body.decode()
+        assert metric_value(metrics, "topoagent_gpu_busy", {"gpu": "1", "reason": "processes"}) == 1
+    finally:
+        assert agent.stop() == 0
+
+
+def test_probes_are_off_by_default_and_post_probe_says_so(tmp_path):
+    agent = start_agent(tmp_path)
+    try:
+        reply = agent.post("/probe", token=agent.token)
+        assert reply.status == 409 and reply.json()["error"] == "probes_off"
+        assert metric_value(agent.get("/metrics").body.decode(), "topoagent_probes_enabled") == 0
+    finally:
+        assert agent.stop() == 0
