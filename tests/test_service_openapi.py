@@ -25,6 +25,7 @@ def test_schemathesis_finds_no_server_error_and_no_schema_drift(tmp_path):
                 "--warnings", "off",
             ],
             capture_output=True, text=True, timeout=120,
+            cwd=tmp_path,  # its example cache stays out of the checkout
             env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""},
         )
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
