@@ -52,7 +52,6 @@ extra NUMA nodes spanned plus the number of whole zones the placement breaks.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Iterator
 
@@ -404,9 +403,21 @@ class _Prepared:
             tuple(min(_bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
             for i in range(n)
         ]
-        self._classes: dict[bool, list[int]] = {}
+        self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
+        self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+        self.idle_feasible: dict[tuple[str, int, int], bool] = {}  # see _Search
+        self.zones_by_level = [sorted(set(zone_of)) for _, zone_of in self.zone_levels]
+        # Whole zones by name, for "breaks whole free zones" in the answer.
+        self.named_zones = [
+            (z, f"{name} {{{','.join(str(matrix.gpus[v].index) for v in _bits(z))}}}")
+            for (name, _), zones in zip(self.zone_levels, self.zones_by_level)
+            for z in zones
+            if z.bit_count() > 1
+        ]
+        # The parts of an answer that depend only on the chosen order (see _build).
+        self.answer_parts: dict[tuple[tuple[int, ...], str, int], _AnswerParts] = {}
 
     def cpus_of(self, mask: int) -> str | None:
         """The CPU list close to these GPUs (None when any GPU's is unknown)."""
@@ -468,8 +479,13 @@ class _Prepared:
             self._level_adj[key] = got
         return got
 
-    def classes(self, with_nics: bool) -> list[int]:
-        """Interchangeable GPUs, as masks in hierarchy order (see the module docstring)."""
+    def classes(self, with_nics: bool) -> list[tuple[int, tuple[int, ...]]]:
+        """Interchangeable GPUs in hierarchy order, each as (mask, its zone per level).
+
+        Members of a class share their zone at every level, except where each of them is
+        a zone of its own (then the level's entry is 0): GPUs with identical rows are
+        joined by the same links to everyone else.
+        """
         got = self._classes.get(with_nics)
         if got is not None:
             return got
@@ -492,8 +508,16 @@ class _Prepared:
                     assigned[v] = len(classes)
             assigned[u] = len(classes)
             classes.append(mask)
-        self._classes[with_nics] = classes
-        return classes
+        with_zones = []
+        for mask in classes:
+            first = (mask & -mask).bit_length() - 1
+            zones = tuple(
+                zone_of[first] if mask & ~zone_of[first] == 0 else 0 for _, zone_of in self.zone_levels
+            )
+            assert all(z or all(zone_of[v] == 1 << v for v in _bits(mask)) for z, (_, zone_of) in zip(zones, self.zone_levels))
+            with_zones.append((mask, zones))
+        self._classes[with_nics] = with_zones
+        return with_zones
 
     def nic_cost(self, mask: int, wanted: int) -> int:
         dists = []
@@ -558,22 +582,22 @@ class _Prepared:
         return None
 
 
-_PREPARED: dict[int, tuple[weakref.ref, frozenset, _Prepared]] = {}
-
-
 def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
-    fresh = frozenset(
-        key
-        for key, m in matrix.measured.items()
-        if now is None or now - m.taken_at <= matrix.measurement_max_age_s
-    )
-    hit = _PREPARED.get(id(matrix))
-    if hit is not None and hit[0]() is matrix and hit[1] == fresh:
-        return hit[2]
-    prepared = _Prepared(matrix, now)
-    if len(_PREPARED) > 64:
-        _PREPARED.clear()
-    _PREPARED[id(matrix)] = (weakref.ref(matrix), fresh, prepared)
+    """The matrix's tables, built once per matrix and set of fresh measurements."""
+    if matrix.measured:
+        fresh = frozenset(
+            key
+            for key, m in matrix.measured.items()
+            if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+        )
+    else:
+        fresh = frozenset()
+    cache = matrix.derived_cache.setdefault("placement", {})
+    prepared = cache.get(fresh)
+    if prepared is None:
+        if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
+            cache.clear()
+        prepared = cache[fresh] = _Prepared(matrix, now)
     return prepared
 
 
@@ -595,18 +619,17 @@ class _Search:
         self.prep = prep
         self.req = req
         self.k = req.gpus
+        self.nics = req.nics
         self.free_all = free_all  # not busy: what damage is measured against
         self.candidates = candidates  # not busy, not excluded
         self.include = include
         self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
-        self.zone_free: list[dict[int, int]] = [{} for _ in prep.zone_levels]
-        self.n_zone_levels = len(prep.zone_levels)
+        self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern != "independent"
 
     def run(self) -> _Found | None:
-        prep = self.prep
         if not self.links_needed():
             return self._search_at(None, stop_at_first=False)
         present = self._ranks_present()
@@ -615,6 +638,8 @@ class _Search:
         # Feasibility falls as the threshold rises: find the best feasible one.
         if len(present) <= 8:
             for r in reversed(present):
+                if not self._feasible_on_idle_node(r):
+                    continue
                 found = self._search_at(r, stop_at_first=False)
                 if found is not None:
                     return found
@@ -624,11 +649,27 @@ class _Search:
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._search_at(present[mid], stop_at_first=True) is not None:
+            if self._feasible_on_idle_node(present[mid]) and (
+                self._search_at(present[mid], stop_at_first=True) is not None
+            ):
                 lo = mid
             else:
                 hi = mid - 1
         return self._search_at(present[lo], stop_at_first=False)
+
+    def _feasible_on_idle_node(self, r: int) -> bool:
+        """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
+
+        Busy GPUs and constraints only remove sets, so a threshold no set of the idle
+        node reaches is skipped at once (remembered per matrix): without this the search
+        would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
+        """
+        key = (self.req.pattern, self.k, r)
+        got = self.prep.idle_feasible.get(key)
+        if got is None:
+            idle = _Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
+            got = self.prep.idle_feasible[key] = idle._search_at(r, stop_at_first=True) is not None
+        return got
 
     def _ranks_present(self) -> list[int]:
         rank = self.prep.rank
@@ -691,7 +732,7 @@ class _Search:
         self.check_order = r is not None and pattern in ("allreduce", "pipeline") and k >= 3
         self.best: _Found | None = None
         self.stop_at_first = stop_at_first
-        classes_all = prep.classes(self.req.nics > 0)
+        classes_all = prep.classes(self.nics > 0)
         for comp in comps:
             start = self.include
             cand = comp & ~start
@@ -702,12 +743,29 @@ class _Search:
                     ok = False
             if not ok:
                 continue
-            classes = [c & cand for c in classes_all if c & cand]
+            self.classes = self._ordered_classes(classes_all, cand, k - start.bit_count())
             dmg = self._damage_add(0, start)
-            self._branch(classes, 0, start, k - start.bit_count(), cand, dmg)
+            self._branch(0, start, k - start.bit_count(), cand, dmg)
             if self.best is not None and stop_at_first:
                 break
         return self.best
+
+    def _ordered_classes(
+        self, classes_all: list[tuple[int, tuple[int, ...]]], cand: int, rem: int
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """The classes to branch on, best-fit first so the first answer found is good and
+        the bounds cut early: NUMA nodes that can hold the whole job, fewest candidates
+        first; then the others, most candidates first.  Hierarchy order within a node."""
+        prep = self.prep
+        group_key = []
+        for g in prep.numa_masks:
+            c = (g & cand).bit_count()
+            group_key.append((0, c) if c >= rem else (1, -c))
+        ordered = [(m & cand, zones) for m, zones in classes_all if m & cand]
+        if len(group_key) > 1:
+            numa_of = prep.numa_of
+            ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
+        return ordered
 
     @staticmethod
     def _components(verts: int, eff: list[int]) -> list[int]:
@@ -727,26 +785,61 @@ class _Search:
             remaining &= ~comp
         return comps
 
-    def _zone_free(self, level: int, zone: int) -> int:
-        cache = self.zone_free[level]
-        got = cache.get(zone)
+    def _free_in(self, zone: int) -> int:
+        got = self.zone_free_count.get(zone)
         if got is None:
-            got = (zone & self.free_all).bit_count()
-            cache[zone] = got
+            got = self.zone_free_count[zone] = (zone & self.free_all).bit_count()
         return got
 
     def _damage_add(self, taken: int, add: int) -> int:
         """Damage of taking ``add`` on top of ``taken``: sum of f^2 - (f-s)^2 increments."""
         cost = 0
-        for level, (_, zone_of) in enumerate(self.prep.zone_levels):
+        for _, zone_of in self.prep.zone_levels:
             t = taken
             for v in _bits(add):
                 z = zone_of[v]
-                f = self._zone_free(level, z)
-                s = (t & z).bit_count()
-                cost += 2 * (f - s) - 1
+                cost += 2 * (self._free_in(z) - (t & z).bit_count()) - 1
                 t |= 1 << v
         return cost
+
+    def _class_damage(self, zones: tuple[int, ...], taken: int, c: int) -> int:
+        """Damage of taking ``c`` GPUs of one class on top of ``taken``."""
+        cost = 0
+        for z in zones:
+            if z:
+                cost += c * (2 * (self._free_in(z) - (taken & z).bit_count()) - c)
+            else:
+                cost += c  # each member is a zone of its own at this level
+        return cost
+
+    def _damage_bound(self, taken: int, cand: int, rem: int) -> int:
+        """Least damage of adding ``rem`` more GPUs from ``cand``.
+
+        Taking a of the c candidates left in a zone (f free, s taken) costs
+        a * (2(f-s) - a), which is concave in a, so it is at least a * (2(f-s) - c), the
+        per-GPU cost of taking all c.  Filling the cheapest zones first with those rates
+        bounds every completion from below (per level; levels add up).
+        """
+        total = 0
+        counts = self.zone_free_count
+        for zones in self.prep.zones_by_level:
+            rates = []
+            for z in zones:
+                c = (z & cand).bit_count()
+                if c:
+                    f = counts.get(z)
+                    if f is None:
+                        f = counts[z] = (z & self.free_all).bit_count()
+                    rates.append((2 * (f - (taken & z).bit_count()) - c, c))
+            rates.sort()
+            need = rem
+            for rate, c in rates:
+                if c >= need:
+                    total += need * rate
+                    break
+                total += c * rate
+                need -= c
+        return total
 
     def _numa_bound(self, taken: int, cand: int, rem: int) -> int:
         touched = 0
@@ -772,7 +865,7 @@ class _Search:
                 return 1 << 30
         return touched
 
-    def _branch(self, classes: list[int], ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
         if rem == 0:
             self._leaf(taken, dmg)
             return
@@ -782,19 +875,25 @@ class _Search:
         if best is not None:
             if self.stop_at_first:
                 return
-            bound = (
-                self._numa_bound(taken, cand, rem),
-                self.prep.nic_cost(taken | cand, self.req.nics) if self.req.nics else 0,
-                dmg + rem * self.n_zone_levels,
-            )
-            if bound >= best.key:
+            # The bound, one term at a time: later terms only matter on a tie.
+            best_numa, best_nic, best_dmg = best.key
+            numa = self._numa_bound(taken, cand, rem)
+            if numa > best_numa:
                 return
-        while ci < len(classes) and not (classes[ci] & cand):
+            if numa == best_numa:
+                nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else 0
+                if nic > best_nic:
+                    return
+                if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
+                    return
+        classes = self.classes
+        while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
         if ci >= len(classes):
             return
-        members = list(_bits(classes[ci] & cand))
-        rest = cand & ~classes[ci]
+        class_mask, zones = classes[ci]
+        members = list(_bits(class_mask & cand))
+        rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
         if top >= 2 and not (allowed[members[0]] >> members[1] & 1):
@@ -805,9 +904,8 @@ class _Search:
             for v in members[:c]:
                 pick |= 1 << v
                 nxt &= allowed[v]
-            self._branch(
-                classes, ci + 1, taken | pick, rem - c, nxt, dmg + self._damage_add(taken, pick)
-            )
+            added = self._class_damage(zones, taken, c) if c else 0
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
             if self.best is not None and self.stop_at_first:
                 return
 
@@ -826,7 +924,7 @@ class _Search:
         else:
             order = tuple(sorted(_bits(taken), key=lambda v: prep.hier_key[v]))
         numa = sum(1 for g in prep.numa_masks if g & taken)
-        nic = prep.nic_cost(taken, self.req.nics) if self.req.nics else 0
+        nic = prep.nic_cost(taken, self.nics) if self.nics else 0
         key = (numa, nic, dmg)
         if self.best is None or key < self.best.key:
             self.best = _Found(taken, order, self.r, key)
@@ -844,7 +942,7 @@ def place(
 ) -> Placement | NoFit:
     """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
     prep = _prepare(matrix, now)
-    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    pos_of = prep.pos_of
 
     def mask_of(field_name: str, indices: Iterable[int]) -> int:
         mask = 0
@@ -940,23 +1038,43 @@ def _worst_pair_level(prep: _Prepared, mask: int) -> LinkLevel:
     return max(levels)
 
 
-def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
+@dataclass(frozen=True, slots=True)
+class _AnswerParts:
+    """What an answer says that depends only on the GPUs, their order, pattern and NICs."""
+
+    gpus: tuple[PlacedGpu, ...]
+    links: tuple[PatternLink, ...]
+    bandwidth: float | None
+    worst: LinkLevel | None
+    weakest: PatternLink | None
+    numa_labels: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    numactl: tuple[str, ...]
+    explain_head: tuple[str, ...]  # bottleneck, then NUMA (NIC line added per request)
+
+
+def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: str, nics: int) -> _AnswerParts:
+    key = (order, pattern, nics)
+    got = prep.answer_parts.get(key)
+    if got is not None:
+        return got
     matrix = prep.matrix
-    order = list(found.order)
     k = len(order)
-    links: list[PatternLink] = []
 
     def link(a: int, b: int) -> PatternLink:
         return PatternLink(
             matrix.gpus[a].index, matrix.gpus[b].index, matrix.gpu_levels[a][b], round(prep.bw[a][b], 2)
         )
 
-    if k >= 2 and req.pattern != "independent":
-        if req.pattern == "alltoall":
+    links: list[PatternLink] = []
+    if k >= 2 and pattern != "independent":
+        if pattern == "alltoall":
             links = [link(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
         else:
             links = [link(order[i], order[i + 1]) for i in range(k - 1)]
-            if req.pattern == "allreduce" and k >= 3:
+            if pattern == "allreduce" and k >= 3:
                 links.append(link(order[-1], order[0]))
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
@@ -975,18 +1093,18 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
             nearest = tuple(nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
             nic_level = next(matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind)
         placed.append(PlacedGpu(rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level))
-    if req.nics:
+    if nics:
         dist = []
         for j, steps in enumerate(prep.nic_steps):
-            kv = next((kv for kv, m in steps if m & found.mask), _NO_NIC)
+            kv = next((kv for kv, m in steps if m & mask), _NO_NIC)
             dist.append((kv, j))
-        chosen = tuple(nic_names[j] for _, j in sorted(dist)[: req.nics])
+        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
     else:
         chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
 
     numa_groups = sorted({prep.numa_of[v] for v in order})
-    numa_labels = [_numa_label(prep, gi) for gi in numa_groups]
-    cpus = prep.cpus_of(found.mask)
+    numa_labels = tuple(_numa_label(prep, gi) for gi in numa_groups)
+    cpus = prep.cpus_of(mask)
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
         nodes = ",".join(str(x) for x in numa_labels)
         numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
@@ -994,71 +1112,71 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
         numactl = ("numactl", f"--physcpubind={cpus}")
     else:
         numactl = ()
-    env = {
+    env = [
         # nvidia-smi indices equal CUDA's only in PCI bus order.
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": ",".join(str(p.index) for p in placed),
-    }
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
+    ]
     if chosen:
-        env["NCCL_IB_HCA"] = "=" + ",".join(chosen)  # '=' : exact names, mlx5_1 is not mlx5_10
-
-    broken = _broken_zones(prep, found.mask, free_all)
-    objective = Objective(
-        bandwidth_gbps=bandwidth,
-        bottleneck_level=weakest.level if weakest else None,
-        numa_nodes=found.key[0],
-        nic_cost=found.key[1],
-        damage=found.key[2],
-    )
-    quality = bandwidth or 0.0
-    loss = (objective.numa_nodes - 1) + len(broken)
-    score = round(10 * quality - loss, 3)
+        env.append(("NCCL_IB_HCA", "=" + ",".join(chosen)))  # '=' : exact names, mlx5_1 is not mlx5_10
 
     explain = []
     if weakest is not None:
-        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[req.pattern]
+        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[pattern]
         explain.append(
             f"{shape} bottleneck {weakest.gbps:g} GB/s over {weakest.level} "
             f"(GPU{weakest.a}-GPU{weakest.b}); no free set of {k} does better"
         )
-    if objective.numa_nodes == 1:
+    if len(numa_labels) == 1:
         explain.append(f"stays on one NUMA node ({numa_labels[0]})")
     else:
-        explain.append(
-            f"spans {objective.numa_nodes} NUMA nodes: no set on fewer has the same bandwidth"
-        )
-    if req.nics:
-        explain.append(f"{req.nics} NIC(s) closest to the set: {', '.join(chosen)}")
-    if broken:
-        explain.append("breaks whole free zones: " + "; ".join(broken))
-    else:
-        explain.append("keeps every whole free zone whole")
+        explain.append(f"spans {len(numa_labels)} NUMA nodes: no set on fewer has the same bandwidth")
+    if nics:
+        explain.append(f"{nics} NIC(s) closest to the set: {', '.join(chosen)}")
+    parts = _AnswerParts(
+        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
+        tuple(env), numactl, tuple(explain),
+    )
+    if len(prep.answer_parts) >= 50_000:
+        prep.answer_parts.clear()
+    prep.answer_parts[key] = parts
+    return parts
+
+
+def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
+    parts = _answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
+    mask = found.mask
+    broken = tuple(
+        label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
+    )
+    objective = Objective(
+        bandwidth_gbps=parts.bandwidth,
+        bottleneck_level=parts.weakest.level if parts.weakest else None,
+        numa_nodes=found.key[0],
+        nic_cost=found.key[1],
+        damage=found.key[2],
+    )
+    quality = parts.bandwidth or 0.0
+    loss = (objective.numa_nodes - 1) + len(broken)
+    explain = parts.explain_head + (
+        ("breaks whole free zones: " + "; ".join(broken),) if broken else ("keeps every whole free zone whole",)
+    )
     return Placement(
         request=req,
-        gpus=tuple(placed),
-        bandwidth_gbps=bandwidth,
-        worst_level=worst,
-        links=tuple(links),
-        numa_nodes=tuple(numa_labels),
-        cpus=cpus,
-        nics=chosen,
-        env=env,
-        numactl=numactl,
-        score=score,
+        gpus=parts.gpus,
+        bandwidth_gbps=parts.bandwidth,
+        worst_level=parts.worst,
+        links=parts.links,
+        numa_nodes=parts.numa_labels,
+        cpus=parts.cpus,
+        nics=parts.nics,
+        env=dict(parts.env),
+        numactl=parts.numactl,
+        score=round(10 * quality - loss, 3),
         objective=objective,
-        broken_zones=tuple(broken),
-        explain=tuple(explain),
+        broken_zones=broken,
+        explain=explain,
     )
-
-
-def _broken_zones(prep: _Prepared, mask: int, free_all: int) -> list[str]:
-    out = []
-    for name, zone_of in prep.zone_levels:
-        for z in sorted(set(zone_of)):
-            if z.bit_count() > 1 and not (z & ~free_all) and (z & mask) and (z & ~mask):
-                members = ",".join(str(prep.matrix.gpus[v].index) for v in _bits(z))
-                out.append(f"{name} {{{members}}}")
-    return out
 
 
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
