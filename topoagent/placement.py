@@ -340,6 +340,12 @@ class _Prepared:
             for i in range(n)
         ]
         self.n_ranks = len(ordered)
+        # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
+        self.rank_exact = [[0] * n for _ in ordered]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    self.rank_exact[self.rank[i][j]][i] |= 1 << j
         self._adj: dict[int, list[int]] = {}
         self._level_adj: dict[tuple[int, int], list[int]] = {}
         self.ham_memo: dict[tuple[int, int, bool], tuple[int, ...] | None] = {}
@@ -403,6 +409,11 @@ class _Prepared:
             tuple(min(_bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
             for i in range(n)
         ]
+        # Rank of each GPU in hierarchy order: a cheap sort key.
+        self.hier_pos = [0] * n
+        for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
+            self.hier_pos[v] = pos
+        self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
@@ -543,7 +554,7 @@ class _Prepared:
         return result
 
     def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
-        verts = sorted(_bits(mask), key=lambda v: self.hier_key[v])
+        verts = sorted(_bits(mask), key=self.hier_pos.__getitem__)
         k = len(verts)
         if k == 1:
             return tuple(verts)
@@ -672,16 +683,18 @@ class _Search:
         return got
 
     def _ranks_present(self) -> list[int]:
-        rank = self.prep.rank
-        verts = list(_bits(self.candidates))
+        """The ranks of links among the candidates (that min_level allows), ascending."""
+        cand = self.candidates
+        verts = list(_bits(cand))
         h = self.h_adj
-        seen = set()
-        for a_pos, a in enumerate(verts):
-            row = rank[a]
-            for b in verts[a_pos + 1 :]:
-                if h is None or h[a] >> b & 1:
-                    seen.add(row[b])
-        return sorted(seen)
+        present = []
+        for r, exact in enumerate(self.prep.rank_exact):
+            if h is None:
+                if any(exact[v] & cand for v in verts):
+                    present.append(r)
+            elif any(exact[v] & h[v] & cand for v in verts):
+                present.append(r)
+        return present
 
     def _search_at(self, r: int | None, stop_at_first: bool) -> _Found | None:
         prep = self.prep
@@ -720,7 +733,7 @@ class _Search:
         if not comps:
             return None
         # Per GPU, which other GPUs may join it.
-        allowed = [self.prep.all_mask] * n
+        allowed = prep.no_limit
         if h is not None:
             allowed = [h[i] for i in range(n)]
         if r is not None and pattern == "alltoall":
@@ -813,27 +826,32 @@ class _Search:
         return cost
 
     def _damage_bound(self, taken: int, cand: int, rem: int) -> int:
-        """Least damage of adding ``rem`` more GPUs from ``cand``.
+        """Least damage of adding ``rem`` more GPUs from ``cand`` (per level; levels add).
 
-        Taking a of the c candidates left in a zone (f free, s taken) costs
-        a * (2(f-s) - a), which is concave in a, so it is at least a * (2(f-s) - c), the
-        per-GPU cost of taking all c.  Filling the cheapest zones first with those rates
-        bounds every completion from below (per level; levels add up).
+        Taking a of the c candidates left in a zone with L = f - s free and untaken costs
+        g(a) = a * (2L - a), concave in a.  A concave sum over "take rem in all" is least
+        at a vertex: every zone taken whole or not at all, except at most one.  With up to
+        three zones in play the vertices are few and we try them all (exact); otherwise
+        g(a) >= a * (2L - c), the per-GPU cost of taking the whole zone, and filling the
+        cheapest zones first with those rates is a lower bound.
         """
         total = 0
         counts = self.zone_free_count
         for zones in self.prep.zones_by_level:
-            rates = []
+            parts = []
             for z in zones:
                 c = (z & cand).bit_count()
                 if c:
                     f = counts.get(z)
                     if f is None:
                         f = counts[z] = (z & self.free_all).bit_count()
-                    rates.append((2 * (f - (taken & z).bit_count()) - c, c))
-            rates.sort()
+                    parts.append((2 * (f - (taken & z).bit_count()) - c, c))  # (rate, c)
+            if len(parts) <= 3:
+                total += _least_concave_fill(parts, rem)
+                continue
+            parts.sort()
             need = rem
-            for rate, c in rates:
+            for rate, c in parts:
                 if c >= need:
                     total += need * rate
                     break
@@ -922,12 +940,41 @@ class _Search:
             if prep.rank[a][b] < self.r:
                 return
         else:
-            order = tuple(sorted(_bits(taken), key=lambda v: prep.hier_key[v]))
+            order = tuple(sorted(_bits(taken), key=prep.hier_pos.__getitem__))
         numa = sum(1 for g in prep.numa_masks if g & taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else 0
         key = (numa, nic, dmg)
         if self.best is None or key < self.best.key:
             self.best = _Found(taken, order, self.r, key)
+
+
+def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
+    """min sum of a_i * (rate_i + c_i - a_i) over 0 <= a_i <= c_i, sum a_i = rem, by
+    trying the vertices (all zones whole or empty but one); 0 if rem cannot be met
+    (the caller's other checks reject that case)."""
+    best = None
+    m = len(parts)
+    for subset in range(1 << m):
+        whole = 0
+        cost = 0
+        for i in range(m):
+            if subset >> i & 1:
+                rate, c = parts[i]
+                whole += c
+                cost += c * rate
+        left = rem - whole
+        if left < 0:
+            continue
+        if left == 0:
+            best = cost if best is None or cost < best else best
+            continue
+        for i in range(m):
+            if not subset >> i & 1:
+                rate, c = parts[i]
+                if left < c:
+                    value = cost + left * (rate + c - left)
+                    best = value if best is None or value < best else best
+    return best if best is not None else 0
 
 
 # --- the answer -----------------------------------------------------------------------
@@ -960,11 +1007,10 @@ def place(
     exclude = mask_of("exclude", request.exclude)
     free_all = prep.all_mask & ~busy_mask
     candidates = free_all & ~exclude
-    free_indices = tuple(matrix.gpus[v].index for v in _bits(candidates))
     k = request.gpus
     if include & busy_mask:
         gone = [matrix.gpus[v].index for v in _bits(include & busy_mask)]
-        return NoFit(request, f"included GPU {gone[0]} is busy", "include", free_indices)
+        return NoFit(request, f"included GPU {gone[0]} is busy", "include", _indices(matrix, candidates))
     if candidates.bit_count() < k:
         return NoFit(
             request,
@@ -972,7 +1018,7 @@ def place(
             + (f" of {prep.n}" if prep.n else "")
             + (f" ({exclude.bit_count()} excluded)" if exclude else ""),
             "gpus",
-            free_indices,
+            _indices(matrix, candidates),
         )
     if request.nics > prep.n_nics:
         relaxed = replace(request, nics=prep.n_nics)
@@ -981,13 +1027,17 @@ def place(
             request,
             f"{request.nics} NICs requested, the node has {prep.n_nics}",
             "nics",
-            free_indices,
+            _indices(matrix, candidates),
             best if isinstance(best, Placement) else None,
         )
     found = _Search(prep, request, free_all, candidates, include).run()
     if found is not None:
         return _build(prep, request, found, free_all)
-    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now)
+    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, _indices(matrix, candidates), now)
+
+
+def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
+    return tuple(matrix.gpus[v].index for v in _bits(mask))
 
 
 def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now) -> NoFit:
