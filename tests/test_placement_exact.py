@@ -8,6 +8,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+import topoagent.placement as placement_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,18 @@ def corpus_matrices() -> list[tuple[str, DistanceMatrix]]:
 
 
 CORPUS_MATRICES = corpus_matrices()
+
+# place() answers small cases (few k-sets) from a table of every k-set and the rest by
+# branch and bound; every node here is small, so each test runs both ways.
+SEARCH_PATHS = {"table": placement_module.SMALL_TABLE_SETS, "branch-and-bound": 0}
+
+
+@pytest.fixture(params=list(SEARCH_PATHS))
+def search_path(request):
+    saved = placement_module.SMALL_TABLE_SETS
+    placement_module.SMALL_TABLE_SETS = SEARCH_PATHS[request.param]
+    yield request.param
+    placement_module.SMALL_TABLE_SETS = saved
 
 
 def test_corpus_has_the_machines_the_issue_names():
@@ -84,7 +97,7 @@ def check_answer(matrix, req, busy, answer, cache):
 
 
 @pytest.mark.parametrize("name,matrix", CORPUS_MATRICES, ids=[n for n, _ in CORPUS_MATRICES])
-def test_corpus_every_free_subset_every_k_matches_brute_force(name, matrix):
+def test_corpus_every_free_subset_every_k_matches_brute_force(name, matrix, search_path):
     indices = [g.index for g in matrix.gpus]
     cache: dict = {}
     for n_free in range(1, len(indices) + 1):
@@ -153,8 +166,12 @@ def random_case(draw):
     return matrix, req, busy
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(random_case())
-def test_random_matrices_match_brute_force(case):
+def test_random_matrices_match_brute_force(search_path, case):
     matrix, req, busy = case
     check_answer(matrix, req, busy, place(matrix, req, busy), {})

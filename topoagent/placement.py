@@ -53,6 +53,8 @@ extra NUMA nodes spanned plus the number of whole zones the placement breaks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import combinations
+from math import comb
 from typing import Any, Iterable, Iterator
 
 from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
@@ -310,6 +312,7 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 _NO_NIC = 99
+SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
 
 
 class _Prepared:
@@ -414,12 +417,20 @@ class _Prepared:
         for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
             self.hier_pos[v] = pos
         self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
+        self._small_tables: dict[tuple[str, int], list | None] = {}
+        self._nic_cost: dict[tuple[int, int], int] = {}
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
         self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
         self.idle_feasible: dict[tuple[str, int, int], bool] = {}  # see _Search
         self.zones_by_level = [sorted(set(zone_of)) for _, zone_of in self.zone_levels]
+        # For damage from scratch: zones of several GPUs (a zone per level it is one at),
+        # and per level the GPUs that are a zone of their own.
+        self.multi_zones = [z for zones in self.zones_by_level for z in zones if z.bit_count() > 1]
+        self.single_zones = [
+            sum(z for z in zones if z.bit_count() == 1) for zones in self.zones_by_level
+        ]
         # Whole zones by name, for "breaks whole free zones" in the answer.
         self.named_zones = [
             (z, f"{name} {{{','.join(str(matrix.gpus[v].index) for v in _bits(z))}}}")
@@ -530,7 +541,56 @@ class _Prepared:
         self._classes[with_nics] = with_zones
         return with_zones
 
+    def small_table(self, pattern: str, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+        """Every k-set of the node with its best pattern rank, NUMA count and order, best
+        first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
+        k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
+        instead of searching, which on such nodes is several times faster."""
+        if comb(self.n, k) > SMALL_TABLE_SETS:
+            return None
+        key = (pattern, k)
+        if key in self._small_tables:
+            return self._small_tables[key]
+        links = k >= 2 and pattern != "independent"
+        by_hier = sorted(range(self.n), key=self.hier_pos.__getitem__)
+        rows = []
+        for verts in combinations(by_hier, k):
+            mask = sum(1 << v for v in verts)
+            numa = sum(1 for g in self.numa_masks if g & mask)
+            rank, order = -1, verts
+            if links:
+                rank, order = self._best_rank(mask, verts, pattern)
+                if order is None:
+                    continue
+            rows.append((mask, rank, numa, order))
+        rows.sort(key=lambda row: (-row[1], row[2]))  # stable: hierarchy order on ties
+        self._small_tables[key] = rows
+        return rows
+
+    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: str) -> tuple[int, tuple[int, ...] | None]:
+        rank = self.rank
+        pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
+        if pattern == "alltoall":
+            return min(pairs), verts
+        if len(verts) == 2:
+            return pairs[0], tuple(sorted(verts))
+        for r in sorted(set(pairs), reverse=True):
+            order = self.ham(mask, r, pattern == "allreduce")
+            if order is not None:
+                return r, order
+        return -1, None
+
     def nic_cost(self, mask: int, wanted: int) -> int:
+        """Term (3): the link kinds of the ``wanted`` NICs closest to these GPUs, summed."""
+        key = (mask, wanted)
+        got = self._nic_cost.get(key)
+        if got is None:
+            if len(self._nic_cost) > 100_000:
+                self._nic_cost.clear()
+            got = self._nic_cost[key] = self._nic_cost_of(mask, wanted)
+        return got
+
+    def _nic_cost_of(self, mask: int, wanted: int) -> int:
         dists = []
         for steps in self.nic_steps:
             for kv, m in steps:
@@ -636,11 +696,15 @@ class _Search:
         self.include = include
         self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
         self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
+        self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern != "independent"
 
     def run(self) -> _Found | None:
+        table = self.prep.small_table(self.req.pattern, self.k)
+        if table is not None:
+            return self._scan(table)
         if not self.links_needed():
             return self._search_at(None, stop_at_first=False)
         present = self._ranks_present()
@@ -667,6 +731,31 @@ class _Search:
             else:
                 hi = mid - 1
         return self._search_at(present[lo], stop_at_first=False)
+
+    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> _Found | None:
+        """The best set from the node's table of all k-sets (see _Prepared.small_table)."""
+        cand = self.candidates | self.include
+        include = self.include
+        single_numa = self.req.single_numa
+        h = self.h_adj
+        nics = self.nics
+        best: _Found | None = None
+        group = None
+        for mask, rank, numa, order in table:
+            if mask & ~cand or include & ~mask or (single_numa and numa > 1):
+                continue
+            if h is not None and any((h[v] | 1 << v) & mask != mask for v in order):
+                continue
+            if best is not None and (rank, numa) != group:
+                break  # sorted by (bandwidth, NUMA): the rest are worse
+            nic = self.prep.nic_cost(mask, nics) if nics else 0
+            if best is not None and nic > best.key[1]:
+                continue
+            key = (numa, nic, self._damage_of(mask))
+            if best is None or key < best.key:
+                best = _Found(mask, order, rank, key)
+                group = (rank, numa)
+        return best
 
     def _feasible_on_idle_node(self, r: int) -> bool:
         """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
@@ -813,6 +902,21 @@ class _Search:
                 z = zone_of[v]
                 cost += 2 * (self._free_in(z) - (t & z).bit_count()) - 1
                 t |= 1 << v
+        return cost
+
+    def _damage_of(self, mask: int) -> int:
+        """Damage of taking ``mask``: sum over zones of f^2 - (f-s)^2 = s * (2f - s);
+        a zone of one GPU costs 1 when taken."""
+        zone_f2 = self.zone_f2
+        if zone_f2 is None:
+            zone_f2 = self.zone_f2 = [(z, 2 * (z & self.free_all).bit_count()) for z in self.prep.multi_zones]
+        cost = 0
+        for z, f2 in zone_f2:
+            s = (z & mask).bit_count()
+            if s:
+                cost += s * (f2 - s)
+        for single in self.prep.single_zones:
+            cost += (single & mask).bit_count()
         return cost
 
     def _class_damage(self, zones: tuple[int, ...], taken: int, c: int) -> int:
