@@ -418,6 +418,9 @@ class _Prepared:
             self.hier_pos[v] = pos
         self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
         self._small_tables: dict[tuple[str, int], list | None] = {}
+        self._links: dict[tuple[int, int], PatternLink] = {}
+        self._placed: dict[tuple[int, int], PlacedGpu] = {}
+        self.nic_names = [nic.device or nic.name for nic in matrix.nics]
         self._nic_cost: dict[tuple[int, int], int] = {}
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
@@ -440,6 +443,34 @@ class _Prepared:
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
         self.answer_parts: dict[tuple[tuple[int, ...], str, int], _AnswerParts] = {}
+
+    def pattern_link(self, a: int, b: int) -> PatternLink:
+        got = self._links.get((a, b))
+        if got is None:
+            m = self.matrix
+            got = self._links[(a, b)] = PatternLink(
+                m.gpus[a].index, m.gpus[b].index, m.gpu_levels[a][b], round(self.bw[a][b], 2)
+            )
+        return got
+
+    def placed_gpu(self, v: int, rank_no: int) -> PlacedGpu:
+        """GPU ``v`` as an answer lists it at rank ``rank_no``, with its closest NICs."""
+        got = self._placed.get((v, rank_no))
+        if got is None:
+            g = self.matrix.gpus[v]
+            kinds = self.nic_kind[v]
+            nearest: tuple[str, ...] = ()
+            nic_level = None
+            if kinds and min(kinds) < _NO_NIC:
+                best_kind = min(kinds)
+                nearest = tuple(self.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
+                nic_level = next(
+                    self.matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind
+                )
+            got = self._placed[(v, rank_no)] = PlacedGpu(
+                rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level
+            )
+        return got
 
     def cpus_of(self, mask: int) -> str | None:
         """The CPU list close to these GPUs (None when any GPU's is unknown)."""
@@ -1214,14 +1245,8 @@ def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: s
     got = prep.answer_parts.get(key)
     if got is not None:
         return got
-    matrix = prep.matrix
     k = len(order)
-
-    def link(a: int, b: int) -> PatternLink:
-        return PatternLink(
-            matrix.gpus[a].index, matrix.gpus[b].index, matrix.gpu_levels[a][b], round(prep.bw[a][b], 2)
-        )
-
+    link = prep.pattern_link
     links: list[PatternLink] = []
     if k >= 2 and pattern != "independent":
         if pattern == "alltoall":
@@ -1232,21 +1257,13 @@ def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: s
                 links.append(link(order[-1], order[0]))
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
-    weakest = min(links, key=lambda ln: (ln.gbps, tuple(-x for x in ln.level.sort_key())), default=None)
+    weakest = None
+    if links:
+        pos_of = prep.pos_of
+        weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a]][pos_of[ln.b]])
 
-    # NICs: per GPU the closest; for the job, the `nics` closest to the set.
-    nic_names = [n.device or n.name for n in matrix.nics]
-    placed = []
-    for rank_no, v in enumerate(order):
-        g = matrix.gpus[v]
-        kinds = prep.nic_kind[v]
-        nearest: tuple[str, ...] = ()
-        nic_level = None
-        if kinds and min(kinds) < _NO_NIC:
-            best_kind = min(kinds)
-            nearest = tuple(nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
-            nic_level = next(matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind)
-        placed.append(PlacedGpu(rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level))
+    placed = [prep.placed_gpu(v, rank_no) for rank_no, v in enumerate(order)]
+    nic_names = prep.nic_names
     if nics:
         dist = []
         for j, steps in enumerate(prep.nic_steps):
