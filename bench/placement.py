@@ -15,7 +15,7 @@ import time
 from itertools import combinations, permutations
 from pathlib import Path
 
-from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit
+from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit, nv_zones
 from bench.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
@@ -190,40 +190,47 @@ def quality(max_gpus: int) -> None:
 # --- job-stream simulation -------------------------------------------------------------
 
 
-def simulate(events: int) -> None:
+def simulate(events: int, load: float, seed: int = 7) -> None:
     print("\n## Job stream: 1/2/4/8-GPU jobs arrive and leave (seeded); same stream for every policy\n")
+    print(f"Jobs smaller than the node (a whole-node job only needs an empty node, which every policy")
+    print(f"gives alike), sizes weighted .35/.30/.20/.15, Poisson arrivals, exponential lengths set so")
+    print(f"the offered load is {load:.0%} of the node's GPUs; a job that does not fit on arrival is")
+    print("rejected (it would go to another node) -- the same jobs for every policy, since all fit by count.")
     print("delivered = mean ring bandwidth of multi-GPU jobs / the best the empty node offers for that k;")
-    print("clean = share of large jobs (8 GPUs, or a whole NUMA node's worth) placed at the empty-node best")
-    print("bandwidth on the fewest NUMA nodes; rejected = jobs that found too few free GPUs.\n")
+    print("clean = share of large jobs (8 GPUs, or the size of a whole NUMA node / NVLink or PCIe zone)")
+    print("placed at the empty-node best bandwidth on the fewest NUMA nodes.\n")
     print(f"{'fixture':36} {'policy':11} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8}")
     nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [("synthetic-nvswitch-16", nvswitch_16()), ("synthetic-pcie-16", pcie_16())]
+    summary = []
     for name, m in nodes:
         n = m.size
-        sizes = [s for s in (1, 2, 4, 8) if s <= n]
+        sizes = [s for s in (1, 2, 4, 8) if s < n]
         weights = [0.35, 0.3, 0.2, 0.15][: len(sizes)]
-        largest_numa = max(len(g) for g in numa_groups(m))
-        large = {s for s in sizes if s == 8 or s == largest_numa or s == n}
+        zone_sizes = {len(g) for g in numa_groups(m)} | {len(z) for z in nv_zones(m)}
+        large = {s for s in sizes if s == 8 or s in zone_sizes} or {max(sizes)}
         empty = {}
         for k in sizes:
             a = place(m, Request(gpus=k))
             empty[k] = (a.bandwidth_gbps, a.objective.numa_nodes)
-        rng = random.Random(7)
+        mean_size = sum(s * w for s, w in zip(sizes, weights)) / sum(weights)
+        rng = random.Random(seed)
         stream = []
         t = 0.0
         for _ in range(events):
             t += rng.expovariate(1.0)
             k = rng.choices(sizes, weights)[0]
-            stream.append((t, k, rng.expovariate(1.0 / (1.6 * n / sum(s * w for s, w in zip(sizes, weights))))))
+            stream.append((t, k, rng.expovariate(1.0 / (load * n / mean_size))))
         pols, pair = policies(m)
+        results = {}
         for pname, policy in pols.items():
             running: list[tuple[float, tuple[int, ...]]] = []
             ratios, clean, n_large, rejected = [], 0, 0, 0
             for arrive, k, duration in stream:
                 running = [(end, g) for end, g in running if end > arrive]
                 busy = {i for _, g in running for i in g}
-                got = policy(k, busy)
                 if k in large:
                     n_large += 1
+                got = policy(k, busy) if n - len(busy) >= k else None
                 if not got:
                     rejected += 1
                     continue
@@ -237,9 +244,24 @@ def simulate(events: int) -> None:
                 elif k in large:
                     clean += 1
             mean = statistics.mean(ratios) if ratios else float("nan")
-            print(f"{name:36} {pname:11} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d} {rejected:8d}")
+            results[pname] = (mean, clean / max(1, n_large))
+            print(
+                f"{name:36} {pname:11} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d}"
+                f" {100 * rejected / len(stream):7.1f}%"
+            )
         if pair.capped:
             print(f"{'':36} (pair-score hit its time cap {pair.capped} times)")
+        summary.append((name, results))
+    print("\nwhere a baseline beats ours (delivered, clean large):")
+    behind = 0
+    for name, results in summary:
+        ours = results["ours"]
+        for pname, (mean, clean) in results.items():
+            if pname != "ours" and (mean > ours[0] + 1e-9 or clean > ours[1] + 1e-9):
+                behind += 1
+                print(f"  {name:36} {pname:11} {mean - ours[0]:+.3f} {100 * (clean - ours[1]):+.1f}%")
+    if not behind:
+        print("  nowhere")
 
 
 def pair_score_cost() -> None:
@@ -256,6 +278,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore"])
+    parser.add_argument("--load", type=float, default=0.3, help="offered load of the job stream (share of GPUs)")
+    parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     samples = 200 if args.quick else 1000
     events = 400 if args.quick else 3000
@@ -264,7 +288,7 @@ def main() -> None:
     if args.only in (None, "quality"):
         quality(8)
     if args.only in (None, "simulate"):
-        simulate(events)
+        simulate(events, args.load, args.seed)
     if args.only in (None, "pairscore"):
         pair_score_cost()
 

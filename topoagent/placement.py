@@ -728,6 +728,7 @@ class _Search:
         self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
         self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
         self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)
+        self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern != "independent"
@@ -785,8 +786,55 @@ class _Search:
             key = (numa, nic, self._damage_of(mask))
             if best is None or key < best.key:
                 best = _Found(mask, order, rank, key)
+                best_loss = None
                 group = (rank, numa)
+            elif key == best.key:
+                # (5) among equals: leave each free GPU its best free partner.
+                if best_loss is None:
+                    best_loss = self._partner_loss(best.mask)
+                loss = self._partner_loss(mask)
+                if loss < best_loss:
+                    best = _Found(mask, order, rank, key)
+                    best_loss = loss
         return best
+
+    def _partner_loss(self, mask: int) -> int:
+        """Tie-break (5): how much taking ``mask`` lowers, summed over the GPUs left free,
+        the rank of each one's best link to another free GPU.  Only GPUs whose best free
+        partners all go with ``mask`` lose anything, so only those are looked at."""
+        if self.partner is None:
+            best: dict[int, int] = {}
+            top: dict[int, int] = {}
+            exact = self.prep.rank_exact
+            for v in _bits(self.free_all):
+                others = self.free_all & ~(1 << v)
+                best[v], top[v] = -1, 0
+                for r in range(len(exact) - 1, -1, -1):
+                    if exact[r][v] & others:
+                        best[v], top[v] = r, exact[r][v] & others
+                        break
+            self.partner = (best, top, {})
+        best, top, dependents = self.partner
+        affected = 0
+        for u in _bits(mask):
+            dep = dependents.get(u)
+            if dep is None:
+                dep = dependents[u] = sum(1 << v for v, t in top.items() if t >> u & 1)
+            affected |= dep
+        loss = 0
+        left = self.free_all & ~mask
+        exact = self.prep.rank_exact
+        for v in _bits(affected & ~mask):
+            if top[v] & ~mask:
+                continue  # a best partner stays free
+            others = left & ~(1 << v)
+            after = -1
+            for r in range(best[v] - 1, -1, -1):
+                if exact[r][v] & others:
+                    after = r
+                    break
+            loss += best[v] - after
+        return loss
 
     def _feasible_on_idle_node(self, r: int) -> bool:
         """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
@@ -1079,8 +1127,11 @@ class _Search:
         numa = sum(1 for g in prep.numa_masks if g & taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else 0
         key = (numa, nic, dmg)
-        if self.best is None or key < self.best.key:
+        best = self.best
+        if best is None or key < best.key:
             self.best = _Found(taken, order, self.r, key)
+        elif key == best.key and self._partner_loss(taken) < self._partner_loss(best.mask):
+            self.best = _Found(taken, order, self.r, key)  # (5), among the equals visited
 
 
 def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
