@@ -278,7 +278,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore"])
-    parser.add_argument("--load", type=float, default=0.3, help="offered load of the job stream (share of GPUs)")
+    parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     samples = 200 if args.quick else 1000

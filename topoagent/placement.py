@@ -23,27 +23,43 @@ Objective (lexicographic; an earlier term always wins over a later one)
    taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
    best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
    whole for later large jobs.
-5. **Deterministic tie-break**: the first set found in a fixed search order (zones in
-   hierarchy order, lowest GPU index first).
+5. **Deterministic tie-break**: leave each GPU that stays free its best link to another
+   free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
+   each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
+   mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
+   NV2 pairs whole for later 2-GPU jobs.  Then the first set in search order.  On nodes
+   answered from a table (below) the partner rule is applied to every tied set; in the
+   branch and bound, to the tied sets it visits.
 
 Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
 and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
 
+* Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
+  8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
+  its best pattern rank, order and NUMA count, best first; a query scans it, skipping
+  busy and disallowed sets, and stops at the first worse (bandwidth, NUMA) group.
 * Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
   distinct edge keys from best to worst (binary search when there are many) and, at each
   threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
   every member to have two such links inside the set and the whole set inside one
   connected component, so a degree core and the components discard most thresholds in a
-  few bit operations.
+  few bit operations; a threshold that no k-set of the idle node reaches is remembered
+  and skipped.
 * Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
   same NIC distances when NICs matter) are interchangeable; the search picks a *count*
   from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
   one per socket, when NICs do not matter).
-* Branch and bound over classes with lower bounds for (2) (NUMA nodes touched plus the
-  fewest further nodes that can hold the rest), (3) (the NIC cost of everything still
-  allowed -- it only falls as GPUs are added) and (4) (damage so far plus the least
-  each further GPU costs), and a memoised Hamiltonian check at the leaves for sets whose
-  links at ``t`` do not form a clique.
+* Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
+  lower bounds taken one term at a time for (2) (NUMA nodes touched plus the fewest
+  further nodes that can hold the rest), (3) (the NIC cost of everything still allowed --
+  it only falls as GPUs are added) and (4): taking a of a zone's c remaining candidates
+  costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
+  every zone taken whole or not at all but one -- tried exactly when at most three zones
+  are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
+  Hamiltonian check runs at the leaves for sets whose links at ``t`` are not a clique.
+
+Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
+built once per matrix and kept in its ``derived_cache``.
 
 The node ``score`` is ``10 x quality - loss``: quality is the pattern bandwidth in GB/s
 (absolute, so comparable across nodes; 0 for jobs without links), loss is the number of
@@ -567,7 +583,8 @@ class _Prepared:
             zones = tuple(
                 zone_of[first] if mask & ~zone_of[first] == 0 else 0 for _, zone_of in self.zone_levels
             )
-            assert all(z or all(zone_of[v] == 1 << v for v in _bits(mask)) for z, (_, zone_of) in zip(zones, self.zone_levels))
+            for z, (_, zone_of) in zip(zones, self.zone_levels):  # the claim above
+                assert z or all(zone_of[v] == 1 << v for v in _bits(mask))
             with_zones.append((mask, zones))
         self._classes[with_nics] = with_zones
         return with_zones
