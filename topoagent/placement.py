@@ -729,6 +729,7 @@ class _Found:
     order: tuple[int, ...]
     rank: int | None
     key: tuple[int, int, int]
+    loss: int | None = None  # partner loss, computed when a tie needs it
 
 
 class _Search:
@@ -805,15 +806,22 @@ class _Search:
                 best = _Found(mask, order, rank, key)
                 best_loss = None
                 group = (rank, numa)
-            elif key == best.key:
+            elif key == best.key and best_loss != 0:
                 # (5) among equals: leave each free GPU its best free partner.
                 if best_loss is None:
                     best_loss = self._partner_loss(best.mask)
+                    if best_loss == 0:
+                        continue  # nothing to improve on
                 loss = self._partner_loss(mask)
                 if loss < best_loss:
                     best = _Found(mask, order, rank, key)
                     best_loss = loss
         return best
+
+    def _best_loss(self, best: _Found) -> int:
+        if best.loss is None:
+            best.loss = self._partner_loss(best.mask)
+        return best.loss
 
     def _partner_loss(self, mask: int) -> int:
         """Tie-break (5): how much taking ``mask`` lowers, summed over the GPUs left free,
@@ -1147,8 +1155,10 @@ class _Search:
         best = self.best
         if best is None or key < best.key:
             self.best = _Found(taken, order, self.r, key)
-        elif key == best.key and self._partner_loss(taken) < self._partner_loss(best.mask):
-            self.best = _Found(taken, order, self.r, key)  # (5), among the equals visited
+        elif key == best.key and self._best_loss(best) != 0:
+            loss = self._partner_loss(taken)  # (5), among the equals visited
+            if loss < self._best_loss(best):
+                self.best = _Found(taken, order, self.r, key, loss)
 
 
 def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
