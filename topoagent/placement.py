@@ -440,6 +440,8 @@ class _Prepared:
         self._nic_cost: dict[tuple[int, int], int] = {}
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
+        distinct: dict[str | None, int] = {}
+        self.cpu_list_bit = [1 << distinct.setdefault(g.cpus, len(distinct)) for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
         self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
         self.idle_feasible: dict[tuple[str, int, int], bool] = {}  # see _Search
@@ -490,12 +492,15 @@ class _Prepared:
 
     def cpus_of(self, mask: int) -> str | None:
         """The CPU list close to these GPUs (None when any GPU's is unknown)."""
-        got = self._cpus_of.get(mask, "")
+        # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
+        lists = 0
+        for v in _bits(mask):
+            lists |= self.cpu_list_bit[v]
+        got = self._cpus_of.get(lists, "")
         if got == "":
             sets = [self.gpu_cpus[v] for v in _bits(mask)]
             got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
-            if len(self._cpus_of) < 100_000:
-                self._cpus_of[mask] = got
+            self._cpus_of[lists] = got
         return got
 
     def _components_at_level(self, level: LinkLevel) -> list[int]:
