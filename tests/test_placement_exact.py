@@ -8,6 +8,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+import topoagent.placement as placement_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,6 +35,18 @@ def corpus_matrices() -> list[tuple[str, DistanceMatrix]]:
 
 
 CORPUS_MATRICES = corpus_matrices()
+
+# place() answers small cases (few k-sets) from a table of every k-set and the rest by
+# branch and bound; every node here is small, so each test runs both ways.
+SEARCH_PATHS = {"table": placement_module.SMALL_TABLE_SETS, "branch-and-bound": 0}
+
+
+@pytest.fixture(params=list(SEARCH_PATHS))
+def search_path(request):
+    saved = placement_module.SMALL_TABLE_SETS
+    placement_module.SMALL_TABLE_SETS = SEARCH_PATHS[request.param]
+    yield request.param
+    placement_module.SMALL_TABLE_SETS = saved
 
 
 def test_corpus_has_the_machines_the_issue_names():
@@ -84,7 +97,7 @@ def check_answer(matrix, req, busy, answer, cache):
 
 
 @pytest.mark.parametrize("name,matrix", CORPUS_MATRICES, ids=[n for n, _ in CORPUS_MATRICES])
-def test_corpus_every_free_subset_every_k_matches_brute_force(name, matrix):
+def test_corpus_every_free_subset_every_k_matches_brute_force(name, matrix, search_path):
     indices = [g.index for g in matrix.gpus]
     cache: dict = {}
     for n_free in range(1, len(indices) + 1):
@@ -153,8 +166,57 @@ def random_case(draw):
     return matrix, req, busy
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=400,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(random_case())
-def test_random_matrices_match_brute_force(case):
+def test_random_matrices_match_brute_force(search_path, case):
     matrix, req, busy = case
     check_answer(matrix, req, busy, place(matrix, req, busy), {})
+
+
+# --- larger nodes: branch and bound against the exhaustive table -------------------------
+
+
+def _larger_nodes():
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from bench.synthetic import nvswitch_16, tree_node
+
+    return [
+        ("pcie-12: 2 sockets x 3 switches x 2", tree_node(2, 3, 2)),
+        ("nv-12: 2 sockets x 2 switches x 3, NV zones of 3", tree_node(2, 2, 3, nv_zone=3, nv_links=4)),
+        ("nvswitch-16", nvswitch_16()),
+    ]
+
+
+@pytest.mark.parametrize("name,matrix", _larger_nodes(), ids=[n for n, _ in _larger_nodes()])
+def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix):
+    """Up to 16 GPUs, where brute force over orders is too slow for a test: the table of
+    every k-set (each with its exact best order) judges branch and bound on random busy
+    sets, every term of the objective."""
+    import random
+
+    rng = random.Random(11)
+    n = matrix.size
+    saved = placement_module.SMALL_TABLE_SETS
+    try:
+        for k, pattern, nics in ((3, "allreduce", 0), (4, "allreduce", 2), (4, "alltoall", 0), (5, "pipeline", 1)):
+            for _ in range(25):
+                busy = rng.sample(range(n), rng.randint(0, n - k))
+                req = Request(gpus=k, pattern=pattern, nics=nics, single_numa=rng.random() < 0.2)
+                placement_module.SMALL_TABLE_SETS = 10**6
+                exhaustive = place(matrix, req, busy)
+                placement_module.SMALL_TABLE_SETS = 0
+                searched = place(matrix, req, busy)
+                assert type(searched) is type(exhaustive), (req, busy)
+                if isinstance(exhaustive, Placement):
+                    assert (searched.bandwidth_gbps, searched.objective) == (
+                        exhaustive.bandwidth_gbps,
+                        exhaustive.objective,
+                    ), (req, busy, searched.indices, exhaustive.indices)
+    finally:
+        placement_module.SMALL_TABLE_SETS = saved

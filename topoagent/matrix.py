@@ -66,6 +66,10 @@ class DistanceMatrix:
     measured: dict[tuple[int, int], Measurement] = field(default_factory=dict)
     # Measurements older than this (seconds) no longer override the expectation.
     measurement_max_age_s: float = 24 * 3600.0
+    # Tables other modules derive from this (immutable) value, built once per instance:
+    # e.g. the placement core's bitmasks.  Not part of the value: excluded from ==, repr,
+    # and from ``replace()`` (a replaced matrix starts with an empty cache).
+    derived_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.gpus)

@@ -23,27 +23,43 @@ Objective (lexicographic; an earlier term always wins over a later one)
    taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
    best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
    whole for later large jobs.
-5. **Deterministic tie-break**: the first set found in a fixed search order (zones in
-   hierarchy order, lowest GPU index first).
+5. **Deterministic tie-break**: leave each GPU that stays free its best link to another
+   free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
+   each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
+   mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
+   NV2 pairs whole for later 2-GPU jobs.  Then the first set in search order.  On nodes
+   answered from a table (below) the partner rule is applied to every tied set; in the
+   branch and bound, to the tied sets it visits.
 
 Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
 and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
 
+* Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
+  8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
+  its best pattern rank, order and NUMA count, best first; a query scans it, skipping
+  busy and disallowed sets, and stops at the first worse (bandwidth, NUMA) group.
 * Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
   distinct edge keys from best to worst (binary search when there are many) and, at each
   threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
   every member to have two such links inside the set and the whole set inside one
   connected component, so a degree core and the components discard most thresholds in a
-  few bit operations.
+  few bit operations; a threshold that no k-set of the idle node reaches is remembered
+  and skipped.
 * Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
   same NIC distances when NICs matter) are interchangeable; the search picks a *count*
   from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
   one per socket, when NICs do not matter).
-* Branch and bound over classes with lower bounds for (2) (NUMA nodes touched plus the
-  fewest further nodes that can hold the rest), (3) (the NIC cost of everything still
-  allowed -- it only falls as GPUs are added) and (4) (damage so far plus the least
-  each further GPU costs), and a memoised Hamiltonian check at the leaves for sets whose
-  links at ``t`` do not form a clique.
+* Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
+  lower bounds taken one term at a time for (2) (NUMA nodes touched plus the fewest
+  further nodes that can hold the rest), (3) (the NIC cost of everything still allowed --
+  it only falls as GPUs are added) and (4): taking a of a zone's c remaining candidates
+  costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
+  every zone taken whole or not at all but one -- tried exactly when at most three zones
+  are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
+  Hamiltonian check runs at the leaves for sets whose links at ``t`` are not a clique.
+
+Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
+built once per matrix and kept in its ``derived_cache``.
 
 The node ``score`` is ``10 x quality - loss``: quality is the pattern bandwidth in GB/s
 (absolute, so comparable across nodes; 0 for jobs without links), loss is the number of
@@ -52,8 +68,9 @@ extra NUMA nodes spanned plus the number of whole zones the placement breaks.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field, replace
+from itertools import combinations
+from math import comb
 from typing import Any, Iterable, Iterator
 
 from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
@@ -311,6 +328,7 @@ def _bits(mask: int) -> Iterator[int]:
 
 
 _NO_NIC = 99
+SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
 
 
 class _Prepared:
@@ -341,6 +359,12 @@ class _Prepared:
             for i in range(n)
         ]
         self.n_ranks = len(ordered)
+        # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
+        self.rank_exact = [[0] * n for _ in ordered]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    self.rank_exact[self.rank[i][j]][i] |= 1 << j
         self._adj: dict[int, list[int]] = {}
         self._level_adj: dict[tuple[int, int], list[int]] = {}
         self.ham_memo: dict[tuple[int, int, bool], tuple[int, ...] | None] = {}
@@ -404,18 +428,79 @@ class _Prepared:
             tuple(min(_bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
             for i in range(n)
         ]
-        self._classes: dict[bool, list[int]] = {}
+        # Rank of each GPU in hierarchy order: a cheap sort key.
+        self.hier_pos = [0] * n
+        for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
+            self.hier_pos[v] = pos
+        self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
+        self._small_tables: dict[tuple[str, int], list | None] = {}
+        self._links: dict[tuple[int, int], PatternLink] = {}
+        self._placed: dict[tuple[int, int], PlacedGpu] = {}
+        self.nic_names = [nic.device or nic.name for nic in matrix.nics]
+        self._nic_cost: dict[tuple[int, int], int] = {}
+        self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
+        distinct: dict[str | None, int] = {}
+        self.cpu_list_bit = [1 << distinct.setdefault(g.cpus, len(distinct)) for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
+        self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+        self.idle_feasible: dict[tuple[str, int, int], bool] = {}  # see _Search
+        self.zones_by_level = [sorted(set(zone_of)) for _, zone_of in self.zone_levels]
+        # For damage from scratch: zones of several GPUs (a zone per level it is one at),
+        # and per level the GPUs that are a zone of their own.
+        self.multi_zones = [z for zones in self.zones_by_level for z in zones if z.bit_count() > 1]
+        self.single_zones = [
+            sum(z for z in zones if z.bit_count() == 1) for zones in self.zones_by_level
+        ]
+        # Whole zones by name, for "breaks whole free zones" in the answer.
+        self.named_zones = [
+            (z, f"{name} {{{','.join(str(matrix.gpus[v].index) for v in _bits(z))}}}")
+            for (name, _), zones in zip(self.zone_levels, self.zones_by_level)
+            for z in zones
+            if z.bit_count() > 1
+        ]
+        # The parts of an answer that depend only on the chosen order (see _build).
+        self.answer_parts: dict[tuple[tuple[int, ...], str, int], _AnswerParts] = {}
+
+    def pattern_link(self, a: int, b: int) -> PatternLink:
+        got = self._links.get((a, b))
+        if got is None:
+            m = self.matrix
+            got = self._links[(a, b)] = PatternLink(
+                m.gpus[a].index, m.gpus[b].index, m.gpu_levels[a][b], round(self.bw[a][b], 2)
+            )
+        return got
+
+    def placed_gpu(self, v: int, rank_no: int) -> PlacedGpu:
+        """GPU ``v`` as an answer lists it at rank ``rank_no``, with its closest NICs."""
+        got = self._placed.get((v, rank_no))
+        if got is None:
+            g = self.matrix.gpus[v]
+            kinds = self.nic_kind[v]
+            nearest: tuple[str, ...] = ()
+            nic_level = None
+            if kinds and min(kinds) < _NO_NIC:
+                best_kind = min(kinds)
+                nearest = tuple(self.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
+                nic_level = next(
+                    self.matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind
+                )
+            got = self._placed[(v, rank_no)] = PlacedGpu(
+                rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level
+            )
+        return got
 
     def cpus_of(self, mask: int) -> str | None:
         """The CPU list close to these GPUs (None when any GPU's is unknown)."""
-        got = self._cpus_of.get(mask, "")
+        # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
+        lists = 0
+        for v in _bits(mask):
+            lists |= self.cpu_list_bit[v]
+        got = self._cpus_of.get(lists, "")
         if got == "":
             sets = [self.gpu_cpus[v] for v in _bits(mask)]
             got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
-            if len(self._cpus_of) < 100_000:
-                self._cpus_of[mask] = got
+            self._cpus_of[lists] = got
         return got
 
     def _components_at_level(self, level: LinkLevel) -> list[int]:
@@ -468,8 +553,13 @@ class _Prepared:
             self._level_adj[key] = got
         return got
 
-    def classes(self, with_nics: bool) -> list[int]:
-        """Interchangeable GPUs, as masks in hierarchy order (see the module docstring)."""
+    def classes(self, with_nics: bool) -> list[tuple[int, tuple[int, ...]]]:
+        """Interchangeable GPUs in hierarchy order, each as (mask, its zone per level).
+
+        Members of a class share their zone at every level, except where each of them is
+        a zone of its own (then the level's entry is 0): GPUs with identical rows are
+        joined by the same links to everyone else.
+        """
         got = self._classes.get(with_nics)
         if got is not None:
             return got
@@ -492,10 +582,68 @@ class _Prepared:
                     assigned[v] = len(classes)
             assigned[u] = len(classes)
             classes.append(mask)
-        self._classes[with_nics] = classes
-        return classes
+        with_zones = []
+        for mask in classes:
+            first = (mask & -mask).bit_length() - 1
+            zones = tuple(
+                zone_of[first] if mask & ~zone_of[first] == 0 else 0 for _, zone_of in self.zone_levels
+            )
+            for z, (_, zone_of) in zip(zones, self.zone_levels):  # the claim above
+                assert z or all(zone_of[v] == 1 << v for v in _bits(mask))
+            with_zones.append((mask, zones))
+        self._classes[with_nics] = with_zones
+        return with_zones
+
+    def small_table(self, pattern: str, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+        """Every k-set of the node with its best pattern rank, NUMA count and order, best
+        first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
+        k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
+        instead of searching, which on such nodes is several times faster."""
+        if comb(self.n, k) > SMALL_TABLE_SETS:
+            return None
+        key = (pattern, k)
+        if key in self._small_tables:
+            return self._small_tables[key]
+        links = k >= 2 and pattern != "independent"
+        by_hier = sorted(range(self.n), key=self.hier_pos.__getitem__)
+        rows = []
+        for verts in combinations(by_hier, k):
+            mask = sum(1 << v for v in verts)
+            numa = sum(1 for g in self.numa_masks if g & mask)
+            rank, order = -1, verts
+            if links:
+                rank, order = self._best_rank(mask, verts, pattern)
+                if order is None:
+                    continue
+            rows.append((mask, rank, numa, order))
+        rows.sort(key=lambda row: (-row[1], row[2]))  # stable: hierarchy order on ties
+        self._small_tables[key] = rows
+        return rows
+
+    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: str) -> tuple[int, tuple[int, ...] | None]:
+        rank = self.rank
+        pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
+        if pattern == "alltoall":
+            return min(pairs), verts
+        if len(verts) == 2:
+            return pairs[0], tuple(sorted(verts))
+        for r in sorted(set(pairs), reverse=True):
+            order = self.ham(mask, r, pattern == "allreduce")
+            if order is not None:
+                return r, order
+        return -1, None
 
     def nic_cost(self, mask: int, wanted: int) -> int:
+        """Term (3): the link kinds of the ``wanted`` NICs closest to these GPUs, summed."""
+        key = (mask, wanted)
+        got = self._nic_cost.get(key)
+        if got is None:
+            if len(self._nic_cost) > 100_000:
+                self._nic_cost.clear()
+            got = self._nic_cost[key] = self._nic_cost_of(mask, wanted)
+        return got
+
+    def _nic_cost_of(self, mask: int, wanted: int) -> int:
         dists = []
         for steps in self.nic_steps:
             for kv, m in steps:
@@ -519,7 +667,7 @@ class _Prepared:
         return result
 
     def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
-        verts = sorted(_bits(mask), key=lambda v: self.hier_key[v])
+        verts = sorted(_bits(mask), key=self.hier_pos.__getitem__)
         k = len(verts)
         if k == 1:
             return tuple(verts)
@@ -558,22 +706,22 @@ class _Prepared:
         return None
 
 
-_PREPARED: dict[int, tuple[weakref.ref, frozenset, _Prepared]] = {}
-
-
 def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
-    fresh = frozenset(
-        key
-        for key, m in matrix.measured.items()
-        if now is None or now - m.taken_at <= matrix.measurement_max_age_s
-    )
-    hit = _PREPARED.get(id(matrix))
-    if hit is not None and hit[0]() is matrix and hit[1] == fresh:
-        return hit[2]
-    prepared = _Prepared(matrix, now)
-    if len(_PREPARED) > 64:
-        _PREPARED.clear()
-    _PREPARED[id(matrix)] = (weakref.ref(matrix), fresh, prepared)
+    """The matrix's tables, built once per matrix and set of fresh measurements."""
+    if matrix.measured:
+        fresh = frozenset(
+            key
+            for key, m in matrix.measured.items()
+            if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+        )
+    else:
+        fresh = frozenset()
+    cache = matrix.derived_cache.setdefault("placement", {})
+    prepared = cache.get(fresh)
+    if prepared is None:
+        if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
+            cache.clear()
+        prepared = cache[fresh] = _Prepared(matrix, now)
     return prepared
 
 
@@ -586,6 +734,7 @@ class _Found:
     order: tuple[int, ...]
     rank: int | None
     key: tuple[int, int, int]
+    loss: int | None = None  # partner loss, computed when a tie needs it
 
 
 class _Search:
@@ -595,18 +744,22 @@ class _Search:
         self.prep = prep
         self.req = req
         self.k = req.gpus
+        self.nics = req.nics
         self.free_all = free_all  # not busy: what damage is measured against
         self.candidates = candidates  # not busy, not excluded
         self.include = include
         self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
-        self.zone_free: list[dict[int, int]] = [{} for _ in prep.zone_levels]
-        self.n_zone_levels = len(prep.zone_levels)
+        self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
+        self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)
+        self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern != "independent"
 
     def run(self) -> _Found | None:
-        prep = self.prep
+        table = self.prep.small_table(self.req.pattern, self.k)
+        if table is not None:
+            return self._scan(table)
         if not self.links_needed():
             return self._search_at(None, stop_at_first=False)
         present = self._ranks_present()
@@ -615,6 +768,8 @@ class _Search:
         # Feasibility falls as the threshold rises: find the best feasible one.
         if len(present) <= 8:
             for r in reversed(present):
+                if not self._feasible_on_idle_node(r):
+                    continue
                 found = self._search_at(r, stop_at_first=False)
                 if found is not None:
                     return found
@@ -624,23 +779,120 @@ class _Search:
             return None
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._search_at(present[mid], stop_at_first=True) is not None:
+            if self._feasible_on_idle_node(present[mid]) and (
+                self._search_at(present[mid], stop_at_first=True) is not None
+            ):
                 lo = mid
             else:
                 hi = mid - 1
         return self._search_at(present[lo], stop_at_first=False)
 
-    def _ranks_present(self) -> list[int]:
-        rank = self.prep.rank
-        verts = list(_bits(self.candidates))
+    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> _Found | None:
+        """The best set from the node's table of all k-sets (see _Prepared.small_table)."""
+        cand = self.candidates | self.include
+        include = self.include
+        single_numa = self.req.single_numa
         h = self.h_adj
-        seen = set()
-        for a_pos, a in enumerate(verts):
-            row = rank[a]
-            for b in verts[a_pos + 1 :]:
-                if h is None or h[a] >> b & 1:
-                    seen.add(row[b])
-        return sorted(seen)
+        nics = self.nics
+        best: _Found | None = None
+        group = None
+        for mask, rank, numa, order in table:
+            if mask & ~cand or include & ~mask or (single_numa and numa > 1):
+                continue
+            if h is not None and any((h[v] | 1 << v) & mask != mask for v in order):
+                continue
+            if best is not None and (rank, numa) != group:
+                break  # sorted by (bandwidth, NUMA): the rest are worse
+            nic = self.prep.nic_cost(mask, nics) if nics else 0
+            if best is not None and nic > best.key[1]:
+                continue
+            key = (numa, nic, self._damage_of(mask))
+            if best is None or key < best.key:
+                best = _Found(mask, order, rank, key)
+                best_loss = None
+                group = (rank, numa)
+            elif key == best.key and best_loss != 0:
+                # (5) among equals: leave each free GPU its best free partner.
+                if best_loss is None:
+                    best_loss = self._partner_loss(best.mask)
+                    if best_loss == 0:
+                        continue  # nothing to improve on
+                loss = self._partner_loss(mask)
+                if loss < best_loss:
+                    best = _Found(mask, order, rank, key)
+                    best_loss = loss
+        return best
+
+    def _best_loss(self, best: _Found) -> int:
+        if best.loss is None:
+            best.loss = self._partner_loss(best.mask)
+        return best.loss
+
+    def _partner_loss(self, mask: int) -> int:
+        """Tie-break (5): how much taking ``mask`` lowers, summed over the GPUs left free,
+        the rank of each one's best link to another free GPU.  Only GPUs whose best free
+        partners all go with ``mask`` lose anything, so only those are looked at."""
+        if self.partner is None:
+            best: dict[int, int] = {}
+            top: dict[int, int] = {}
+            exact = self.prep.rank_exact
+            for v in _bits(self.free_all):
+                others = self.free_all & ~(1 << v)
+                best[v], top[v] = -1, 0
+                for r in range(len(exact) - 1, -1, -1):
+                    if exact[r][v] & others:
+                        best[v], top[v] = r, exact[r][v] & others
+                        break
+            self.partner = (best, top, {})
+        best, top, dependents = self.partner
+        affected = 0
+        for u in _bits(mask):
+            dep = dependents.get(u)
+            if dep is None:
+                dep = dependents[u] = sum(1 << v for v, t in top.items() if t >> u & 1)
+            affected |= dep
+        loss = 0
+        left = self.free_all & ~mask
+        exact = self.prep.rank_exact
+        for v in _bits(affected & ~mask):
+            if top[v] & ~mask:
+                continue  # a best partner stays free
+            others = left & ~(1 << v)
+            after = -1
+            for r in range(best[v] - 1, -1, -1):
+                if exact[r][v] & others:
+                    after = r
+                    break
+            loss += best[v] - after
+        return loss
+
+    def _feasible_on_idle_node(self, r: int) -> bool:
+        """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
+
+        Busy GPUs and constraints only remove sets, so a threshold no set of the idle
+        node reaches is skipped at once (remembered per matrix): without this the search
+        would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
+        """
+        key = (self.req.pattern, self.k, r)
+        got = self.prep.idle_feasible.get(key)
+        if got is None:
+            idle = _Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
+            got = self.prep.idle_feasible[key] = idle._search_at(r, stop_at_first=True) is not None
+        return got
+
+    def _ranks_present(self) -> list[int]:
+        """The ranks of links among the candidates (that min_level allows), ascending."""
+        cand = self.candidates
+        verts = list(_bits(cand))
+        h = self.h_adj
+        present = []
+        for r, exact in enumerate(self.prep.rank_exact):
+            if h is None:
+                if any(exact[v] & cand for v in verts):
+                    present.append(r)
+            elif any(exact[v] & h[v] & cand for v in verts):
+                present.append(r)
+        return present
 
     def _search_at(self, r: int | None, stop_at_first: bool) -> _Found | None:
         prep = self.prep
@@ -679,7 +931,7 @@ class _Search:
         if not comps:
             return None
         # Per GPU, which other GPUs may join it.
-        allowed = [self.prep.all_mask] * n
+        allowed = prep.no_limit
         if h is not None:
             allowed = [h[i] for i in range(n)]
         if r is not None and pattern == "alltoall":
@@ -691,7 +943,7 @@ class _Search:
         self.check_order = r is not None and pattern in ("allreduce", "pipeline") and k >= 3
         self.best: _Found | None = None
         self.stop_at_first = stop_at_first
-        classes_all = prep.classes(self.req.nics > 0)
+        classes_all = prep.classes(self.nics > 0)
         for comp in comps:
             start = self.include
             cand = comp & ~start
@@ -702,12 +954,29 @@ class _Search:
                     ok = False
             if not ok:
                 continue
-            classes = [c & cand for c in classes_all if c & cand]
+            self.classes = self._ordered_classes(classes_all, cand, k - start.bit_count())
             dmg = self._damage_add(0, start)
-            self._branch(classes, 0, start, k - start.bit_count(), cand, dmg)
+            self._branch(0, start, k - start.bit_count(), cand, dmg)
             if self.best is not None and stop_at_first:
                 break
         return self.best
+
+    def _ordered_classes(
+        self, classes_all: list[tuple[int, tuple[int, ...]]], cand: int, rem: int
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """The classes to branch on, best-fit first so the first answer found is good and
+        the bounds cut early: NUMA nodes that can hold the whole job, fewest candidates
+        first; then the others, most candidates first.  Hierarchy order within a node."""
+        prep = self.prep
+        group_key = []
+        for g in prep.numa_masks:
+            c = (g & cand).bit_count()
+            group_key.append((0, c) if c >= rem else (1, -c))
+        ordered = [(m & cand, zones) for m, zones in classes_all if m & cand]
+        if len(group_key) > 1:
+            numa_of = prep.numa_of
+            ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
+        return ordered
 
     @staticmethod
     def _components(verts: int, eff: list[int]) -> list[int]:
@@ -727,26 +996,81 @@ class _Search:
             remaining &= ~comp
         return comps
 
-    def _zone_free(self, level: int, zone: int) -> int:
-        cache = self.zone_free[level]
-        got = cache.get(zone)
+    def _free_in(self, zone: int) -> int:
+        got = self.zone_free_count.get(zone)
         if got is None:
-            got = (zone & self.free_all).bit_count()
-            cache[zone] = got
+            got = self.zone_free_count[zone] = (zone & self.free_all).bit_count()
         return got
 
     def _damage_add(self, taken: int, add: int) -> int:
         """Damage of taking ``add`` on top of ``taken``: sum of f^2 - (f-s)^2 increments."""
         cost = 0
-        for level, (_, zone_of) in enumerate(self.prep.zone_levels):
+        for _, zone_of in self.prep.zone_levels:
             t = taken
             for v in _bits(add):
                 z = zone_of[v]
-                f = self._zone_free(level, z)
-                s = (t & z).bit_count()
-                cost += 2 * (f - s) - 1
+                cost += 2 * (self._free_in(z) - (t & z).bit_count()) - 1
                 t |= 1 << v
         return cost
+
+    def _damage_of(self, mask: int) -> int:
+        """Damage of taking ``mask``: sum over zones of f^2 - (f-s)^2 = s * (2f - s);
+        a zone of one GPU costs 1 when taken."""
+        zone_f2 = self.zone_f2
+        if zone_f2 is None:
+            zone_f2 = self.zone_f2 = [(z, 2 * (z & self.free_all).bit_count()) for z in self.prep.multi_zones]
+        cost = 0
+        for z, f2 in zone_f2:
+            s = (z & mask).bit_count()
+            if s:
+                cost += s * (f2 - s)
+        for single in self.prep.single_zones:
+            cost += (single & mask).bit_count()
+        return cost
+
+    def _class_damage(self, zones: tuple[int, ...], taken: int, c: int) -> int:
+        """Damage of taking ``c`` GPUs of one class on top of ``taken``."""
+        cost = 0
+        for z in zones:
+            if z:
+                cost += c * (2 * (self._free_in(z) - (taken & z).bit_count()) - c)
+            else:
+                cost += c  # each member is a zone of its own at this level
+        return cost
+
+    def _damage_bound(self, taken: int, cand: int, rem: int) -> int:
+        """Least damage of adding ``rem`` more GPUs from ``cand`` (per level; levels add).
+
+        Taking a of the c candidates left in a zone with L = f - s free and untaken costs
+        g(a) = a * (2L - a), concave in a.  A concave sum over "take rem in all" is least
+        at a vertex: every zone taken whole or not at all, except at most one.  With up to
+        three zones in play the vertices are few and we try them all (exact); otherwise
+        g(a) >= a * (2L - c), the per-GPU cost of taking the whole zone, and filling the
+        cheapest zones first with those rates is a lower bound.
+        """
+        total = 0
+        counts = self.zone_free_count
+        for zones in self.prep.zones_by_level:
+            parts = []
+            for z in zones:
+                c = (z & cand).bit_count()
+                if c:
+                    f = counts.get(z)
+                    if f is None:
+                        f = counts[z] = (z & self.free_all).bit_count()
+                    parts.append((2 * (f - (taken & z).bit_count()) - c, c))  # (rate, c)
+            if len(parts) <= 3:
+                total += _least_concave_fill(parts, rem)
+                continue
+            parts.sort()
+            need = rem
+            for rate, c in parts:
+                if c >= need:
+                    total += need * rate
+                    break
+                total += c * rate
+                need -= c
+        return total
 
     def _numa_bound(self, taken: int, cand: int, rem: int) -> int:
         touched = 0
@@ -772,7 +1096,7 @@ class _Search:
                 return 1 << 30
         return touched
 
-    def _branch(self, classes: list[int], ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
         if rem == 0:
             self._leaf(taken, dmg)
             return
@@ -782,19 +1106,25 @@ class _Search:
         if best is not None:
             if self.stop_at_first:
                 return
-            bound = (
-                self._numa_bound(taken, cand, rem),
-                self.prep.nic_cost(taken | cand, self.req.nics) if self.req.nics else 0,
-                dmg + rem * self.n_zone_levels,
-            )
-            if bound >= best.key:
+            # The bound, one term at a time: later terms only matter on a tie.
+            best_numa, best_nic, best_dmg = best.key
+            numa = self._numa_bound(taken, cand, rem)
+            if numa > best_numa:
                 return
-        while ci < len(classes) and not (classes[ci] & cand):
+            if numa == best_numa:
+                nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else 0
+                if nic > best_nic:
+                    return
+                if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
+                    return
+        classes = self.classes
+        while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
         if ci >= len(classes):
             return
-        members = list(_bits(classes[ci] & cand))
-        rest = cand & ~classes[ci]
+        class_mask, zones = classes[ci]
+        members = list(_bits(class_mask & cand))
+        rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
         if top >= 2 and not (allowed[members[0]] >> members[1] & 1):
@@ -805,9 +1135,8 @@ class _Search:
             for v in members[:c]:
                 pick |= 1 << v
                 nxt &= allowed[v]
-            self._branch(
-                classes, ci + 1, taken | pick, rem - c, nxt, dmg + self._damage_add(taken, pick)
-            )
+            added = self._class_damage(zones, taken, c) if c else 0
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
             if self.best is not None and self.stop_at_first:
                 return
 
@@ -824,12 +1153,46 @@ class _Search:
             if prep.rank[a][b] < self.r:
                 return
         else:
-            order = tuple(sorted(_bits(taken), key=lambda v: prep.hier_key[v]))
+            order = tuple(sorted(_bits(taken), key=prep.hier_pos.__getitem__))
         numa = sum(1 for g in prep.numa_masks if g & taken)
-        nic = prep.nic_cost(taken, self.req.nics) if self.req.nics else 0
+        nic = prep.nic_cost(taken, self.nics) if self.nics else 0
         key = (numa, nic, dmg)
-        if self.best is None or key < self.best.key:
+        best = self.best
+        if best is None or key < best.key:
             self.best = _Found(taken, order, self.r, key)
+        elif key == best.key and self._best_loss(best) != 0:
+            loss = self._partner_loss(taken)  # (5), among the equals visited
+            if loss < self._best_loss(best):
+                self.best = _Found(taken, order, self.r, key, loss)
+
+
+def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
+    """min sum of a_i * (rate_i + c_i - a_i) over 0 <= a_i <= c_i, sum a_i = rem, by
+    trying the vertices (all zones whole or empty but one); 0 if rem cannot be met
+    (the caller's other checks reject that case)."""
+    best = None
+    m = len(parts)
+    for subset in range(1 << m):
+        whole = 0
+        cost = 0
+        for i in range(m):
+            if subset >> i & 1:
+                rate, c = parts[i]
+                whole += c
+                cost += c * rate
+        left = rem - whole
+        if left < 0:
+            continue
+        if left == 0:
+            best = cost if best is None or cost < best else best
+            continue
+        for i in range(m):
+            if not subset >> i & 1:
+                rate, c = parts[i]
+                if left < c:
+                    value = cost + left * (rate + c - left)
+                    best = value if best is None or value < best else best
+    return best if best is not None else 0
 
 
 # --- the answer -----------------------------------------------------------------------
@@ -844,7 +1207,7 @@ def place(
 ) -> Placement | NoFit:
     """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
     prep = _prepare(matrix, now)
-    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    pos_of = prep.pos_of
 
     def mask_of(field_name: str, indices: Iterable[int]) -> int:
         mask = 0
@@ -862,11 +1225,10 @@ def place(
     exclude = mask_of("exclude", request.exclude)
     free_all = prep.all_mask & ~busy_mask
     candidates = free_all & ~exclude
-    free_indices = tuple(matrix.gpus[v].index for v in _bits(candidates))
     k = request.gpus
     if include & busy_mask:
         gone = [matrix.gpus[v].index for v in _bits(include & busy_mask)]
-        return NoFit(request, f"included GPU {gone[0]} is busy", "include", free_indices)
+        return NoFit(request, f"included GPU {gone[0]} is busy", "include", _indices(matrix, candidates))
     if candidates.bit_count() < k:
         return NoFit(
             request,
@@ -874,7 +1236,7 @@ def place(
             + (f" of {prep.n}" if prep.n else "")
             + (f" ({exclude.bit_count()} excluded)" if exclude else ""),
             "gpus",
-            free_indices,
+            _indices(matrix, candidates),
         )
     if request.nics > prep.n_nics:
         relaxed = replace(request, nics=prep.n_nics)
@@ -883,13 +1245,17 @@ def place(
             request,
             f"{request.nics} NICs requested, the node has {prep.n_nics}",
             "nics",
-            free_indices,
+            _indices(matrix, candidates),
             best if isinstance(best, Placement) else None,
         )
     found = _Search(prep, request, free_all, candidates, include).run()
     if found is not None:
         return _build(prep, request, found, free_all)
-    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now)
+    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, _indices(matrix, candidates), now)
+
+
+def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
+    return tuple(matrix.gpus[v].index for v in _bits(mask))
 
 
 def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now) -> NoFit:
@@ -940,53 +1306,59 @@ def _worst_pair_level(prep: _Prepared, mask: int) -> LinkLevel:
     return max(levels)
 
 
-def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
-    matrix = prep.matrix
-    order = list(found.order)
+@dataclass(frozen=True, slots=True)
+class _AnswerParts:
+    """What an answer says that depends only on the GPUs, their order, pattern and NICs."""
+
+    gpus: tuple[PlacedGpu, ...]
+    links: tuple[PatternLink, ...]
+    bandwidth: float | None
+    worst: LinkLevel | None
+    weakest: PatternLink | None
+    numa_labels: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    numactl: tuple[str, ...]
+    explain_head: tuple[str, ...]  # bottleneck, then NUMA (NIC line added per request)
+
+
+def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: str, nics: int) -> _AnswerParts:
+    key = (order, pattern, nics)
+    got = prep.answer_parts.get(key)
+    if got is not None:
+        return got
     k = len(order)
+    link = prep.pattern_link
     links: list[PatternLink] = []
-
-    def link(a: int, b: int) -> PatternLink:
-        return PatternLink(
-            matrix.gpus[a].index, matrix.gpus[b].index, matrix.gpu_levels[a][b], round(prep.bw[a][b], 2)
-        )
-
-    if k >= 2 and req.pattern != "independent":
-        if req.pattern == "alltoall":
+    if k >= 2 and pattern != "independent":
+        if pattern == "alltoall":
             links = [link(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
         else:
             links = [link(order[i], order[i + 1]) for i in range(k - 1)]
-            if req.pattern == "allreduce" and k >= 3:
+            if pattern == "allreduce" and k >= 3:
                 links.append(link(order[-1], order[0]))
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
-    weakest = min(links, key=lambda ln: (ln.gbps, tuple(-x for x in ln.level.sort_key())), default=None)
+    weakest = None
+    if links:
+        pos_of = prep.pos_of
+        weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a]][pos_of[ln.b]])
 
-    # NICs: per GPU the closest; for the job, the `nics` closest to the set.
-    nic_names = [n.device or n.name for n in matrix.nics]
-    placed = []
-    for rank_no, v in enumerate(order):
-        g = matrix.gpus[v]
-        kinds = prep.nic_kind[v]
-        nearest: tuple[str, ...] = ()
-        nic_level = None
-        if kinds and min(kinds) < _NO_NIC:
-            best_kind = min(kinds)
-            nearest = tuple(nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
-            nic_level = next(matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind)
-        placed.append(PlacedGpu(rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level))
-    if req.nics:
+    placed = [prep.placed_gpu(v, rank_no) for rank_no, v in enumerate(order)]
+    nic_names = prep.nic_names
+    if nics:
         dist = []
         for j, steps in enumerate(prep.nic_steps):
-            kv = next((kv for kv, m in steps if m & found.mask), _NO_NIC)
+            kv = next((kv for kv, m in steps if m & mask), _NO_NIC)
             dist.append((kv, j))
-        chosen = tuple(nic_names[j] for _, j in sorted(dist)[: req.nics])
+        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
     else:
         chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
 
     numa_groups = sorted({prep.numa_of[v] for v in order})
-    numa_labels = [_numa_label(prep, gi) for gi in numa_groups]
-    cpus = prep.cpus_of(found.mask)
+    numa_labels = tuple(_numa_label(prep, gi) for gi in numa_groups)
+    cpus = prep.cpus_of(mask)
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
         nodes = ",".join(str(x) for x in numa_labels)
         numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
@@ -994,71 +1366,71 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
         numactl = ("numactl", f"--physcpubind={cpus}")
     else:
         numactl = ()
-    env = {
+    env = [
         # nvidia-smi indices equal CUDA's only in PCI bus order.
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        "CUDA_VISIBLE_DEVICES": ",".join(str(p.index) for p in placed),
-    }
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
+    ]
     if chosen:
-        env["NCCL_IB_HCA"] = "=" + ",".join(chosen)  # '=' : exact names, mlx5_1 is not mlx5_10
-
-    broken = _broken_zones(prep, found.mask, free_all)
-    objective = Objective(
-        bandwidth_gbps=bandwidth,
-        bottleneck_level=weakest.level if weakest else None,
-        numa_nodes=found.key[0],
-        nic_cost=found.key[1],
-        damage=found.key[2],
-    )
-    quality = bandwidth or 0.0
-    loss = (objective.numa_nodes - 1) + len(broken)
-    score = round(10 * quality - loss, 3)
+        env.append(("NCCL_IB_HCA", "=" + ",".join(chosen)))  # '=' : exact names, mlx5_1 is not mlx5_10
 
     explain = []
     if weakest is not None:
-        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[req.pattern]
+        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[pattern]
         explain.append(
             f"{shape} bottleneck {weakest.gbps:g} GB/s over {weakest.level} "
             f"(GPU{weakest.a}-GPU{weakest.b}); no free set of {k} does better"
         )
-    if objective.numa_nodes == 1:
+    if len(numa_labels) == 1:
         explain.append(f"stays on one NUMA node ({numa_labels[0]})")
     else:
-        explain.append(
-            f"spans {objective.numa_nodes} NUMA nodes: no set on fewer has the same bandwidth"
-        )
-    if req.nics:
-        explain.append(f"{req.nics} NIC(s) closest to the set: {', '.join(chosen)}")
-    if broken:
-        explain.append("breaks whole free zones: " + "; ".join(broken))
-    else:
-        explain.append("keeps every whole free zone whole")
+        explain.append(f"spans {len(numa_labels)} NUMA nodes: no set on fewer has the same bandwidth")
+    if nics:
+        explain.append(f"{nics} NIC(s) closest to the set: {', '.join(chosen)}")
+    parts = _AnswerParts(
+        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
+        tuple(env), numactl, tuple(explain),
+    )
+    if len(prep.answer_parts) >= 50_000:
+        prep.answer_parts.clear()
+    prep.answer_parts[key] = parts
+    return parts
+
+
+def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
+    parts = _answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
+    mask = found.mask
+    broken = tuple(
+        label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
+    )
+    objective = Objective(
+        bandwidth_gbps=parts.bandwidth,
+        bottleneck_level=parts.weakest.level if parts.weakest else None,
+        numa_nodes=found.key[0],
+        nic_cost=found.key[1],
+        damage=found.key[2],
+    )
+    quality = parts.bandwidth or 0.0
+    loss = (objective.numa_nodes - 1) + len(broken)
+    explain = parts.explain_head + (
+        ("breaks whole free zones: " + "; ".join(broken),) if broken else ("keeps every whole free zone whole",)
+    )
     return Placement(
         request=req,
-        gpus=tuple(placed),
-        bandwidth_gbps=bandwidth,
-        worst_level=worst,
-        links=tuple(links),
-        numa_nodes=tuple(numa_labels),
-        cpus=cpus,
-        nics=chosen,
-        env=env,
-        numactl=numactl,
-        score=score,
+        gpus=parts.gpus,
+        bandwidth_gbps=parts.bandwidth,
+        worst_level=parts.worst,
+        links=parts.links,
+        numa_nodes=parts.numa_labels,
+        cpus=parts.cpus,
+        nics=parts.nics,
+        env=dict(parts.env),
+        numactl=parts.numactl,
+        score=round(10 * quality - loss, 3),
         objective=objective,
-        broken_zones=tuple(broken),
-        explain=tuple(explain),
+        broken_zones=broken,
+        explain=explain,
     )
-
-
-def _broken_zones(prep: _Prepared, mask: int, free_all: int) -> list[str]:
-    out = []
-    for name, zone_of in prep.zone_levels:
-        for z in sorted(set(zone_of)):
-            if z.bit_count() > 1 and not (z & ~free_all) and (z & mask) and (z & ~mask):
-                members = ",".join(str(prep.matrix.gpus[v].index) for v in _bits(z))
-                out.append(f"{name} {{{members}}}")
-    return out
 
 
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
