@@ -192,8 +192,8 @@ def quality(max_gpus: int) -> None:
 
 def simulate(events: int, load: float, seed: int = 7) -> None:
     print("\n## Job stream: 1/2/4/8-GPU jobs arrive and leave (seeded); same stream for every policy\n")
-    print(f"Jobs smaller than the node (a whole-node job only needs an empty node, which every policy")
-    print(f"gives alike), sizes weighted .35/.30/.20/.15, Poisson arrivals, exponential lengths set so")
+    print("Jobs smaller than the node (a whole-node job only needs an empty node, which every policy")
+    print("gives alike), sizes weighted .35/.30/.20/.15, Poisson arrivals, exponential lengths set so")
     print(f"the offered load is {load:.0%} of the node's GPUs; a job that does not fit on arrival is")
     print("rejected (it would go to another node) -- the same jobs for every policy, since all fit by count.")
     print("delivered = mean ring bandwidth of multi-GPU jobs / the best the empty node offers for that k;")

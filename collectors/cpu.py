@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from topoagent.collectors.numa import NumaTopology
-from topoagent.collectors.pci import parse_cpulist
+from topoagent.cpulist import parse_cpulist
 from topoagent.host import Host
 
 CPU_DIR = "/sys/devices/system/cpu"

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 
 from topoagent.collectors.base import CollectorResult, SourceError, run_collector
-from topoagent.collectors.pci import format_cpulist, parse_cpulist
+from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.host import Host
 
 NODE_DIR = "/sys/devices/system/node"

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
-from topoagent.collectors.pci import format_cpulist, normalize_address
+from topoagent.collectors.pci import normalize_address
+from topoagent.cpulist import format_cpulist
 from topoagent.host import Host
 
 # Same words live and replayed, so a snapshot replays to the same output.

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.cpulist import format_cpulist, parse_cpulist, parse_cpumask
 from topoagent.host import Host, HostError
 from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 
@@ -172,54 +173,6 @@ def parse_device_path(real_path: str) -> tuple[str | None, tuple[str, ...]]:
         elif root is not None and _PCI_ADDRESS.fullmatch(part):
             chain.append(normalize_address(part))
     return root, tuple(chain)
-
-
-def parse_cpulist(text: str) -> frozenset[int]:
-    """``0-3,8,10-11`` -> {0,1,2,3,8,10,11}; empty text -> empty set."""
-    cpus: set[int] = set()
-    text = text.strip()
-    if not text:
-        return frozenset()
-    for chunk in text.split(","):
-        chunk = chunk.strip()
-        if not chunk:
-            continue
-        if "-" in chunk:
-            low, _, high = chunk.partition("-")
-            first, last = int(low), int(high)
-            if last < first:
-                raise ValueError(f"cpulist range {chunk!r} runs backwards")
-            cpus.update(range(first, last + 1))
-        else:
-            cpus.add(int(chunk))
-    return frozenset(cpus)
-
-
-def parse_cpumask(text: str) -> frozenset[int]:
-    """sysfs ``local_cpus`` (``00000000,0000ffff``, 32-bit words, high first) -> CPU set."""
-    words = text.strip().split(",")
-    value = 0
-    for word in words:
-        value = (value << 32) | int(word or "0", 16)
-    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
-
-
-def format_cpulist(cpus: frozenset[int] | set[int]) -> str:
-    """{0,1,2,3,8} -> ``0-3,8``."""
-    ordered = sorted(cpus)
-    ranges: list[str] = []
-    start = prev = None
-    for cpu in ordered:
-        if start is None:
-            start = prev = cpu
-        elif cpu == prev + 1:  # type: ignore[operator]
-            prev = cpu
-        else:
-            ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = cpu
-    if start is not None:
-        ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(ranges)
 
 
 def classify(class_code: int | None, vendor: int | None) -> str:

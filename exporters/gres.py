@@ -23,7 +23,7 @@ import re
 from dataclasses import dataclass
 
 from topoagent.collectors.cpu import ASSUMED_SMT2, CoreMap
-from topoagent.collectors.pci import parse_cpulist
+from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.host import Host
 from topoagent.model import GpuTopo, NodeTopology
 
@@ -48,28 +48,10 @@ class GresLine:
             parts.append(f"Type={self.type}")
         parts.append(f"File={self.file}")
         if self.cores is not None:
-            parts.append(f"Cores={format_ranges(self.cores)}")
+            parts.append(f"Cores={format_cpulist(self.cores)}")
         if self.links:
             parts.append("Links=" + ",".join(str(n) for n in self.links))
         return " ".join(parts)
-
-
-def format_ranges(values: frozenset[int] | set[int]) -> str:
-    """{0,1,2,3,8} -> "0-3,8"."""
-    out: list[str] = []
-    ordered = sorted(values)
-    start = prev = None
-    for v in ordered:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
-        else:
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-    return ",".join(out)
 
 
 def slurm_type(model: str | None) -> str | None:
@@ -141,5 +123,5 @@ def render_gres(topology: NodeTopology, cores: CoreMap | None,
     return "\n".join(head + [line.render() for line in lines]) + "\n"
 
 
-__all__ = ["GresError", "GresLine", "bus_order", "format_ranges", "gres_lines",
+__all__ = ["GresError", "GresLine", "bus_order", "gres_lines",
            "read_device_minors", "render_gres", "slurm_type"]

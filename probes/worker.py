@@ -71,6 +71,7 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from topoagent.cpulist import parse_cpulist
 from topoagent.probes.plan import PlanError, validate_plan
 
 EXIT_OK, EXIT_CRASH, EXIT_PLAN, EXIT_OOM, EXIT_CUDA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
@@ -90,19 +91,6 @@ class BackendUnavailable(Exception):
 def emit(record: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(record, separators=(",", ":")) + "\n")
     sys.stdout.flush()
-
-
-def parse_cpulist(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return cpus
 
 
 def node_cpus(node: int, sysfs: Path = NODE_SYSFS) -> set[int]:

@@ -12,7 +12,7 @@ import pytest
 from conftest import FIXTURES, SHARED
 from hwloc_oracle import parse_hwloc_cpuset, run_lstopo
 from topoagent.collectors.cpu import SYSFS, assume_core_map, read_core_map
-from topoagent.collectors.pci import parse_cpulist
+from topoagent.cpulist import parse_cpulist
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.gres import bus_order, render_gres
 from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, render_nfd

@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED
 from hwloc_oracle import read_view, run_lstopo
 
-from topoagent.collectors.pci import parse_cpulist
+from topoagent.cpulist import parse_cpulist
 from topoagent.host import Host
 from topoagent.model import discover
 

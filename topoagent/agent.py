@@ -20,8 +20,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from topoagent.collectors.base import ERROR, OK
 from topoagent.collectors.nvidia_smi import render_topo_matrix

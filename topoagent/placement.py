@@ -68,11 +68,12 @@ extra NUMA nodes spanned plus the number of whole zones the placement breaks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from itertools import combinations
 from math import comb
 from typing import Any, Iterable, Iterator
 
+from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
 from topoagent.matrix import DistanceMatrix
 
@@ -285,36 +286,6 @@ class NoFit:
             "best_available": self.best_available.to_json() if self.best_available else None,
             "request": self.request.to_json(),
         }
-
-
-# --- cpulists -------------------------------------------------------------------------
-
-
-def parse_cpulist(text: str) -> set[int]:
-    cpus: set[int] = set()
-    for part in text.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            cpus.update(range(int(lo), int(hi) + 1))
-        else:
-            cpus.add(int(part))
-    return cpus
-
-
-def format_cpulist(cpus: Iterable[int]) -> str:
-    ordered = sorted(set(cpus))
-    parts = []
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 # --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------

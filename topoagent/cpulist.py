@@ -1,0 +1,57 @@
+"""Linux CPU lists (``0-3,8,10-11``) and masks (``00000000,0000ffff``), one reading for all.
+
+sysfs, nvidia-smi, NVML, numactl and Slurm all speak these; every module parses and
+prints them through here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def parse_cpulist(text: str) -> frozenset[int]:
+    """``0-3,8,10-11`` -> {0,1,2,3,8,10,11}; empty text -> empty set."""
+    cpus: set[int] = set()
+    text = text.strip()
+    if not text:
+        return frozenset()
+    for chunk in text.split(","):
+        chunk = chunk.strip()
+        if not chunk:
+            continue
+        if "-" in chunk:
+            low, _, high = chunk.partition("-")
+            first, last = int(low), int(high)
+            if last < first:
+                raise ValueError(f"cpulist range {chunk!r} runs backwards")
+            cpus.update(range(first, last + 1))
+        else:
+            cpus.add(int(chunk))
+    return frozenset(cpus)
+
+
+def parse_cpumask(text: str) -> frozenset[int]:
+    """sysfs ``local_cpus`` (``00000000,0000ffff``, 32-bit words, high first) -> CPU set."""
+    words = text.strip().split(",")
+    value = 0
+    for word in words:
+        value = (value << 32) | int(word or "0", 16)
+    return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
+
+
+def format_cpulist(cpus: Iterable[int]) -> str:
+    """{0,1,2,3,8} -> ``0-3,8``."""
+    ordered = sorted(set(cpus))
+    ranges: list[str] = []
+    start = prev = None
+    for cpu in ordered:
+        if start is None:
+            start = prev = cpu
+        elif cpu == prev + 1:  # type: ignore[operator]
+            prev = cpu
+        else:
+            ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = cpu
+    if start is not None:
+        ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ",".join(ranges)
