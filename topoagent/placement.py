@@ -298,6 +298,23 @@ def _bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
+def connected_components(verts: int, adjacency: list[int]) -> list[int]:
+    """The connected components (as GPU bitmasks) of the graph restricted to ``verts``."""
+    comps = []
+    remaining = verts
+    while remaining:
+        comp = frontier = remaining & -remaining
+        while frontier:
+            reach = 0
+            for v in _bits(frontier):
+                reach |= adjacency[v]
+            frontier = reach & verts & ~comp
+            comp |= frontier
+        comps.append(comp)
+        remaining &= ~comp
+    return comps
+
+
 _NO_NIC = 99
 SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
 
@@ -482,20 +499,9 @@ class _Prepared:
             for i in range(n)
         ]
         zone_of = [0] * n
-        remaining = self.all_mask
-        while remaining:
-            seed = remaining & -remaining
-            comp = seed
-            frontier = seed
-            while frontier:
-                reach = 0
-                for v in _bits(frontier):
-                    reach |= adj[v]
-                frontier = reach & ~comp
-                comp |= frontier
+        for comp in connected_components(self.all_mask, adj):
             for v in _bits(comp):
                 zone_of[v] = comp
-            remaining &= ~comp
         return zone_of
 
     def adj(self, r: int) -> list[int]:
@@ -897,7 +903,7 @@ class _Search:
             return None
         if verts.bit_count() < k:
             return None
-        comps = [verts] if eff is None else self._components(verts, eff)
+        comps = [verts] if eff is None else connected_components(verts, eff)
         comps = [c for c in comps if c.bit_count() >= k and not (self.include & ~c)]
         if not comps:
             return None
@@ -948,24 +954,6 @@ class _Search:
             numa_of = prep.numa_of
             ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
         return ordered
-
-    @staticmethod
-    def _components(verts: int, eff: list[int]) -> list[int]:
-        comps = []
-        remaining = verts
-        while remaining:
-            seed = remaining & -remaining
-            comp = seed
-            frontier = seed
-            while frontier:
-                reach = 0
-                for v in _bits(frontier):
-                    reach |= eff[v]
-                frontier = reach & verts & ~comp
-                comp |= frontier
-            comps.append(comp)
-            remaining &= ~comp
-        return comps
 
     def _free_in(self, zone: int) -> int:
         got = self.zone_free_count.get(zone)
