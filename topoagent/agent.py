@@ -308,10 +308,19 @@ class Agent:
             self._debounce.cancel()
         if self._refresh_task and not self._refresh_task.done():
             self.abandoned_runs += 1  # cancelled mid-read: its thread may never return
-        for task in [*self._tasks, self._refresh_task]:
-            if task and not task.done():
+        pending = {t for t in [*self._tasks, self._refresh_task] if t and not t.done()}
+        # Cancel until they finish: on Python 3.11 asyncio.wait_for can swallow a
+        # cancellation that races its own timeout (a probe worker timing out as SIGTERM
+        # arrives), and the loop then carries on.  Bounded, so SIGTERM always exits.
+        for _ in range(50):
+            if not pending:
+                break
+            for task in pending:
                 task.cancel()
-        await asyncio.gather(*[t for t in self._tasks if t], return_exceptions=True)
+            _, pending = await asyncio.wait(pending, timeout=0.1)
+        if pending:
+            self.abandoned_runs += len(pending)
+            log_event("stop_abandoned_tasks", logging.WARNING, tasks=",".join(t.get_name() for t in pending))
         if self.host:
             self.host.close()
 
