@@ -39,6 +39,13 @@ KINDS = PAIR_KINDS + DEVICE_KINDS + HOST_KINDS
 
 MiB = 1 << 20
 
+# The most measurements one plan may hold.  A full round grows with the square of the
+# GPU count (7 per unordered pair) and every measurement costs the worker copies and the
+# agent a dict; 20 000 covers a full round of 64 GPUs with 8 NUMA nodes (15 200) and
+# refuses a typo such as 5000 GPUs (87 million measurements, tens of GB) before any
+# of it is built.
+MAX_PLAN_MEASUREMENTS = 20_000
+
 
 @dataclass(frozen=True, slots=True)
 class PlanDefaults:
@@ -86,11 +93,21 @@ def build_round_plan(
     if backend not in BACKENDS:
         raise PlanError(f"backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
     devices = sorted(set(gpus))
-    unordered = (
-        sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b})
-        if pairs is not None
-        else [(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
-    )
+    nodes = sorted(set(numa_nodes))
+    if pairs is not None:
+        unordered = sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b})
+        pair_count = len(unordered)
+    else:
+        pair_count = len(devices) * (len(devices) - 1) // 2
+    # Counted before anything is built: an oversized plan must not cost memory first.
+    count = 7 * pair_count + (len(devices) * (1 + 2 * len(nodes)) if per_gpu else 0)
+    if count > MAX_PLAN_MEASUREMENTS:
+        raise PlanError(
+            f"a round over {len(devices)} GPUs would hold {count} measurements, "
+            f"more than the limit of {MAX_PLAN_MEASUREMENTS}"
+        )
+    if pairs is None:
+        unordered = [(a, b) for i, a in enumerate(devices) for b in devices[i + 1 :]]
     measurements: list[dict[str, Any]] = []
 
     def add(kind: str, **fields: Any) -> None:
@@ -106,9 +123,9 @@ def build_round_plan(
         add("latency", src=b, dst=a)
     for device in devices if per_gpu else ():
         add("local_copy", device=device)
-        for node in sorted(set(numa_nodes)):
-                add("h2d", device=device, numa_node=node)
-                add("d2h", device=device, numa_node=node)
+        for node in nodes:
+            add("h2d", device=device, numa_node=node)
+            add("d2h", device=device, numa_node=node)
     return plan_with(backend, measurements, defaults)
 
 
@@ -185,6 +202,8 @@ def validate_plan(plan: Any) -> None:
     measurements = plan.get("measurements")
     if not isinstance(measurements, list):
         raise PlanError("measurements must be a list")
+    if len(measurements) > MAX_PLAN_MEASUREMENTS:
+        raise PlanError(f"{len(measurements)} measurements are more than the limit of {MAX_PLAN_MEASUREMENTS}")
     seen: set[int] = set()
     for n, m in enumerate(measurements):
         where = f"measurement {n}"

@@ -129,8 +129,12 @@ async def run_probe_round(
     command: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
     clock: Callable[[], float] = time.time,
+    since: float | None = None,
 ) -> ProbeRound:
     """Run one worker over ``plan``; never raises for what the worker does.
+
+    ``timeout_s`` counts from ``since`` (a ``time.monotonic()`` reading) when given, so a
+    caller can make it cover its own preparation too; by default from this call.
 
     ``on_record`` sees every result and skipped line as it arrives (progress bars).
     ``command`` replaces the worker command line (tests stand in a hung or crashing
@@ -139,6 +143,7 @@ async def run_probe_round(
     validate_plan(plan)
     started_at = clock()
     t0 = time.monotonic()
+    remaining_s = timeout_s - (t0 - since) if since is not None else timeout_s
     results: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     hello: dict[str, Any] | None = None
@@ -156,6 +161,8 @@ async def run_probe_round(
             failure=failure,
         )
 
+    if remaining_s <= 0:  # the caller's preparation used up the whole budget
+        return end(ProbeFailure("timeout", f"the round ran past {timeout_s:g} s before the worker started"))
     try:
         proc = await asyncio.create_subprocess_exec(
             *(command or worker_command()),
@@ -207,7 +214,7 @@ async def run_probe_round(
 
     timed_out = False
     try:
-        await asyncio.wait_for(converse(), timeout_s)
+        await asyncio.wait_for(converse(), remaining_s)
     except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
         timed_out = True
     finally:

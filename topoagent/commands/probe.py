@@ -11,16 +11,21 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from typing import Any, TextIO
 
 from topoagent.cli import UsageError
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.overlay import findings_for, overlay
-from topoagent.probes.plan import build_round_plan, expected_result_count, numa_nodes_with_cpus
+from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
 from topoagent.probes.runner import ProbeRound, run_probe_round
 
 CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
+# The largest --gpus accepted.  The biggest single hosts ship 16 GPUs (DGX-2, HGX-2; an
+# NVL72 rack is 4 GPUs per host), so 64 is 4x headroom; a full round over 64 GPUs is
+# 14 000 measurements, while a typo such as 5000 would ask for 87 million.
+MAX_GPUS = 64
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,9 +46,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="take GPUs and declared levels from `nvidia-smi topo -m` output (- for stdin)",
     )
-    source.add_argument("--gpus", type=int, metavar="N", help="probe GPUs 0..N-1 with no declared topology")
+    source.add_argument("--gpus", type=int, metavar="N", help=f"probe GPUs 0..N-1 with no declared topology (N <= {MAX_GPUS})")
     parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="default: cuda")
-    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="kill the worker after this long")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help=(
+            "limit for the whole round, counted from the start of the command: planning, "
+            "worker start-up (importing torch) and every measurement; the worker is killed "
+            "when it runs out and the figures so far are printed (default: 600)"
+        ),
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")
     progress = parser.add_mutually_exclusive_group()
     progress.add_argument("--progress", dest="progress", action="store_true", default=None, help="always show progress")
@@ -63,6 +78,8 @@ def choose_devices(args: argparse.Namespace) -> tuple[DistanceMatrix | None, lis
     if args.gpus is not None:
         if args.gpus < 1:
             raise UsageError("--gpus needs at least 1")
+        if args.gpus > MAX_GPUS:
+            raise UsageError(f"--gpus {args.gpus}: at most {MAX_GPUS} (the largest nodes hold 16 GPUs)")
         return None, list(range(args.gpus))
     if args.backend == "cpu":
         return None, list(range(CPU_STAND_INS))
@@ -163,14 +180,18 @@ def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings
 
 
 def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # --timeout covers the whole round, planning included
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     matrix, gpus = choose_devices(args)
-    plan = build_round_plan(args.backend, gpus, numa_nodes_with_cpus())
+    try:
+        plan = build_round_plan(args.backend, gpus, numa_nodes_with_cpus())
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
     show = sys.stderr.isatty() if args.progress is None else args.progress
     bar = ProgressBar(expected_result_count(plan), sys.stderr, show)
     try:
-        probe_round = asyncio.run(run_probe_round(plan, timeout_s=args.timeout, on_record=bar.update))
+        probe_round = asyncio.run(run_probe_round(plan, timeout_s=args.timeout, on_record=bar.update, since=started))
     finally:
         bar.close()
     figures = probe_round.figures()
