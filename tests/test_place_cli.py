@@ -64,3 +64,26 @@ def test_batch_answers_in_order(monkeypatch, capsys):
     assert answers[4]["error"]["field"] == "colour"
     assert answers[5]["error"]["field"] == "busy"
     assert answers[6]["fit"] is True and len(answers[6]["gpus"]) == 3
+
+
+TRUNCATED_NO_LEGEND = str(CORPUS / "nccl-933-8gpu-NV8-9nic-TRUNCATED-7rows.txt")
+WITH_LEGEND = str(CORPUS / "sglang-20855-8xH100-NV18-8nic-misaligned-columns.txt")
+
+
+def test_nic_labels_without_a_legend_stay_out_of_nccl_ib_hca(capsys):
+    """NICn are nvidia-smi's labels, not RDMA devices: NCCL would match nothing."""
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert "NCCL_IB_HCA" not in data["env"]
+    assert any("NCCL_IB_HCA leaves out NIC" in line and "unknown" in line for line in data["explain"])
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", TRUNCATED_NO_LEGEND]) == 0
+    assert "NCCL_IB_HCA" not in capsys.readouterr().out.split("launch:")[1].splitlines()[0]
+
+
+def test_nics_named_by_the_legend_go_into_nccl_ib_hca(capsys):
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", WITH_LEGEND, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    hcas = data["env"]["NCCL_IB_HCA"].lstrip("=").split(",")
+    assert hcas and all(name.startswith("mlx5_") for name in hcas)
+    assert not any("leaves out" in line for line in data["explain"])
+

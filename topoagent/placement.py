@@ -425,6 +425,8 @@ class _Prepared:
         self._links: dict[tuple[int, int], PatternLink] = {}
         self._placed: dict[tuple[int, int], PlacedGpu] = {}
         self.nic_names = [nic.device or nic.name for nic in matrix.nics]
+        # NICs known only by nvidia-smi's label (NIC0..., no NIC Legend): NCCL cannot use those.
+        self.nics_without_device = frozenset(nic.name for nic in matrix.nics if nic.device is None)
         self._nic_cost: dict[tuple[int, int], int] = {}
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
@@ -1330,8 +1332,10 @@ def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: s
         ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
         ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
     ]
-    if chosen:
-        env.append(("NCCL_IB_HCA", "=" + ",".join(chosen)))  # '=' : exact names, mlx5_1 is not mlx5_10
+    hcas = [name for name in chosen if name not in prep.nics_without_device]
+    unnamed = [name for name in chosen if name in prep.nics_without_device]
+    if hcas:
+        env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
 
     explain = []
     if weakest is not None:
@@ -1346,6 +1350,11 @@ def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: s
         explain.append(f"spans {len(numa_labels)} NUMA nodes: no set on fewer has the same bandwidth")
     if nics:
         explain.append(f"{nics} NIC(s) closest to the set: {', '.join(chosen)}")
+    if unnamed:
+        explain.append(
+            f"NCCL_IB_HCA leaves out {', '.join(unnamed)}: their RDMA device names are unknown "
+            "(e.g. nvidia-smi output without its NIC Legend)"
+        )
     parts = _AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
         tuple(env), numactl, tuple(explain),
