@@ -87,3 +87,20 @@ def test_nics_named_by_the_legend_go_into_nccl_ib_hca(capsys):
     assert hcas and all(name.startswith("mlx5_") for name in hcas)
     assert not any("leaves out" in line for line in data["explain"])
 
+
+VLLM_FRAGMENT = str(CORPUS / "vllm-16336-8xB200-GPU2-nvlink-down-FRAGMENT-noheader.txt")
+
+
+def test_gpus_with_unknown_levels_are_left_out_and_named(capsys):
+    """The fragment lacks GPU6's and GPU7's rows: their mutual level is unknown, the rest is exact."""
+    assert main(["place", "--gpus", "2", "--exclude", "6,7", "--from-nvidia-smi", VLLM_FRAGMENT, "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    chosen = [g["index"] for g in data["gpus"]]
+    assert len(chosen) == 2 and set(chosen) <= {0, 1, 3, 4, 5}  # GPU2's NVLink is down
+    assert "left out GPU6, GPU7" in captured.err and captured.err.count("\n") == 1
+    # Not asked to exclude them: still only GPUs 0-5 are candidates.
+    assert main(["place", "--gpus", "6", "--from-nvidia-smi", VLLM_FRAGMENT, "--json"]) == 0
+    assert sorted(g["index"] for g in json.loads(capsys.readouterr().out)["gpus"]) == [0, 1, 2, 3, 4, 5]
+    assert main(["place", "--gpus", "2", "--include", "7", "--from-nvidia-smi", VLLM_FRAGMENT]) == 2
+    assert "--include: GPU 7 was left out" in capsys.readouterr().err

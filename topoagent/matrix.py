@@ -9,6 +9,7 @@ PCIe generation and width, NVLink generation).
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -120,15 +121,18 @@ class DistanceMatrix:
         *,
         pcie_gen: int | None = None,
         pcie_width: int | None = None,
+        leave_out: Collection[str] = (),
     ) -> "DistanceMatrix":
         """Build from a parsed `nvidia-smi topo -m` (the declared witness alone).
+
+        ``leave_out`` names GPUs to build the matrix without (see ``gpus_with_unknown_pairs``).
 
         nvidia-smi does not say how the GPUs' PCIe links run; a caller that knows
         (``pcie_gen``, ``pcie_width``) gets PCIe-level expectations for that link instead
         of the default.  GPU pairs whose level is unknown (both rows cut off) are refused:
         a placement on guessed levels would be a silent wrong answer.
         """
-        gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu"]
+        gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu" and d.name not in leave_out]
         nic_rows = [i for i, d in enumerate(topo.devices) if d.kind == "nic"]
         gpus = tuple(
             GpuInfo(
@@ -168,6 +172,20 @@ class DistanceMatrix:
             gpu_expected_gbps=expected,
             gpu_nic_levels=gpu_nic,
         )
+
+
+def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:
+    """GPUs whose level to some other GPU is unknown (both rows cut off a pasted output).
+
+    Leaving them out keeps the rest exact: every pair among the others is known, and so is
+    each one's CPU and NUMA affinity (a GPU whose own row is cut off lacks those too).
+    """
+    gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu"]
+    return tuple(
+        topo.devices[i].name
+        for i in gpu_rows
+        if any(topo.levels[i][j] is None for j in gpu_rows if j != i)
+    )
 
 
 def first_numa_node(numa_affinity: str | None) -> int | None:

@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from topoagent.cli import UsageError
-from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
+from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import PATTERNS, NoFit, Placement, Request, RequestError, place
 
@@ -47,33 +47,41 @@ def index_list(option: str, text: str) -> list[int]:
         raise UsageError(f"{option}: expected GPU indices like 0,3, got {text!r}") from None
 
 
-def load_matrix(args: argparse.Namespace) -> DistanceMatrix:
+def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ...]]:
+    """The node's matrix, and GPUs left out of it because their levels are unknown."""
     if args.from_nvidia_smi:
         if args.batch and args.from_nvidia_smi == "-":
             raise UsageError("--batch reads requests from stdin; give the matrix as a file")
-        return matrix_from_nvidia_smi(args.from_nvidia_smi)
-    return matrix_from_root(args.root or "/")
+        return matrix_and_left_out(args.from_nvidia_smi)
+    return matrix_from_root(args.root or "/"), ()
 
 
 def run(args: argparse.Namespace) -> int:
     if args.batch:
         if args.gpus is not None:
             raise UsageError("--batch takes requests from stdin; drop --gpus")
-        return run_batch(load_matrix(args))
+        return run_batch(load_matrix(args)[0])
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
+    include = index_list("--include", args.include)
+    exclude = index_list("--exclude", args.exclude)
+    busy = index_list("--busy", args.busy)
+    matrix, left_out = load_matrix(args)
+    if unusable := sorted(set(include) & set(left_out)):
+        raise UsageError(f"--include: GPU {unusable[0]} was left out: its levels to other GPUs are unknown")
+    # Left-out GPUs are not candidates anyway; excluding them or calling them busy is fine.
+    exclude = [i for i in exclude if i not in left_out]
+    busy = [i for i in busy if i not in left_out]
     try:
         request = Request(
             gpus=args.gpus,
             pattern=args.pattern,
             min_level=args.min_level,
             single_numa=args.single_numa,
-            include=tuple(index_list("--include", args.include)),
-            exclude=tuple(index_list("--exclude", args.exclude)),
+            include=tuple(include),
+            exclude=tuple(exclude),
             nics=args.nics,
         )
-        busy = index_list("--busy", args.busy)
-        matrix = load_matrix(args)
         answer = place(matrix, request, busy)
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None

@@ -6,7 +6,7 @@ import sys
 
 from topoagent.cli import UsageError
 from topoagent.collectors.nvidia_smi import TopoMatrix, TopoParseError, parse_topo_matrix
-from topoagent.matrix import DistanceMatrix
+from topoagent.matrix import DistanceMatrix, gpus_with_unknown_pairs
 
 
 def read_topo_matrix(path: str) -> TopoMatrix:
@@ -27,11 +27,30 @@ def read_topo_matrix(path: str) -> TopoMatrix:
 
 
 def matrix_from_nvidia_smi(path: str) -> DistanceMatrix:
+    """The matrix over the GPUs whose levels are all known; a note on stderr names the rest.
+
+    A pasted output cut off before some rows leaves those GPUs' levels to each other
+    unknown; they are left out (no guessing) and the others stay usable.
+    """
+    return matrix_and_left_out(path)[0]
+
+
+def matrix_and_left_out(path: str) -> tuple[DistanceMatrix, tuple[int, ...]]:
+    """``matrix_from_nvidia_smi`` and the indices of the GPUs it left out."""
+    source = "stdin" if path == "-" else path
     topo = read_topo_matrix(path)
+    left_out = gpus_with_unknown_pairs(topo)
     try:
-        return DistanceMatrix.from_topo_matrix(topo)
-    except ValueError as exc:  # GPU pairs cut off by truncation: no guessing
-        raise UsageError(f"{'stdin' if path == '-' else path}: {exc}") from None
+        matrix = DistanceMatrix.from_topo_matrix(topo, leave_out=left_out)
+    except ValueError as exc:  # still unknown somewhere: no guessing
+        raise UsageError(f"{source}: {exc}") from None
+    if left_out:
+        print(
+            f"note: {source}: left out {', '.join(left_out)}: their levels to each other are "
+            "unknown (rows missing from the nvidia-smi output); using the other GPUs",
+            file=sys.stderr,
+        )
+    return matrix, tuple(int(name[3:]) for name in left_out)
 
 
 def matrix_from_root(root: str) -> DistanceMatrix:
