@@ -104,3 +104,25 @@ def test_gpus_with_unknown_levels_are_left_out_and_named(capsys):
     assert sorted(g["index"] for g in json.loads(capsys.readouterr().out)["gpus"]) == [0, 1, 2, 3, 4, 5]
     assert main(["place", "--gpus", "2", "--include", "7", "--from-nvidia-smi", VLLM_FRAGMENT]) == 2
     assert "--include: GPU 7 was left out" in capsys.readouterr().err
+
+
+def test_explain_names_gpus_and_numa_nodes_unambiguously(capsys):
+    """'NUMA node {0,1}' read like NUMA ids; the zones now list GPUs, then what they share."""
+    argv = ["place", "--gpus", "2", "--include", "0,4", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]
+    assert main(argv) == 0
+    explain = json.loads(capsys.readouterr().out)["explain"]
+    assert "breaks whole free zones: GPUs 0,1,2,3 (all of NUMA node 0); GPUs 4,5,6 (all of NUMA node 1)" in explain
+    # --include forced the split: no claim that it was the best on offer.
+    assert "spans 2 NUMA nodes: --include GPUs 0,4 alone span 2" in explain
+    assert not any("no set on fewer has the same bandwidth" in line for line in explain)
+
+
+def test_explain_says_when_include_forced_a_numa_split(capsys):
+    argv = ["place", "--gpus", "3", "--include", "0", "--busy", "1,2,3", "--from-nvidia-smi", TRUNCATED_NO_LEGEND,
+            "--json"]
+    assert main(argv) == 0
+    explain = json.loads(capsys.readouterr().out)["explain"]
+    assert any(line.startswith("spans 2 NUMA nodes: forced by --include GPUs 0") for line in explain)
+    assert any("no free set of 3 holding GPUs 0 does better" in line for line in explain)
+    assert main(["place", "--gpus", "5", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]) == 0
+    assert "spans 2 NUMA nodes: no set on fewer has the same bandwidth" in json.loads(capsys.readouterr().out)["explain"]

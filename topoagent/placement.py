@@ -444,13 +444,26 @@ class _Prepared:
         ]
         # Whole zones by name, for "breaks whole free zones" in the answer.
         self.named_zones = [
-            (z, f"{name} {{{','.join(str(matrix.gpus[v].index) for v in _bits(z))}}}")
+            (z, self._zone_label(name, z))
             for (name, _), zones in zip(self.zone_levels, self.zones_by_level)
             for z in zones
             if z.bit_count() > 1
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
         self.answer_parts: dict[tuple[tuple[int, ...], str, int], _AnswerParts] = {}
+
+    def _zone_label(self, name: str, zone: int) -> str:
+        """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
+        first, so they cannot be read as NUMA node ids."""
+        gpus = "GPUs " + ",".join(str(self.matrix.gpus[v].index) for v in _bits(zone))
+        if name != "NUMA node":
+            return f"{gpus} (one {name})"
+        label = _numa_label(self, self.numa_of[min(_bits(zone))])
+        if isinstance(label, int):
+            return f"{gpus} (all of NUMA node {label})"
+        if label.startswith("cpus:"):
+            return f"{gpus} (all sharing CPUs {label[5:]})"
+        return f"{gpus} (all of one NUMA node)"
 
     def pattern_link(self, a: int, b: int) -> PatternLink:
         got = self._links.get((a, b))
@@ -1380,7 +1393,28 @@ def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Place
     )
     quality = parts.bandwidth or 0.0
     loss = (objective.numa_nodes - 1) + len(broken)
-    explain = parts.explain_head + (
+    head = parts.explain_head
+    if req.include and len(parts.numa_labels) > 1:
+        # The cached line claims the NUMA spread was the best on offer; with --include it
+        # may have been forced, so say so instead.
+        include_nodes = {prep.numa_of[prep.pos_of[i]] for i in req.include}
+        held = ",".join(str(i) for i in req.include)
+        why = (
+            f"--include GPUs {held} alone span {len(include_nodes)}"
+            if len(include_nodes) > 1
+            else f"forced by --include GPUs {held}: no set on fewer that holds them has the same bandwidth"
+        )
+        head = tuple(
+            f"spans {len(parts.numa_labels)} NUMA nodes: {why}" if line.startswith("spans ") else line
+            for line in head
+        )
+    if req.include:
+        held = ",".join(str(i) for i in req.include)
+        head = tuple(
+            line.replace("does better", f"holding GPUs {held} does better") if "bottleneck" in line else line
+            for line in head
+        )
+    explain = head + (
         ("breaks whole free zones: " + "; ".join(broken),) if broken else ("keeps every whole free zone whole",)
     )
     return Placement(
