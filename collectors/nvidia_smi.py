@@ -96,6 +96,19 @@ def _is_level(token: str) -> bool:
     return _LEVEL_TOKEN.fullmatch(token) is not None
 
 
+# An upper-case word where a level belongs ('NVXX', 'PCI'): no affinity value looks so.
+_LEVEL_WORD = re.compile(r"[A-Z][A-Z0-9]+")
+
+
+def _is_level_word(token: str) -> bool:
+    return _LEVEL_WORD.fullmatch(token) is not None and token.upper() not in _NOT_AVAILABLE
+
+
+def _unknown_level(line_no: int, raw: str, token: str) -> "TopoParseError":
+    known = "X, NV<n>, PIX, PXB, PHB, NODE, SYS, SOC"
+    return TopoParseError(f"unknown link level {token!r} (known: {known})", line_no, raw)
+
+
 def _clean(line: str) -> str:
     # Scripts paste the output as comments ('#GPU0 ...', '#        GPU0 ...').
     return line.lstrip().lstrip("#").rstrip("\r\n")
@@ -189,6 +202,17 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
         if stripped.startswith("Legend"):
             body_closed_at = body_closed_at or line_no
             continue
+        if (
+            len(tokens) >= 3
+            and body_closed_at is None
+            and (rows or last_text_before_rows is not None)
+            and _DEVICE_NAME.fullmatch(tokens[0])
+            and _is_level_word(tokens[1])
+            and not _is_level(tokens[1])
+            and any(_is_level(t) for t in tokens[2:])
+        ):
+            # 'GPU1  NVXX  X  NV8 ...': a matrix row whose first cell is not a level.
+            raise _unknown_level(line_no, raw, tokens[1])
         if _is_row(tokens):
             if body_closed_at is not None:
                 if not rows:
@@ -203,6 +227,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
             rest = tokens[1:]
             while rest and _is_level(rest[0]):
                 cells.append(rest.pop(0))
+            if rest and _is_level_word(rest[0]):
+                # Links stop early at a word no affinity column holds: a bad level, not
+                # the first trailing value ('GPU0  X  NVXX  NV8 ...').
+                header_devices = len(header[0]) if header is not None else 0
+                if len(cells) < header_devices or any(_is_level(t) for t in rest[1:]):
+                    raise _unknown_level(line_no, raw, rest[0])
             rows.append(_Row(line_no, raw, tokens[0], cells, rest))
             continue
         if not stripped:

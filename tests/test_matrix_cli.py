@@ -121,3 +121,29 @@ def test_malformed_input_raises_the_typed_error(text, needle):
     with pytest.raises(TopoParseError) as info:
         parse_topo_matrix(text)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "row_with_bad_level, text",
+    [
+        # The bad word right after 'X': the links stop early; it is not an affinity value.
+        (2, "\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNVXX\t0-7\t0\nGPU1\tNVXX\t X \t0-7\t0\n"),
+        # The bad word first on its row: the line would otherwise end the matrix body.
+        (3, "\tGPU0\tGPU1\tGPU2\nGPU0\t X \tNV8\tNV8\nGPU1\tNVXX\t X \tNV8\nGPU2\tNV8\tNV8\t X \n"),
+        # In the middle of an 8-GPU row: once reported as '18 values after the links'.
+        (2, (TOPO / "nccl-933-8gpu-NV8-9nic-TRUNCATED-7rows.txt").read_text().replace("NV8 ", "NVXX", 1)),
+    ],
+)
+def test_an_unknown_level_word_is_named_with_its_line(row_with_bad_level, text):
+    with pytest.raises(TopoParseError) as info:
+        parse_topo_matrix(text)
+    assert info.value.line_no == row_with_bad_level
+    assert str(info.value).startswith(f"line {row_with_bad_level}: unknown link level 'NVXX'")
+
+
+def test_unknown_level_on_the_command_line(tmp_path):
+    path = tmp_path / "topo.txt"
+    path.write_text("\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity\nGPU0\t X \tNVXX\t0-7\t0\nGPU1\tNVXX\t X \t0-7\t0\n")
+    result = topoagent("matrix", "--from-nvidia-smi", str(path))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert f"{path}: line 2: unknown link level 'NVXX'" in result.stderr
