@@ -106,6 +106,60 @@ def test_bad_root_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], tmp
     assert err.count("\n") == 1 and "no such file" in err
 
 
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots" / "vm-1gpu"
+
+
+def test_a_directory_without_sys_is_not_a_recorded_node(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Any directory used to 'discover' as a node with no GPUs and exit 0."""
+    (tmp_path / "notes.txt").write_text("not a node\n")
+    assert main(["discover", "--root", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"topoagent discover: not a recorded node: no sys/ under {tmp_path}\n"
+
+
+@pytest.mark.parametrize("name", ["node.tar.gz", "node.tgz"])
+def test_snapshot_refuses_an_existing_archive_unless_forced(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    out = tmp_path / name
+    out.write_bytes(b"precious")
+    assert main(["snapshot", "--root", str(RECORDED), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"topoagent snapshot: {out}: exists; use --force to replace it\n"  # the path once
+    assert out.read_bytes() == b"precious"
+    assert main(["snapshot", "--root", str(RECORDED), "--force", str(out)]) == 0
+    with tarfile.open(out) as archive:
+        assert any(m.name.endswith("/snapshot.json") for m in archive.getmembers())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # no partial file left
+
+
+def test_snapshot_refuses_an_existing_directory_and_forces_only_over_a_snapshot(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "node"
+    assert main(["snapshot", "--root", str(RECORDED), str(out)]) == 0
+    assert main(["snapshot", "--root", str(RECORDED), str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"snapshot: {out}: exists and is not empty; use --force to replace an earlier snapshot\n")
+    (out / "stale-file").write_text("from an earlier run")
+    assert main(["snapshot", "--root", str(RECORDED), "--force", str(out)]) == 0
+    assert not (out / "stale-file").exists() and (out / "snapshot.json").is_file()
+    other = tmp_path / "home"
+    other.mkdir()
+    (other / "thesis.tex").write_text("keep me")
+    assert main(["snapshot", "--root", str(RECORDED), "--force", str(other)]) == 2
+    assert "holds no snapshot.json" in capsys.readouterr().err
+    assert (other / "thesis.tex").read_text() == "keep me"
+
+
+@pytest.mark.parametrize("name", ["node.zip", "node.tar.xz", "node.tar"])
+def test_snapshot_names_the_archive_forms_it_writes(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str
+) -> None:
+    assert main(["snapshot", "--root", str(RECORDED), str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert "unsupported archive type" in err and "OUT.tar.gz or OUT.tgz" in err and err.count("\n") == 1
+    assert not (tmp_path / name).exists()
+
+
 def test_nvml_module_is_import_safe_without_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     from topoagent.collectors import nvml

@@ -15,21 +15,66 @@ from topoagent import __version__
 from topoagent.host import Host, HostError
 
 
-def write_snapshot(host: Host, out: str | os.PathLike[str]) -> Path:
-    """Write the recording of ``host`` to ``out`` (a new directory, or ``.tar.gz``)."""
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
+# Archive names a user may reach for that we do not write: refused rather than
+# recorded as a directory literally called "node.zip".
+OTHER_ARCHIVE_SUFFIXES = (
+    ".zip", ".tar", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst", ".gz", ".bz2", ".xz", ".zst", ".7z", ".rar",
+)
+
+
+def check_snapshot_target(out: str | os.PathLike[str], *, force: bool = False) -> None:
+    """Refuse a target ``write_snapshot`` would not write (before any discovery runs).
+
+    An existing archive or non-empty directory is refused unless ``force``; even then a
+    directory is replaced only if it holds an earlier snapshot (its snapshot.json).
+    """
+    out_path = Path(out)
+    name = out_path.name.lower()
+    if name.endswith(ARCHIVE_SUFFIXES):
+        if out_path.is_dir():
+            raise HostError(f"{out}: is a directory; an archive target must be a file")
+        if out_path.exists() and not force:
+            raise HostError(f"{out}: exists; use --force to replace it")
+        return
+    if name.endswith(OTHER_ARCHIVE_SUFFIXES):
+        raise HostError(
+            f"{out}: unsupported archive type; write a directory (OUT) or a gzip tarball (OUT.tar.gz or OUT.tgz)"
+        )
+    if out_path.exists() and not out_path.is_dir():
+        raise HostError(f"{out}: exists and is not a directory")
+    if out_path.is_dir() and any(out_path.iterdir()):
+        if not force:
+            raise HostError(f"{out}: exists and is not empty; use --force to replace an earlier snapshot")
+        if not (out_path / "snapshot.json").is_file():
+            raise HostError(f"{out}: exists and holds no snapshot.json; --force replaces only an earlier snapshot")
+
+
+def write_snapshot(host: Host, out: str | os.PathLike[str], *, force: bool = False) -> Path:
+    """Write the recording of ``host`` to ``out`` (a new directory, or ``.tar.gz``/``.tgz``).
+
+    See ``check_snapshot_target`` for what an existing ``out`` needs ``force`` for.
+    """
     if host.recording is None:
         raise HostError("this host was not recording")
+    check_snapshot_target(out, force=force)
     out_path = Path(out)
-    if out_path.name.endswith((".tar.gz", ".tgz")):
+    if out_path.name.lower().endswith(ARCHIVE_SUFFIXES):
         with tempfile.TemporaryDirectory(prefix="topoagent-snap-") as tmp:
             stem = out_path.name.rsplit(".tar.gz", 1)[0].rsplit(".tgz", 1)[0] or "snapshot"
             root = Path(tmp) / stem
             _write_dir(host, root)
-            with tarfile.open(out_path, "w:gz") as archive:
-                archive.add(root, arcname=stem)
+            # Beside the target, then renamed: a replaced archive is never half-written.
+            partial = out_path.with_name(f".{out_path.name}.partial")
+            try:
+                with tarfile.open(partial, "w:gz") as archive:
+                    archive.add(root, arcname=stem)
+                os.replace(partial, out_path)
+            finally:
+                partial.unlink(missing_ok=True)
         return out_path
-    if out_path.exists() and any(out_path.iterdir()):
-        raise HostError(f"{out}: exists and is not empty")
+    if out_path.is_dir() and any(out_path.iterdir()):
+        shutil.rmtree(out_path)  # force, and an earlier snapshot (checked above)
     _write_dir(host, out_path)
     return out_path
 

@@ -36,9 +36,14 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def open_host(root: str) -> Host:
     try:
-        return Host(root)
+        host = Host(root)
     except HostError as exc:
         raise UsageError(str(exc)) from None
+    if not host.live and not (host.root / "sys").is_dir():
+        # Any directory would otherwise "discover" as a node with no GPUs.
+        host.close()
+        raise UsageError(f"not a recorded node: no sys/ under {root}")
+    return host
 
 
 def discover_root(root: str) -> NodeTopology:

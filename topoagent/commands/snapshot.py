@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "`topoagent discover --root OUT` replays."
         ),
     )
-    parser.add_argument("out", metavar="OUT", help="new directory, or a path ending in .tar.gz")
+    parser.add_argument("out", metavar="OUT", help="new directory, or a path ending in .tar.gz or .tgz")
+    parser.add_argument("--force", action="store_true",
+                        help="replace an existing OUT archive, or an existing directory holding an earlier snapshot")
     parser.add_argument("--root", metavar="DIR|TARBALL", default="/",
                         help="re-record a recorded node (keeps only what discovery reads); "
                              "default: this node")
@@ -29,18 +31,24 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from topoagent.model import discover
-    from topoagent.snapshot import write_snapshot
+    from topoagent.snapshot import check_snapshot_target, write_snapshot
 
     try:
+        check_snapshot_target(args.out, force=args.force)  # before minutes of discovery
         host = Host(args.root, record=True)
     except HostError as exc:
         raise UsageError(str(exc)) from None
+    if not host.live and not (host.root / "sys").is_dir():
+        host.close()
+        raise UsageError(f"not a recorded node: no sys/ under {args.root}")
     with host:
         asyncio.run(discover(host))
         try:
-            path = write_snapshot(host, args.out)
-        except (HostError, OSError) as exc:
-            raise UsageError(f"{args.out}: {exc}") from None
+            path = write_snapshot(host, args.out, force=args.force)
+        except HostError as exc:  # names the path itself
+            raise UsageError(str(exc)) from None
+        except OSError as exc:
+            raise UsageError(f"{exc.filename or args.out}: {exc.strerror or exc}") from None
     what = "this node" if host.live else args.root
     print(f"recorded {what} into {path}", file=sys.stderr)
     return 0
