@@ -21,3 +21,16 @@ def test_every_source_package_is_installed():
             relative = init.parent.relative_to(REPO / folder).parts
             found.add(".".join((namespace, *relative)))
     assert found == listed, "add new packages to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_version_matches_the_installed_distribution():
+    import subprocess
+    import sys
+    from importlib.metadata import version
+
+    proc = subprocess.run([sys.executable, "-P", "-m", "topoagent", "--version"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout == f"topoagent {version('topoagent')}\n"
+    with open(REPO / "pyproject.toml", "rb") as handle:
+        assert version("topoagent") == tomllib.load(handle)["project"]["version"]

@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from topoagent import __version__
+
 # Subcommand name -> module under topoagent.commands.  Each module defines
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
 COMMANDS = {
@@ -33,6 +35,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         prog="topoagent",
         description="GPU topology discovery, link measurement and placement for one node.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         if only is None or name == only:
