@@ -16,6 +16,7 @@ import re
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff, log_event
 from topoagent.exporters.openapi import MIN_LEVELS, PATTERNS, PLACE_LIMITS, openapi_document
@@ -57,7 +58,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc.status, exc.error, exc.detail, **exc.extra)
+        resp = error_response(exc.status, exc.error, exc.detail, **exc.extra)
+        if exc.status == 413:
+            resp.force_close()  # the unread body must not be taken for the next request
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -68,6 +72,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status == 405 and "Allow" in exc.headers:
             resp.headers["Allow"] = exc.headers["Allow"]
         return resp
+    except ConnectionResetError:
+        raise  # the client went away mid-request: nothing to answer, not a bug
     except Exception as exc:  # a bug: say so plainly, keep serving
         log_event("handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
         return error_response(500, "internal", "internal error; see the agent's log")
@@ -189,9 +195,30 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
     return {"owner": owner, "ttl_s": float(ttl)}
 
 
+def _too_large(request: web.Request) -> ApiError | None:
+    """413 from the Content-Length header alone, before a byte of the body is read."""
+    limit = request.app[AGENT].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes (Content-Length {request.content_length})")
+    return None
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: refuse an oversized body instead of inviting it."""
+    error = _too_large(request)
+    if error is not None:
+        resp = error_response(error.status, error.error, error.detail)
+        resp.force_close()
+        return resp
+    return await _default_expect_handler(request)
+
+
 async def read_json(request: web.Request) -> Any:
     # Any Content-Type is read as JSON: `curl -d` sends form-urlencoded by default.
-    raw = await request.read()  # raises 413 past client_max_size
+    error = _too_large(request)
+    if error is not None:
+        raise error
+    raw = await request.read()  # raises 413 past client_max_size (chunked bodies)
     if not raw:
         raise ApiError(400, "bad_request", "body: empty; expected a JSON object")
     try:
@@ -332,11 +359,11 @@ def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web
         app.cleanup_ctx.append(agent_lifetime)
     app.router.add_get("/", index)
     app.router.add_get("/topology", topology)
-    app.router.add_post("/place", place)
+    app.router.add_post("/place", place, expect_handler=expect_continue)
     app.router.add_get("/leases", list_leases)
     app.router.add_delete("/leases/{lease_id}", delete_lease)
-    app.router.add_post("/refresh", refresh)
-    app.router.add_post("/probe", probe)
+    app.router.add_post("/refresh", refresh, expect_handler=expect_continue)
+    app.router.add_post("/probe", probe, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

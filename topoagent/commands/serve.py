@@ -68,6 +68,37 @@ def setup_logging() -> None:
     root.propagate = False
     # aiohttp's access log is one line per request: too loud for journald by default.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger(HTTP_LOGGER).addFilter(OneLineProtocolErrors())
+
+
+HTTP_LOGGER = "topoagent.http"  # aiohttp's server logger for this agent (AppRunner logger=)
+
+
+class OneLineProtocolErrors(logging.Filter):
+    """aiohttp logs a request its parser rejects (a bad Content-Length, a malformed
+    request line) with a multi-line traceback, before any handler or middleware runs,
+    and answers it itself in plain text.  Keep such a line to one `event=` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
+        first = " ".join(str(getattr(exc, "message", "") or exc).split())
+        status = getattr(exc, "code", "")
+        level = logging.WARNING if status == 400 else record.levelno
+        record.msg = _event_line("http_protocol_error", remote=remote, status=status, error=f"{type(exc).__name__}: {first}"[:300])
+        record.args = ()
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return True
+
+
+def _event_line(event: str, **fields: object) -> str:
+    from topoagent.agent import event_line
+
+    return event_line(event, **fields)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,7 +126,7 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
 
     agent = Agent(config)
     app = make_app(agent, token)
-    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None)
+    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None, logger=logging.getLogger(HTTP_LOGGER))
     await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
     try:
