@@ -102,3 +102,49 @@ def test_short_token_is_refused(tmp_path):
     )
     assert result.returncode == 2
     assert "at least 16 characters" in result.stderr
+
+
+def test_example_config_documents_every_key():
+    """systemd/topoagent.toml claims to document every key: each one the parser accepts
+    appears there, set or commented out, under its section."""
+    import re
+    import tomllib
+
+    from conftest import REPO
+    from topoagent.config import SCHEMA
+
+    text = REPO / "systemd" / "topoagent.toml"
+    uncommented = re.sub(r"^# ?(\w+ = )", r"\1", text.read_text(), flags=re.M)
+    documented = tomllib.loads(uncommented)
+    assert set(documented) == set(SCHEMA)
+    for section, keys in SCHEMA.items():
+        assert set(documented[section]) == set(keys), section
+    # ... and the commented-out values are valid too.
+    config_from_toml(uncommented)
+
+
+def test_serve_takes_the_token_from_systemd_credentials(tmp_path):
+    from service_helpers import start_agent
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret = "credential-token-0123456789"
+    (creds / "token").write_text(secret + "\n")
+    a = start_agent(tmp_path, token=False, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    try:
+        body = {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}
+        assert a.post("/place", body, token="wrong-token-wrong-token").status == 401
+        assert a.post("/place", body, token=secret).status == 200
+        assert f"token_file={creds / 'token'}" in a.log()
+        assert "mutating_endpoints_off" not in a.log()
+    finally:
+        a.stop()
+    # An explicit token_file wins over the credential.
+    other = tmp_path / "other"
+    other.mkdir()
+    b = start_agent(other, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    try:
+        assert b.post("/place", {"gpus": 1, "reserve": {"owner": "j", "ttl_s": 60}}, token=secret).status == 401
+        assert b.post("/place", {"gpus": 1, "reserve": {"owner": "j", "ttl_s": 60}}, token=b.token).status == 200
+    finally:
+        b.stop()

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from topoagent.cli import UsageError
@@ -35,6 +36,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict:
     return {"root": args.root, "listen": args.listen, "state_dir": args.state_dir, "token_file": args.token_file, "probes": args.probes}
+
+
+def with_credential_token(config: Config) -> Config:
+    """No token_file set, but systemd handed us one (`LoadCredential=token:...`): use it.
+
+    The unit runs as a DynamicUser, which cannot read a root-owned 0600 file; systemd
+    copies the credential into $CREDENTIALS_DIRECTORY readable by the service alone."""
+    if config.token_file is not None:
+        return config
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return config
+    candidate = Path(directory) / "token"
+    return replace(config, token_file=str(candidate)) if candidate.is_file() else config
 
 
 def read_token(path: str | None) -> bytes:
@@ -104,7 +119,7 @@ def _event_line(event: str, **fields: object) -> str:
 def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
-        config = load_config(args.config, _overrides(args))
+        config = with_credential_token(load_config(args.config, _overrides(args)))
         token = read_token(config.token_file)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
@@ -137,7 +152,7 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     port = runner.addresses[0][1] if runner.addresses else config.listen.port
     host = config.listen.host
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    log_event("listening", url=base, root=config.root, state_dir=config.state_dir)
+    log_event("listening", url=base, root=config.root, state_dir=config.state_dir, token_file=config.token_file or "-")
     if not token:
         log_event("mutating_endpoints_off", logging.WARNING, reason="no --token-file: reservations, releases and refreshes are refused (403)")
     print(f"topoagent serving {config.root} on {base}", flush=True)
@@ -157,7 +172,7 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
 
     def on_hup() -> None:
         try:
-            new = load_config(args.config, _overrides(args))
+            new = with_credential_token(load_config(args.config, _overrides(args)))
             new_token = read_token(new.token_file)
         except ConfigError as exc:
             log_event("reload_failed", logging.ERROR, error=exc)
