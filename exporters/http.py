@@ -19,8 +19,9 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff, log_event
-from topoagent.exporters.openapi import MIN_LEVELS, PATTERNS, PLACE_LIMITS, openapi_document
+from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTERNS, PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
+from topoagent.placement import Request, RequestError
 
 AGENT = web.AppKey("agent", Agent)
 
@@ -116,11 +117,16 @@ def _ready_snapshot(agent: Agent):
 
 # -- request validation -------------------------------------------------------------------
 
+def _cut(text: str, limit: int) -> str:
+    """A value quoted in an error message, cut to `limit` characters and marked so."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _int(field: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # JSON Schema counts 4.0 as an integer
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {json.dumps(value)[:40]}")
+        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {_cut(json.dumps(value), 40)}")
     if not low <= value <= high:
         raise ApiError(400, "bad_request", f"{field}: must be from {low} to {high}, got {value}")
     return value
@@ -131,25 +137,29 @@ def _gpu_list(field: str, value: Any, known: set[int]) -> tuple[int, ...]:
         raise ApiError(400, "bad_request", f"{field}: expected a list of GPU indices")
     if len(value) > PLACE_LIMITS["gpus_max"]:
         raise ApiError(400, "bad_request", f"{field}: more than {PLACE_LIMITS['gpus_max']} entries")
-    out = []
+    out: list[int] = []
     for n, item in enumerate(value):
         index = _int(f"{field}[{n}]", item, 0, PLACE_LIMITS["gpu_index_max"])
         if index not in known:
-            # Well-formed, but this node cannot satisfy it: a NoFit, like too many GPUs.
-            detail = f"{field}[{n}]: no GPU {index} on this node"
-            raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "unknown_gpu", "detail": detail, "gpus": sorted(known)}})
+            # A GPU the node does not have is a mistake in the request (the CLI exits 2).
+            raise ApiError(400, "bad_request", f"{field}[{n}]: no GPU {index} on this node (GPUs: {_cut(str(sorted(known)), 80)})")
+        if index in out:
+            raise ApiError(400, "bad_request", f"{field}[{n}]: GPU {index} is listed twice")
         out.append(index)
-    return tuple(dict.fromkeys(out))
+    return tuple(out)
 
 
 def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, dict[str, Any] | None]:
-    """The typed request and the `reserve` part, or ApiError 400 naming the field."""
+    """The typed request and the `reserve` part, or ApiError 400 naming the field.
+
+    Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
+    for well-formed requests this node cannot satisfy now (busy or leased GPUs)."""
     if not isinstance(doc, dict):
         raise ApiError(400, "bad_request", "body: expected a JSON object")
     allowed = {"gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "reserve"}
     unknown = sorted(set(doc) - allowed)
     if unknown:
-        raise ApiError(400, "bad_request", f"unknown field(s): {', '.join(unknown)}")
+        raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(unknown), 120)}")
     if "gpus" not in doc:
         raise ApiError(400, "bad_request", "gpus: required")
     gpus = _int("gpus", doc["gpus"], 1, PLACE_LIMITS["gpus_max"])
@@ -157,22 +167,23 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, d
     if pattern not in PATTERNS:
         raise ApiError(400, "bad_request", f"pattern: expected one of {', '.join(PATTERNS)}")
     min_level = doc.get("min_level")
-    if "min_level" in doc and min_level not in MIN_LEVELS:
-        raise ApiError(400, "bad_request", f"min_level: expected one of {', '.join(MIN_LEVELS)}")
+    if "min_level" in doc and not (isinstance(min_level, str) and MIN_LEVEL_RE.fullmatch(min_level)):
+        raise ApiError(400, "bad_request", f"min_level: expected a GPU-to-GPU link level ({MIN_LEVEL_HELP}), got {_cut(json.dumps(min_level), 40)}")
     single_numa = doc.get("single_numa", False)
     if not isinstance(single_numa, bool):
         raise ApiError(400, "bad_request", "single_numa: expected true or false")
     include = _gpu_list("include", doc.get("include", []), known_gpus)
     exclude = _gpu_list("exclude", doc.get("exclude", []), known_gpus)
-    both = sorted(set(include) & set(exclude))
-    if both:
-        detail = f"include/exclude: GPUs {both} are in both"
-        raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "conflicting_constraints", "detail": detail}})
     nics = _int("nics", doc.get("nics", 0), 0, PLACE_LIMITS["nics_max"])
+    try:  # the CLI's own checks: the level parser, include/exclude overlap, include > gpus
+        Request(gpus, pattern, min_level, single_numa, include, exclude, nics)
+    except RequestError as exc:
+        raise ApiError(400, "bad_request", f"{exc.field}: {exc.message}") from None
     reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
     return PlaceRequest(gpus, pattern, min_level, single_numa, include, exclude, nics), reserve
 
 
+MIN_LEVEL_RE = re.compile(MIN_LEVEL_PATTERN)
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")  # would forge lines in logs
 
 
@@ -222,9 +233,27 @@ async def read_json(request: web.Request) -> Any:
     if not raw:
         raise ApiError(400, "bad_request", "body: empty; expected a JSON object")
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+    except DuplicateKey as exc:
+        raise ApiError(400, "bad_request", f"{exc.key}: given twice") from None
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, "bad_request", f"body: not valid JSON: {str(exc)[:120]}") from None
+        raise ApiError(400, "bad_request", f"body: not valid JSON: {_cut(str(exc), 120)}") from None
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = _cut(json.dumps(key), 60)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # {"gpus": 2, "gpus": 3}: json.loads would silently keep the last one.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _reject_constant(name: str) -> Any:
@@ -251,6 +280,8 @@ async def place(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     doc = await read_json(request)
     if isinstance(doc, dict) and "reserve" in doc:
+        if doc["reserve"] is None:
+            raise ApiError(400, "bad_request", 'reserve: null; leave it out for a dry run or give {"owner": ..., "ttl_s": ...}')
         require_token(request)  # before anything is said about the request
     snapshot = _ready_snapshot(agent)
     try:
@@ -266,11 +297,31 @@ async def place(request: web.Request) -> web.Response:
     if not outcome.fits:
         body = outcome.body
         detail = f"{body.get('constraint', 'request')}: {body.get('reason', 'no placement satisfies it')}"
+        why = _why_busy(agent, req)
+        if why:
+            detail += f" ({why})"
         raise ApiError(409, "no_fit", detail, {"nofit": outcome.body})
     body = dict(outcome.body)
     if lease is not None:
         body["lease"] = lease.to_json()
     return web.json_response(body)
+
+
+def _why_busy(agent: Agent, req: PlaceRequest) -> str:
+    """Say which wanted GPUs are leased (by whom) and which run processes."""
+    leased = {g: lease for lease in agent.active_leases() for g in lease.gpus}
+    running = agent.gpus_with_processes()
+    parts = []
+    for gpu in req.include:
+        if gpu in leased:
+            parts.append(f"GPU {gpu} is leased to {_cut(leased[gpu].owner, 40)} until lease {leased[gpu].id} ends")
+        elif gpu in running:
+            parts.append(f"GPU {gpu} is running processes")
+    if not parts and leased:
+        parts.append(f"leased: GPUs {sorted(leased)}")
+    if not parts and running:
+        parts.append(f"running processes: GPUs {sorted(running)}")
+    return "; ".join(parts)
 
 
 async def list_leases(request: web.Request) -> web.Response:
@@ -287,6 +338,12 @@ async def delete_lease(request: web.Request) -> web.Response:
 
 async def refresh(request: web.Request) -> web.Response:
     require_token(request)
+    if request.body_exists:  # optional; takes no fields yet, and a typo must not pass
+        doc = await read_json(request)
+        if not isinstance(doc, dict):
+            raise ApiError(400, "bad_request", "body: expected a JSON object (or no body)")
+        if doc:
+            raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(sorted(doc)), 120)}; /refresh takes none")
     agent = request.app[AGENT]
     await agent.request_refresh("request")
     snapshot = _ready_snapshot(agent)
