@@ -325,7 +325,13 @@ def _why_busy(agent: Agent, req: PlaceRequest) -> str:
 
 
 async def list_leases(request: web.Request) -> web.Response:
-    return web.json_response({"leases": [l.to_json() for l in request.app[AGENT].active_leases()]})
+    agent = request.app[AGENT]
+    body: dict[str, Any] = {"leases": [l.to_json() for l in agent.active_leases()]}
+    store = agent.lease_store
+    if store is not None and store.recovered_from is not None:
+        # Leases granted before this start may be lost: say so where schedulers look.
+        body["recovered_from_corrupt_state"] = {"file": str(store.path), "moved_to": str(store.recovered_from), "error": store.recovery_error}
+    return web.json_response(body)
 
 
 async def delete_lease(request: web.Request) -> web.Response:

@@ -189,7 +189,15 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "Active leases, oldest first.",
-                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {"leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}}}}}},
+                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {
+                                "leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}},
+                                "recovered_from_corrupt_state": {
+                                    "type": "object",
+                                    "required": ["file", "moved_to", "error"],
+                                    "description": "Present only when the state file was unreadable at start-up: it was moved aside and the agent started with no leases.",
+                                    "properties": {"file": {"type": "string"}, "moved_to": {"type": "string"}, "error": {"type": ["string", "null"]}},
+                                },
+                            }}}},
                         },
                         **READ_ERRORS,
                     },

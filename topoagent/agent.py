@@ -296,7 +296,10 @@ class Agent:
         self.host = open_root(self.config.root)
         self.lease_store = LeaseStore(self.config.state_dir)
         if self.lease_store.recovered_from:
-            log_event("leases_corrupt", logging.ERROR, moved_to=self.lease_store.recovered_from)
+            log_event(
+                "leases_corrupt", logging.ERROR, file=self.lease_store.path, moved_to=self.lease_store.recovered_from,
+                error=self.lease_store.recovery_error, action="started with no leases; see README (Leases)",
+            )
         self._leases = tuple(self.lease_store.leases())
         log_event("leases_loaded", count=len(self._leases), path=self.lease_store.path)
         self._tasks = [
