@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from service_helpers import DGX_A100
 from topoagent.config import DEFAULT_PORT, ConfigError, Listen, config_from_toml, load_config
 
 
@@ -80,11 +81,17 @@ def test_example_config_is_valid():
         (["--config", "/no/such.toml"], "cannot read config /no/such.toml"),
         (["--token-file", "/no/such/token"], "cannot read token file"),
         (["--root", "/no/such/root"], "no such file or directory"),
+        (["--state-dir", "/proc/nope"], "cannot start: /proc/nope: No such file or directory"),
+        (["--state-dir", "{tmp}/file"], "cannot start: {tmp}/file: "),
+        (["--listen", "192.0.2.7:9"], "cannot start: listen 192.0.2.7:9: "),  # TEST-NET: not this host's
     ],
 )
 def test_serve_refuses_bad_setup_with_one_line_exit_2(tmp_path, args, message):
+    (tmp_path / "file").write_text("not a directory")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     result = subprocess.run(
-        [sys.executable, "-P", "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args],
+        [sys.executable, "-P", "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--root", str(DGX_A100), *args],
         capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2, result.stderr

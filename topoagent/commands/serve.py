@@ -129,8 +129,19 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config, token, args))
     except RootError as exc:
         raise UsageError(str(exc)) from None
-    except OSError as exc:  # port in use, state dir not writable
-        raise UsageError(f"cannot start: {exc.strerror or exc}") from None
+    except OSError as exc:  # anything not caught in serve(): still name what failed
+        raise UsageError(f"cannot start: {os_error_text(exc, '-')}") from None
+
+
+def os_error_text(exc: OSError, context: str) -> str:
+    """`PATH: reason`; the path from the error, else `context` (the state dir, the address)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        target = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
+        return f"{target}: {reason}"
+    if exc.strerror and exc.errno is not None and str(exc) != f"[Errno {exc.errno}] {exc.strerror}":
+        reason = str(exc).removeprefix(f"[Errno {exc.errno}] ")  # asyncio's bind error names the address
+    return f"{context}: {reason}"
 
 
 async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
@@ -142,13 +153,16 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     agent = Agent(config)
     app = make_app(agent, token)
     runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None, logger=logging.getLogger(HTTP_LOGGER))
-    await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
+    try:
+        await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
+    except OSError as exc:  # the state dir: missing parent, not a directory, read-only
+        raise UsageError(f"cannot start: {os_error_text(exc, f'state dir {config.state_dir}')}") from None
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:  # port in use, address not on this host
         await runner.cleanup()
-        raise
+        raise UsageError(f"cannot start: {os_error_text(exc, f'listen {config.listen}')}") from None
     port = runner.addresses[0][1] if runner.addresses else config.listen.port
     host = config.listen.host
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
