@@ -16,10 +16,12 @@ import re
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff, log_event
-from topoagent.exporters.openapi import MIN_LEVELS, PATTERNS, PLACE_LIMITS, openapi_document
+from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTERNS, PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
+from topoagent.placement import Request, RequestError
 
 AGENT = web.AppKey("agent", Agent)
 
@@ -57,7 +59,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except ApiError as exc:
-        return error_response(exc.status, exc.error, exc.detail, **exc.extra)
+        resp = error_response(exc.status, exc.error, exc.detail, **exc.extra)
+        if exc.status == 413:
+            resp.force_close()  # the unread body must not be taken for the next request
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -68,6 +73,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status == 405 and "Allow" in exc.headers:
             resp.headers["Allow"] = exc.headers["Allow"]
         return resp
+    except ConnectionResetError:
+        raise  # the client went away mid-request: nothing to answer, not a bug
     except Exception as exc:  # a bug: say so plainly, keep serving
         log_event("handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
         return error_response(500, "internal", "internal error; see the agent's log")
@@ -110,11 +117,16 @@ def _ready_snapshot(agent: Agent):
 
 # -- request validation -------------------------------------------------------------------
 
+def _cut(text: str, limit: int) -> str:
+    """A value quoted in an error message, cut to `limit` characters and marked so."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _int(field: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # JSON Schema counts 4.0 as an integer
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {json.dumps(value)[:40]}")
+        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {_cut(json.dumps(value), 40)}")
     if not low <= value <= high:
         raise ApiError(400, "bad_request", f"{field}: must be from {low} to {high}, got {value}")
     return value
@@ -125,25 +137,29 @@ def _gpu_list(field: str, value: Any, known: set[int]) -> tuple[int, ...]:
         raise ApiError(400, "bad_request", f"{field}: expected a list of GPU indices")
     if len(value) > PLACE_LIMITS["gpus_max"]:
         raise ApiError(400, "bad_request", f"{field}: more than {PLACE_LIMITS['gpus_max']} entries")
-    out = []
+    out: list[int] = []
     for n, item in enumerate(value):
         index = _int(f"{field}[{n}]", item, 0, PLACE_LIMITS["gpu_index_max"])
         if index not in known:
-            # Well-formed, but this node cannot satisfy it: a NoFit, like too many GPUs.
-            detail = f"{field}[{n}]: no GPU {index} on this node"
-            raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "unknown_gpu", "detail": detail, "gpus": sorted(known)}})
+            # A GPU the node does not have is a mistake in the request (the CLI exits 2).
+            raise ApiError(400, "bad_request", f"{field}[{n}]: no GPU {index} on this node (GPUs: {_cut(str(sorted(known)), 80)})")
+        if index in out:
+            raise ApiError(400, "bad_request", f"{field}[{n}]: GPU {index} is listed twice")
         out.append(index)
-    return tuple(dict.fromkeys(out))
+    return tuple(out)
 
 
 def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, dict[str, Any] | None]:
-    """The typed request and the `reserve` part, or ApiError 400 naming the field."""
+    """The typed request and the `reserve` part, or ApiError 400 naming the field.
+
+    Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
+    for well-formed requests this node cannot satisfy now (busy or leased GPUs)."""
     if not isinstance(doc, dict):
         raise ApiError(400, "bad_request", "body: expected a JSON object")
     allowed = {"gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "reserve"}
     unknown = sorted(set(doc) - allowed)
     if unknown:
-        raise ApiError(400, "bad_request", f"unknown field(s): {', '.join(unknown)}")
+        raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(unknown), 120)}")
     if "gpus" not in doc:
         raise ApiError(400, "bad_request", "gpus: required")
     gpus = _int("gpus", doc["gpus"], 1, PLACE_LIMITS["gpus_max"])
@@ -151,22 +167,23 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, d
     if pattern not in PATTERNS:
         raise ApiError(400, "bad_request", f"pattern: expected one of {', '.join(PATTERNS)}")
     min_level = doc.get("min_level")
-    if "min_level" in doc and min_level not in MIN_LEVELS:
-        raise ApiError(400, "bad_request", f"min_level: expected one of {', '.join(MIN_LEVELS)}")
+    if "min_level" in doc and not (isinstance(min_level, str) and MIN_LEVEL_RE.fullmatch(min_level)):
+        raise ApiError(400, "bad_request", f"min_level: expected a GPU-to-GPU link level ({MIN_LEVEL_HELP}), got {_cut(json.dumps(min_level), 40)}")
     single_numa = doc.get("single_numa", False)
     if not isinstance(single_numa, bool):
         raise ApiError(400, "bad_request", "single_numa: expected true or false")
     include = _gpu_list("include", doc.get("include", []), known_gpus)
     exclude = _gpu_list("exclude", doc.get("exclude", []), known_gpus)
-    both = sorted(set(include) & set(exclude))
-    if both:
-        detail = f"include/exclude: GPUs {both} are in both"
-        raise ApiError(409, "no_fit", detail, {"nofit": {"reason": "conflicting_constraints", "detail": detail}})
     nics = _int("nics", doc.get("nics", 0), 0, PLACE_LIMITS["nics_max"])
+    try:  # the CLI's own checks: the level parser, include/exclude overlap, include > gpus
+        Request(gpus, pattern, min_level, single_numa, include, exclude, nics)
+    except RequestError as exc:
+        raise ApiError(400, "bad_request", f"{exc.field}: {exc.message}") from None
     reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
     return PlaceRequest(gpus, pattern, min_level, single_numa, include, exclude, nics), reserve
 
 
+MIN_LEVEL_RE = re.compile(MIN_LEVEL_PATTERN)
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")  # would forge lines in logs
 
 
@@ -189,15 +206,54 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
     return {"owner": owner, "ttl_s": float(ttl)}
 
 
+def _too_large(request: web.Request) -> ApiError | None:
+    """413 from the Content-Length header alone, before a byte of the body is read."""
+    limit = request.app[AGENT].config.max_body_bytes
+    if request.content_length is not None and request.content_length > limit:
+        return ApiError(413, "payload_too_large", f"request body is larger than {limit} bytes (Content-Length {request.content_length})")
+    return None
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """`Expect: 100-continue`: refuse an oversized body instead of inviting it."""
+    error = _too_large(request)
+    if error is not None:
+        resp = error_response(error.status, error.error, error.detail)
+        resp.force_close()
+        return resp
+    return await _default_expect_handler(request)
+
+
 async def read_json(request: web.Request) -> Any:
     # Any Content-Type is read as JSON: `curl -d` sends form-urlencoded by default.
-    raw = await request.read()  # raises 413 past client_max_size
+    error = _too_large(request)
+    if error is not None:
+        raise error
+    raw = await request.read()  # raises 413 past client_max_size (chunked bodies)
     if not raw:
         raise ApiError(400, "bad_request", "body: empty; expected a JSON object")
     try:
-        return json.loads(raw, parse_constant=_reject_constant)
+        return json.loads(raw, parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+    except DuplicateKey as exc:
+        raise ApiError(400, "bad_request", f"{exc.key}: given twice") from None
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, "bad_request", f"body: not valid JSON: {str(exc)[:120]}") from None
+        raise ApiError(400, "bad_request", f"body: not valid JSON: {_cut(str(exc), 120)}") from None
+
+
+class DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = _cut(json.dumps(key), 60)
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # {"gpus": 2, "gpus": 3}: json.loads would silently keep the last one.
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def _reject_constant(name: str) -> Any:
@@ -224,6 +280,8 @@ async def place(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     doc = await read_json(request)
     if isinstance(doc, dict) and "reserve" in doc:
+        if doc["reserve"] is None:
+            raise ApiError(400, "bad_request", 'reserve: null; leave it out for a dry run or give {"owner": ..., "ttl_s": ...}')
         require_token(request)  # before anything is said about the request
     snapshot = _ready_snapshot(agent)
     try:
@@ -239,6 +297,9 @@ async def place(request: web.Request) -> web.Response:
     if not outcome.fits:
         body = outcome.body
         detail = f"{body.get('constraint', 'request')}: {body.get('reason', 'no placement satisfies it')}"
+        why = _why_busy(agent, req)
+        if why:
+            detail += f" ({why})"
         raise ApiError(409, "no_fit", detail, {"nofit": outcome.body})
     body = dict(outcome.body)
     if lease is not None:
@@ -246,8 +307,31 @@ async def place(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+def _why_busy(agent: Agent, req: PlaceRequest) -> str:
+    """Say which wanted GPUs are leased (by whom) and which run processes."""
+    leased = {g: lease for lease in agent.active_leases() for g in lease.gpus}
+    running = agent.gpus_with_processes()
+    parts = []
+    for gpu in req.include:
+        if gpu in leased:
+            parts.append(f"GPU {gpu} is leased to {_cut(leased[gpu].owner, 40)} until lease {leased[gpu].id} ends")
+        elif gpu in running:
+            parts.append(f"GPU {gpu} is running processes")
+    if not parts and leased:
+        parts.append(f"leased: GPUs {sorted(leased)}")
+    if not parts and running:
+        parts.append(f"running processes: GPUs {sorted(running)}")
+    return "; ".join(parts)
+
+
 async def list_leases(request: web.Request) -> web.Response:
-    return web.json_response({"leases": [l.to_json() for l in request.app[AGENT].active_leases()]})
+    agent = request.app[AGENT]
+    body: dict[str, Any] = {"leases": [l.to_json() for l in agent.active_leases()]}
+    store = agent.lease_store
+    if store is not None and store.recovered_from is not None:
+        # Leases granted before this start may be lost: say so where schedulers look.
+        body["recovered_from_corrupt_state"] = {"file": str(store.path), "moved_to": str(store.recovered_from), "error": store.recovery_error}
+    return web.json_response(body)
 
 
 async def delete_lease(request: web.Request) -> web.Response:
@@ -260,6 +344,12 @@ async def delete_lease(request: web.Request) -> web.Response:
 
 async def refresh(request: web.Request) -> web.Response:
     require_token(request)
+    if request.body_exists:  # optional; takes no fields yet, and a typo must not pass
+        doc = await read_json(request)
+        if not isinstance(doc, dict):
+            raise ApiError(400, "bad_request", "body: expected a JSON object (or no body)")
+        if doc:
+            raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(sorted(doc)), 120)}; /refresh takes none")
     agent = request.app[AGENT]
     await agent.request_refresh("request")
     snapshot = _ready_snapshot(agent)
@@ -332,11 +422,11 @@ def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web
         app.cleanup_ctx.append(agent_lifetime)
     app.router.add_get("/", index)
     app.router.add_get("/topology", topology)
-    app.router.add_post("/place", place)
+    app.router.add_post("/place", place, expect_handler=expect_continue)
     app.router.add_get("/leases", list_leases)
     app.router.add_delete("/leases/{lease_id}", delete_lease)
-    app.router.add_post("/refresh", refresh)
-    app.router.add_post("/probe", probe)
+    app.router.add_post("/refresh", refresh, expect_handler=expect_continue)
+    app.router.add_post("/probe", probe, expect_handler=expect_continue)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

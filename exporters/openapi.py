@@ -12,7 +12,14 @@ from typing import Any
 import topoagent
 
 PATTERNS = ["allreduce", "alltoall", "pipeline", "independent"]
-MIN_LEVELS = ["NV", "PIX", "PXB", "PHB", "NODE", "SYS"]
+# What `topoagent place --min-level` accepts (LinkLevel.parse, any case): NV = any
+# NVLink, NV<n> = at least n bonded links, then the PCIe/CPU levels; SOC is SYS.
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.upper()}{c.lower()}]" for c in word)
+
+
+MIN_LEVEL_PATTERN = "^(?:" + _any_case("nv") + "(?:[0-9]*[1-9][0-9]*)?|" + "|".join(_any_case(w) for w in ("pix", "pxb", "phb", "node", "sys", "soc")) + ")$"
+MIN_LEVEL_HELP = "NV, NV<links> such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
 PLACE_LIMITS = {
     "gpus_max": 1024,
     "gpu_index_max": 1023,
@@ -51,10 +58,10 @@ PLACE_REQUEST = {
     "properties": {
         "gpus": {"type": "integer", "minimum": 1, "maximum": PLACE_LIMITS["gpus_max"], "description": "How many GPUs the job needs."},
         "pattern": {"type": "string", "enum": PATTERNS, "default": "allreduce"},
-        "min_level": {"type": "string", "enum": MIN_LEVELS, "description": "Every pair at least this close."},
+        "min_level": {"type": "string", "pattern": MIN_LEVEL_PATTERN, "description": f"Every pair at least this close: {MIN_LEVEL_HELP}."},
         "single_numa": {"type": "boolean", "default": False},
-        "include": {**INDEX, "description": "GPUs (nvidia-smi indices) the answer must contain."},
-        "exclude": {**INDEX, "description": "GPUs the answer must not contain."},
+        "include": {**INDEX, "uniqueItems": True, "description": "GPUs (nvidia-smi indices) the answer must contain: GPUs of this node, at most `gpus` of them, none also in `exclude` (else 400)."},
+        "exclude": {**INDEX, "uniqueItems": True, "description": "GPUs of this node the answer must not contain (an unknown index is 400)."},
         "nics": {"type": "integer", "minimum": 0, "maximum": PLACE_LIMITS["nics_max"], "default": 0},
         "reserve": {
             "type": "object",
@@ -182,7 +189,15 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "Active leases, oldest first.",
-                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {"leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}}}}}},
+                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {
+                                "leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}},
+                                "recovered_from_corrupt_state": {
+                                    "type": "object",
+                                    "required": ["file", "moved_to", "error"],
+                                    "description": "Present only when the state file was unreadable at start-up: it was moved aside and the agent started with no leases.",
+                                    "properties": {"file": {"type": "string"}, "moved_to": {"type": "string"}, "error": {"type": ["string", "null"]}},
+                                },
+                            }}}},
                         },
                         **READ_ERRORS,
                     },
@@ -201,9 +216,12 @@ def openapi_document() -> dict[str, Any]:
                 "post": {
                     "summary": "Re-discover the node now; answers when the run ends.",
                     "security": [{"bearer": []}],
+                    "requestBody": {"required": False, "content": {"application/json": {"schema": {"type": "object", "additionalProperties": False, "properties": {}}}}},
                     "responses": {
                         "200": {"description": "The snapshot after the run.", "content": {"application/json": {"schema": {"type": "object"}}}},
+                        "400": _err("A body that is not a JSON object, or one with fields (it takes none); `detail` names them."),
                         **MUTATE_ERRORS,
+                        "413": _err("Body larger than the limit."),
                         **not_ready,
                     },
                 }

@@ -210,6 +210,13 @@ class RuntimeCollector(Collector):
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
         leased.add_metric([], sum(len(l.gpus) for l in active))
         yield from (leases, leased)
+        store = agent.lease_store
+        recovered = GaugeMetricFamily(
+            f"{NS}_leases_recovered_from_corrupt_state",
+            "1 when the lease state file was unreadable at start-up and was moved aside: leases granted before may be lost.",
+        )
+        recovered.add_metric([], 1.0 if store is not None and store.recovered_from is not None else 0.0)
+        yield recovered
         busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
         leased_set = {g for lease in active for g in lease.gpus}
         running = agent.gpus_with_processes()

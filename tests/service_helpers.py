@@ -95,7 +95,7 @@ class Agent:
             raise AssertionError(f"topoagent serve ignored signal {sig} for {timeout} s:\n{self.log()[-2000:]}") from None
 
 
-def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None) -> Agent:
+def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None) -> Agent:
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
     args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
@@ -112,7 +112,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     args += extra or []
     log_path = tmp / f"agent-{time.monotonic_ns()}.log"
     log = open(log_path, "w")
-    env = {k: v for k, v in os.environ.items() if k != "JOURNAL_STREAM"}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **(env or {})}
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"on http://([\d.]+):(\d+)", line)

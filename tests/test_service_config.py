@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from service_helpers import DGX_A100
 from topoagent.config import DEFAULT_PORT, ConfigError, Listen, config_from_toml, load_config
 
 
@@ -80,11 +81,17 @@ def test_example_config_is_valid():
         (["--config", "/no/such.toml"], "cannot read config /no/such.toml"),
         (["--token-file", "/no/such/token"], "cannot read token file"),
         (["--root", "/no/such/root"], "no such file or directory"),
+        (["--state-dir", "/proc/nope"], "cannot start: /proc/nope: No such file or directory"),
+        (["--state-dir", "{tmp}/file"], "cannot start: {tmp}/file: "),
+        (["--listen", "192.0.2.7:9"], "cannot start: listen 192.0.2.7:9: "),  # TEST-NET: not this host's
     ],
 )
 def test_serve_refuses_bad_setup_with_one_line_exit_2(tmp_path, args, message):
+    (tmp_path / "file").write_text("not a directory")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     result = subprocess.run(
-        [sys.executable, "-P", "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", *args],
+        [sys.executable, "-P", "-m", "topoagent", "serve", "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--root", str(DGX_A100), *args],
         capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2, result.stderr
@@ -102,3 +109,49 @@ def test_short_token_is_refused(tmp_path):
     )
     assert result.returncode == 2
     assert "at least 16 characters" in result.stderr
+
+
+def test_example_config_documents_every_key():
+    """systemd/topoagent.toml claims to document every key: each one the parser accepts
+    appears there, set or commented out, under its section."""
+    import re
+    import tomllib
+
+    from conftest import REPO
+    from topoagent.config import SCHEMA
+
+    text = REPO / "systemd" / "topoagent.toml"
+    uncommented = re.sub(r"^# ?(\w+ = )", r"\1", text.read_text(), flags=re.M)
+    documented = tomllib.loads(uncommented)
+    assert set(documented) == set(SCHEMA)
+    for section, keys in SCHEMA.items():
+        assert set(documented[section]) == set(keys), section
+    # ... and the commented-out values are valid too.
+    config_from_toml(uncommented)
+
+
+def test_serve_takes_the_token_from_systemd_credentials(tmp_path):
+    from service_helpers import start_agent
+
+    creds = tmp_path / "creds"
+    creds.mkdir()
+    secret = "credential-token-0123456789"
+    (creds / "token").write_text(secret + "\n")
+    a = start_agent(tmp_path, token=False, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    try:
+        body = {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}
+        assert a.post("/place", body, token="wrong-token-wrong-token").status == 401
+        assert a.post("/place", body, token=secret).status == 200
+        assert f"token_file={creds / 'token'}" in a.log()
+        assert "mutating_endpoints_off" not in a.log()
+    finally:
+        a.stop()
+    # An explicit token_file wins over the credential.
+    other = tmp_path / "other"
+    other.mkdir()
+    b = start_agent(other, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    try:
+        assert b.post("/place", {"gpus": 1, "reserve": {"owner": "j", "ttl_s": 60}}, token=secret).status == 401
+        assert b.post("/place", {"gpus": 1, "reserve": {"owner": "j", "ttl_s": 60}}, token=b.token).status == 200
+    finally:
+        b.stop()

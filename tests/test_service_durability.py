@@ -7,10 +7,11 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import aiohttp
 
-from service_helpers import make_root, start_agent, wedge
+from service_helpers import make_root, metric_value, start_agent, wedge
 
 
 async def _reserve(session: aiohttp.ClientSession, url: str, token: str, gpus: int, owner: str):
@@ -173,3 +174,33 @@ def test_sighup_reloads_config(tmp_path):
         assert agent.get("/topology").status == 401
     finally:
         assert agent.stop() == 0
+
+
+def test_corrupt_lease_state_is_moved_aside_said_once_and_exposed(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "leases.json").write_bytes(b'{"schema": 1, "leases": [{"id": ')
+    a = start_agent(tmp_path, state_dir=state)
+    try:
+        assert a.get("/readyz").status == 200  # it still serves, with no leases
+        doc = a.get("/leases").json()
+        assert doc["leases"] == []
+        recovered = doc["recovered_from_corrupt_state"]
+        assert recovered["file"] == str(state / "leases.json")
+        moved = Path(recovered["moved_to"])
+        assert moved.parent == state and moved.read_bytes() == b'{"schema": 1, "leases": [{"id": '
+        text = a.get("/metrics").body.decode()
+        assert metric_value(text, "topoagent_leases_recovered_from_corrupt_state") == 1
+        log = a.log().splitlines()
+        lines = [l for l in log if "event=leases_corrupt" in l]
+        assert len(lines) == 1 and all(" event=" in l for l in log), a.log()  # one line, no stray text
+        assert "event=leases_corrupt" in lines[0] and f"file={state / 'leases.json'}" in lines[0] and f"moved_to={moved}" in lines[0]
+    finally:
+        a.stop()
+    # The next start finds a good (empty or rewritten) file and says nothing of it.
+    b = start_agent(tmp_path, state_dir=state)
+    try:
+        assert "recovered_from_corrupt_state" not in b.get("/leases").json()
+        assert metric_value(b.get("/metrics").body.decode(), "topoagent_leases_recovered_from_corrupt_state") == 0
+    finally:
+        b.stop()

@@ -16,7 +16,8 @@ def test_schemathesis_finds_no_server_error_and_no_schema_drift(tmp_path):
     try:
         result = subprocess.run(
             [
-                str(schemathesis), "run", f"{agent.url}/openapi.json",
+                str(schemathesis), "--config-file", str(Path(__file__).with_name("schemathesis.toml")),
+                "run", f"{agent.url}/openapi.json",
                 "--checks", "all",
                 "--max-examples", "12",
                 "--workers", "1",

@@ -25,7 +25,7 @@ def systemd_analyze() -> str:
 def installed_copy(tmp_path: Path) -> Path:
     """The unit as installed here: ExecStart pointing at this environment's topoagent."""
     script = Path(sys.executable).with_name("topoagent")
-    text = UNIT.read_text().replace("/usr/local/bin/topoagent", str(script))
+    text = UNIT.read_text().replace("/opt/topoagent/bin/topoagent", str(script))
     unit = tmp_path / "topoagent.service"
     unit.write_text(text)
     return unit
@@ -53,6 +53,6 @@ def test_unit_runs_what_the_issue_asks():
         "Restart=on-failure", "DynamicUser=yes", "StateDirectory=topoagent", "DevicePolicy=closed",
         "NoNewPrivileges=yes", "ProtectSystem=strict", "CapabilityBoundingSet=\n",
         "RestrictAddressFamilies=AF_INET AF_INET6 AF_UNIX AF_NETLINK", "SystemCallFilter=@system-service",
-        "ExecReload=/bin/kill -HUP $MAINPID",
+        "ExecReload=/bin/kill -HUP $MAINPID", "LoadCredential=token:/etc/topoagent/token",
     ):
         assert line in text, line

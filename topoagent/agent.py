@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import Counter
@@ -42,15 +43,23 @@ if TYPE_CHECKING:
 log = logging.getLogger("topoagent")
 
 
-def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """One line per event, `event key=value ...`, which journald and grep both read."""
+def event_line(event: str, **fields: Any) -> str:
+    """`event=NAME key=value ...` on one line; values with spaces, quotes or newlines quoted."""
     parts = [f"event={event}"]
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "='):
+        if not text or any(c in text for c in ' "=') or CONTROL.search(text):
             text = json.dumps(text)
         parts.append(f"{key}={text}")
-    log.log(level, " ".join(parts))
+    return " ".join(parts)
+
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    """One line per event, `event key=value ...`, which journald and grep both read."""
+    log.log(level, event_line(event, **fields))
 
 
 class RootError(ValueError):
@@ -287,7 +296,10 @@ class Agent:
         self.host = open_root(self.config.root)
         self.lease_store = LeaseStore(self.config.state_dir)
         if self.lease_store.recovered_from:
-            log_event("leases_corrupt", logging.ERROR, moved_to=self.lease_store.recovered_from)
+            log_event(
+                "leases_corrupt", logging.ERROR, file=self.lease_store.path, moved_to=self.lease_store.recovered_from,
+                error=self.lease_store.recovery_error, action="started with no leases; see README (Leases)",
+            )
         self._leases = tuple(self.lease_store.leases())
         log_event("leases_loaded", count=len(self._leases), path=self.lease_store.path)
         self._tasks = [

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import logging
 import os
 import secrets
 import threading
@@ -29,7 +28,6 @@ from typing import Any, Callable, Iterable, Iterator
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import NoFit, Placement, Request, place
 
-log = logging.getLogger(__name__)
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -78,6 +76,7 @@ class LeaseStore:
         self.path = self.state_dir / STATE_FILE
         self.clock = clock
         self.recovered_from: Path | None = None  # where a corrupt state file was moved
+        self.recovery_error: str | None = None  # why it could not be read (the owner logs it)
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         with self._locked():
@@ -111,7 +110,8 @@ class LeaseStore:
             os.replace(self.path, aside)
             _fsync_dir(self.state_dir)
             self.recovered_from = aside
-            log.error("lease state %s is unreadable (%s); moved it to %s", self.path, exc, aside)
+            # Not logged here: the service writes one structured line (event=leases_corrupt).
+            self.recovery_error = " ".join(f"{type(exc).__name__}: {exc}".split())
             return {}
         return {lease.id: lease for lease in leases}
 

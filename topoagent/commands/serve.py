@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from topoagent.cli import UsageError
@@ -35,6 +36,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict:
     return {"root": args.root, "listen": args.listen, "state_dir": args.state_dir, "token_file": args.token_file, "probes": args.probes}
+
+
+def with_credential_token(config: Config) -> Config:
+    """No token_file set, but systemd handed us one (`LoadCredential=token:...`): use it.
+
+    The unit runs as a DynamicUser, which cannot read a root-owned 0600 file; systemd
+    copies the credential into $CREDENTIALS_DIRECTORY readable by the service alone."""
+    if config.token_file is not None:
+        return config
+    directory = os.environ.get("CREDENTIALS_DIRECTORY")
+    if not directory:
+        return config
+    candidate = Path(directory) / "token"
+    return replace(config, token_file=str(candidate)) if candidate.is_file() else config
 
 
 def read_token(path: str | None) -> bytes:
@@ -68,12 +83,43 @@ def setup_logging() -> None:
     root.propagate = False
     # aiohttp's access log is one line per request: too loud for journald by default.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger(HTTP_LOGGER).addFilter(OneLineProtocolErrors())
+
+
+HTTP_LOGGER = "topoagent.http"  # aiohttp's server logger for this agent (AppRunner logger=)
+
+
+class OneLineProtocolErrors(logging.Filter):
+    """aiohttp logs a request its parser rejects (a bad Content-Length, a malformed
+    request line) with a multi-line traceback, before any handler or middleware runs,
+    and answers it itself in plain text.  Keep such a line to one `event=` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
+        first = " ".join(str(getattr(exc, "message", "") or exc).split())
+        status = getattr(exc, "code", "")
+        level = logging.WARNING if status == 400 else record.levelno
+        record.msg = _event_line("http_protocol_error", remote=remote, status=status, error=f"{type(exc).__name__}: {first}"[:300])
+        record.args = ()
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return True
+
+
+def _event_line(event: str, **fields: object) -> str:
+    from topoagent.agent import event_line
+
+    return event_line(event, **fields)
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging()
     try:
-        config = load_config(args.config, _overrides(args))
+        config = with_credential_token(load_config(args.config, _overrides(args)))
         token = read_token(config.token_file)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
@@ -83,8 +129,19 @@ def run(args: argparse.Namespace) -> int:
         return asyncio.run(serve(config, token, args))
     except RootError as exc:
         raise UsageError(str(exc)) from None
-    except OSError as exc:  # port in use, state dir not writable
-        raise UsageError(f"cannot start: {exc.strerror or exc}") from None
+    except OSError as exc:  # anything not caught in serve(): still name what failed
+        raise UsageError(f"cannot start: {os_error_text(exc, '-')}") from None
+
+
+def os_error_text(exc: OSError, context: str) -> str:
+    """`PATH: reason`; the path from the error, else `context` (the state dir, the address)."""
+    reason = exc.strerror or str(exc)
+    if exc.filename is not None:
+        target = f"{exc.filename} -> {exc.filename2}" if exc.filename2 is not None else str(exc.filename)
+        return f"{target}: {reason}"
+    if exc.strerror and exc.errno is not None and str(exc) != f"[Errno {exc.errno}] {exc.strerror}":
+        reason = str(exc).removeprefix(f"[Errno {exc.errno}] ")  # asyncio's bind error names the address
+    return f"{context}: {reason}"
 
 
 async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
@@ -95,18 +152,21 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
 
     agent = Agent(config)
     app = make_app(agent, token)
-    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None)
-    await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
+    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None, logger=logging.getLogger(HTTP_LOGGER))
+    try:
+        await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
+    except OSError as exc:  # the state dir: missing parent, not a directory, read-only
+        raise UsageError(f"cannot start: {os_error_text(exc, f'state dir {config.state_dir}')}") from None
     site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:  # port in use, address not on this host
         await runner.cleanup()
-        raise
+        raise UsageError(f"cannot start: {os_error_text(exc, f'listen {config.listen}')}") from None
     port = runner.addresses[0][1] if runner.addresses else config.listen.port
     host = config.listen.host
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    log_event("listening", url=base, root=config.root, state_dir=config.state_dir)
+    log_event("listening", url=base, root=config.root, state_dir=config.state_dir, token_file=config.token_file or "-")
     if not token:
         log_event("mutating_endpoints_off", logging.WARNING, reason="no --token-file: reservations, releases and refreshes are refused (403)")
     print(f"topoagent serving {config.root} on {base}", flush=True)
@@ -126,7 +186,7 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
 
     def on_hup() -> None:
         try:
-            new = load_config(args.config, _overrides(args))
+            new = with_credential_token(load_config(args.config, _overrides(args)))
             new_token = read_token(new.token_file)
         except ConfigError as exc:
             log_event("reload_failed", logging.ERROR, error=exc)
