@@ -82,7 +82,8 @@ class TopoMatrix:
 
 _LEVEL_TOKEN = re.compile(r"X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC")
 # RDMA device names are lower case (mlx5_0, mlx4_0, bnxt_re0); upper case is GPUn/NICn only.
-_DEVICE_NAME = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9]*_\d+|[a-z][a-z_]*\d+")
+# e.g. mlx5_0, mlx4_0, bnxt_re0, mlx5_bond_0, rocep65s0f0, efa_0 ... : lower case, ending in a digit.
+_DEVICE_NAME = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9_]*\d")
 _GLUED_NAMES = re.compile(r"GPU\d+|NIC\d+|[a-z]+\d*_\d+|[a-z][a-z_]*\d+")
 _TRAILING_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _TRAILING_RE = re.compile("|".join(re.escape(c) for c in _TRAILING_COLUMNS))

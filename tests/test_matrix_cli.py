@@ -147,3 +147,18 @@ def test_unknown_level_on_the_command_line(tmp_path):
     result = topoagent("matrix", "--from-nvidia-smi", str(path))
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert f"{path}: line 2: unknown link level 'NVXX'" in result.stderr
+
+
+def test_rdma_devices_named_directly_in_any_kernel_style():
+    """Old drivers name NICs by RDMA device: bonds and predictable RoCE names too."""
+    text = (
+        "\tGPU0\tGPU1\tmlx5_bond_0\trocep65s0f0\tCPU Affinity\n"
+        "GPU0\t X \tNV4\tPIX\tSYS\t0-7\n"
+        "GPU1\tNV4\t X \tPIX\tSYS\t0-7\n"
+        "mlx5_bond_0\tPIX\tPIX\t X \tSYS\n"
+        "rocep65s0f0\tSYS\tSYS\tSYS\t X \n"
+    )
+    topo = parse_topo_matrix(text)
+    assert [(d.name, d.kind, d.device) for d in topo.nics] == [
+        ("mlx5_bond_0", "nic", "mlx5_bond_0"), ("rocep65s0f0", "nic", "rocep65s0f0")]
+    assert str(topo.level("GPU1", "mlx5_bond_0")) == "PIX" and topo.notes == ()
