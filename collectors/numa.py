@@ -124,25 +124,32 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
     return NumaTopology(mark_identical_cpusets(nodes)), tuple(warnings)
 
 
-def _online_cpus(host: Host) -> frozenset[int] | None:
-    """CPUs the kernel has online: a node's cpulist can name CPUs that are not there."""
-    text = host.read_optional("/sys/devices/system/cpu/online")
+CPU_ONLINE = "/sys/devices/system/cpu/online"
+
+
+def _read_online(host: Host) -> frozenset[int] | None:
+    """The CPUs the kernel has online, or None when the file is missing."""
+    text = host.read_optional(CPU_ONLINE)
     if text is None:
         return None
     try:
         return parse_cpulist(text)
-    except ValueError:
-        return None
+    except ValueError as exc:
+        raise SourceError(f"{CPU_ONLINE}: {exc}") from None
+
+
+def _online_cpus(host: Host) -> frozenset[int] | None:
+    """CPUs the kernel has online: a node's cpulist can name CPUs that are not there."""
+    try:
+        return _read_online(host)
+    except SourceError:
+        return None  # only a filter here; the node cpulists still stand
 
 
 def _single_node(host: Host) -> NumaTopology:
-    online = host.read_optional("/sys/devices/system/cpu/online")
-    if online is None:
-        raise SourceError(f"{NODE_DIR}: no NUMA nodes and /sys/devices/system/cpu/online missing")
-    try:
-        cpus = parse_cpulist(online)
-    except ValueError as exc:
-        raise SourceError(f"/sys/devices/system/cpu/online: {exc}") from None
+    cpus = _read_online(host)
+    if cpus is None:
+        raise SourceError(f"{NODE_DIR}: no NUMA nodes and {CPU_ONLINE} missing")
     meminfo = host.read_optional("/proc/meminfo")
     memory = parse_meminfo_total(meminfo, "/proc/meminfo") if meminfo else None
     return NumaTopology((NumaNode(0, cpus, memory, (10,)),), synthesized=True)
