@@ -23,8 +23,8 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from itertools import combinations
-from typing import Iterator
 
 from topoagent.levels import LevelKind
 from topoagent.matrix import DistanceMatrix

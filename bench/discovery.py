@@ -26,7 +26,6 @@ sys.path.insert(0, str(REPO))
 from topoagent.host import Host  # noqa: E402
 from topoagent.model import discover  # noqa: E402
 
-
 # What `topoagent discover` imports (the CLI registers only the command it runs).
 DISCOVER_IMPORTS = "import topoagent.cli; topoagent.cli.build_parser('discover'); import topoagent.model"
 

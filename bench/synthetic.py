@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from topoagent.levels import LinkLevel
+from topoagent.levels import LinkLevel, expected_gbps
 from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
-from topoagent.levels import expected_gbps
 
 
 def build(levels: list[list[str]], numa: list[int], cpus: list[str], nic_levels: list[list[str]]) -> DistanceMatrix:

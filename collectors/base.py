@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from topoagent.host import HostError
+from topoagent.vocabulary import Status
 
 T = TypeVar("T")
 
-OK = "ok"
-NO_DATA = "no_data"
-ERROR = "error"
+# Kept as names for the collectors that compare with them.
+OK = Status.OK
+NO_DATA = Status.NO_DATA
+ERROR = Status.ERROR
 
 
 class SourceError(Exception):
@@ -26,7 +29,7 @@ class NoData(Exception):
 @dataclass(frozen=True, slots=True)
 class CollectorResult(Generic[T]):
     name: str
-    status: str  # OK, NO_DATA or ERROR
+    status: Status
     data: T | None = None
     message: str | None = None
     seconds: float = 0.0

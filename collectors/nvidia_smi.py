@@ -9,8 +9,8 @@ prefixed with ``#``, truncated, or without their header.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.host import CommandNotFound, Host
@@ -105,7 +105,7 @@ def _is_level_word(token: str) -> bool:
     return _LEVEL_WORD.fullmatch(token) is not None and token.upper() not in _NOT_AVAILABLE
 
 
-def _unknown_level(line_no: int, raw: str, token: str) -> "TopoParseError":
+def _unknown_level(line_no: int, raw: str, token: str) -> TopoParseError:
     known = "X, NV<n>, PIX, PXB, PHB, NODE, SYS, SOC"
     return TopoParseError(f"unknown link level {token!r} (known: {known})", line_no, raw)
 

@@ -10,8 +10,9 @@ is guarded because any one of them can be unsupported on a given GPU or driver.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.collectors.pci import normalize_address

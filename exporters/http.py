@@ -13,14 +13,16 @@ import json
 import logging
 import math
 import re
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
-from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff, log_event
+from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff
 from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTERNS, PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
+from topoagent.log import log_event
 from topoagent.placement import Request, RequestError
 
 AGENT = web.AppKey("agent", Agent)

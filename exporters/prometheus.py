@@ -14,7 +14,8 @@ Names follow the Prometheus conventions: one `topoagent_` namespace, base units
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -180,7 +181,7 @@ PROBE_OUTCOMES = ("ok", "timeout", "crash", "oom", "cuda_error", "unavailable", 
 
 
 class RuntimeCollector(Collector):
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
 
     def collect(self) -> Iterator[Metric]:
@@ -263,7 +264,7 @@ def _render(collector: Collector) -> bytes:
 class MetricsPage:
     """The /metrics text: the snapshot part rendered once per snapshot, plus the runtime part."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self._runtime = RuntimeCollector(agent)
         self._cached: tuple[int, bytes] | None = None

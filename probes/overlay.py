@@ -26,10 +26,11 @@ x16 P2P 26.3 of 31.5 GB/s (0.84), H100 NVLink4 376 of 450 (0.84), nvbandwidth on
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
-from topoagent.levels import PHB, PIX, PXB, NODE, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
+from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
 from topoagent.matrix import DistanceMatrix, Measurement
 
 ACHIEVABLE_FRACTION = 0.83

@@ -26,9 +26,10 @@ On the CPU backend each device number names a separate host buffer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 SCHEMA = 1
 BACKENDS = ("cpu", "cuda")

@@ -20,8 +20,9 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from topoagent.probes.plan import validate_plan
 
@@ -215,7 +216,7 @@ async def run_probe_round(
     timed_out = False
     try:
         await asyncio.wait_for(converse(), remaining_s)
-    except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+    except TimeoutError:  # TimeoutError itself from 3.11 on
         timed_out = True
     finally:
         if proc.returncode is None:  # timed out, or the agent is being cancelled

@@ -21,8 +21,8 @@ tests drive it with a fake one.  The rules:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
 
 
 @dataclass(frozen=True, slots=True, order=True)

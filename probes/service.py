@@ -7,8 +7,9 @@ are what ``/metrics``, ``/topology`` and the overlay read.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.overlay import ProbeFinding, findings_for, overlay

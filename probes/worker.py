@@ -68,8 +68,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from topoagent.cpulist import parse_cpulist
 from topoagent.probes.plan import PlanError, validate_plan
@@ -556,7 +557,7 @@ def main() -> int:
         return fail("unavailable", str(exc), EXIT_UNAVAILABLE)
     except BrokenPipeError:
         return EXIT_CRASH  # the agent went away; nobody to tell
-    except Exception as exc:  # noqa: BLE001 - every failure becomes one typed line
+    except Exception as exc:
         kind, code = classify(exc, torch)
         detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
         return fail(kind, detail, code)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,7 +12,11 @@ REPO = TESTS.parent
 SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "corpus"
 FIXTURES = REPO / "fixtures"
-sys.path.insert(0, str(TESTS))
+# The suite checks this checkout, in process and in the commands it starts (they run
+# `python -P -m topoagent`, which ignores the working directory but not PYTHONPATH), so
+# a change is tested without reinstalling; tests/test_packaging.py checks the install.
+sys.path[:0] = [str(TESTS), str(REPO)]
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ from itertools import combinations, permutations
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Request, evaluate_damage
 
-
 _EDGES: dict[int, tuple[DistanceMatrix, list]] = {}
 
 

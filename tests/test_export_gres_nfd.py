@@ -8,12 +8,12 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-
 from conftest import FIXTURES, SHARED
 from hwloc_oracle import parse_hwloc_cpuset, run_lstopo
+
 from topoagent.collectors.cpu import SYSFS, assume_core_map, read_core_map
-from topoagent.cpulist import parse_cpulist
 from topoagent.commands.discover import discover_root
+from topoagent.cpulist import parse_cpulist
 from topoagent.exporters.gres import bus_order, render_gres
 from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, render_nfd
 from topoagent.host import Host

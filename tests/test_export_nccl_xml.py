@@ -8,11 +8,11 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from conftest import CORPUS, FIXTURES
+
+from topoagent.collectors.pci import PciDevice
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.nccl_xml import cpumap, render_nccl_xml, xml_parent_chain
-from topoagent.collectors.pci import PciDevice
 
 SNAPSHOTS = FIXTURES / "snapshots"
 DUMPS = CORPUS / "nccl-topo-xml"

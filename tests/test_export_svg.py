@@ -9,8 +9,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
-
 from conftest import FIXTURES, REPO
+
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.svg import render_page, render_svg
 

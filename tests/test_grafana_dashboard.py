@@ -6,7 +6,6 @@ import asyncio
 import json
 import re
 
-
 from conftest import FIXTURES, REPO
 
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
@@ -29,9 +28,9 @@ def test_dashboard_is_grafana_json_with_unique_panels():
 
 
 def test_every_metric_the_dashboard_queries_is_in_a_real_scrape(tmp_path):
-    from topoagent import agent as agent_mod
     from prometheus_client.parser import text_string_to_metric_families
 
+    from topoagent import agent as agent_mod
     from topoagent.config import Config
     from topoagent.exporters.prometheus import MetricsPage
     from topoagent.matrix import Measurement

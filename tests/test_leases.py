@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from test_placement import H20
+
 from topoagent.leases import LeaseConflict, LeaseError, LeaseStore
 from topoagent.placement import NoFit, Request
 

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import CORPUS, FIXTURES
+
 from topoagent.collectors.nvidia_smi import TopoParseError, parse_topo_matrix
 
 TOPO = CORPUS / "nvidia-smi-topo"

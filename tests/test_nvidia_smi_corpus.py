@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import CORPUS
+
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 
 TOPO_DIR = CORPUS / "nvidia-smi-topo"

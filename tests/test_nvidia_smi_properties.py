@@ -6,10 +6,10 @@ import os
 import random
 
 import pytest
+from conftest import CORPUS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import CORPUS
 from topoagent.collectors.nvidia_smi import (
     TopoDevice,
     TopoMatrix,

@@ -8,13 +8,13 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
-import topoagent.placement as placement_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from placement_oracle import best_keys, edge, numa_key, pattern_key, satisfies
+
+import topoagent.placement as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.levels import PHB, PIX, PXB, SYS, NODE, LinkLevel, expected_gbps, nv
+from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
 from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement, NicInfo
 from topoagent.placement import NoFit, Placement, Request, evaluate_damage, place
 

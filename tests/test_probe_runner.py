@@ -316,6 +316,5 @@ def test_a_refused_cpu_binding_skips_the_host_copy_instead_of_crashing(monkeypat
     node = min(int(p.name[4:]) for p in Path("/sys/devices/system/node").glob("node[0-9]*")
                if (p / "cpulist").read_text().strip())
     monkeypatch.setattr(worker.os, "sched_setaffinity", refuse)
-    with pytest.raises(worker.Skip, match="not permitted"):
-        with worker.bound_to_node(node):
-            pass
+    with pytest.raises(worker.Skip, match="not permitted"), worker.bound_to_node(node):
+        pass

@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import pytest
-
 from service_helpers import DGX_A100
+
 from topoagent.config import DEFAULT_PORT, ConfigError, Listen, config_from_toml, load_config
 
 
@@ -118,6 +118,7 @@ def test_example_config_documents_every_key():
     import tomllib
 
     from conftest import REPO
+
     from topoagent.config import SCHEMA
 
     text = REPO / "systemd" / "topoagent.toml"

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import aiohttp
-
 from service_helpers import make_root, metric_value, start_agent, wedge
 
 
@@ -109,7 +108,7 @@ def test_kill_9_mid_stream_loses_no_acknowledged_lease(tmp_path):
                                     if resp.status == 200:
                                         released.add(lid)
                                 break
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     return
 
     async def main() -> None:

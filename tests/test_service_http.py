@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from service_helpers import DGX_A100, TOPO_RECORDING, Agent, make_root, metric_value, start_agent, wedge
 
 GPUS = list(range(8))  # the recorded DGX A100
@@ -365,7 +364,7 @@ def _raw_exchange(agent: Agent, head: bytes, wait: float = 5.0) -> bytes:
                 if not chunk:
                     break
                 out += chunk
-        except socket.timeout:
+        except TimeoutError:
             pass
     return out
 

@@ -8,9 +8,9 @@ import subprocess
 from dataclasses import replace
 
 import pytest
-
 from conftest import FIXTURES
 from service_helpers import metric_value, start_agent
+
 from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage

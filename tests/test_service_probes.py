@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from service_helpers import make_root, metric_value, start_agent
 
 # Small copies, few repetitions: a target takes about as long as the worker's start.

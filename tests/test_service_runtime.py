@@ -7,8 +7,8 @@ import tarfile
 from dataclasses import replace
 
 import pytest
-
 from service_helpers import DGX_A100, start_agent
+
 from topoagent.agent import Agent, discover_facts
 from topoagent.config import Config
 from topoagent.host import Host

@@ -13,21 +13,21 @@ placement core and the lease book -- are reached only through the adapters in th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from topoagent.collectors.base import ERROR, OK
 from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.config import Config
 from topoagent.host import Host, HostError
 from topoagent.leases import Lease, LeaseStore
+from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import NodeTopology, discover
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
@@ -39,28 +39,6 @@ if TYPE_CHECKING:
     from topoagent.collectors.nvml import GpuActivityReading
     from topoagent.probes.runner import ProbeRound
     from topoagent.probes.service import ProbeService
-
-log = logging.getLogger("topoagent")
-
-
-def event_line(event: str, **fields: Any) -> str:
-    """`event=NAME key=value ...` on one line; values with spaces, quotes or newlines quoted."""
-    parts = [f"event={event}"]
-    for key, value in fields.items():
-        text = str(value)
-        if not text or any(c in text for c in ' "=') or CONTROL.search(text):
-            text = json.dumps(text)
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
-
-
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
-
-
-def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """One line per event, `event key=value ...`, which journald and grep both read."""
-    log.log(level, event_line(event, **fields))
-
 
 class RootError(ValueError):
     """--root is neither "/", a snapshot directory nor a snapshot tarball."""
@@ -90,7 +68,7 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
     def work() -> None:
         try:
             result = (True, fn())
-        except BaseException as exc:  # noqa: BLE001 -- handed to the awaiting task
+        except BaseException as exc:
             result = (False, exc)
         try:
             loop.call_soon_threadsafe(settle, *result)
@@ -171,7 +149,7 @@ def topology_signature(facts: NodeFacts) -> tuple:
     )
 
 
-def make_probe_service(config: Config, gpus: list[int]) -> "ProbeService":
+def make_probe_service(config: Config, gpus: list[int]) -> ProbeService:
     from topoagent.probes.plan import DEFAULTS
     from topoagent.probes.runner import ProbeRunner
     from topoagent.probes.schedule import ProbeSchedule, ScheduleConfig
@@ -378,7 +356,7 @@ class Agent:
         timeout = self.config.timeout_s
         try:
             facts = await asyncio.wait_for(self._discover(self.host), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.abandoned_runs += 1  # its thread may stay stuck in a read for good
             return self._failed(f"discovery timed out after {timeout:g}s", started, reason)
         except asyncio.CancelledError:
@@ -613,7 +591,7 @@ class Agent:
     async def _wait_probe_wake(self, timeout: float) -> None:
         try:
             await asyncio.wait_for(self._probe_wake.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
     def _account_probe(self, probe_round: ProbeRound) -> None:

@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from topoagent import __version__
+from topoagent.errors import UsageError
 
 # Subcommand name -> module under topoagent.commands.  Each module defines
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
@@ -19,10 +20,6 @@ COMMANDS = {
     "export": "topoagent.commands.export",
     "serve": "topoagent.commands.serve",
 }
-
-
-class UsageError(Exception):
-    """Bad input a user can fix: printed as one line, exit code 2."""
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:

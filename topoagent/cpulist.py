@@ -6,7 +6,7 @@ prints them through here.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def parse_cpulist(text: str) -> frozenset[int]:

@@ -95,7 +95,7 @@ class Host:
             self._tempdir.cleanup()
             self._tempdir = None
 
-    def __enter__(self) -> "Host":
+    def __enter__(self) -> Host:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -297,7 +297,7 @@ class Host:
             raise HostError(f"{argv[0]}: permission denied") from None
         try:
             out, err = await asyncio.wait_for(process.communicate(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             process.kill()
             await process.wait()
             raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None

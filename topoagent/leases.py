@@ -20,14 +20,14 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import NoFit, Placement, Request, place
-
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -60,7 +60,7 @@ class Lease:
         }
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> "Lease":
+    def from_json(cls, obj: dict[str, Any]) -> Lease:
         gpus = obj["gpus"]
         if not isinstance(obj["id"], str) or not isinstance(obj["owner"], str):
             raise ValueError("lease id and owner must be strings")

@@ -57,7 +57,7 @@ class LinkLevel:
             raise LevelError(f"{self.kind.name} carries no NVLink count")
 
     @classmethod
-    def parse(cls, text: str) -> "LinkLevel":
+    def parse(cls, text: str) -> LinkLevel:
         """Read a level as nvidia-smi prints it (``X``, ``NV12``, ``PIX``, ``SOC``...)."""
         token = text.strip().upper()
         if token in _ALIASES:

@@ -101,7 +101,7 @@ class DistanceMatrix:
             return m.gbps
         return self.gpu_expected_gbps[i][j]
 
-    def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> "DistanceMatrix":
+    def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> DistanceMatrix:
         merged = dict(self.measured)
         for (i, j), m in measured.items():
             merged[(min(i, j), max(i, j))] = m
@@ -122,7 +122,7 @@ class DistanceMatrix:
         pcie_gen: int | None = None,
         pcie_width: int | None = None,
         leave_out: Collection[str] = (),
-    ) -> "DistanceMatrix":
+    ) -> DistanceMatrix:
         """Build from a parsed `nvidia-smi topo -m` (the declared witness alone).
 
         ``leave_out`` names GPUs to build the matrix without (see ``gpus_with_unknown_pairs``).

@@ -50,6 +50,7 @@ from topoagent.levels import (
     nvlink_generation_for_model,
 )
 from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo, first_numa_node
+from topoagent.vocabulary import FindingKind, Severity
 
 SCHEMA_VERSION = 1
 
@@ -59,10 +60,15 @@ DECLARED = "nvidia-smi"
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    kind: str  # "level-disagreement", "pcie-degraded", "nvlink-down", "ib-port-down", ...
-    severity: str  # "info", "warning" or "error"
+    """Something discovery or a measurement says about the node (the one finding type)."""
+
+    kind: FindingKind
+    severity: Severity
     subject: str  # "GPU3", "GPU0/NIC1", "mlx5_2 port 1", "0000:3b:00.0", a collector name
     message: str
+    source: str = "discovery"  # or "probe"
+    expected_gbps: float | None = None  # a measurement's finding: what the level should give
+    measured_gbps: float | None = None  # and what was measured
 
     def to_json(self) -> dict:
         return {"kind": self.kind, "severity": self.severity, "subject": self.subject,

@@ -68,10 +68,11 @@ extra NUMA nodes spanned plus the number of whole zones the placement breaks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import combinations
 from math import comb
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
@@ -152,7 +153,7 @@ class Request:
             raise RequestError("nics", f"expected a whole number >= 0, got {self.nics!r}")
 
     @classmethod
-    def from_json(cls, obj: Any) -> "Request":
+    def from_json(cls, obj: Any) -> Request:
         """From a JSON object; unknown keys are errors (a typo must not be ignored)."""
         if not isinstance(obj, dict):
             raise RequestError("request", "expected a JSON object")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 from topoagent.matrix import DistanceMatrix
 
@@ -76,7 +77,7 @@ class NodeFacts:
     pcie_links: tuple[PcieLink, ...] = ()
     nvlinks: tuple[NvLink, ...] = ()
     ib_ports: tuple[IbPort, ...] = ()
-    node: "NodeTopology | None" = None  # discovery's own value (the picture at / draws it)
+    node: NodeTopology | None = None  # discovery's own value (the picture at / draws it)
     probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
 
 
@@ -94,10 +95,10 @@ class Snapshot:
     _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
     _page: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
 
-    def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> "Snapshot":
+    def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> Snapshot:
         return replace(self, version=version, stale=True, error=error, failed_at=failed_at, latest_collectors=collectors, _cache=None, _page=None)
 
-    def with_facts(self, version: int, facts: NodeFacts) -> "Snapshot":
+    def with_facts(self, version: int, facts: NodeFacts) -> Snapshot:
         """The same discovery state with new facts (a probe result overlaid)."""
         return replace(self, version=version, facts=facts, _cache=None, _page=None)
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from topoagent import __version__
 from topoagent.host import Host, HostError
 
-
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # Archive names a user may reach for that we do not write: refused rather than
 # recorded as a directory literally called "node.zip".
@@ -134,7 +133,7 @@ def _write_dir(host: Host, root: Path) -> None:
     meta = {
         "schema": 1,
         "hostname": hostname,
-        "recorded_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "recorded_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "recorded_by": recorded_by,
     }
     (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")

@@ -8,8 +8,8 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from topoagent.cli import UsageError
 from topoagent.collectors.nvidia_smi import render_topo_matrix
+from topoagent.errors import UsageError
 from topoagent.host import Host, HostError
 
 if TYPE_CHECKING:

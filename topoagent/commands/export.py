@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from topoagent.cli import UsageError
+from topoagent.errors import UsageError
 
 FORMATS = {
     "nccl-xml": "NCCL topology file for NCCL_TOPO_FILE",
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _render(args: argparse.Namespace, host, topology) -> str:  # noqa: ANN001 - Host, NodeTopology
+def _render(args: argparse.Namespace, host, topology) -> str:
     if args.format == "nccl-xml":
         from topoagent.collectors.cpu import read_cpu_model
         from topoagent.exporters.nccl_xml import NcclXmlError, render_nccl_xml

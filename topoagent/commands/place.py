@@ -7,8 +7,8 @@ import json
 import sys
 from typing import Any
 
-from topoagent.cli import UsageError
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
+from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import PATTERNS, NoFit, Placement, Request, RequestError, place
 

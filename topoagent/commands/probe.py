@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from topoagent.cli import UsageError
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
+from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus

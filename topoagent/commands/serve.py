@@ -11,8 +11,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from topoagent.cli import UsageError
 from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
+from topoagent.errors import UsageError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -111,7 +111,7 @@ class OneLineProtocolErrors(logging.Filter):
 
 
 def _event_line(event: str, **fields: object) -> str:
-    from topoagent.agent import event_line
+    from topoagent.log import event_line
 
     return event_line(event, **fields)
 
@@ -147,8 +147,9 @@ def os_error_text(exc: OSError, context: str) -> str:
 async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from topoagent.agent import Agent, log_event
+    from topoagent.agent import Agent
     from topoagent.exporters.http import TOKEN, make_app
+    from topoagent.log import log_event
 
     agent = Agent(config)
     app = make_app(agent, token)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import sys
 
-from topoagent.cli import UsageError
+from topoagent.errors import UsageError
 from topoagent.host import Host, HostError
 
 

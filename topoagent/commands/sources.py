@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from topoagent.cli import UsageError
 from topoagent.collectors.nvidia_smi import TopoMatrix, TopoParseError, parse_topo_matrix
+from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix, gpus_with_unknown_pairs
 
 

@@ -1,0 +1,27 @@
+"""One line per event, `event=NAME key=value ...`: what journald and grep both read."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+log = logging.getLogger("topoagent")
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def event_line(event: str, **fields: Any) -> str:
+    """`event=NAME key=value ...` on one line; values with spaces, quotes or newlines quoted."""
+    parts = [f"event={event}"]
+    for key, value in fields.items():
+        text = str(value)
+        if not text or any(c in text for c in ' "=') or CONTROL.search(text):
+            text = json.dumps(text)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
+    log.log(level, event_line(event, **fields))

@@ -1,0 +1,66 @@
+"""The words topoagent says, each written once: collector status, finding severity and
+kind, communication pattern.  Every module, every JSON document, the OpenAPI document
+and the metrics take them from here.
+
+They are ``StrEnum``s: a member *is* its string, so JSON, Prometheus labels and
+comparisons with plain strings need no conversion.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Status(enum.StrEnum):
+    """How a collector's read went (node_exporter's rule: an absent source is quiet)."""
+
+    OK = "ok"
+    NO_DATA = "no_data"  # the source is simply absent on this node: still a success
+    ERROR = "error"
+
+
+class Severity(enum.StrEnum):
+    """How much a finding matters, least first.
+
+    ``critical``: placement keeps off the GPU or link it names (a GPU off the fabric, a
+    link far below its level, a source that failed); ``warning``: worth a look, the
+    figures already account for it; ``info``: how the node is, not a fault.
+    """
+
+    INFO = "info"
+    WARNING = "warning"
+    CRITICAL = "critical"
+
+
+class FindingKind(enum.StrEnum):
+    """What a finding is about.  Discovery's kinds, then the probes'."""
+
+    COLLECTOR_ERROR = "collector-error"
+    GPU_NOT_IN_SYSFS = "gpu-not-in-sysfs"
+    NVLINK_UNKNOWN = "nvlink-unknown"
+    LEVEL_DISAGREEMENT = "level-disagreement"
+    NVLINK_DOWN = "nvlink-down"
+    GPU_OUTSIDE_FABRIC = "gpu-outside-fabric"
+    PCIE_DEGRADED = "pcie-degraded"
+    PCIE_SLOW = "pcie-slow"
+    IB_PORT_DOWN = "ib-port-down"
+    # From measurements (probes/overlay.py).
+    DEGRADED_LINK = "degraded_link"
+    LEVEL_CONTRADICTION = "level_contradiction"
+    NO_PEER_ACCESS = "no_peer_access"
+    HOST_LINK_DEGRADED = "host_link_degraded"
+    NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
+
+
+class Pattern(enum.StrEnum):
+    """How a job's ranks talk, which decides which of its links matter."""
+
+    ALLREDUCE = "allreduce"  # a ring: every consecutive pair and the last back to the first
+    ALLTOALL = "alltoall"  # every pair
+    PIPELINE = "pipeline"  # a path: consecutive pairs
+    INDEPENDENT = "independent"  # no links
+
+    @property
+    def shape(self) -> str:
+        """The word for the links this pattern uses ('ring', 'path', 'all pairs', 'none')."""
+        return {"allreduce": "ring", "alltoall": "all pairs", "pipeline": "path", "independent": "none"}[self.value]
