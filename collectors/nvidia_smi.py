@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.host import CommandNotFound, Host
-from topoagent.levels import LevelError, LevelKind, LinkLevel, expected_gbps
+from topoagent.levels import LevelError, LevelKind, LinkLevel
 
 
 class TopoParseError(ValueError):
@@ -531,38 +531,6 @@ def _has_column(matrix: TopoMatrix, title: str) -> bool:
     if title in ("CPU Affinity", "NUMA Affinity"):
         return bool(matrix.gpus)
     return any(_field(d, title) is not None for d in matrix.gpus)
-
-
-def topo_matrix_to_json(matrix: TopoMatrix) -> dict:
-    """The JSON form the CLI prints: devices, and every unordered pair exactly once."""
-    devices = [
-        {
-            "name": d.name,
-            "kind": d.kind,
-            "device": d.device,
-            "cpu_affinity": d.cpu_affinity,
-            "numa_affinity": d.numa_affinity,
-            "gpu_numa_id": d.gpu_numa_id,
-        }
-        for d in matrix.devices
-    ]
-    pairs = []
-    for a, b, level in matrix.pairs():
-        pairs.append(
-            {
-                "a": a.name,
-                "b": b.name,
-                "level": None if level is None else str(level),
-                "nvlinks": None if level is None else level.nvlinks,
-                "expected_gbps": None if level is None else expected_gbps(level),
-            }
-        )
-    return {
-        "devices": devices,
-        "pairs": pairs,
-        "missing_rows": list(matrix.missing_rows),
-        "notes": list(matrix.notes),
-    }
 
 
 # --- collector ------------------------------------------------------------------------

@@ -22,7 +22,9 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff
 from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTERNS, PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
+from topoagent.exporters.svg import render_page
 from topoagent.log import log_event
+from topoagent.served import Snapshot, etag_of
 from topoagent.placement import Request, RequestError
 
 AGENT = web.AppKey("agent", Agent)
@@ -268,7 +270,7 @@ async def topology(request: web.Request) -> web.StreamResponse:
     snapshot = _ready_snapshot(request.app[AGENT])
     fmt = request.query.get("format", "json")
     if fmt == "matrix":
-        return web.Response(text=snapshot.facts.matrix_text, content_type="text/plain")
+        return web.Response(text=snapshot.matrix_text, content_type="text/plain")
     if fmt != "json":
         raise ApiError(400, "bad_request", "format: expected json or matrix")
     etag = snapshot.etag
@@ -287,7 +289,7 @@ async def place(request: web.Request) -> web.Response:
         require_token(request)  # before anything is said about the request
     snapshot = _ready_snapshot(agent)
     try:
-        req, reserve = parse_place_request(doc, {g.index for g in snapshot.facts.matrix.gpus})
+        req, reserve = parse_place_request(doc, {g.index for g in snapshot.matrix.gpus})
     except ApiError:
         agent.placement_requests["invalid"] += 1
         raise
@@ -384,14 +386,16 @@ def _not_modified(request: web.Request, etag: str) -> bool:
 async def index(request: web.Request) -> web.Response:
     """The picture of the node: an HTML page with the SVG drawn here (no script)."""
     snapshot = _ready_snapshot(request.app[AGENT])
-    try:
-        body, etag = await asyncio.to_thread(snapshot.page)  # once per snapshot, off the loop
-    except LookupError as exc:
-        raise ApiError(503, "not_ready", str(exc)) from None
+    body, etag = await asyncio.to_thread(snapshot.cached, "page", lambda: _page(snapshot))  # once per snapshot, off the loop
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
     return web.Response(body=body, content_type="text/html", charset="utf-8", headers=headers)
+
+
+def _page(snapshot: Snapshot) -> tuple[bytes, str]:
+    body = render_page(snapshot.node, snapshot.matrix).encode()
+    return body, etag_of(body)
 
 
 async def probe(request: web.Request) -> web.Response:

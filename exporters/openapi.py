@@ -1,8 +1,9 @@
 """The OpenAPI 3 document served at /openapi.json.
 
 It is the contract the tests hold real responses to (schemathesis checks every
-documented status and body shape), so it is written by hand and kept next to the
-handlers' validation rules it describes: `PLACE_LIMITS` is read by both.
+documented status and body shape).  The paths are written here; every body's schema
+comes from topoagent.schema, the module that also writes those bodies, so a field or an
+enum is written once.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import topoagent
+from topoagent.schema import component_schemas
 
 PATTERNS = ["allreduce", "alltoall", "pipeline", "independent"]
 # What `topoagent place --min-level` accepts (LinkLevel.parse, any case): NV = any
@@ -27,13 +29,6 @@ PLACE_LIMITS = {
     "owner_max_len": 128,
     "ttl_max_s": 7 * 24 * 3600,
 }
-
-ERROR = {
-    "type": "object",
-    "required": ["error", "detail"],
-    "properties": {"error": {"type": "string"}, "detail": {"type": "string"}},
-}
-
 
 def _err(description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
@@ -76,18 +71,6 @@ PLACE_REQUEST = {
     },
 }
 
-LEASE = {
-    "type": "object",
-    "required": ["id", "owner", "gpus", "created_at", "expires_at"],
-    "properties": {
-        "id": {"type": "string"},
-        "owner": {"type": "string"},
-        "gpus": {"type": "array", "items": {"type": "integer"}},
-        "created_at": {"type": "number"},
-        "expires_at": {"type": "number"},
-    },
-}
-
 PLACEMENT = {
     "type": "object",
     "required": ["gpus"],
@@ -110,26 +93,6 @@ NOFIT = {
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": {"type": "object"}},
 }
 
-TOPOLOGY = {
-    "type": "object",
-    "required": ["gpus", "agent"],
-    "properties": {
-        "gpus": {"type": "array", "items": {"type": "object"}},
-        "agent": {
-            "type": "object",
-            "required": ["snapshot_version", "built_at", "stale", "collectors"],
-            "properties": {
-                "snapshot_version": {"type": "integer"},
-                "built_at": {"type": "number"},
-                "stale": {"type": "boolean"},
-                "error": {"type": ["string", "null"]},
-                "collectors": {"type": "array", "items": {"type": "object"}},
-            },
-        },
-    },
-}
-
-
 def openapi_document() -> dict[str, Any]:
     not_ready = {"503": _err("No topology loaded yet.")}
     return {
@@ -140,7 +103,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {"Error": ERROR, "PlaceRequest": PLACE_REQUEST, "Placement": PLACEMENT, "NoFit": NOFIT, "Lease": LEASE, "Topology": TOPOLOGY},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "Placement": PLACEMENT, "NoFit": NOFIT},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 import topoagent
 from topoagent.served import Snapshot
+from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
     from topoagent.agent import Agent
@@ -40,8 +41,8 @@ class SnapshotCollector(Collector):
         self.snapshot = snapshot
 
     def collect(self) -> Iterator[Metric]:
-        facts = self.snapshot.facts
-        matrix = facts.matrix
+        snapshot = self.snapshot
+        node, matrix = snapshot.node, snapshot.matrix
 
         gpu_info = InfoMetricFamily(f"{NS}_gpu", "Identity of each GPU.", labels=["gpu"])
         for gpu in matrix.gpus:
@@ -105,30 +106,38 @@ class SnapshotCollector(Collector):
         width = GaugeMetricFamily(
             f"{NS}_pcie_link_width_lanes", "PCIe link width of a device, current and the most it supports.", labels=["device", "role", "state"]
         )
-        for link in facts.pcie_links:
-            for state, gts, lanes in (("current", link.current_speed_gts, link.current_width), ("max", link.max_speed_gts, link.max_width)):
-                if gts is not None:
-                    speed.add_metric([link.device, link.role, state], gts * 1e9)
-                if lanes is not None:
-                    width.add_metric([link.device, link.role, state], lanes)
+        for role, devices in (("gpu", node.gpus), ("nic", node.nics)):
+            for dev in devices:
+                link = dev.link
+                if link is None or not dev.pci_address:
+                    continue
+                for state, gts, lanes in (("current", link.current_gts, link.current_width), ("max", link.max_gts, link.max_width)):
+                    if gts is not None:
+                        speed.add_metric([dev.pci_address, role, state], gts * 1e9)
+                    if lanes is not None:
+                        width.add_metric([dev.pci_address, role, state], lanes)
         yield from (speed, width)
 
         nvlink = GaugeMetricFamily(f"{NS}_nvlink_up", "1 when an NVLink of a GPU is active.", labels=["gpu", "link"])
-        for nl in facts.nvlinks:
-            nvlink.add_metric([str(nl.gpu), str(nl.link)], 1.0 if nl.active else 0.0)
+        for gpu in node.gpus:
+            for nl in gpu.nvlinks:
+                nvlink.add_metric([str(gpu.index), str(nl.link)], 1.0 if nl.active else 0.0)
         yield nvlink
 
         ib_state = GaugeMetricFamily(f"{NS}_infiniband_port_active", "1 when an InfiniBand port is ACTIVE; the state label says what it is.", labels=["device", "port", "state"])
         ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bytes_per_second", "Data rate of an InfiniBand port (its Gb/s rate over 8).", labels=["device", "port"])
-        for port in facts.ib_ports:
-            ib_state.add_metric([port.device, str(port.port), port.state], 1.0 if port.state.upper() == "ACTIVE" else 0.0)
-            if port.rate_gbps is not None:
-                ib_rate.add_metric([port.device, str(port.port)], port.rate_gbps * 1e9 / 8)
+        for nic in node.nics:
+            device = nic.device or nic.name
+            for port in nic.ports:
+                state = port.state or "UNKNOWN"
+                ib_state.add_metric([device, str(port.number), state], 1.0 if state.upper() == "ACTIVE" else 0.0)
+                if port.rate_gbps is not None:
+                    ib_rate.add_metric([device, str(port.number)], port.rate_gbps * 1e9 / 8)
         yield from (ib_state, ib_rate)
 
         findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind and severity.", labels=["kind", "severity"])
         counts: dict[tuple[str, str], int] = {}
-        for finding in facts.findings:
+        for finding in snapshot.findings:
             key = (finding.kind, finding.severity)
             counts[key] = counts.get(key, 0) + 1
         for key, count in sorted(counts.items()):
@@ -138,19 +147,20 @@ class SnapshotCollector(Collector):
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
         last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
-        for c in self.snapshot.collectors:
-            success.add_metric([c.name], 1.0 if c.success else 0.0)
-            duration.add_metric([c.name], c.duration_s)
-            if c.last_success_at is not None:
-                last_ok.add_metric([c.name], c.last_success_at)
+        for c in snapshot.collectors:
+            success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            duration.add_metric([c.name], c.seconds)
+            last_success_at = snapshot.last_success_at.get(c.name)
+            if last_success_at is not None:
+                last_ok.add_metric([c.name], last_success_at)
         yield from (success, duration, last_ok)
 
-        yield from _probe_figures(facts.probe_figures)
+        yield from _probe_figures(snapshot.probe_figures)
 
         stale = GaugeMetricFamily(f"{NS}_snapshot_stale", "1 when the last discovery failed and the served topology is older.")
-        stale.add_metric([], 1.0 if self.snapshot.stale else 0.0)
+        stale.add_metric([], 1.0 if snapshot.stale else 0.0)
         built = GaugeMetricFamily(f"{NS}_snapshot_timestamp_seconds", "When the served topology was collected (Unix time).")
-        built.add_metric([], self.snapshot.built_at)
+        built.add_metric([], snapshot.built_at)
         gpus = GaugeMetricFamily(f"{NS}_gpus", "GPUs on this node.")
         gpus.add_metric([], matrix.size)
         yield from (stale, built, gpus)

@@ -9,6 +9,7 @@ from fakenode import FakeNode, nvml_gpu
 
 from topoagent.host import Host
 from topoagent.model import discover
+from topoagent.schema import node_document
 
 GPU_CLASS, IB_CLASS, NVSWITCH_CLASS = 0x030200, 0x020700, 0x068000
 
@@ -155,8 +156,8 @@ def test_direct_nvlinks_count_per_pair(tmp_path: Path) -> None:
 
 def test_json_has_the_documented_shapes(tmp_path: Path) -> None:
     two_socket(tmp_path)
-    out = run(tmp_path).to_json()
-    assert out["schema_version"] == 1
+    out = node_document(run(tmp_path))
+    assert out["schema_version"] == 2
     assert out["numa_nodes"][1] | {} == {"id": 1, "cpus": "4-7", "memory_bytes": 1073741824,
                                           "distances": [21, 10], "cpuless": False, "same_cpus_as": []}
     gpu = next(d for d in out["pci_devices"] if d["address"] == "0000:03:00.0")
@@ -176,7 +177,7 @@ def test_broken_files_are_named_and_do_not_stop_discovery(tmp_path: Path) -> Non
     two_socket(tmp_path)
     (tmp_path / "sys/devices/pci0000:00/0000:00:02.0/0000:06:00.0/numa_node").write_text("banana\n")
     (tmp_path / "sys/devices/system/node/node1/cpulist").unlink()
-    out = run(tmp_path).to_json()
+    out = node_document(run(tmp_path))
     assert out["collectors"]["numa"]["status"] == "error"
     assert "node1/cpulist" in out["collectors"]["numa"]["message"]
     assert out["collectors"]["pci"]["status"] == "ok"
@@ -186,7 +187,7 @@ def test_broken_files_are_named_and_do_not_stop_discovery(tmp_path: Path) -> Non
 
 def test_nvidia_smi_failure_is_an_error_with_the_reason(tmp_path: Path) -> None:
     FakeNode(tmp_path).command("nvidia-smi_topo_-m", "garbage\n")
-    out = run(tmp_path).to_json()
+    out = node_document(run(tmp_path))
     assert out["collectors"]["nvidia_smi"]["status"] == "error"
     assert "nvidia-smi topo -m" in out["collectors"]["nvidia_smi"]["message"]
 

@@ -202,7 +202,7 @@ def discover_json(capsys: pytest.CaptureFixture[str], root: Path, *, timings: bo
 
 def test_discover_json_has_the_issue_shapes(capsys: pytest.CaptureFixture[str]) -> None:
     out = discover_json(capsys, SNAPSHOTS / "dgx-a100", timings=True)
-    assert out["schema_version"] == 1
+    assert out["schema_version"] == 2
     nodes = out["numa_nodes"]
     assert [n["id"] for n in nodes] == list(range(8))  # NPS4 on two sockets
     assert nodes[3]["cpus"] == "48-63,176-191"  # GPU0/1's node in the real capture
@@ -316,7 +316,7 @@ def test_discover_command_loads_no_heavy_modules(tmp_path: Path) -> None:
     )
     done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
                           cwd=tmp_path, check=True)
-    assert json.loads(done.stdout)["schema_version"] == 1
+    assert json.loads(done.stdout)["schema_version"] == 2
     loaded = set(json.loads(done.stderr.strip().splitlines()[-1]))
     heavy = {"aiohttp", "prometheus_client", "pynvml", "torch", "psutil",
              "topoagent.placement", "topoagent.probes"}

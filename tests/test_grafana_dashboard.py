@@ -42,9 +42,8 @@ def test_every_metric_the_dashboard_queries_is_in_a_real_scrape(tmp_path):
         try:
             await agent.request_refresh("test")
             snap = agent.snapshot  # a probe result, so the measured series exist too
-            from dataclasses import replace
-            matrix = snap.facts.matrix.with_measurements({(0, 1): Measurement(gbps=300.0, taken_at=1.7e9)})
-            agent.snapshot = replace(snap, version=snap.version + 1, facts=replace(snap.facts, matrix=matrix))
+            matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=300.0, taken_at=1.7e9)})
+            agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
             return MetricsPage(agent).render()
         finally:
             await agent.stop()

@@ -17,6 +17,7 @@ from hwloc_oracle import read_view, run_lstopo
 from topoagent.cpulist import parse_cpulist
 from topoagent.host import Host
 from topoagent.model import discover
+from topoagent.schema import node_document
 
 RECORDINGS = sorted((SHARED / "hwloc" / "linux").glob("*.tar.bz2"))
 
@@ -29,7 +30,7 @@ EXCEPTIONS = {
 
 
 def _compare(root: Path | None, host: Host, name: str) -> None:
-    ours = asyncio.run(discover(host)).to_json()
+    ours = node_document(asyncio.run(discover(host)))
     theirs = read_view(run_lstopo(None if root is None else str(root)))
 
     nodes = {n["id"]: n for n in ours["numa_nodes"]}

@@ -43,7 +43,11 @@ def test_topology_json_etag_and_304(agent):
     pair01 = next(p for p in doc["pairs"] if (p["a"], p["b"]) == ("GPU0", "GPU1"))
     assert pair01["level"] == "NV12"
     assert doc["agent"]["stale"] is False
-    assert {c["name"] for c in doc["agent"]["collectors"] if c["success"]} == {"numa", "pci", "infiniband", "nvml", "nvidia_smi"}
+    assert {name for name, c in doc["collectors"].items() if c["status"] == "ok"} == {"numa", "pci", "infiniband", "nvml", "nvidia_smi"}
+    assert all(c["last_success_at"] >= doc["agent"]["built_at"] for c in doc["collectors"].values())
+    # Every fact once: no second copy of findings or collector status under agent.
+    assert set(doc["agent"]) == {"snapshot_version", "built_at", "stale", "error", "failed_at", "probe_figures"}
+    assert doc["schema_version"] == 2
     etag = first.headers["etag"]
     again = agent.get("/topology", headers={"If-None-Match": etag})
     assert again.status == 304 and again.body == b""

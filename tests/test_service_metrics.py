@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import subprocess
-from dataclasses import replace
 
 import pytest
 from conftest import FIXTURES
@@ -36,8 +35,8 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False) -> str:
             await agent.request_refresh("test")
             if measured:  # a probe result, as the probe scheduler overlays it
                 snap = agent.snapshot
-                matrix = snap.facts.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
-                agent.snapshot = replace(snap, version=snap.version + 1, facts=replace(snap.facts, matrix=matrix))
+                matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
+                agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
             agent.placement_requests["placed"] += 3
             return MetricsPage(agent).render()
         finally:

@@ -9,15 +9,16 @@ from dataclasses import replace
 import pytest
 from service_helpers import DGX_A100, start_agent
 
-from topoagent.agent import Agent, discover_facts
+from topoagent.agent import Agent, discover_in_thread
 from topoagent.config import Config
 from topoagent.host import Host
+from topoagent.vocabulary import Status
 
 
 @pytest.fixture(scope="module")
 def facts():
     with Host(str(DGX_A100)) as host:
-        return asyncio.run(discover_facts(host))
+        return asyncio.run(discover_in_thread(host))
 
 
 def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
@@ -48,7 +49,7 @@ def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
 def test_a_source_lost_keeps_the_old_facts_and_says_why(tmp_path, facts):
     without_smi = replace(
         facts,
-        collectors=tuple(replace(c, success=False, status="error", error="exit 9", last_success_at=None) if c.name == "nvidia_smi" else c for c in facts.collectors),
+        collectors=tuple(replace(c, status=Status.ERROR, message="exit 9") if c.name == "nvidia_smi" else c for c in facts.collectors),
     )
     answers = iter([facts, without_smi, OSError("sysfs read failed: Input/output error"), facts])
 
@@ -67,13 +68,13 @@ def test_a_source_lost_keeps_the_old_facts_and_says_why(tmp_path, facts):
         await agent.request_refresh("test")
         lost = agent.snapshot
         assert lost.stale and "collector nvidia_smi: error: exit 9" in lost.error
-        assert lost.facts is first.facts and lost.version > first.version
+        assert lost.node is first.node and lost.version > first.version
         smi = {c.name: c for c in lost.collectors}["nvidia_smi"]
-        assert not smi.success and smi.last_success_at == {c.name: c for c in first.collectors}["nvidia_smi"].last_success_at
+        assert smi.status == "error" and lost.last_success_at["nvidia_smi"] == first.last_success_at["nvidia_smi"]
         assert first.stale is False  # the old value was not changed: a new one swapped in
         await agent.request_refresh("test")
         assert agent.snapshot.stale and "Input/output error" in agent.snapshot.error
-        assert not any(c.success for c in agent.snapshot.collectors)
+        assert all(c.status == "error" for c in agent.snapshot.collectors)
         await agent.request_refresh("test")
         assert agent.snapshot.stale is False and agent.snapshot.error is None
         await agent.stop()
@@ -95,8 +96,10 @@ def test_serves_a_snapshot_tarball(tmp_path):
 
 def test_a_changed_topology_tells_the_probe_schedule_to_probe_soon(tmp_path, facts):
     # An NVLink that went down between two discoveries: old measurements say nothing now.
-    first = next(n for n in facts.nvlinks if n.active)
-    link_down = replace(facts, nvlinks=tuple(replace(n, active=False) if n == first else n for n in facts.nvlinks))
+    gpu = facts.gpus[0]
+    first = next(n for n in gpu.nvlinks if n.active)
+    down = replace(gpu, nvlinks=tuple(replace(n, active=False) if n == first else n for n in gpu.nvlinks))
+    link_down = replace(facts, gpus=(down, *facts.gpus[1:]))
     answers = iter([facts, facts, link_down])
 
     async def scripted(host: Host):

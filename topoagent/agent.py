@@ -22,18 +22,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from topoagent.collectors.base import ERROR, OK
-from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.config import Config
 from topoagent.host import Host, HostError
 from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
-from topoagent.model import NodeTopology, discover
+from topoagent.model import CollectorStatus, Finding, NodeTopology, discover
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
-from topoagent.served import CollectorStatus, Finding, NodeFacts, PcieLink, Snapshot
-from topoagent.served import IbPort as IbPortFact
-from topoagent.served import NvLink as NvLinkFact
+from topoagent.served import Snapshot
+from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import GpuActivityReading
@@ -84,68 +81,23 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 # ---------------------------------------------------------------------------------------
 
 
-def facts_from_topology(topo: NodeTopology, now: float) -> NodeFacts:
-    """Discovery's NodeTopology in the shape the exporters read."""
-    pcie: list[PcieLink] = []
-    for role, devices in (("gpu", topo.gpus), ("nic", topo.nics)):
-        for dev in devices:
-            if dev.link is not None and dev.pci_address:
-                pcie.append(PcieLink(dev.pci_address, role, dev.link.current_gts, dev.link.max_gts, dev.link.current_width, dev.link.max_width))
-    return NodeFacts(
-        topology=topo.to_json(timings=True),
-        matrix=topo.distance_matrix(),
-        matrix_text=render_topo_matrix(topo.topo_matrix()),
-        collectors=tuple(
-            # node_exporter's rule: a source that is simply absent is quiet, not a failure
-            CollectorStatus(c.name, c.status != ERROR, c.seconds, now if c.status != ERROR else None, c.message if c.status != OK else None, c.status)
-            for c in topo.collectors
-        ),
-        findings=tuple(Finding(f.kind, f"{f.subject}: {f.message}", f.severity) for f in topo.findings),
-        pcie_links=tuple(pcie),
-        nvlinks=tuple(NvLinkFact(g.index, nl.link, nl.active) for g in topo.gpus for nl in g.nvlinks),
-        ib_ports=tuple(
-            IbPortFact(n.device or n.name, p.number, p.state or "UNKNOWN", p.rate_gbps) for n in topo.nics for p in n.ports
-        ),
-        node=topo,
-    )
-
-
-# Probe findings speak info/warning/critical; the served findings info/warning/error.
-_PROBE_SEVERITY = {"critical": "error"}
-
-
-def facts_with_probes(facts: NodeFacts, figures: list[dict[str, Any]]) -> NodeFacts:
-    """Discovery's facts with the probes' figures overlaid: measured bandwidth in the
-    matrix (placement ranks by it), on each GPU pair of the topology JSON, and the
-    findings the measurements support."""
+def overlay_probes(node: NodeTopology, figures: list[dict[str, Any]]) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
+    """Discovery's matrix with the probes' figures overlaid (placement ranks by the
+    measured bandwidth), and the findings the measurements support."""
     from topoagent.probes.overlay import findings_for, overlay
 
-    matrix = overlay(facts.matrix, figures)
-    probe_findings = findings_for(matrix, figures)
-    measured = {
-        frozenset((matrix.gpus[i].name, matrix.gpus[j].name)): m for (i, j), m in matrix.measured.items()
-    }
-    topology = dict(facts.topology)
-    pairs = []
-    for pair in topology.get("pairs", []):
-        m = measured.get(frozenset((pair.get("a"), pair.get("b"))))
-        pairs.append({**pair, "measured_gbps": round(m.gbps, 3) if m else None, "measured_at": m.taken_at if m else None})
-    topology["pairs"] = pairs
-    topology["findings"] = [*topology.get("findings", []), *(f.to_json() for f in probe_findings)]
-    served = tuple(
-        Finding(f.kind, f"{f.subject}: {f.message}", _PROBE_SEVERITY.get(f.severity, f.severity)) for f in probe_findings
-    )
-    return replace(facts, matrix=matrix, topology=topology, findings=facts.findings + served, probe_figures=tuple(figures))
+    matrix = overlay(node.distance_matrix(), figures)
+    return matrix, tuple(findings_for(matrix, figures))
 
 
-def topology_signature(facts: NodeFacts) -> tuple:
+def topology_signature(node: NodeTopology) -> tuple:
     """What, when it changes, makes old measurements meaningless: the GPUs, their
     levels, their active NVLinks.  (Not PCIe link speed: idle GPUs downtrain it.)"""
-    m = facts.matrix
+    gpus = {g.name for g in node.gpus}
     return (
-        tuple((g.index, g.uuid, g.pci_address) for g in m.gpus),
-        tuple(tuple(str(level) for level in row) for row in m.gpu_levels),
-        tuple(sorted((n.gpu, n.link) for n in facts.nvlinks if n.active)),
+        tuple((g.index, g.uuid, g.pci_address) for g in node.gpus),
+        tuple(str(p.level) for p in node.pairs if p.a in gpus and p.b in gpus),
+        tuple(sorted((g.index, link.link) for g in node.gpus for link in g.nvlinks if link.active)),
     )
 
 
@@ -182,12 +134,11 @@ class ProbeRunning(Exception):
     """POST /probe while a probe is in flight or a forced round is still going."""
 
 
-async def discover_facts(host: Host) -> NodeFacts:
+async def discover_in_thread(host: Host) -> NodeTopology:
     """Run discovery on its own thread and loop: a read stuck in the kernel (or a
     replayed FIFO) blocks that thread, never the agent's loop, and the agent's timeout
     can walk away from it."""
-    topo = await run_in_daemon_thread(lambda: asyncio.run(discover(host)))
-    return facts_from_topology(topo, time.time())
+    return await run_in_daemon_thread(lambda: asyncio.run(discover(host)))  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,11 +185,11 @@ def place_gpus(matrix: DistanceMatrix, request: PlaceRequest, busy: frozenset[in
 # Runtime
 # ---------------------------------------------------------------------------------------
 
-Discover = Callable[[Host], Awaitable[NodeFacts]]
+Discover = Callable[[Host], Awaitable[NodeTopology]]
 
 
 class Agent:
-    def __init__(self, config: Config, *, discover: Discover = discover_facts) -> None:
+    def __init__(self, config: Config, *, discover: Discover = discover_in_thread) -> None:
         self.config = config
         self._discover = discover
         self.snapshot: Snapshot | None = None
@@ -259,7 +210,8 @@ class Agent:
         self.abandoned_runs = 0
         # Probes: discovery's facts before any overlay, the service (made at the first
         # discovery, when the GPUs are known), and what the rounds did.
-        self._discovered: NodeFacts | None = None
+        self._discovered: NodeTopology | None = None
+        self._last_success: dict[str, float] = {}  # collector name -> Unix time of its last good run
         self._signature: tuple | None = None
         self.probes: ProbeService | None = None
         self.probe_rounds: Counter[str] = Counter()  # by outcome: "ok" or the failure kind
@@ -355,7 +307,7 @@ class Agent:
         started = time.time()
         timeout = self.config.timeout_s
         try:
-            facts = await asyncio.wait_for(self._discover(self.host), timeout)
+            node = await asyncio.wait_for(self._discover(self.host), timeout)
         except TimeoutError:
             self.abandoned_runs += 1  # its thread may stay stuck in a read for good
             return self._failed(f"discovery timed out after {timeout:g}s", started, reason)
@@ -364,35 +316,36 @@ class Agent:
         except Exception as exc:  # a collector's bug must not take the agent down
             notes = "; ".join(getattr(exc, "__notes__", []))
             return self._failed(f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else ""), started, reason)
+        now = time.time()
+        for c in node.collectors:
+            if c.status is not Status.ERROR:  # node_exporter's rule: absent is quiet, not failed
+                self._last_success[c.name] = now
         previous = self.snapshot
-        statuses = self._with_last_success(facts.collectors)
-        facts = replace(facts, collectors=statuses)
         if previous is not None:
             # A source that worked before and fails now would make the new facts poorer
             # (an nvidia-smi timeout drops every declared level): keep the old facts.
             # A source that answered before and is gone now (no_data) counts as lost too.
-            worked = {c.name for c in previous.facts.collectors if c.status == "ok"}
-            lost = [c for c in statuses if c.status != "ok" and c.name in worked]
+            worked = {c.name for c in previous.node.collectors if c.status is Status.OK}
+            lost = [c for c in node.collectors if c.status is not Status.OK and c.name in worked]
             if lost:
-                error = "; ".join(f"collector {c.name}: {c.status}: {c.error}" for c in lost)
-                return self._failed(error, started, reason, statuses)
-        self._discovered = facts
-        self._note_topology(facts)
-        if facts.node is not None:
-            self._set_activity_from_node(facts.node)
-        if self.config.probes_enabled:
-            figures = self.probes.figures() if self.probes else []
-            facts = await asyncio.to_thread(facts_with_probes, facts, figures)
-        snapshot = Snapshot(version=self._version + 1, facts=facts, built_at=time.time())
+                error = "; ".join(f"collector {c.name}: {c.status}: {c.message}" for c in lost)
+                return self._failed(error, started, reason, node.collectors)
+        self._discovered = node
+        self._note_topology(node)
+        self._set_activity_from_node(node)
+        matrix, probe_findings, figures = node.distance_matrix(), (), ()
+        if self.config.probes_enabled and self.probes is not None:
+            figures = tuple(self.probes.figures())
+            matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures))
+        snapshot = Snapshot(
+            version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
+            last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
+        )
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         self._version += 1
         self.snapshot = snapshot
         self.refreshes["success"] += 1
-        log_event("discovery_ok", reason=reason, version=self._version, gpus=facts.matrix.size, findings=len(facts.findings), seconds=f"{time.time() - started:.3f}")
-
-    def _with_last_success(self, statuses: tuple[CollectorStatus, ...]) -> tuple[CollectorStatus, ...]:
-        before = {c.name: c.last_success_at for c in (self.snapshot.collectors if self.snapshot else ())}
-        return tuple(c if c.last_success_at is not None else replace(c, last_success_at=before.get(c.name)) for c in statuses)
+        log_event("discovery_ok", reason=reason, version=self._version, gpus=len(node.gpus), findings=len(snapshot.findings), seconds=f"{time.time() - started:.3f}")
 
     def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
         self.refreshes["failure"] += 1
@@ -401,9 +354,11 @@ class Agent:
         if self.snapshot is None:
             return
         if statuses is None:  # the whole run failed: no source answered this time
-            statuses = tuple(replace(c, success=False, duration_s=elapsed, error=error, status="error") for c in self.snapshot.collectors)
+            statuses = tuple(replace(c, status=Status.ERROR, message=error, seconds=elapsed, warnings=()) for c in self.snapshot.collectors)
         self._version += 1
-        self.snapshot = self.snapshot.marked_stale(self._version, error, time.time(), statuses)
+        self.snapshot = replace(
+            self.snapshot.marked_stale(self._version, error, time.time(), statuses), last_success_at=dict(self._last_success)
+        )
 
     async def _timer_loop(self) -> None:
         while True:
@@ -440,7 +395,7 @@ class Agent:
 
     def place(self, request: PlaceRequest) -> PlaceOutcome:
         assert self.snapshot is not None
-        outcome = place_gpus(self.snapshot.facts.matrix, request, self.busy())
+        outcome = place_gpus(self.snapshot.matrix, request, self.busy())
         self.placement_requests["placed" if outcome.fits else "nofit"] += 1
         return outcome
 
@@ -448,7 +403,7 @@ class Agent:
         """Place and lease in one step under the store's lock (so no GPU is leased
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
-        matrix, store = self.snapshot.facts.matrix, self.lease_store
+        matrix, store = self.snapshot.matrix, self.lease_store
         running = self.gpus_with_processes()
 
         def work() -> tuple[PlaceOutcome, Lease | None, tuple[Lease, ...]]:
@@ -512,14 +467,14 @@ class Agent:
             await self.read_activity()
 
     # -- probes -----------------------------------------------------------------------------
-    def _note_topology(self, facts: NodeFacts) -> None:
+    def _note_topology(self, node: NodeTopology) -> None:
         """A new discovery: start probing (first time) or tell the schedule what changed."""
-        signature = topology_signature(facts)
+        signature = topology_signature(node)
         changed = self._signature is not None and signature != self._signature
         self._signature = signature
         if not self.config.probes_enabled:
             return
-        gpus = [g.index for g in facts.matrix.gpus]
+        gpus = [g.index for g in node.gpus]
         if self.probes is None:
             self.probes = make_probe_service(self.config, gpus)
         elif changed:
@@ -581,7 +536,12 @@ class Agent:
             if probe_round is not None:
                 self._account_probe(probe_round)
                 if probe_round.results:
-                    await self._publish_probes()
+                    try:
+                        await self._publish_probes()
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as exc:  # the figures stay with the service; the next round retries
+                        log_event("probe_publish_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
                 continue
             wakeup = service.schedule.next_wakeup()
             delay = self.config.activity_interval_s if wakeup is None else wakeup - service.schedule.clock()
@@ -614,8 +574,9 @@ class Agent:
             based_on, discovered = self.snapshot, self._discovered
             if based_on is None or discovered is None:
                 return
-            facts = await asyncio.to_thread(facts_with_probes, discovered, self.probes.figures())
-            snapshot = based_on.with_facts(self._version + 1, facts)
+            figures = tuple(self.probes.figures())
+            matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures))
+            snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
             await asyncio.to_thread(lambda: snapshot.body)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
                 self._version += 1

@@ -1,168 +1,86 @@
 """What the agent serves: one immutable snapshot of the node, swapped whole.
 
-Readers (HTTP handlers, the Prometheus collector) take `agent.snapshot` once and read
-only that value, so they never see half of one discovery and half of the next.  The JSON
-body and its ETag are computed once per snapshot, not per request.
+The snapshot *is* discovery's typed ``NodeTopology`` plus the agent's own state (the
+matrix with the probes' measurements overlaid, their figures and findings, how each
+collector fared, staleness); there is no second set of types for serving.  Readers (HTTP
+handlers, the Prometheus collector) take ``agent.snapshot`` once and read only that value,
+so they never see half of one discovery and half of the next.  The JSON body, its ETag and
+the nvidia-smi-style text are computed once per snapshot, not per request.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from topoagent.matrix import DistanceMatrix
-
-if TYPE_CHECKING:
-    from topoagent.model import NodeTopology
-
-
-@dataclass(frozen=True, slots=True)
-class CollectorStatus:
-    """node_exporter's pattern: every source says whether it worked and how long it took."""
-
-    name: str
-    success: bool
-    duration_s: float
-    last_success_at: float | None  # Unix time of this collector's last good run
-    error: str | None = None
-    status: str = "ok"  # "ok", "no_data" (source absent: quiet, still a success) or "error"
-
-
-@dataclass(frozen=True, slots=True)
-class Finding:
-    kind: str  # "level-disagreement", "pcie-degraded", ...
-    detail: str
-    severity: str = "warning"  # "info", "warning" or "error"
-
-
-@dataclass(frozen=True, slots=True)
-class PcieLink:
-    device: str  # PCI address
-    role: str  # "gpu", "nic", "bridge"
-    current_speed_gts: float | None
-    max_speed_gts: float | None
-    current_width: int | None
-    max_width: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class NvLink:
-    gpu: int
-    link: int
-    active: bool
-
-
-@dataclass(frozen=True, slots=True)
-class IbPort:
-    device: str  # "mlx5_0"
-    port: int
-    state: str  # "ACTIVE", "DOWN", ...
-    rate_gbps: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class NodeFacts:
-    """What one discovery run produced, in the shape the exporters read, with the
-    probes' measurements overlaid when there are any (``matrix.measured``,
-    ``probe_figures``, probe findings among ``findings``)."""
-
-    topology: dict[str, Any]  # the NodeTopology JSON
-    matrix: DistanceMatrix
-    matrix_text: str  # nvidia-smi-style text for ?format=matrix
-    collectors: tuple[CollectorStatus, ...] = ()
-    findings: tuple[Finding, ...] = ()
-    pcie_links: tuple[PcieLink, ...] = ()
-    nvlinks: tuple[NvLink, ...] = ()
-    ib_ports: tuple[IbPort, ...] = ()
-    node: NodeTopology | None = None  # discovery's own value (the picture at / draws it)
-    probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
+from topoagent.model import CollectorStatus, Finding, NodeTopology
+from topoagent.vocabulary import Status
 
 
 @dataclass(frozen=True)
 class Snapshot:
     version: int  # increases with every swap
-    facts: NodeFacts
-    built_at: float  # Unix time the facts were collected
+    node: NodeTopology  # discovery's value
+    matrix: DistanceMatrix  # the node's matrix, measurements overlaid (placement reads it)
+    built_at: float  # Unix time the node's facts were collected
+    # How each source fared in the latest run, which may be newer than ``node`` (stale).
+    collectors: tuple[CollectorStatus, ...]
+    last_success_at: Mapping[str, float | None]  # collector name -> Unix time
+    probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
+    probe_findings: tuple[Finding, ...] = ()
     stale: bool = False  # the last discovery failed; these facts are older
     error: str | None = None  # why the last discovery failed
     failed_at: float | None = None
-    # Collector results of the latest run when it failed (the facts are from an older one).
-    latest_collectors: tuple[CollectorStatus, ...] | None = None
-    # Cached per snapshot (computed on first use, never per request).
-    _cache: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
-    _page: tuple[bytes, str] | None = field(default=None, repr=False, compare=False)
+    _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> Snapshot:
-        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, latest_collectors=collectors, _cache=None, _page=None)
+        return replace(self, version=version, stale=True, error=error, failed_at=failed_at, collectors=collectors, _cache={})
 
-    def with_facts(self, version: int, facts: NodeFacts) -> Snapshot:
-        """The same discovery state with new facts (a probe result overlaid)."""
-        return replace(self, version=version, facts=facts, _cache=None, _page=None)
+    def with_probes(self, version: int, matrix: DistanceMatrix, figures: tuple[Mapping[str, Any], ...], findings: tuple[Finding, ...]) -> Snapshot:
+        """The same discovery state with new measurements overlaid."""
+        return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={})
 
     @property
-    def collectors(self) -> tuple[CollectorStatus, ...]:
-        """How each source fared in the latest run (which may be newer than the facts)."""
-        return self.latest_collectors if self.latest_collectors is not None else self.facts.collectors
+    def findings(self) -> tuple[Finding, ...]:
+        return self.node.findings + self.probe_findings
 
-    def document(self) -> dict[str, Any]:
-        doc = dict(self.facts.topology)
-        doc["agent"] = {
-            "snapshot_version": self.version,
-            "built_at": self.built_at,
-            "stale": self.stale,
-            "error": self.error,
-            "failed_at": self.failed_at,
-            "collectors": [
-                {
-                    "name": c.name,
-                    "success": c.success,
-                    "status": c.status,
-                    "duration_s": round(c.duration_s, 6),
-                    "last_success_at": c.last_success_at,
-                    "error": c.error,
-                }
-                for c in self.collectors
-            ],
-            "findings": [{"kind": f.kind, "severity": f.severity, "detail": f.detail} for f in self.facts.findings],
-            "probe_figures": [_figure_json(f) for f in self.facts.probe_figures],
-        }
-        return doc
+    def collector_ok(self, name: str) -> bool:
+        """node_exporter's rule: a source that is simply absent is quiet, not a failure."""
+        return any(c.name == name and c.status is not Status.ERROR for c in self.collectors)
 
-    def _cached(self) -> tuple[bytes, str]:
-        if self._cache is None:
-            body = json.dumps(self.document(), indent=1).encode()
-            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-            # frozen: the cache is filled once, through object.__setattr__
-            object.__setattr__(self, "_cache", (body, etag))
-        return self._cache  # type: ignore[return-value]
+    def cached(self, key: str, make: Callable[[], Any]) -> Any:
+        """What a door renders from this snapshot once (the JSON, the text matrix, the
+        picture at /): computed on first use, dropped with the snapshot."""
+        got = self._cache.get(key)
+        if got is None:
+            got = self._cache[key] = make()
+        return got
 
-    def page(self) -> tuple[bytes, str]:
-        """The HTML picture of the node and its ETag, rendered once per snapshot."""
-        if self._page is None:
-            from topoagent.exporters.svg import render_page
+    def _json(self) -> tuple[bytes, str]:
+        from topoagent.schema import topology_document
 
-            if self.facts.node is None:
-                raise LookupError("this snapshot has no discovered topology to draw")
-            body = render_page(self.facts.node, self.facts.matrix).encode()
-            etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
-            object.__setattr__(self, "_page", (body, etag))
-        return self._page  # type: ignore[return-value]
+        body = json.dumps(topology_document(self), indent=1).encode()
+        return body, etag_of(body)
 
     @property
     def body(self) -> bytes:
-        return self._cached()[0]
+        return self.cached("json", self._json)[0]  # type: ignore[no-any-return]
 
     @property
     def etag(self) -> str:
-        return self._cached()[1]
+        return self.cached("json", self._json)[1]  # type: ignore[no-any-return]
+
+    @property
+    def matrix_text(self) -> str:
+        """The derived matrix printed the way `nvidia-smi topo -m` does (?format=matrix)."""
+        from topoagent.collectors.nvidia_smi import render_topo_matrix
+
+        return self.cached("matrix", lambda: render_topo_matrix(self.node.topo_matrix()))  # type: ignore[no-any-return]
 
 
-FIGURE_FIELDS = ("kind", "direction", "src", "dst", "device", "numa_node", "size_bytes", "unit",
-                 "median", "p10", "p90", "repetitions", "available", "received_at")
-
-
-def _figure_json(figure: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: figure[k] for k in FIGURE_FIELDS if k in figure}
+def etag_of(body: bytes) -> str:
+    return '"' + hashlib.sha256(body).hexdigest()[:32] + '"'

@@ -57,7 +57,9 @@ def discover_root(root: str) -> NodeTopology:
 def run(args: argparse.Namespace) -> int:
     topology = discover_root(args.root)
     if args.json:
-        json.dump(topology.to_json(), sys.stdout, indent=1)
+        from topoagent.schema import node_document
+
+        json.dump(node_document(topology), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
     matrix = topology.topo_matrix()

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from topoagent.collectors.nvidia_smi import render_topo_matrix, topo_matrix_to_json
+from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.commands.sources import read_topo_matrix
 
 
@@ -33,7 +33,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     topo = read_topo_matrix(args.from_nvidia_smi)
     if args.json:
-        json.dump(topo_matrix_to_json(topo), sys.stdout, indent=1)
+        from topoagent.schema import topo_matrix_document
+
+        json.dump(topo_matrix_document(topo), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render_topo_matrix(topo))
