@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 from topoagent.collectors.base import ERROR, OK
 from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.config import Config
+from topoagent.discovery import discover
 from topoagent.host import Host, HostError
 from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
-from topoagent.model import NodeTopology, discover
+from topoagent.model import NodeTopology
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.served import CollectorStatus, Finding, NodeFacts, PcieLink, Snapshot
 from topoagent.served import IbPort as IbPortFact
