@@ -23,11 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from topoagent.discovery import discover  # noqa: E402
 from topoagent.host import Host  # noqa: E402
-from topoagent.model import discover  # noqa: E402
 
 # What `topoagent discover` imports (the CLI registers only the command it runs).
-DISCOVER_IMPORTS = "import topoagent.cli; topoagent.cli.build_parser('discover'); import topoagent.model"
+DISCOVER_IMPORTS = "import topoagent.cli; topoagent.cli.build_parser('discover'); import topoagent.discovery"
 
 
 def default_root() -> Path:

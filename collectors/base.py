@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from topoagent.host import HostError
+from topoagent.errors import TopoagentError
 from topoagent.vocabulary import Status
 
 T = TypeVar("T")
@@ -18,11 +18,11 @@ NO_DATA = Status.NO_DATA
 ERROR = Status.ERROR
 
 
-class SourceError(Exception):
+class SourceError(TopoagentError):
     """A source exists but cannot be read as expected; the message names file and reason."""
 
 
-class NoData(Exception):
+class NoData(TopoagentError):
     """The source is simply absent on this node (no NVML, no /sys/class/infiniband)."""
 
 
@@ -44,12 +44,17 @@ class CollectorResult(Generic[T]):
 async def run_collector(
     name: str, read: Callable[[], Awaitable[tuple[Any, tuple[str, ...]]]]
 ) -> CollectorResult[Any]:
-    """Run ``read`` and turn what happens into a CollectorResult; never raises."""
+    """Run ``read`` and turn what happens into a CollectorResult.
+
+    Only the errors a read means to raise become an ``error`` result: the project's own
+    (a source that cannot be read, a parse error naming its file) and the OS's.  Anything
+    else is a bug and is left to surface rather than be reported as a damaged file.
+    """
     started = time.perf_counter()
     try:
         data, warnings = await read()
     except NoData as exc:
         return CollectorResult(name, NO_DATA, None, str(exc) or None, time.perf_counter() - started)
-    except (SourceError, HostError, OSError, ValueError) as exc:
+    except (TopoagentError, OSError) as exc:  # SourceError, HostError, parsers' typed errors
         return CollectorResult(name, ERROR, None, str(exc), time.perf_counter() - started)
     return CollectorResult(name, OK, data, None, time.perf_counter() - started, warnings)

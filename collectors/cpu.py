@@ -1,56 +1,26 @@
-"""The CPU side the exporters need: what the CPU is (/proc/cpuinfo) and which OS CPUs are
+"""The CPU side of the node: what the CPU is (/proc/cpuinfo) and which OS CPUs are
 threads of one physical core (/sys/devices/system/cpu/cpu<N>/topology).
 
-Discovery does not need these facts; the NCCL topology file (``<cpu arch vendor familyid
-modelid>``) and Slurm's gres.conf (``Cores=``, counted in physical cores) do.  Both readers
-go through ``Host`` so they work on a recorded node, and both say when a fact is missing
-instead of guessing silently.
+Level derivation does not need these facts; the NCCL topology file (``<cpu arch vendor
+familyid modelid>``) and Slurm's gres.conf (``Cores=``, counted in physical cores) do, and
+they read them from the discovered NodeTopology.  The readers go through ``Host`` so they
+work on a recorded node (and ``topoagent snapshot`` records what they read), and say when a
+fact is missing instead of guessing silently.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
-from dataclasses import dataclass
 
+from topoagent.collectors.base import CollectorResult, NoData, run_collector
 from topoagent.collectors.numa import NumaTopology
-from topoagent.cpulist import parse_cpulist
+from topoagent.cpulist import CpuListError, parse_cpulist
+from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS, CoreMap, CpuFacts, CpuModel
 from topoagent.host import Host
 
 CPU_DIR = "/sys/devices/system/cpu"
 _CPU_NAME = re.compile(r"cpu(\d+)")
-
-# How a CoreMap was obtained.
-SYSFS = "sysfs"
-ASSUMED_SMT2 = "assumed-smt2"
-ASSUMED_NO_SMT = "assumed-no-smt"
-
-
-@dataclass(frozen=True, slots=True)
-class CpuModel:
-    arch: str | None  # as NCCL names it: "x86_64", "arm64", "ppc64"
-    vendor: str | None  # cpuid vendor string: "GenuineIntel", "AuthenticAMD"
-    family: int | None  # cpuid family (with the extended family added, as /proc/cpuinfo prints)
-    model: int | None
-    model_name: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class CoreMap:
-    """OS CPU number -> Slurm's abstract core index (lstopo's ``Core L#``)."""
-
-    core_of: dict[int, int]
-    source: str  # SYSFS, ASSUMED_SMT2 or ASSUMED_NO_SMT
-
-    @property
-    def assumed(self) -> bool:
-        return self.source != SYSFS
-
-    def cores(self, cpus: frozenset[int]) -> frozenset[int]:
-        return frozenset(self.core_of[c] for c in cpus if c in self.core_of)
-
-    @property
-    def all_cores(self) -> frozenset[int]:
-        return frozenset(self.core_of.values())
 
 
 def parse_cpuinfo(text: str) -> CpuModel | None:
@@ -139,7 +109,7 @@ def _read_sysfs_cores(host: Host) -> CoreMap | None:
     online_text = host.read_optional(f"{CPU_DIR}/online")
     try:
         online = parse_cpulist(online_text) if online_text else None
-    except ValueError:
+    except CpuListError:
         online = None
     names = [m for m in map(_CPU_NAME.fullmatch, host.listdir(CPU_DIR)) if m]
     if not names:
@@ -174,7 +144,24 @@ def read_cpu_model(host: Host) -> CpuModel | None:
     return parse_cpuinfo(text) if text else None
 
 
+def read_cpu(host: Host, numa: NumaTopology | None) -> tuple[CpuFacts, tuple[str, ...]]:
+    model, core_map = read_cpu_model(host), read_core_map(host, numa)
+    if model is None and core_map is None:
+        raise NoData("neither /proc/cpuinfo nor the CPU topology says anything")
+    return CpuFacts(model, core_map), ()
+
+
+async def collect(host: Host, numa: CollectorResult[NumaTopology] | None = None) -> CollectorResult[CpuFacts]:
+    """The CPU's identity and core map; NUMA's CPUs stand in when sysfs shows no topology."""
+    numa_topology = numa.data if numa is not None and numa.ok else None
+
+    async def read() -> tuple[CpuFacts, tuple[str, ...]]:
+        return await asyncio.to_thread(read_cpu, host, numa_topology)
+
+    return await run_collector("cpu", read)
+
+
 __all__ = [
-    "ASSUMED_NO_SMT", "ASSUMED_SMT2", "SYSFS", "CoreMap", "CpuModel", "abstract_cores",
-    "assume_core_map", "parse_cpuinfo", "read_core_map", "read_cpu_model",
+    "ASSUMED_NO_SMT", "ASSUMED_SMT2", "SYSFS", "CoreMap", "CpuFacts", "CpuModel", "abstract_cores",
+    "assume_core_map", "collect", "parse_cpuinfo", "read_core_map", "read_cpu", "read_cpu_model",
 ]

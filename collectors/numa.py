@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 
 from topoagent.collectors.base import CollectorResult, SourceError, run_collector
-from topoagent.cpulist import format_cpulist, parse_cpulist
+from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.host import Host
 
 NODE_DIR = "/sys/devices/system/node"
@@ -96,7 +96,7 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
             raise SourceError(f"{base}/cpulist: missing or unreadable")
         try:
             cpus = parse_cpulist(text)
-        except ValueError as exc:
+        except CpuListError as exc:
             raise SourceError(f"{base}/cpulist: {exc}") from None
         memory = None
         meminfo = host.read_optional(f"{base}/meminfo")
@@ -134,7 +134,7 @@ def _read_online(host: Host) -> frozenset[int] | None:
         return None
     try:
         return parse_cpulist(text)
-    except ValueError as exc:
+    except CpuListError as exc:
         raise SourceError(f"{CPU_ONLINE}: {exc}") from None
 
 

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.errors import TopoagentError
 from topoagent.host import CommandNotFound, Host
 from topoagent.levels import LevelError, LevelKind, LinkLevel
 
 
-class TopoParseError(ValueError):
+class TopoParseError(TopoagentError, ValueError):  # ValueError: callers that parse corpora catch it
     """The text is not a readable `nvidia-smi topo -m` matrix."""
 
     def __init__(self, message: str, line_no: int | None = None, line: str | None = None):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
-from topoagent.collectors.pci import normalize_address
+from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.cpulist import format_cpulist
 from topoagent.host import Host
 
@@ -144,7 +144,7 @@ def _address(value: object, where: str) -> str | None:
         return None
     try:
         return normalize_address(str(value))
-    except ValueError:
+    except PciParseError:
         raise SourceError(f"{where}: {value!r} is not a PCI bus id") from None
 
 
@@ -260,7 +260,7 @@ def _bus_id(pci: object) -> str | None:
         return None
     try:
         return normalize_address(_text(bus_id))
-    except ValueError:
+    except PciParseError:
         return None
 
 

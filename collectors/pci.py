@@ -14,7 +14,10 @@ import re
 from dataclasses import dataclass, field, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, run_collector
-from topoagent.cpulist import format_cpulist, parse_cpulist, parse_cpumask
+from topoagent.collectors.numa import NumaTopology
+from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist, parse_cpumask
+from topoagent.errors import TopoagentError
+from topoagent.facts import BRIDGE, DISPLAY, GPU, NIC, NVME, NVSWITCH, OTHER
 from topoagent.host import Host, HostError
 from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 
@@ -26,14 +29,6 @@ _NO_LINK = re.compile(r"\s*(?:Unknown(?: speed)?|0)\s*", re.IGNORECASE)
 
 NVIDIA = 0x10DE
 
-# Device kinds, from class code (and vendor for NVIDIA's own parts).
-GPU = "gpu"
-NIC = "nic"
-NVSWITCH = "nvswitch"
-NVME = "nvme"
-BRIDGE = "bridge"
-DISPLAY = "display"  # a display/3D controller that is not NVIDIA's
-OTHER = "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +111,10 @@ class PciTree:
 # --- pure parsers ---------------------------------------------------------------------
 
 
+class PciParseError(TopoagentError, ValueError):  # ValueError: callers predating the type
+    """A PCI address or a sysfs hex field that does not read as one."""
+
+
 def normalize_address(text: str) -> str:
     """``0000:3B:00.0`` / ``00000000:3B:00.0`` (NVML) / ``3b:00.0`` -> ``0000:3b:00.0``."""
     value = text.strip().lower()
@@ -123,11 +122,11 @@ def normalize_address(text: str) -> str:
     if len(parts) == 2:
         parts = ["0000"] + parts
     if len(parts) != 3:
-        raise ValueError(f"{text!r} is not a PCI address")
+        raise PciParseError(f"{text!r} is not a PCI address")
     domain = parts[0].lstrip("0").rjust(4, "0")
     address = f"{domain}:{parts[1]}:{parts[2]}"
     if not _PCI_ADDRESS.fullmatch(address):
-        raise ValueError(f"{text!r} is not a PCI address")
+        raise PciParseError(f"{text!r} is not a PCI address")
     return address
 
 
@@ -135,7 +134,7 @@ def parse_hex(text: str, what: str) -> int:
     try:
         return int(text.strip(), 16)
     except ValueError:
-        raise ValueError(f"{what}: {text.strip()!r} is not a hexadecimal number") from None
+        raise PciParseError(f"{what}: {text.strip()!r} is not a hexadecimal number") from None
 
 
 def parse_link_speed(text: str | None) -> float | None:
@@ -232,7 +231,7 @@ def _read_device(
             return None
         try:
             return parse_hex(text, f"{directory}/{name}")
-        except ValueError as exc:
+        except PciParseError as exc:
             warnings.append(str(exc))
             return None
 
@@ -261,7 +260,7 @@ def _read_device(
             text = read("local_cpulist")
             if text is not None:
                 local_cpus = parse_cpulist(text)
-    except ValueError as exc:
+    except CpuListError as exc:
         warnings.append(f"{directory}/local_cpus: {exc}")
     if local_cpus is not None:
         local_cpulist = format_cpulist(local_cpus)
@@ -338,7 +337,7 @@ def read_pci_tree(
     for name in names:
         try:
             address = normalize_address(name)
-        except ValueError:
+        except PciParseError:
             warnings.append(f"{PCI_DEVICES}/{name}: not a PCI address, skipped")
             continue
         real = host.realpath(f"{PCI_DEVICES}/{name}")
@@ -383,11 +382,12 @@ def _address_key(address: str) -> tuple[int, int, int, int]:
     return (int(domain, 16), int(bus, 16), int(slot, 16), int(function, 16))
 
 
-async def collect(host: Host, numa_cpus: dict[int, frozenset[int]] | None = None) -> CollectorResult[PciTree]:
-    """Read the PCIe tree; ``numa_cpus`` (node -> CPUs) places devices whose numa_node is -1."""
+async def collect(host: Host, numa: CollectorResult[NumaTopology] | None = None) -> CollectorResult[PciTree]:
+    """Read the PCIe tree; NUMA's CPUs (when it read) place devices whose numa_node is -1."""
+    numa_cpus = numa.data.cpus_by_node() if numa is not None and numa.ok and numa.data else {}
 
     async def read() -> tuple[PciTree, tuple[str, ...]]:
         # Blocking sysfs reads go to a thread so the agent's loop keeps serving.
-        return await asyncio.to_thread(read_pci_tree, host, numa_cpus or {})
+        return await asyncio.to_thread(read_pci_tree, host, numa_cpus)
 
     return await run_collector("pci", read)

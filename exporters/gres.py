@@ -3,12 +3,14 @@
 gres.conf(5), as Slurm documents it:
 
 - ``File=/dev/nvidiaN``: N is the driver's *minor number*, which need not equal the GPU's
-  index.  We read it from /proc/driver/nvidia/gpus/<bus id>/information when the node shows
-  it and otherwise assume minor = index (said in a comment line).
+  index.  Discovery reads it from /proc/driver/nvidia/gpus/<bus id>/information when the
+  node shows it (``GpuTopo.device_minor``); otherwise we assume minor = index (said in a
+  comment line).
 - ``Cores=``: *logical core indices*, not OS CPU numbers: core 0 is the first core of the
   first socket, core 1 the second (lstopo's ``Core L#``).  Hyperthread siblings are one
   core.  We map the GPU's close CPUs to cores with sysfs's CPU topology when the node has
-  it, else by the assumption `collectors.cpu.assume_core_map` states (said in a comment).
+  it, else by the assumption `collectors.cpu.assume_core_map` states (said in a comment);
+  discovery's ``cpu`` collector gives the map (``NodeTopology.cpu``).
   A GPU close to every core gets no ``Cores=``: Slurm asks not to set it then.
 - ``Links=``: one number per GPU *in PCI bus id order* (Slurm numbers devices that way):
   -1 for the GPU itself, the NVLink count to that peer, 0 for none.  Through an NVSwitch
@@ -22,15 +24,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from topoagent.collectors.cpu import ASSUMED_SMT2, CoreMap
-from topoagent.cpulist import format_cpulist, parse_cpulist
-from topoagent.host import Host
+from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
+from topoagent.errors import TopoagentError
+from topoagent.facts import ASSUMED_SMT2, CoreMap
 from topoagent.model import GpuTopo, NodeTopology
 
-_MINOR = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)
 
-
-class GresError(ValueError):
+class GresError(TopoagentError):
     """The node has nothing to write a gres.conf about."""
 
 
@@ -60,29 +60,19 @@ def slurm_type(model: str | None) -> str | None:
     return re.sub(r"\s+", "_", model.strip()).lower()
 
 
-def read_device_minors(host: Host, topology: NodeTopology) -> dict[str, int]:
-    """GPU name -> /dev/nvidia minor number, from the driver's procfs, where it shows."""
-    minors: dict[str, int] = {}
-    for gpu in topology.gpus:
-        if not gpu.pci_address:
-            continue
-        text = host.read_optional(f"/proc/driver/nvidia/gpus/{gpu.pci_address}/information")
-        match = _MINOR.search(text or "")
-        if match:
-            minors[gpu.name] = int(match.group(1))
-    return minors
-
-
 def bus_order(gpus: tuple[GpuTopo, ...]) -> list[GpuTopo]:
     """Slurm's device numbering: by PCI bus id (GPUs without one last, by index)."""
     return sorted(gpus, key=lambda g: (g.pci_address is None, g.pci_address or "", g.index))
 
 
-def gres_lines(topology: NodeTopology, cores: CoreMap | None,
-               minors: dict[str, int] | None = None) -> list[GresLine]:
+def _core_map(topology: NodeTopology) -> CoreMap | None:
+    return topology.cpu.core_map if topology.cpu is not None else None
+
+
+def gres_lines(topology: NodeTopology) -> list[GresLine]:
     if not topology.gpus:
         raise GresError("no GPUs found; nothing to put in gres.conf")
-    minors = minors or {}
+    cores = _core_map(topology)
     ordered = bus_order(topology.gpus)
     lines = []
     for gpu in ordered:
@@ -97,19 +87,19 @@ def gres_lines(topology: NodeTopology, cores: CoreMap | None,
         if cores is not None and gpu.cpus:
             try:
                 mine = cores.cores(parse_cpulist(gpu.cpus))
-            except ValueError:
+            except CpuListError:
                 mine = frozenset()
             if mine and mine != cores.all_cores:
                 gpu_cores = mine
-        minor = minors.get(gpu.name, gpu.index)
+        minor = gpu.device_minor if gpu.device_minor is not None else gpu.index
         lines.append(GresLine(gpu.name, slurm_type(gpu.model), f"/dev/nvidia{minor}",
                               gpu_cores, tuple(links) if len(ordered) > 1 else ()))
     return lines
 
 
-def render_gres(topology: NodeTopology, cores: CoreMap | None,
-                minors: dict[str, int] | None = None) -> str:
-    lines = gres_lines(topology, cores, minors)
+def render_gres(topology: NodeTopology) -> str:
+    lines = gres_lines(topology)
+    cores = _core_map(topology)
     head = [f"# gres.conf for {topology.hostname or 'this node'}, written by topoagent export gres",
             "# Links= lists NVLink counts to each GPU in PCI bus id order (-1 = itself)."]
     if cores is None:
@@ -118,10 +108,9 @@ def render_gres(topology: NodeTopology, cores: CoreMap | None,
         how = ("SMT-2 with thread c+N/2 the sibling of c" if cores.source == ASSUMED_SMT2
                else "one thread per core")
         head.append(f"# Cores= assume {how} (sysfs CPU topology not available); check with lstopo -l.")
-    if minors is None or len(minors) < len(topology.gpus):
+    if any(gpu.device_minor is None for gpu in topology.gpus):
         head.append("# File= assumes /dev/nvidia minor numbers equal the GPU indices.")
     return "\n".join(head + [line.render() for line in lines]) + "\n"
 
 
-__all__ = ["GresError", "GresLine", "bus_order", "gres_lines",
-           "read_device_minors", "render_gres", "slurm_type"]
+__all__ = ["GresError", "GresLine", "bus_order", "gres_lines", "render_gres", "slurm_type"]

@@ -4,7 +4,7 @@ What NCCL's own dump (``NCCL_TOPO_DUMP_FILE``) holds, and how we fill each part:
 
 - ``<system version="1">``, one ``<cpu>`` per NUMA node holding GPUs or NICs: ``numaid``,
   ``affinity`` (the node's ``cpumap``: 32-bit hex words, high word first), and ``arch``,
-  ``vendor``, ``familyid``, ``modelid`` from /proc/cpuinfo.  When a recording has no
+  ``vendor``, ``familyid``, ``modelid`` from /proc/cpuinfo (discovery's ``cpu`` collector).  When a recording has no
   cpuinfo those four are left out; NCCL fills missing CPU attributes from the CPU it runs on.
 - ``<pci>`` for each PCIe switch on the way down and for each GPU/NIC, nested the way NCCL
   walks sysfs: from a device it climbs *two* path components at a time (skipping the switch's
@@ -29,9 +29,9 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
-from topoagent.collectors.cpu import CpuModel
-from topoagent.collectors.pci import NVSWITCH, PciDevice
-from topoagent.model import GpuTopo, NicTopo, NodeTopology
+from topoagent.errors import TopoagentError
+from topoagent.facts import NVSWITCH
+from topoagent.model import GpuTopo, NicTopo, NodeTopology, PciDevice
 
 NVSWITCH_CLASS = "0x068000"
 GPU_CLASS = "0x030200"
@@ -50,7 +50,7 @@ _SM_BY_MODEL = (
 )
 
 
-class NcclXmlError(ValueError):
+class NcclXmlError(TopoagentError):
     """The topology lacks what an NCCL topology file needs (no PCI tree)."""
 
 
@@ -110,8 +110,9 @@ def xml_parent_chain(device: PciDevice) -> list[str]:
     return list(reversed(chain))
 
 
-def build_nccl_xml(topology: NodeTopology, cpu: CpuModel | None = None) -> ET.Element:
+def build_nccl_xml(topology: NodeTopology) -> ET.Element:
     tree = topology.pci
+    cpu = topology.cpu.model if topology.cpu is not None else None
     if tree is None:
         raise NcclXmlError("no PCI tree was discovered; NCCL's topology file is built on it")
     by_address = {d.address: d for d in tree.devices}
@@ -242,8 +243,8 @@ def _sort_by_busid(element: ET.Element) -> None:
         _sort_by_busid(child)
 
 
-def render_nccl_xml(topology: NodeTopology, cpu: CpuModel | None = None) -> str:
-    root = build_nccl_xml(topology, cpu)
+def render_nccl_xml(topology: NodeTopology) -> str:
+    root = build_nccl_xml(topology)
     ET.indent(root, space="  ")
     # NCCL writes empty elements as `<x a="1"/>`; ElementTree puts a space before the slash.
     return ET.tostring(root, encoding="unicode").replace(" />", "/>") + "\n"

@@ -12,8 +12,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 
+from topoagent.errors import TopoagentError
 from topoagent.levels import LevelKind
 from topoagent.model import NodeTopology
+from topoagent.vocabulary import Severity
 
 DEFAULT_PREFIX = "topoagent.io"
 
@@ -25,7 +27,7 @@ LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*
 LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
-class LabelError(ValueError):
+class LabelError(TopoagentError):
     """A label name or value Kubernetes would refuse."""
 
 
@@ -117,8 +119,9 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
         features["ib.rate-gbps"] = _number(max(rates))
     severities = Counter(f.severity for f in topology.findings)
     features["findings"] = str(len(topology.findings))
-    features["findings.errors"] = str(severities.get("error", 0))
-    features["findings.warnings"] = str(severities.get("warning", 0))
+    # The label kept its name when discovery's "error" severity became critical.
+    features["findings.errors"] = str(severities.get(Severity.CRITICAL, 0))
+    features["findings.warnings"] = str(severities.get(Severity.WARNING, 0))
     labelled = {f"{prefix}/{name}": value for name, value in features.items()}
     for key, value in labelled.items():
         check_label(key, value)

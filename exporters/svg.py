@@ -41,10 +41,10 @@ MARGIN = 20
 COLORS = {
     "gpu": "#76b900", "gpu_text": "#10240a", "nic": "#3b82c4", "nic_down": "#9aa5b1",
     "numa": "#f4f6f8", "numa_stroke": "#5b6b7b", "switch": "#ffffff", "switch_stroke": "#8a99a8",
-    "nvlink": "#2f7d1c", "fabric": "#1f5f12", "error": "#d1242f", "warning": "#e08a00",
+    "nvlink": "#2f7d1c", "fabric": "#1f5f12", "critical": "#d1242f", "warning": "#e08a00",
     "info": "#6e7781", "text": "#1f2328", "muted": "#57606a",
 }
-SEVERITY_RANK = {"error": 3, "warning": 2, "info": 1}
+SEVERITY_RANK = {"critical": 3, "warning": 2, "info": 1}
 
 
 @dataclass
@@ -187,7 +187,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
         found = findings_of.get(name, [])
         worst = max((f.severity for f in found), key=lambda s: SEVERITY_RANK.get(s, 0), default=None)
         stroke = COLORS[worst] if worst else "#33404d"
-        sw = 3 if worst in ("error", "warning") else 1
+        sw = 3 if worst in ("critical", "warning") else 1
         tip = tooltip + "".join(f"\n{f.severity}: {f.message}" for f in found)
         parts.append(
             f'<rect class="device {kind}" data-device="{_esc(name)}" x="{bx:.1f}" y="{by:.1f}" '
@@ -200,7 +200,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
             parts.append(f'<text x="{bx + w / 2:.1f}" y="{by + 16 + k * 13:.1f}" font-size="{size}"'
                          f'{weight} text-anchor="middle" fill="{COLORS["gpu_text"] if kind == "gpu" else "#ffffff"}">'
                          f"{_esc(line)}</text>")
-        if worst in ("error", "warning"):
+        if worst in ("critical", "warning"):
             cx, cy = bx + w - 4, by + 4
             parts.append(f'<g class="finding-badge" data-finding-for="{_esc(name)}">'
                          f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="9" fill="{COLORS[worst]}" stroke="#fff"/>'

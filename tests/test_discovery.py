@@ -7,8 +7,8 @@ from pathlib import Path
 
 from fakenode import FakeNode, nvml_gpu
 
+from topoagent.discovery import discover
 from topoagent.host import Host
-from topoagent.model import discover
 from topoagent.schema import node_document
 
 GPU_CLASS, IB_CLASS, NVSWITCH_CLASS = 0x030200, 0x020700, 0x068000
@@ -138,6 +138,7 @@ def test_gpu_missing_from_fabric_falls_back_to_pcie(tmp_path: Path) -> None:
     topo = run(tmp_path)
     assert str(topo.level("GPU0", "GPU2")) == "PHB"
     assert [f.subject for f in topo.findings if f.kind == "gpu-outside-fabric"] == ["GPU2"]
+    assert {f.severity for f in topo.findings if f.kind == "gpu-outside-fabric"} == {"critical"}
 
 
 def test_direct_nvlinks_count_per_pair(tmp_path: Path) -> None:
@@ -183,6 +184,8 @@ def test_broken_files_are_named_and_do_not_stop_discovery(tmp_path: Path) -> Non
     assert out["collectors"]["pci"]["status"] == "ok"
     assert any("0000:06:00.0/numa_node" in w for w in out["collectors"]["pci"]["warnings"])
     assert any(f["kind"] == "collector-error" for f in out["findings"])
+    # One severity vocabulary: a failed source is critical (discovery said "error" before).
+    assert {f["severity"] for f in out["findings"] if f["kind"] == "collector-error"} == {"critical"}
 
 
 def test_nvidia_smi_failure_is_an_error_with_the_reason(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
 import pytest
 from conftest import FIXTURES, SHARED
@@ -40,7 +41,8 @@ def test_gres_lines_read_back_to_the_topology(name):
     topology = discover_root(str(SNAPSHOTS / name))
     with Host(str(SNAPSHOTS / name)) as host:
         cores = read_core_map(host, topology.numa)
-    lines = read_gres(render_gres(topology, cores))
+    assert topology.cpu is not None and topology.cpu.core_map == cores  # discovery's cpu collector
+    lines = read_gres(render_gres(topology))
     ordered = bus_order(topology.gpus)
     assert len(lines) == len(ordered)
     for k, (line, gpu) in enumerate(zip(lines, ordered)):
@@ -60,7 +62,8 @@ def test_gres_lines_read_back_to_the_topology(name):
 
 def test_dgx_a100_gres_binds_each_gpu_pair_to_its_numa_nodes_cores():
     topology = discover_root(str(SNAPSHOTS / "dgx-a100"))
-    text = render_gres(topology, assume_core_map(topology.numa))
+    assert topology.cpu is not None and topology.cpu.core_map == assume_core_map(topology.numa)
+    text = render_gres(topology)
     lines = read_gres(text)
     # GPU0/1 sit on NUMA 3 (CPUs 48-63,176-191 = cores 48-63 with SMT-2 on 128 cores)
     assert lines[0]["Cores"] == "48-63" and lines[1]["Cores"] == "48-63"
@@ -69,7 +72,7 @@ def test_dgx_a100_gres_binds_each_gpu_pair_to_its_numa_nodes_cores():
 
 
 def test_dgx1_hybrid_cube_mesh_links_are_asymmetric_and_symmetric_across_the_diagonal():
-    lines = read_gres(render_gres(discover_root(str(SNAPSHOTS / "dgx1-v100")), None))
+    lines = read_gres(render_gres(replace(discover_root(str(SNAPSHOTS / "dgx1-v100")), cpu=None)))
     matrix = [[int(v) for v in l["Links"].split(",")] for l in lines]
     assert all(matrix[i][j] == matrix[j][i] for i in range(8) for j in range(8))
     assert {v for row in matrix for v in row} == {-1, 0, 1, 2}

@@ -15,8 +15,8 @@ from conftest import SHARED
 from hwloc_oracle import read_view, run_lstopo
 
 from topoagent.cpulist import parse_cpulist
+from topoagent.discovery import discover
 from topoagent.host import Host
-from topoagent.model import discover
 from topoagent.schema import node_document
 
 RECORDINGS = sorted((SHARED / "hwloc" / "linux").glob("*.tar.bz2"))

@@ -15,7 +15,7 @@ from conftest import FIXTURES
 from topoagent.cli import main
 from topoagent.exporters.openapi import openapi_document
 from topoagent.host import Host
-from topoagent.model import discover
+from topoagent.discovery import discover
 from topoagent.schema import DOCUMENTS, SCHEMA_VERSION, node_document
 
 SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())

@@ -23,11 +23,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
+from topoagent.discovery import discover
 from topoagent.host import Host, HostError
 from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
-from topoagent.model import CollectorStatus, Finding, NodeTopology, discover
+from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.served import Snapshot
 from topoagent.vocabulary import Status

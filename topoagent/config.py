@@ -12,13 +12,15 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from topoagent.errors import TopoagentError
+
 # Loopback only by default: reads are open there.  9477 is this agent's fixed port so
 # Prometheus' `instance` label stays stable across restarts (see README, "Port").
 DEFAULT_PORT = 9477
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 
 
-class ConfigError(ValueError):
+class ConfigError(TopoagentError):
     """A configuration value is wrong; the message names the key."""
 
 

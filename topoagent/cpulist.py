@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from topoagent.errors import TopoagentError
+
+
+class CpuListError(TopoagentError, ValueError):  # ValueError: older callers catch that
+    """The text is not a CPU list or mask."""
+
 
 def parse_cpulist(text: str) -> frozenset[int]:
     """``0-3,8,10-11`` -> {0,1,2,3,8,10,11}; empty text -> empty set."""
@@ -21,13 +27,20 @@ def parse_cpulist(text: str) -> frozenset[int]:
             continue
         if "-" in chunk:
             low, _, high = chunk.partition("-")
-            first, last = int(low), int(high)
+            first, last = _number(low, chunk), _number(high, chunk)
             if last < first:
-                raise ValueError(f"cpulist range {chunk!r} runs backwards")
+                raise CpuListError(f"cpulist range {chunk!r} runs backwards")
             cpus.update(range(first, last + 1))
         else:
-            cpus.add(int(chunk))
+            cpus.add(_number(chunk, chunk))
     return frozenset(cpus)
+
+
+def _number(text: str, chunk: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise CpuListError(f"cpulist {chunk!r}: {text.strip()!r} is not a CPU number") from None
 
 
 def parse_cpumask(text: str) -> frozenset[int]:
@@ -35,7 +48,10 @@ def parse_cpumask(text: str) -> frozenset[int]:
     words = text.strip().split(",")
     value = 0
     for word in words:
-        value = (value << 32) | int(word or "0", 16)
+        try:
+            value = (value << 32) | int(word or "0", 16)
+        except ValueError:
+            raise CpuListError(f"cpumask word {word!r} is not hexadecimal") from None
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
 
 

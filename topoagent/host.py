@@ -22,11 +22,13 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from topoagent.errors import TopoagentError
+
 _MAX_SYMLINK_HOPS = 40
 _COMMAND_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
-class HostError(Exception):
+class HostError(TopoagentError):
     """The host (or its recording) cannot answer; the message says what and where."""
 
 

@@ -19,6 +19,8 @@ import re
 from dataclasses import dataclass
 from functools import total_ordering
 
+from topoagent.errors import TopoagentError
+
 
 class LevelKind(enum.IntEnum):
     """Link kinds, in order from closest to farthest."""
@@ -34,7 +36,7 @@ class LevelKind(enum.IntEnum):
     NET_OTHER = 8
 
 
-class LevelError(ValueError):
+class LevelError(TopoagentError, ValueError):  # ValueError: request parsers catch it
     """A string is not a link level."""
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from topoagent import __version__
+from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import LinkLevel
 from topoagent.vocabulary import FindingKind, Severity, Status
 
@@ -48,10 +49,11 @@ BOOLEAN: JsonSchema = {"type": "boolean"}
 def nullable(schema: JsonSchema) -> JsonSchema:
     if "$ref" in schema:
         return {"anyOf": [schema, {"type": "null"}]}
-    if "enum" in schema:
-        return {**schema, "enum": [*schema["enum"], None]}
     kind = schema["type"]
-    return {**schema, "type": [*(kind if isinstance(kind, list) else [kind]), "null"]}
+    out = {**schema, "type": [*(kind if isinstance(kind, list) else [kind]), "null"]}
+    if "enum" in schema:
+        out["enum"] = [*schema["enum"], None]
+    return out
 
 
 def array(items: JsonSchema) -> JsonSchema:
@@ -197,6 +199,7 @@ GPU = Document("Gpu", {
     "numa_node": Field(nullable(INTEGER)),
     "cpus": Field(nullable(STRING)),
     "memory_bytes": Field(nullable(INTEGER)),
+    "device_minor": Field(nullable(INTEGER), description="N of /dev/nvidiaN"),
     "link": nested(PCIE_LINK, "link", optional=True),
     "nvlink_generation": Field(nullable(INTEGER)),
     "nvlinks": listed(NVLINK, "nvlinks"),
@@ -226,6 +229,17 @@ NIC = Document("Nic", {
     "link": nested(PCIE_LINK, "link", optional=True),
     "ports": listed(IB_PORT, "ports"),
 })
+
+CPU = Document("Cpu", {
+    "arch": Field(nullable(STRING), lambda c: c.model.arch if c.model else None, "as NCCL names it: x86_64, arm64, ppc64"),
+    "vendor": Field(nullable(STRING), lambda c: c.model.vendor if c.model else None),
+    "family": Field(nullable(INTEGER), lambda c: c.model.family if c.model else None),
+    "model": Field(nullable(INTEGER), lambda c: c.model.model if c.model else None),
+    "model_name": Field(nullable(STRING), lambda c: c.model.model_name if c.model else None),
+    "cores": Field(nullable(INTEGER), lambda c: len(c.core_map.all_cores) if c.core_map else None, "physical cores"),
+    "cores_source": Field(nullable(one_of((SYSFS, ASSUMED_SMT2, ASSUMED_NO_SMT))), lambda c: c.core_map.source if c.core_map else None,
+                          "how threads were grouped into cores: read from sysfs, or assumed"),
+}, "The CPUs: identity from /proc/cpuinfo, cores from sysfs.")
 
 FINDING = Document("Finding", {
     "kind": Field(FINDING_KIND),
@@ -304,6 +318,7 @@ NODE = Document("Node", {
     "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda v: SCHEMA_VERSION),
     "agent_version": Field(STRING, lambda v: __version__),
     "hostname": Field(nullable(STRING), lambda v: v.node.hostname),
+    "cpu": Field(nullable(CPU.ref), lambda v: CPU.dump(v.node.cpu) if v.node.cpu else None),
     "numa_nodes": Field(array(NUMA_NODE.ref), lambda v: [NUMA_NODE.dump(n) for n in (v.node.numa.nodes if v.node.numa else ())]),
     "pci_devices": Field(array(PCI_DEVICE.ref), lambda v: [PCI_DEVICE.dump(d) for d in (v.node.pci.devices if v.node.pci else ())]),
     "gpus": Field(array(GPU.ref), lambda v: [GPU.dump(g) for g in v.node.gpus]),
@@ -421,7 +436,7 @@ ERROR = Document("Error", {
 
 # Every document above, for the OpenAPI components.
 DOCUMENTS: tuple[Document, ...] = (
-    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, FINDING, PAIR, COLLECTOR, NODE,
+    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
 )
 

@@ -48,7 +48,7 @@ def open_host(root: str) -> Host:
 
 def discover_root(root: str) -> NodeTopology:
     """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
-    from topoagent.model import discover
+    from topoagent.discovery import discover
 
     with open_host(root) as host:
         return asyncio.run(discover(host))

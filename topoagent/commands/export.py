@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from topoagent.errors import UsageError
+
+if TYPE_CHECKING:
+    from topoagent.model import NodeTopology
 
 FORMATS = {
     "nccl-xml": "NCCL topology file for NCCL_TOPO_FILE",
@@ -40,32 +43,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.commands.discover import open_host
-    from topoagent.model import discover
+    from topoagent.commands.discover import discover_root
 
-    with open_host(args.root) as host:
-        topology = asyncio.run(discover(host))
-        text = _render(args, host, topology)
-    _write(text, args.output)
+    _write(_render(args, discover_root(args.root)), args.output)
     return 0
 
 
-def _render(args: argparse.Namespace, host, topology) -> str:
+def _render(args: argparse.Namespace, topology: NodeTopology) -> str:
     if args.format == "nccl-xml":
-        from topoagent.collectors.cpu import read_cpu_model
         from topoagent.exporters.nccl_xml import NcclXmlError, render_nccl_xml
 
         try:
-            return render_nccl_xml(topology, read_cpu_model(host))
+            return render_nccl_xml(topology)
         except NcclXmlError as exc:
             raise UsageError(str(exc)) from None
     if args.format == "gres":
-        from topoagent.collectors.cpu import read_core_map
-        from topoagent.exporters.gres import GresError, read_device_minors, render_gres
+        from topoagent.exporters.gres import GresError, render_gres
 
         try:
-            return render_gres(topology, read_core_map(host, topology.numa),
-                               read_device_minors(host, topology))
+            return render_gres(topology)
         except GresError as exc:
             raise UsageError(str(exc)) from None
     if args.format == "nfd":

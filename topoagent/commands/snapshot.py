@@ -30,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.model import discover
+    from topoagent.discovery import discover
     from topoagent.snapshot import check_snapshot_target, write_snapshot
 
     try:

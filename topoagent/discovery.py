@@ -1,0 +1,90 @@
+"""Discovery: run every collector listed here and merge their facts into a NodeTopology.
+
+``COLLECTORS`` is the one list of sources (node_exporter's registerCollector idea).  Adding
+a source is one new module under ``collectors/`` with an async ``collect(host, *needed)``
+and one line here; ``merge`` decides what its facts become in the model.
+
+Collectors run concurrently; one that ``needs`` others waits for their results and gets
+them, in the order it names them, after ``host`` (PCI needs NUMA's CPUs to place devices
+whose numa_node is -1).  A collector never raises: a failure is its result's status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from topoagent.collectors import cpu, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors.base import CollectorResult
+from topoagent.host import Host
+from topoagent.merge import merge
+from topoagent.model import NodeTopology
+
+Collect = Callable[..., Awaitable[CollectorResult[Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class Collector:
+    name: str  # the name its CollectorResult carries, the key merge reads it by
+    collect: Collect  # collect(host, *results of ``needs``)
+    needs: tuple[str, ...] = ()
+
+
+# In the order the node's collector statuses are reported; a collector comes after
+# those it needs.
+COLLECTORS: tuple[Collector, ...] = (
+    Collector("numa", numa.collect),
+    Collector("cpu", cpu.collect, needs=("numa",)),
+    Collector("pci", pci.collect, needs=("numa",)),
+    Collector("infiniband", infiniband.collect),
+    Collector("nvml", nvml.collect),
+    Collector("nvidia_driver", nvidia_driver.collect),
+    Collector("nvidia_smi", nvidia_smi.collect),
+)
+
+
+def check_order(collectors: tuple[Collector, ...]) -> None:
+    """Refuse a table where a collector needs one that is missing or listed after it."""
+    seen: set[str] = set()
+    for entry in collectors:
+        missing = [name for name in entry.needs if name not in seen]
+        if missing:
+            raise ValueError(f"collector {entry.name} needs {', '.join(missing)}, not listed before it")
+        if entry.name in seen:
+            raise ValueError(f"collector {entry.name} is listed twice")
+        seen.add(entry.name)
+
+
+check_order(COLLECTORS)
+
+
+async def run_collectors(
+    host: Host, collectors: tuple[Collector, ...] = COLLECTORS
+) -> dict[str, CollectorResult[Any]]:
+    """Every collector's result by name, in table order; each starts once its needs are done."""
+    tasks: dict[str, asyncio.Task[CollectorResult[Any]]] = {}
+
+    async def run(entry: Collector) -> CollectorResult[Any]:
+        needed = [await tasks[name] for name in entry.needs]
+        return await entry.collect(host, *needed)
+
+    for entry in collectors:
+        tasks[entry.name] = asyncio.ensure_future(run(entry))
+    await asyncio.gather(*tasks.values())
+    return {name: task.result() for name, task in tasks.items()}
+
+
+async def discover(host: Host) -> NodeTopology:
+    """Run every collector and merge what they saw into one NodeTopology."""
+    results = await run_collectors(host)
+    hostname = host.read_optional("/proc/sys/kernel/hostname")
+    return merge(results, hostname=hostname or None)
+
+
+def discover_sync(host: Host) -> NodeTopology:
+    return asyncio.run(discover(host))
+
+
+__all__ = ["COLLECTORS", "Collector", "check_order", "discover", "discover_sync", "run_collectors"]
