@@ -37,6 +37,7 @@ from topoagent.served import NvLink as NvLinkFact
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import GpuActivityReading
+    from topoagent.probes.figures import ProbeFigure
     from topoagent.probes.runner import ProbeRound
     from topoagent.probes.service import ProbeService
 
@@ -114,11 +115,11 @@ def facts_from_topology(topo: NodeTopology, now: float) -> NodeFacts:
 _PROBE_SEVERITY = {"critical": "error"}
 
 
-def facts_with_probes(facts: NodeFacts, figures: list[dict[str, Any]]) -> NodeFacts:
+def facts_with_probes(facts: NodeFacts, figures: list[ProbeFigure]) -> NodeFacts:
     """Discovery's facts with the probes' figures overlaid: measured bandwidth in the
     matrix (placement ranks by it), on each GPU pair of the topology JSON, and the
     findings the measurements support."""
-    from topoagent.probes.overlay import findings_for, overlay
+    from topoagent.probes.overlay import finding_json, findings_for, overlay
 
     matrix = overlay(facts.matrix, figures)
     probe_findings = findings_for(matrix, figures)
@@ -131,7 +132,7 @@ def facts_with_probes(facts: NodeFacts, figures: list[dict[str, Any]]) -> NodeFa
         m = measured.get(frozenset((pair.get("a"), pair.get("b"))))
         pairs.append({**pair, "measured_gbps": round(m.gbps, 3) if m else None, "measured_at": m.taken_at if m else None})
     topology["pairs"] = pairs
-    topology["findings"] = [*topology.get("findings", []), *(f.to_json() for f in probe_findings)]
+    topology["findings"] = [*topology.get("findings", []), *(finding_json(f) for f in probe_findings)]
     served = tuple(
         Finding(f.kind, f"{f.subject}: {f.message}", _PROBE_SEVERITY.get(f.severity, f.severity)) for f in probe_findings
     )

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from topoagent.matrix import DistanceMatrix
 
 if TYPE_CHECKING:
     from topoagent.model import NodeTopology
+    from topoagent.probes.figures import ProbeFigure
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ class NodeFacts:
     nvlinks: tuple[NvLink, ...] = ()
     ib_ports: tuple[IbPort, ...] = ()
     node: NodeTopology | None = None  # discovery's own value (the picture at / draws it)
-    probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
+    probe_figures: tuple[ProbeFigure, ...] = ()  # newest figure per measurement
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ class Snapshot:
                 for c in self.collectors
             ],
             "findings": [{"kind": f.kind, "severity": f.severity, "detail": f.detail} for f in self.facts.findings],
-            "probe_figures": [_figure_json(f) for f in self.facts.probe_figures],
+            "probe_figures": [f.to_json() for f in self.facts.probe_figures],
         }
         return doc
 
@@ -158,11 +158,3 @@ class Snapshot:
     @property
     def etag(self) -> str:
         return self._cached()[1]
-
-
-FIGURE_FIELDS = ("kind", "direction", "src", "dst", "device", "numa_node", "size_bytes", "unit",
-                 "median", "p10", "p90", "repetitions", "available", "received_at")
-
-
-def _figure_json(figure: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: figure[k] for k in FIGURE_FIELDS if k in figure}
