@@ -24,8 +24,8 @@ from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTE
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.exporters.svg import render_page
 from topoagent.log import log_event
-from topoagent.served import Snapshot, etag_of
 from topoagent.placement import Request, RequestError
+from topoagent.served import Snapshot, etag_of
 
 AGENT = web.AppKey("agent", Agent)
 

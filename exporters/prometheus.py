@@ -14,7 +14,7 @@ Names follow the Prometheus conventions: one `topoagent_` namespace, base units
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -22,11 +22,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 import topoagent
+from topoagent.probes.figures import ProbeKind
 from topoagent.served import Snapshot
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
     from topoagent.agent import Agent
+    from topoagent.probes.figures import ProbeFigure
 
 NS = "topoagent"
 GB = 1e9  # the matrix speaks GB/s (10^9 bytes/s); Prometheus wants bytes/s
@@ -166,7 +168,7 @@ class SnapshotCollector(Collector):
         yield from (stale, built, gpus)
 
 
-def _probe_figures(figures) -> Iterator[Metric]:
+def _probe_figures(figures: Iterable[ProbeFigure]) -> Iterator[Metric]:
     """Each probe figure (largest size, median of its repetitions) as its own series."""
     bandwidth = GaugeMetricFamily(
         f"{NS}_probe_bandwidth_bytes_per_second",
@@ -176,14 +178,13 @@ def _probe_figures(figures) -> Iterator[Metric]:
     latency = GaugeMetricFamily(f"{NS}_probe_latency_seconds", "Small-copy latency a probe measured (median).", labels=["direction"])
     peer = GaugeMetricFamily(f"{NS}_probe_peer_access", "1 when a GPU can copy straight to its peer (P2P), 0 when copies go through host memory.", labels=["src", "dst"])
     for f in figures:
-        kind, median = f.get("kind"), f.get("median")
-        direction = str(f.get("direction", ""))
-        if kind == "latency" and median is not None:
-            latency.add_metric([direction], median * 1e-6)  # the worker reports microseconds
-        elif kind == "peer_access" and "available" in f:
-            peer.add_metric([str(f.get("src")), str(f.get("dst"))], 1.0 if f["available"] else 0.0)
-        elif median is not None and f.get("unit") == "GB/s":
-            bandwidth.add_metric([str(kind), direction], median * GB)
+        direction = f.direction or ""
+        if f.kind is ProbeKind.LATENCY and f.median_latency_s is not None:
+            latency.add_metric([direction], f.median_latency_s)
+        elif f.kind is ProbeKind.PEER_ACCESS and f.available is not None:
+            peer.add_metric([str(f.src), str(f.dst)], 1.0 if f.available else 0.0)
+        elif f.median_gbps is not None:
+            bandwidth.add_metric([f.kind.value, direction], f.median_gbps * GB)
     yield from (bandwidth, latency, peer)
 
 

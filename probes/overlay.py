@@ -4,7 +4,8 @@
 directions) into ``DistanceMatrix.measured``, so ``matrix.bandwidth(i, j)`` — what
 placement ranks by — returns the measurement while it is fresh.
 
-``findings_for`` compares figures with what the declared level promises:
+``findings_for`` compares figures with what the declared level promises, as
+``topoagent.model.Finding`` values (``source="probe"``, expected and measured GB/s):
 
 - ``degraded_link``: a pair measures below ``degraded_fraction`` of what its level
   achieves (an NVLink down, a link trained at x4);
@@ -26,12 +27,14 @@ x16 P2P 26.3 of 31.5 GB/s (0.84), H100 NVLink4 376 of 450 (0.84), nvbandwidth on
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
 from topoagent.matrix import DistanceMatrix, Measurement
+from topoagent.model import Finding
+from topoagent.probes.figures import ProbeFigure, ProbeKind
+from topoagent.vocabulary import FindingKind, Severity
 
 ACHIEVABLE_FRACTION = 0.83
 DEGRADED_FRACTION = 0.5  # below half of what the level achieves: degraded
@@ -40,59 +43,49 @@ CRITICAL_FRACTION = 0.25
 LEVEL_FIT_FACTOR = 1.25
 NUMA_TOLERANCE = 0.15
 PCIE_LADDER = (PIX, PXB, PHB, NODE, SYS)
-FINDING_KINDS = (
-    "degraded_link",
-    "level_contradiction",
-    "no_peer_access",
-    "host_link_degraded",
-    "numa_affinity_mismatch",
-)
 
 
-@dataclass(frozen=True, slots=True)
-class ProbeFinding:
-    """Something a measurement says about the node; same shape as discovery's findings."""
-
-    kind: str
-    severity: str  # "info" | "warning" | "critical"
-    subject: str  # "GPU0-GPU1", "GPU3 host link"
-    message: str
-    expected: float | None = None  # GB/s
-    measured: float | None = None  # GB/s
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "kind": self.kind,
-            "severity": self.severity,
-            "subject": self.subject,
-            "message": self.message,
-            "expected": self.expected,
-            "measured": self.measured,
-            "unit": "GB/s",
-            "source": "probe",
-        }
+def finding_json(finding: Finding) -> dict[str, Any]:
+    """A probe finding as `topoagent probe --json` and /topology's ``findings`` show it."""
+    return {
+        "kind": finding.kind,
+        "severity": finding.severity,
+        "subject": finding.subject,
+        "message": finding.message,
+        "expected": finding.expected_gbps,
+        "measured": finding.measured_gbps,
+        "unit": "GB/s",
+        "source": finding.source,
+    }
 
 
-def unidirectional_by_pair(figures: Iterable[Mapping[str, Any]]) -> dict[tuple[int, int], dict[str, Any]]:
-    """(a, b) with a < b -> {"gbps": slower direction's median, "taken_at", per direction}."""
-    directions: dict[tuple[int, int], list[Mapping[str, Any]]] = {}
+class PairBandwidth(NamedTuple):
+    """A GPU pair's P2P figures: the slower direction is the pair's bandwidth."""
+
+    gbps: float  # the slower direction's median
+    taken_at: float  # Unix time the newer direction arrived
+    directions: dict[str, float]  # "0->1" -> median GB/s
+
+
+def unidirectional_by_pair(figures: Iterable[ProbeFigure]) -> dict[tuple[int, int], PairBandwidth]:
+    """(a, b) with a < b -> the pair's one-direction-at-a-time P2P bandwidth."""
+    directions: dict[tuple[int, int], list[tuple[ProbeFigure, float]]] = {}
     for f in figures:
-        if f.get("kind") == "p2p" and f.get("median") is not None:
-            a, b = int(f["src"]), int(f["dst"])
-            directions.setdefault((min(a, b), max(a, b)), []).append(f)
+        if f.kind is ProbeKind.P2P and f.median is not None and f.src is not None and f.dst is not None:
+            a, b = f.src, f.dst
+            directions.setdefault((min(a, b), max(a, b)), []).append((f, f.median))
     out = {}
     for pair, found in directions.items():
-        slower = min(found, key=lambda f: f["median"])
-        out[pair] = {
-            "gbps": float(slower["median"]),
-            "taken_at": float(max(f.get("received_at", 0.0) for f in found)),
-            "directions": {f["direction"]: float(f["median"]) for f in found},
-        }
+        out[pair] = PairBandwidth(
+            gbps=min(median for _, median in found),
+            taken_at=max(f.received_at or 0.0 for f, _ in found),
+            directions={f.direction: median for f, median in found if f.direction is not None},
+        )
     return out
 
 
 def measurements_from_figures(
-    matrix: DistanceMatrix, figures: Iterable[Mapping[str, Any]]
+    matrix: DistanceMatrix, figures: Iterable[ProbeFigure]
 ) -> dict[tuple[int, int], Measurement]:
     """Matrix positions -> measurement, for the pairs of GPUs the matrix knows."""
     out: dict[tuple[int, int], Measurement] = {}
@@ -101,11 +94,11 @@ def measurements_from_figures(
             i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
         except KeyError:
             continue  # a device the matrix does not describe
-        out[(min(i, j), max(i, j))] = Measurement(gbps=seen["gbps"], taken_at=seen["taken_at"])
+        out[(min(i, j), max(i, j))] = Measurement(gbps=seen.gbps, taken_at=seen.taken_at)
     return out
 
 
-def overlay(matrix: DistanceMatrix, figures: Iterable[Mapping[str, Any]]) -> DistanceMatrix:
+def overlay(matrix: DistanceMatrix, figures: Iterable[ProbeFigure]) -> DistanceMatrix:
     """The matrix with fresh measurements replacing expectations."""
     return matrix.with_measurements(measurements_from_figures(matrix, list(figures)))
 
@@ -154,14 +147,25 @@ def _farther_level_fit(
     return str(best[1]), best[2]
 
 
+def _probe_finding(
+    kind: FindingKind,
+    severity: Severity,
+    subject: str,
+    message: str,
+    expected_gbps: float | None = None,
+    measured_gbps: float | None = None,
+) -> Finding:
+    return Finding(kind, severity, subject, message, source="probe", expected_gbps=expected_gbps, measured_gbps=measured_gbps)
+
+
 def findings_for(
     matrix: DistanceMatrix,
-    figures: Iterable[Mapping[str, Any]],
+    figures: Iterable[ProbeFigure],
     *,
     degraded_fraction: float = DEGRADED_FRACTION,
-) -> list[ProbeFinding]:
+) -> list[Finding]:
     figures = list(figures)
-    found: list[ProbeFinding] = []
+    found: list[Finding] = []
     name = {g.index: g.name for g in matrix.gpus}
 
     for (a, b), seen in sorted(unidirectional_by_pair(figures).items()):
@@ -174,19 +178,19 @@ def findings_for(
         if expected is None:
             continue
         achievable = expected * ACHIEVABLE_FRACTION
-        measured = seen["gbps"]
+        measured = seen.gbps
         subject = f"{name[a]}-{name[b]}"
         if measured < degraded_fraction * achievable:
-            severity = "critical" if measured < CRITICAL_FRACTION * achievable else "warning"
+            severity = Severity.CRITICAL if measured < CRITICAL_FRACTION * achievable else Severity.WARNING
             found.append(
-                ProbeFinding(
-                    "degraded_link",
+                _probe_finding(
+                    FindingKind.DEGRADED_LINK,
                     severity,
                     subject,
                     f"{subject} ({level}) copies at {measured:.1f} GB/s, "
                     f"{measured / achievable:.0%} of the ~{achievable:.0f} GB/s a {level} link achieves",
-                    expected=expected,
-                    measured=measured,
+                    expected_gbps=expected,
+                    measured_gbps=measured,
                 )
             )
         # The PCIe rate these two GPUs would fall back to: the slower of their links.
@@ -195,22 +199,22 @@ def findings_for(
         if fit is not None:
             like, like_expected = fit
             found.append(
-                ProbeFinding(
-                    "level_contradiction",
-                    "warning",
+                _probe_finding(
+                    FindingKind.LEVEL_CONTRADICTION,
+                    Severity.WARNING,
                     subject,
                     f"{subject} is declared {level} but copies at {measured:.1f} GB/s, "
                     f"what a {like} path delivers (~{like_expected * ACHIEVABLE_FRACTION:.0f} GB/s)"
                     + (": the copy is not using NVLink" if level.is_nvlink else ""),
-                    expected=expected,
-                    measured=measured,
+                    expected_gbps=expected,
+                    measured_gbps=measured,
                 )
             )
 
     for f in figures:
-        if f.get("kind") != "peer_access" or f.get("available", True):
+        if f.kind is not ProbeKind.PEER_ACCESS or f.available is not False or f.src is None or f.dst is None:
             continue
-        a, b = int(f["src"]), int(f["dst"])
+        a, b = f.src, f.dst
         try:
             level = matrix.level(matrix.gpu_by_index(a), matrix.gpu_by_index(b))
         except KeyError:
@@ -218,9 +222,9 @@ def findings_for(
         if level.is_nvlink or level.kind in (LevelKind.PIX, LevelKind.PXB):
             subject = f"{name[a]}->{name[b]}"
             found.append(
-                ProbeFinding(
-                    "no_peer_access",
-                    "warning",
+                _probe_finding(
+                    FindingKind.NO_PEER_ACCESS,
+                    Severity.WARNING,
                     subject,
                     f"{subject} is declared {level} but peer access is not available; "
                     "copies are staged through host memory",
@@ -232,13 +236,13 @@ def findings_for(
 
 
 def _host_findings(
-    matrix: DistanceMatrix, figures: list[Mapping[str, Any]], degraded_fraction: float
-) -> list[ProbeFinding]:
-    found: list[ProbeFinding] = []
+    matrix: DistanceMatrix, figures: list[ProbeFigure], degraded_fraction: float
+) -> list[Finding]:
+    found: list[Finding] = []
     by_gpu: dict[int, dict[int, float]] = {}
     for f in figures:
-        if f.get("kind") == "h2d" and f.get("median") is not None:
-            by_gpu.setdefault(int(f["device"]), {})[int(f["numa_node"])] = float(f["median"])
+        if f.kind is ProbeKind.H2D and f.median is not None and f.device is not None and f.numa_node is not None:
+            by_gpu.setdefault(f.device, {})[f.numa_node] = f.median
     for device, per_node in sorted(by_gpu.items()):
         try:
             gpu = matrix.gpus[matrix.gpu_by_index(device)]
@@ -250,27 +254,27 @@ def _host_findings(
         best_node, best = max(per_node.items(), key=lambda item: item[1])
         if best < degraded_fraction * achievable:
             found.append(
-                ProbeFinding(
-                    "host_link_degraded",
-                    "warning",
+                _probe_finding(
+                    FindingKind.HOST_LINK_DEGRADED,
+                    Severity.WARNING,
                     subject,
                     f"host-to-{gpu.name} copies reach {best:.1f} GB/s at best (NUMA node {best_node}), "
                     f"below half of the ~{achievable:.0f} GB/s its PCIe link achieves",
-                    expected=round(link, 2),
-                    measured=best,
+                    expected_gbps=round(link, 2),
+                    measured_gbps=best,
                 )
             )
         local = per_node.get(gpu.numa_node) if gpu.numa_node is not None else None
         if local is not None and best_node != gpu.numa_node and local < best * (1 - NUMA_TOLERANCE):
             found.append(
-                ProbeFinding(
-                    "numa_affinity_mismatch",
-                    "warning",
+                _probe_finding(
+                    FindingKind.NUMA_AFFINITY_MISMATCH,
+                    Severity.WARNING,
                     subject,
                     f"{gpu.name} is declared on NUMA node {gpu.numa_node}, but host copies from node "
                     f"{best_node} run faster ({best:.1f} vs {local:.1f} GB/s)",
-                    expected=best,
-                    measured=local,
+                    expected_gbps=best,
+                    measured_gbps=local,
                 )
             )
     return found

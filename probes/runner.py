@@ -21,22 +21,38 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from topoagent.probes.figures import (
+    FailureKind,
+    FigureKey,
+    MalformedRecord,
+    ProbeFigure,
+    ProbeSkip,
+    RecordType,
+    parse_failure,
+    parse_figure,
+    parse_skip,
+)
 from topoagent.probes.plan import validate_plan
 
 WORKER_MODULE = "topoagent.probes.worker"
-FAILURE_KINDS = ("timeout", "crash", "oom", "cuda_error", "unavailable", "plan_error", "backoff")
 STDERR_TAIL_BYTES = 4096
-WORKER_EXIT = {1: "crash", 2: "plan_error", 3: "oom", 4: "cuda_error", 5: "unavailable"}
+WORKER_EXIT = {
+    1: FailureKind.CRASH,
+    2: FailureKind.PLAN_ERROR,
+    3: FailureKind.OOM,
+    4: FailureKind.CUDA_ERROR,
+    5: FailureKind.UNAVAILABLE,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeFailure:
-    """Why a round ended early.  ``kind`` is one of FAILURE_KINDS."""
+    """Why a round ended early."""
 
-    kind: str
+    kind: FailureKind
     message: str
     exit_code: int | None = None
 
@@ -51,8 +67,8 @@ class ProbeRound:
     backend: str
     started_at: float  # Unix time
     duration_s: float
-    results: tuple[dict[str, Any], ...]
-    skipped: tuple[dict[str, Any], ...] = ()
+    results: tuple[ProbeFigure, ...]
+    skipped: tuple[ProbeSkip, ...] = ()
     worker: Mapping[str, Any] | None = None  # the worker's hello line
     failure: ProbeFailure | None = None
 
@@ -60,18 +76,17 @@ class ProbeRound:
     def ok(self) -> bool:
         return self.failure is None
 
-    def figures(self) -> list[dict[str, Any]]:
+    def figures(self) -> list[ProbeFigure]:
         """One figure per measurement and direction: bandwidth at the largest size.
 
         Small sizes are kept in ``results`` (they show fixed costs); the largest size is
         the plateau the link delivers and the figure the matrix and findings use.
         """
-        best: dict[tuple[Any, ...], dict[str, Any]] = {}
-        for record in self.results:
-            key = figure_key(record)
-            held = best.get(key)
-            if held is None or record.get("size_bytes", 0) >= held.get("size_bytes", 0):
-                best[key] = record
+        best: dict[FigureKey, ProbeFigure] = {}
+        for figure in self.results:
+            held = best.get(figure.key)
+            if held is None or (figure.size_bytes or 0) >= (held.size_bytes or 0):
+                best[figure.key] = figure
         return list(best.values())
 
     def to_json(self) -> dict[str, Any]:
@@ -81,20 +96,10 @@ class ProbeRound:
             "duration_s": round(self.duration_s, 6),
             "worker": dict(self.worker) if self.worker else None,
             "failure": self.failure.to_json() if self.failure else None,
-            "figures": self.figures(),
-            "results": list(self.results),
-            "skipped": list(self.skipped),
+            "figures": [f.to_record() for f in self.figures()],
+            "results": [f.to_record() for f in self.results],
+            "skipped": [s.to_record() for s in self.skipped],
         }
-
-
-def figure_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
-    return (
-        record.get("kind"),
-        record.get("src"),
-        record.get("dst"),
-        record.get("device"),
-        record.get("numa_node"),
-    )
 
 
 def worker_command() -> list[str]:
@@ -126,7 +131,7 @@ async def run_probe_round(
     plan: Mapping[str, Any],
     *,
     timeout_s: float,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: Callable[[ProbeFigure | ProbeSkip], None] | None = None,
     command: Sequence[str] | None = None,
     env: Mapping[str, str] | None = None,
     clock: Callable[[], float] = time.time,
@@ -138,6 +143,8 @@ async def run_probe_round(
     caller can make it cover its own preparation too; by default from this call.
 
     ``on_record`` sees every result and skipped line as it arrives (progress bars).
+    A result or skipped line that does not parse ends the round as a crash naming what
+    was wrong (the lines before it are kept).
     ``command`` replaces the worker command line (tests stand in a hung or crashing
     worker there, the hardware edge we cannot produce on a CPU).
     """
@@ -145,10 +152,11 @@ async def run_probe_round(
     started_at = clock()
     t0 = time.monotonic()
     remaining_s = timeout_s - (t0 - since) if since is not None else timeout_s
-    results: list[dict[str, Any]] = []
-    skipped: list[dict[str, Any]] = []
+    results: list[ProbeFigure] = []
+    skipped: list[ProbeSkip] = []
     hello: dict[str, Any] | None = None
-    reported: dict[str, Any] | None = None
+    reported: ProbeFailure | None = None
+    malformed: str | None = None  # what was wrong with the first line that did not parse
     finished = False
 
     def end(failure: ProbeFailure | None) -> ProbeRound:
@@ -163,7 +171,7 @@ async def run_probe_round(
         )
 
     if remaining_s <= 0:  # the caller's preparation used up the whole budget
-        return end(ProbeFailure("timeout", f"the round ran past {timeout_s:g} s before the worker started"))
+        return end(ProbeFailure(FailureKind.TIMEOUT, f"the round ran past {timeout_s:g} s before the worker started"))
     try:
         proc = await asyncio.create_subprocess_exec(
             *(command or worker_command()),
@@ -175,42 +183,49 @@ async def run_probe_round(
             limit=1 << 20,
         )
     except OSError as exc:
-        return end(ProbeFailure("unavailable", f"cannot start the probe worker: {exc}"))
+        return end(ProbeFailure(FailureKind.UNAVAILABLE, f"cannot start the probe worker: {exc}"))
 
     assert proc.stdin and proc.stdout and proc.stderr
+    stdin, stdout = proc.stdin, proc.stdout
     stderr_task = asyncio.create_task(_tail(proc.stderr))
 
     async def converse() -> None:
-        nonlocal hello, reported, finished
+        nonlocal hello, reported, malformed, finished
         try:
-            proc.stdin.write(json.dumps(plan).encode())
-            await proc.stdin.drain()
-            proc.stdin.close()
+            stdin.write(json.dumps(plan).encode())
+            await stdin.drain()
+            stdin.close()
         except (BrokenPipeError, ConnectionResetError):
             pass  # it died at once; its exit status tells why
-        async for raw in proc.stdout:
+        async for raw in stdout:
             try:
                 record = json.loads(raw)
             except ValueError:
                 continue  # a library printing to stdout; not ours
             if not isinstance(record, dict):
                 continue
-            match record.get("type"):
-                case "hello":
-                    hello = record
-                case "result":
-                    record["received_at"] = clock()
-                    results.append(record)
-                    if on_record:
-                        on_record(record)
-                case "skipped":
-                    skipped.append(record)
-                    if on_record:
-                        on_record(record)
-                case "failure":
-                    reported = record
-                case "done":
-                    finished = True
+            try:
+                match record.get("type"):
+                    case RecordType.HELLO:
+                        hello = record
+                    case RecordType.RESULT:
+                        figure = parse_figure(record | {"received_at": clock()})
+                        results.append(figure)
+                        if on_record:
+                            on_record(figure)
+                    case RecordType.SKIPPED:
+                        skip = parse_skip(record)
+                        skipped.append(skip)
+                        if on_record:
+                            on_record(skip)
+                    case RecordType.FAILURE:
+                        said = parse_failure(record)
+                        reported = ProbeFailure(said.failure, said.message)
+                    case RecordType.DONE:
+                        finished = True
+            except MalformedRecord as exc:
+                if malformed is None:
+                    malformed = f"the worker sent a malformed {record.get('type')} line: {exc}"
         await proc.wait()
 
     timed_out = False
@@ -226,20 +241,21 @@ async def run_probe_round(
     rc = proc.returncode
 
     if timed_out:
-        return end(ProbeFailure("timeout", f"worker ran past {timeout_s:g} s and was killed", rc))
+        return end(ProbeFailure(FailureKind.TIMEOUT, f"worker ran past {timeout_s:g} s and was killed", rc))
     if reported is not None:
-        kind = str(reported.get("failure"))
-        return end(ProbeFailure(kind if kind in FAILURE_KINDS else "crash", str(reported.get("message", "")), rc))
+        return end(replace(reported, exit_code=rc))
+    if malformed is not None:
+        return end(ProbeFailure(FailureKind.CRASH, malformed, rc))
     if rc is not None and rc < 0:
         name = _signal_name(-rc)
         if -rc == signal.SIGKILL:
-            return end(ProbeFailure("oom", "worker killed by SIGKILL, most likely by the kernel's OOM killer", rc))
-        return end(ProbeFailure("crash", f"worker killed by {name}" + _last_line(err_tail), rc))
+            return end(ProbeFailure(FailureKind.OOM, "worker killed by SIGKILL, most likely by the kernel's OOM killer", rc))
+        return end(ProbeFailure(FailureKind.CRASH, f"worker killed by {name}" + _last_line(err_tail), rc))
     if rc != 0:
-        kind = WORKER_EXIT.get(rc or 1, "crash")
+        kind = WORKER_EXIT.get(rc or 1, FailureKind.CRASH)
         return end(ProbeFailure(kind, f"worker exited with status {rc}" + _last_line(err_tail), rc))
     if not finished:
-        return end(ProbeFailure("crash", "worker exited before finishing its plan" + _last_line(err_tail), rc))
+        return end(ProbeFailure(FailureKind.CRASH, "worker exited before finishing its plan" + _last_line(err_tail), rc))
     return end(None)
 
 
@@ -264,7 +280,7 @@ class ProbeRunner:
     consecutive_failures: int = 0
     retry_at: float = 0.0
     _latest: ProbeRound | None = None
-    _figures: dict[tuple[Any, ...], dict[str, Any]] = field(default_factory=dict)
+    _figures: dict[FigureKey, ProbeFigure] = field(default_factory=dict)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def backoff_s(self) -> float:
@@ -277,7 +293,7 @@ class ProbeRunner:
         plan: Mapping[str, Any],
         *,
         force: bool = False,
-        on_record: Callable[[dict[str, Any]], None] | None = None,
+        on_record: Callable[[ProbeFigure | ProbeSkip], None] | None = None,
     ) -> ProbeRound:
         async with self._lock:  # one worker at a time: probes must not disturb each other
             now = self.clock()
@@ -288,7 +304,7 @@ class ProbeRunner:
                     duration_s=0.0,
                     results=(),
                     failure=ProbeFailure(
-                        "backoff",
+                        FailureKind.BACKOFF,
                         f"{self.consecutive_failures} failed round(s) in a row; "
                         f"next try in {self.retry_at - now:.0f} s",
                     ),
@@ -297,7 +313,7 @@ class ProbeRunner:
                 plan, timeout_s=self.timeout_s, on_record=on_record, command=self.command, clock=self.clock
             )
             for figure in probe_round.figures():
-                self._figures[figure_key(figure)] = figure
+                self._figures[figure.key] = figure
             self._latest = probe_round
             if probe_round.ok:
                 self.consecutive_failures = 0
@@ -310,6 +326,6 @@ class ProbeRunner:
     def latest_round(self) -> ProbeRound | None:
         return self._latest
 
-    def latest_figures(self) -> list[dict[str, Any]]:
+    def latest_figures(self) -> list[ProbeFigure]:
         """Newest figure per measurement and direction, across all rounds so far."""
-        return [dict(f) for f in self._figures.values()]
+        return list(self._figures.values())

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from topoagent.matrix import DistanceMatrix
-from topoagent.probes.overlay import ProbeFinding, findings_for, overlay
+from topoagent.model import Finding
+from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
+from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanDefaults, numa_nodes_with_cpus, plan_for_target
 from topoagent.probes.runner import ProbeRound, ProbeRunner
 from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, Verdict
@@ -21,12 +22,14 @@ from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, V
 def target_figure(target: ProbeTarget, probe_round: ProbeRound) -> float | None:
     """The one number the schedule compares across rounds for this target (GB/s)."""
     figures = probe_round.figures()
+
+    def medians(kind: ProbeKind) -> list[float]:
+        return [f.median for f in figures if f.kind is kind and f.median is not None]
+
     if target.is_pair:
-        values = [f["median"] for f in figures if f["kind"] == "p2p"]
+        values = medians(ProbeKind.P2P)
         return min(values) if values else None  # the slower direction
-    values = [f["median"] for f in figures if f["kind"] == "h2d"]
-    if not values:
-        values = [f["median"] for f in figures if f["kind"] == "local_copy"]
+    values = medians(ProbeKind.H2D) or medians(ProbeKind.LOCAL_COPY)
     return max(values) if values else None  # the best host link
 
 
@@ -42,7 +45,7 @@ class ProbeService:
     async def step(
         self,
         activity: Mapping[int, GpuActivity] | None = None,
-        on_record: Callable[[dict[str, Any]], None] | None = None,
+        on_record: Callable[[ProbeFigure | ProbeSkip], None] | None = None,
     ) -> ProbeRound | None:
         """Probe the next target if one may run now; None when nothing is due."""
         target = self.schedule.next_probe(activity or {})
@@ -59,12 +62,12 @@ class ProbeService:
         )
         return probe_round
 
-    def figures(self) -> list[dict[str, Any]]:
+    def figures(self) -> list[ProbeFigure]:
         """Newest figure per measurement and direction (for /metrics)."""
         return self.runner.latest_figures()
 
     def overlay(self, matrix: DistanceMatrix) -> DistanceMatrix:
         return overlay(matrix, self.figures())
 
-    def findings(self, matrix: DistanceMatrix) -> list[ProbeFinding]:
+    def findings(self, matrix: DistanceMatrix) -> list[Finding]:
         return findings_for(matrix, self.figures())

@@ -1,7 +1,9 @@
 """The probe worker: the one process of topoagent that imports torch.
 
 Run as ``python -m topoagent.probes.worker``.  It reads one JSON plan on stdin (see
-``topoagent.probes.plan``), measures, and writes one JSON line per result on stdout:
+``topoagent.probes.plan``), measures, and writes one JSON line per result on stdout
+(result, skipped and failure lines are ``topoagent.probes.figures``' types, written with
+their ``to_record()``, which the runner parses back):
 
     {"type": "hello", "backend": ..., "torch": ..., "devices": [...]}      first
     {"type": "result", "id": 3, "kind": "p2p", "src": 0, "dst": 1, "size_bytes": ...,
@@ -60,6 +62,7 @@ runs one intra-op thread, so a copy is one stream of work like one copy engine.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -68,11 +71,20 @@ import threading
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Set
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from topoagent.cpulist import parse_cpulist
+from topoagent.probes.figures import (
+    FailureKind,
+    ProbeFigure,
+    ProbeKind,
+    ProbeSkip,
+    RecordType,
+    Unit,
+    WorkerFailure,
+)
 from topoagent.probes.plan import PlanError, validate_plan
 
 EXIT_OK, EXIT_CRASH, EXIT_PLAN, EXIT_OOM, EXIT_CUDA, EXIT_UNAVAILABLE = 0, 1, 2, 3, 4, 5
@@ -94,7 +106,7 @@ def emit(record: dict[str, Any]) -> None:
     sys.stdout.flush()
 
 
-def node_cpus(node: int, sysfs: Path = NODE_SYSFS) -> set[int]:
+def node_cpus(node: int, sysfs: Path = NODE_SYSFS) -> frozenset[int]:
     try:
         text = (sysfs / f"node{node}" / "cpulist").read_text()
     except OSError:
@@ -105,20 +117,16 @@ def node_cpus(node: int, sysfs: Path = NODE_SYSFS) -> set[int]:
     return cpus
 
 
-def set_process_affinity(cpus: set[int]) -> None:
+def set_process_affinity(cpus: Set[int]) -> None:
     """Bind every thread of this process, not just the caller (torch keeps a pool)."""
     for tid in os.listdir("/proc/self/task"):
-        try:
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):  # the thread ended meanwhile
             os.sched_setaffinity(int(tid), cpus)
-        except (ProcessLookupError, FileNotFoundError):
-            pass  # the thread ended meanwhile
 
 
-def set_process_affinity_quietly(cpus: set[int]) -> None:
-    try:
+def set_process_affinity_quietly(cpus: Set[int]) -> None:
+    with contextlib.suppress(PermissionError):
         set_process_affinity(cpus)
-    except PermissionError:
-        pass
 
 
 class bound_to_node:
@@ -141,7 +149,17 @@ class bound_to_node:
         set_process_affinity(self.saved)
 
 
-def summarize(samples: list[float]) -> dict[str, float]:
+class Spread(TypedDict):
+    """A figure's median and spread, by ProbeFigure's field names."""
+
+    median: float
+    p10: float
+    p90: float
+    minimum: float
+    maximum: float
+
+
+def summarize(samples: list[float]) -> Spread:
     ordered = sorted(samples)
     if len(ordered) >= 2:
         deciles = statistics.quantiles(ordered, n=10, method="inclusive")
@@ -152,8 +170,8 @@ def summarize(samples: list[float]) -> dict[str, float]:
         "median": round(statistics.median(ordered), 4),
         "p10": round(p10, 4),
         "p90": round(p90, 4),
-        "min": round(ordered[0], 4),
-        "max": round(ordered[-1], 4),
+        "minimum": round(ordered[0], 4),
+        "maximum": round(ordered[-1], 4),
     }
 
 
@@ -345,44 +363,42 @@ class Prober:
 
     def bandwidth_record(
         self, m: dict[str, Any], size: int, seconds: list[float], loop: int, started: float, **extra: Any
-    ) -> dict[str, Any]:
+    ) -> ProbeFigure:
         gbps = [size * loop / s / 1e9 for s in seconds if s > 0]
         if not gbps:
             raise RuntimeError("timer returned zero for every sample")
-        return {
-            "type": "result",
-            "id": m["id"],
-            "kind": m["kind"],
+        return ProbeFigure(
+            measurement_id=m["id"],
+            kind=ProbeKind(m["kind"]),
             **extra,
-            "size_bytes": size,
-            "repetitions": len(seconds),
-            "warmup": self.setting(m, "warmup"),
-            "loop": loop,
-            "unit": "GB/s",
+            size_bytes=size,
+            repetitions=len(seconds),
+            warmup=self.setting(m, "warmup"),
+            loop=loop,
+            unit=Unit.GBPS,
             **summarize(gbps),
-            "duration_s": round(time.perf_counter() - started, 6),
-            "backend": self.backend.name,
-        }
+            duration_s=round(time.perf_counter() - started, 6),
+            backend=self.backend.name,
+        )
 
-    def run(self, m: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        kind = m["kind"]
+    def run(self, m: dict[str, Any]) -> Iterator[ProbeFigure]:
+        kind = ProbeKind(m["kind"])
         for key in ("src", "dst", "device"):
             if key in m:
                 self.backend.check_device(m[key])
         try:
-            if kind == "peer_access":
-                yield {
-                    "type": "result",
-                    "id": m["id"],
-                    "kind": kind,
-                    "src": m["src"],
-                    "dst": m["dst"],
-                    "available": self.backend.peer_access(m["src"], m["dst"]),
-                    "backend": self.backend.name,
-                }
-            elif kind == "latency":
+            if kind is ProbeKind.PEER_ACCESS:
+                yield ProbeFigure(
+                    measurement_id=m["id"],
+                    kind=kind,
+                    src=m["src"],
+                    dst=m["dst"],
+                    available=self.backend.peer_access(m["src"], m["dst"]),
+                    backend=self.backend.name,
+                )
+            elif kind is ProbeKind.LATENCY:
                 yield self.latency(m)
-            elif kind in ("h2d", "d2h"):
+            elif kind.is_host:
                 with bound_to_node(m["numa_node"]):
                     yield from self.host(m)
             else:
@@ -390,19 +406,19 @@ class Prober:
         finally:
             self.backend.release()
 
-    def copies(self, m: dict[str, Any]) -> Iterator[dict[str, Any]]:
-        kind = m["kind"]
+    def copies(self, m: dict[str, Any]) -> Iterator[ProbeFigure]:
+        kind = ProbeKind(m["kind"])
         sizes = self.setting(m, "sizes_bytes")
         biggest = max(sizes)
         loop = self.setting(m, "loop")
         warmup, reps = self.setting(m, "warmup"), self.setting(m, "repetitions")
-        if kind == "local_copy":
+        if kind is ProbeKind.LOCAL_COPY:
             a = self.backend.buffer(m["device"], biggest)
             b = self.backend.buffer(m["device"], biggest)
         else:
             a = self.backend.buffer(m["src"], biggest)
             b = self.backend.buffer(m["dst"], biggest)
-        if kind == "p2p_bidir":
+        if kind is ProbeKind.P2P_BIDIR:
             # The way back has its own pair of buffers, so the two directions never
             # read or write the same memory.
             c = self.backend.buffer(m["dst"], biggest)
@@ -410,10 +426,10 @@ class Prober:
         for size in sizes:
             started = time.perf_counter()
             sa, sb = a[:size], b[:size]
-            if kind == "local_copy":
+            if kind is ProbeKind.LOCAL_COPY:
                 (took,) = self.sample([(m["device"], lambda: sb.copy_(sa, non_blocking=True), loop)], warmup, reps)
                 yield self.bandwidth_record(m, size, took, loop, started, device=m["device"], direction=f"{m['device']}")
-            elif kind == "p2p":
+            elif kind is ProbeKind.P2P:
                 # Torch issues a cross-device copy on the source device's stream.
                 (took,) = self.sample([(m["src"], lambda: sb.copy_(sa, non_blocking=True), loop)], warmup, reps)
                 yield self.bandwidth_record(
@@ -438,7 +454,7 @@ class Prober:
                     direction=f"{m['dst']}->{m['src']}", concurrent=True,
                 )
 
-    def host(self, m: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    def host(self, m: dict[str, Any]) -> Iterator[ProbeFigure]:
         sizes = self.setting(m, "sizes_bytes")
         biggest = max(sizes)
         loop = self.setting(m, "loop")
@@ -450,7 +466,7 @@ class Prober:
             for size in sizes:
                 started = time.perf_counter()
                 sd, sh = dev[:size], host[:size]
-                if m["kind"] == "h2d":
+                if m["kind"] == ProbeKind.H2D:
                     copy, direction = (lambda: sd.copy_(sh, non_blocking=True)), f"node{node}->{device}"
                 else:
                     copy, direction = (lambda: sh.copy_(sd, non_blocking=True)), f"{device}->node{node}"
@@ -461,7 +477,7 @@ class Prober:
         finally:
             self.backend.release_host(host)
 
-    def latency(self, m: dict[str, Any]) -> dict[str, Any]:
+    def latency(self, m: dict[str, Any]) -> ProbeFigure:
         size = self.plan["latency_bytes"]
         loop = self.plan["latency_loop"]
         a = self.backend.buffer(m["src"], size)
@@ -473,42 +489,41 @@ class Prober:
             self.setting(m, "repetitions"),
         )
         micros = [s / loop * 1e6 for s in took]
-        return {
-            "type": "result",
-            "id": m["id"],
-            "kind": "latency",
-            "src": m["src"],
-            "dst": m["dst"],
-            "direction": f"{m['src']}->{m['dst']}",
-            "size_bytes": size,
-            "repetitions": len(took),
-            "warmup": self.setting(m, "warmup"),
-            "loop": loop,
-            "unit": "us",
+        return ProbeFigure(
+            measurement_id=m["id"],
+            kind=ProbeKind.LATENCY,
+            src=m["src"],
+            dst=m["dst"],
+            direction=f"{m['src']}->{m['dst']}",
+            size_bytes=size,
+            repetitions=len(took),
+            warmup=self.setting(m, "warmup"),
+            loop=loop,
+            unit=Unit.MICROSECONDS,
             **summarize(micros),
-            "duration_s": round(time.perf_counter() - started, 6),
-            "backend": self.backend.name,
-        }
+            duration_s=round(time.perf_counter() - started, 6),
+            backend=self.backend.name,
+        )
 
 
-def classify(exc: BaseException, torch: Any | None) -> tuple[str, int]:
+def classify(exc: BaseException, torch: Any | None) -> tuple[FailureKind, int]:
     """Map an exception from torch to a failure kind the agent understands."""
     text = str(exc)
     oom_types = tuple(
         t for t in (getattr(torch, "OutOfMemoryError", None),) if isinstance(t, type)
     )
     if isinstance(exc, MemoryError) or (oom_types and isinstance(exc, oom_types)):
-        return "oom", EXIT_OOM
+        return FailureKind.OOM, EXIT_OOM
     if "out of memory" in text or "can't allocate memory" in text:
-        return "oom", EXIT_OOM
+        return FailureKind.OOM, EXIT_OOM
     accel = getattr(torch, "AcceleratorError", None)
     if (isinstance(accel, type) and isinstance(exc, accel)) or "CUDA error" in text or "CUDA driver" in text:
-        return "cuda_error", EXIT_CUDA
-    return "crash", EXIT_CRASH
+        return FailureKind.CUDA_ERROR, EXIT_CUDA
+    return FailureKind.CRASH, EXIT_CRASH
 
 
-def fail(kind: str, message: str, code: int) -> int:
-    emit({"type": "failure", "failure": kind, "message": message[:2000]})
+def fail(kind: FailureKind, message: str, code: int) -> int:
+    emit(WorkerFailure(kind, message[:2000]).to_record())
     return code
 
 
@@ -528,14 +543,14 @@ def main() -> int:
         plan = json.loads(sys.stdin.read())
         validate_plan(plan)
     except (ValueError, PlanError) as exc:
-        return fail("plan_error", f"bad plan: {exc}", EXIT_PLAN)
+        return fail(FailureKind.PLAN_ERROR, f"bad plan: {exc}", EXIT_PLAN)
     torch = None
     try:
         torch = load_torch(plan["backend"])
         backend: Backend = CudaBackend(torch) if plan["backend"] == "cuda" else CpuBackend(torch)
         emit(
             {
-                "type": "hello",
+                "type": RecordType.HELLO.value,
                 "backend": backend.name,
                 "torch": torch.__version__,
                 "pid": os.getpid(),
@@ -547,14 +562,14 @@ def main() -> int:
         for m in plan["measurements"]:
             try:
                 for record in prober.run(m):
-                    emit(record)
+                    emit(record.to_record())
                     count += 1
             except Skip as exc:
-                emit({"type": "skipped", "id": m["id"], "kind": m["kind"], "reason": str(exc)})
-        emit({"type": "done", "results": count})
+                emit(ProbeSkip(measurement_id=m["id"], kind=ProbeKind(m["kind"]), reason=str(exc)).to_record())
+        emit({"type": RecordType.DONE.value, "results": count})
         return EXIT_OK
     except BackendUnavailable as exc:
-        return fail("unavailable", str(exc), EXIT_UNAVAILABLE)
+        return fail(FailureKind.UNAVAILABLE, str(exc), EXIT_UNAVAILABLE)
     except BrokenPipeError:
         return EXIT_CRASH  # the agent went away; nobody to tell
     except Exception as exc:

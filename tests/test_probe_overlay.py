@@ -5,13 +5,15 @@ shared/corpus/bandwidth/, paired with the same machines' `nvidia-smi topo -m`.
 """
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
-from topoagent.probes.overlay import findings_for, overlay
+from topoagent.probes.figures import ProbeFigure, ProbeKind
+from topoagent.probes.overlay import finding_json, findings_for, overlay
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TOPO = SHARED / "corpus/nvidia-smi-topo"
@@ -33,12 +35,18 @@ def matrix_of(name: str) -> DistanceMatrix:
     return DistanceMatrix.from_topo_matrix(topo, pcie_gen=PCIE_GEN[name], pcie_width=16)
 
 
-def figures_from_p2p_test(name: str) -> list[dict]:
+def p2p(src: int, dst: int, gbps: float, received_at: float) -> ProbeFigure:
+    return ProbeFigure(measurement_id=0, kind=ProbeKind.P2P, src=src, dst=dst, direction=f"{src}->{dst}",
+                       median=gbps, received_at=received_at)
+
+
+def figures_from_p2p_test(name: str) -> list[ProbeFigure]:
     """Our figure shape from a p2pBandwidthLatencyTest output (P2P=Enabled, unidirectional)."""
     text = (BANDWIDTH / name).read_text()
     figures = []
     for src, verdict, dst in re.findall(r"Device=(\d+) (CAN|CANNOT) Access Peer Device=(\d+)", text):
-        figures.append({"kind": "peer_access", "src": int(src), "dst": int(dst), "available": verdict == "CAN"})
+        figures.append(ProbeFigure(measurement_id=len(figures), kind=ProbeKind.PEER_ACCESS, src=int(src), dst=int(dst),
+                                   available=verdict == "CAN"))
     block = text.split("Unidirectional P2P=Enabled Bandwidth (P2P Writes) Matrix (GB/s)")[1]
     for line in block.splitlines()[2:]:
         cells = line.split()
@@ -47,8 +55,7 @@ def figures_from_p2p_test(name: str) -> list[dict]:
         src = int(cells[0])
         for dst, value in enumerate(cells[1:]):
             if dst != src:
-                figures.append({"kind": "p2p", "src": src, "dst": dst, "direction": f"{src}->{dst}",
-                                "median": float(value), "received_at": 1700000000.0})
+                figures.append(p2p(src, dst, float(value), 1700000000.0))
     return figures
 
 
@@ -71,16 +78,17 @@ def test_healthy_h100_nvlink_node_raises_nothing_and_placement_sees_measurements
 def test_one_nvlink_pair_at_pcie_speed_is_degraded_and_contradicts_nvlink():
     matrix = matrix_of("stas00-8xH100-2socket-52c-ht.txt")
     figures = figures_from_p2p_test("stas00-p2pBandwidthLatencyTest-8xH100-unidir.txt")
-    for f in figures:
-        if f["kind"] == "p2p" and {f["src"], f["dst"]} == {2, 5}:
-                f["median"] = 52.0  # what a PCIe Gen5 x16 copy delivers
+    figures = [
+        replace(f, median=52.0) if f.kind == "p2p" and {f.src, f.dst} == {2, 5} else f  # what a PCIe Gen5 x16 copy delivers
+        for f in figures
+    ]
     findings = findings_for(overlay(matrix, figures), figures)
     assert kinds(findings) == [("degraded_link", "GPU2-GPU5"), ("level_contradiction", "GPU2-GPU5")]
     degraded = findings[0]
     assert degraded.severity == "critical"
-    assert (degraded.expected, degraded.measured) == (450.0, 52.0)
+    assert (degraded.expected_gbps, degraded.measured_gbps) == (450.0, 52.0)
     assert "not using NVLink" in findings[1].message
-    assert findings[1].to_json()["kind"] == "level_contradiction"
+    assert finding_json(findings[1])["kind"] == "level_contradiction"
 
 
 def test_pix_pair_without_peer_access_staged_through_host():
@@ -92,7 +100,7 @@ def test_pix_pair_without_peer_access_staged_through_host():
         ("degraded_link", "GPU0-GPU1"), ("no_peer_access", "GPU0->GPU1"), ("no_peer_access", "GPU1->GPU0")
     ]
     # 5.72 of the ~13 GB/s a Gen3 x16 PIX pair achieves
-    assert (findings[0].severity, findings[0].measured) == ("warning", 5.72)
+    assert (findings[0].severity, findings[0].measured_gbps) == ("warning", 5.72)
 
 
 @pytest.mark.parametrize(
@@ -114,17 +122,14 @@ def test_pix_declared_but_copying_at_host_bridge_speed():
     matrix = matrix_of("lmdeploy-4863-4xRTX2080Ti-PIX-tabs.txt")
     a, b = next((i, j) for i in range(4) for j in range(4) if str(matrix.level(i, j)) == "PIX")
     ga, gb = matrix.gpus[a].index, matrix.gpus[b].index
-    figures = [
-        {"kind": "p2p", "src": ga, "dst": gb, "direction": f"{ga}->{gb}", "median": 10.3, "received_at": 1.0},
-        {"kind": "p2p", "src": gb, "dst": ga, "direction": f"{gb}->{ga}", "median": 10.6, "received_at": 1.0},
-    ]
+    figures = [p2p(ga, gb, 10.3, 1.0), p2p(gb, ga, 10.6, 1.0)]
     findings = findings_for(overlay(matrix, figures), figures)
     assert kinds(findings) == [("level_contradiction", f"GPU{ga}-GPU{gb}")]
     assert "declared PIX" in findings[0].message and "PHB" in findings[0].message
 
 
 def host(device, node, gbps):
-    return {"kind": "h2d", "device": device, "numa_node": node, "median": gbps}
+    return ProbeFigure(measurement_id=0, kind=ProbeKind.H2D, device=device, numa_node=node, median=gbps)
 
 
 def test_host_copies_find_the_real_numa_affinity_and_weak_host_links():
@@ -140,12 +145,12 @@ def test_host_copies_find_the_real_numa_affinity_and_weak_host_links():
         ("numa_affinity_mismatch", "GPU1 host link"),
     ]
     mismatch = next(f for f in findings if f.kind == "numa_affinity_mismatch")
-    assert (mismatch.expected, mismatch.measured) == (25.5, 17.0)
+    assert (mismatch.expected_gbps, mismatch.measured_gbps) == (25.5, 17.0)
     assert "declared on NUMA node 0" in mismatch.message and "node 1" in mismatch.message
 
 
 def test_figures_for_gpus_the_matrix_lacks_are_ignored():
     matrix = matrix_of("puget-wrx90-2xRTX6000Ada-PHB-2nic.txt")
-    figures = [{"kind": "p2p", "src": 0, "dst": 9, "direction": "0->9", "median": 1.0, "received_at": 1.0}]
+    figures = [p2p(0, 9, 1.0, 1.0)]
     assert overlay(matrix, figures).measured == {}
     assert findings_for(matrix, figures) == []

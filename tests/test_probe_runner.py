@@ -186,7 +186,7 @@ def test_a_segfault_is_a_crash_and_keeps_what_came_before():
     )
     assert probe_round.failure.kind == "crash"
     assert "SIGSEGV" in probe_round.failure.message
-    assert [r["median"] for r in probe_round.results] == [5.0]
+    assert [r.median for r in probe_round.results] == [5.0]
 
 
 def test_sigkill_from_outside_reads_as_the_oom_killer():
@@ -252,7 +252,7 @@ def test_runner_backs_off_geometrically_after_failures_and_resets_on_success():
     assert asyncio.run(scenario()) == [
         "crash", "backoff", "crash", "backoff", 20.0, "crash", 200.0, None, (0, 0.0)
     ]
-    assert [(f["direction"], f["median"]) for f in runner.latest_figures()] == [("0->1", 7.0)]
+    assert [(f.direction, f.median) for f in runner.latest_figures()] == [("0->1", 7.0)]
     assert runner.latest_round().ok
 
 
@@ -298,9 +298,9 @@ def test_service_step_probes_the_scheduled_pair_through_a_real_worker():
     assert probe_round.ok
     assert service.last_verdict.target == ProbeTarget((0, 1))
     assert service.last_verdict.outcome == "first"
-    p2p = sorted(f["direction"] for f in service.figures() if f["kind"] == "p2p")
+    p2p = sorted(f.direction for f in service.figures() if f.kind == "p2p")
     assert p2p == ["0->1", "1->0"]
-    assert service.last_verdict.baseline == min(f["median"] for f in service.figures() if f["kind"] == "p2p")
+    assert service.last_verdict.baseline == min(f.median for f in service.figures() if f.kind == "p2p")
     # Busy GPU 1: only GPU 0's own target may run next.
     from topoagent.probes.schedule import GpuActivity
     assert schedule.next_probe({1: GpuActivity(utilization_percent=90)}) == ProbeTarget((0,))

@@ -13,9 +13,9 @@ import pytest
 from conftest import FIXTURES
 
 from topoagent.cli import main
+from topoagent.discovery import discover
 from topoagent.exporters.openapi import openapi_document
 from topoagent.host import Host
-from topoagent.discovery import discover
 from topoagent.schema import DOCUMENTS, SCHEMA_VERSION, node_document
 
 SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())

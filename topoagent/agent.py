@@ -35,6 +35,7 @@ from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import GpuActivityReading
+    from topoagent.probes.figures import ProbeFigure
     from topoagent.probes.runner import ProbeRound
     from topoagent.probes.service import ProbeService
 
@@ -82,7 +83,7 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 # ---------------------------------------------------------------------------------------
 
 
-def overlay_probes(node: NodeTopology, figures: list[dict[str, Any]]) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
+def overlay_probes(node: NodeTopology, figures: list[ProbeFigure]) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
     """Discovery's matrix with the probes' figures overlaid (placement ranks by the
     measured bandwidth), and the findings the measurements support."""
     from topoagent.probes.overlay import findings_for, overlay

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import LinkLevel
+from topoagent.probes.figures import ProbeKind, Unit
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
@@ -330,7 +331,22 @@ NODE = Document("Node", {
 
 # --- the served topology: the node plus the agent's own state --------------------------------
 
-PROBE_FIGURE_SCHEMA: JsonSchema = {"type": "object", "description": "A probe's figure (largest size, median of its repetitions)."}
+PROBE_FIGURE = Document("ProbeFigure", {
+    "kind": Field(one_of(ProbeKind)),
+    "direction": Field(nullable(STRING), description='"0->1", "node0->3", "3->node0", "3"'),
+    "src": Field(nullable(INTEGER), description="pair kinds: copied from this GPU"),
+    "dst": Field(nullable(INTEGER), description="pair kinds: to this GPU"),
+    "device": Field(nullable(INTEGER), description="local_copy, h2d, d2h: the one GPU"),
+    "numa_node": Field(nullable(INTEGER), description="h2d, d2h: the host memory's NUMA node"),
+    "size_bytes": Field(nullable(INTEGER), description="bytes per copy"),
+    "unit": Field(nullable(one_of(Unit))),
+    "median": Field(nullable(NUMBER), description="in unit"),
+    "p10": Field(nullable(NUMBER)),
+    "p90": Field(nullable(NUMBER)),
+    "repetitions": Field(nullable(INTEGER)),
+    "available": Field(nullable(BOOLEAN), description="peer_access: P2P possible"),
+    "received_at": Field(nullable(NUMBER), description="Unix time the agent read it"),
+}, "A probe's figure: the largest size measured, median and spread of its repetitions.")
 
 AGENT_STATE = Document("AgentState", {
     "snapshot_version": Field(INTEGER, lambda s: s.version, "increases with every swap"),
@@ -338,7 +354,7 @@ AGENT_STATE = Document("AgentState", {
     "stale": Field(BOOLEAN, description="the last discovery failed; the facts are older"),
     "error": Field(nullable(STRING), description="why the last discovery failed"),
     "failed_at": Field(nullable(NUMBER)),
-    "probe_figures": Field(array(PROBE_FIGURE_SCHEMA), lambda s: [dict(f) for f in s.probe_figures], "newest figure per measurement"),
+    "probe_figures": listed(PROBE_FIGURE, "probe_figures"),
 })
 
 TOPOLOGY = NODE.extended("Topology", {
@@ -437,7 +453,7 @@ ERROR = Document("Error", {
 # Every document above, for the OpenAPI components.
 DOCUMENTS: tuple[Document, ...] = (
     PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
-    AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
+    PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
 )
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
+from topoagent.probes.figures import ProbeFigure
 from topoagent.vocabulary import Status
 
 
@@ -30,7 +31,7 @@ class Snapshot:
     # How each source fared in the latest run, which may be newer than ``node`` (stale).
     collectors: tuple[CollectorStatus, ...]
     last_success_at: Mapping[str, float | None]  # collector name -> Unix time
-    probe_figures: tuple[Mapping[str, Any], ...] = ()  # newest figure per measurement
+    probe_figures: tuple[ProbeFigure, ...] = ()  # newest figure per measurement
     probe_findings: tuple[Finding, ...] = ()
     stale: bool = False  # the last discovery failed; these facts are older
     error: str | None = None  # why the last discovery failed
@@ -40,7 +41,7 @@ class Snapshot:
     def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> Snapshot:
         return replace(self, version=version, stale=True, error=error, failed_at=failed_at, collectors=collectors, _cache={})
 
-    def with_probes(self, version: int, matrix: DistanceMatrix, figures: tuple[Mapping[str, Any], ...], findings: tuple[Finding, ...]) -> Snapshot:
+    def with_probes(self, version: int, matrix: DistanceMatrix, figures: tuple[ProbeFigure, ...], findings: tuple[Finding, ...]) -> Snapshot:
         """The same discovery state with new measurements overlaid."""
         return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={})
 

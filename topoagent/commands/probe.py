@@ -17,7 +17,9 @@ from typing import Any, TextIO
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
-from topoagent.probes.overlay import findings_for, overlay
+from topoagent.model import Finding
+from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
+from topoagent.probes.overlay import finding_json, findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
 from topoagent.probes.runner import ProbeRound, run_probe_round
 
@@ -98,16 +100,18 @@ class ProgressBar:
         self.enabled = enabled
         self.inline = enabled and stream.isatty()
 
-    def update(self, record: dict[str, Any]) -> None:
-        self.done += 2 if record.get("type") == "skipped" and record.get("kind") == "p2p_bidir" else 1
+    def update(self, record: ProbeFigure | ProbeSkip) -> None:
+        skipped = isinstance(record, ProbeSkip)
+        self.done += 2 if skipped and record.kind is ProbeKind.P2P_BIDIR else 1
         if not self.enabled:
             return
         filled = min(self.WIDTH, self.WIDTH * self.done // self.total)
-        what = f"{record.get('kind')} {record.get('direction', '')}".strip()
-        if record.get("size_bytes"):
-            what += f" {human_size(record['size_bytes'])}"
-        if record.get("type") == "skipped":
-            what += " (skipped)"
+        if isinstance(record, ProbeSkip):
+            what = f"{record.kind} (skipped)"
+        else:
+            what = f"{record.kind} {record.direction or ''}".strip()
+            if record.size_bytes:
+                what += f" {human_size(record.size_bytes)}"
         line = f"probe [{'#' * filled}{'.' * (self.WIDTH - filled)}] {min(self.done, self.total)}/{self.total} {what}"
         if self.inline:
             self.stream.write("\r\033[K" + line)
@@ -146,7 +150,7 @@ def pair_rows(matrix: DistanceMatrix) -> list[dict[str, Any]]:
     return rows
 
 
-def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings: list[Any], out: TextIO) -> None:
+def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings: list[Finding], out: TextIO) -> None:
     worker = probe_round.worker or {}
     out.write(
         f"backend {probe_round.backend} (torch {worker.get('torch', '?')}): "
@@ -154,19 +158,20 @@ def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings
     )
     out.write(f"{'measurement':<12} {'direction':<14} {'size':>9} {'median':>10} {'p10..p90':>19} {'reps':>5}\n")
     for r in probe_round.results:
-        if "median" not in r:
+        if r.median is None:
             continue
-        unit = r.get("unit", "")
-        spread = f"{r['p10']:.2f}..{r['p90']:.2f}"
+        spread = f"{r.p10:.2f}..{r.p90:.2f}" if r.p10 is not None and r.p90 is not None else "-"
+        size = human_size(r.size_bytes) if r.size_bytes is not None else "-"
+        reps = r.repetitions if r.repetitions is not None else "-"
         out.write(
-            f"{r['kind']:<12} {r.get('direction', ''):<14} {human_size(r['size_bytes']):>9} "
-            f"{r['median']:>10.2f} {spread:>19} {r['repetitions']:>5} {unit}\n"
+            f"{r.kind:<12} {r.direction or '':<14} {size:>9} "
+            f"{r.median:>10.2f} {spread:>19} {reps:>5} {r.unit or ''}\n"
         )
-    peers = [r for r in probe_round.results if r.get("kind") == "peer_access"]
+    peers = [r for r in probe_round.results if r.kind is ProbeKind.PEER_ACCESS]
     if peers:
-        out.write("\npeer access: " + ", ".join(f"{r['src']}->{r['dst']} {'yes' if r['available'] else 'no'}" for r in peers) + "\n")
+        out.write("\npeer access: " + ", ".join(f"{r.src}->{r.dst} {'yes' if r.available else 'no'}" for r in peers) + "\n")
     for s in probe_round.skipped:
-        out.write(f"skipped {s.get('kind')} #{s.get('id')}: {s.get('reason')}\n")
+        out.write(f"skipped {s.kind} #{s.measurement_id}: {s.reason}\n")
     if matrix is not None:
         out.write(f"\n{'pair':<14} {'level':<6} {'expected':>9} {'measured':>9}  GB/s per direction\n")
         for row in pair_rows(matrix):
@@ -195,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     figures = probe_round.figures()
-    findings = []
+    findings: list[Finding] = []
     if matrix is not None:
         matrix = overlay(matrix, figures)
         findings = findings_for(matrix, figures)
@@ -208,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         doc = probe_round.to_json()
         doc["pairs"] = pair_rows(matrix) if matrix is not None else None
-        doc["findings"] = [f.to_json() for f in findings]
+        doc["findings"] = [finding_json(f) for f in findings]
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
