@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from topoagent.errors import TopoagentError
+from topoagent.vocabulary import ProbeKind, Unit
 
 
 class RecordType(enum.StrEnum):
@@ -29,26 +30,6 @@ class RecordType(enum.StrEnum):
     DONE = "done"  # last line of a good run
 
 
-class ProbeKind(enum.StrEnum):
-    """What a measurement copies (the plan's ``kind``)."""
-
-    PEER_ACCESS = "peer_access"  # can src copy straight to dst (no figure, a yes/no)
-    P2P = "p2p"  # src -> dst, one direction at a time
-    P2P_BIDIR = "p2p_bidir"  # both directions at once, one figure each
-    LATENCY = "latency"  # small copies src -> dst, microseconds each
-    H2D = "h2d"  # host memory on a NUMA node -> device
-    D2H = "d2h"  # device -> host memory on a NUMA node
-    LOCAL_COPY = "local_copy"  # one device's memory onto itself
-
-    @property
-    def is_pair(self) -> bool:
-        return self in (ProbeKind.PEER_ACCESS, ProbeKind.P2P, ProbeKind.P2P_BIDIR, ProbeKind.LATENCY)
-
-    @property
-    def is_host(self) -> bool:
-        return self in (ProbeKind.H2D, ProbeKind.D2H)
-
-
 class FailureKind(enum.StrEnum):
     """Why a probe round ended early: what the worker reports, then what the runner adds."""
 
@@ -59,11 +40,6 @@ class FailureKind(enum.StrEnum):
     PLAN_ERROR = "plan_error"
     TIMEOUT = "timeout"  # the runner killed it
     BACKOFF = "backoff"  # not started: failed rounds in a row
-
-
-class Unit(enum.StrEnum):
-    GBPS = "GB/s"  # 10^9 bytes per second, per direction
-    MICROSECONDS = "us"  # per copy (latency)
 
 
 class FigureKey(NamedTuple):

@@ -28,7 +28,6 @@ from topoagent.matrix import first_numa_node
 from topoagent.model import (
     DECLARED,
     DERIVED,
-    SCHEMA_VERSION,
     CollectorStatus,
     Finding,
     GpuTopo,
@@ -212,7 +211,6 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
             pairs.append(Pair(a, b, level, source, declared_level, expected))
 
     return NodeTopology(
-        schema_version=SCHEMA_VERSION,
         hostname=hostname,
         numa=numa,
         pci=tree,

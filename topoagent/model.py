@@ -9,18 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from topoagent import __version__
 from topoagent.collectors.infiniband import IbPort
 from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
-from topoagent.collectors.pci import PciDevice, PciLink, PciTree
+from topoagent.collectors.pci import PciLink, PciTree
 from topoagent.facts import CpuFacts
 from topoagent.levels import SELF, LinkLevel
 from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
 from topoagent.vocabulary import FindingKind, Severity, Status
-
-SCHEMA_VERSION = 1
 
 DERIVED = "derived"
 DECLARED = "nvidia-smi"
@@ -37,10 +34,6 @@ class Finding:
     source: str = "discovery"  # or "probe"
     expected_gbps: float | None = None  # a measurement's finding: what the level should give
     measured_gbps: float | None = None  # and what was measured
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "severity": self.severity, "subject": self.subject,
-                "message": self.message}
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +99,6 @@ class Pair:
 
 @dataclass(frozen=True, repr=False)
 class NodeTopology:
-    schema_version: int
     hostname: str | None
     numa: NumaTopology | None
     pci: PciTree | None
@@ -139,51 +131,6 @@ class NodeTopology:
             return SELF
         pair = self.pair(a, b)
         return pair.level if pair else None
-
-    # --- exports ------------------------------------------------------------------
-
-    def to_json(self, *, timings: bool = True) -> dict:
-        return {
-            "schema_version": self.schema_version,
-            "agent_version": __version__,
-            "hostname": self.hostname,
-            "numa_nodes": [
-                {
-                    "id": n.id,
-                    "cpus": n.cpulist,
-                    "memory_bytes": n.memory_bytes,
-                    "distances": list(n.distances),
-                    "cpuless": n.cpuless,
-                    "same_cpus_as": list(n.same_cpus_as),
-                }
-                for n in (self.numa.nodes if self.numa else ())
-            ],
-            "pci_devices": [_pci_json(d) for d in (self.pci.devices if self.pci else ())],
-            "gpus": [_gpu_json(g) for g in self.gpus],
-            "nics": [_nic_json(n) for n in self.nics],
-            "pairs": [
-                {
-                    "a": p.a,
-                    "b": p.b,
-                    "level": None if p.level is None else str(p.level),
-                    "nvlinks": None if p.level is None else p.level.nvlinks,
-                    "expected_gbps": p.expected_gbps,
-                    "source": p.source,
-                    "declared": None if p.declared is None else str(p.declared),
-                }
-                for p in self.pairs
-            ],
-            "findings": [f.to_json() for f in self.findings],
-            "collectors": {
-                c.name: {
-                    "status": c.status,
-                    "message": c.message,
-                    "warnings": list(c.warnings),
-                    **({"seconds": round(c.seconds, 6)} if timings else {}),
-                }
-                for c in self.collectors
-            },
-        }
 
     def topo_matrix(self) -> TopoMatrix:
         """Our derived matrix in the shape of `nvidia-smi topo -m` (for rendering)."""
@@ -260,84 +207,3 @@ class NodeTopology:
         )
 
 
-# --- JSON helpers ---------------------------------------------------------------------
-
-
-def _hex(value: int | None, digits: int) -> str | None:
-    return None if value is None else f"0x{value:0{digits}x}"
-
-
-def _link_json(link: PciLink | None) -> dict | None:
-    if link is None:
-        return None
-    return {
-        "current_gts": link.current_gts,
-        "current_width": link.current_width,
-        "max_gts": link.max_gts,
-        "max_width": link.max_width,
-        "current_gen": link.current_gen,
-        "max_gen": link.max_gen,
-    }
-
-
-def _pci_json(d: PciDevice) -> dict:
-    return {
-        "address": d.address,
-        "class": _hex(d.class_code, 6),
-        "vendor": _hex(d.vendor, 4),
-        "device": _hex(d.device, 4),
-        "subsystem_vendor": _hex(d.subsystem_vendor, 4),
-        "subsystem_device": _hex(d.subsystem_device, 4),
-        "kind": d.kind,
-        "numa_node": d.numa_node,
-        "numa_source": d.numa_source,
-        "local_cpus": d.local_cpulist,
-        "parent": d.parent,
-        "depth": d.depth,
-        "root_complex": d.root_complex,
-        "driver": d.driver,
-        "listed": d.listed,
-        "interfaces": list(d.interfaces),
-        "link": _link_json(d.link),
-    }
-
-
-def _gpu_json(g: GpuTopo) -> dict:
-    return {
-        "index": g.index,
-        "name": g.name,
-        "uuid": g.uuid,
-        "model": g.model,
-        "address": g.pci_address,
-        "numa_node": g.numa_node,
-        "cpus": g.cpus,
-        "memory_bytes": g.memory_bytes,
-        "link": _link_json(g.link),
-        "nvlink_generation": g.nvlink_generation,
-        "nvlinks": [
-            {"link": l.link, "active": l.active, "version": l.version,
-             "remote_address": l.remote_pci_address, "remote_type": l.remote_type}
-            for l in g.nvlinks
-        ],
-        "utilization_percent": g.utilization_percent,
-        "processes": list(g.processes),
-    }
-
-
-def _nic_json(n: NicTopo) -> dict:
-    return {
-        "name": n.name,
-        "device": n.device,
-        "address": n.pci_address,
-        "numa_node": n.numa_node,
-        "netdev": n.netdevs[0] if n.netdevs else None,
-        "netdevs": list(n.netdevs),
-        "node_guid": n.node_guid,
-        "link": _link_json(n.link),
-        "ports": [
-            {"port": p.number, "state": p.state, "phys_state": p.phys_state,
-             "rate_gbps": p.rate_gbps, "rate": p.rate_text, "link_layer": p.link_layer,
-             "lid": p.lid, "subnet_prefix": p.subnet_prefix}
-            for p in n.ports
-        ],
-    }

@@ -24,8 +24,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import LinkLevel
-from topoagent.probes.figures import ProbeKind, Unit
-from topoagent.vocabulary import FindingKind, Severity, Status
+from topoagent.vocabulary import FindingKind, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix

@@ -64,3 +64,28 @@ class Pattern(enum.StrEnum):
     def shape(self) -> str:
         """The word for the links this pattern uses ('ring', 'path', 'all pairs', 'none')."""
         return {"allreduce": "ring", "alltoall": "all pairs", "pipeline": "path", "independent": "none"}[self.value]
+
+
+class ProbeKind(enum.StrEnum):
+    """What a measurement copies (the plan's ``kind``)."""
+
+    PEER_ACCESS = "peer_access"  # can src copy straight to dst (no figure, a yes/no)
+    P2P = "p2p"  # src -> dst, one direction at a time
+    P2P_BIDIR = "p2p_bidir"  # both directions at once, one figure each
+    LATENCY = "latency"  # small copies src -> dst, microseconds each
+    H2D = "h2d"  # host memory on a NUMA node -> device
+    D2H = "d2h"  # device -> host memory on a NUMA node
+    LOCAL_COPY = "local_copy"  # one device's memory onto itself
+
+    @property
+    def is_pair(self) -> bool:
+        return self in (ProbeKind.PEER_ACCESS, ProbeKind.P2P, ProbeKind.P2P_BIDIR, ProbeKind.LATENCY)
+
+    @property
+    def is_host(self) -> bool:
+        return self in (ProbeKind.H2D, ProbeKind.D2H)
+
+
+class Unit(enum.StrEnum):
+    GBPS = "GB/s"  # 10^9 bytes per second, per direction
+    MICROSECONDS = "us"  # per copy (latency)
