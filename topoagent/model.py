@@ -13,11 +13,18 @@ from topoagent.collectors.infiniband import IbPort
 from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
-from topoagent.collectors.pci import PciLink, PciTree
+from topoagent.collectors.pci import PciDevice, PciLink, PciTree
 from topoagent.facts import CpuFacts
 from topoagent.levels import SELF, LinkLevel
 from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
 from topoagent.vocabulary import FindingKind, Severity, Status
+
+# The fact types the model is made of, named here so exporters read them from the model
+# and never import a collector module.
+__all__ = [
+    "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "NicTopo", "NodeTopology", "NumaTopology",
+    "NvLink", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
+]
 
 DERIVED = "derived"
 DECLARED = "nvidia-smi"
