@@ -1,0 +1,882 @@
+"""The search: per-matrix tables, bandwidth thresholds, interchangeable-GPU classes,
+branch and bound, and the Hamiltonian ring/path search.  See the package docstring for
+the objective it is exact for.
+
+Everything here works on GPU *positions* (rows of the DistanceMatrix, bits of a mask);
+nvidia-smi indices appear only where a request or an answer is read or written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import combinations
+from math import comb
+from typing import TYPE_CHECKING, Any
+
+from topoagent.cpulist import format_cpulist, parse_cpulist
+from topoagent.levels import LinkLevel
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement.request import Request
+from topoagent.vocabulary import Pattern
+
+if TYPE_CHECKING:
+    from topoagent.placement.answer import AnswerParts, PatternLink, PlacedGpu
+
+# --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
+
+
+def bits(mask: int) -> Iterator[int]:
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
+
+
+def connected_components(verts: int, adjacency: list[int]) -> list[int]:
+    """The connected components (as GPU bitmasks) of the graph restricted to ``verts``."""
+    comps = []
+    remaining = verts
+    while remaining:
+        comp = frontier = remaining & -remaining
+        while frontier:
+            reach = 0
+            for v in bits(frontier):
+                reach |= adjacency[v]
+            frontier = reach & verts & ~comp
+            comp |= frontier
+        comps.append(comp)
+        remaining &= ~comp
+    return comps
+
+
+NO_NIC = 99
+SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
+
+
+class Prepared:
+    """Everything about a matrix the search reads, as bitmasks over GPU positions."""
+
+    def __init__(self, matrix: DistanceMatrix, now: float | None):
+        n = matrix.size
+        self.n = n
+        self.matrix = matrix
+        self.all_mask = (1 << n) - 1
+        levels = matrix.gpu_levels
+        bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
+        self.bw = bw
+        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...).
+        keys = {
+            (bw[i][j], tuple(-x for x in levels[i][j].sort_key()))
+            for i in range(n)
+            for j in range(n)
+            if i != j
+        }
+        ordered = sorted(keys)
+        index_of = {key: r for r, key in enumerate(ordered)}
+        self.rank = [
+            [
+                index_of[(bw[i][j], tuple(-x for x in levels[i][j].sort_key()))] if i != j else -1
+                for j in range(n)
+            ]
+            for i in range(n)
+        ]
+        self.n_ranks = len(ordered)
+        # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
+        self.rank_exact = [[0] * n for _ in ordered]
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    self.rank_exact[self.rank[i][j]][i] |= 1 << j
+        self._adj: dict[int, list[int]] = {}
+        self._level_adj: dict[tuple[int, int], list[int]] = {}
+        self.ham_memo: dict[tuple[int, int, bool], tuple[int, ...] | None] = {}
+
+        # NUMA groups: the NUMA node when known, else the CPU list, else one group.
+        keys_numa: list[Any] = []
+        for g in matrix.gpus:
+            if g.numa_node is not None:
+                keys_numa.append(("numa", g.numa_node))
+            elif g.cpus:
+                keys_numa.append(("cpus", format_cpulist(parse_cpulist(g.cpus))))
+            else:
+                keys_numa.append(("unknown", None))
+        seen: dict[Any, int] = {}
+        self.numa_of = []
+        for key in keys_numa:
+            self.numa_of.append(seen.setdefault(key, len(seen)))
+        self.numa_keys = list(seen)
+        self.numa_masks = [0] * len(seen)
+        for i, gi in enumerate(self.numa_of):
+            self.numa_masks[gi] |= 1 << i
+
+        # GPU -> NIC distance as a LevelKind number; per NIC, the GPUs within each kind.
+        self.nic_kind = [
+            [
+                int(lv.kind) if lv is not None else NO_NIC
+                for lv in (matrix.gpu_nic_levels[i] if matrix.gpu_nic_levels else ())
+            ]
+            for i in range(n)
+        ]
+        n_nics = len(matrix.nics) if matrix.gpu_nic_levels else 0
+        self.n_nics = n_nics
+        self.nic_steps: list[list[tuple[int, int]]] = []
+        for j in range(n_nics):
+            kinds = sorted({self.nic_kind[i][j] for i in range(n)})
+            steps = []
+            for kv in kinds:
+                mask = sum(1 << i for i in range(n) if self.nic_kind[i][j] <= kv)
+                steps.append((kv, mask))
+            self.nic_steps.append(steps)
+
+        # Zones: connected groups at each distinct link level, plus NUMA nodes.
+        self.zone_levels: list[tuple[str, list[int]]] = []  # (name, gpu -> zone mask)
+        seen_partitions: set[tuple[int, ...]] = set()
+        distinct_levels = sorted({levels[i][j] for i in range(n) for j in range(n) if i != j})
+        for level in distinct_levels:
+            zone_of = self._components_at_level(level)
+            partition = tuple(sorted(set(zone_of)))
+            if len(partition) in (1, n) or partition in seen_partitions:
+                continue
+            seen_partitions.add(partition)
+            self.zone_levels.append((f"{level} zone", zone_of))
+        if len(self.numa_masks) > 1:
+            zone_of = [self.numa_masks[self.numa_of[i]] for i in range(n)]
+            partition = tuple(sorted(set(zone_of)))
+            if partition not in seen_partitions:
+                self.zone_levels.append(("NUMA node", zone_of))
+        # Coarse zones first, so the hierarchy key groups GPUs like the machine does.
+        self.zone_levels.sort(key=lambda item: len(set(item[1])))
+        self.hier_key = [
+            tuple(min(bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
+            for i in range(n)
+        ]
+        # Rank of each GPU in hierarchy order: a cheap sort key.
+        self.hier_pos = [0] * n
+        for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
+            self.hier_pos[v] = pos
+        self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
+        self._small_tables: dict[tuple[Pattern, int], list[tuple[int, int, int, tuple[int, ...]]] | None] = {}
+        self.links_cache: dict[tuple[int, int], PatternLink] = {}  # see answer.py
+        self.placed_cache: dict[tuple[int, int], PlacedGpu] = {}
+        self.nic_names = [nic.device or nic.name for nic in matrix.nics]
+        # NICs known only by nvidia-smi's label (NIC0..., no NIC Legend): NCCL cannot use those.
+        self.nics_without_device = frozenset(nic.name for nic in matrix.nics if nic.device is None)
+        self._nic_cost: dict[tuple[int, int], int] = {}
+        self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
+        self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
+        distinct: dict[str | None, int] = {}
+        self.cpu_list_bit = [1 << distinct.setdefault(g.cpus, len(distinct)) for g in matrix.gpus]
+        self._cpus_of: dict[int, str | None] = {}
+        self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+        self.idle_feasible: dict[tuple[Pattern, int, int], bool] = {}  # see Search
+        self.zones_by_level = [sorted(set(zone_of)) for _, zone_of in self.zone_levels]
+        # For damage from scratch: zones of several GPUs (a zone per level it is one at),
+        # and per level the GPUs that are a zone of their own.
+        self.multi_zones = [z for zones in self.zones_by_level for z in zones if z.bit_count() > 1]
+        self.single_zones = [
+            sum(z for z in zones if z.bit_count() == 1) for zones in self.zones_by_level
+        ]
+        # Whole zones by name, for "breaks whole free zones" in the answer.
+        self.named_zones = [
+            (z, self._zone_label(name, z))
+            for (name, _), zones in zip(self.zone_levels, self.zones_by_level)
+            for z in zones
+            if z.bit_count() > 1
+        ]
+        # The parts of an answer that depend only on the chosen order (see _build).
+        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int], AnswerParts] = {}
+
+    def _zone_label(self, name: str, zone: int) -> str:
+        """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
+        first, so they cannot be read as NUMA node ids."""
+        gpus = "GPUs " + ",".join(str(self.matrix.gpus[v].index) for v in bits(zone))
+        if name != "NUMA node":
+            return f"{gpus} (one {name})"
+        label = numa_label(self, self.numa_of[min(bits(zone))])
+        if isinstance(label, int):
+            return f"{gpus} (all of NUMA node {label})"
+        if label.startswith("cpus:"):
+            return f"{gpus} (all sharing CPUs {label[5:]})"
+        return f"{gpus} (all of one NUMA node)"
+
+    def cpus_of(self, mask: int) -> str | None:
+        """The CPU list close to these GPUs (None when any GPU's is unknown)."""
+        # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
+        lists = 0
+        for v in bits(mask):
+            lists |= self.cpu_list_bit[v]
+        got = self._cpus_of.get(lists, "")
+        if got == "":
+            sets = [self.gpu_cpus[v] for v in bits(mask)]
+            got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
+            self._cpus_of[lists] = got
+        return got
+
+    def _components_at_level(self, level: LinkLevel) -> list[int]:
+        n = self.n
+        limit = level.sort_key()
+        adj = [
+            sum(1 << j for j in range(n) if j != i and self.matrix.gpu_levels[i][j].sort_key() <= limit)
+            for i in range(n)
+        ]
+        zone_of = [0] * n
+        for comp in connected_components(self.all_mask, adj):
+            for v in bits(comp):
+                zone_of[v] = comp
+        return zone_of
+
+    def adj(self, r: int) -> list[int]:
+        """Per GPU, the GPUs joined to it by a link whose key ranks at least ``r``."""
+        got = self._adj.get(r)
+        if got is None:
+            got = [
+                sum(1 << j for j, rk in enumerate(row) if rk >= r) for row in self.rank
+            ]
+            self._adj[r] = got
+        return got
+
+    def level_adj(self, level: LinkLevel) -> list[int]:
+        """Per GPU, the GPUs at least as close as ``level``."""
+        key = level.sort_key()
+        got = self._level_adj.get(key)
+        if got is None:
+            got = [
+                sum(
+                    1 << j
+                    for j in range(self.n)
+                    if j != i and self.matrix.gpu_levels[i][j].sort_key() <= key
+                )
+                for i in range(self.n)
+            ]
+            self._level_adj[key] = got
+        return got
+
+    def classes(self, with_nics: bool) -> list[tuple[int, tuple[int, ...]]]:
+        """Interchangeable GPUs in hierarchy order, each as (mask, its zone per level).
+
+        Members of a class share their zone at every level, except where each of them is
+        a zone of its own (then the level's entry is 0): GPUs with identical rows are
+        joined by the same links to everyone else.
+        """
+        got = self._classes.get(with_nics)
+        if got is not None:
+            return got
+        n = self.n
+        assigned = [-1] * n
+        classes: list[int] = []
+        for u in sorted(range(n), key=lambda i: self.hier_key[i]):
+            if assigned[u] >= 0:
+                continue
+            mask = 1 << u
+            for v in range(n):
+                if v == u or assigned[v] >= 0 or self.numa_of[u] != self.numa_of[v]:
+                    continue
+                if with_nics and self.nic_kind[u] != self.nic_kind[v]:
+                    continue
+                if all(
+                    self.rank[u][w] == self.rank[v][w] for w in range(n) if w != u and w != v
+                ):
+                    mask |= 1 << v
+                    assigned[v] = len(classes)
+            assigned[u] = len(classes)
+            classes.append(mask)
+        with_zones = []
+        for mask in classes:
+            first = (mask & -mask).bit_length() - 1
+            zones = tuple(
+                zone_of[first] if mask & ~zone_of[first] == 0 else 0 for _, zone_of in self.zone_levels
+            )
+            for z, (_, zone_of) in zip(zones, self.zone_levels):  # the claim above
+                assert z or all(zone_of[v] == 1 << v for v in bits(mask))
+            with_zones.append((mask, zones))
+        self._classes[with_nics] = with_zones
+        return with_zones
+
+    def small_table(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+        """Every k-set of the node with its best pattern rank, NUMA count and order, best
+        first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
+        k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
+        instead of searching, which on such nodes is several times faster."""
+        if comb(self.n, k) > SMALL_TABLE_SETS:
+            return None
+        key = (pattern, k)
+        if key in self._small_tables:
+            return self._small_tables[key]
+        links = k >= 2 and pattern is not Pattern.INDEPENDENT
+        by_hier = sorted(range(self.n), key=self.hier_pos.__getitem__)
+        rows = []
+        for verts in combinations(by_hier, k):
+            mask = sum(1 << v for v in verts)
+            numa = sum(1 for g in self.numa_masks if g & mask)
+            rank, order = -1, verts
+            if links:
+                rank, order = self._best_rank(mask, verts, pattern)
+                if order is None:
+                    continue
+            rows.append((mask, rank, numa, order))
+        rows.sort(key=lambda row: (-row[1], row[2]))  # stable: hierarchy order on ties
+        self._small_tables[key] = rows
+        return rows
+
+    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: Pattern) -> tuple[int, tuple[int, ...] | None]:
+        rank = self.rank
+        pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
+        if pattern is Pattern.ALLTOALL:
+            return min(pairs), verts
+        if len(verts) == 2:
+            return pairs[0], tuple(sorted(verts))
+        for r in sorted(set(pairs), reverse=True):
+            order = self.ham(mask, r, pattern is Pattern.ALLREDUCE)
+            if order is not None:
+                return r, order
+        return -1, None
+
+    def nic_cost(self, mask: int, wanted: int) -> int:
+        """Term (3): the link kinds of the ``wanted`` NICs closest to these GPUs, summed."""
+        key = (mask, wanted)
+        got = self._nic_cost.get(key)
+        if got is None:
+            if len(self._nic_cost) > 100_000:
+                self._nic_cost.clear()
+            got = self._nic_cost[key] = self._nic_cost_of(mask, wanted)
+        return got
+
+    def _nic_cost_of(self, mask: int, wanted: int) -> int:
+        dists = []
+        for steps in self.nic_steps:
+            for kv, m in steps:
+                if m & mask:
+                    dists.append(kv)
+                    break
+            else:
+                dists.append(NO_NIC)
+        dists.sort()
+        return sum(dists[:wanted])
+
+    def ham(self, mask: int, r: int, cycle: bool) -> tuple[int, ...] | None:
+        """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
+        key = (mask, r, cycle)
+        if key in self.ham_memo:
+            return self.ham_memo[key]
+        if len(self.ham_memo) > 200_000:
+            self.ham_memo.clear()
+        result = self._ham_search(mask, self.adj(r), cycle)
+        self.ham_memo[key] = result
+        return result
+
+    def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
+        verts = sorted(bits(mask), key=self.hier_pos.__getitem__)
+        k = len(verts)
+        if k == 1:
+            return tuple(verts)
+        if all((adj[v] & mask) == mask & ~(1 << v) for v in verts):
+            return tuple(verts)  # a clique: any order; hierarchy order keeps neighbours close
+        if k == 2:
+            return None
+        degree = {v: (adj[v] & mask).bit_count() for v in verts}
+        if min(degree.values()) < (2 if cycle else 1):
+            return None
+        if not cycle and sum(1 for d in degree.values() if d == 1) > 2:
+            return None
+        starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
+        rank = self.rank
+        for start in starts:
+            path = [start]
+
+            def extend(last: int, visited: int) -> bool:
+                if len(path) == k:
+                    return not cycle or bool(adj[last] & (1 << start))
+                left = mask & ~visited
+                if cycle and not (adj[start] & left):
+                    return False
+                options = list(bits(adj[last] & left))
+                # Fewest onward options first (finds Hamiltonian paths fast), best link first.
+                options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
+                for v in options:
+                    path.append(v)
+                    if extend(v, visited | (1 << v)):
+                        return True
+                    path.pop()
+                return False
+
+            if extend(start, 1 << start):
+                return tuple(path)
+        return None
+
+
+def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
+    """The matrix's tables, built once per matrix and set of fresh measurements."""
+    if matrix.measured:
+        fresh = frozenset(
+            key
+            for key, m in matrix.measured.items()
+            if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+        )
+    else:
+        fresh = frozenset()
+    cache = matrix.derived_cache.setdefault("placement", {})
+    prepared = cache.get(fresh)
+    if prepared is None:
+        if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
+            cache.clear()
+        prepared = cache[fresh] = Prepared(matrix, now)
+    return prepared
+
+
+# --- the search -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Found:
+    mask: int
+    order: tuple[int, ...]
+    rank: int | None
+    key: tuple[int, int, int]
+    loss: int | None = None  # partner loss, computed when a tie needs it
+
+
+class Search:
+    """Branch and bound over interchangeable-GPU classes at one bandwidth threshold."""
+
+    def __init__(self, prep: Prepared, req: Request, free_all: int, candidates: int, include: int):
+        self.prep = prep
+        self.req = req
+        self.k = req.gpus
+        self.nics = req.nics
+        self.free_all = free_all  # not busy: what damage is measured against
+        self.candidates = candidates  # not busy, not excluded
+        self.include = include
+        self.h_adj = prep.level_adj(req.min_level) if req.min_level else None
+        self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
+        self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)
+        self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
+
+    def links_needed(self) -> bool:
+        return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
+
+    def run(self) -> Found | None:
+        table = self.prep.small_table(self.req.pattern, self.k)
+        if table is not None:
+            return self._scan(table)
+        if not self.links_needed():
+            return self._search_at(None, stop_at_first=False)
+        present = self._ranks_present()
+        if not present:
+            return None
+        # Feasibility falls as the threshold rises: find the best feasible one.
+        if len(present) <= 8:
+            for r in reversed(present):
+                if not self._feasible_on_idle_node(r):
+                    continue
+                found = self._search_at(r, stop_at_first=False)
+                if found is not None:
+                    return found
+            return None
+        lo, hi = 0, len(present) - 1  # present ascending; find the highest feasible
+        if self._search_at(present[lo], stop_at_first=True) is None:
+            return None
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._feasible_on_idle_node(present[mid]) and (
+                self._search_at(present[mid], stop_at_first=True) is not None
+            ):
+                lo = mid
+            else:
+                hi = mid - 1
+        return self._search_at(present[lo], stop_at_first=False)
+
+    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> Found | None:
+        """The best set from the node's table of all k-sets (see Prepared.small_table)."""
+        cand = self.candidates | self.include
+        include = self.include
+        single_numa = self.req.single_numa
+        h = self.h_adj
+        nics = self.nics
+        best: Found | None = None
+        group = None
+        for mask, rank, numa, order in table:
+            if mask & ~cand or include & ~mask or (single_numa and numa > 1):
+                continue
+            if h is not None and any((h[v] | 1 << v) & mask != mask for v in order):
+                continue
+            if best is not None and (rank, numa) != group:
+                break  # sorted by (bandwidth, NUMA): the rest are worse
+            nic = self.prep.nic_cost(mask, nics) if nics else 0
+            if best is not None and nic > best.key[1]:
+                continue
+            key = (numa, nic, self._damage_of(mask))
+            if best is None or key < best.key:
+                best = Found(mask, order, rank, key)
+                best_loss = None
+                group = (rank, numa)
+            elif key == best.key and best_loss != 0:
+                # (5) among equals: leave each free GPU its best free partner.
+                if best_loss is None:
+                    best_loss = self._partner_loss(best.mask)
+                    if best_loss == 0:
+                        continue  # nothing to improve on
+                loss = self._partner_loss(mask)
+                if loss < best_loss:
+                    best = Found(mask, order, rank, key)
+                    best_loss = loss
+        return best
+
+    def _best_loss(self, best: Found) -> int:
+        if best.loss is None:
+            best.loss = self._partner_loss(best.mask)
+        return best.loss
+
+    def _partner_loss(self, mask: int) -> int:
+        """Tie-break (5): how much taking ``mask`` lowers, summed over the GPUs left free,
+        the rank of each one's best link to another free GPU.  Only GPUs whose best free
+        partners all go with ``mask`` lose anything, so only those are looked at."""
+        if self.partner is None:
+            best: dict[int, int] = {}
+            top: dict[int, int] = {}
+            exact = self.prep.rank_exact
+            for v in bits(self.free_all):
+                others = self.free_all & ~(1 << v)
+                best[v], top[v] = -1, 0
+                for r in range(len(exact) - 1, -1, -1):
+                    if exact[r][v] & others:
+                        best[v], top[v] = r, exact[r][v] & others
+                        break
+            self.partner = (best, top, {})
+        best, top, dependents = self.partner
+        affected = 0
+        for u in bits(mask):
+            dep = dependents.get(u)
+            if dep is None:
+                dep = dependents[u] = sum(1 << v for v, t in top.items() if t >> u & 1)
+            affected |= dep
+        loss = 0
+        left = self.free_all & ~mask
+        exact = self.prep.rank_exact
+        for v in bits(affected & ~mask):
+            if top[v] & ~mask:
+                continue  # a best partner stays free
+            others = left & ~(1 << v)
+            after = -1
+            for r in range(best[v] - 1, -1, -1):
+                if exact[r][v] & others:
+                    after = r
+                    break
+            loss += best[v] - after
+        return loss
+
+    def _feasible_on_idle_node(self, r: int) -> bool:
+        """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
+
+        Busy GPUs and constraints only remove sets, so a threshold no set of the idle
+        node reaches is skipped at once (remembered per matrix): without this the search
+        would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
+        """
+        key = (self.req.pattern, self.k, r)
+        got = self.prep.idle_feasible.get(key)
+        if got is None:
+            idle = Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
+            got = self.prep.idle_feasible[key] = idle._search_at(r, stop_at_first=True) is not None
+        return got
+
+    def _ranks_present(self) -> list[int]:
+        """The ranks of links among the candidates (that min_level allows), ascending."""
+        cand = self.candidates
+        verts = list(bits(cand))
+        h = self.h_adj
+        present = []
+        for r, exact in enumerate(self.prep.rank_exact):
+            if h is None:
+                if any(exact[v] & cand for v in verts):
+                    present.append(r)
+            elif any(exact[v] & h[v] & cand for v in verts):
+                present.append(r)
+        return present
+
+    def _search_at(self, r: int | None, stop_at_first: bool) -> Found | None:
+        prep = self.prep
+        k = self.k
+        pattern = self.req.pattern
+        n = prep.n
+        h = self.h_adj
+        if r is None:
+            eff = list(h) if h is not None else None
+        else:
+            adj = prep.adj(r)
+            eff = [adj[i] & h[i] for i in range(n)] if h is not None else adj
+        # Degree core: a ring member needs 2 good links inside the set, a path member 1,
+        # an all-to-all member k-1.
+        need = 0
+        if r is not None:
+            need = {Pattern.ALLREDUCE: 2, Pattern.PIPELINE: 1, Pattern.ALLTOALL: k - 1}[pattern]
+            need = min(need, k - 1)
+        elif h is not None:
+            need = k - 1  # min_level: the set is a clique of close-enough pairs
+        verts = self.candidates
+        if need:
+            changed = True
+            while changed:
+                changed = False
+                for v in bits(verts):
+                    if (eff[v] & verts).bit_count() < need:
+                        verts &= ~(1 << v)
+                        changed = True
+        if self.include & ~verts:
+            return None
+        if verts.bit_count() < k:
+            return None
+        comps = [verts] if eff is None else connected_components(verts, eff)
+        comps = [c for c in comps if c.bit_count() >= k and not (self.include & ~c)]
+        if not comps:
+            return None
+        # Per GPU, which other GPUs may join it.
+        allowed = prep.no_limit
+        if h is not None:
+            allowed = [h[i] for i in range(n)]
+        if r is not None and pattern is Pattern.ALLTOALL:
+            allowed = [allowed[i] & eff[i] for i in range(n)]
+        if self.req.single_numa:
+            allowed = [allowed[i] & prep.numa_masks[prep.numa_of[i]] for i in range(n)]
+        self.allowed = allowed
+        self.r = r
+        self.check_order = r is not None and pattern in (Pattern.ALLREDUCE, Pattern.PIPELINE) and k >= 3
+        self.best: Found | None = None
+        self.stop_at_first = stop_at_first
+        classes_all = prep.classes(self.nics > 0)
+        for comp in comps:
+            start = self.include
+            cand = comp & ~start
+            ok = True
+            for v in bits(start):
+                cand &= allowed[v]
+                if (start & ~(1 << v)) & ~allowed[v]:
+                    ok = False
+            if not ok:
+                continue
+            self.classes = self._ordered_classes(classes_all, cand, k - start.bit_count())
+            dmg = self.damage_add(0, start)
+            self._branch(0, start, k - start.bit_count(), cand, dmg)
+            if self.best is not None and stop_at_first:
+                break
+        return self.best
+
+    def _ordered_classes(
+        self, classes_all: list[tuple[int, tuple[int, ...]]], cand: int, rem: int
+    ) -> list[tuple[int, tuple[int, ...]]]:
+        """The classes to branch on, best-fit first so the first answer found is good and
+        the bounds cut early: NUMA nodes that can hold the whole job, fewest candidates
+        first; then the others, most candidates first.  Hierarchy order within a node."""
+        prep = self.prep
+        group_key = []
+        for g in prep.numa_masks:
+            c = (g & cand).bit_count()
+            group_key.append((0, c) if c >= rem else (1, -c))
+        ordered = [(m & cand, zones) for m, zones in classes_all if m & cand]
+        if len(group_key) > 1:
+            numa_of = prep.numa_of
+            ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
+        return ordered
+
+    def _free_in(self, zone: int) -> int:
+        got = self.zone_free_count.get(zone)
+        if got is None:
+            got = self.zone_free_count[zone] = (zone & self.free_all).bit_count()
+        return got
+
+    def damage_add(self, taken: int, add: int) -> int:
+        """Damage of taking ``add`` on top of ``taken``: sum of f^2 - (f-s)^2 increments."""
+        cost = 0
+        for _, zone_of in self.prep.zone_levels:
+            t = taken
+            for v in bits(add):
+                z = zone_of[v]
+                cost += 2 * (self._free_in(z) - (t & z).bit_count()) - 1
+                t |= 1 << v
+        return cost
+
+    def _damage_of(self, mask: int) -> int:
+        """Damage of taking ``mask``: sum over zones of f^2 - (f-s)^2 = s * (2f - s);
+        a zone of one GPU costs 1 when taken."""
+        zone_f2 = self.zone_f2
+        if zone_f2 is None:
+            zone_f2 = self.zone_f2 = [(z, 2 * (z & self.free_all).bit_count()) for z in self.prep.multi_zones]
+        cost = 0
+        for z, f2 in zone_f2:
+            s = (z & mask).bit_count()
+            if s:
+                cost += s * (f2 - s)
+        for single in self.prep.single_zones:
+            cost += (single & mask).bit_count()
+        return cost
+
+    def _class_damage(self, zones: tuple[int, ...], taken: int, c: int) -> int:
+        """Damage of taking ``c`` GPUs of one class on top of ``taken``."""
+        cost = 0
+        for z in zones:
+            if z:
+                cost += c * (2 * (self._free_in(z) - (taken & z).bit_count()) - c)
+            else:
+                cost += c  # each member is a zone of its own at this level
+        return cost
+
+    def _damage_bound(self, taken: int, cand: int, rem: int) -> int:
+        """Least damage of adding ``rem`` more GPUs from ``cand`` (per level; levels add).
+
+        Taking a of the c candidates left in a zone with L = f - s free and untaken costs
+        g(a) = a * (2L - a), concave in a.  A concave sum over "take rem in all" is least
+        at a vertex: every zone taken whole or not at all, except at most one.  With up to
+        three zones in play the vertices are few and we try them all (exact); otherwise
+        g(a) >= a * (2L - c), the per-GPU cost of taking the whole zone, and filling the
+        cheapest zones first with those rates is a lower bound.
+        """
+        total = 0
+        counts = self.zone_free_count
+        for zones in self.prep.zones_by_level:
+            parts = []
+            for z in zones:
+                c = (z & cand).bit_count()
+                if c:
+                    f = counts.get(z)
+                    if f is None:
+                        f = counts[z] = (z & self.free_all).bit_count()
+                    parts.append((2 * (f - (taken & z).bit_count()) - c, c))  # (rate, c)
+            if len(parts) <= 3:
+                total += _least_concave_fill(parts, rem)
+                continue
+            parts.sort()
+            need = rem
+            for rate, c in parts:
+                if c >= need:
+                    total += need * rate
+                    break
+                total += c * rate
+                need -= c
+        return total
+
+    def _numa_bound(self, taken: int, cand: int, rem: int) -> int:
+        touched = 0
+        cap = 0
+        others = []
+        for g in self.prep.numa_masks:
+            if g & taken:
+                touched += 1
+                cap += (g & cand).bit_count()
+            else:
+                c = (g & cand).bit_count()
+                if c:
+                    others.append(c)
+        need = rem - cap
+        if need > 0:
+            others.sort(reverse=True)
+            for c in others:
+                touched += 1
+                need -= c
+                if need <= 0:
+                    break
+            else:
+                return 1 << 30
+        return touched
+
+    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+        if rem == 0:
+            self._leaf(taken, dmg)
+            return
+        if cand.bit_count() < rem:
+            return
+        best = self.best
+        if best is not None:
+            if self.stop_at_first:
+                return
+            # The bound, one term at a time: later terms only matter on a tie.
+            best_numa, best_nic, best_dmg = best.key
+            numa = self._numa_bound(taken, cand, rem)
+            if numa > best_numa:
+                return
+            if numa == best_numa:
+                nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else 0
+                if nic > best_nic:
+                    return
+                if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
+                    return
+        classes = self.classes
+        while ci < len(classes) and not (classes[ci][0] & cand):
+            ci += 1
+        if ci >= len(classes):
+            return
+        class_mask, zones = classes[ci]
+        members = list(bits(class_mask & cand))
+        rest = cand & ~class_mask
+        allowed = self.allowed
+        top = min(len(members), rem)
+        if top >= 2 and not (allowed[members[0]] >> members[1] & 1):
+            top = 1  # all pairs inside a class are alike: if one pair may not join, none may
+        for c in range(top, -1, -1):
+            pick = 0
+            nxt = rest
+            for v in members[:c]:
+                pick |= 1 << v
+                nxt &= allowed[v]
+            added = self._class_damage(zones, taken, c) if c else 0
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
+            if self.best is not None and self.stop_at_first:
+                return
+
+    def _leaf(self, taken: int, dmg: int) -> None:
+        prep = self.prep
+        order: tuple[int, ...] | None
+        if self.check_order:
+            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE)
+            if order is None:
+                return
+        elif self.r is not None and self.k == 2:
+            order = tuple(sorted(bits(taken)))
+            a, b = order
+            if prep.rank[a][b] < self.r:
+                return
+        else:
+            order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
+        numa = sum(1 for g in prep.numa_masks if g & taken)
+        nic = prep.nic_cost(taken, self.nics) if self.nics else 0
+        key = (numa, nic, dmg)
+        best = self.best
+        if best is None or key < best.key:
+            self.best = Found(taken, order, self.r, key)
+        elif key == best.key and self._best_loss(best) != 0:
+            loss = self._partner_loss(taken)  # (5), among the equals visited
+            if loss < self._best_loss(best):
+                self.best = Found(taken, order, self.r, key, loss)
+
+
+def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
+    """min sum of a_i * (rate_i + c_i - a_i) over 0 <= a_i <= c_i, sum a_i = rem, by
+    trying the vertices (all zones whole or empty but one); 0 if rem cannot be met
+    (the caller's other checks reject that case)."""
+    best = None
+    m = len(parts)
+    for subset in range(1 << m):
+        whole = 0
+        cost = 0
+        for i in range(m):
+            if subset >> i & 1:
+                rate, c = parts[i]
+                whole += c
+                cost += c * rate
+        left = rem - whole
+        if left < 0:
+            continue
+        if left == 0:
+            best = cost if best is None or cost < best else best
+            continue
+        for i in range(m):
+            if not subset >> i & 1:
+                rate, c = parts[i]
+                if left < c:
+                    value = cost + left * (rate + c - left)
+                    best = value if best is None or value < best else best
+    return best if best is not None else 0
+
+
+def numa_label(prep: Prepared, group: int) -> int | str:
+    """How an answer names a NUMA group: its node id, else ``cpus:<list>``, else unknown."""
+    kind, value = prep.numa_keys[group]
+    return value if kind == "numa" else (f"cpus:{value}" if kind == "cpus" else "unknown")
