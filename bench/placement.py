@@ -16,10 +16,10 @@ from itertools import combinations, permutations
 from pathlib import Path
 
 from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit, nv_zones, self_check
-from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_groups, place
+from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CORPUS = SHARED / "corpus" / "nvidia-smi-topo"

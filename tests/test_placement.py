@@ -10,7 +10,6 @@ import pytest
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
-
 from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_two_socket_8
 
 REPO = Path(__file__).resolve().parents[1]

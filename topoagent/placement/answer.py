@@ -13,7 +13,7 @@ from topoagent.levels import LinkLevel
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
-from topoagent.placement.search import NO_NIC, Found, Prepared, bits, numa_label
+from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
 from topoagent.vocabulary import Pattern
 
 
