@@ -163,3 +163,20 @@ class ZoneFirstPolicy:
                     if len(chosen) < k:
                         chosen.append(p)
         return tuple(m.gpus[p].index for p in chosen)
+
+
+def self_check(dgx1: DistanceMatrix, h20: DistanceMatrix, pcie_two_socket: DistanceMatrix) -> None:
+    """The baselines behave as their descriptions say on the anchor nodes (run before a
+    report, so the figures compare against the policies we claim to re-implement).
+
+    ``dgx1``: the DGX-1 V100 hybrid cube mesh; ``h20``: an 8-GPU HGX H20; ``pcie_two_socket``:
+    synthetic.pcie_two_socket_8().
+    """
+    # Where place() takes GPUs 1,2 joined by two NVLinks (tests/test_placement.py).
+    got = PairScorePolicy(dgx1)(2, {3, 4, 5, 7})
+    assert got is not None and set(got) == {0, 1}, f"PairScorePolicy on the DGX-1: {got}"
+    # Crosses sockets though socket 0 (GPUs 0-3) holds enough free GPUs.
+    got = PairScorePolicy(pcie_two_socket)(3, {5, 6, 7})
+    assert got is not None and 4 in got, f"PairScorePolicy on the PCIe box: {got}"
+    got = ZoneFirstPolicy(h20)(4, set())
+    assert got is not None and len(got) == 4, f"ZoneFirstPolicy on the H20: {got}"

@@ -15,11 +15,11 @@ import time
 from itertools import combinations, permutations
 from pathlib import Path
 
-from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit, nv_zones
-from bench.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
+from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit, nv_zones, self_check
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_groups, place
+from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CORPUS = SHARED / "corpus" / "nvidia-smi-topo"
@@ -281,6 +281,12 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
+    anchors = dict(corpus())
+    self_check(
+        next(m for n, m in anchors.items() if n.startswith("dlperf-8xV100")),
+        next(m for n, m in anchors.items() if n.startswith("sglang-24966")),
+        pcie_two_socket_8(),
+    )
     samples = 200 if args.quick else 1000
     events = 400 if args.quick else 3000
     if args.only in (None, "latency"):

@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 from bench.placement import corpus, pct
-from bench.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 from topoagent import placement as current
 from topoagent.placement import Request
+from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -19,12 +19,12 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
-from topoagent.agent import Agent, PlaceRequest, ProbeRunning, ProbesOff
-from topoagent.exporters.openapi import MIN_LEVEL_HELP, MIN_LEVEL_PATTERN, PATTERNS, PLACE_LIMITS, openapi_document
+from topoagent.agent import Agent, ProbeRunning, ProbesOff
+from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.exporters.svg import render_page
 from topoagent.log import log_event
-from topoagent.placement import Request, RequestError
+from topoagent.placement import Request, RequestError, parse_request
 from topoagent.served import Snapshot, etag_of
 
 AGENT = web.AppKey("agent", Agent)
@@ -126,68 +126,23 @@ def _cut(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-def _int(field: str, value: Any, low: int, high: int) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)  # JSON Schema counts 4.0 as an integer
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, "bad_request", f"{field}: expected an integer, got {_cut(json.dumps(value), 40)}")
-    if not low <= value <= high:
-        raise ApiError(400, "bad_request", f"{field}: must be from {low} to {high}, got {value}")
-    return value
-
-
-def _gpu_list(field: str, value: Any, known: set[int]) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise ApiError(400, "bad_request", f"{field}: expected a list of GPU indices")
-    if len(value) > PLACE_LIMITS["gpus_max"]:
-        raise ApiError(400, "bad_request", f"{field}: more than {PLACE_LIMITS['gpus_max']} entries")
-    out: list[int] = []
-    for n, item in enumerate(value):
-        index = _int(f"{field}[{n}]", item, 0, PLACE_LIMITS["gpu_index_max"])
-        if index not in known:
-            # A GPU the node does not have is a mistake in the request (the CLI exits 2).
-            raise ApiError(400, "bad_request", f"{field}[{n}]: no GPU {index} on this node (GPUs: {_cut(str(sorted(known)), 80)})")
-        if index in out:
-            raise ApiError(400, "bad_request", f"{field}[{n}]: GPU {index} is listed twice")
-        out.append(index)
-    return tuple(out)
-
-
-def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[PlaceRequest, dict[str, Any] | None]:
-    """The typed request and the `reserve` part, or ApiError 400 naming the field.
+def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[str, Any] | None]:
+    """The typed request (by the one request parser every door uses) and HTTP's own
+    `reserve` part, or ApiError 400 naming the field.
 
     Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
     for well-formed requests this node cannot satisfy now (busy or leased GPUs)."""
-    if not isinstance(doc, dict):
+    if not isinstance(doc, dict):  # the HTTP body, before its `reserve` part is split off
         raise ApiError(400, "bad_request", "body: expected a JSON object")
-    allowed = {"gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "reserve"}
-    unknown = sorted(set(doc) - allowed)
-    if unknown:
-        raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(unknown), 120)}")
-    if "gpus" not in doc:
-        raise ApiError(400, "bad_request", "gpus: required")
-    gpus = _int("gpus", doc["gpus"], 1, PLACE_LIMITS["gpus_max"])
-    pattern = doc.get("pattern", "allreduce")
-    if pattern not in PATTERNS:
-        raise ApiError(400, "bad_request", f"pattern: expected one of {', '.join(PATTERNS)}")
-    min_level = doc.get("min_level")
-    if "min_level" in doc and not (isinstance(min_level, str) and MIN_LEVEL_RE.fullmatch(min_level)):
-        raise ApiError(400, "bad_request", f"min_level: expected a GPU-to-GPU link level ({MIN_LEVEL_HELP}), got {_cut(json.dumps(min_level), 40)}")
-    single_numa = doc.get("single_numa", False)
-    if not isinstance(single_numa, bool):
-        raise ApiError(400, "bad_request", "single_numa: expected true or false")
-    include = _gpu_list("include", doc.get("include", []), known_gpus)
-    exclude = _gpu_list("exclude", doc.get("exclude", []), known_gpus)
-    nics = _int("nics", doc.get("nics", 0), 0, PLACE_LIMITS["nics_max"])
-    try:  # the CLI's own checks: the level parser, include/exclude overlap, include > gpus
-        Request(gpus, pattern, min_level, single_numa, include, exclude, nics)
+    fields = {key: value for key, value in doc.items() if key != "reserve"}
+    try:
+        req = parse_request(fields, gpu_indices=known_gpus)
     except RequestError as exc:
-        raise ApiError(400, "bad_request", f"{exc.field}: {exc.message}") from None
+        raise ApiError(400, "bad_request", f"{exc.location}: {exc.message}") from None
     reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
-    return PlaceRequest(gpus, pattern, min_level, single_numa, include, exclude, nics), reserve
+    return req, reserve
 
 
-MIN_LEVEL_RE = re.compile(MIN_LEVEL_PATTERN)
 CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")  # would forge lines in logs
 
 
@@ -311,7 +266,7 @@ async def place(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def _why_busy(agent: Agent, req: PlaceRequest) -> str:
+def _why_busy(agent: Agent, req: Request) -> str:
     """Say which wanted GPUs are leased (by whom) and which run processes."""
     leased = {g: lease for lease in agent.active_leases() for g in lease.gpus}
     running = agent.gpus_with_processes()

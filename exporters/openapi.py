@@ -11,21 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import topoagent
+from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
 from topoagent.schema import component_schemas
 
-PATTERNS = ["allreduce", "alltoall", "pipeline", "independent"]
-# What `topoagent place --min-level` accepts (LinkLevel.parse, any case): NV = any
-# NVLink, NV<n> = at least n bonded links, then the PCIe/CPU levels; SOC is SYS.
-def _any_case(word: str) -> str:
-    return "".join(f"[{c.upper()}{c.lower()}]" for c in word)
-
-
-MIN_LEVEL_PATTERN = "^(?:" + _any_case("nv") + "(?:[0-9]*[1-9][0-9]*)?|" + "|".join(_any_case(w) for w in ("pix", "pxb", "phb", "node", "sys", "soc")) + ")$"
-MIN_LEVEL_HELP = "NV, NV<links> such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
 PLACE_LIMITS = {
-    "gpus_max": 1024,
-    "gpu_index_max": 1023,
-    "nics_max": 64,
+    **REQUEST_LIMITS,  # the request's own, from the parser every door uses
     "owner_max_len": 128,
     "ttl_max_s": 7 * 24 * 3600,
 }
@@ -44,20 +34,11 @@ MUTATE_ERRORS = {
     "403": _err("Mutating endpoints are off: the agent was started without a token file."),
 }
 
-INDEX = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": PLACE_LIMITS["gpu_index_max"]}, "maxItems": PLACE_LIMITS["gpus_max"]}
-
+_REQUEST = request_json_schema()
 PLACE_REQUEST = {
-    "type": "object",
-    "additionalProperties": False,
-    "required": ["gpus"],
+    **_REQUEST,
     "properties": {
-        "gpus": {"type": "integer", "minimum": 1, "maximum": PLACE_LIMITS["gpus_max"], "description": "How many GPUs the job needs."},
-        "pattern": {"type": "string", "enum": PATTERNS, "default": "allreduce"},
-        "min_level": {"type": "string", "pattern": MIN_LEVEL_PATTERN, "description": f"Every pair at least this close: {MIN_LEVEL_HELP}."},
-        "single_numa": {"type": "boolean", "default": False},
-        "include": {**INDEX, "uniqueItems": True, "description": "GPUs (nvidia-smi indices) the answer must contain: GPUs of this node, at most `gpus` of them, none also in `exclude` (else 400)."},
-        "exclude": {**INDEX, "uniqueItems": True, "description": "GPUs of this node the answer must not contain (an unknown index is 400)."},
-        "nics": {"type": "integer", "minimum": 0, "maximum": PLACE_LIMITS["nics_max"], "default": 0},
+        **_REQUEST["properties"],
         "reserve": {
             "type": "object",
             "additionalProperties": False,

@@ -113,7 +113,7 @@ def test_explain_names_gpus_and_numa_nodes_unambiguously(capsys):
     explain = json.loads(capsys.readouterr().out)["explain"]
     assert "breaks whole free zones: GPUs 0,1,2,3 (all of NUMA node 0); GPUs 4,5,6 (all of NUMA node 1)" in explain
     # --include forced the split: no claim that it was the best on offer.
-    assert "spans 2 NUMA nodes: --include GPUs 0,4 alone span 2" in explain
+    assert "spans 2 NUMA nodes: include GPUs 0,4 alone span 2" in explain  # JSON names the field
     assert not any("no set on fewer has the same bandwidth" in line for line in explain)
 
 
@@ -122,7 +122,30 @@ def test_explain_says_when_include_forced_a_numa_split(capsys):
             "--json"]
     assert main(argv) == 0
     explain = json.loads(capsys.readouterr().out)["explain"]
-    assert any(line.startswith("spans 2 NUMA nodes: forced by --include GPUs 0") for line in explain)
+    assert any(line.startswith("spans 2 NUMA nodes: forced by include GPUs 0") for line in explain)
     assert any("no free set of 3 holding GPUs 0 does better" in line for line in explain)
     assert main(["place", "--gpus", "5", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]) == 0
     assert "spans 2 NUMA nodes: no set on fewer has the same bandwidth" in json.loads(capsys.readouterr().out)["explain"]
+
+
+def test_explain_names_flags_in_text_and_fields_in_json(capsys):
+    """One typed reason, rendered per door: the CLI's text names its flag, JSON the field."""
+    argv = ["place", "--gpus", "2", "--include", "0,4", "--from-nvidia-smi", TRUNCATED_NO_LEGEND]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "- spans 2 NUMA nodes: --include GPUs 0,4 alone span 2" in text
+    assert main([*argv, "--json"]) == 0
+    assert not any("--include" in line for line in json.loads(capsys.readouterr().out)["explain"])
+
+
+def test_flags_are_judged_by_the_request_parser(capsys):
+    """Flags go through the JSON requests' parser: same rules, errors name the flag."""
+    base = ["place", "--from-nvidia-smi", TRUNCATED_NO_LEGEND]
+    assert main([*base, "--gpus", "2.0", "--json"]) == 0  # 2.0 is a whole number everywhere
+    assert len(json.loads(capsys.readouterr().out)["gpus"]) == 2
+    assert main([*base, "--gpus", "two"]) == 2
+    assert '--gpus: expected an integer, got "two"' in capsys.readouterr().err
+    assert main([*base, "--gpus", "2", "--include", "9"]) == 2
+    assert "--include: GPU 9 is not on this node" in capsys.readouterr().err
+    assert main([*base, "--gpus", "2", "--min-level", "NV0"]) == 2
+    assert "--min-level: expected a GPU-to-GPU link level" in capsys.readouterr().err

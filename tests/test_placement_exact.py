@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_oracle import best_keys, edge, numa_key, pattern_key, satisfies
 
-import topoagent.placement as placement_module
+import topoagent.placement.search as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
 from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement, NicInfo
@@ -184,7 +184,7 @@ def _larger_nodes():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from bench.synthetic import nvswitch_16, tree_node
+    from topoagent.placement.synthetic import nvswitch_16, tree_node
 
     return [
         ("pcie-12: 2 sockets x 3 switches x 2", tree_node(2, 3, 2)),

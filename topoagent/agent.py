@@ -144,25 +144,10 @@ async def discover_in_thread(host: Host) -> NodeTopology:
 
 
 @dataclass(frozen=True, slots=True)
-class PlaceRequest:
-    gpus: int
-    pattern: str = "allreduce"
-    min_level: str | None = None
-    single_numa: bool = False
-    include: tuple[int, ...] = ()
-    exclude: tuple[int, ...] = ()
-    nics: int = 0
-
-
-@dataclass(frozen=True, slots=True)
 class PlaceOutcome:
     fits: bool
     gpus: tuple[int, ...]  # nvidia-smi indices in rank order; () when it does not fit
     body: dict[str, Any]  # the Placement or NoFit JSON
-
-
-def _placement_request(request: PlaceRequest) -> Request:
-    return Request(request.gpus, request.pattern, request.min_level, request.single_numa, request.include, request.exclude, request.nics)
 
 
 def _outcome(answer: Placement | NoFit) -> PlaceOutcome:
@@ -176,9 +161,9 @@ def _unsatisfiable(exc: RequestError) -> PlaceOutcome:
     return PlaceOutcome(False, (), {"fit": False, "reason": exc.message, "constraint": exc.field})
 
 
-def place_gpus(matrix: DistanceMatrix, request: PlaceRequest, busy: frozenset[int]) -> PlaceOutcome:
+def place_gpus(matrix: DistanceMatrix, request: Request, busy: frozenset[int]) -> PlaceOutcome:
     try:
-        return _outcome(place(matrix, _placement_request(request), busy))
+        return _outcome(place(matrix, request, busy))
     except RequestError as exc:
         return _unsatisfiable(exc)
 
@@ -395,13 +380,13 @@ class Agent:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
         return frozenset(g for lease in self.active_leases() for g in lease.gpus) | self.gpus_with_processes()
 
-    def place(self, request: PlaceRequest) -> PlaceOutcome:
+    def place(self, request: Request) -> PlaceOutcome:
         assert self.snapshot is not None
         outcome = place_gpus(self.snapshot.matrix, request, self.busy())
         self.placement_requests["placed" if outcome.fits else "nofit"] += 1
         return outcome
 
-    async def reserve(self, request: PlaceRequest, owner: str, ttl_s: float) -> tuple[PlaceOutcome, Lease | None]:
+    async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[PlaceOutcome, Lease | None]:
         """Place and lease in one step under the store's lock (so no GPU is leased
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
@@ -410,7 +395,7 @@ class Agent:
 
         def work() -> tuple[PlaceOutcome, Lease | None, tuple[Lease, ...]]:
             try:
-                answer = store.reserve_placement(matrix, _placement_request(request), owner, ttl_s, running)
+                answer = store.reserve_placement(matrix, request, owner, ttl_s, running)
             except RequestError as exc:
                 return _unsatisfiable(exc), None, tuple(store.leases())
             if isinstance(answer, NoFit):

@@ -43,6 +43,27 @@ class LevelError(TopoagentError, ValueError):  # ValueError: request parsers cat
 _NV_RE = re.compile(r"NV(\d+)")
 _ALIASES = {"X": LevelKind.SELF, "SELF": LevelKind.SELF, "SOC": LevelKind.SYS}
 
+# The grammar of a level between two GPUs of one node, as requests write it (``min_level``,
+# ``--min-level``): NV alone = any NVLink, NV<n> = at least n bonded links (n >= 1), then
+# the PCIe/CPU words; SOC is SYS; any case, nothing around it.  Written once, as a JSON
+# Schema (ECMAScript) pattern, so the OpenAPI document and parse_gpu_pair_level agree.
+GPU_PAIR_LEVEL_WORDS = ("PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
+GPU_PAIR_LEVEL_HELP = "NV, NV<links> such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.upper()}{c.lower()}]" for c in word)
+
+
+GPU_PAIR_LEVEL_PATTERN = (
+    "^(?:"
+    + _any_case("nv")
+    + "(?:[0-9]*[1-9][0-9]*)?|"
+    + "|".join(_any_case(w) for w in GPU_PAIR_LEVEL_WORDS)
+    + ")$"
+)
+_GPU_PAIR_LEVEL_RE = re.compile(GPU_PAIR_LEVEL_PATTERN)
+
 
 @total_ordering
 @dataclass(frozen=True, slots=True)
@@ -109,6 +130,15 @@ SYS = LinkLevel(LevelKind.SYS)
 
 def nv(links: int) -> LinkLevel:
     return LinkLevel(LevelKind.NV, links)
+
+
+def parse_gpu_pair_level(text: str) -> LinkLevel:
+    """A level between two GPUs of a node, by GPU_PAIR_LEVEL_PATTERN; "NV" is nv(1)."""
+    if not _GPU_PAIR_LEVEL_RE.fullmatch(text):
+        raise LevelError(f"{text!r} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
+    if text.upper() == "NV":
+        return nv(1)  # "any NVLink"
+    return LinkLevel.parse(text)  # the grammar is a subset of what parse reads
 
 
 # --- Expected bandwidth tables -------------------------------------------------------

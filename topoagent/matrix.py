@@ -88,18 +88,20 @@ class DistanceMatrix:
     def size(self) -> int:
         return len(self.gpus)
 
-    def level(self, i: int, j: int) -> LinkLevel:
-        return self.gpu_levels[i][j]
+    def level(self, a_pos: int, b_pos: int) -> LinkLevel:
+        """The level between the GPUs at these positions in ``gpus`` (not indices)."""
+        return self.gpu_levels[a_pos][b_pos]
 
-    def bandwidth(self, i: int, j: int, now: float | None = None) -> float | None:
-        """Measured bandwidth when fresh, else expected; None for i == j."""
-        if i == j:
+    def bandwidth(self, a_pos: int, b_pos: int, now: float | None = None) -> float | None:
+        """Measured bandwidth when fresh, else expected, between the GPUs at these
+        positions; None for a GPU with itself."""
+        if a_pos == b_pos:
             return None
-        key = (i, j) if i < j else (j, i)
+        key = (a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos)
         m = self.measured.get(key)
         if m is not None and (now is None or now - m.taken_at <= self.measurement_max_age_s):
             return m.gbps
-        return self.gpu_expected_gbps[i][j]
+        return self.gpu_expected_gbps[a_pos][b_pos]
 
     def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> DistanceMatrix:
         merged = dict(self.measured)

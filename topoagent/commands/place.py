@@ -10,7 +10,9 @@ from typing import Any
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import PATTERNS, NoFit, Placement, Request, RequestError, place
+from topoagent.placement import Door, NoFit, Placement, RequestError, parse_request, place
+from topoagent.placement.request import parse_gpu_indices
+from topoagent.vocabulary import Pattern
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,17 +29,32 @@ def register(sub: argparse._SubParsersAction) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--root", metavar="DIR", help="a recorded node (snapshot) or / (default)")
     source.add_argument("--from-nvidia-smi", metavar="FILE", help="`nvidia-smi topo -m` output, - for stdin")
-    parser.add_argument("--gpus", type=int, metavar="K", help="how many GPUs")
+    # Request flags are read as text and parsed by the same code as JSON requests
+    # (topoagent.placement.request), so every door says the same about the same input.
+    parser.add_argument("--gpus", metavar="K", help="how many GPUs")
     parser.add_argument("--busy", default="", metavar="LIST", help="busy GPU indices, e.g. 0,3")
-    parser.add_argument("--pattern", choices=PATTERNS, default="allreduce")
+    parser.add_argument("--pattern", choices=[p.value for p in Pattern], help="default: allreduce")
     parser.add_argument("--min-level", metavar="LEVEL", help="every pair at least this close (NV, NV2, PIX, ...)")
     parser.add_argument("--single-numa", action="store_true", help="all GPUs on one NUMA node")
     parser.add_argument("--include", default="", metavar="LIST", help="GPUs that must be part of the answer")
     parser.add_argument("--exclude", default="", metavar="LIST", help="GPUs that must not be")
-    parser.add_argument("--nics", type=int, default=0, metavar="N", help="NICs wanted close to the GPUs")
+    parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument("--batch", action="store_true", help="JSON requests on stdin, JSON answers on stdout")
     parser.set_defaults(run=run)
+
+
+def flag_value(text: str) -> Any:
+    """A flag's text as the JSON value it spells (4, 4.0, true), else the text itself:
+    the request parser then judges it as it would judge that value in a JSON request."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def flag_list(text: str) -> list[Any]:
+    return [flag_value(part.strip()) for part in text.split(",") if part.strip()]
 
 
 def index_list(option: str, text: str) -> list[int]:
@@ -45,6 +62,25 @@ def index_list(option: str, text: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise UsageError(f"{option}: expected GPU indices like 0,3, got {text!r}") from None
+
+
+def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[str, Any]:
+    """The request the flags spell, as a JSON-like object: only the flags given."""
+    fields: dict[str, Any] = {"gpus": flag_value(args.gpus)}
+    if args.pattern is not None:
+        fields["pattern"] = args.pattern
+    if args.min_level is not None:
+        fields["min_level"] = args.min_level
+    if args.single_numa:
+        fields["single_numa"] = True
+    if args.include:
+        fields["include"] = flag_list(args.include)
+    if args.exclude:
+        # Left-out GPUs are not candidates anyway; excluding them is fine.
+        fields["exclude"] = [i for i in flag_list(args.exclude) if i not in left_out]
+    if args.nics is not None:
+        fields["nics"] = flag_value(args.nics)
+    return fields
 
 
 def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ...]]:
@@ -63,25 +99,13 @@ def run(args: argparse.Namespace) -> int:
         return run_batch(load_matrix(args)[0])
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
-    include = index_list("--include", args.include)
-    exclude = index_list("--exclude", args.exclude)
     busy = index_list("--busy", args.busy)
     matrix, left_out = load_matrix(args)
-    if unusable := sorted(set(include) & set(left_out)):
+    if unusable := sorted(i for i in flag_list(args.include) if isinstance(i, int) and i in left_out):
         raise UsageError(f"--include: GPU {unusable[0]} was left out: its levels to other GPUs are unknown")
-    # Left-out GPUs are not candidates anyway; excluding them or calling them busy is fine.
-    exclude = [i for i in exclude if i not in left_out]
-    busy = [i for i in busy if i not in left_out]
+    busy = [i for i in busy if i not in left_out]  # not candidates anyway
     try:
-        request = Request(
-            gpus=args.gpus,
-            pattern=args.pattern,
-            min_level=args.min_level,
-            single_numa=args.single_numa,
-            include=tuple(include),
-            exclude=tuple(exclude),
-            nics=args.nics,
-        )
+        request = parse_request(request_fields(args, left_out), gpu_indices={g.index for g in matrix.gpus})
         answer = place(matrix, request, busy)
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
@@ -91,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render(answer))
     if isinstance(answer, NoFit):
-        print(f"topoagent place: no fit: {answer.reason}", file=sys.stderr)
+        print(f"topoagent place: no fit: {answer.why.render(Door.CLI)}", file=sys.stderr)
         return 1
     return 0
 
@@ -104,15 +128,12 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, An
     try:
         if not isinstance(obj, dict):
             raise RequestError("request", "expected a JSON object")
-        obj = dict(obj)
-        busy = obj.pop("busy", [])
-        if not isinstance(busy, list):
-            raise RequestError("busy", "expected a list of GPU indices")
-        return place(matrix, Request.from_json(obj), busy).to_json()
+        fields = dict(obj)
+        gpu_indices = {g.index for g in matrix.gpus}
+        busy = parse_gpu_indices("busy", fields.pop("busy", []), gpu_indices)
+        return place(matrix, parse_request(fields, gpu_indices=gpu_indices), busy).to_json()
     except RequestError as exc:
-        return {"error": {"line": line_no, "field": exc.field, "message": exc.message}}
-    except TypeError as exc:  # e.g. a field given twice by a bad client library
-        return {"error": {"line": line_no, "field": None, "message": str(exc)}}
+        return {"error": {"line": line_no, "field": exc.location, "message": exc.message}}
 
 
 def run_batch(matrix: DistanceMatrix) -> int:
@@ -126,7 +147,8 @@ def run_batch(matrix: DistanceMatrix) -> int:
 
 def render(answer: Placement | NoFit) -> str:
     if isinstance(answer, NoFit):
-        lines = [f"no fit ({answer.constraint}): {answer.reason}"]
+        constraint = "--" + answer.constraint.replace("_", "-")
+        lines = [f"no fit ({constraint}): {answer.why.render(Door.CLI)}"]
         lines.append("free GPUs: " + (" ".join(str(i) for i in answer.free) or "none"))
         if answer.best_available is not None:
             lines.append("best available instead:")
@@ -142,5 +164,5 @@ def render(answer: Placement | NoFit) -> str:
     env = " ".join(f"{k}={v}" for k, v in answer.env.items())
     lines.append(f"launch: {env} {' '.join(answer.numactl)} <command>".replace("  ", " "))
     lines.append(f"score: {answer.score:g}")
-    lines += [f"- {reason}" for reason in answer.explain]
+    lines += [f"- {reason.render(Door.CLI)}" for reason in answer.reasons]
     return "\n".join(lines) + "\n"

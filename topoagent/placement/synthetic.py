@@ -1,4 +1,5 @@
-"""Synthetic nodes for benchmarks and tests, built as nvidia-smi would print them."""
+"""Synthetic nodes of known shapes for what-if studies, benchmarks and tests, built as
+nvidia-smi would print them."""
 
 from __future__ import annotations
 

@@ -1,298 +1,32 @@
-"""The placement core: which k GPUs of this node a job should get, in which rank order.
+"""The search: per-matrix tables, bandwidth thresholds, interchangeable-GPU classes,
+branch and bound, and the Hamiltonian ring/path search.  See the package docstring for
+the objective it is exact for.
 
-``place(matrix, request, busy) -> Placement | NoFit`` is pure: it reads a DistanceMatrix,
-a Request and the set of busy GPU indices, and returns a value.  The HTTP endpoint, the
-CLI and the lease manager are thin shells over it.
-
-Objective (lexicographic; an earlier term always wins over a later one)
------------------------------------------------------------------------
-1. **Pattern bandwidth**, maximised.  Every GPU pair has an edge key
-   ``(bandwidth, closeness)``: bandwidth is the measured GB/s when fresh, else the level's
-   expected GB/s; at equal bandwidth the closer level wins (so from an nvidia-smi matrix
-   alone NV n beats every PCIe level and more NVLinks beat fewer, and PIX beats PXB).
-   The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
-   (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
-   ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
-2. **Fewest NUMA nodes** (sockets) spanned.  A GPU's NUMA node is the one nvidia-smi or
-   sysfs reports; when only the CPU affinity is known, GPUs with the same CPU list count
-   as one node.
-3. **NIC affinity**, only when ``nics`` > 0: the sum of the link-kind distances of the
-   ``nics`` NICs closest to the set (each NIC's distance is its closest GPU in the set).
-4. **Least damage to what stays free**: for every zone of the node -- NUMA nodes and the
-   connected groups at each link level (NVLink zones, PCIe switches, host bridges) --
-   taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
-   best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
-   whole for later large jobs.
-5. **Deterministic tie-break**: leave each GPU that stays free its best link to another
-   free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
-   each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
-   mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
-   NV2 pairs whole for later 2-GPU jobs.  Then the first set in search order.  On nodes
-   answered from a table (below) the partner rule is applied to every tied set; in the
-   branch and bound, to the tied sets it visits.
-
-Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
-and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
-
-* Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
-  8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
-  its best pattern rank, order and NUMA count, best first; a query scans it, skipping
-  busy and disallowed sets, and stops at the first worse (bandwidth, NUMA) group.
-* Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
-  distinct edge keys from best to worst (binary search when there are many) and, at each
-  threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
-  every member to have two such links inside the set and the whole set inside one
-  connected component, so a degree core and the components discard most thresholds in a
-  few bit operations; a threshold that no k-set of the idle node reaches is remembered
-  and skipped.
-* Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
-  same NIC distances when NICs matter) are interchangeable; the search picks a *count*
-  from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
-  one per socket, when NICs do not matter).
-* Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
-  lower bounds taken one term at a time for (2) (NUMA nodes touched plus the fewest
-  further nodes that can hold the rest), (3) (the NIC cost of everything still allowed --
-  it only falls as GPUs are added) and (4): taking a of a zone's c remaining candidates
-  costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
-  every zone taken whole or not at all but one -- tried exactly when at most three zones
-  are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
-  Hamiltonian check runs at the leaves for sets whose links at ``t`` are not a clique.
-
-Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
-built once per matrix and kept in its ``derived_cache``.
-
-The node ``score`` is ``10 x quality - loss``: quality is the pattern bandwidth in GB/s
-(absolute, so comparable across nodes; 0 for jobs without links), loss is the number of
-extra NUMA nodes spanned plus the number of whole zones the placement breaks.
+Everything here works on GPU *positions* (rows of the DistanceMatrix, bits of a mask);
+nvidia-smi indices appear only where a request or an answer is read or written.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import combinations
 from math import comb
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from topoagent.cpulist import format_cpulist, parse_cpulist
-from topoagent.levels import LevelError, LevelKind, LinkLevel, nv
+from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
+from topoagent.placement.request import Request
+from topoagent.vocabulary import Pattern
 
-PATTERNS = ("allreduce", "alltoall", "pipeline", "independent")
-REQUEST_FIELDS = ("gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics")
-
-
-class RequestError(ValueError):
-    """A request field is invalid; ``field`` names it."""
-
-    def __init__(self, field_name: str, message: str):
-        self.field = field_name
-        self.message = message
-        super().__init__(f"{field_name}: {message}")
-
-
-def _parse_min_level(value: Any) -> LinkLevel | None:
-    if value is None or isinstance(value, LinkLevel):
-        return value
-    if not isinstance(value, str):
-        raise RequestError("min_level", f"expected a link level such as 'NV' or 'PIX', got {value!r}")
-    if value.strip().upper() == "NV":
-        return nv(1)  # "any NVLink"
-    try:
-        level = LinkLevel.parse(value)
-    except LevelError as exc:
-        raise RequestError("min_level", str(exc)) from None
-    if level.kind in (LevelKind.SELF, LevelKind.NET_SUBNET, LevelKind.NET_OTHER):
-        raise RequestError("min_level", f"{value!r} is not a level between two GPUs of a node")
-    return level
-
-
-def _index_tuple(field_name: str, value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise RequestError(field_name, f"expected a list of GPU indices, got {value!r}")
-    out = []
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise RequestError(field_name, f"{item!r} is not a GPU index")
-        out.append(item)
-    if len(set(out)) != len(out):
-        raise RequestError(field_name, "lists a GPU twice")
-    return tuple(sorted(out))
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """What a job asks for.  Construction validates; a bad field raises RequestError."""
-
-    gpus: int
-    pattern: str = "allreduce"
-    min_level: LinkLevel | None = None  # every pair at least this close (NV = any NVLink)
-    single_numa: bool = False
-    include: tuple[int, ...] = ()
-    exclude: tuple[int, ...] = ()
-    nics: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.gpus, bool) or not isinstance(self.gpus, int) or self.gpus < 1:
-            raise RequestError("gpus", f"expected a whole number >= 1, got {self.gpus!r}")
-        if self.pattern not in PATTERNS:
-            raise RequestError("pattern", f"{self.pattern!r} is not one of {', '.join(PATTERNS)}")
-        object.__setattr__(self, "min_level", _parse_min_level(self.min_level))
-        if not isinstance(self.single_numa, bool):
-            raise RequestError("single_numa", f"expected true or false, got {self.single_numa!r}")
-        object.__setattr__(self, "include", _index_tuple("include", self.include))
-        object.__setattr__(self, "exclude", _index_tuple("exclude", self.exclude))
-        if set(self.include) & set(self.exclude):
-            both = sorted(set(self.include) & set(self.exclude))
-            raise RequestError("include", f"GPU {both[0]} is both included and excluded")
-        if len(self.include) > self.gpus:
-            raise RequestError("include", f"lists {len(self.include)} GPUs but only {self.gpus} requested")
-        if isinstance(self.nics, bool) or not isinstance(self.nics, int) or self.nics < 0:
-            raise RequestError("nics", f"expected a whole number >= 0, got {self.nics!r}")
-
-    @classmethod
-    def from_json(cls, obj: Any) -> Request:
-        """From a JSON object; unknown keys are errors (a typo must not be ignored)."""
-        if not isinstance(obj, dict):
-            raise RequestError("request", "expected a JSON object")
-        unknown = sorted(set(obj) - set(REQUEST_FIELDS))
-        if unknown:
-            raise RequestError(unknown[0], "unknown request field")
-        if "gpus" not in obj:
-            raise RequestError("gpus", "missing")
-        return cls(**obj)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "gpus": self.gpus,
-            "pattern": self.pattern,
-            "min_level": str(self.min_level) if self.min_level else None,
-            "single_numa": self.single_numa,
-            "include": list(self.include),
-            "exclude": list(self.exclude),
-            "nics": self.nics,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class PlacedGpu:
-    rank: int
-    index: int
-    uuid: str | None
-    pci_address: str | None
-    numa_node: int | None
-    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs
-    nic_level: LinkLevel | None  # how close those NICs are
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "index": self.index,
-            "uuid": self.uuid,
-            "pci_address": self.pci_address,
-            "numa_node": self.numa_node,
-            "nearest_nics": list(self.nearest_nics),
-            "nic_level": str(self.nic_level) if self.nic_level else None,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class PatternLink:
-    a: int  # GPU indices
-    b: int
-    level: LinkLevel
-    gbps: float
-
-
-@dataclass(frozen=True, slots=True)
-class Objective:
-    """The terms of the objective for one answer (see the module docstring)."""
-
-    bandwidth_gbps: float | None  # (1), None when the pattern has no links
-    bottleneck_level: LinkLevel | None  # (1), the level of the weakest pattern link
-    numa_nodes: int  # (2)
-    nic_cost: int  # (3), 0 when no NICs were asked for
-    damage: int  # (4)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "bottleneck_level": str(self.bottleneck_level) if self.bottleneck_level else None,
-            "numa_nodes": self.numa_nodes,
-            "nic_cost": self.nic_cost,
-            "damage": self.damage,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    request: Request
-    gpus: tuple[PlacedGpu, ...]  # in rank order
-    bandwidth_gbps: float | None
-    worst_level: LinkLevel | None
-    links: tuple[PatternLink, ...]
-    numa_nodes: tuple[int | str, ...]
-    cpus: str | None
-    nics: tuple[str, ...]  # the NICs chosen for the job (``nics`` asked), else nearest ones
-    env: dict[str, str]
-    numactl: tuple[str, ...]
-    score: float
-    objective: Objective
-    broken_zones: tuple[str, ...]
-    explain: tuple[str, ...]
-
-    @property
-    def indices(self) -> tuple[int, ...]:
-        return tuple(g.index for g in self.gpus)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fit": True,
-            "gpus": [g.to_json() for g in self.gpus],
-            "pattern": self.request.pattern,
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "worst_level": str(self.worst_level) if self.worst_level else None,
-            "links": [
-                {"a": ln.a, "b": ln.b, "level": str(ln.level), "gbps": ln.gbps} for ln in self.links
-            ],
-            "numa_nodes": list(self.numa_nodes),
-            "cpus": self.cpus,
-            "nics": list(self.nics),
-            "env": dict(self.env),
-            "numactl": list(self.numactl),
-            "score": self.score,
-            "objective": self.objective.to_json(),
-            "broken_zones": list(self.broken_zones),
-            "explain": list(self.explain),
-            "request": self.request.to_json(),
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class NoFit:
-    request: Request
-    reason: str
-    constraint: str  # the request field that cannot hold: gpus, include, min_level, ...
-    free: tuple[int, ...]
-    best_available: Placement | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fit": False,
-            "reason": self.reason,
-            "constraint": self.constraint,
-            "free": list(self.free),
-            "best_available": self.best_available.to_json() if self.best_available else None,
-            "request": self.request.to_json(),
-        }
-
+if TYPE_CHECKING:
+    from topoagent.placement.answer import AnswerParts, PatternLink, PlacedGpu
 
 # --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
 
 
-def _bits(mask: int) -> Iterator[int]:
+def bits(mask: int) -> Iterator[int]:
     while mask:
         low = mask & -mask
         yield low.bit_length() - 1
@@ -307,7 +41,7 @@ def connected_components(verts: int, adjacency: list[int]) -> list[int]:
         comp = frontier = remaining & -remaining
         while frontier:
             reach = 0
-            for v in _bits(frontier):
+            for v in bits(frontier):
                 reach |= adjacency[v]
             frontier = reach & verts & ~comp
             comp |= frontier
@@ -316,11 +50,11 @@ def connected_components(verts: int, adjacency: list[int]) -> list[int]:
     return comps
 
 
-_NO_NIC = 99
+NO_NIC = 99
 SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
 
 
-class _Prepared:
+class Prepared:
     """Everything about a matrix the search reads, as bitmasks over GPU positions."""
 
     def __init__(self, matrix: DistanceMatrix, now: float | None):
@@ -379,7 +113,7 @@ class _Prepared:
         # GPU -> NIC distance as a LevelKind number; per NIC, the GPUs within each kind.
         self.nic_kind = [
             [
-                int(lv.kind) if lv is not None else _NO_NIC
+                int(lv.kind) if lv is not None else NO_NIC
                 for lv in (matrix.gpu_nic_levels[i] if matrix.gpu_nic_levels else ())
             ]
             for i in range(n)
@@ -414,7 +148,7 @@ class _Prepared:
         # Coarse zones first, so the hierarchy key groups GPUs like the machine does.
         self.zone_levels.sort(key=lambda item: len(set(item[1])))
         self.hier_key = [
-            tuple(min(_bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
+            tuple(min(bits(zone_of[i])) for _, zone_of in self.zone_levels) + (i,)
             for i in range(n)
         ]
         # Rank of each GPU in hierarchy order: a cheap sort key.
@@ -422,9 +156,9 @@ class _Prepared:
         for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
             self.hier_pos[v] = pos
         self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
-        self._small_tables: dict[tuple[str, int], list | None] = {}
-        self._links: dict[tuple[int, int], PatternLink] = {}
-        self._placed: dict[tuple[int, int], PlacedGpu] = {}
+        self._small_tables: dict[tuple[Pattern, int], list[tuple[int, int, int, tuple[int, ...]]] | None] = {}
+        self.links_cache: dict[tuple[int, int], PatternLink] = {}  # see answer.py
+        self.placed_cache: dict[tuple[int, int], PlacedGpu] = {}
         self.nic_names = [nic.device or nic.name for nic in matrix.nics]
         # NICs known only by nvidia-smi's label (NIC0..., no NIC Legend): NCCL cannot use those.
         self.nics_without_device = frozenset(nic.name for nic in matrix.nics if nic.device is None)
@@ -435,7 +169,7 @@ class _Prepared:
         self.cpu_list_bit = [1 << distinct.setdefault(g.cpus, len(distinct)) for g in matrix.gpus]
         self._cpus_of: dict[int, str | None] = {}
         self.pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
-        self.idle_feasible: dict[tuple[str, int, int], bool] = {}  # see _Search
+        self.idle_feasible: dict[tuple[Pattern, int, int], bool] = {}  # see Search
         self.zones_by_level = [sorted(set(zone_of)) for _, zone_of in self.zone_levels]
         # For damage from scratch: zones of several GPUs (a zone per level it is one at),
         # and per level the GPUs that are a zone of their own.
@@ -451,58 +185,30 @@ class _Prepared:
             if z.bit_count() > 1
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
-        self.answer_parts: dict[tuple[tuple[int, ...], str, int], _AnswerParts] = {}
+        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int], AnswerParts] = {}
 
     def _zone_label(self, name: str, zone: int) -> str:
         """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
         first, so they cannot be read as NUMA node ids."""
-        gpus = "GPUs " + ",".join(str(self.matrix.gpus[v].index) for v in _bits(zone))
+        gpus = "GPUs " + ",".join(str(self.matrix.gpus[v].index) for v in bits(zone))
         if name != "NUMA node":
             return f"{gpus} (one {name})"
-        label = _numa_label(self, self.numa_of[min(_bits(zone))])
+        label = numa_label(self, self.numa_of[min(bits(zone))])
         if isinstance(label, int):
             return f"{gpus} (all of NUMA node {label})"
         if label.startswith("cpus:"):
             return f"{gpus} (all sharing CPUs {label[5:]})"
         return f"{gpus} (all of one NUMA node)"
 
-    def pattern_link(self, a: int, b: int) -> PatternLink:
-        got = self._links.get((a, b))
-        if got is None:
-            m = self.matrix
-            got = self._links[(a, b)] = PatternLink(
-                m.gpus[a].index, m.gpus[b].index, m.gpu_levels[a][b], round(self.bw[a][b], 2)
-            )
-        return got
-
-    def placed_gpu(self, v: int, rank_no: int) -> PlacedGpu:
-        """GPU ``v`` as an answer lists it at rank ``rank_no``, with its closest NICs."""
-        got = self._placed.get((v, rank_no))
-        if got is None:
-            g = self.matrix.gpus[v]
-            kinds = self.nic_kind[v]
-            nearest: tuple[str, ...] = ()
-            nic_level = None
-            if kinds and min(kinds) < _NO_NIC:
-                best_kind = min(kinds)
-                nearest = tuple(self.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
-                nic_level = next(
-                    self.matrix.gpu_nic_levels[v][j] for j, kv in enumerate(kinds) if kv == best_kind
-                )
-            got = self._placed[(v, rank_no)] = PlacedGpu(
-                rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level
-            )
-        return got
-
     def cpus_of(self, mask: int) -> str | None:
         """The CPU list close to these GPUs (None when any GPU's is unknown)."""
         # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
         lists = 0
-        for v in _bits(mask):
+        for v in bits(mask):
             lists |= self.cpu_list_bit[v]
         got = self._cpus_of.get(lists, "")
         if got == "":
-            sets = [self.gpu_cpus[v] for v in _bits(mask)]
+            sets = [self.gpu_cpus[v] for v in bits(mask)]
             got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
             self._cpus_of[lists] = got
         return got
@@ -516,7 +222,7 @@ class _Prepared:
         ]
         zone_of = [0] * n
         for comp in connected_components(self.all_mask, adj):
-            for v in _bits(comp):
+            for v in bits(comp):
                 zone_of[v] = comp
         return zone_of
 
@@ -582,12 +288,12 @@ class _Prepared:
                 zone_of[first] if mask & ~zone_of[first] == 0 else 0 for _, zone_of in self.zone_levels
             )
             for z, (_, zone_of) in zip(zones, self.zone_levels):  # the claim above
-                assert z or all(zone_of[v] == 1 << v for v in _bits(mask))
+                assert z or all(zone_of[v] == 1 << v for v in bits(mask))
             with_zones.append((mask, zones))
         self._classes[with_nics] = with_zones
         return with_zones
 
-    def small_table(self, pattern: str, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
+    def small_table(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
         """Every k-set of the node with its best pattern rank, NUMA count and order, best
         first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
         k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
@@ -597,7 +303,7 @@ class _Prepared:
         key = (pattern, k)
         if key in self._small_tables:
             return self._small_tables[key]
-        links = k >= 2 and pattern != "independent"
+        links = k >= 2 and pattern is not Pattern.INDEPENDENT
         by_hier = sorted(range(self.n), key=self.hier_pos.__getitem__)
         rows = []
         for verts in combinations(by_hier, k):
@@ -613,15 +319,15 @@ class _Prepared:
         self._small_tables[key] = rows
         return rows
 
-    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: str) -> tuple[int, tuple[int, ...] | None]:
+    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: Pattern) -> tuple[int, tuple[int, ...] | None]:
         rank = self.rank
         pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
-        if pattern == "alltoall":
+        if pattern is Pattern.ALLTOALL:
             return min(pairs), verts
         if len(verts) == 2:
             return pairs[0], tuple(sorted(verts))
         for r in sorted(set(pairs), reverse=True):
-            order = self.ham(mask, r, pattern == "allreduce")
+            order = self.ham(mask, r, pattern is Pattern.ALLREDUCE)
             if order is not None:
                 return r, order
         return -1, None
@@ -644,7 +350,7 @@ class _Prepared:
                     dists.append(kv)
                     break
             else:
-                dists.append(_NO_NIC)
+                dists.append(NO_NIC)
         dists.sort()
         return sum(dists[:wanted])
 
@@ -660,7 +366,7 @@ class _Prepared:
         return result
 
     def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
-        verts = sorted(_bits(mask), key=self.hier_pos.__getitem__)
+        verts = sorted(bits(mask), key=self.hier_pos.__getitem__)
         k = len(verts)
         if k == 1:
             return tuple(verts)
@@ -684,7 +390,7 @@ class _Prepared:
                 left = mask & ~visited
                 if cycle and not (adj[start] & left):
                     return False
-                options = list(_bits(adj[last] & left))
+                options = list(bits(adj[last] & left))
                 # Fewest onward options first (finds Hamiltonian paths fast), best link first.
                 options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
                 for v in options:
@@ -699,7 +405,7 @@ class _Prepared:
         return None
 
 
-def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
+def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
     """The matrix's tables, built once per matrix and set of fresh measurements."""
     if matrix.measured:
         fresh = frozenset(
@@ -714,7 +420,7 @@ def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
     if prepared is None:
         if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
             cache.clear()
-        prepared = cache[fresh] = _Prepared(matrix, now)
+        prepared = cache[fresh] = Prepared(matrix, now)
     return prepared
 
 
@@ -722,7 +428,7 @@ def _prepare(matrix: DistanceMatrix, now: float | None) -> _Prepared:
 
 
 @dataclass(slots=True)
-class _Found:
+class Found:
     mask: int
     order: tuple[int, ...]
     rank: int | None
@@ -730,10 +436,10 @@ class _Found:
     loss: int | None = None  # partner loss, computed when a tie needs it
 
 
-class _Search:
+class Search:
     """Branch and bound over interchangeable-GPU classes at one bandwidth threshold."""
 
-    def __init__(self, prep: _Prepared, req: Request, free_all: int, candidates: int, include: int):
+    def __init__(self, prep: Prepared, req: Request, free_all: int, candidates: int, include: int):
         self.prep = prep
         self.req = req
         self.k = req.gpus
@@ -747,9 +453,9 @@ class _Search:
         self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
 
     def links_needed(self) -> bool:
-        return self.k >= 2 and self.req.pattern != "independent"
+        return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
 
-    def run(self) -> _Found | None:
+    def run(self) -> Found | None:
         table = self.prep.small_table(self.req.pattern, self.k)
         if table is not None:
             return self._scan(table)
@@ -780,14 +486,14 @@ class _Search:
                 hi = mid - 1
         return self._search_at(present[lo], stop_at_first=False)
 
-    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> _Found | None:
-        """The best set from the node's table of all k-sets (see _Prepared.small_table)."""
+    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> Found | None:
+        """The best set from the node's table of all k-sets (see Prepared.small_table)."""
         cand = self.candidates | self.include
         include = self.include
         single_numa = self.req.single_numa
         h = self.h_adj
         nics = self.nics
-        best: _Found | None = None
+        best: Found | None = None
         group = None
         for mask, rank, numa, order in table:
             if mask & ~cand or include & ~mask or (single_numa and numa > 1):
@@ -801,7 +507,7 @@ class _Search:
                 continue
             key = (numa, nic, self._damage_of(mask))
             if best is None or key < best.key:
-                best = _Found(mask, order, rank, key)
+                best = Found(mask, order, rank, key)
                 best_loss = None
                 group = (rank, numa)
             elif key == best.key and best_loss != 0:
@@ -812,11 +518,11 @@ class _Search:
                         continue  # nothing to improve on
                 loss = self._partner_loss(mask)
                 if loss < best_loss:
-                    best = _Found(mask, order, rank, key)
+                    best = Found(mask, order, rank, key)
                     best_loss = loss
         return best
 
-    def _best_loss(self, best: _Found) -> int:
+    def _best_loss(self, best: Found) -> int:
         if best.loss is None:
             best.loss = self._partner_loss(best.mask)
         return best.loss
@@ -829,7 +535,7 @@ class _Search:
             best: dict[int, int] = {}
             top: dict[int, int] = {}
             exact = self.prep.rank_exact
-            for v in _bits(self.free_all):
+            for v in bits(self.free_all):
                 others = self.free_all & ~(1 << v)
                 best[v], top[v] = -1, 0
                 for r in range(len(exact) - 1, -1, -1):
@@ -839,7 +545,7 @@ class _Search:
             self.partner = (best, top, {})
         best, top, dependents = self.partner
         affected = 0
-        for u in _bits(mask):
+        for u in bits(mask):
             dep = dependents.get(u)
             if dep is None:
                 dep = dependents[u] = sum(1 << v for v, t in top.items() if t >> u & 1)
@@ -847,7 +553,7 @@ class _Search:
         loss = 0
         left = self.free_all & ~mask
         exact = self.prep.rank_exact
-        for v in _bits(affected & ~mask):
+        for v in bits(affected & ~mask):
             if top[v] & ~mask:
                 continue  # a best partner stays free
             others = left & ~(1 << v)
@@ -869,14 +575,14 @@ class _Search:
         key = (self.req.pattern, self.k, r)
         got = self.prep.idle_feasible.get(key)
         if got is None:
-            idle = _Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
+            idle = Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
             got = self.prep.idle_feasible[key] = idle._search_at(r, stop_at_first=True) is not None
         return got
 
     def _ranks_present(self) -> list[int]:
         """The ranks of links among the candidates (that min_level allows), ascending."""
         cand = self.candidates
-        verts = list(_bits(cand))
+        verts = list(bits(cand))
         h = self.h_adj
         present = []
         for r, exact in enumerate(self.prep.rank_exact):
@@ -887,7 +593,7 @@ class _Search:
                 present.append(r)
         return present
 
-    def _search_at(self, r: int | None, stop_at_first: bool) -> _Found | None:
+    def _search_at(self, r: int | None, stop_at_first: bool) -> Found | None:
         prep = self.prep
         k = self.k
         pattern = self.req.pattern
@@ -902,7 +608,7 @@ class _Search:
         # an all-to-all member k-1.
         need = 0
         if r is not None:
-            need = {"allreduce": 2, "pipeline": 1, "alltoall": k - 1}[pattern]
+            need = {Pattern.ALLREDUCE: 2, Pattern.PIPELINE: 1, Pattern.ALLTOALL: k - 1}[pattern]
             need = min(need, k - 1)
         elif h is not None:
             need = k - 1  # min_level: the set is a clique of close-enough pairs
@@ -911,7 +617,7 @@ class _Search:
             changed = True
             while changed:
                 changed = False
-                for v in _bits(verts):
+                for v in bits(verts):
                     if (eff[v] & verts).bit_count() < need:
                         verts &= ~(1 << v)
                         changed = True
@@ -927,28 +633,28 @@ class _Search:
         allowed = prep.no_limit
         if h is not None:
             allowed = [h[i] for i in range(n)]
-        if r is not None and pattern == "alltoall":
+        if r is not None and pattern is Pattern.ALLTOALL:
             allowed = [allowed[i] & eff[i] for i in range(n)]
         if self.req.single_numa:
             allowed = [allowed[i] & prep.numa_masks[prep.numa_of[i]] for i in range(n)]
         self.allowed = allowed
         self.r = r
-        self.check_order = r is not None and pattern in ("allreduce", "pipeline") and k >= 3
-        self.best: _Found | None = None
+        self.check_order = r is not None and pattern in (Pattern.ALLREDUCE, Pattern.PIPELINE) and k >= 3
+        self.best: Found | None = None
         self.stop_at_first = stop_at_first
         classes_all = prep.classes(self.nics > 0)
         for comp in comps:
             start = self.include
             cand = comp & ~start
             ok = True
-            for v in _bits(start):
+            for v in bits(start):
                 cand &= allowed[v]
                 if (start & ~(1 << v)) & ~allowed[v]:
                     ok = False
             if not ok:
                 continue
             self.classes = self._ordered_classes(classes_all, cand, k - start.bit_count())
-            dmg = self._damage_add(0, start)
+            dmg = self.damage_add(0, start)
             self._branch(0, start, k - start.bit_count(), cand, dmg)
             if self.best is not None and stop_at_first:
                 break
@@ -977,12 +683,12 @@ class _Search:
             got = self.zone_free_count[zone] = (zone & self.free_all).bit_count()
         return got
 
-    def _damage_add(self, taken: int, add: int) -> int:
+    def damage_add(self, taken: int, add: int) -> int:
         """Damage of taking ``add`` on top of ``taken``: sum of f^2 - (f-s)^2 increments."""
         cost = 0
         for _, zone_of in self.prep.zone_levels:
             t = taken
-            for v in _bits(add):
+            for v in bits(add):
                 z = zone_of[v]
                 cost += 2 * (self._free_in(z) - (t & z).bit_count()) - 1
                 t |= 1 << v
@@ -1098,7 +804,7 @@ class _Search:
         if ci >= len(classes):
             return
         class_mask, zones = classes[ci]
-        members = list(_bits(class_mask & cand))
+        members = list(bits(class_mask & cand))
         rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
@@ -1119,26 +825,26 @@ class _Search:
         prep = self.prep
         order: tuple[int, ...] | None
         if self.check_order:
-            order = prep.ham(taken, self.r, self.req.pattern == "allreduce")
+            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE)
             if order is None:
                 return
         elif self.r is not None and self.k == 2:
-            order = tuple(sorted(_bits(taken)))
+            order = tuple(sorted(bits(taken)))
             a, b = order
             if prep.rank[a][b] < self.r:
                 return
         else:
-            order = tuple(sorted(_bits(taken), key=prep.hier_pos.__getitem__))
+            order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
         numa = sum(1 for g in prep.numa_masks if g & taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else 0
         key = (numa, nic, dmg)
         best = self.best
         if best is None or key < best.key:
-            self.best = _Found(taken, order, self.r, key)
+            self.best = Found(taken, order, self.r, key)
         elif key == best.key and self._best_loss(best) != 0:
             loss = self._partner_loss(taken)  # (5), among the equals visited
             if loss < self._best_loss(best):
-                self.best = _Found(taken, order, self.r, key, loss)
+                self.best = Found(taken, order, self.r, key, loss)
 
 
 def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
@@ -1170,288 +876,7 @@ def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
     return best if best is not None else 0
 
 
-# --- the answer -----------------------------------------------------------------------
-
-
-def place(
-    matrix: DistanceMatrix,
-    request: Request,
-    busy: Iterable[int] = (),
-    *,
-    now: float | None = None,
-) -> Placement | NoFit:
-    """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
-    prep = _prepare(matrix, now)
-    pos_of = prep.pos_of
-
-    def mask_of(field_name: str, indices: Iterable[int]) -> int:
-        mask = 0
-        for i in indices:
-            if isinstance(i, bool) or not isinstance(i, int):
-                raise RequestError(field_name, f"{i!r} is not a GPU index")
-            if i not in pos_of:
-                known = ", ".join(str(g.index) for g in matrix.gpus)
-                raise RequestError(field_name, f"GPU {i} is not on this node (GPUs: {known})")
-            mask |= 1 << pos_of[i]
-        return mask
-
-    busy_mask = mask_of("busy", busy)
-    include = mask_of("include", request.include)
-    exclude = mask_of("exclude", request.exclude)
-    free_all = prep.all_mask & ~busy_mask
-    candidates = free_all & ~exclude
-    k = request.gpus
-    if include & busy_mask:
-        gone = [matrix.gpus[v].index for v in _bits(include & busy_mask)]
-        return NoFit(request, f"included GPU {gone[0]} is busy", "include", _indices(matrix, candidates))
-    if candidates.bit_count() < k:
-        return NoFit(
-            request,
-            f"{k} GPUs requested, {candidates.bit_count()} free"
-            + (f" of {prep.n}" if prep.n else "")
-            + (f" ({exclude.bit_count()} excluded)" if exclude else ""),
-            "gpus",
-            _indices(matrix, candidates),
-        )
-    if request.nics > prep.n_nics:
-        relaxed = replace(request, nics=prep.n_nics)
-        best = place(matrix, relaxed, busy, now=now)
-        return NoFit(
-            request,
-            f"{request.nics} NICs requested, the node has {prep.n_nics}",
-            "nics",
-            _indices(matrix, candidates),
-            best if isinstance(best, Placement) else None,
-        )
-    found = _Search(prep, request, free_all, candidates, include).run()
-    if found is not None:
-        return _build(prep, request, found, free_all)
-    return _diagnose(prep, matrix, request, busy, free_all, candidates, include, _indices(matrix, candidates), now)
-
-
-def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
-    return tuple(matrix.gpus[v].index for v in _bits(mask))
-
-
-def _diagnose(prep, matrix, request, busy, free_all, candidates, include, free_indices, now) -> NoFit:
-    k = request.gpus
-    relaxations = []
-    if request.min_level is not None:
-        relaxations.append(("min_level", replace(request, min_level=None)))
-    if request.single_numa:
-        relaxations.append(("single_numa", replace(request, single_numa=False)))
-    if request.include:
-        relaxations.append(("include", replace(request, include=())))
-    for name, relaxed in relaxations:
-        found = _Search(prep, relaxed, free_all, candidates, include if name != "include" else 0).run()
-        if found is None:
-            continue
-        best = _build(prep, relaxed, found, free_all)
-        if name == "min_level":
-            reason = (
-                f"no {k} free GPUs are all within {request.min_level} of each other; "
-                f"the best set has pairs at {_worst_pair_level(prep, found.mask)}"
-            )
-        elif name == "single_numa":
-            counts = sorted(
-                ((g & candidates).bit_count(), -i) for i, g in enumerate(prep.numa_masks)
-            )
-            most, node = counts[-1][0], _numa_label(prep, -counts[-1][1])
-            reason = f"no NUMA node has {k} free GPUs (most: {most} on node {node})"
-        else:
-            reason = "the included GPUs cannot be part of any set meeting the other constraints"
-        return NoFit(request, reason, name, free_indices, best)
-    names = [name for name, _ in relaxations]
-    reason = (
-        f"constraints {', '.join(names)} cannot hold together"
-        if len(names) > 1
-        else "no set of free GPUs meets the request"
-    )
-    return NoFit(request, reason, names[0] if names else "gpus", free_indices)
-
-
-def _numa_label(prep: _Prepared, group: int) -> int | str:
+def numa_label(prep: Prepared, group: int) -> int | str:
+    """How an answer names a NUMA group: its node id, else ``cpus:<list>``, else unknown."""
     kind, value = prep.numa_keys[group]
     return value if kind == "numa" else (f"cpus:{value}" if kind == "cpus" else "unknown")
-
-
-def _worst_pair_level(prep: _Prepared, mask: int) -> LinkLevel:
-    verts = list(_bits(mask))
-    levels = [prep.matrix.gpu_levels[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
-    return max(levels)
-
-
-@dataclass(frozen=True, slots=True)
-class _AnswerParts:
-    """What an answer says that depends only on the GPUs, their order, pattern and NICs."""
-
-    gpus: tuple[PlacedGpu, ...]
-    links: tuple[PatternLink, ...]
-    bandwidth: float | None
-    worst: LinkLevel | None
-    weakest: PatternLink | None
-    numa_labels: tuple[int | str, ...]
-    cpus: str | None
-    nics: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
-    numactl: tuple[str, ...]
-    explain_head: tuple[str, ...]  # bottleneck, then NUMA (NIC line added per request)
-
-
-def _answer_parts(prep: _Prepared, order: tuple[int, ...], mask: int, pattern: str, nics: int) -> _AnswerParts:
-    key = (order, pattern, nics)
-    got = prep.answer_parts.get(key)
-    if got is not None:
-        return got
-    k = len(order)
-    link = prep.pattern_link
-    links: list[PatternLink] = []
-    if k >= 2 and pattern != "independent":
-        if pattern == "alltoall":
-            links = [link(a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
-        else:
-            links = [link(order[i], order[i + 1]) for i in range(k - 1)]
-            if pattern == "allreduce" and k >= 3:
-                links.append(link(order[-1], order[0]))
-    bandwidth = min((ln.gbps for ln in links), default=None)
-    worst = max((ln.level for ln in links), default=None)
-    weakest = None
-    if links:
-        pos_of = prep.pos_of
-        weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a]][pos_of[ln.b]])
-
-    placed = [prep.placed_gpu(v, rank_no) for rank_no, v in enumerate(order)]
-    nic_names = prep.nic_names
-    if nics:
-        dist = []
-        for j, steps in enumerate(prep.nic_steps):
-            kv = next((kv for kv, m in steps if m & mask), _NO_NIC)
-            dist.append((kv, j))
-        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
-    else:
-        chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
-
-    numa_groups = sorted({prep.numa_of[v] for v in order})
-    numa_labels = tuple(_numa_label(prep, gi) for gi in numa_groups)
-    cpus = prep.cpus_of(mask)
-    if numa_labels and all(isinstance(x, int) for x in numa_labels):
-        nodes = ",".join(str(x) for x in numa_labels)
-        numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
-    elif cpus:
-        numactl = ("numactl", f"--physcpubind={cpus}")
-    else:
-        numactl = ()
-    env = [
-        # nvidia-smi indices equal CUDA's only in PCI bus order.
-        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
-        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
-    ]
-    hcas = [name for name in chosen if name not in prep.nics_without_device]
-    unnamed = [name for name in chosen if name in prep.nics_without_device]
-    if hcas:
-        env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
-
-    explain = []
-    if weakest is not None:
-        shape = {"allreduce": "ring", "pipeline": "path", "alltoall": "all pairs"}[pattern]
-        explain.append(
-            f"{shape} bottleneck {weakest.gbps:g} GB/s over {weakest.level} "
-            f"(GPU{weakest.a}-GPU{weakest.b}); no free set of {k} does better"
-        )
-    if len(numa_labels) == 1:
-        explain.append(f"stays on one NUMA node ({numa_labels[0]})")
-    else:
-        explain.append(f"spans {len(numa_labels)} NUMA nodes: no set on fewer has the same bandwidth")
-    if nics:
-        explain.append(f"{nics} NIC(s) closest to the set: {', '.join(chosen)}")
-    if unnamed:
-        explain.append(
-            f"NCCL_IB_HCA leaves out {', '.join(unnamed)}: their RDMA device names are unknown "
-            "(e.g. nvidia-smi output without its NIC Legend)"
-        )
-    parts = _AnswerParts(
-        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(explain),
-    )
-    if len(prep.answer_parts) >= 50_000:
-        prep.answer_parts.clear()
-    prep.answer_parts[key] = parts
-    return parts
-
-
-def _build(prep: _Prepared, req: Request, found: _Found, free_all: int) -> Placement:
-    parts = _answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
-    mask = found.mask
-    broken = tuple(
-        label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
-    )
-    objective = Objective(
-        bandwidth_gbps=parts.bandwidth,
-        bottleneck_level=parts.weakest.level if parts.weakest else None,
-        numa_nodes=found.key[0],
-        nic_cost=found.key[1],
-        damage=found.key[2],
-    )
-    quality = parts.bandwidth or 0.0
-    loss = (objective.numa_nodes - 1) + len(broken)
-    head = parts.explain_head
-    if req.include and len(parts.numa_labels) > 1:
-        # The cached line claims the NUMA spread was the best on offer; with --include it
-        # may have been forced, so say so instead.
-        include_nodes = {prep.numa_of[prep.pos_of[i]] for i in req.include}
-        held = ",".join(str(i) for i in req.include)
-        why = (
-            f"--include GPUs {held} alone span {len(include_nodes)}"
-            if len(include_nodes) > 1
-            else f"forced by --include GPUs {held}: no set on fewer that holds them has the same bandwidth"
-        )
-        head = tuple(
-            f"spans {len(parts.numa_labels)} NUMA nodes: {why}" if line.startswith("spans ") else line
-            for line in head
-        )
-    if req.include:
-        held = ",".join(str(i) for i in req.include)
-        head = tuple(
-            line.replace("does better", f"holding GPUs {held} does better") if "bottleneck" in line else line
-            for line in head
-        )
-    explain = head + (
-        ("breaks whole free zones: " + "; ".join(broken),) if broken else ("keeps every whole free zone whole",)
-    )
-    return Placement(
-        request=req,
-        gpus=parts.gpus,
-        bandwidth_gbps=parts.bandwidth,
-        worst_level=parts.worst,
-        links=parts.links,
-        numa_nodes=parts.numa_labels,
-        cpus=parts.cpus,
-        nics=parts.nics,
-        env=dict(parts.env),
-        numactl=parts.numactl,
-        score=round(10 * quality - loss, 3),
-        objective=objective,
-        broken_zones=broken,
-        explain=explain,
-    )
-
-
-def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
-    """Objective term (4) for an arbitrary set: lets tests and benchmarks compare policies."""
-    prep = _prepare(matrix, None)
-    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
-    busy_mask = sum(1 << pos_of[i] for i in busy)
-    search = _Search(prep, Request(gpus=1), prep.all_mask & ~busy_mask, 0, 0)
-    return search._damage_add(0, sum(1 << pos_of[i] for i in chosen))
-
-
-def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
-    """GPU indices per NUMA group as the objective counts them (term 2)."""
-    prep = _prepare(matrix, None)
-    return [tuple(matrix.gpus[v].index for v in _bits(m)) for m in prep.numa_masks]
-
-
-def edge_key(matrix: DistanceMatrix, a: int, b: int, now: float | None = None) -> tuple[float, tuple[int, int]]:
-    """The comparable key of one GPU pair (by index): (GB/s, closeness); larger is better."""
-    i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
-    return (matrix.bandwidth(i, j, now) or 0.0, tuple(-x for x in matrix.gpu_levels[i][j].sort_key()))

@@ -1,0 +1,150 @@
+"""The placement core: which k GPUs of this node a job should get, in which rank order.
+
+``place(matrix, request, busy) -> Placement | NoFit`` is pure: it reads a DistanceMatrix,
+a Request and the set of busy GPU indices, and returns a value.  The HTTP endpoint, the
+CLI and the lease manager are thin shells over it.
+
+The parts: ``request`` (Request and the one parser every door uses), ``objective`` (the
+terms answers are ranked by; its docstring explains the objective and why the search is
+exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound),
+``answer`` (Placement, NoFit), ``explain`` (typed reasons, rendered per door) and
+``synthetic`` (nodes of known shapes for studies, benchmarks and tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from topoagent.levels import LinkLevel
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
+from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_groups
+from topoagent.placement.request import (
+    REQUEST_FIELDS,
+    REQUEST_LIMITS,
+    Request,
+    RequestError,
+    not_on_node,
+    parse_request,
+    request_json_schema,
+)
+from topoagent.placement.search import Prepared, Search, bits, numa_label, prepare
+
+__all__ = [
+    "REQUEST_FIELDS",
+    "REQUEST_LIMITS",
+    "Door",
+    "NoFit",
+    "Objective",
+    "PatternLink",
+    "PlacedGpu",
+    "Placement",
+    "Reason",
+    "ReasonCode",
+    "Request",
+    "RequestError",
+    "edge_key",
+    "evaluate_damage",
+    "numa_groups",
+    "parse_request",
+    "place",
+    "render",
+    "request_json_schema",
+]
+
+
+def place(
+    matrix: DistanceMatrix,
+    request: Request,
+    busy: Iterable[int] = (),
+    *,
+    now: float | None = None,
+) -> Placement | NoFit:
+    """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
+    prep = prepare(matrix, now)
+    pos_of = prep.pos_of
+
+    def mask_of(field_name: str, indices: Iterable[int]) -> int:
+        mask = 0
+        for index in indices:
+            if isinstance(index, bool) or not isinstance(index, int):
+                raise RequestError(field_name, f"{index!r} is not a GPU index")
+            if index not in pos_of:
+                raise not_on_node(field_name, index, pos_of)
+            mask |= 1 << pos_of[index]
+        return mask
+
+    busy_mask = mask_of("busy", busy)
+    include = mask_of("include", request.include)
+    exclude = mask_of("exclude", request.exclude)
+    free_all = prep.all_mask & ~busy_mask
+    candidates = free_all & ~exclude
+    k = request.gpus
+    if include & busy_mask:
+        gone = _indices(matrix, include & busy_mask)
+        why = Reason(ReasonCode.INCLUDED_BUSY, {"index": gone[0]})
+        return NoFit(request, why, "include", _indices(matrix, candidates))
+    if candidates.bit_count() < k:
+        why = Reason(ReasonCode.TOO_FEW_FREE, {
+            "gpus": k, "free": candidates.bit_count(), "size": prep.n, "excluded": exclude.bit_count(),
+        })
+        return NoFit(request, why, "gpus", _indices(matrix, candidates))
+    if request.nics > prep.n_nics:
+        relaxed = replace(request, nics=prep.n_nics)
+        best = place(matrix, relaxed, busy, now=now)
+        why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": prep.n_nics})
+        return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
+    found = Search(prep, request, free_all, candidates, include).run()
+    if found is not None:
+        return build(prep, request, found, free_all)
+    return _diagnose(prep, request, free_all, candidates, include)
+
+
+def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
+    return tuple(matrix.gpus[pos].index for pos in bits(mask))
+
+
+def _diagnose(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> NoFit:
+    """Which constraint stops the request: the first whose relaxation fits."""
+    k = request.gpus
+    free_indices = _indices(prep.matrix, candidates)
+    relaxations = []
+    if request.min_level is not None:
+        relaxations.append(("min_level", replace(request, min_level=None)))
+    if request.single_numa:
+        relaxations.append(("single_numa", replace(request, single_numa=False)))
+    if request.include:
+        relaxations.append(("include", replace(request, include=())))
+    for name, relaxed in relaxations:
+        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0).run()
+        if found is None:
+            continue
+        best = build(prep, relaxed, found, free_all)
+        if name == "min_level":
+            why = Reason(ReasonCode.MIN_LEVEL_UNREACHABLE, {
+                "gpus": k, "min_level": request.min_level, "best_worst": _worst_pair_level(prep, found.mask),
+            })
+        elif name == "single_numa":
+            counts = sorted(
+                ((g & candidates).bit_count(), -i) for i, g in enumerate(prep.numa_masks)
+            )
+            most, node = counts[-1][0], numa_label(prep, -counts[-1][1])
+            why = Reason(ReasonCode.NO_NUMA_NODE_HOLDS, {"gpus": k, "most": most, "node": node})
+        else:
+            why = Reason(ReasonCode.INCLUDE_UNREACHABLE)
+        return NoFit(request, why, name, free_indices, best)
+    names = tuple(name for name, _ in relaxations)
+    why = (
+        Reason(ReasonCode.CONSTRAINTS_CONFLICT, {"fields": names})
+        if len(names) > 1
+        else Reason(ReasonCode.NOTHING_MEETS)
+    )
+    return NoFit(request, why, names[0] if names else "gpus", free_indices)
+
+
+def _worst_pair_level(prep: Prepared, mask: int) -> LinkLevel:
+    positions = list(bits(mask))
+    levels = [prep.matrix.gpu_levels[a][b] for i, a in enumerate(positions) for b in positions[i + 1 :]]
+    return max(levels)

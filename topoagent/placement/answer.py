@@ -1,0 +1,296 @@
+"""The answer: a Placement (GPUs in rank order, with what a job launches with) or a NoFit
+(which request field cannot hold), built from what the search found.
+
+Answers carry typed reasons (explain.py); the JSON form renders them with field names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from topoagent.levels import LinkLevel
+from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.objective import Objective
+from topoagent.placement.request import Request
+from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
+from topoagent.vocabulary import Pattern
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedGpu:
+    rank: int
+    index: int  # nvidia-smi index
+    uuid: str | None
+    pci_address: str | None
+    numa_node: int | None
+    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs
+    nic_level: LinkLevel | None  # how close those NICs are
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "index": self.index,
+            "uuid": self.uuid,
+            "pci_address": self.pci_address,
+            "numa_node": self.numa_node,
+            "nearest_nics": list(self.nearest_nics),
+            "nic_level": str(self.nic_level) if self.nic_level else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PatternLink:
+    """One link the pattern uses, between two GPUs named by nvidia-smi index."""
+
+    a_index: int
+    b_index: int
+    level: LinkLevel
+    gbps: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"a": self.a_index, "b": self.b_index, "level": str(self.level), "gbps": self.gbps}
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    request: Request
+    gpus: tuple[PlacedGpu, ...]  # in rank order
+    bandwidth_gbps: float | None
+    worst_level: LinkLevel | None
+    links: tuple[PatternLink, ...]
+    numa_nodes: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]  # the NICs chosen for the job (``nics`` asked), else nearest ones
+    env: dict[str, str]
+    numactl: tuple[str, ...]
+    score: float
+    objective: Objective
+    broken_zones: tuple[str, ...]
+    reasons: tuple[Reason, ...]
+
+    @property
+    def indices(self) -> tuple[int, ...]:
+        return tuple(g.index for g in self.gpus)
+
+    @property
+    def explain(self) -> tuple[str, ...]:
+        """The reasons in words, as JSON answers give them."""
+        return render(self.reasons, Door.JSON)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fit": True,
+            "gpus": [g.to_json() for g in self.gpus],
+            "pattern": str(self.request.pattern),
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "worst_level": str(self.worst_level) if self.worst_level else None,
+            "links": [link.to_json() for link in self.links],
+            "numa_nodes": list(self.numa_nodes),
+            "cpus": self.cpus,
+            "nics": list(self.nics),
+            "env": dict(self.env),
+            "numactl": list(self.numactl),
+            "score": self.score,
+            "objective": self.objective.to_json(),
+            "broken_zones": list(self.broken_zones),
+            "explain": list(self.explain),
+            "request": self.request.to_json(),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class NoFit:
+    request: Request
+    why: Reason
+    constraint: str  # the request field that cannot hold: gpus, include, min_level, ...
+    free: tuple[int, ...]  # nvidia-smi indices
+    best_available: Placement | None = None
+
+    @property
+    def reason(self) -> str:
+        return self.why.render(Door.JSON)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "fit": False,
+            "reason": self.reason,
+            "constraint": self.constraint,
+            "free": list(self.free),
+            "best_available": self.best_available.to_json() if self.best_available else None,
+            "request": self.request.to_json(),
+        }
+
+
+def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
+    got = prep.links_cache.get((a_pos, b_pos))
+    if got is None:
+        m = prep.matrix
+        got = prep.links_cache[(a_pos, b_pos)] = PatternLink(
+            m.gpus[a_pos].index, m.gpus[b_pos].index, m.gpu_levels[a_pos][b_pos], round(prep.bw[a_pos][b_pos], 2)
+        )
+    return got
+
+
+def placed_gpu(prep: Prepared, pos: int, rank_no: int) -> PlacedGpu:
+    """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
+    closest NICs."""
+    got = prep.placed_cache.get((pos, rank_no))
+    if got is None:
+        g = prep.matrix.gpus[pos]
+        kinds = prep.nic_kind[pos]
+        nearest: tuple[str, ...] = ()
+        nic_level = None
+        if kinds and min(kinds) < NO_NIC:
+            best_kind = min(kinds)
+            nearest = tuple(prep.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
+            nic_level = next(
+                prep.matrix.gpu_nic_levels[pos][j] for j, kv in enumerate(kinds) if kv == best_kind
+            )
+        got = prep.placed_cache[(pos, rank_no)] = PlacedGpu(
+            rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level
+        )
+    return got
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerParts:
+    """What an answer says that depends only on the GPUs, their order, pattern and NICs."""
+
+    gpus: tuple[PlacedGpu, ...]
+    links: tuple[PatternLink, ...]
+    bandwidth: float | None
+    worst: LinkLevel | None
+    weakest: PatternLink | None
+    numa_labels: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    numactl: tuple[str, ...]
+    nic_reasons: tuple[Reason, ...]  # the NICs chosen, NICs NCCL cannot be told about
+
+
+def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pattern, nics: int) -> AnswerParts:
+    """The request-independent pieces for GPUs at positions ``order`` (cached)."""
+    key = (order, pattern, nics)
+    got = prep.answer_parts.get(key)
+    if got is not None:
+        return got
+    k = len(order)
+    links: list[PatternLink] = []
+    if k >= 2 and pattern is not Pattern.INDEPENDENT:
+        if pattern is Pattern.ALLTOALL:
+            links = [pattern_link(prep, a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+        else:
+            links = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
+            if pattern is Pattern.ALLREDUCE and k >= 3:
+                links.append(pattern_link(prep, order[-1], order[0]))
+    bandwidth = min((ln.gbps for ln in links), default=None)
+    worst = max((ln.level for ln in links), default=None)
+    weakest = None
+    if links:
+        pos_of = prep.pos_of
+        weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
+
+    placed = [placed_gpu(prep, pos, rank_no) for rank_no, pos in enumerate(order)]
+    nic_names = prep.nic_names
+    if nics:
+        dist = []
+        for j, steps in enumerate(prep.nic_steps):
+            kv = next((kv for kv, m in steps if m & mask), NO_NIC)
+            dist.append((kv, j))
+        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
+    else:
+        chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
+
+    numa_groups = sorted({prep.numa_of[pos] for pos in order})
+    numa_labels = tuple(numa_label(prep, gi) for gi in numa_groups)
+    cpus = prep.cpus_of(mask)
+    if numa_labels and all(isinstance(x, int) for x in numa_labels):
+        nodes = ",".join(str(x) for x in numa_labels)
+        numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
+    elif cpus:
+        numactl = ("numactl", f"--physcpubind={cpus}")
+    else:
+        numactl = ()
+    env = [
+        # nvidia-smi indices equal CUDA's only in PCI bus order.
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
+    ]
+    hcas = [name for name in chosen if name not in prep.nics_without_device]
+    unnamed = [name for name in chosen if name in prep.nics_without_device]
+    if hcas:
+        env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
+
+    nic_reasons = []
+    if nics:
+        nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
+    if unnamed:
+        nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
+    parts = AnswerParts(
+        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
+        tuple(env), numactl, tuple(nic_reasons),
+    )
+    if len(prep.answer_parts) >= 50_000:
+        prep.answer_parts.clear()
+    prep.answer_parts[key] = parts
+    return parts
+
+
+def build(prep: Prepared, req: Request, found: Found, free_all: int) -> Placement:
+    parts = answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
+    mask = found.mask
+    broken = tuple(
+        label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
+    )
+    objective = Objective(
+        bandwidth_gbps=parts.bandwidth,
+        bottleneck_level=parts.weakest.level if parts.weakest else None,
+        numa_nodes=found.key[0],
+        nic_cost=found.key[1],
+        damage=found.key[2],
+    )
+    quality = parts.bandwidth or 0.0
+    loss = (objective.numa_nodes - 1) + len(broken)
+    reasons: list[Reason] = []
+    weakest = parts.weakest
+    if weakest is not None:
+        reasons.append(Reason(ReasonCode.BOTTLENECK, {
+            "shape": req.pattern.shape, "gbps": weakest.gbps, "level": weakest.level,
+            "a_index": weakest.a_index, "b_index": weakest.b_index, "gpus": len(found.order),
+            "held": req.include,
+        }))
+    count = len(parts.numa_labels)
+    if count == 1:
+        reasons.append(Reason(ReasonCode.ONE_NUMA_NODE, {"node": parts.numa_labels[0]}))
+    elif not req.include:
+        reasons.append(Reason(ReasonCode.SPANS_NUMA_BEST, {"count": count}))
+    else:
+        # The spread may have been forced by what the request holds: say so, never claim
+        # it was the best on offer.
+        included_span = len({prep.numa_of[prep.pos_of[i]] for i in req.include})
+        if included_span > 1:
+            reasons.append(Reason(ReasonCode.SPANS_NUMA_INCLUDED_ALONE, {
+                "count": count, "field": "include", "held": req.include, "included_span": included_span,
+            }))
+        else:
+            reasons.append(Reason(ReasonCode.SPANS_NUMA_FORCED, {"count": count, "field": "include", "held": req.include}))
+    reasons += parts.nic_reasons
+    reasons.append(Reason(ReasonCode.BREAKS_ZONES, {"zones": broken}) if broken else Reason(ReasonCode.KEEPS_ZONES))
+    return Placement(
+        request=req,
+        gpus=parts.gpus,
+        bandwidth_gbps=parts.bandwidth,
+        worst_level=parts.worst,
+        links=parts.links,
+        numa_nodes=parts.numa_labels,
+        cpus=parts.cpus,
+        nics=parts.nics,
+        env=dict(parts.env),
+        numactl=parts.numactl,
+        score=round(10 * quality - loss, 3),
+        objective=objective,
+        broken_zones=broken,
+        reasons=tuple(reasons),
+    )

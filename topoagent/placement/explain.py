@@ -1,0 +1,126 @@
+"""Why an answer is what it is: typed reasons, rendered per door.
+
+The core records *what* it found (a code and its figures, naming request fields, never
+CLI flags); each door renders the words: JSON answers name fields (``include``), the
+CLI's text names its flags (``--include``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Door(enum.Enum):
+    """Where an explanation is read, which decides how a request field is named."""
+
+    JSON = "json"  # HTTP, place --json, place --batch: the field name
+    CLI = "cli"  # place's text: the flag
+
+
+class ReasonCode(enum.StrEnum):
+    # A placement.
+    BOTTLENECK = "bottleneck"  # shape, gbps, level, a_index, b_index, gpus, held
+    ONE_NUMA_NODE = "one_numa_node"  # node
+    SPANS_NUMA_BEST = "spans_numa_best"  # count
+    SPANS_NUMA_INCLUDED_ALONE = "spans_numa_included_alone"  # count, field, held, included_span
+    SPANS_NUMA_FORCED = "spans_numa_forced"  # count, field, held
+    NICS_CLOSEST = "nics_closest"  # nics, names
+    NCCL_HCA_LEAVES_OUT = "nccl_hca_leaves_out"  # names
+    BREAKS_ZONES = "breaks_zones"  # zones
+    KEEPS_ZONES = "keeps_zones"
+    # No fit: the ``constraint`` of a NoFit says which field cannot hold.
+    INCLUDED_BUSY = "included_busy"  # index
+    TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
+    TOO_MANY_NICS = "too_many_nics"  # nics, node_nics
+    MIN_LEVEL_UNREACHABLE = "min_level_unreachable"  # gpus, min_level, best_worst
+    NO_NUMA_NODE_HOLDS = "no_numa_node_holds"  # gpus, most, node
+    INCLUDE_UNREACHABLE = "include_unreachable"
+    CONSTRAINTS_CONFLICT = "constraints_conflict"  # fields
+    NOTHING_MEETS = "nothing_meets"
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    """One reason: its code and the figures it quotes.  A parameter called ``field``
+    holds a request field's name; only rendering turns it into a flag."""
+
+    code: ReasonCode
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def render(self, door: Door = Door.JSON) -> str:
+        return _TEMPLATES[self.code](_Params(self.params, door))
+
+
+class _Params:
+    def __init__(self, params: dict[str, Any], door: Door) -> None:
+        self.params = params
+        self.door = door
+
+    def __getitem__(self, key: str) -> Any:
+        return self.params[key]
+
+    def field(self) -> str:
+        return self.field_name(self.params["field"])
+
+    def field_name(self, name: str) -> str:
+        return "--" + name.replace("_", "-") if self.door is Door.CLI else name
+
+    def gpus(self, key: str) -> str:
+        return ",".join(str(i) for i in self.params[key])
+
+
+def _bottleneck(p: _Params) -> str:
+    held = f" holding GPUs {p.gpus('held')}" if p["held"] else ""
+    return (
+        f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} "
+        f"(GPU{p['a_index']}-GPU{p['b_index']}); no free set of {p['gpus']}{held} does better"
+    )
+
+
+def _too_few(p: _Params) -> str:
+    return (
+        f"{p['gpus']} GPUs requested, {p['free']} free"
+        + (f" of {p['size']}" if p["size"] else "")
+        + (f" ({p['excluded']} excluded)" if p["excluded"] else "")
+    )
+
+
+_TEMPLATES = {
+    ReasonCode.BOTTLENECK: _bottleneck,
+    ReasonCode.ONE_NUMA_NODE: lambda p: f"stays on one NUMA node ({p['node']})",
+    ReasonCode.SPANS_NUMA_BEST: lambda p: f"spans {p['count']} NUMA nodes: no set on fewer has the same bandwidth",
+    ReasonCode.SPANS_NUMA_INCLUDED_ALONE: lambda p: (
+        f"spans {p['count']} NUMA nodes: {p.field()} GPUs {p.gpus('held')} alone span {p['included_span']}"
+    ),
+    ReasonCode.SPANS_NUMA_FORCED: lambda p: (
+        f"spans {p['count']} NUMA nodes: forced by {p.field()} GPUs {p.gpus('held')}: "
+        "no set on fewer that holds them has the same bandwidth"
+    ),
+    ReasonCode.NICS_CLOSEST: lambda p: f"{p['nics']} NIC(s) closest to the set: {', '.join(p['names'])}",
+    ReasonCode.NCCL_HCA_LEAVES_OUT: lambda p: (
+        f"NCCL_IB_HCA leaves out {', '.join(p['names'])}: their RDMA device names are unknown "
+        "(e.g. nvidia-smi output without its NIC Legend)"
+    ),
+    ReasonCode.BREAKS_ZONES: lambda p: "breaks whole free zones: " + "; ".join(p["zones"]),
+    ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
+    ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
+    ReasonCode.TOO_FEW_FREE: _too_few,
+    ReasonCode.TOO_MANY_NICS: lambda p: f"{p['nics']} NICs requested, the node has {p['node_nics']}",
+    ReasonCode.MIN_LEVEL_UNREACHABLE: lambda p: (
+        f"no {p['gpus']} free GPUs are all within {p['min_level']} of each other; "
+        f"the best set has pairs at {p['best_worst']}"
+    ),
+    ReasonCode.NO_NUMA_NODE_HOLDS: lambda p: f"no NUMA node has {p['gpus']} free GPUs (most: {p['most']} on node {p['node']})",
+    ReasonCode.INCLUDE_UNREACHABLE: lambda p: "the included GPUs cannot be part of any set meeting the other constraints",
+    ReasonCode.CONSTRAINTS_CONFLICT: lambda p: (
+        f"constraints {', '.join(p.field_name(name) for name in p['fields'])} cannot hold together"
+    ),
+    ReasonCode.NOTHING_MEETS: lambda p: "no set of free GPUs meets the request",
+}
+
+
+def render(reasons: Iterable[Reason], door: Door = Door.JSON) -> tuple[str, ...]:
+    return tuple(reason.render(door) for reason in reasons)

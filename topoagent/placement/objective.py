@@ -1,0 +1,118 @@
+"""The placement objective: the terms every answer is ranked by, how the search reaches
+the exact optimum, and helpers that score an arbitrary set by the same terms.
+
+Objective (lexicographic; an earlier term always wins over a later one)
+-----------------------------------------------------------------------
+1. **Pattern bandwidth**, maximised.  Every GPU pair has an edge key
+   ``(bandwidth, closeness)``: bandwidth is the measured GB/s when fresh, else the level's
+   expected GB/s; at equal bandwidth the closer level wins (so from an nvidia-smi matrix
+   alone NV n beats every PCIe level and more NVLinks beat fewer, and PIX beats PXB).
+   The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
+   (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
+   ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
+2. **Fewest NUMA nodes** (sockets) spanned.  A GPU's NUMA node is the one nvidia-smi or
+   sysfs reports; when only the CPU affinity is known, GPUs with the same CPU list count
+   as one node.
+3. **NIC affinity**, only when ``nics`` > 0: the sum of the link-kind distances of the
+   ``nics`` NICs closest to the set (each NIC's distance is its closest GPU in the set).
+4. **Least damage to what stays free**: for every zone of the node -- NUMA nodes and the
+   connected groups at each link level (NVLink zones, PCIe switches, host bridges) --
+   taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
+   best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
+   whole for later large jobs.
+5. **Deterministic tie-break**: leave each GPU that stays free its best link to another
+   free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
+   each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
+   mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
+   NV2 pairs whole for later 2-GPU jobs.  Then the first set in search order.  On nodes
+   answered from a table (below) the partner rule is applied to every tied set; in the
+   branch and bound, to the tied sets it visits.
+
+Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
+and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
+
+* Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
+  8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
+  its best pattern rank, order and NUMA count, best first; a query scans it, skipping
+  busy and disallowed sets, and stops at the first worse (bandwidth, NUMA) group.
+* Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
+  distinct edge keys from best to worst (binary search when there are many) and, at each
+  threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
+  every member to have two such links inside the set and the whole set inside one
+  connected component, so a degree core and the components discard most thresholds in a
+  few bit operations; a threshold that no k-set of the idle node reaches is remembered
+  and skipped.
+* Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
+  same NIC distances when NICs matter) are interchangeable; the search picks a *count*
+  from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
+  one per socket, when NICs do not matter).
+* Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
+  lower bounds taken one term at a time for (2) (NUMA nodes touched plus the fewest
+  further nodes that can hold the rest), (3) (the NIC cost of everything still allowed --
+  it only falls as GPUs are added) and (4): taking a of a zone's c remaining candidates
+  costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
+  every zone taken whole or not at all but one -- tried exactly when at most three zones
+  are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
+  Hamiltonian check runs at the leaves for sets whose links at ``t`` are not a clique.
+
+Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
+built once per matrix and kept in its ``derived_cache``.
+
+The node ``score`` is ``10 x quality - loss``: quality is the pattern bandwidth in GB/s
+(absolute, so comparable across nodes; 0 for jobs without links), loss is the number of
+extra NUMA nodes spanned plus the number of whole zones the placement breaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from topoagent.levels import LinkLevel
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement.request import Request
+from topoagent.placement.search import Search, bits, prepare
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """The terms of the objective for one answer (see the module docstring)."""
+
+    bandwidth_gbps: float | None  # (1), None when the pattern has no links
+    bottleneck_level: LinkLevel | None  # (1), the level of the weakest pattern link
+    numa_nodes: int  # (2)
+    nic_cost: int  # (3), 0 when no NICs were asked for
+    damage: int  # (4)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "bottleneck_level": str(self.bottleneck_level) if self.bottleneck_level else None,
+            "numa_nodes": self.numa_nodes,
+            "nic_cost": self.nic_cost,
+            "damage": self.damage,
+        }
+
+
+def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
+    """Objective term (4) for an arbitrary set: lets tests and benchmarks compare policies."""
+    prep = prepare(matrix, None)
+    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    busy_mask = sum(1 << pos_of[i] for i in busy)
+    search = Search(prep, Request(gpus=1), prep.all_mask & ~busy_mask, 0, 0)
+    return search.damage_add(0, sum(1 << pos_of[i] for i in chosen))
+
+
+def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
+    """GPU indices per NUMA group as the objective counts them (term 2)."""
+    prep = prepare(matrix, None)
+    return [tuple(matrix.gpus[v].index for v in bits(m)) for m in prep.numa_masks]
+
+
+def edge_key(matrix: DistanceMatrix, a_index: int, b_index: int, now: float | None = None) -> tuple[float, tuple[int, ...]]:
+    """The comparable key of one GPU pair (by nvidia-smi index): (GB/s, closeness);
+    larger is better."""
+    a_pos, b_pos = matrix.gpu_by_index(a_index), matrix.gpu_by_index(b_index)
+    closeness = tuple(-x for x in matrix.gpu_levels[a_pos][b_pos].sort_key())
+    return (matrix.bandwidth(a_pos, b_pos, now) or 0.0, closeness)

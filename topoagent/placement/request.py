@@ -1,0 +1,226 @@
+"""What a job asks for, and the one parser every door reads a request through.
+
+The CLI flags, ``place --batch`` lines, HTTP ``POST /place`` (and the scheduler
+integrations) all build a plain object and call ``parse_request``: the same input gets
+the same ``Request`` or the same ``RequestError`` (field and message) at every door.
+The request's JSON Schema is built here too, from the same limits, the ``Pattern`` enum
+and the level grammar, so the OpenAPI document cannot drift from the parser.
+
+Integral floats (``4.0``) are accepted as whole numbers at every door: JSON Schema counts
+them as integers, and JSON itself does not tell 4 from 4.0, so refusing them would make
+the published schema accept what the parser refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from topoagent.errors import TopoagentError
+from topoagent.levels import (
+    GPU_PAIR_LEVEL_HELP,
+    GPU_PAIR_LEVEL_PATTERN,
+    LevelError,
+    LevelKind,
+    LinkLevel,
+    parse_gpu_pair_level,
+)
+from topoagent.vocabulary import Pattern
+
+REQUEST_FIELDS = ("gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics")
+# Bounds on what a request may ask; the same at every door and in the JSON Schema.
+REQUEST_LIMITS = {
+    "gpus_max": 1024,
+    "gpu_index_max": 1023,
+    "nics_max": 64,
+}
+_PATTERN_NAMES = ", ".join(p.value for p in Pattern)
+
+
+class RequestError(TopoagentError, ValueError):
+    """A request field is invalid.  ``field`` names the request field; ``item`` is the
+    position of the offending entry when the field is a list."""
+
+    def __init__(self, field_name: str, message: str, item: int | None = None):
+        self.field = field_name
+        self.item = item
+        self.message = message
+        super().__init__(f"{self.location}: {message}")
+
+    @property
+    def location(self) -> str:
+        """``include[1]`` for a list entry, else the field name: what JSON doors report."""
+        return self.field if self.item is None else f"{self.field}[{self.item}]"
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, marked with an ellipsis when cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def quoted(value: Any, limit: int = 40) -> str:
+    """A value as JSON (as the client sent it), cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return cut(text, limit)
+
+
+def _whole_number(field_name: str, value: Any, low: int, high: int, item: int | None = None) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # see the module docstring: 4.0 is a whole number
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(field_name, f"expected an integer, got {quoted(value)}", item)
+    if not low <= value <= high:
+        raise RequestError(field_name, f"must be from {low} to {high}, got {value}", item)
+    return value
+
+
+def parse_pattern(value: Any) -> Pattern:
+    if isinstance(value, str):
+        try:
+            return Pattern(value)
+        except ValueError:
+            pass
+    raise RequestError("pattern", f"expected one of {_PATTERN_NAMES}, got {quoted(value)}")
+
+
+def parse_min_level(value: Any) -> LinkLevel:
+    if isinstance(value, LinkLevel):  # built in code, not read: only its kind can be wrong
+        if value.kind in (LevelKind.SELF, LevelKind.NET_SUBNET, LevelKind.NET_OTHER):
+            raise RequestError("min_level", f"{value} is not a level between two GPUs of a node")
+        return value
+    if isinstance(value, str):
+        try:
+            return parse_gpu_pair_level(value)
+        except LevelError:
+            pass
+    raise RequestError("min_level", f"expected a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP}), got {quoted(value)}")
+
+
+def _flag(field_name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RequestError(field_name, f"expected true or false, got {quoted(value)}")
+    return value
+
+
+def not_on_node(field_name: str, index: int, gpu_indices: Collection[int], item: int | None = None) -> RequestError:
+    known = cut(", ".join(str(i) for i in sorted(gpu_indices)), 80)
+    return RequestError(field_name, f"GPU {index} is not on this node (GPUs: {known})", item)
+
+
+def parse_gpu_indices(field_name: str, value: Any, gpu_indices: Collection[int] | None = None) -> tuple[int, ...]:
+    """A list of nvidia-smi GPU indices: whole numbers, each once, each on the node when
+    ``gpu_indices`` is given.  Sorted: the order of include/exclude carries no meaning."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise RequestError(field_name, f"expected a list of GPU indices, got {quoted(value)}")
+    items = list(value)
+    if len(items) > REQUEST_LIMITS["gpus_max"]:
+        raise RequestError(field_name, f"more than {REQUEST_LIMITS['gpus_max']} entries")
+    seen: set[int] = set()
+    for n, raw in enumerate(items):
+        index = _whole_number(field_name, raw, 0, REQUEST_LIMITS["gpu_index_max"], n)
+        if gpu_indices is not None and index not in gpu_indices:
+            raise not_on_node(field_name, index, gpu_indices, n)
+        if index in seen:
+            raise RequestError(field_name, f"GPU {index} is listed twice", n)
+        seen.add(index)
+    return tuple(sorted(seen))
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What a job asks for.  Construction validates (with the parser's own field rules);
+    a bad field raises RequestError."""
+
+    gpus: int
+    pattern: Pattern = Pattern.ALLREDUCE
+    min_level: LinkLevel | None = None  # every pair at least this close (NV = any NVLink)
+    single_numa: bool = False
+    include: tuple[int, ...] = ()  # nvidia-smi indices
+    exclude: tuple[int, ...] = ()
+    nics: int = 0
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "gpus", _whole_number("gpus", self.gpus, 1, REQUEST_LIMITS["gpus_max"]))
+        put(self, "pattern", parse_pattern(self.pattern))
+        if self.min_level is not None:
+            put(self, "min_level", parse_min_level(self.min_level))
+        _flag("single_numa", self.single_numa)
+        put(self, "include", parse_gpu_indices("include", self.include))
+        put(self, "exclude", parse_gpu_indices("exclude", self.exclude))
+        put(self, "nics", _whole_number("nics", self.nics, 0, REQUEST_LIMITS["nics_max"]))
+        if both := sorted(set(self.include) & set(self.exclude)):
+            raise RequestError("include", f"GPU {both[0]} is both included and excluded")
+        if len(self.include) > self.gpus:
+            raise RequestError("include", f"lists {len(self.include)} GPUs but only {self.gpus} requested")
+
+    @classmethod
+    def from_json(cls, obj: Any) -> Request:
+        """From a JSON object, without knowing the node (see parse_request)."""
+        return parse_request(obj)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gpus": self.gpus,
+            "pattern": str(self.pattern),
+            "min_level": str(self.min_level) if self.min_level else None,
+            "single_numa": self.single_numa,
+            "include": list(self.include),
+            "exclude": list(self.exclude),
+            "nics": self.nics,
+        }
+
+
+def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Request:
+    """The one request parser: a JSON-like object -> Request, or RequestError naming the
+    field.  Unknown keys are errors (a typo must not be ignored); ``gpu_indices``, when
+    given, are the node's GPUs, and include/exclude may name no other."""
+    if not isinstance(obj, Mapping):
+        raise RequestError("request", "expected a JSON object")
+    unknown = sorted(str(key) for key in obj if key not in REQUEST_FIELDS)
+    if unknown:
+        raise RequestError(unknown[0], "unknown request field")
+    if "gpus" not in obj:
+        raise RequestError("gpus", "required")
+    fields: dict[str, Any] = {"gpus": _whole_number("gpus", obj["gpus"], 1, REQUEST_LIMITS["gpus_max"])}
+    if "pattern" in obj:
+        fields["pattern"] = parse_pattern(obj["pattern"])
+    if "min_level" in obj:  # null too is refused: the schema says a string
+        fields["min_level"] = parse_min_level(obj["min_level"])
+    if "single_numa" in obj:
+        fields["single_numa"] = _flag("single_numa", obj["single_numa"])
+    for name in ("include", "exclude"):
+        if name in obj:
+            fields[name] = parse_gpu_indices(name, obj[name], gpu_indices)
+    if "nics" in obj:
+        fields["nics"] = _whole_number("nics", obj["nics"], 0, REQUEST_LIMITS["nics_max"])
+    return Request(**fields)
+
+
+def request_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a request object, from the parser's own limits and grammar."""
+    index_list = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": REQUEST_LIMITS["gpu_index_max"]},
+        "maxItems": REQUEST_LIMITS["gpus_max"],
+        "uniqueItems": True,
+    }
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["gpus"],
+        "properties": {
+            "gpus": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["gpus_max"], "description": "How many GPUs the job needs."},
+            "pattern": {"type": "string", "enum": [p.value for p in Pattern], "default": Pattern.ALLREDUCE.value},
+            "min_level": {"type": "string", "pattern": GPU_PAIR_LEVEL_PATTERN, "description": f"Every pair at least this close: {GPU_PAIR_LEVEL_HELP}."},
+            "single_numa": {"type": "boolean", "default": False},
+            "include": {**index_list, "description": "GPUs (nvidia-smi indices) the answer must contain: GPUs of this node, at most `gpus` of them, none also in `exclude` (else 400)."},
+            "exclude": {**index_list, "description": "GPUs of this node the answer must not contain (an unknown index is 400)."},
+            "nics": {"type": "integer", "minimum": 0, "maximum": REQUEST_LIMITS["nics_max"], "default": 0},
+        },
+    }
