@@ -24,7 +24,8 @@ from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.exporters.svg import render_page
 from topoagent.log import log_event
-from topoagent.placement import Request, RequestError, parse_request
+from topoagent.placement import NoFit, Request, RequestError, parse_request
+from topoagent.schema import answer_document, lease_document
 from topoagent.served import Snapshot, etag_of
 
 AGENT = web.AppKey("agent", Agent)
@@ -249,20 +250,19 @@ async def place(request: web.Request) -> web.Response:
         agent.placement_requests["invalid"] += 1
         raise
     if reserve is None:
-        outcome = agent.place(req)
+        answer = agent.place(req)
         lease = None
     else:
-        outcome, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
-    if not outcome.fits:
-        body = outcome.body
-        detail = f"{body.get('constraint', 'request')}: {body.get('reason', 'no placement satisfies it')}"
+        answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
+    if isinstance(answer, NoFit):
+        detail = f"{answer.constraint}: {answer.reason}"
         why = _why_busy(agent, req)
         if why:
             detail += f" ({why})"
-        raise ApiError(409, "no_fit", detail, {"nofit": outcome.body})
-    body = dict(outcome.body)
+        raise ApiError(409, "no_fit", detail, {"nofit": answer_document(answer)})
+    body = answer_document(answer)
     if lease is not None:
-        body["lease"] = lease.to_json()
+        body["lease"] = lease_document(lease)
     return web.json_response(body)
 
 
@@ -285,7 +285,7 @@ def _why_busy(agent: Agent, req: Request) -> str:
 
 async def list_leases(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    body: dict[str, Any] = {"leases": [l.to_json() for l in agent.active_leases()]}
+    body: dict[str, Any] = {"leases": [lease_document(lease) for lease in agent.active_leases()]}
     store = agent.lease_store
     if store is not None and store.recovered_from is not None:
         # Leases granted before this start may be lost: say so where schedulers look.
@@ -298,7 +298,7 @@ async def delete_lease(request: web.Request) -> web.Response:
     lease = await request.app[AGENT].release(request.match_info["lease_id"])
     if lease is None:
         raise ApiError(404, "not_found", "no such lease (released, expired or never granted)")
-    return web.json_response(lease.to_json())
+    return web.json_response(lease_document(lease))
 
 
 async def refresh(request: web.Request) -> web.Response:

@@ -12,7 +12,7 @@ from typing import Any
 
 import topoagent
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
-from topoagent.schema import component_schemas
+from topoagent.schema import LEASE, NOFIT, PLACEMENT, component_schemas
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses
@@ -52,27 +52,17 @@ PLACE_REQUEST = {
     },
 }
 
-PLACEMENT = {
+# POST /place's answers around the schema module's Placement, NoFit and Lease.
+RESERVED_PLACEMENT = {**PLACEMENT.json_schema(), "description": "A placement held as a lease (the request had `reserve`)."}
+RESERVED_PLACEMENT["properties"] = {**RESERVED_PLACEMENT["properties"], "lease": LEASE.ref}
+RESERVED_PLACEMENT["required"] = [*RESERVED_PLACEMENT["required"], "lease"]
+NO_FIT_ERROR = {
     "type": "object",
-    "required": ["gpus"],
-    "properties": {
-        "gpus": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["index"],
-                "properties": {"index": {"type": "integer"}, "uuid": {"type": ["string", "null"]}, "pci_address": {"type": ["string", "null"]}},
-            },
-        },
-        "lease": {"$ref": "#/components/schemas/Lease"},
-    },
+    "additionalProperties": False,
+    "required": ["error", "detail", "nofit"],
+    "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
 
-NOFIT = {
-    "type": "object",
-    "required": ["error", "detail", "nofit"],
-    "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": {"type": "object"}},
-}
 
 def openapi_document() -> dict[str, Any]:
     not_ready = {"503": _err("No topology loaded yet.")}
@@ -84,7 +74,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "Placement": PLACEMENT, "NoFit": NOFIT},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {
@@ -116,12 +106,13 @@ def openapi_document() -> dict[str, Any]:
                     "security": [{}, {"bearer": []}],
                     "responses": {
                         "200": {
-                            **_json("The placement (with `lease` when reserved).", "Placement"),
+                            "description": "The placement; with `lease` when the request had `reserve`.",
+                            "content": {"application/json": {"schema": {"oneOf": [PLACEMENT.ref, {"$ref": "#/components/schemas/ReservedPlacement"}]}}},
                             "links": {"ReleaseLease": {"operationId": "releaseLease", "parameters": {"lease_id": "$response.body#/lease/id"}}},
                         },
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **MUTATE_ERRORS,
-                        "409": _json("It does not fit; `nofit` says why.", "NoFit"),
+                        "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
                         "413": _err("Body larger than the limit."),
                         **not_ready,
                     },

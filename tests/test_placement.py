@@ -11,6 +11,7 @@ from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_two_socket_8
+from topoagent.schema import answer_document
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -175,12 +176,12 @@ def test_json_is_plain_and_carries_identity_from_discovery():
 
     rich = replace(ASUS, gpus=gpus)
     answer = place(rich, Request(gpus=2), busy=[0])
-    data = json.loads(json.dumps(answer.to_json()))
+    data = json.loads(json.dumps(answer_document(answer)))
     assert data["fit"] is True
     assert [g["uuid"] for g in data["gpus"]] == [f"GPU-{i:04d}" for i in answer.indices]
     assert data["gpus"][0]["pci_address"].startswith("0000:")
     nofit = place(rich, Request(gpus=5))
-    assert json.loads(json.dumps(nofit.to_json()))["fit"] is False
+    assert json.loads(json.dumps(answer_document(nofit)))["fit"] is False
 
 
 def test_pure_same_answer_every_time():

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from service_helpers import DGX_A100, start_agent
 
+from topoagent.schema import SCHEMA_VERSION
 from topoagent.vocabulary import Pattern
 
 REQUESTS = 150
@@ -73,6 +74,7 @@ def batch_answer(child, obj: dict) -> dict:
     child.stdin.flush()
     answer = json.loads(child.stdout.readline())
     if "error" in answer:
+        assert answer.pop("schema_version") == SCHEMA_VERSION
         answer["error"].pop("line")  # which line of the stream it was: batch's own
     return answer
 

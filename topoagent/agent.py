@@ -19,7 +19,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
@@ -29,7 +29,7 @@ from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
-from topoagent.placement import NoFit, Placement, Request, RequestError, place
+from topoagent.placement import NoFit, Placement, Request, place
 from topoagent.served import Snapshot
 from topoagent.vocabulary import Status
 
@@ -143,29 +143,7 @@ async def discover_in_thread(host: Host) -> NodeTopology:
     return await run_in_daemon_thread(lambda: asyncio.run(discover(host)))  # type: ignore[no-any-return]
 
 
-@dataclass(frozen=True, slots=True)
-class PlaceOutcome:
-    fits: bool
-    gpus: tuple[int, ...]  # nvidia-smi indices in rank order; () when it does not fit
-    body: dict[str, Any]  # the Placement or NoFit JSON
-
-
-def _outcome(answer: Placement | NoFit) -> PlaceOutcome:
-    if isinstance(answer, NoFit):
-        return PlaceOutcome(False, (), answer.to_json())
-    return PlaceOutcome(True, answer.indices, answer.to_json())
-
-
-def _unsatisfiable(exc: RequestError) -> PlaceOutcome:
-    # Well-formed JSON the node cannot satisfy (a GPU it lacks, include > gpus): a NoFit.
-    return PlaceOutcome(False, (), {"fit": False, "reason": exc.message, "constraint": exc.field})
-
-
-def place_gpus(matrix: DistanceMatrix, request: Request, busy: frozenset[int]) -> PlaceOutcome:
-    try:
-        return _outcome(place(matrix, request, busy))
-    except RequestError as exc:
-        return _unsatisfiable(exc)
+Answer = Placement | NoFit
 
 
 # ---------------------------------------------------------------------------------------
@@ -380,34 +358,33 @@ class Agent:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
         return frozenset(g for lease in self.active_leases() for g in lease.gpus) | self.gpus_with_processes()
 
-    def place(self, request: Request) -> PlaceOutcome:
+    def place(self, request: Request) -> Answer:
+        """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
         assert self.snapshot is not None
-        outcome = place_gpus(self.snapshot.matrix, request, self.busy())
-        self.placement_requests["placed" if outcome.fits else "nofit"] += 1
-        return outcome
+        matrix = self.snapshot.matrix
+        answer = place(matrix, request, self.busy() & {g.index for g in matrix.gpus})
+        self.placement_requests["placed" if answer.fit else "nofit"] += 1
+        return answer
 
-    async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[PlaceOutcome, Lease | None]:
+    async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[Answer, Lease | None]:
         """Place and lease in one step under the store's lock (so no GPU is leased
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
         matrix, store = self.snapshot.matrix, self.lease_store
         running = self.gpus_with_processes()
 
-        def work() -> tuple[PlaceOutcome, Lease | None, tuple[Lease, ...]]:
-            try:
-                answer = store.reserve_placement(matrix, request, owner, ttl_s, running)
-            except RequestError as exc:
-                return _unsatisfiable(exc), None, tuple(store.leases())
+        def work() -> tuple[Answer, Lease | None, tuple[Lease, ...]]:
+            answer = store.reserve_placement(matrix, request, owner, ttl_s, running)
             if isinstance(answer, NoFit):
-                return _outcome(answer), None, tuple(store.leases())
+                return answer, None, tuple(store.leases())
             lease, placement = answer
-            return _outcome(placement), lease, tuple(store.leases())
+            return placement, lease, tuple(store.leases())
 
-        outcome, lease, self._leases = await asyncio.to_thread(work)
+        answer, lease, self._leases = await asyncio.to_thread(work)
         self.placement_requests["reserved" if lease else "nofit"] += 1
         if lease:
             log_event("lease_granted", lease=lease.id[:6], owner=owner, gpus=",".join(map(str, lease.gpus)), ttl_s=ttl_s)
-        return outcome, lease
+        return answer, lease
 
     async def release(self, lease_id: str) -> Lease | None:
         assert self.lease_store is not None

@@ -28,6 +28,7 @@ from typing import Any
 
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import NoFit, Placement, Request, place
+from topoagent.schema import lease_document
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -49,15 +50,6 @@ class Lease:
     gpus: tuple[int, ...]  # GPU indices, in rank order when from a placement
     created_at: float
     expires_at: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "owner": self.owner,
-            "gpus": list(self.gpus),
-            "created_at": self.created_at,
-            "expires_at": self.expires_at,
-        }
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Lease:
@@ -116,7 +108,7 @@ class LeaseStore:
         return {lease.id: lease for lease in leases}
 
     def _save(self) -> None:
-        data = {"schema": SCHEMA, "leases": [lease.to_json() for lease in self._leases.values()]}
+        data = {"schema": SCHEMA, "leases": [lease_document(lease) for lease in self._leases.values()]}
         tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(data, handle)
@@ -165,7 +157,9 @@ class LeaseStore:
         with self._locked():
             now = self.clock()
             self._expire(now)
-            busy = {g for lease in self._leases.values() for g in lease.gpus} | set(gpus_with_processes)
+            # A lease or process on a GPU the node no longer shows blocks nothing here.
+            on_node = {g.index for g in matrix.gpus}
+            busy = ({g for lease in self._leases.values() for g in lease.gpus} | set(gpus_with_processes)) & on_node
             answer = place(matrix, request, busy)
             if isinstance(answer, NoFit):
                 return answer

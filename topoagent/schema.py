@@ -24,13 +24,14 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import LinkLevel
-from topoagent.vocabulary import FindingKind, ProbeKind, Severity, Status, Unit
+from topoagent.vocabulary import FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix
     from topoagent.leases import Lease
     from topoagent.matrix import DistanceMatrix, Measurement
     from topoagent.model import CollectorStatus, Finding, NodeTopology, Pair
+    from topoagent.placement import NoFit, Placement
     from topoagent.served import Snapshot
 
 SCHEMA_VERSION = 2
@@ -440,6 +441,102 @@ LEASE = Document("Lease", {
 
 def lease_document(lease: Lease) -> dict[str, Any]:
     return LEASE.dump(lease)
+
+
+# --- placement answers (`/place`, `place --json`, `place --batch`) ------------------------------
+
+REQUEST = Document("Request", {
+    "gpus": Field(INTEGER),
+    "pattern": Field(one_of(Pattern)),
+    "min_level": Field(nullable(LEVEL), lambda r: level_text(r.min_level)),
+    "single_numa": Field(BOOLEAN),
+    "include": _plain_list("include", INTEGER),
+    "exclude": _plain_list("exclude", INTEGER),
+    "nics": Field(INTEGER),
+}, "The request as understood (defaults filled in).")
+
+PLACED_GPU = Document("PlacedGpu", {
+    "rank": Field(INTEGER),
+    "index": Field(INTEGER, description="nvidia-smi index"),
+    "uuid": Field(nullable(STRING)),
+    "pci_address": Field(nullable(STRING)),
+    "numa_node": Field(nullable(INTEGER)),
+    "nearest_nics": _plain_list("nearest_nics", STRING),
+    "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level)),
+})
+
+PATTERN_LINK = Document("PatternLink", {
+    "a": Field(INTEGER, lambda link: link.a_index, "nvidia-smi index"),
+    "b": Field(INTEGER, lambda link: link.b_index, "nvidia-smi index"),
+    "level": Field(LEVEL, lambda link: str(link.level)),
+    "gbps": Field(NUMBER, description="per direction, measured when fresh, else expected"),
+})
+
+OBJECTIVE = Document("Objective", {
+    "bandwidth_gbps": Field(nullable(NUMBER), description="(1) the pattern's weakest link"),
+    "bottleneck_level": Field(nullable(LEVEL), lambda o: level_text(o.bottleneck_level)),
+    "numa_nodes": Field(INTEGER, description="(2) NUMA nodes spanned"),
+    "nic_cost": Field(INTEGER, description="(3) 0 when no NICs were asked for"),
+    "damage": Field(INTEGER, description="(4) damage to the free zones"),
+}, "The terms of the objective for this answer, in the order they count.")
+
+PLACEMENT = Document("Placement", {
+    "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda p: SCHEMA_VERSION),
+    "fit": Field({"type": "boolean", "const": True}, lambda p: True),
+    "gpus": listed(PLACED_GPU, "gpus"),
+    "pattern": Field(one_of(Pattern), lambda p: p.request.pattern),
+    "bandwidth_gbps": Field(nullable(NUMBER)),
+    "worst_level": Field(nullable(LEVEL), lambda p: level_text(p.worst_level)),
+    "links": listed(PATTERN_LINK, "links"),
+    "numa_nodes": Field(array({"type": ["integer", "string"]}), lambda p: list(p.numa_nodes)),
+    "cpus": Field(nullable(STRING)),
+    "nics": _plain_list("nics", STRING),
+    "env": Field({"type": "object", "additionalProperties": STRING}, lambda p: dict(p.env)),
+    "numactl": _plain_list("numactl", STRING),
+    "score": Field(NUMBER, description="10 x bandwidth - loss, comparable across nodes"),
+    "objective": nested(OBJECTIVE, "objective"),
+    "broken_zones": _plain_list("broken_zones", STRING),
+    "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
+    "request": nested(REQUEST, "request"),
+}, "Which GPUs, in rank order, with the CPUs, NICs and launch environment to use.")
+
+NOFIT = Document("NoFit", {
+    "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda n: SCHEMA_VERSION),
+    "fit": Field({"type": "boolean", "const": False}, lambda n: False),
+    "reason": Field(STRING),
+    "constraint": Field(STRING, description="the request field that cannot hold"),
+    "free": _plain_list("free", INTEGER),
+    "best_available": nested(PLACEMENT, "best_available", optional=True),
+    "request": nested(REQUEST, "request", optional=True),
+}, "Why the request cannot be met now, and the best answer without the failing constraint.")
+
+
+def answer_document(answer: Placement | NoFit) -> dict[str, Any]:
+    """A placement answer at every door (HTTP, `place --json`, each `--batch` line)."""
+    return PLACEMENT.dump(answer) if answer.fit else NOFIT.dump(answer)
+
+
+REQUEST_ERROR_DETAIL = Document("RequestErrorDetail", {
+    "line": Field(INTEGER, description="the input line (1 = first)"),
+    "field": Field(nullable(STRING), description="the request field, with a list position: include[1]"),
+    "message": Field(STRING),
+})
+
+BATCH_ERROR = Document("BatchError", {
+    "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda e: SCHEMA_VERSION),
+    "error": Field(REQUEST_ERROR_DETAIL.ref, lambda e: REQUEST_ERROR_DETAIL.dump(e)),
+}, "A `place --batch` line that is not a valid request.")
+
+
+@dataclass(frozen=True, slots=True)
+class BatchLineError:
+    line: int
+    field: str | None
+    message: str
+
+
+def batch_error_document(line: int, field: str | None, message: str) -> dict[str, Any]:
+    return BATCH_ERROR.dump(BatchLineError(line, field, message))
 
 
 # --- errors ------------------------------------------------------------------------------------

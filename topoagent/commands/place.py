@@ -12,6 +12,7 @@ from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Door, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.request import parse_gpu_indices
+from topoagent.schema import answer_document, batch_error_document
 from topoagent.vocabulary import Pattern
 
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
     if args.json:
-        json.dump(answer.to_json(), sys.stdout, indent=1)
+        json.dump(answer_document(answer), sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render(answer))
@@ -124,16 +125,16 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, An
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        return {"error": {"line": line_no, "field": None, "message": f"not JSON: {exc.msg}"}}
+        return batch_error_document(line_no, None, f"not JSON: {exc.msg}")
     try:
         if not isinstance(obj, dict):
             raise RequestError("request", "expected a JSON object")
         fields = dict(obj)
         gpu_indices = {g.index for g in matrix.gpus}
         busy = parse_gpu_indices("busy", fields.pop("busy", []), gpu_indices)
-        return place(matrix, parse_request(fields, gpu_indices=gpu_indices), busy).to_json()
+        return answer_document(place(matrix, parse_request(fields, gpu_indices=gpu_indices), busy))
     except RequestError as exc:
-        return {"error": {"line": line_no, "field": exc.location, "message": exc.message}}
+        return batch_error_document(line_no, exc.location, exc.message)
 
 
 def run_batch(matrix: DistanceMatrix) -> int:

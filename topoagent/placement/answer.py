@@ -7,7 +7,6 @@ Answers carry typed reasons (explain.py); the JSON form renders them with field 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from topoagent.levels import LinkLevel
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
@@ -27,17 +26,6 @@ class PlacedGpu:
     nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs
     nic_level: LinkLevel | None  # how close those NICs are
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "index": self.index,
-            "uuid": self.uuid,
-            "pci_address": self.pci_address,
-            "numa_node": self.numa_node,
-            "nearest_nics": list(self.nearest_nics),
-            "nic_level": str(self.nic_level) if self.nic_level else None,
-        }
-
 
 @dataclass(frozen=True, slots=True)
 class PatternLink:
@@ -47,9 +35,6 @@ class PatternLink:
     b_index: int
     level: LinkLevel
     gbps: float
-
-    def to_json(self) -> dict[str, Any]:
-        return {"a": self.a_index, "b": self.b_index, "level": str(self.level), "gbps": self.gbps}
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +54,8 @@ class Placement:
     broken_zones: tuple[str, ...]
     reasons: tuple[Reason, ...]
 
+    fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
+
     @property
     def indices(self) -> tuple[int, ...]:
         return tuple(g.index for g in self.gpus)
@@ -77,26 +64,6 @@ class Placement:
     def explain(self) -> tuple[str, ...]:
         """The reasons in words, as JSON answers give them."""
         return render(self.reasons, Door.JSON)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fit": True,
-            "gpus": [g.to_json() for g in self.gpus],
-            "pattern": str(self.request.pattern),
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "worst_level": str(self.worst_level) if self.worst_level else None,
-            "links": [link.to_json() for link in self.links],
-            "numa_nodes": list(self.numa_nodes),
-            "cpus": self.cpus,
-            "nics": list(self.nics),
-            "env": dict(self.env),
-            "numactl": list(self.numactl),
-            "score": self.score,
-            "objective": self.objective.to_json(),
-            "broken_zones": list(self.broken_zones),
-            "explain": list(self.explain),
-            "request": self.request.to_json(),
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,19 +74,11 @@ class NoFit:
     free: tuple[int, ...]  # nvidia-smi indices
     best_available: Placement | None = None
 
+    fit = False
+
     @property
     def reason(self) -> str:
         return self.why.render(Door.JSON)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "fit": False,
-            "reason": self.reason,
-            "constraint": self.constraint,
-            "free": list(self.free),
-            "best_available": self.best_available.to_json() if self.best_available else None,
-            "request": self.request.to_json(),
-        }
 
 
 def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:

@@ -67,7 +67,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
@@ -84,15 +83,6 @@ class Objective:
     numa_nodes: int  # (2)
     nic_cost: int  # (3), 0 when no NICs were asked for
     damage: int  # (4)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "bandwidth_gbps": self.bandwidth_gbps,
-            "bottleneck_level": str(self.bottleneck_level) if self.bottleneck_level else None,
-            "numa_nodes": self.numa_nodes,
-            "nic_cost": self.nic_cost,
-            "damage": self.damage,
-        }
 
 
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:

@@ -164,17 +164,6 @@ class Request:
         """From a JSON object, without knowing the node (see parse_request)."""
         return parse_request(obj)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "gpus": self.gpus,
-            "pattern": str(self.pattern),
-            "min_level": str(self.min_level) if self.min_level else None,
-            "single_numa": self.single_numa,
-            "include": list(self.include),
-            "exclude": list(self.exclude),
-            "nics": self.nics,
-        }
-
 
 def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Request:
     """The one request parser: a JSON-like object -> Request, or RequestError naming the
