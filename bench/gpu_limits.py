@@ -43,9 +43,12 @@ def as_int(text: str) -> int | None:
 
 
 def main(probe_json: str, gpu_csv: str) -> int:
-    doc = json.load(open(probe_json))
+    with open(probe_json) as probe_file:
+        doc = json.load(probe_file)
+    with open(gpu_csv) as csv_file:
+        gpu_rows = list(csv.reader(csv_file))
     gpus = {}
-    for row in csv.reader(open(gpu_csv)):
+    for row in gpu_rows:
         if len(row) < 7:
             continue
         index = int(row[0])

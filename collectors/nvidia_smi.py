@@ -335,29 +335,30 @@ def _resolve_names(
         notes.append("no header line; device names taken from the row labels")
         trailing = list(_TRAILING_COLUMNS)
 
-    names: list[str | None] = [by_column.get(c) for c in range(width)]
-    if None in names:
-        known = [n for n in names if n is not None]
+    resolved: list[str | None] = [by_column.get(c) for c in range(width)]
+    if None in resolved:
+        known = [n for n in resolved if n is not None]
         gpu_numbers = [int(n[3:]) for n in known if _device_kind(n) == "gpu"]
         nic_numbers = [int(n[3:]) for n in known if re.fullmatch(r"NIC\d+", n)]
         next_gpu = max(gpu_numbers, default=-1) + 1
         next_nic = max(nic_numbers, default=-1) + 1
-        inferred = []
+        inferred: list[str] = []
         for c in range(width):
-            if names[c] is not None:
+            if resolved[c] is not None:
                 continue
             # NVLink joins GPUs only: a column with an NV cell is a GPU.
             if any(re.fullmatch(r"NV\d+", r.cells[c]) for r in rows):
-                names[c] = f"GPU{next_gpu}"
+                name = f"GPU{next_gpu}"
                 next_gpu += 1
             else:
-                names[c] = f"NIC{next_nic}"
+                name = f"NIC{next_nic}"
                 next_nic += 1
-            inferred.append(names[c])
+            resolved[c] = name
+            inferred.append(name)
         notes.append("column names inferred without a header: " + ", ".join(inferred))
-    if len(set(names)) != len(names):
+    if len(set(resolved)) != len(resolved):
         raise TopoParseError("could not name the columns uniquely without a usable header")
-    return [n for n in names if n is not None], trailing
+    return [n for n in resolved if n is not None], trailing
 
 
 def _assemble_levels(

@@ -10,7 +10,8 @@ is guarded because any one of them can be unsupported on a given GPU or driver.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +118,7 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
         except (AttributeError, ValueError):
             raise SourceError(f"{where}.p2p: expected {{peer index: status}}") from None
         health = raw.get("health") or {}
+        numa = raw.get("numa_node")
         gpus.append(
             NvmlGpu(
                 index=raw["index"],
@@ -124,7 +126,7 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
                 name=raw.get("name"),
                 pci_address=_address(raw.get("pci_bus_id"), where),
                 memory_total_bytes=raw.get("memory_total_bytes"),
-                numa_node=raw.get("numa_node") if isinstance(raw.get("numa_node"), int) and raw.get("numa_node") >= 0 else None,
+                numa_node=numa if isinstance(numa, int) and numa >= 0 else None,
                 cpu_affinity=raw.get("cpu_affinity"),
                 nvlinks=tuple(links),
                 p2p=p2p,
@@ -168,10 +170,8 @@ def read_live() -> dict | None:
     try:
         return _read_all(pynvml)
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _read_all(nv: Any) -> dict:
@@ -264,7 +264,7 @@ def _bus_id(pci: object) -> str | None:
         return None
 
 
-def _affinity_to_cpulist(words: object) -> str | None:
+def _affinity_to_cpulist(words: Iterable[int] | None) -> str | None:
     """NVML's CPU affinity (64-bit words, lowest CPUs first) -> cpulist."""
     if not words:
         return None
@@ -297,10 +297,8 @@ def read_live_activity() -> dict | None:
             }})
         return {"gpus": gpus}
     finally:
-        try:
+        with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _ask(call: Callable[..., Any], *args: Any) -> Any:

@@ -10,6 +10,7 @@ instead of links: such devices have no known parent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from dataclasses import dataclass, field, replace
 
@@ -272,24 +273,27 @@ def _read_device(
     texts = {n: read(n) for n in link_files}
     link = None
     if any(t is not None for t in texts.values()):
-        values: dict[str, float | int | None] = {}
+        speeds: dict[str, float | None] = {}
+        widths: dict[str, int | None] = {}
         for n, t in texts.items():
-            values[n] = parse_link_speed(t) if n.endswith("speed") else parse_link_width(t)
+            parsed: float | int | None
+            if n.endswith("speed"):
+                parsed = speeds[n] = parse_link_speed(t)
+            else:
+                parsed = widths[n] = parse_link_width(t)
             # 'Unknown speed' and width 0 mean no link trained; anything else unread is damage.
-            if t is not None and values[n] is None and not _NO_LINK.fullmatch(t):
+            if t is not None and parsed is None and not _NO_LINK.fullmatch(t):
                 warnings.append(f"{directory}/{n}: {t!r} is not a link {n.rsplit('_', 1)[-1]}")
         link = PciLink(
-            values["current_link_speed"],  # type: ignore[arg-type]
-            values["current_link_width"],  # type: ignore[arg-type]
-            values["max_link_speed"],  # type: ignore[arg-type]
-            values["max_link_width"],  # type: ignore[arg-type]
+            speeds["current_link_speed"],
+            widths["current_link_width"],
+            speeds["max_link_speed"],
+            widths["max_link_width"],
         )
     driver = None
-    try:
+    with contextlib.suppress(OSError, HostError):
         # The link's own target names the driver; its directory need not be recorded.
         driver = host.readlink(f"{directory}/driver").rstrip("/").rsplit("/", 1)[-1] or None
-    except (OSError, HostError):
-        pass
     return PciDevice(
         address=address,
         class_code=class_code,

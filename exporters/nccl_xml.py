@@ -94,7 +94,7 @@ def _active_nets(nics: tuple[NicTopo, ...]) -> list[_Net]:
     for nic in nics:  # already in device-name order, as the IB plugin enumerates them
         for port in nic.ports:
             if port.active:
-                mbps = int(round(port.rate_gbps * 1000)) if port.rate_gbps else 0
+                mbps = round(port.rate_gbps * 1000) if port.rate_gbps else 0
                 nets.append(_Net(nic, port.number, len(nets), mbps))
     return nets
 

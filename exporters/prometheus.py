@@ -47,10 +47,10 @@ class SnapshotCollector(Collector):
         node, matrix = snapshot.node, snapshot.matrix
 
         gpu_info = InfoMetricFamily(f"{NS}_gpu", "Identity of each GPU.", labels=["gpu"])
-        for gpu in matrix.gpus:
+        for info in matrix.gpus:
             gpu_info.add_metric(
-                [str(gpu.index)],
-                {"uuid": _opt(gpu.uuid), "pci_address": _opt(gpu.pci_address), "model": _opt(gpu.model), "numa_node": _opt(gpu.numa_node)},
+                [str(info.index)],
+                {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node)},
             )
         yield gpu_info
 
@@ -94,10 +94,12 @@ class SnapshotCollector(Collector):
             labels=["gpu", "nic", "device", "level"],
         )
         for i, row in enumerate(matrix.gpu_nic_levels):
-            for j, lvl in enumerate(row):
-                if lvl is not None:
-                    nic = matrix.nics[j]
-                    affinity.add_metric([str(matrix.gpus[i].index), nic.name, _opt(nic.device), str(lvl)], int(lvl.kind))
+            for j, nic_level in enumerate(row):
+                if nic_level is not None:
+                    nic_info = matrix.nics[j]
+                    affinity.add_metric(
+                        [str(matrix.gpus[i].index), nic_info.name, _opt(nic_info.device), str(nic_level)], int(nic_level.kind)
+                    )
         yield affinity
 
         speed = GaugeMetricFamily(
@@ -142,8 +144,8 @@ class SnapshotCollector(Collector):
         for finding in snapshot.findings:
             key = (finding.kind, finding.severity)
             counts[key] = counts.get(key, 0) + 1
-        for key, count in sorted(counts.items()):
-            findings.add_metric(list(key), count)
+        for (kind, severity), count in sorted(counts.items()):
+            findings.add_metric([kind, severity], count)
         yield findings
 
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])

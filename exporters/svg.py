@@ -145,16 +145,20 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
     # --- group devices: NUMA node -> switch -> GPUs / NICs
     numa_ids = [n.id for n in topology.numa.nodes] if topology.numa else []
     groups: dict[int | None, dict[str | None, _Switch]] = {i: {} for i in numa_ids}
-    for dev in [*topology.gpus, *topology.nics]:
+    devices: list[GpuTopo | NicTopo] = [*topology.gpus, *topology.nics]
+    for dev in devices:
         node = dev.numa_node if dev.numa_node is not None and dev.numa_node in groups else None
         if dev.numa_node is None and len(numa_ids) == 1:
             node = numa_ids[0]
         key, label = _switch_of(topology, dev.pci_address)
         switch = groups.setdefault(node, {}).setdefault(key, _Switch(key, label))
-        (switch.gpus if isinstance(dev, GpuTopo) else switch.nics).append(dev)
+        if isinstance(dev, GpuTopo):
+            switch.gpus.append(dev)
+        else:
+            switch.nics.append(dev)
 
     # --- place NUMA boxes in one row
-    x = MARGIN
+    x: float = MARGIN
     top = MARGIN + 34
     numa_boxes: list[tuple[int | None, _Box, list[tuple[_Switch, _Box]]]] = []
     max_h = 0.0
@@ -260,7 +264,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
         xs = [gpu_anchor[n][0] for n in fabric if n in gpu_anchor]
         if xs:
             bar_y = y + 22
-            switches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
+            nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
             usual = max(fabric.values())
             for name, links in fabric.items():
                 if name not in gpu_anchor:
@@ -274,7 +278,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
                              f'{dash}><title>{_esc(name)}: {links} NVLinks into the fabric</title></line>')
                 parts.append(f'<text x="{gx + 4:.1f}" y="{bar_y - 6:.1f}" font-size="9" fill="{color}">NV{links}</text>')
             x0, x1 = min(xs) - 30, max(xs) + 30
-            label = f"NVSwitch fabric · {switches} NVSwitch{'es' if switches != 1 else ''}" if switches \
+            label = f"NVSwitch fabric · {nvswitches} NVSwitch{'es' if nvswitches != 1 else ''}" if nvswitches \
                 else "NVSwitch fabric"
             parts.append(f'<rect class="nvswitch-fabric" x="{x0:.1f}" y="{bar_y:.1f}" width="{x1 - x0:.1f}" '
                          f'height="22" rx="4" fill="{COLORS["fabric"]}"/>')
@@ -282,13 +286,13 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
                          f'text-anchor="middle" fill="#fff">{_esc(label)} · GPUs {len(xs)}</text>')
             y = bar_y + 22 + 20
     direct = []
-    for i, a in enumerate(topology.gpus):
-        for b in topology.gpus[i + 1:]:
-            level = topology.level(a.name, b.name)
-            if level is None or not level.is_nvlink or (a.name in fabric and b.name in fabric):
+    for i, ga in enumerate(topology.gpus):
+        for gb in topology.gpus[i + 1:]:
+            level = topology.level(ga.name, gb.name)
+            if level is None or not level.is_nvlink or (ga.name in fabric and gb.name in fabric):
                 continue
-            if a.name in gpu_anchor and b.name in gpu_anchor:
-                direct.append((a.name, b.name, level.nvlinks))
+            if ga.name in gpu_anchor and gb.name in gpu_anchor:
+                direct.append((ga.name, gb.name, level.nvlinks))
     if direct:
         deepest = y
         for a, b, links in direct:

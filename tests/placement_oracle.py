@@ -81,9 +81,7 @@ def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
         for a, b in combinations(positions, 2):
             if matrix.gpu_levels[a][b] > req.min_level:
                 return False
-    if req.single_numa and len({numa_key(matrix, p) for p in positions}) > 1:
-        return False
-    return True
+    return not (req.single_numa and len({numa_key(matrix, p) for p in positions}) > 1)
 
 
 def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):

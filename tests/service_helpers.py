@@ -111,9 +111,10 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         args += ["--config", str(cfg)]
     args += extra or []
     log_path = tmp / f"agent-{time.monotonic_ns()}.log"
-    log = open(log_path, "w")
     env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **(env or {})}
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    # The child keeps its own copy of the descriptor; ours is closed once it is handed over.
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline()
     match = re.search(r"on http://([\d.]+):(\d+)", line)
     if not match:

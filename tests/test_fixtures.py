@@ -162,11 +162,11 @@ def test_real_captures_are_kept_byte_exact(name):
 def faults(root: Path) -> dict[str, list]:
     slow = []
     for addr, dev in pci_devices(root).items():
-        if (dev / "current_link_width").exists():
-            if (read(dev / "current_link_width"), read(dev / "current_link_speed")) != (
-                read(dev / "max_link_width"), read(dev / "max_link_speed")
-            ):
-                slow.append(addr)
+        if not (dev / "current_link_width").exists():
+            continue
+        current = (read(dev / "current_link_width"), read(dev / "current_link_speed"))
+        if current != (read(dev / "max_link_width"), read(dev / "max_link_speed")):
+            slow.append(addr)
     down_links = [
         (g["index"], link["link"])
         for g in json.loads((root / "nvml.json").read_text())["gpus"]

@@ -170,13 +170,13 @@ def test_duty_cycle_over_a_long_run_stays_under_one_percent():
         schedule.record(target, duration_s=3, figure=20.0)
         for gpu in target.gpus:
             probing[gpu] += 3
-    for gpu, seconds in probing.items():
+    for seconds in probing.values():
         assert 0 < seconds <= 0.01 * (clock.now - start) + 36  # + one window's burst
 
 
 def test_forced_round_ignores_the_duty_cap():
     config = ScheduleConfig(startup_delay_s=0, duty_cycle=0.01, duty_window_s=100, default_duration_s=5)
-    schedule, clock = schedule_for(gpus=(0,), config=config)
+    schedule, _clock = schedule_for(gpus=(0,), config=config)
     assert schedule.next_probe({}) is None  # 5 s > 1% of 100 s
     schedule.request_round(force=True)
     assert schedule.next_probe({}) == ProbeTarget((0,))

@@ -49,8 +49,8 @@ def test_1000_concurrent_reservations_from_50_clients_never_share_a_gpu(tmp_path
         # Two leases that were held at the same moment (as the clients saw it) never
         # share a GPU; the server held each at least as long.
         held_intervals.sort()
-        for i, (start, end, gpus) in enumerate(held_intervals):
-            for start2, end2, gpus2 in held_intervals[i + 1 :]:
+        for i, (_start, end, gpus) in enumerate(held_intervals):
+            for start2, _end2, gpus2 in held_intervals[i + 1 :]:
                 if start2 >= end:
                     break
                 assert not gpus & gpus2, "a GPU was leased twice"

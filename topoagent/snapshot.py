@@ -94,7 +94,7 @@ def _write_dir(host: Host, root: Path) -> None:
             target = base / name
             if kind == "dir":
                 target.mkdir(exist_ok=True)
-    for link, target in sorted(rec.symlinks.items()):
+    for link, link_target in sorted(rec.symlinks.items()):
         local = _inside(root, link)
         local.parent.mkdir(parents=True, exist_ok=True)
         if local.is_symlink() or local.exists():
@@ -102,7 +102,7 @@ def _write_dir(host: Host, root: Path) -> None:
                 shutil.rmtree(local)
             else:
                 local.unlink()
-        os.symlink(target, local)
+        os.symlink(link_target, local)
     for path, data in rec.files.items():
         local = _inside(root, path)
         local.parent.mkdir(parents=True, exist_ok=True)

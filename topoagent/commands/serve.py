@@ -10,6 +10,7 @@ import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import ClassVar
 
 from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
 from topoagent.errors import UsageError
@@ -69,7 +70,7 @@ def setup_logging() -> None:
     if os.environ.get("JOURNAL_STREAM"):
         # journald adds time and unit; a <N> prefix sets the priority (sd-daemon(3)).
         class Journal(logging.Formatter):
-            PRIO = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+            PRIO: ClassVar[dict[int, int]] = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
             def format(self, record: logging.LogRecord) -> str:
                 return f"<{self.PRIO.get(record.levelno, 6)}>{record.getMessage()}"

@@ -209,7 +209,8 @@ class Prepared:
         got = self._cpus_of.get(lists, "")
         if got == "":
             sets = [self.gpu_cpus[v] for v in bits(mask)]
-            got = None if any(c is None for c in sets) else format_cpulist(set().union(*sets))
+            known = [c for c in sets if c is not None]
+            got = None if len(known) < len(sets) else format_cpulist(set().union(*known))
             self._cpus_of[lists] = got
         return got
 
@@ -309,6 +310,7 @@ class Prepared:
         for verts in combinations(by_hier, k):
             mask = sum(1 << v for v in verts)
             numa = sum(1 for g in self.numa_masks if g & mask)
+            order: tuple[int, ...] | None
             rank, order = -1, verts
             if links:
                 rank, order = self._best_rank(mask, verts, pattern)
@@ -614,6 +616,7 @@ class Search:
             need = k - 1  # min_level: the set is a clique of close-enough pairs
         verts = self.candidates
         if need:
+            assert eff is not None  # need > 0 only with a level (r) or a min_level (h)
             changed = True
             while changed:
                 changed = False
@@ -634,6 +637,7 @@ class Search:
         if h is not None:
             allowed = [h[i] for i in range(n)]
         if r is not None and pattern is Pattern.ALLTOALL:
+            assert eff is not None  # a level's adjacency, set above whenever r is
             allowed = [allowed[i] & eff[i] for i in range(n)]
         if self.req.single_numa:
             allowed = [allowed[i] & prep.numa_masks[prep.numa_of[i]] for i in range(n)]
@@ -825,6 +829,7 @@ class Search:
         prep = self.prep
         order: tuple[int, ...] | None
         if self.check_order:
+            assert self.r is not None  # check_order is only ever set with a level
             order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE)
             if order is None:
                 return
