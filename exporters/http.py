@@ -107,13 +107,13 @@ OPEN_PATHS = {"/healthz", "/readyz"}
 @web.middleware
 async def read_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
     agent = request.app[AGENT]
-    if agent.config.require_token_for_reads and request.path not in OPEN_PATHS and request.app[TOKEN].value:
-        if not _token_ok(request):
-            raise ApiError(401, "unauthorized", "this agent requires Authorization: Bearer <token> for reads too")
+    guarded = agent.config.require_token_for_reads and request.path not in OPEN_PATHS and request.app[TOKEN].value
+    if guarded and not _token_ok(request):
+        raise ApiError(401, "unauthorized", "this agent requires Authorization: Bearer <token> for reads too")
     return await handler(request)
 
 
-def _ready_snapshot(agent: Agent):
+def _ready_snapshot(agent: Agent) -> Snapshot:
     snapshot = agent.snapshot
     if snapshot is None:
         raise ApiError(503, "not_ready", "no topology loaded yet; discovery is running")
@@ -181,7 +181,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         resp = error_response(error.status, error.error, error.detail)
         resp.force_close()
         return resp
-    return await _default_expect_handler(request)
+    await _default_expect_handler(request)  # writes "100 Continue" itself
+    return None
 
 
 async def read_json(request: web.Request) -> Any:

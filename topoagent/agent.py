@@ -13,6 +13,7 @@ placement core and the lease book -- are reached only through the adapters in th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -69,10 +70,8 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
             result = (True, fn())
         except BaseException as exc:
             result = (False, exc)
-        try:
+        with contextlib.suppress(RuntimeError):  # the agent stopped while this run was stuck
             loop.call_soon_threadsafe(settle, *result)
-        except RuntimeError:
-            pass  # the agent stopped while this run was stuck; nobody is waiting
 
     threading.Thread(target=work, name="topoagent-discovery", daemon=True).start()
     return future
@@ -140,7 +139,7 @@ async def discover_in_thread(host: Host) -> NodeTopology:
     """Run discovery on its own thread and loop: a read stuck in the kernel (or a
     replayed FIFO) blocks that thread, never the agent's loop, and the agent's timeout
     can walk away from it."""
-    return await run_in_daemon_thread(lambda: asyncio.run(discover(host)))  # type: ignore[no-any-return]
+    return await run_in_daemon_thread(lambda: asyncio.run(discover(host)))
 
 
 Answer = Placement | NoFit
@@ -298,7 +297,9 @@ class Agent:
         self._discovered = node
         self._note_topology(node)
         self._set_activity_from_node(node)
-        matrix, probe_findings, figures = node.distance_matrix(), (), ()
+        matrix = node.distance_matrix()
+        probe_findings: tuple[Finding, ...] = ()
+        figures: tuple[ProbeFigure, ...] = ()
         if self.config.probes_enabled and self.probes is not None:
             figures = tuple(self.probes.figures())
             matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures))
@@ -513,10 +514,8 @@ class Agent:
             await self._wait_probe_wake(min(max(delay, 0.05), self.config.activity_interval_s) if delay > 0 else self.config.activity_interval_s)
 
     async def _wait_probe_wake(self, timeout: float) -> None:
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._probe_wake.wait(), timeout)
-        except TimeoutError:
-            pass
 
     def _account_probe(self, probe_round: ProbeRound) -> None:
         outcome = "ok" if probe_round.failure is None else probe_round.failure.kind

@@ -69,18 +69,18 @@ class Snapshot:
 
     @property
     def body(self) -> bytes:
-        return self.cached("json", self._json)[0]  # type: ignore[no-any-return]
+        return self.cached("json", self._json)[0]
 
     @property
     def etag(self) -> str:
-        return self.cached("json", self._json)[1]  # type: ignore[no-any-return]
+        return self.cached("json", self._json)[1]
 
     @property
     def matrix_text(self) -> str:
         """The derived matrix printed the way `nvidia-smi topo -m` does (?format=matrix)."""
         from topoagent.collectors.nvidia_smi import render_topo_matrix
 
-        return self.cached("matrix", lambda: render_topo_matrix(self.node.topo_matrix()))  # type: ignore[no-any-return]
+        return self.cached("matrix", lambda: render_topo_matrix(self.node.topo_matrix()))
 
 
 def etag_of(body: bytes) -> str:
