@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
 from topoagent.matrix import DistanceMatrix, Measurement
@@ -43,20 +43,6 @@ CRITICAL_FRACTION = 0.25
 LEVEL_FIT_FACTOR = 1.25
 NUMA_TOLERANCE = 0.15
 PCIE_LADDER = (PIX, PXB, PHB, NODE, SYS)
-
-
-def finding_json(finding: Finding) -> dict[str, Any]:
-    """A probe finding as `topoagent probe --json` and /topology's ``findings`` show it."""
-    return {
-        "kind": finding.kind,
-        "severity": finding.severity,
-        "subject": finding.subject,
-        "message": finding.message,
-        "expected": finding.expected_gbps,
-        "measured": finding.measured_gbps,
-        "unit": "GB/s",
-        "source": finding.source,
-    }
 
 
 class PairBandwidth(NamedTuple):

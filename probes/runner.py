@@ -56,9 +56,6 @@ class ProbeFailure:
     message: str
     exit_code: int | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {"kind": self.kind, "message": self.message, "exit_code": self.exit_code}
-
 
 @dataclass(frozen=True, slots=True)
 class ProbeRound:
@@ -88,18 +85,6 @@ class ProbeRound:
             if held is None or (figure.size_bytes or 0) >= (held.size_bytes or 0):
                 best[figure.key] = figure
         return list(best.values())
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "backend": self.backend,
-            "started_at": self.started_at,
-            "duration_s": round(self.duration_s, 6),
-            "worker": dict(self.worker) if self.worker else None,
-            "failure": self.failure.to_json() if self.failure else None,
-            "figures": [f.to_record() for f in self.figures()],
-            "results": [f.to_record() for f in self.results],
-            "skipped": [s.to_record() for s in self.skipped],
-        }
 
 
 def worker_command() -> list[str]:

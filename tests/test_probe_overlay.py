@@ -13,7 +13,8 @@ import pytest
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
 from topoagent.probes.figures import ProbeFigure, ProbeKind
-from topoagent.probes.overlay import finding_json, findings_for, overlay
+from topoagent.probes.overlay import findings_for, overlay
+from topoagent.schema import FINDING
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TOPO = SHARED / "corpus/nvidia-smi-topo"
@@ -88,7 +89,7 @@ def test_one_nvlink_pair_at_pcie_speed_is_degraded_and_contradicts_nvlink():
     assert degraded.severity == "critical"
     assert (degraded.expected_gbps, degraded.measured_gbps) == (450.0, 52.0)
     assert "not using NVLink" in findings[1].message
-    assert finding_json(findings[1])["kind"] == "level_contradiction"
+    assert FINDING.dump(findings[1])["kind"] == "level_contradiction"
 
 
 def test_pix_pair_without_peer_access_staged_through_host():

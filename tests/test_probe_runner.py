@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from schema_check import validate
 
 from topoagent.probes.plan import (
     PlanError,
@@ -40,6 +41,7 @@ AGENT_WITHOUT_TORCH = textwrap.dedent(
     import topoagent.cli
     from topoagent.probes.plan import build_round_plan
     from topoagent.probes.runner import run_probe_round
+    from topoagent.schema import probe_round_document
     plan = build_round_plan("cpu", [0, 1, 2], [0, 7])
     probe_round = asyncio.run(run_probe_round(plan, timeout_s=120))
     out, err = io.StringIO(), io.StringIO()
@@ -47,7 +49,7 @@ AGENT_WITHOUT_TORCH = textwrap.dedent(
         rc = topoagent.cli.main(["probe", "--backend", "cpu", "--from-nvidia-smi", sys.argv[1],
                                  "--json", "--progress"])
     print(json.dumps({
-        "round": probe_round.to_json(),
+        "round": probe_round_document(probe_round, None, []),
         "cli_rc": rc, "cli_json": json.loads(out.getvalue()), "cli_stderr": err.getvalue(),
         "torch_loaded": sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")),
     }))
@@ -276,8 +278,13 @@ def test_cli_reports_host_copies_far_below_nvlink_as_degraded_links(agent_run):
     degraded = {f["subject"] for f in findings if f["kind"] == "degraded_link"}
     assert degraded == {f"GPU{a}-GPU{b}" for a in range(8) for b in range(a + 1, 8)}
     for f in findings:
-        assert set(f) >= {"kind", "severity", "subject", "message", "expected", "measured"}
+        assert set(f) >= {"kind", "severity", "subject", "message", "expected_gbps", "measured_gbps"}
     assert "cpu backend" in agent_run["cli_stderr"]
+
+
+def test_cli_json_holds_to_the_probe_round_schema(agent_run):
+    validate(agent_run["cli_json"], "ProbeRound")
+    validate(agent_run["round"], "ProbeRound")
 
 
 def test_cli_draws_progress_on_stderr(agent_run):

@@ -4,27 +4,21 @@ schema is strict: a field written by a door but not declared (or the reverse) fa
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import pytest
 from conftest import FIXTURES
+from schema_check import validate
 
 from topoagent.cli import main
 from topoagent.discovery import discover
-from topoagent.exporters.openapi import openapi_document
 from topoagent.host import Host
 from topoagent.schema import DOCUMENTS, SCHEMA_VERSION, node_document
 
 SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())
-OPENAPI = openapi_document()
-
-
-def validate(document: Any, name: str) -> None:
-    schema = {"$ref": f"#/components/schemas/{name}", "components": OPENAPI["components"]}
-    jsonschema.Draft202012Validator(schema).validate(document)
 
 
 def test_every_component_is_strict() -> None:
@@ -60,3 +54,21 @@ def test_a_finding_of_every_kind_and_severity_is_describable() -> None:
         doc = node_document(asyncio.run(discover(host)))
     validate(doc, "Node")
     assert {f["severity"] for f in doc["findings"]} <= {"info", "warning", "critical"}
+
+
+def test_place_answers_hold_to_their_schemas(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    root = str(FIXTURES / "snapshots" / "dgx-a100")
+    assert main(["place", "--gpus", "4", "--nics", "2", "--json", "--root", root]) == 0
+    validate(json.loads(capsys.readouterr().out), "Placement")
+    assert main(["place", "--gpus", "3", "--busy", "0,2,4,6", "--single-numa", "--json", "--root", root]) == 1
+    nofit = json.loads(capsys.readouterr().out)
+    validate(nofit, "NoFit")
+    assert nofit["best_available"] is not None  # the nested placement was checked too
+    lines = "\n".join(['{"gpus": 2}', '{"gpus": 2, "include": [9]}', "not json"])
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    assert main(["place", "--batch", "--root", root]) == 0
+    fit, bad_index, not_json = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    validate(fit, "Placement")
+    validate(bad_index, "BatchError")
+    validate(not_json, "BatchError")
+    assert bad_index["error"]["field"] == "include[0]"

@@ -63,6 +63,8 @@ GPU_PAIR_LEVEL_PATTERN = (
     + ")$"
 )
 _GPU_PAIR_LEVEL_RE = re.compile(GPU_PAIR_LEVEL_PATTERN)
+# A level as we print it (``str(level)``, every JSON document): nvidia-smi's words.
+PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]*|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
 
 
 @total_ordering

@@ -16,14 +16,20 @@ findings of measurements keep their figures in ``expected_gbps``/``measured_gbps
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import functools
+import operator
+import types
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
-from topoagent.levels import LinkLevel
+from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
 from topoagent.vocabulary import FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
     from topoagent.matrix import DistanceMatrix, Measurement
     from topoagent.model import CollectorStatus, Finding, NodeTopology, Pair
     from topoagent.placement import NoFit, Placement
+    from topoagent.probes.runner import ProbeRound
     from topoagent.served import Snapshot
 
 SCHEMA_VERSION = 2
@@ -104,6 +111,29 @@ class Document:
         return Document(name, {**self.fields, **more}, description or self.description)
 
 
+def _schema_of_type(hint: Any) -> JsonSchema:
+    """A field's JSON Schema from its Python type: int, float, str, bool, a StrEnum, X | None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (types.UnionType, typing.Union) and len(args) == 1:
+        return nullable(_schema_of_type(args[0]))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return one_of(hint)
+    simple = {int: INTEGER, float: NUMBER, str: STRING, bool: BOOLEAN}
+    if hint in simple:
+        return simple[hint]
+    raise TypeError(f"no JSON Schema for {hint!r}")
+
+
+def dataclass_document(name: str, cls: type, *, renames: Mapping[str, str] = MappingProxyType({}), description: str | None = None) -> Document:
+    """A document whose fields are a dataclass's, in order (``renames``: field -> JSON name)."""
+    hints = typing.get_type_hints(cls)
+    fields = {
+        renames.get(f.name, f.name): Field(_schema_of_type(hints[f.name]), operator.attrgetter(f.name))
+        for f in dataclasses.fields(cls)
+    }
+    return Document(name, fields, description or (cls.__doc__ or "").strip().split("\n")[0] or None)
+
+
 def nested(document: Document, attr: str, *, optional: bool = False) -> Field:
     """A field holding one ``document`` read from attribute ``attr``."""
     dump = document.dump
@@ -137,8 +167,7 @@ def _plain_list(attr: str, items: JsonSchema) -> Field:
     return Field(array(items), lambda value: list(getattr(value, attr)))
 
 
-# The level grammar as JSON shows it: nvidia-smi's words (X, NV12, PIX, ... SYS).
-LEVEL = {"type": "string", "pattern": "^(X|NV[1-9][0-9]*|PIX|PXB|PHB|NODE|SYS|NET_SUBNET|NET_OTHER)$"}
+LEVEL = {"type": "string", "pattern": PRINTED_LEVEL_PATTERN}
 SEVERITY = one_of(Severity)
 FINDING_KIND = one_of(FindingKind)
 STATUS = one_of(Status)
@@ -539,6 +568,75 @@ def batch_error_document(line: int, field: str | None, message: str) -> dict[str
     return BATCH_ERROR.dump(BatchLineError(line, field, message))
 
 
+# --- a probe round (`topoagent probe --json`) --------------------------------------------------
+
+@functools.cache
+def probe_documents() -> tuple[Document, ...]:
+    """The probe round's documents, built on first use: they name the probe worker's
+    record types, which one-shot commands such as `discover` should not load."""
+    from topoagent.probes.figures import WIRE_NAMES, FailureKind, ProbeFigure, ProbeSkip
+
+    result = dataclass_document("ProbeResult", ProbeFigure, renames=WIRE_NAMES,
+                                description="One figure as the worker measured it (fields as on the worker's line).")
+    skip = dataclass_document("ProbeSkip", ProbeSkip, renames=WIRE_NAMES)
+    failure = Document("ProbeFailure", {
+        "kind": Field(one_of(FailureKind)),
+        "message": Field(STRING),
+        "exit_code": Field(nullable(INTEGER)),
+    }, "Why the round ended early.")
+    return result, skip, failure, _probe_round(result, skip, failure)
+
+
+PROBE_PAIR = Document("ProbePair", {
+    "a": Field(STRING),
+    "b": Field(STRING),
+    "level": Field(LEVEL, lambda p: str(p.level)),
+    "expected_gbps": Field(nullable(NUMBER)),
+    "measured_gbps": Field(nullable(NUMBER)),
+    "bandwidth_gbps": Field(nullable(NUMBER), description="what placement ranks by: measured when fresh, else expected"),
+})
+
+
+@dataclass(frozen=True, slots=True)
+class ProbePairView:
+    a: str
+    b: str
+    level: LinkLevel
+    expected_gbps: float | None
+    measured_gbps: float | None
+    bandwidth_gbps: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class _RoundView:
+    round: ProbeRound
+    pairs: tuple[ProbePairView, ...] | None
+    findings: tuple[Finding, ...]
+
+
+def _probe_round(result: Document, skip: Document, failure: Document) -> Document:
+    return Document("ProbeRound", {
+        "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda v: SCHEMA_VERSION),
+        "backend": Field(STRING, lambda v: v.round.backend),
+        "started_at": Field(NUMBER, lambda v: v.round.started_at, "Unix time"),
+        "duration_s": Field(NUMBER, lambda v: round(v.round.duration_s, 6)),
+        "worker": Field(nullable({"type": "object"}), lambda v: dict(v.round.worker) if v.round.worker else None,
+                        "the worker's hello: backend, torch version, devices"),
+        "failure": Field(nullable(failure.ref), lambda v: failure.dump(v.round.failure) if v.round.failure else None),
+        "figures": Field(array(result.ref), lambda v: [result.dump(f) for f in v.round.figures()],
+                         "one per measurement and direction: the largest size"),
+        "results": Field(array(result.ref), lambda v: [result.dump(f) for f in v.round.results]),
+        "skipped": Field(array(skip.ref), lambda v: [skip.dump(f) for f in v.round.skipped]),
+        "pairs": Field(nullable(array(PROBE_PAIR.ref)), lambda v: None if v.pairs is None else [PROBE_PAIR.dump(p) for p in v.pairs],
+                       "with a topology: each GPU pair's level, expectation and measurement"),
+        "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings]),
+    }, "`topoagent probe --json`: one round of measurements.")
+
+
+def probe_round_document(probe_round: ProbeRound, pairs: Iterable[ProbePairView] | None, findings: Iterable[Finding]) -> dict[str, Any]:
+    return probe_documents()[3].dump(_RoundView(probe_round, None if pairs is None else tuple(pairs), tuple(findings)))
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 ERROR = Document("Error", {
@@ -550,8 +648,9 @@ ERROR = Document("Error", {
 DOCUMENTS: tuple[Document, ...] = (
     PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
+    REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
 )
 
 
 def component_schemas() -> dict[str, JsonSchema]:
-    return {d.name: d.json_schema() for d in DOCUMENTS}
+    return {d.name: d.json_schema() for d in (*DOCUMENTS, PROBE_PAIR, *probe_documents())}

@@ -12,16 +12,17 @@ import asyncio
 import json
 import sys
 import time
-from typing import Any, TextIO
+from typing import TextIO
 
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
-from topoagent.probes.overlay import finding_json, findings_for, overlay
+from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
 from topoagent.probes.runner import ProbeRound, run_probe_round
+from topoagent.schema import ProbePairView, probe_round_document
 
 CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
 # The largest --gpus accepted.  The biggest single hosts ship 16 GPUs (DGX-2, HGX-2; an
@@ -132,21 +133,15 @@ def human_size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def pair_rows(matrix: DistanceMatrix) -> list[dict[str, Any]]:
+def pair_rows(matrix: DistanceMatrix) -> list[ProbePairView]:
     rows = []
-    for i in range(matrix.size):
-        for j in range(i + 1, matrix.size):
-            m = matrix.measured.get((i, j))
-            rows.append(
-                {
-                    "a": matrix.gpus[i].name,
-                    "b": matrix.gpus[j].name,
-                    "level": str(matrix.level(i, j)),
-                    "expected_gbps": matrix.gpu_expected_gbps[i][j],
-                    "measured_gbps": m.gbps if m else None,
-                    "bandwidth_gbps": matrix.bandwidth(i, j),
-                }
-            )
+    for a_pos in range(matrix.size):
+        for b_pos in range(a_pos + 1, matrix.size):
+            m = matrix.measured.get((a_pos, b_pos))
+            rows.append(ProbePairView(
+                matrix.gpus[a_pos].name, matrix.gpus[b_pos].name, matrix.level(a_pos, b_pos),
+                matrix.gpu_expected_gbps[a_pos][b_pos], m.gbps if m else None, matrix.bandwidth(a_pos, b_pos),
+            ))
     return rows
 
 
@@ -175,9 +170,9 @@ def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings
     if matrix is not None:
         out.write(f"\n{'pair':<14} {'level':<6} {'expected':>9} {'measured':>9}  GB/s per direction\n")
         for row in pair_rows(matrix):
-            measured = "-" if row["measured_gbps"] is None else f"{row['measured_gbps']:.2f}"
-            expected = "-" if row["expected_gbps"] is None else f"{row['expected_gbps']:.2f}"
-            out.write(f"{row['a'] + '-' + row['b']:<14} {row['level']:<6} {expected:>9} {measured:>9}\n")
+            measured = "-" if row.measured_gbps is None else f"{row.measured_gbps:.2f}"
+            expected = "-" if row.expected_gbps is None else f"{row.expected_gbps:.2f}"
+            out.write(f"{row.a + '-' + row.b:<14} {row.level!s:<6} {expected:>9} {measured:>9}\n")
     if findings:
         out.write("\nfindings:\n")
         for f in findings:
@@ -211,9 +206,7 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if args.json:
-        doc = probe_round.to_json()
-        doc["pairs"] = pair_rows(matrix) if matrix is not None else None
-        doc["findings"] = [finding_json(f) for f in findings]
+        doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings)
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
