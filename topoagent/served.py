@@ -19,7 +19,6 @@ from typing import Any
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
-from topoagent.vocabulary import Status
 
 
 @dataclass(frozen=True)
@@ -48,10 +47,6 @@ class Snapshot:
     @property
     def findings(self) -> tuple[Finding, ...]:
         return self.node.findings + self.probe_findings
-
-    def collector_ok(self, name: str) -> bool:
-        """node_exporter's rule: a source that is simply absent is quiet, not a failure."""
-        return any(c.name == name and c.status is not Status.ERROR for c in self.collectors)
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
         """What a door renders from this snapshot once (the JSON, the text matrix, the
