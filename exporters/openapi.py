@@ -11,13 +11,14 @@ from __future__ import annotations
 from typing import Any
 
 import topoagent
+from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
 from topoagent.schema import LEASE, NOFIT, PLACEMENT, component_schemas
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses
-    "owner_max_len": 128,
-    "ttl_max_s": 7 * 24 * 3600,
+    "owner_max_len": OWNER_MAX_LEN,  # the lease store's own: it grants nothing it would refuse to load
+    "ttl_max_s": TTL_MAX_S,
 }
 
 def _err(description: str) -> dict[str, Any]:

@@ -18,21 +18,40 @@ from topoagent.placement import NoFit, Request
 
 
 class Clock:
-    def __init__(self, t: float = 1000.0):
+    """A wall clock (call it) and a boot clock (``monotonic``) that tests move apart."""
+
+    def __init__(self, t: float = 1000.0, boot: float = 50.0):
         self.t = t
+        self.boot = boot
 
     def __call__(self) -> float:
         return self.t
 
+    def monotonic(self) -> float:
+        return self.boot
+
+    def advance(self, seconds: float) -> None:
+        """Time passes: both clocks move."""
+        self.t += seconds
+        self.boot += seconds
+
+    def step(self, seconds: float) -> None:
+        """Someone sets the wall clock: only it moves."""
+        self.t += seconds
+
+
+def fake_store(path, clock: Clock, boot_id: str = "boot-1") -> LeaseStore:
+    return LeaseStore(path, clock=clock, monotonic=clock.monotonic, boot_id=boot_id)
+
 
 def test_reserve_release_and_expiry(tmp_path):
     clock = Clock()
-    store = LeaseStore(tmp_path, clock=clock)
+    store = fake_store(tmp_path, clock)
     lease = store.reserve("job-a", [0, 1], ttl_s=60)
     assert store.leased_gpus() == {0, 1}
     with pytest.raises(LeaseConflict, match="GPU 1 is leased to job-a"):
         store.reserve("job-b", [1, 2], ttl_s=60)
-    clock.t += 61
+    clock.advance(61)
     assert store.leased_gpus() == set()
     again = store.reserve("job-b", [1, 2], ttl_s=60)
     assert store.release(again.id) is True
@@ -42,15 +61,15 @@ def test_reserve_release_and_expiry(tmp_path):
 
 def test_leases_survive_a_new_store(tmp_path):
     clock = Clock()
-    store = LeaseStore(tmp_path, clock=clock)
+    store = fake_store(tmp_path, clock)
     lease = store.reserve("job-a", [3], ttl_s=60)
-    reopened = LeaseStore(tmp_path, clock=clock)
+    reopened = fake_store(tmp_path, clock)
     assert [le.id for le in reopened.leases()] == [lease.id]
     assert reopened.recovered_from is None
 
 
 def test_placement_around_leases_and_processes(tmp_path):
-    store = LeaseStore(tmp_path, clock=Clock())
+    store = fake_store(tmp_path, Clock())
     lease, placement = store.reserve_placement(H20, Request(gpus=4), "job-a", ttl_s=60)
     assert set(lease.gpus) == set(placement.indices)
     second = store.reserve_placement(H20, Request(gpus=4), "job-b", ttl_s=60)
@@ -109,11 +128,13 @@ def test_concurrent_placements_never_share_a_gpu(tmp_path):
 
 CHILD = """
 import sys
+import time
 from topoagent.leases import LeaseStore
 store = LeaseStore(sys.argv[1])
-for i in range(100000):
-    lease = store.reserve(f"job-{i}", [i], ttl_s=1e9)
+for i in range(1000):  # GPU indices up to the largest node's; then wait to be killed
+    lease = store.reserve(f"job-{i}", [i], ttl_s=3600)
     print(lease.id, flush=True)
+time.sleep(3600)
 """
 
 

@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
@@ -39,6 +40,45 @@ if TYPE_CHECKING:
     from topoagent.probes.figures import ProbeFigure
     from topoagent.probes.runner import ProbeRound
     from topoagent.probes.service import ProbeService
+
+# A background loop that keeps failing says so at most this often (the log is on a disk too).
+LOOP_LOG_EVERY_S = 60.0
+# ... and tries again at most this often, whatever its interval.
+LOOP_RETRY_MIN_S = 1.0
+
+
+class LoopHealth:
+    """How one background loop is doing: failures counted, the last error kept, and the
+    log told at most once per LOOP_LOG_EVERY_S (``event=loop_failed``), then once when
+    it works again (``event=loop_recovered``)."""
+
+    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.clock = clock
+        self.failures = 0  # iterations that failed, since start
+        self.streak = 0  # failed in a row, up to now
+        self.last_error: str | None = None  # while failing
+        self._said_at: float | None = None
+        self._streak_said = False
+
+    @property
+    def failing(self) -> bool:
+        return self.streak > 0
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        self.streak += 1
+        self.last_error = " ".join(f"{type(exc).__name__}: {exc}".split())
+        now = self.clock()
+        if self._said_at is None or now - self._said_at >= LOOP_LOG_EVERY_S:
+            self._said_at, self._streak_said = now, True
+            log_event("loop_failed", logging.ERROR, loop=self.name, error=self.last_error, failures=self.streak, action="keeps running; retries")
+
+    def ok(self) -> None:
+        if self._streak_said:
+            log_event("loop_recovered", loop=self.name, failures=self.streak)
+        self.streak, self.last_error, self._streak_said = 0, None, False
+
 
 class RootError(ValueError):
     """--root is neither "/", a snapshot directory nor a snapshot tarball."""
@@ -161,6 +201,7 @@ class Agent:
         self.placement_requests: Counter[str] = Counter()
         self.refreshes: Counter[str] = Counter()  # by outcome
         self.lease_store: LeaseStore | None = None
+        self._said_corrupt: Path | None = None  # the moved-aside state file already logged
         # What the store holds, kept here so reads (/leases, /metrics) never touch disk
         # or its lock from the event loop; refreshed after every change we make.
         self._leases: tuple[Lease, ...] = ()
@@ -184,25 +225,32 @@ class Agent:
         # GPU index -> what NVML says it runs (refreshed every activity_interval_s).
         self.activity: dict[int, GpuActivityReading] = {}
         self.activity_read_at: float | None = None
+        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes")}
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
         self.host = open_root(self.config.root)
         self.lease_store = LeaseStore(self.config.state_dir)
-        if self.lease_store.recovered_from:
-            log_event(
-                "leases_corrupt", logging.ERROR, file=self.lease_store.path, moved_to=self.lease_store.recovered_from,
-                error=self.lease_store.recovery_error, action="started with no leases; see README (Leases)",
-            )
-        self._leases = tuple(self.lease_store.leases())
-        log_event("leases_loaded", count=len(self._leases), path=self.lease_store.path)
+        self._say_if_corrupt()
+        try:
+            self._leases = tuple(self.lease_store.leases())
+        except OSError as exc:  # a disk error: serve, and let the sweeper load them when it can
+            self.loops["lease_sweep"].failed(exc)
+        else:
+            log_event("leases_loaded", count=len(self._leases), path=self.lease_store.path)
+        # The pauses are read from self.config each time: a reload may change them.
         self._tasks = [
-            asyncio.create_task(self._timer_loop(), name="discovery-timer"),
-            asyncio.create_task(self._lease_sweeper(), name="lease-sweeper"),
-            asyncio.create_task(self._activity_loop(), name="gpu-activity"),
+            asyncio.create_task(self._keep_running("discovery", self._discover_now, lambda: self.config.interval_s), name="discovery-timer"),
+            asyncio.create_task(
+                self._keep_running("lease_sweep", self._sweep_leases, lambda: self.config.lease_sweep_s, wait_first=True), name="lease-sweeper"
+            ),
+            asyncio.create_task(
+                self._keep_running("gpu_activity", self.read_activity, lambda: self.config.activity_interval_s, wait_first=True), name="gpu-activity"
+            ),
         ]
         if self.config.probes_enabled:
-            self._tasks.append(asyncio.create_task(self._probe_loop(), name="probes"))
+            # A probe step waits by itself (on its schedule); after a failure, the retry pause.
+            self._tasks.append(asyncio.create_task(self._keep_running("probes", self._probe_step, lambda: 0.0), name="probes"))
             log_event("probes_enabled", backend=self.config.probe_backend, duty_cycle=self.config.probe_duty_cycle)
         if self.config.udev and self.config.live:
             self._udev_close = start_udev_watch(self.on_device_event)
@@ -326,16 +374,28 @@ class Agent:
             self.snapshot.marked_stale(self._version, error, time.time(), statuses), last_success_at=dict(self._last_success)
         )
 
-    async def _timer_loop(self) -> None:
+    async def _keep_running(self, name: str, iteration: Callable[[], Awaitable[Any]], every: Callable[[], float], *, wait_first: bool = False) -> None:
+        """Run ``iteration`` every ``every()`` seconds for the life of the agent.  One that
+        fails -- a read-only or full disk, no file descriptors left, a bug -- is counted
+        and logged by its LoopHealth, what it serves stays as it was, and the next runs
+        as usual: a transient error must never stop a background task for good."""
+        health = self.loops[name]
+        if wait_first:
+            await asyncio.sleep(every())
         while True:
-            task = self.request_refresh("timer" if self.snapshot else "startup")
             try:
-                await task
+                await iteration()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # never expected: _refresh catches; keep looping
-                log_event("discovery_crashed", logging.ERROR, error=exc)
-            await asyncio.sleep(self.config.interval_s)
+            except Exception as exc:
+                health.failed(exc)
+                await asyncio.sleep(max(every(), LOOP_RETRY_MIN_S))
+                continue
+            health.ok()
+            await asyncio.sleep(every())
+
+    async def _discover_now(self) -> None:
+        await self.request_refresh("timer" if self.snapshot else "startup")
 
     def on_device_event(self, subsystem: str, action: str, name: str) -> None:
         """A udev event: refresh once things settle (a NIC reset fires dozens)."""
@@ -347,8 +407,10 @@ class Agent:
 
     # -- placement and leases -----------------------------------------------------------
     def active_leases(self) -> list[Lease]:
-        now = time.time()
-        return [lease for lease in self._leases if lease.expires_at > now]
+        if self.lease_store is None:
+            return []
+        now = self.lease_store.monotonic()  # lifetimes run on the boot clock, not the wall clock
+        return [lease for lease in self._leases if lease.deadline > now]
 
     def gpus_with_processes(self) -> frozenset[int]:
         """GPUs NVML last saw running compute processes (a job the agent did not place)."""
@@ -426,11 +488,6 @@ class Agent:
             self.activity = {r.index: r for r in readings}
             self.activity_read_at = time.time()
 
-    async def _activity_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.activity_interval_s)
-            await self.read_activity()
-
     # -- probes -----------------------------------------------------------------------------
     def _note_topology(self, node: NodeTopology) -> None:
         """A new discovery: start probing (first time) or tell the schedule what changed."""
@@ -481,37 +538,37 @@ class Agent:
         log_event("probe_round_requested", targets=len(targets))
         return {"backend": service.backend, "forced": True, "targets": [t.key for t in targets]}
 
-    async def _probe_loop(self) -> None:
-        while True:
-            service = self.probes
-            if service is None or self.snapshot is None:
-                await self._wait_probe_wake(1.0)
-                continue
-            await self.read_activity()
-            self._probe_wake.clear()
-            try:
-                probe_round = await service.step(self.probe_activity())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug in the probe glue must not stop the agent
-                log_event("probe_crashed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
-                service.schedule.in_flight = None
-                await self._wait_probe_wake(self.config.activity_interval_s)
-                continue
-            if probe_round is not None:
-                self._account_probe(probe_round)
-                if probe_round.results:
-                    try:
-                        await self._publish_probes()
-                    except asyncio.CancelledError:
-                        raise
-                    except Exception as exc:  # the figures stay with the service; the next round retries
-                        log_event("probe_publish_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
-                continue
-            wakeup = service.schedule.next_wakeup()
-            delay = self.config.activity_interval_s if wakeup is None else wakeup - service.schedule.clock()
-            # Due but not allowed (busy GPUs, duty cap): look again when activity is re-read.
-            await self._wait_probe_wake(min(max(delay, 0.05), self.config.activity_interval_s) if delay > 0 else self.config.activity_interval_s)
+    async def _probe_step(self) -> None:
+        """One turn of the probe loop: run what is due, or wait until something may be."""
+        service = self.probes
+        if service is None or self.snapshot is None:
+            await self._wait_probe_wake(1.0)
+            return
+        await self.read_activity()
+        self._probe_wake.clear()
+        try:
+            probe_round = await service.step(self.probe_activity())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug in the probe glue must not stop the agent
+            log_event("probe_crashed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+            service.schedule.in_flight = None
+            await self._wait_probe_wake(self.config.activity_interval_s)
+            return
+        if probe_round is not None:
+            self._account_probe(probe_round)
+            if probe_round.results:
+                try:
+                    await self._publish_probes()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # the figures stay with the service; the next round retries
+                    log_event("probe_publish_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+            return
+        wakeup = service.schedule.next_wakeup()
+        delay = self.config.activity_interval_s if wakeup is None else wakeup - service.schedule.clock()
+        # Due but not allowed (busy GPUs, duty cap): look again when activity is re-read.
+        await self._wait_probe_wake(min(max(delay, 0.05), self.config.activity_interval_s) if delay > 0 else self.config.activity_interval_s)
 
     async def _wait_probe_wake(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -546,18 +603,28 @@ class Agent:
                 self.snapshot = snapshot
                 return
 
-    async def _lease_sweeper(self) -> None:
+    async def _sweep_leases(self) -> None:
+        """Drop expired leases from the file and take up what other processes sharing the
+        state directory changed.  On a disk error this raises and ``_leases`` stays."""
         assert self.lease_store is not None
         store = self.lease_store
-        while True:
-            await asyncio.sleep(self.config.lease_sweep_s)
-            before = {lease.id: lease for lease in self._leases}
-            store_now = await asyncio.to_thread(lambda: (store.expire(), tuple(store.leases()))[1])
-            self._leases = store_now
-            now_ids = {lease.id for lease in store_now}
-            for lid, lease in before.items():
-                if lid not in now_ids and lease.expires_at <= time.time():
-                    log_event("lease_expired", lease=lid[:6], owner=lease.owner)
+        before = {lease.id: lease for lease in self._leases}
+        self._leases = await asyncio.to_thread(lambda: (store.expire(), tuple(store.leases()))[1])
+        self._say_if_corrupt()
+        now_ids = {lease.id for lease in self._leases}
+        for lid, lease in before.items():
+            if lid not in now_ids and lease.deadline <= store.monotonic():
+                log_event("lease_expired", lease=lid[:6], owner=lease.owner)
+
+    def _say_if_corrupt(self) -> None:
+        """One line for each state file moved aside (at start-up, or found later)."""
+        store = self.lease_store
+        if store is not None and store.recovered_from is not None and store.recovered_from != self._said_corrupt:
+            self._said_corrupt = store.recovered_from
+            log_event(
+                "leases_corrupt", logging.ERROR, file=store.path, moved_to=store.recovered_from,
+                error=store.recovery_error, action="the leases in it are no longer held; see README (Leases)",
+            )
 
 
 def start_udev_watch(on_event: Callable[[str, str, str], None]) -> Callable[[], None] | None:
