@@ -237,14 +237,6 @@ class RuntimeCollector(Collector):
         for gpu in sorted(leased_set | running):
             busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)
         yield busy
-        loop_failures = CounterMetricFamily(
-            f"{NS}_background_loop_failures", "Iterations of a background loop that failed (disk, file descriptors, a bug); the loop goes on.", labels=["loop"]
-        )
-        loop_failing = GaugeMetricFamily(f"{NS}_background_loop_failing", "1 while a background loop's last iteration failed (lease_sweep: the lease book on disk is not being read).", labels=["loop"])
-        for name, health in agent.loops.items():
-            loop_failures.add_metric([name], health.failures)
-            loop_failing.add_metric([name], 1.0 if health.failing else 0.0)
-        yield from (loop_failures, loop_failing)
         yield from self._probes(now)
 
     def _probes(self, now: float) -> Iterator[Metric]:

@@ -12,11 +12,13 @@ import asyncio
 import errno
 import logging
 import os
+import re
+import signal
 import time
 from pathlib import Path
 
 import pytest
-from service_helpers import DGX_A100, Agent, metric_value, start_agent
+from service_helpers import DGX_A100, Agent, start_agent
 
 from topoagent import agent as agent_module
 from topoagent.agent import Agent as Runtime
@@ -63,29 +65,29 @@ def _wait_for(what, agent: Agent, timeout: float = 20):
 def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
     agent = start_agent(tmp_path, config="[leases]\nsweep_s = 0.1\n")
     state_file = agent.state_dir / "leases.json"
-    sweep = {"loop": "lease_sweep"}
 
-    def metric(name: str) -> float | None:
-        return metric_value(agent.get("/metrics").body.decode(), name, sweep)
+    def failed_lines() -> list[str]:
+        return [line for line in agent.log().splitlines() if "event=loop_failed" in line]
 
     try:
         held = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-a", "ttl_s": 3600}}, token=agent.token).json()["lease"]
         state_file.rename(state_file.with_name("kept"))
         state_file.mkdir()  # from now on every read and write of the book fails
-        _wait_for(lambda: (metric("topoagent_background_loop_failures_total") or 0) >= 3, agent)
-        assert metric("topoagent_background_loop_failing") == 1
-        assert agent.get("/healthz").status == 200
-        assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]  # served as it was
+        _wait_for(failed_lines, agent)
+        assert "loop=lease_sweep" in failed_lines()[0] and "IsADirectoryError" in failed_lines()[0]
         refused = agent.post("/place", {"gpus": 1, "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
         assert refused.status != 200  # nothing is acknowledged that is not on disk
-        failed_lines = [line for line in agent.log().splitlines() if "event=loop_failed" in line]
-        assert failed_lines and "loop=lease_sweep" in failed_lines[0] and "IsADirectoryError" in failed_lines[0]
-        assert len(failed_lines) < (metric("topoagent_background_loop_failures_total") or 0)  # not a line per try
+        # It keeps answering while the sweeper fails (and retries, once a second) for 3 s.
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            assert agent.get("/healthz").status == 200
+            assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]  # served as it was
+            time.sleep(0.1)
 
         state_file.rmdir()
         state_file.with_name("kept").rename(state_file)
-        _wait_for(lambda: metric("topoagent_background_loop_failing") == 0, agent)
-        assert "event=loop_recovered loop=lease_sweep" in agent.log()
+        recovered = _wait_for(lambda: re.search(r"event=loop_recovered loop=lease_sweep failures=(\d+)", agent.log()), agent)
+        assert len(failed_lines()) < int(recovered.group(1))  # not a line per try
         assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]
         more = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-c", "ttl_s": 60}}, token=agent.token)
         assert more.status == 200 and not set(more.json()["lease"]["gpus"]) & set(held["gpus"])
@@ -130,3 +132,54 @@ def test_a_background_loop_outlives_every_kind_of_failure(tmp_path, monkeypatch,
     assert len(said) == 3, said  # the first failure, one a minute later, the recovery
     assert "Read-only file system" in said[0] and "Too many open files" in said[1]
     assert said[2] == "event=loop_recovered loop=lease_sweep failures=4"
+
+
+# --- class 5: the wall clock steps under a running agent ---------------------------------------
+
+# Loaded by the child before topoagent: its wall clock (time.time) reads the real one plus
+# an offset the test sets with SIGUSR1.  The boot clock is left alone, as a step leaves it.
+STEPPABLE_CLOCK = '''
+import signal, time
+_real, _offset = time.time, [0.0]
+def _step(signum, frame):
+    with open(__file__ + ".offset") as f:
+        _offset[0] = float(f.read())
+signal.signal(signal.SIGUSR1, _step)
+time.time = lambda: _real() + _offset[0]
+'''
+
+
+def test_wall_clock_steps_neither_free_nor_stretch_a_running_agents_leases(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(STEPPABLE_CLOCK)
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    agent = start_agent(tmp_path, config="[leases]\nsweep_s = 0.1\n", env=env)
+
+    def step_to(offset: float) -> None:
+        (site / "sitecustomize.py.offset").write_text(str(offset))
+        agent.proc.send_signal(signal.SIGUSR1)
+
+    def reserve(gpus: int, ttl_s: float):
+        return agent.post("/place", {"gpus": gpus, "reserve": {"owner": "job", "ttl_s": ttl_s}}, token=agent.token)
+
+    def listed() -> list[dict]:
+        return agent.get("/leases").json()["leases"]
+
+    try:
+        job = reserve(8, 3600).json()["lease"]
+        step_to(2 * 3600)  # +2 h: the step that handed a running job's 8 GPUs to the next caller
+        # /leases follows the step (expires_at moves with it) once the sweeper has looked
+        _wait_for(lambda: listed() and listed()[0]["expires_at"] > job["expires_at"] + 3600, agent)
+        assert [le["id"] for le in listed()] == [job["id"]]
+        assert reserve(1, 60).status == 409
+        assert agent.get("/healthz").status == 200
+
+        assert agent.request("DELETE", f"/leases/{job['id']}", token=agent.token).status == 200
+        assert reserve(1, 2).status == 200
+        step_to(-86400)  # -1 day: the step that made a 60 s lease last 2 h
+        _wait_for(lambda: not listed(), agent)  # ends on its own, within the bounded wait
+        assert reserve(8, 60).status == 200  # its GPU is free again, with the others
+        assert agent.get("/healthz").status == 200
+    finally:
+        assert agent.stop() == 0
