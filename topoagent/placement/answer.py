@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topoagent.cpulist import format_cpulist
 from topoagent.levels import LinkLevel
-from topoagent.placement.binding import Launch, bind_ranks, launch_forms, nearest_usable, rank_numactl, tables
+from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
@@ -104,17 +103,25 @@ def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
     return got
 
 
-def placed_gpu(prep: Prepared, pos: int, rank_no: int, usable: list[int]) -> PlacedGpu:
+def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> PlacedGpu:
     """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
-    closest NICs that have a port up (cached; the rank's own binding is added per order)."""
-    got = prep.placed_cache.get((pos, rank_no))
+    closest NICs that have a port up and the rank's own binding (cached)."""
+    share = binding.share
+    key = (pos, rank_no, None if share is None else share.text, binding.nic)
+    got = prep.placed_cache.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
-        best_kind, nearest = nearest_usable(prep, pos, usable)
+        best_kind, nearest = tables(prep).nearest[pos]
         nic_level = prep.matrix.gpu_nic_levels[pos][nearest[0]] if best_kind < NO_NIC else None
-        got = prep.placed_cache[(pos, rank_no)] = PlacedGpu(
-            rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(prep.nic_names[j] for j in nearest), nic_level
+        nic_names = prep.nic_names
+        got = PlacedGpu(
+            rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(nic_names[j] for j in nearest), nic_level,
+            None if share is None else share.text, binding.memory_node,
+            None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
         )
+        if len(prep.placed_cache) >= 50_000:
+            prep.placed_cache.clear()
+        prep.placed_cache[key] = got
     return got
 
 
@@ -162,7 +169,7 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
 
     t = tables(prep)
-    usable = [j for j, ok in enumerate(t.usable_nics) if ok]  # a NIC with every port down: never
+    usable = t.usable  # a NIC with every port down: never
     nic_names = prep.nic_names
     if nics:
         dist = []
@@ -173,14 +180,7 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     else:
         job_nics = usable
     bindings = bind_ranks(prep, order, job_nics)
-    placed = []
-    for rank_no, (pos, binding) in enumerate(zip(order, bindings)):
-        bare = placed_gpu(prep, pos, rank_no, usable)
-        placed.append(PlacedGpu(
-            bare.rank, bare.index, bare.uuid, bare.pci_address, bare.numa_node, bare.nearest_nics, bare.nic_level,
-            format_cpulist(binding.cpus) if binding.cpus else None, binding.memory_node,
-            None if binding.nic is None else nic_names[binding.nic], rank_numactl(binding),
-        ))
+    placed = [placed_gpu(prep, pos, rank_no, binding) for rank_no, (pos, binding) in enumerate(zip(order, bindings))]
     ranks_nics = [nic_names[b.nic] for b in bindings if b.nic is not None]
     # NCCL_IB_HCA names exactly the NICs the ranks use (with ``nics``: the NICs asked for).
     chosen = tuple(nic_names[j] for j in job_nics) if nics else tuple(dict.fromkeys(ranks_nics))

@@ -43,10 +43,25 @@ from topoagent.placement.search import NO_NIC, Prepared
 
 
 @dataclass(frozen=True, slots=True)
+class Share:
+    """One rank's CPUs, with the forms launchers write them in (built once per pool split)."""
+
+    cpus: frozenset[int]
+    text: str  # cpulist, "48-55,176-183"
+    mask: str  # hexadecimal, "0xff00..."
+    first: int
+    slots: str | None  # logical cores as a cpulist; None without a core map
+
+
+@dataclass(frozen=True, slots=True)
 class RankBinding:
-    cpus: frozenset[int] | None  # None when the GPU's CPUs are unknown
+    share: Share | None  # None when the GPU's CPUs are unknown
     memory_node: int | None
     nic: int | None  # position in matrix.nics
+
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        return None if self.share is None else self.share.cpus
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +92,19 @@ class BindingTables:
                 cpus = parse_cpulist(g.cpus)
             self.pool_of.append(tuple(sorted(cpus)) if cpus else None)
         self.usable_nics = [nic.active is not False for nic in matrix.nics]
+        self.usable = [j for j, ok in enumerate(self.usable_nics) if ok]
+        # Per GPU: its closest kind among the usable NICs, and those NICs.
+        self.nearest = [nearest_usable(prep, pos, self.usable) for pos in range(matrix.size)]
         self.nic_rate = [nic.rate_gbps or 0.0 for nic in matrix.nics]
-        self._splits: dict[tuple[tuple[int, ...], int], list[frozenset[int]]] = {}
+        self._splits: dict[tuple[tuple[int, ...], int], list[Share]] = {}
+        self.numactl: dict[tuple[str | None, int | None], tuple[str, ...]] = {}
 
-    def split(self, pool: tuple[int, ...], ranks: int) -> list[frozenset[int]]:
+    def share(self, cpus: frozenset[int]) -> Share:
+        core_of = self.core_of
+        slots = format_cpulist({core_of[c] for c in cpus}) if core_of and all(c in core_of for c in cpus) else None
+        return Share(cpus, format_cpulist(cpus), f"0x{sum(1 << c for c in cpus):x}", min(cpus), slots)
+
+    def split(self, pool: tuple[int, ...], ranks: int) -> list[Share]:
         """``pool`` dealt out to ``ranks`` ranks (see the module docstring)."""
         key = (pool, ranks)
         got = self._splits.get(key)
@@ -93,13 +117,13 @@ class BindingTables:
             if len(units) < ranks:
                 units = [[cpu] for cpu in pool]
             if len(units) < ranks:
-                got = [frozenset(pool)] * ranks
+                got = [self.share(frozenset(pool))] * ranks
             else:
                 size, extra = divmod(len(units), ranks)
                 got, start = [], 0
                 for r in range(ranks):
                     end = start + size + (1 if r < extra else 0)
-                    got.append(frozenset(cpu for unit in units[start:end] for cpu in unit))
+                    got.append(self.share(frozenset(cpu for unit in units[start:end] for cpu in unit)))
                     start = end
             self._splits[key] = got
         return got
@@ -129,12 +153,13 @@ def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> l
         pool = t.pool_of[pos]
         if pool is not None:
             by_pool.setdefault(pool, []).append(rank)
-    cpus: list[frozenset[int] | None] = [None] * len(order)
+    shares: list[Share | None] = [None] * len(order)
     for pool, ranks in by_pool.items():
         for rank, share in zip(ranks, t.split(pool, len(ranks))):
-            cpus[rank] = share
+            shares[rank] = share
 
-    choices = [nearest_usable(prep, pos, job_nics)[1] for pos in order]
+    nearest = t.nearest if job_nics is t.usable else [nearest_usable(prep, pos, job_nics) for pos in range(len(t.nearest))]
+    choices = [nearest[pos][1] for pos in order]
     used = dict.fromkeys(job_nics, 0)
     nic: list[int | None] = [None] * len(order)
     for rank in sorted(range(len(order)), key=lambda r: (len(choices[r]), r)):
@@ -143,25 +168,32 @@ def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> l
             used[pick] += 1
             nic[rank] = pick
     gpus = prep.matrix.gpus
-    return [RankBinding(cpus[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)]
+    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)]
 
 
-def rank_numactl(binding: RankBinding) -> tuple[str, ...]:
+def rank_numactl(prep: Prepared, binding: RankBinding) -> tuple[str, ...]:
     """The rank's own numactl command (empty when neither its CPUs nor its node is known)."""
-    node = binding.memory_node
-    if binding.cpus:
-        argv = ["numactl", f"--physcpubind={format_cpulist(binding.cpus)}"]
-        return (*argv, f"--membind={node}") if node is not None else tuple(argv)
-    if node is not None:
-        return ("numactl", f"--cpunodebind={node}", f"--membind={node}")
-    return ()
+    node, share = binding.memory_node, binding.share
+    key = (None if share is None else share.text, node)
+    cache = tables(prep).numactl
+    got = cache.get(key)
+    if got is None:
+        if share is not None:
+            argv = ("numactl", f"--physcpubind={share.text}")
+            got = (*argv, f"--membind={node}") if node is not None else argv
+        elif node is not None:
+            got = ("numactl", f"--cpunodebind={node}", f"--membind={node}")
+        else:
+            got = ()
+        cache[key] = got
+    return got
 
 
 def launch_forms(prep: Prepared, order: tuple[int, ...], bindings: list[RankBinding]) -> Launch:
     t = tables(prep)
     gpus = prep.matrix.gpus
     k = len(order)
-    commands = [rank_numactl(b) for b in bindings]
+    commands = [rank_numactl(prep, b) for b in bindings]
     wrapper = None
     if all(commands):
         cases = "".join(f'  {r}) exec {" ".join(cmd)} "$@" ;;\n' for r, cmd in enumerate(commands))
@@ -177,14 +209,12 @@ def launch_forms(prep: Prepared, order: tuple[int, ...], bindings: list[RankBind
         )
     srun = [f"--ntasks-per-node={k}"]
     map_cpu = rankfile = None
-    cpu_lists = [b.cpus for b in bindings]
-    if all(cpu_lists):
-        srun.append("--cpu-bind=mask_cpu:" + ",".join(f"0x{sum(1 << c for c in cpus or ()):x}" for cpus in cpu_lists))
-        map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(min(cpus or (0,))) for cpus in cpu_lists)
-        if t.core_of and all(c in t.core_of for cpus in cpu_lists for c in cpus or ()):
-            rankfile = "".join(
-                f"rank {r}={t.hostname} slot={format_cpulist({t.core_of[c] for c in cpus or ()})}\n"
-                for r, cpus in enumerate(cpu_lists)
-            )
+    shares = [b.share for b in bindings]
+    if all(shares):
+        known = [s for s in shares if s is not None]  # all of them; spelled out for the type checker
+        srun.append("--cpu-bind=mask_cpu:" + ",".join(s.mask for s in known))
+        map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
+        if all(s.slots for s in known):
+            rankfile = "".join(f"rank {r}={t.hostname} slot={s.slots}\n" for r, s in enumerate(known))
     srun.append("--gpu-bind=map_gpu:" + ",".join(str(gpus[pos].index) for pos in order))
     return Launch(wrapper, tuple(srun), map_cpu, rankfile)
