@@ -45,6 +45,12 @@ request_objects = st.fixed_dictionaries(
         "include": index_list,
         "exclude": index_list,
         "nics": st.one_of(st.integers(min_value=0, max_value=4), numbers),
+        "affinity": st.sampled_from(["best", "better", "any", "BEST", "good", "", 1, None, True]),
+        "fallback": st.one_of(st.booleans(), st.sampled_from(["true", 0, None])),
+        "message_bytes": st.one_of(
+            st.integers(min_value=1, max_value=1 << 30),
+            st.sampled_from([0, -1, 1 << 40, (1 << 40) + 1, 2.0**20, 1.5, "1024", None, True]),
+        ),
         "colour": st.just("red"),  # an unknown field
     },
 ).map(lambda obj: {k: v for k, v in obj.items() if not (k == "gpus" and v == -3)})  # -3: "gpus" left out
@@ -104,5 +110,7 @@ def http_answer(agent, obj: dict) -> dict:
 @example(obj={"gpus": 10**9})
 @example(obj={"gpus": 9})
 @example(obj={"pattern": "ring"})
+@example(obj={"gpus": 4, "affinity": "best"})
+@example(obj={"gpus": 4, "affinity": "best", "fallback": True, "message_bytes": 1 << 20})
 def test_batch_and_http_doors_answer_alike(served, batch, obj):
     assert http_answer(served, obj) == batch_answer(batch, obj)

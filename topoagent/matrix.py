@@ -9,7 +9,7 @@ PCIe generation and width, NVLink generation).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -49,6 +49,45 @@ class NicInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class HostLayout:
+    """What per-rank bindings read beyond the GPUs (topoagent.placement.binding): each NUMA
+    node's CPUs, how threads form cores, which NUMA nodes share a socket, the host's name.
+    Built from a discovered node; a matrix read from nvidia-smi text has none."""
+
+    hostname: str | None = None
+    numa_cpus: Mapping[int, frozenset[int]] = field(default_factory=dict)  # NUMA node -> its CPUs
+    core_of: Mapping[int, int] = field(default_factory=dict)  # OS CPU -> core index (lstopo's Core L#)
+    socket_of: Mapping[int, int] = field(default_factory=dict)  # NUMA node -> socket (lowest node id in it)
+
+
+# NUMA nodes whose SLIT distance is below this share a socket: ACPI gives 10 for a node to
+# itself, sub-NUMA clusters of one socket 11-12 (Intel SNC, AMD NPS2/4: 12 on a DGX A100),
+# and nodes on another socket 20 or more (21 on two-socket Xeons, 32 on the DGX A100).
+SAME_SOCKET_DISTANCE = 20
+
+
+def sockets_from_distances(distances: Mapping[int, tuple[int, ...]], node_ids: tuple[int, ...]) -> dict[int, int]:
+    """NUMA node -> socket, grouping nodes closer than SAME_SOCKET_DISTANCE (and the nodes
+    joined through them); a node without distances is a socket of its own."""
+    socket_of = {node: node for node in node_ids}
+
+    def root(node: int) -> int:
+        while socket_of[node] != node:
+            node = socket_of[node]
+        return node
+
+    for a in node_ids:
+        row = distances.get(a, ())
+        if len(row) != len(node_ids):
+            continue
+        for b, d in zip(node_ids, row):
+            if b != a and d < SAME_SOCKET_DISTANCE:
+                ra, rb = root(a), root(b)
+                socket_of[max(ra, rb)] = min(ra, rb)
+    return {node: root(node) for node in node_ids}
+
+
+@dataclass(frozen=True, slots=True)
 class Measurement:
     """A measured GPU→GPU copy bandwidth (GB/s, per direction) and when it was taken."""
 
@@ -67,6 +106,8 @@ class DistanceMatrix:
     measured: dict[tuple[int, int], Measurement] = field(default_factory=dict)
     # Measurements older than this (seconds) no longer override the expectation.
     measurement_max_age_s: float = 24 * 3600.0
+    # CPUs, cores and sockets for per-rank bindings; None when only nvidia-smi text is known.
+    host: HostLayout | None = None
     # Tables other modules derive from this (immutable) value, built once per instance:
     # e.g. the placement core's bitmasks.  Not part of the value: excluded from ==, repr,
     # and from ``replace()`` (a replaced matrix starts with an empty cache).

@@ -16,7 +16,7 @@ from topoagent.collectors.nvml import NvLink
 from topoagent.collectors.pci import PciDevice, PciLink, PciTree
 from topoagent.facts import CpuFacts
 from topoagent.levels import SELF, LinkLevel
-from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
+from topoagent.matrix import DistanceMatrix, GpuInfo, HostLayout, NicInfo, sockets_from_distances
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 # The fact types the model is made of, named here so exporters read them from the model
@@ -211,6 +211,19 @@ class NodeTopology:
             gpu_levels=tuple(levels),
             gpu_expected_gbps=tuple(expected),
             gpu_nic_levels=gpu_nic if self.nics else (),
+            host=self.host_layout(),
+        )
+
+    def host_layout(self) -> HostLayout:
+        """CPUs per NUMA node, the core map and the sockets, for per-rank bindings."""
+        nodes = self.numa.nodes if self.numa else ()
+        ids = tuple(sorted(n.id for n in nodes))  # distances run in node-id order
+        core_map = self.cpu.core_map if self.cpu else None
+        return HostLayout(
+            hostname=self.hostname,
+            numa_cpus={n.id: frozenset(n.cpus) for n in nodes if n.cpus},
+            core_of=dict(core_map.core_of) if core_map else {},
+            socket_of=sockets_from_distances({n.id: n.distances for n in nodes}, ids),
         )
 
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
-from topoagent.vocabulary import FindingKind, Pattern, ProbeKind, Severity, Status, Unit
+from topoagent.vocabulary import Affinity, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix
@@ -482,6 +482,9 @@ REQUEST = Document("Request", {
     "include": _plain_list("include", INTEGER),
     "exclude": _plain_list("exclude", INTEGER),
     "nics": Field(INTEGER),
+    "affinity": Field(one_of(Affinity)),
+    "fallback": Field(BOOLEAN),
+    "message_bytes": Field(nullable(INTEGER), description="null: the estimate's default size"),
 }, "The request as understood (defaults filled in).")
 
 PLACED_GPU = Document("PlacedGpu", {
@@ -492,7 +495,26 @@ PLACED_GPU = Document("PlacedGpu", {
     "numa_node": Field(nullable(INTEGER)),
     "nearest_nics": _plain_list("nearest_nics", STRING),
     "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level)),
+    "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, no CPU in two ranks' lists"),
+    "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to"),
+    "nic": Field(nullable(STRING), description="this rank's NIC: the closest with a port up, distinct ones where several are as close"),
+    "numactl": _plain_list("numactl", STRING),
 })
+
+ESTIMATE = Document("Estimate", {
+    "message_bytes": Field(INTEGER, description="the all-reduce size modelled"),
+    "ring_gbps": Field(NUMBER, description="the ring's weakest link, GB/s per direction"),
+    "hop_latency_us": Field(NUMBER, description="NCCL's per-step latency: 3.4 NVLink, 5.7 PCI"),
+    "time_us": Field(NUMBER, description="one ring all-reduce of message_bytes"),
+    "bus_bandwidth_gbps": Field(NUMBER, description="as nccl-tests reports busbw"),
+}, "Ring all-reduce over the ranks in order, by NCCL's alpha-beta model (ring, Simple protocol): a model, not a measurement.")
+
+LAUNCH = Document("Launch", {
+    "torchrun_wrapper": Field(nullable(STRING), description="sh script: torchrun --nproc-per-node=K --no-python ./bind.sh python train.py"),
+    "srun": _plain_list("srun", STRING),
+    "srun_map_cpu": Field(nullable(STRING), description="--cpu-bind=map_cpu: one CPU per task (the first of each rank's list)"),
+    "rankfile": Field(nullable(STRING), description="Open MPI rankfile (mpirun --rankfile FILE); slots are logical core indices"),
+}, "Ready forms of the per-rank bindings, in rank order (null where CPUs or cores are unknown).")
 
 PATTERN_LINK = Document("PatternLink", {
     "a": Field(INTEGER, lambda link: link.a_index, "nvidia-smi index"),
@@ -525,6 +547,11 @@ PLACEMENT = Document("Placement", {
     "score": Field(NUMBER, description="10 x bandwidth - loss, comparable across nodes"),
     "objective": nested(OBJECTIVE, "objective"),
     "broken_zones": _plain_list("broken_zones", STRING),
+    "affinity": Field(one_of(Affinity), description="the strictest tier the answer meets: best, better or any"),
+    "satisfaction": Field({"type": "number", "minimum": 0, "maximum": 1},
+                          description="share of the pattern's links that are local (NVLink or one PCIe switch, PIX); 1 without links"),
+    "estimate": nested(ESTIMATE, "estimate", optional=True),
+    "launch": nested(LAUNCH, "launch"),
     "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
     "request": nested(REQUEST, "request"),
 }, "Which GPUs, in rank order, with the CPUs, NICs and launch environment to use.")
@@ -648,7 +675,7 @@ ERROR = Document("Error", {
 DOCUMENTS: tuple[Document, ...] = (
     PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
-    REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
+    REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, ESTIMATE, LAUNCH, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
 )
 
 

@@ -66,6 +66,20 @@ class Pattern(enum.StrEnum):
         return {"allreduce": "ring", "alltoall": "all pairs", "pipeline": "path", "independent": "none"}[self.value]
 
 
+class Affinity(enum.StrEnum):
+    """How close a job's GPUs must be (a request's ``affinity``); tiers from strictest.
+    topoagent.placement.tiers says exactly what each one requires."""
+
+    BEST = "best"  # every pattern link at the node's best level, one NUMA node
+    BETTER = "better"  # no pattern link crosses the socket interconnect; one socket
+    ANY = "any"  # whatever fits
+
+    def fallbacks(self) -> tuple[Affinity, ...]:
+        """The tiers below this one, strictest first: what ``fallback`` may settle for."""
+        order = list(Affinity)
+        return tuple(order[order.index(self) + 1 :])
+
+
 class ProbeKind(enum.StrEnum):
     """What a measurement copies (the plan's ``kind``)."""
 

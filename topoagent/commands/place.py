@@ -13,7 +13,7 @@ from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Door, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.request import parse_gpu_indices
 from topoagent.schema import answer_document, batch_error_document
-from topoagent.vocabulary import Pattern
+from topoagent.vocabulary import Affinity, Pattern
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--include", default="", metavar="LIST", help="GPUs that must be part of the answer")
     parser.add_argument("--exclude", default="", metavar="LIST", help="GPUs that must not be")
     parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs")
+    parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
+    parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
+    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB)")
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument("--batch", action="store_true", help="JSON requests on stdin, JSON answers on stdout")
     parser.set_defaults(run=run)
@@ -81,6 +84,12 @@ def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[
         fields["exclude"] = [i for i in flag_list(args.exclude) if i not in left_out]
     if args.nics is not None:
         fields["nics"] = flag_value(args.nics)
+    if args.affinity is not None:
+        fields["affinity"] = args.affinity
+    if args.fallback:
+        fields["fallback"] = True
+    if args.message_bytes is not None:
+        fields["message_bytes"] = flag_value(args.message_bytes)
     return fields
 
 
@@ -160,10 +169,20 @@ def render(answer: Placement | NoFit) -> str:
         lines.append(f"{answer.request.pattern}: {answer.bandwidth_gbps:g} GB/s, worst link {answer.worst_level}")
     lines.append("NUMA nodes: " + ", ".join(str(n) for n in answer.numa_nodes) + f"   CPUs: {answer.cpus or 'unknown'}")
     for g in answer.gpus:
-        nics = ",".join(g.nearest_nics) or "-"
-        lines.append(f"  rank {g.rank}: GPU{g.index}  nearest NIC {nics} ({g.nic_level or '-'})")
+        lines.append(
+            f"  rank {g.rank}: GPU{g.index}  CPUs {g.cpus or 'unknown'}  memory node {'-' if g.memory_node is None else g.memory_node}"
+            f"  NIC {g.nic or '-'} ({g.nic_level or '-'})"
+        )
     env = " ".join(f"{k}={v}" for k, v in answer.env.items())
     lines.append(f"launch: {env} {' '.join(answer.numactl)} <command>".replace("  ", " "))
+    if answer.launch is not None:
+        lines.append("srun: " + " ".join(answer.launch.srun))
+    lines.append(f"affinity: {answer.affinity}   topology satisfaction: {answer.satisfaction:.0%} of links local")
+    if answer.estimate is not None:
+        e = answer.estimate
+        lines.append(
+            f"estimate: ring all-reduce of {e.message_bytes} bytes: {e.time_us / 1000:.3g} ms, bus bandwidth {e.bus_bandwidth_gbps:g} GB/s"
+        )
     lines.append(f"score: {answer.score:g}")
     lines += [f"- {reason.render(Door.CLI)}" for reason in answer.reasons]
     return "\n".join(lines) + "\n"

@@ -19,6 +19,7 @@ from dataclasses import replace
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
+from topoagent.placement.binding import tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_groups
 from topoagent.placement.request import (
@@ -31,6 +32,8 @@ from topoagent.placement.request import (
     request_json_schema,
 )
 from topoagent.placement.search import Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.tiers import search_tier
+from topoagent.vocabulary import Affinity
 
 __all__ = [
     "REQUEST_FIELDS",
@@ -91,15 +94,38 @@ def place(
             "gpus": k, "free": candidates.bit_count(), "size": prep.n, "excluded": exclude.bit_count(),
         })
         return NoFit(request, why, "gpus", _indices(matrix, candidates))
-    if request.nics > prep.n_nics:
-        relaxed = replace(request, nics=prep.n_nics)
+    usable_nics = sum(tables(prep).usable_nics) if prep.n_nics else 0  # a NIC with every port down is no NIC
+    if request.nics > usable_nics:
+        relaxed = replace(request, nics=usable_nics)
         best = place(matrix, relaxed, busy, now=now)
-        why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": prep.n_nics})
+        why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": usable_nics})
         return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
+    if request.affinity is not Affinity.ANY:
+        return _place_tier(prep, request, free_all, candidates, include)
     found = Search(prep, request, free_all, candidates, include).run()
     if found is not None:
         return build(prep, request, found, free_all)
     return _diagnose(prep, request, free_all, candidates, include)
+
+
+def _place_tier(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Placement | NoFit:
+    """``affinity`` asked: the tier's answer, else (``fallback``) the best lower tier's,
+    else a no fit naming ``affinity`` with the best answer without it (placement.tiers)."""
+    asked = request.affinity
+    rank = list(Affinity).index  # strictest first
+    for tier in (asked, *asked.fallbacks()) if request.fallback else (asked,):
+        found = search_tier(prep, request, tier, free_all, candidates, include)
+        if found is None:
+            continue
+        answer = build(prep, request, found, free_all, fell_back=tier is not asked)
+        if rank(answer.affinity) <= rank(tier):
+            return answer
+    plain = Search(prep, request, free_all, candidates, include).run()
+    if plain is None:
+        return _diagnose(prep, request, free_all, candidates, include)
+    best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all)
+    why = Reason(ReasonCode.AFFINITY_UNREACHABLE, {"gpus": request.gpus, "affinity": asked, "met": best.affinity})
+    return NoFit(request, why, "affinity", _indices(prep.matrix, candidates), best)
 
 
 def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:

@@ -9,11 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from topoagent.levels import LinkLevel
+from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
 from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
-from topoagent.vocabulary import Pattern
+from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met
+from topoagent.vocabulary import Affinity, Pattern
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +25,14 @@ class PlacedGpu:
     uuid: str | None
     pci_address: str | None
     numa_node: int | None
-    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs
+    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs with a port up
     nic_level: LinkLevel | None  # how close those NICs are
+    # This rank's own binding (placement.binding): its share of its NUMA node's CPUs, its
+    # memory node, its NIC, and the numactl command that applies the first two.
+    cpus: str | None = None
+    memory_node: int | None = None
+    nic: str | None = None
+    numactl: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +61,10 @@ class Placement:
     objective: Objective
     broken_zones: tuple[str, ...]
     reasons: tuple[Reason, ...]
+    launch: Launch | None = None  # per-rank forms for torchrun, srun, mpirun (placement.binding)
+    affinity: Affinity = Affinity.ANY  # the strictest tier the answer meets (placement.tiers)
+    satisfaction: float = 1.0  # share of the pattern's links that are local (placement.tiers)
+    estimate: Estimate | None = None  # ring all-reduce model; None for one GPU
 
     fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
 
@@ -91,24 +103,25 @@ def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
     return got
 
 
-def placed_gpu(prep: Prepared, pos: int, rank_no: int) -> PlacedGpu:
+def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> PlacedGpu:
     """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
-    closest NICs."""
-    got = prep.placed_cache.get((pos, rank_no))
+    closest NICs that have a port up and the rank's own binding (cached)."""
+    share = binding.share
+    key = (pos, rank_no, None if share is None else share.text, binding.nic)
+    got = prep.placed_cache.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
-        kinds = prep.nic_kind[pos]
-        nearest: tuple[str, ...] = ()
-        nic_level = None
-        if kinds and min(kinds) < NO_NIC:
-            best_kind = min(kinds)
-            nearest = tuple(prep.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
-            nic_level = next(
-                prep.matrix.gpu_nic_levels[pos][j] for j, kv in enumerate(kinds) if kv == best_kind
-            )
-        got = prep.placed_cache[(pos, rank_no)] = PlacedGpu(
-            rank_no, g.index, g.uuid, g.pci_address, g.numa_node, nearest, nic_level
+        best_kind, nearest = tables(prep).nearest[pos]
+        nic_level = prep.matrix.gpu_nic_levels[pos][nearest[0]] if best_kind < NO_NIC else None
+        nic_names = prep.nic_names
+        got = PlacedGpu(
+            rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(nic_names[j] for j in nearest), nic_level,
+            None if share is None else share.text, binding.memory_node,
+            None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
         )
+        if len(prep.placed_cache) >= 50_000:
+            prep.placed_cache.clear()
+        prep.placed_cache[key] = got
     return got
 
 
@@ -127,6 +140,10 @@ class AnswerParts:
     env: tuple[tuple[str, str], ...]
     numactl: tuple[str, ...]
     nic_reasons: tuple[Reason, ...]  # the NICs chosen, NICs NCCL cannot be told about
+    launch: Launch
+    affinity: Affinity
+    satisfaction: float
+    ring: tuple[PatternLink, ...]  # the ring through the ranks in order, for the estimate
 
 
 def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pattern, nics: int) -> AnswerParts:
@@ -151,16 +168,22 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
         pos_of = prep.pos_of
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
 
-    placed = [placed_gpu(prep, pos, rank_no) for rank_no, pos in enumerate(order)]
+    t = tables(prep)
+    usable = t.usable  # a NIC with every port down: never
     nic_names = prep.nic_names
     if nics:
         dist = []
-        for j, steps in enumerate(prep.nic_steps):
-            kv = next((kv for kv, m in steps if m & mask), NO_NIC)
-            dist.append((kv, j))
-        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
+        for j in usable:
+            kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
+            dist.append((kv, -t.nic_rate[j], j))  # closest, then fastest
+        job_nics = [j for _, _, j in sorted(dist)[:nics]]
     else:
-        chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
+        job_nics = usable
+    bindings = bind_ranks(prep, order, job_nics)
+    placed = [placed_gpu(prep, pos, rank_no, binding) for rank_no, (pos, binding) in enumerate(zip(order, bindings))]
+    ranks_nics = [nic_names[b.nic] for b in bindings if b.nic is not None]
+    # NCCL_IB_HCA names exactly the NICs the ranks use (with ``nics``: the NICs asked for).
+    chosen = tuple(nic_names[j] for j in job_nics) if nics else tuple(dict.fromkeys(ranks_nics))
 
     numa_groups = sorted({prep.numa_of[pos] for pos in order})
     numa_labels = tuple(numa_label(prep, gi) for gi in numa_groups)
@@ -187,9 +210,16 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
         nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
     if unnamed:
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
+    if k >= 2 and pattern is not Pattern.ALLREDUCE:
+        ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
+        if k >= 3:
+            ring.append(pattern_link(prep, order[-1], order[0]))
+    else:
+        ring = links
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(nic_reasons),
+        tuple(env), numactl, tuple(nic_reasons), launch_forms(prep, order, bindings),
+        tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
     if len(prep.answer_parts) >= 50_000:
         prep.answer_parts.clear()
@@ -197,7 +227,7 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     return parts
 
 
-def build(prep: Prepared, req: Request, found: Found, free_all: int) -> Placement:
+def build(prep: Prepared, req: Request, found: Found, free_all: int, *, fell_back: bool = False) -> Placement:
     parts = answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
     mask = found.mask
     broken = tuple(
@@ -237,6 +267,8 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int) -> Placemen
             reasons.append(Reason(ReasonCode.SPANS_NUMA_FORCED, {"count": count, "field": "include", "held": req.include}))
     reasons += parts.nic_reasons
     reasons.append(Reason(ReasonCode.BREAKS_ZONES, {"zones": broken}) if broken else Reason(ReasonCode.KEEPS_ZONES))
+    if fell_back:
+        reasons.append(Reason(ReasonCode.AFFINITY_FELL_BACK, {"asked": req.affinity, "met": parts.affinity}))
     return Placement(
         request=req,
         gpus=parts.gpus,
@@ -252,4 +284,8 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int) -> Placemen
         objective=objective,
         broken_zones=broken,
         reasons=tuple(reasons),
+        launch=parts.launch,
+        affinity=parts.affinity,
+        satisfaction=parts.satisfaction,
+        estimate=estimate(parts.ring, len(found.order), req.message_bytes),
     )

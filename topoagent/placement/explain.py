@@ -31,6 +31,7 @@ class ReasonCode(enum.StrEnum):
     NCCL_HCA_LEAVES_OUT = "nccl_hca_leaves_out"  # names
     BREAKS_ZONES = "breaks_zones"  # zones
     KEEPS_ZONES = "keeps_zones"
+    AFFINITY_FELL_BACK = "affinity_fell_back"  # asked, met
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -40,6 +41,7 @@ class ReasonCode(enum.StrEnum):
     INCLUDE_UNREACHABLE = "include_unreachable"
     CONSTRAINTS_CONFLICT = "constraints_conflict"  # fields
     NOTHING_MEETS = "nothing_meets"
+    AFFINITY_UNREACHABLE = "affinity_unreachable"  # gpus, affinity, met
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +108,9 @@ _TEMPLATES = {
     ),
     ReasonCode.BREAKS_ZONES: lambda p: "breaks whole free zones: " + "; ".join(p["zones"]),
     ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
+    ReasonCode.AFFINITY_FELL_BACK: lambda p: (
+        f"no free set meets {p.field_name('affinity')} {p['asked']}; {p.field_name('fallback')}: answered at tier {p['met']}"
+    ),
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,
     ReasonCode.TOO_MANY_NICS: lambda p: f"{p['nics']} NICs requested, the node has {p['node_nics']}",
@@ -119,6 +124,9 @@ _TEMPLATES = {
         f"constraints {', '.join(p.field_name(name) for name in p['fields'])} cannot hold together"
     ),
     ReasonCode.NOTHING_MEETS: lambda p: "no set of free GPUs meets the request",
+    ReasonCode.AFFINITY_UNREACHABLE: lambda p: (
+        f"no {p['gpus']} free GPUs meet affinity {p['affinity']}; the best set meets {p['met']}"
+    ),
 }
 
 

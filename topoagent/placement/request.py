@@ -27,16 +27,20 @@ from topoagent.levels import (
     LinkLevel,
     parse_gpu_pair_level,
 )
-from topoagent.vocabulary import Pattern
+from topoagent.vocabulary import Affinity, Pattern
 
-REQUEST_FIELDS = ("gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics")
+REQUEST_FIELDS = (
+    "gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "affinity", "fallback", "message_bytes",
+)
 # Bounds on what a request may ask; the same at every door and in the JSON Schema.
 REQUEST_LIMITS = {
     "gpus_max": 1024,
     "gpu_index_max": 1023,
     "nics_max": 64,
+    "message_bytes_max": 1 << 40,  # 1 TiB: far above any one collective, small enough to print
 }
 _PATTERN_NAMES = ", ".join(p.value for p in Pattern)
+_AFFINITY_NAMES = ", ".join(a.value for a in Affinity)
 
 
 class RequestError(TopoagentError, ValueError):
@@ -86,6 +90,15 @@ def parse_pattern(value: Any) -> Pattern:
         except ValueError:
             pass
     raise RequestError("pattern", f"expected one of {_PATTERN_NAMES}, got {quoted(value)}")
+
+
+def parse_affinity(value: Any) -> Affinity:
+    if isinstance(value, str):
+        try:
+            return Affinity(value)
+        except ValueError:
+            pass
+    raise RequestError("affinity", f"expected one of {_AFFINITY_NAMES}, got {quoted(value)}")
 
 
 def parse_min_level(value: Any) -> LinkLevel:
@@ -143,6 +156,9 @@ class Request:
     include: tuple[int, ...] = ()  # nvidia-smi indices
     exclude: tuple[int, ...] = ()
     nics: int = 0
+    affinity: Affinity = Affinity.ANY  # the tier the answer must meet (placement.tiers)
+    fallback: bool = False  # settle for the best lower tier instead of no fit
+    message_bytes: int | None = None  # the all-reduce size the estimate is for; None: a default
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -154,6 +170,10 @@ class Request:
         put(self, "include", parse_gpu_indices("include", self.include))
         put(self, "exclude", parse_gpu_indices("exclude", self.exclude))
         put(self, "nics", _whole_number("nics", self.nics, 0, REQUEST_LIMITS["nics_max"]))
+        put(self, "affinity", parse_affinity(self.affinity))
+        _flag("fallback", self.fallback)
+        if self.message_bytes is not None:
+            put(self, "message_bytes", _whole_number("message_bytes", self.message_bytes, 1, REQUEST_LIMITS["message_bytes_max"]))
         if both := sorted(set(self.include) & set(self.exclude)):
             raise RequestError("include", f"GPU {both[0]} is both included and excluded")
         if len(self.include) > self.gpus:
@@ -188,6 +208,12 @@ def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Re
             fields[name] = parse_gpu_indices(name, obj[name], gpu_indices)
     if "nics" in obj:
         fields["nics"] = _whole_number("nics", obj["nics"], 0, REQUEST_LIMITS["nics_max"])
+    if "affinity" in obj:
+        fields["affinity"] = parse_affinity(obj["affinity"])
+    if "fallback" in obj:
+        fields["fallback"] = _flag("fallback", obj["fallback"])
+    if "message_bytes" in obj:  # null too is refused: leave it out for the default
+        fields["message_bytes"] = _whole_number("message_bytes", obj["message_bytes"], 1, REQUEST_LIMITS["message_bytes_max"])
     return Request(**fields)
 
 
@@ -211,5 +237,12 @@ def request_json_schema() -> dict[str, Any]:
             "include": {**index_list, "description": "GPUs (nvidia-smi indices) the answer must contain: GPUs of this node, at most `gpus` of them, none also in `exclude` (else 400)."},
             "exclude": {**index_list, "description": "GPUs of this node the answer must not contain (an unknown index is 400)."},
             "nics": {"type": "integer", "minimum": 0, "maximum": REQUEST_LIMITS["nics_max"], "default": 0},
+            "affinity": {"type": "string", "enum": [a.value for a in Affinity], "default": Affinity.ANY.value,
+                         "description": "The tier the answer must meet: best (every pattern link at the node's best level, one NUMA node), "
+                                        "better (no pattern link crosses the socket interconnect, one socket), any."},
+            "fallback": {"type": "boolean", "default": False,
+                         "description": "When `affinity` cannot be met, answer with the best lower tier (and say which) instead of no fit."},
+            "message_bytes": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["message_bytes_max"],
+                              "description": "The all-reduce message size the answer's estimate is for (default 256 MiB)."},
         },
     }

@@ -158,7 +158,7 @@ class Prepared:
         self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
         self._small_tables: dict[tuple[Pattern, int], list[tuple[int, int, int, tuple[int, ...]]] | None] = {}
         self.links_cache: dict[tuple[int, int], PatternLink] = {}  # see answer.py
-        self.placed_cache: dict[tuple[int, int], PlacedGpu] = {}
+        self.placed_cache: dict[tuple[int, int, str | None, int | None], PlacedGpu] = {}  # see answer.placed_gpu
         self.nic_names = [nic.device or nic.name for nic in matrix.nics]
         # NICs known only by nvidia-smi's label (NIC0..., no NIC Legend): NCCL cannot use those.
         self.nics_without_device = frozenset(nic.name for nic in matrix.nics if nic.device is None)

@@ -1,0 +1,220 @@
+"""One binding per rank: each placed GPU's own CPUs, memory node and NIC, and the forms
+the usual launchers take them in.
+
+CPUs.  A rank's *pool* is the CPUs of its GPU's NUMA node (from the discovered node), else
+the CPU list nvidia-smi gives for the GPU.  Ranks that share a pool split it without
+overlap: the pool's cores (a core's hyperthreads together, by the node's core map), in
+order of their first CPU, are dealt out in contiguous runs, as even as can be (the first
+ranks get one core more when the count does not divide).  Without a core map (nvidia-smi
+text alone) each CPU counts as a core.  With more ranks than cores in one pool, its
+threads are dealt out instead (siblings then part: nothing else keeps ranks apart); with
+more ranks than CPUs, every rank gets the whole pool.
+
+Memory.  A rank's memory node is its GPU's NUMA node.
+
+NICs.  A NIC whose ports are all down is never chosen nor listed (a NIC whose port state
+is unknown, as from nvidia-smi text, is kept).  Each rank gets the closest NIC to its GPU
+among the job's NICs (the ``nics`` closest to the set when the request asks for some, else
+all usable ones); where several are equally close, ranks take distinct ones (ranks with
+fewer choices choose first), then the faster one, then the lower position.
+
+Launchers (``Launch``), all per local rank in rank order:
+
+* ``numactl``: ``numactl --physcpubind=<the rank's CPUs> --membind=<its node>`` (PlacedGpu).
+* ``torchrun_wrapper``: a POSIX sh script that runs its arguments under the rank's
+  ``numactl``, picked by ``$LOCAL_RANK`` (set by torchrun for each worker): ``torchrun
+  --nproc-per-node=K --no-python ./bind.sh python train.py``.
+* ``srun``: ``--ntasks-per-node=K``, ``--cpu-bind=mask_cpu:<hex mask per task>`` and
+  ``--gpu-bind=map_gpu:<GPU per task>`` (srun(1): masks are hexadecimal, ``0x`` allowed;
+  map_gpu IDs are the node's GPU indices when devices are not constrained by cgroups, and
+  relative to the job's GPUs when they are -- the job should then hold the whole node).
+  ``srun_map_cpu`` is ``--cpu-bind=map_cpu:<one CPU per task>``: the first CPU of each
+  rank's list, for one-thread tasks.  CPU numbers are the OS's, as taskset's.
+* ``rankfile``: Open MPI ``rank N=<host> slot=<cores>`` lines; slot lists are logical core
+  indices (hwloc's Core L#, the core map's numbering), so there is none without a core map.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from topoagent.cpulist import format_cpulist, parse_cpulist
+from topoagent.placement.search import NO_NIC, Prepared
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One rank's CPUs, with the forms launchers write them in (built once per pool split)."""
+
+    cpus: frozenset[int]
+    text: str  # cpulist, "48-55,176-183"
+    mask: str  # hexadecimal, "0xff00..."
+    first: int
+    slots: str | None  # logical cores as a cpulist; None without a core map
+
+
+@dataclass(frozen=True, slots=True)
+class RankBinding:
+    share: Share | None  # None when the GPU's CPUs are unknown
+    memory_node: int | None
+    nic: int | None  # position in matrix.nics
+
+    @property
+    def cpus(self) -> frozenset[int] | None:
+        return None if self.share is None else self.share.cpus
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Ready forms of the per-rank bindings for the launchers people use."""
+
+    torchrun_wrapper: str | None
+    srun: tuple[str, ...]
+    srun_map_cpu: str | None
+    rankfile: str | None
+
+
+class BindingTables:
+    """Per matrix (cached): each GPU's CPU pool as cores, and which NICs may be used."""
+
+    def __init__(self, prep: Prepared):
+        matrix = prep.matrix
+        host = matrix.host
+        core_of = host.core_of if host else {}
+        self.core_of = core_of
+        self.hostname = (host.hostname if host else None) or "localhost"
+        self.pool_of: list[tuple[int, ...] | None] = []  # per GPU position: its pool's CPUs, sorted
+        for g in matrix.gpus:
+            cpus = None
+            if host is not None and g.numa_node is not None and g.numa_node in host.numa_cpus:
+                cpus = host.numa_cpus[g.numa_node]
+            elif g.cpus:
+                cpus = parse_cpulist(g.cpus)
+            self.pool_of.append(tuple(sorted(cpus)) if cpus else None)
+        self.usable_nics = [nic.active is not False for nic in matrix.nics]
+        self.usable = [j for j, ok in enumerate(self.usable_nics) if ok]
+        # Per GPU: its closest kind among the usable NICs, and those NICs.
+        self.nearest = [nearest_usable(prep, pos, self.usable) for pos in range(matrix.size)]
+        self.nic_rate = [nic.rate_gbps or 0.0 for nic in matrix.nics]
+        self._splits: dict[tuple[tuple[int, ...], int], list[Share]] = {}
+        self.numactl: dict[tuple[str | None, int | None], tuple[str, ...]] = {}
+
+    def share(self, cpus: frozenset[int]) -> Share:
+        core_of = self.core_of
+        slots = format_cpulist({core_of[c] for c in cpus}) if core_of and all(c in core_of for c in cpus) else None
+        return Share(cpus, format_cpulist(cpus), f"0x{sum(1 << c for c in cpus):x}", min(cpus), slots)
+
+    def split(self, pool: tuple[int, ...], ranks: int) -> list[Share]:
+        """``pool`` dealt out to ``ranks`` ranks (see the module docstring)."""
+        key = (pool, ranks)
+        got = self._splits.get(key)
+        if got is None:
+            cores: dict[int, list[int]] = {}
+            for cpu in pool:
+                # A CPU the core map does not know is a core of its own.
+                cores.setdefault(self.core_of.get(cpu, -1 - cpu), []).append(cpu)
+            units = sorted(cores.values(), key=min)
+            if len(units) < ranks:
+                units = [[cpu] for cpu in pool]
+            if len(units) < ranks:
+                got = [self.share(frozenset(pool))] * ranks
+            else:
+                size, extra = divmod(len(units), ranks)
+                got, start = [], 0
+                for r in range(ranks):
+                    end = start + size + (1 if r < extra else 0)
+                    got.append(self.share(frozenset(cpu for unit in units[start:end] for cpu in unit)))
+                    start = end
+            self._splits[key] = got
+        return got
+
+
+def tables(prep: Prepared) -> BindingTables:
+    got = prep.matrix.derived_cache.get("binding")
+    if got is None:
+        got = prep.matrix.derived_cache["binding"] = BindingTables(prep)
+    return got
+
+
+def nearest_usable(prep: Prepared, pos: int, among: list[int]) -> tuple[int, list[int]]:
+    """The closest link kind from GPU ``pos`` to the NICs ``among``, and those NICs."""
+    kinds = prep.nic_kind[pos]
+    best = min((kinds[j] for j in among), default=NO_NIC)
+    if best >= NO_NIC:
+        return NO_NIC, []
+    return best, [j for j in among if kinds[j] == best]
+
+
+def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> list[RankBinding]:
+    """The binding of each rank (GPUs at positions ``order``), given the job's NICs."""
+    t = tables(prep)
+    by_pool: dict[tuple[int, ...], list[int]] = {}
+    for rank, pos in enumerate(order):
+        pool = t.pool_of[pos]
+        if pool is not None:
+            by_pool.setdefault(pool, []).append(rank)
+    shares: list[Share | None] = [None] * len(order)
+    for pool, ranks in by_pool.items():
+        for rank, share in zip(ranks, t.split(pool, len(ranks))):
+            shares[rank] = share
+
+    nearest = t.nearest if job_nics is t.usable else [nearest_usable(prep, pos, job_nics) for pos in range(len(t.nearest))]
+    choices = [nearest[pos][1] for pos in order]
+    used = dict.fromkeys(job_nics, 0)
+    nic: list[int | None] = [None] * len(order)
+    for rank in sorted(range(len(order)), key=lambda r: (len(choices[r]), r)):
+        if choices[rank]:
+            pick = min(choices[rank], key=lambda j: (used[j], -t.nic_rate[j], j))
+            used[pick] += 1
+            nic[rank] = pick
+    gpus = prep.matrix.gpus
+    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)]
+
+
+def rank_numactl(prep: Prepared, binding: RankBinding) -> tuple[str, ...]:
+    """The rank's own numactl command (empty when neither its CPUs nor its node is known)."""
+    node, share = binding.memory_node, binding.share
+    key = (None if share is None else share.text, node)
+    cache = tables(prep).numactl
+    got = cache.get(key)
+    if got is None:
+        if share is not None:
+            argv = ("numactl", f"--physcpubind={share.text}")
+            got = (*argv, f"--membind={node}") if node is not None else argv
+        elif node is not None:
+            got = ("numactl", f"--cpunodebind={node}", f"--membind={node}")
+        else:
+            got = ()
+        cache[key] = got
+    return got
+
+
+def launch_forms(prep: Prepared, order: tuple[int, ...], bindings: list[RankBinding]) -> Launch:
+    t = tables(prep)
+    gpus = prep.matrix.gpus
+    k = len(order)
+    commands = [rank_numactl(prep, b) for b in bindings]
+    wrapper = None
+    if all(commands):
+        cases = "".join(f'  {r}) exec {" ".join(cmd)} "$@" ;;\n' for r, cmd in enumerate(commands))
+        wrapper = (
+            "#!/bin/sh\n"
+            f"# bind.sh: torchrun --nproc-per-node={k} --no-python ./bind.sh python train.py ...\n"
+            "# runs each local rank under its own CPUs and memory node (torchrun sets LOCAL_RANK).\n"
+            'case "$LOCAL_RANK" in\n'
+            f"{cases}"
+            "esac\n"
+            'echo "bind.sh: LOCAL_RANK=$LOCAL_RANK is not one of the placed ranks" >&2\n'
+            "exit 1\n"
+        )
+    srun = [f"--ntasks-per-node={k}"]
+    map_cpu = rankfile = None
+    shares = [b.share for b in bindings]
+    if all(shares):
+        known = [s for s in shares if s is not None]  # all of them; spelled out for the type checker
+        srun.append("--cpu-bind=mask_cpu:" + ",".join(s.mask for s in known))
+        map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
+        if all(s.slots for s in known):
+            rankfile = "".join(f"rank {r}={t.hostname} slot={s.slots}\n" for r, s in enumerate(known))
+    srun.append("--gpu-bind=map_gpu:" + ",".join(str(gpus[pos].index) for pos in order))
+    return Launch(wrapper, tuple(srun), map_cpu, rankfile)

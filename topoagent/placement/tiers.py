@@ -1,0 +1,164 @@
+"""Affinity tiers, topology satisfaction and the all-reduce estimate of an answer.
+
+Tiers (a request's ``affinity``), strictest first
+-------------------------------------------------
+* ``best``: every link of the pattern is at the node's best GPU-pair level (the closest
+  level any two of its GPUs have: NV12 on a DGX A100, NV2 on a DGX-1) and every GPU is on
+  one NUMA node.
+* ``better``: no link of the pattern crosses the socket interconnect (none at ``SYS``) and
+  every GPU is on one socket.  Sockets are NUMA nodes closer than
+  ``topoagent.matrix.SAME_SOCKET_DISTANCE`` in the SLIT table, joined; without a table
+  (nvidia-smi text) each NUMA node is taken as a socket.
+* ``any``: whatever fits.
+A job without links (one GPU, ``independent``) meets the link parts of every tier.
+
+Every answer says the strictest tier it meets (``affinity``).  A request asking for a tier
+is searched with the existing constraints, no new search: ``best`` adds ``single_numa``;
+``better`` runs the search once on each socket's GPUs and keeps the best answer (pattern
+bandwidth first, then the objective's other terms).  The answer found is then checked
+against the tier: the objective ranks pattern bandwidth first, so when the best set on one
+NUMA node (socket) has a link below the tier's level, no set there has all its links at
+it (with expected figures; a measured figure may reorder sets).
+
+Topology satisfaction
+---------------------
+The share of the pattern's links (``links`` of the answer: the ring's k links for
+``allreduce`` with k >= 3, the one pair for k = 2, k - 1 for ``pipeline``, every pair for
+``alltoall``) whose level is *local*: NVLink (``NV<n>``) or one PCIe switch (``PIX``).
+Anything through a host bridge or the CPUs (``PXB``, ``PHB``, ``NODE``, ``SYS``) is not.
+A job without links scores 1.0: nothing it needs is far.
+
+Estimate
+--------
+Ring all-reduce of ``message_bytes`` (default 256 MiB) over the GPUs in rank order (the
+ring closing last -> first), by NCCL's own alpha-beta model for the ring algorithm and the
+Simple protocol (NVIDIA/nccl src/graph/tuning.cc, ``ncclTopoTuneModel``):
+
+    time_us  = 8.4 + 2(k-1) * hop_us + S / (1000 * B * k / (2(k-1)))
+    bus GB/s = S * 2(k-1)/k / (1000 * time_us)
+
+``8.4`` us is NCCL's base latency (``baseLat[Ring][Simple]``); ``hop_us`` its per-step
+latency (``hwLat[..][Ring][Simple]``): 3.4 us when every ring link is NVLink, else 5.7 us
+(PCI); ``2(k-1)`` the steps of a ring all-reduce; ``B`` (GB/s per direction) the ring's
+weakest link by the answer's own figures (measured when fresh, else the level's expected
+rate); ``B * k / (2(k-1))`` NCCL's algorithm bandwidth from bus bandwidth.  It is a model
+of one node's links, not a measurement: compare answers with it ("4 GPUs on NVLink" against
+"8 across sockets" at the job's message size), then measure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from topoagent.levels import LevelKind, LinkLevel
+from topoagent.placement.search import Found, Prepared, Search, bits
+from topoagent.vocabulary import Affinity
+
+if TYPE_CHECKING:
+    from topoagent.placement.answer import PatternLink
+    from topoagent.placement.request import Request
+
+DEFAULT_MESSAGE_BYTES = 256 << 20
+NCCL_RING_BASE_LATENCY_US = 8.4  # baseLat[Ring][Simple]
+NCCL_RING_HOP_LATENCY_US = {"nvlink": 3.4, "pci": 5.7}  # hwLat[NVLINK|PCI][Ring][Simple]
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    message_bytes: int
+    ring_gbps: float  # the ring's weakest link, GB/s per direction
+    hop_latency_us: float
+    time_us: float
+    bus_bandwidth_gbps: float
+
+
+def is_local(level: LinkLevel) -> bool:
+    return level.is_nvlink or level.kind is LevelKind.PIX
+
+
+def satisfaction(links: tuple[PatternLink, ...]) -> float:
+    if not links:
+        return 1.0
+    return round(sum(1 for link in links if is_local(link.level)) / len(links), 4)
+
+
+def estimate(ring: tuple[PatternLink, ...], k: int, message_bytes: int | None) -> Estimate | None:
+    """NCCL's ring all-reduce model for ``k`` GPUs joined by ``ring`` (module docstring)."""
+    if k < 2 or not ring:
+        return None
+    size = message_bytes or DEFAULT_MESSAGE_BYTES
+    link_gbps = min(link.gbps for link in ring)
+    hop = NCCL_RING_HOP_LATENCY_US["nvlink" if all(link.level.is_nvlink for link in ring) else "pci"]
+    steps = 2 * (k - 1)
+    algorithm_gbps = link_gbps * k / steps
+    time_us = NCCL_RING_BASE_LATENCY_US + steps * hop + (size / (1000 * algorithm_gbps) if algorithm_gbps else float("inf"))
+    bus = size * steps / k / (1000 * time_us)
+    return Estimate(size, link_gbps, hop, round(time_us, 3), round(bus, 3))
+
+
+# --- which tier a set meets ---------------------------------------------------------------
+
+
+class TierTables:
+    """Per matrix: the node's best GPU-pair level, each GPU's socket, the sockets' GPUs."""
+
+    def __init__(self, prep: Prepared):
+        matrix = prep.matrix
+        n = matrix.size
+        self.best_level = min(
+            (matrix.gpu_levels[i][j] for i in range(n) for j in range(n) if i != j), default=None
+        )
+        host = matrix.host
+        socket_key: list[tuple[str, int]] = []
+        for pos, g in enumerate(matrix.gpus):
+            if host is not None and g.numa_node is not None and g.numa_node in host.socket_of:
+                socket_key.append(("socket", host.socket_of[g.numa_node]))
+            else:  # no SLIT table: the objective's NUMA group stands for the socket
+                socket_key.append(("numa", prep.numa_of[pos]))
+        self.socket_key = socket_key
+        masks: dict[tuple[str, int], int] = {}
+        for pos, key in enumerate(socket_key):
+            masks[key] = masks.get(key, 0) | 1 << pos
+        self.socket_masks = list(masks.values())
+
+
+def tier_tables(prep: Prepared) -> TierTables:
+    got = prep.matrix.derived_cache.get("tiers")
+    if got is None:
+        got = prep.matrix.derived_cache["tiers"] = TierTables(prep)
+    return got
+
+
+def tier_met(prep: Prepared, mask: int, links: tuple[PatternLink, ...]) -> Affinity:
+    """The strictest tier the GPUs ``mask`` with pattern links ``links`` meet."""
+    t = tier_tables(prep)
+    if len({t.socket_key[v] for v in bits(mask)}) > 1 or any(link.level.kind >= LevelKind.SYS for link in links):
+        return Affinity.ANY
+    one_numa = len({prep.numa_of[v] for v in bits(mask)}) == 1
+    if one_numa and all(link.level == t.best_level for link in links):
+        return Affinity.BEST
+    return Affinity.BETTER
+
+
+def search_tier(prep: Prepared, req: Request, tier: Affinity, free_all: int, candidates: int, include: int) -> Found | None:
+    """The search for ``req`` under ``tier``'s constraints (module docstring); the caller
+    checks the answer with ``tier_met``."""
+    if tier is Affinity.BEST:
+        return Search(prep, replace(req, single_numa=True), free_all, candidates, include).run()
+    if tier is Affinity.ANY:
+        return Search(prep, req, free_all, candidates, include).run()
+    best: Found | None = None
+    for socket in tier_tables(prep).socket_masks:
+        if include & ~socket or (candidates & socket).bit_count() < req.gpus:
+            continue
+        found = Search(prep, req, free_all, candidates & socket, include).run()
+        if found is not None and (best is None or _better(found, best)):
+            best = found
+    return best
+
+
+def _better(a: Found, b: Found) -> bool:
+    """Pattern bandwidth first (a higher rank), then the objective's other terms."""
+    return (-(a.rank or 0), a.key) < (-(b.rank or 0), b.key)
+
