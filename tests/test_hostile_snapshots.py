@@ -150,7 +150,9 @@ def test_timed_out_discoveries_leave_no_thread_and_no_process_behind(tmp_path):
         for _ in range(10):
             reply = agent.post("/refresh", token=agent.token).json()
             assert reply["stale"] is True and "timed out" in reply["error"]
-        assert int(proc_status(agent.proc.pid)["Threads"]) <= threads
+        # A thread per timed-out run would be 10 more (the old runner left ~4 each); the
+        # pool asyncio keeps for short blocking calls may grow by one or two under load.
+        assert int(proc_status(agent.proc.pid)["Threads"]) <= threads + 2
         assert children_of(agent.proc.pid) == set()  # every run's process was killed and reaped
         assert_held(agent, lease)
         assert peak_rss_mb(agent) < SERVE_MEMORY_BOUND_MB
