@@ -13,10 +13,13 @@ import re
 from dataclasses import dataclass, replace
 
 from topoagent.collectors.base import CollectorResult, SourceError, run_collector
-from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
-from topoagent.host import Host
+from topoagent.cpulist import MAX_CPUS, CpuListError, format_cpulist, parse_cpulist, parse_cpumask
+from topoagent.host import Host, HostError
 
 NODE_DIR = "/sys/devices/system/node"
+# Linux's MAX_NUMNODES (NODES_SHIFT is at most 10); more node directories than that is a
+# poisoned recording, refused before thousands of CPU lists are read.
+MAX_NODES = 1024
 _NODE_NAME = re.compile(r"node(\d+)")
 _MEMTOTAL = re.compile(r"^(?:Node\s+\d+\s+)?MemTotal:\s*(\d+)\s*kB", re.MULTILINE)
 
@@ -87,17 +90,20 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
     )
     if not ids:
         return _single_node(host), tuple(warnings)
+    if len(ids) > MAX_NODES:
+        raise SourceError(f"{NODE_DIR}: {len(ids):,} NUMA nodes; Linux has at most {MAX_NODES:,}")
     usable = _online_cpus(host)
     nodes: list[NumaNode] = []
+    memberships = 0
     for node_id in ids:
         base = f"{NODE_DIR}/node{node_id}"
-        text = host.read_optional(f"{base}/cpulist")
-        if text is None:
-            raise SourceError(f"{base}/cpulist: missing or unreadable")
-        try:
-            cpus = parse_cpulist(text)
-        except CpuListError as exc:
-            raise SourceError(f"{base}/cpulist: {exc}") from None
+        cpus = _node_cpus(host, base)
+        # A CPU sits in one node, so the lists add up to the CPU count on a real kernel
+        # (firmware that repeats a set on a few nodes stays far below this): many nodes
+        # each naming 65,536 CPUs is a poisoned recording, not a bigger machine.
+        memberships += len(cpus)
+        if memberships > MAX_CPUS:
+            raise SourceError(f"{NODE_DIR}: the nodes' CPU lists name more than {MAX_CPUS:,} CPUs together")
         memory = None
         meminfo = host.read_optional(f"{base}/meminfo")
         if meminfo is None:
@@ -122,6 +128,22 @@ def read_numa(host: Host) -> tuple[NumaTopology, tuple[str, ...]]:
             cpus = cpus & usable
         nodes.append(NumaNode(node_id, cpus, memory, distances))
     return NumaTopology(mark_identical_cpusets(nodes)), tuple(warnings)
+
+
+def _node_cpus(host: Host, base: str) -> frozenset[int]:
+    """A node's CPUs from ``cpulist``, or from the ``cpumap`` mask older kernels expose alone."""
+    for name, parse in (("cpulist", parse_cpulist), ("cpumap", parse_cpumask)):
+        try:
+            text = host.read_text(f"{base}/{name}")
+        except FileNotFoundError:
+            continue
+        except (OSError, HostError) as exc:  # too large, outside the root, unreadable
+            raise SourceError(f"{base}/{name}: {exc}") from None
+        try:
+            return parse(text)
+        except CpuListError as exc:
+            raise SourceError(f"{base}/{name}: {exc}") from None
+    raise SourceError(f"{base}/cpulist: missing (and no cpumap)")
 
 
 CPU_ONLINE = "/sys/devices/system/cpu/online"

@@ -14,7 +14,7 @@ import contextlib
 import re
 from dataclasses import dataclass, field, replace
 
-from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.collectors.numa import NumaTopology
 from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist, parse_cpumask
 from topoagent.errors import TopoagentError
@@ -23,6 +23,10 @@ from topoagent.host import Host, HostError
 from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 
 PCI_DEVICES = "/sys/bus/pci/devices"
+# A GPU node lists a few hundred PCI functions, a few thousand with SR-IOV virtual
+# functions; one PCI domain holds at most 65,536.  More entries than that is a poisoned
+# recording: refused before each is read (about 15 files apiece).
+MAX_PCI_DEVICES = 65_536
 _PCI_ADDRESS = re.compile(r"[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 _ROOT_COMPLEX = re.compile(r"pci[0-9a-fA-F]{4,8}:[0-9a-fA-F]{2}")
 _SPEED = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*GT/s")
@@ -334,6 +338,8 @@ def read_pci_tree(
     names = host.listdir(PCI_DEVICES)
     if not names:
         raise NoData(f"{PCI_DEVICES} is empty or missing")
+    if len(names) > MAX_PCI_DEVICES:
+        raise SourceError(f"{PCI_DEVICES}: {len(names):,} entries; a node has at most {MAX_PCI_DEVICES:,} PCI functions")
     warnings: list[str] = []
     devices: dict[str, PciDevice] = {}
     paths: dict[str, str] = {}

@@ -9,8 +9,9 @@ from dataclasses import replace
 import pytest
 from service_helpers import DGX_A100, start_agent
 
-from topoagent.agent import Agent, discover_in_thread
+from topoagent.agent import Agent
 from topoagent.config import Config
+from topoagent.discovery_process import discover_in_child
 from topoagent.host import Host
 from topoagent.vocabulary import Status
 
@@ -18,7 +19,7 @@ from topoagent.vocabulary import Status
 @pytest.fixture(scope="module")
 def facts():
     with Host(str(DGX_A100)) as host:
-        return asyncio.run(discover_in_thread(host))
+        return asyncio.run(discover_in_child(host))
 
 
 def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
-from topoagent.discovery import discover
+from topoagent.discovery_process import DiscoveryFailed, discover_in_child
 from topoagent.host import Host, HostError
 from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
@@ -97,6 +97,8 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
     asyncio.to_thread's pool threads are joined at exit, so one read stuck on a dead
     device would stop the agent from ever exiting; a daemon thread is simply abandoned.
+    (Discovery does not run here: a thread cannot be stopped, so it runs in a child
+    process that a timeout kills; see topoagent.discovery_process.)
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
@@ -175,13 +177,6 @@ class ProbeRunning(Exception):
     """POST /probe while a probe is in flight or a forced round is still going."""
 
 
-async def discover_in_thread(host: Host) -> NodeTopology:
-    """Run discovery on its own thread and loop: a read stuck in the kernel (or a
-    replayed FIFO) blocks that thread, never the agent's loop, and the agent's timeout
-    can walk away from it."""
-    return await run_in_daemon_thread(lambda: asyncio.run(discover(host)))
-
-
 Answer = Placement | NoFit
 
 
@@ -193,7 +188,7 @@ Discover = Callable[[Host], Awaitable[NodeTopology]]
 
 
 class Agent:
-    def __init__(self, config: Config, *, discover: Discover = discover_in_thread) -> None:
+    def __init__(self, config: Config, *, discover: Discover = discover_in_child) -> None:
         self.config = config
         self._discover = discover
         self.snapshot: Snapshot | None = None
@@ -260,8 +255,6 @@ class Agent:
             self._udev_close()
         if self._debounce:
             self._debounce.cancel()
-        if self._refresh_task and not self._refresh_task.done():
-            self.abandoned_runs += 1  # cancelled mid-read: its thread may never return
         pending = {t for t in [*self._tasks, self._refresh_task] if t and not t.done()}
         # Cancel until they finish: on Python 3.11 asyncio.wait_for can swallow a
         # cancellation that races its own timeout (a probe worker timing out as SIGTERM
@@ -320,11 +313,12 @@ class Agent:
         timeout = self.config.timeout_s
         try:
             node = await asyncio.wait_for(self._discover(self.host), timeout)
-        except TimeoutError:
-            self.abandoned_runs += 1  # its thread may stay stuck in a read for good
+        except TimeoutError:  # the run's process was killed: nothing of it is left behind
             return self._failed(f"discovery timed out after {timeout:g}s", started, reason)
         except asyncio.CancelledError:
             raise
+        except DiscoveryFailed as exc:  # already "Type: message", as the child saw it
+            return self._failed(str(exc), started, reason)
         except Exception as exc:  # a collector's bug must not take the agent down
             notes = "; ".join(getattr(exc, "__notes__", []))
             return self._failed(f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else ""), started, reason)

@@ -15,12 +15,21 @@ class CpuListError(TopoagentError, ValueError):  # ValueError: older callers cat
     """The text is not a CPU list or mask."""
 
 
+# The most CPUs one list or mask may name.  Linux's largest NR_CPUS is 8,192 (x86 MAXSMP,
+# powerpc; arm64 stops at 4,096): 65,536 leaves room for machines to come, while a
+# poisoned file (``0-4000000000``) is refused before it is expanded: a full list is a
+# set of at most 65,536 numbers (about 4 MB), and parsing one is bounded work.
+MAX_CPUS = 65_536
+_MAX_MASK_WORDS = MAX_CPUS // 32
+
+
 def parse_cpulist(text: str) -> frozenset[int]:
     """``0-3,8,10-11`` -> {0,1,2,3,8,10,11}; empty text -> empty set."""
     cpus: set[int] = set()
     text = text.strip()
     if not text:
         return frozenset()
+    named = 0  # CPUs the chunks name, repeats included: bounds the work, not just the set
     for chunk in text.split(","):
         chunk = chunk.strip()
         if not chunk:
@@ -30,28 +39,42 @@ def parse_cpulist(text: str) -> frozenset[int]:
             first, last = _number(low, chunk), _number(high, chunk)
             if last < first:
                 raise CpuListError(f"cpulist range {chunk!r} runs backwards")
-            cpus.update(range(first, last + 1))
         else:
-            cpus.add(_number(chunk, chunk))
+            first = last = _number(chunk, chunk)
+        named += last - first + 1
+        if named > MAX_CPUS:
+            raise CpuListError(f"cpulist names more than {MAX_CPUS:,} CPUs")
+        cpus.update(range(first, last + 1))
     return frozenset(cpus)
 
 
 def _number(text: str, chunk: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise CpuListError(f"cpulist {chunk!r}: {text.strip()!r} is not a CPU number") from None
+    text = text.strip()
+    # isdigit first: int() would take '+1' and '1_0'; the length check keeps a 5,000-digit
+    # "CPU number" from reaching int() at all.
+    if not (text.isascii() and text.isdigit()):
+        raise CpuListError(f"cpulist {_short(chunk)}: {_short(text)} is not a CPU number")
+    if len(text) > len(str(MAX_CPUS)) or int(text) >= MAX_CPUS:
+        raise CpuListError(f"cpulist {_short(chunk)}: CPU {_short(text)} is not below {MAX_CPUS:,}")
+    return int(text)
+
+
+def _short(text: str, limit: int = 40) -> str:
+    """A quoted piece of a bad file, cut so a huge one cannot flood a message."""
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def parse_cpumask(text: str) -> frozenset[int]:
     """sysfs ``local_cpus`` (``00000000,0000ffff``, 32-bit words, high first) -> CPU set."""
     words = text.strip().split(",")
+    if len(words) > _MAX_MASK_WORDS:
+        raise CpuListError(f"cpumask has {len(words):,} words; at most {_MAX_MASK_WORDS:,} ({MAX_CPUS:,} CPUs)")
     value = 0
     for word in words:
-        try:
-            value = (value << 32) | int(word or "0", 16)
-        except ValueError:
-            raise CpuListError(f"cpumask word {word!r} is not hexadecimal") from None
+        word = word.strip()
+        if len(word) > 8 or not all(c in "0123456789abcdefABCDEF" for c in word):
+            raise CpuListError(f"cpumask word {_short(word)} is not a 32-bit hexadecimal word")
+        value = (value << 32) | int(word or "0", 16)
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
 
 

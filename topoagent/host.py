@@ -8,23 +8,49 @@
 Paths are always given as the node sees them (``/sys/bus/pci/devices/...``).  On a
 replayed node every symlink is resolved by hand *inside* the root: a sysfs link such as
 ``../../../devices/pci0000:00/...`` (or an absolute one) can never reach the files of the
-machine doing the replay.
+machine doing the replay.  Every read then opens the resolved path one component at a
+time below the root, refusing to follow any symlink the OS would meet, so a link planted
+after start-up (``proc -> /``) is resolved inside the root too, never outside it.
+
+Every read is bounded (``MAX_FILE_BYTES`` and friends): a recording is data someone sent
+us, and a 1 GB ``nvml.json`` must cost an error, not a gigabyte.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import re
+import stat
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+from typing import TypeVar
 
 from topoagent.errors import TopoagentError
 
 _MAX_SYMLINK_HOPS = 40
+_T = TypeVar("_T")
+
+# How much one read may bring in.  sysfs attributes are at most a page (4 KB); the largest
+# file discovery reads is /proc/cpuinfo, ~1 MB on a 256-CPU x86 node (~4 KB of flags per
+# CPU), so 8 MiB fits nodes of ~2,000 CPUs and bounds what a poisoned file can cost.
+MAX_FILE_BYTES = 8 << 20
+# A recorded command's output: `nvidia-smi topo -m` is ~4 KB for 8 GPUs and grows with the
+# square of the devices (~100 KB at 64 GPUs + 64 NICs).
+MAX_COMMAND_BYTES = 1 << 20
+# nvml.json: 22-31 KB for the 8- and 16-GPU recordings here, quadratic in GPUs (P2P).
+# Parsed JSON costs ~10x its text in objects, hence a tighter cap than for plain files.
+MAX_NVML_BYTES = 4 << 20
+# A snapshot tarball, unpacked: the largest recorded node here is 6.7 MB in 1,703 entries;
+# hwloc-gather-topology of a big node is a few tens of MB.  The caps are checked on the
+# members' headers before anything is written.
+MAX_TARBALL_BYTES = 256 << 20
+MAX_TARBALL_MEMBERS = 200_000
 _COMMAND_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -38,6 +64,14 @@ class CommandNotFound(HostError):
 
 class CommandTimeout(HostError):
     """The command ran past its timeout and was killed."""
+
+
+class FileTooLarge(HostError):
+    """A file (or recorded output) is larger than a node's would be; it was not read."""
+
+
+class _LinkMoved(Exception):
+    """A symlink appeared where the cached resolution had none: resolve again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,9 +142,13 @@ class Host:
         dest = Path(self._tempdir.name)
         try:
             with tarfile.open(tarball) as archive:
+                _check_tarball_size(tarball, archive)
                 # The 'data' filter keeps relative symlinks and refuses members (or link
                 # targets) that would land outside dest, absolute paths and devices.
                 archive.extractall(dest, filter="data")
+        except HostError:
+            self.close()
+            raise
         except tarfile.FilterError as exc:
             self.close()
             raise HostError(f"{tarball}: refusing unsafe member: {exc}") from None
@@ -182,11 +220,94 @@ class Host:
         self._links[node_path] = target
         return target
 
-    def _local(self, path: str) -> Path:
-        """Where the file lies on this machine, after resolving links inside the root."""
+    def _forget_links(self) -> None:
+        self._links.clear()
+        self._resolved.clear()
+
+    def _inside(self, path: str, action: Callable[[int, str], _T], *, follow_last: bool = True) -> _T:
+        """``action(dir_fd, name)`` on ``path`` in the recording, never outside the root.
+
+        The path is resolved inside the root (cached), then its directories are opened
+        one by one below the root without following symlinks; ``action`` must not follow
+        one either.  Meeting a link means the recording changed since the cache was
+        filled: resolve once more, afresh.  ``follow_last=False`` leaves the last
+        component as it is (islink, readlink).
+        """
+        for _ in range(2):
+            parent, _, name = path.rstrip("/").rpartition("/")
+            if follow_last:
+                parent, _, name = self._resolve(path).rpartition("/")
+            else:
+                parent = self._resolve(parent or "/")
+            try:
+                dir_fd = self._open_dirs(parent, path)
+            except _LinkMoved:
+                self._forget_links()
+                continue
+            try:
+                return action(dir_fd, name or ".")
+            except _LinkMoved:
+                self._forget_links()
+            finally:
+                os.close(dir_fd)
+        raise HostError(f"{path}: its symbolic links keep changing; not read")
+
+    def _open_dirs(self, resolved: str, path: str) -> int:
+        """An O_PATH descriptor for a resolved directory, opened without following links."""
+        fd = os.open(self._root_text or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in resolved.split("/"):
+                if not part:
+                    continue
+                try:
+                    next_fd = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+                except NotADirectoryError:  # a file, or a symlink O_NOFOLLOW would not enter
+                    if stat.S_ISLNK(os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode):
+                        raise _LinkMoved from None
+                    raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path) from None
+                os.close(fd)
+                fd = next_fd
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _stat(self, path: str) -> os.stat_result:
+        """stat() of a node path (symlinks resolved inside the root)."""
         if self.live:
-            return Path(path)
-        return self.root / self._resolve(path).lstrip("/")
+            return os.stat(path)
+
+        def action(dir_fd: int, name: str) -> os.stat_result:
+            found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(found.st_mode):
+                raise _LinkMoved
+            return found
+
+        return self._inside(path, action)
+
+    def read_bytes(self, path: str, limit: int = MAX_FILE_BYTES) -> bytes:
+        """The one way anything is read from a node: inside the root, at most ``limit`` bytes.
+
+        Raises FileNotFoundError / OSError like open() does, FileTooLarge past the limit.
+        """
+        if self.live:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        else:
+
+            def action(dir_fd: int, name: str) -> int:
+                try:
+                    return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise _LinkMoved from None
+                    raise type(exc)(exc.errno, exc.strerror, path) from None
+
+            fd = self._inside(path, action)
+        with open(fd, "rb") as handle:
+            data = handle.read(limit + 1)
+        if len(data) > limit:
+            raise FileTooLarge(f"{path}: larger than {limit:,} bytes; not read")
+        return data
 
     def _record_links(self, path: str) -> None:
         """Note every symlink met on the way to ``path`` (paths as the node sees them)."""
@@ -217,14 +338,11 @@ class Host:
 
     def read_text(self, path: str) -> str:
         """The file's text; raises FileNotFoundError / OSError like open() does."""
-        local = self._local(path)
+        data = self.read_bytes(path)
         if self.recording is not None:
             self._record_links(path)
-            data = local.read_bytes()
             self.recording.files[self._real(path)] = data
-            return data.decode("utf-8", errors="replace")
-        with open(local, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
+        return data.decode("utf-8", errors="replace")
 
     def read_optional(self, path: str) -> str | None:
         """The file's stripped text, or None when it does not exist or cannot be read."""
@@ -235,39 +353,66 @@ class Host:
 
     def exists(self, path: str) -> bool:
         try:
-            found = self._local(path).exists()
-        except HostError:
+            self._stat(path)
+        except (OSError, HostError):
             return False
-        if self.recording is not None and found:
+        if self.recording is not None:
             self._record_links(path)
-        return found
+        return True
 
     def is_dir(self, path: str) -> bool:
         try:
-            return self._local(path).is_dir()
-        except HostError:
+            return stat.S_ISDIR(self._stat(path).st_mode)
+        except (OSError, HostError):
             return False
 
     def islink(self, path: str) -> bool:
         """Whether ``path`` itself is a symlink (its parents are resolved first)."""
-        parent, name = os.path.split(path.rstrip("/"))
-        local = self._local(parent) / name
-        return local.is_symlink()
+        if self.live:
+            return os.path.islink(path)
+
+        def action(dir_fd: int, name: str) -> bool:
+            try:
+                return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+            except OSError:
+                return False
+
+        try:
+            return self._inside(path, action, follow_last=False)
+        except (OSError, HostError):
+            return False
 
     def readlink(self, path: str) -> str:
-        parent, name = os.path.split(path.rstrip("/"))
-        target = os.readlink(self._local(parent) / name)
+        if self.live:
+            target = os.readlink(path)
+        else:
+            target = self._inside(path, lambda dir_fd, name: os.readlink(name, dir_fd=dir_fd), follow_last=False)
         if self.recording is not None:
+            parent, name = os.path.split(path.rstrip("/"))
             self._record_links(parent)
             self.recording.symlinks[os.path.join(self._real(parent), name)] = target
         return target
 
     def listdir(self, path: str) -> list[str]:
         """Sorted entry names; an empty list when the directory does not exist."""
-        local = self._local(path)
         try:
-            with os.scandir(local) as entries:
-                found = {e.name: _kind(e) for e in entries}
+            if self.live:
+                found = _scan(path)
+            else:
+
+                def action(dir_fd: int, name: str) -> dict[str, str]:
+                    try:
+                        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                    except OSError as exc:
+                        if exc.errno == errno.ELOOP:
+                            raise _LinkMoved from None
+                        raise
+                    try:
+                        return _scan(fd)
+                    finally:
+                        os.close(fd)
+
+                found = self._inside(path, action)
         except (FileNotFoundError, NotADirectoryError):
             return []
         if self.recording is not None:
@@ -314,35 +459,48 @@ class Host:
         return result
 
     def _replay_command(self, argv: list[str]) -> CommandResult:
-        stem = self.root / "commands" / command_file_stem(argv)
-        out_file = stem.with_name(stem.name + ".out")
-        if not out_file.is_file():
-            raise CommandNotFound(f"{argv[0]}: not recorded on this node")
-        err_file = stem.with_name(stem.name + ".err")
-        rc_file = stem.with_name(stem.name + ".rc")
-        stderr = err_file.read_text(errors="replace") if err_file.is_file() else ""
+        stem = f"/commands/{command_file_stem(argv)}"
+        try:
+            stdout = self.read_bytes(f"{stem}.out", MAX_COMMAND_BYTES)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise CommandNotFound(f"{argv[0]}: not recorded on this node") from None
+        except OSError as exc:
+            raise HostError(f"{stem}.out: {exc.strerror or exc}") from None
+        stderr = self._optional_recorded(f"{stem}.err", MAX_COMMAND_BYTES)
         rc = 0
-        if rc_file.is_file():
-            text = rc_file.read_text().strip()
+        rc_text = self._optional_recorded(f"{stem}.rc", 64).strip()
+        if rc_text:
             try:
-                rc = int(text)
+                rc = int(rc_text)
             except ValueError:
-                raise HostError(f"{rc_file}: exit code {text!r} is not a number") from None
-        return CommandResult(tuple(argv), out_file.read_text(errors="replace"), stderr, rc)
+                raise HostError(f"{stem}.rc: exit code {rc_text[:20]!r} is not a number") from None
+        return CommandResult(tuple(argv), stdout.decode("utf-8", errors="replace"), stderr, rc)
+
+    def _optional_recorded(self, path: str, limit: int) -> str:
+        """A recorded side file (.err, .rc): empty when absent; errors name the file."""
+        try:
+            return self.read_bytes(path, limit).decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            raise HostError(f"{path}: {exc.strerror or exc}") from None
 
     def nvml(self) -> dict | None:
         """Recorded NVML answers (replay only); None when the node had no NVML."""
         if self.live:
             return None
-        path = self.root / "nvml.json"
-        if not path.is_file():
-            return None
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise HostError(f"{path}: unreadable NVML recording: {exc}") from None
+            text = self.read_bytes("/nvml.json", MAX_NVML_BYTES)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise HostError(f"nvml.json: unreadable NVML recording: {exc.strerror or exc}") from None
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise HostError(f"nvml.json: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):
-            raise HostError(f"{path}: NVML recording must be a JSON object")
+            raise HostError("nvml.json: NVML recording must be a JSON object")
         self.note_nvml(data)
         return data
 
@@ -352,7 +510,28 @@ class Host:
             self.recording.nvml = data
 
 
-def _kind(entry: os.DirEntry[str]) -> str:
+def _scan(directory: str | int) -> dict[str, str]:
+    with os.scandir(directory) as entries:
+        return {e.name: _kind(e) for e in entries}
+
+
+def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
+    """Refuse an archive that would unpack into more than a recorded node ever holds.
+
+    Members are read one header at a time, so a million-member archive is refused after
+    MAX_TARBALL_MEMBERS of them, and sizes are summed from the headers before any byte
+    is written.
+    """
+    total = 0
+    for count, member in enumerate(archive, start=1):
+        total += member.size
+        if count > MAX_TARBALL_MEMBERS:
+            raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
+        if total > MAX_TARBALL_BYTES:
+            raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
+
+
+def _kind(entry: os.DirEntry) -> str:
     if entry.is_symlink():
         return "link"
     if entry.is_dir(follow_symlinks=False):

@@ -128,7 +128,7 @@ def _write_dir(host: Host, root: Path) -> None:
     hostname: str | None = socket.gethostname()
     if not host.live:
         # Re-recorded from a recording: keep the node's name, say where it came from.
-        hostname = _recorded_hostname(host.root)
+        hostname = _recorded_hostname(host)
         recorded_by += f" --root {host.description.removeprefix('recording ')}"
     meta = {
         "schema": 1,
@@ -139,10 +139,10 @@ def _write_dir(host: Host, root: Path) -> None:
     (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
-def _recorded_hostname(root: Path) -> str | None:
+def _recorded_hostname(host: Host) -> str | None:
     try:
-        meta = json.loads((root / "snapshot.json").read_text())
-    except (OSError, ValueError):
+        meta = json.loads(host.read_bytes("/snapshot.json", 1 << 16))
+    except (OSError, HostError, ValueError, RecursionError):
         return None
     name = meta.get("hostname") if isinstance(meta, dict) else None
     return name if isinstance(name, str) else None
