@@ -19,6 +19,7 @@ COMMANDS = {
     "place": "topoagent.commands.place",
     "export": "topoagent.commands.export",
     "serve": "topoagent.commands.serve",
+    "device-plugin": "topoagent.commands.device_plugin",
 }
 
 

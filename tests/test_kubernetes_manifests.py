@@ -1,0 +1,109 @@
+"""deploy/kubernetes/ against the Kubernetes API schemas, and against the commands they run."""
+
+from __future__ import annotations
+
+import shlex
+
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import REPO
+
+from topoagent.cli import build_parser
+
+DEPLOY = REPO / "deploy" / "kubernetes"
+# The newest Kubernetes the installed kubernetes-validate has schemas for.
+KUBERNETES_VERSION = kubernetes_validate.utils.latest_version()
+# kube-scheduler's own config file is not an API server object: kubernetes-validate
+# ships no schema for it (checked below, so we hear when it does), so it is held to the
+# objects it names instead.
+NOT_AN_API_OBJECT = {"KubeSchedulerConfiguration"}
+
+
+def documents() -> list[tuple[str, dict]]:
+    out = []
+    for path in sorted(DEPLOY.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                out.append((f"{path.name}:{doc['kind']}/{doc['metadata']['name'] if 'metadata' in doc else ''}", doc))
+    return out
+
+
+DOCS = documents()
+
+
+def by_kind(kind: str) -> list[dict]:
+    return [doc for _, doc in DOCS if doc["kind"] == kind]
+
+
+def test_a_recent_kubernetes_is_the_target() -> None:
+    major, minor = (int(x) for x in KUBERNETES_VERSION.split(".")[:2])
+    assert (major, minor) >= (1, 34)
+
+
+@pytest.mark.parametrize("doc", [d for _, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT], ids=[n for n, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT])
+def test_every_object_validates_strictly(doc: dict) -> None:
+    # strict: an unknown field (a typo) is an error, as `kubectl apply --validate=strict` has it.
+    kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_scheduler_config_has_no_schema_and_points_at_the_extender_service() -> None:
+    (config,) = by_kind("KubeSchedulerConfiguration")
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        kubernetes_validate.validate(config, KUBERNETES_VERSION, strict=True)
+    (service,) = by_kind("Service")
+    (extender,) = config["extenders"]
+    port = service["spec"]["ports"][0]["port"]
+    assert extender["urlPrefix"].startswith(f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/")
+    assert [r["name"] for r in extender["managedResources"]] == ["nvidia.com/gpu"]
+
+
+def pod_specs() -> list[dict]:
+    return [doc["spec"]["template"]["spec"] for _, doc in DOCS if doc["kind"] in ("DaemonSet", "Deployment")]
+
+
+def test_the_node_pod_runs_agent_and_device_plugin_with_commands_that_exist() -> None:
+    (daemonset,) = by_kind("DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"] + spec["initContainers"]}
+    assert set(containers) == {"agent", "device-plugin", "nfd-features"}
+    for container in containers.values():
+        args = container["args"]
+        # The real parser accepts every argument list the pod runs.
+        parsed = build_parser(args[0]).parse_args(args)
+        assert parsed.command == args[0], shlex.join(args)
+    plugin = build_parser("device-plugin").parse_args(containers["device-plugin"]["args"])
+    assert plugin.agent_url.endswith(":9477")
+    annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == "9477" == str(containers["agent"]["ports"][0]["containerPort"])
+
+
+def test_host_paths_are_read_only_except_where_the_pod_must_write() -> None:
+    (daemonset,) = by_kind("DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert set(host.values()) >= {"/sys", "/var/lib/kubelet/device-plugins", "/etc/kubernetes/node-feature-discovery/features.d"}
+    written = {"/var/lib/kubelet/device-plugins", "/etc/kubernetes/node-feature-discovery/features.d"}
+    for container in spec["containers"] + spec["initContainers"]:
+        for mount in container.get("volumeMounts", []):
+            if mount["name"] in host and host[mount["name"]] not in written:
+                assert mount.get("readOnly") is True, (container["name"], mount)
+        security = container["securityContext"]
+        assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
+        assert security["readOnlyRootFilesystem"] is True
+
+
+def test_every_container_uses_the_one_image_and_has_a_memory_limit() -> None:
+    images = set()
+    for spec in pod_specs():
+        for container in spec["containers"] + spec.get("initContainers", []):
+            images.add(container["image"])
+            assert container["resources"]["requests"]["memory"] and container["resources"]["limits"]["memory"]
+    assert len(images) == 1
+
+
+def test_the_containerfile_installs_the_kubernetes_extra_and_runs_topoagent() -> None:
+    text = (REPO / "Containerfile").read_text()
+    assert ".[kubernetes]" in text
+    assert 'ENTRYPOINT ["topoagent"]' in text
