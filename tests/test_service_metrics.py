@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gzip
 import shutil
 
 import pytest
@@ -115,5 +116,23 @@ def test_promtool_on_the_live_service(tmp_path):
     try:
         agent.post("/place", {"gpus": 2})
         assert promtool_complaints(agent.get("/metrics").body) == []
+    finally:
+        agent.stop()
+
+
+def test_metrics_are_gzipped_when_the_scraper_asks_and_plain_otherwise(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100")
+    try:
+        plain = agent.get("/metrics")
+        assert "content-encoding" not in plain.headers and plain.body.startswith(b"# HELP")
+        # What Prometheus sends (scrape.go: "Accept-Encoding: gzip").
+        packed = agent.get("/metrics", headers={"Accept-Encoding": "gzip"})
+        assert packed.status == 200 and packed.headers["content-encoding"] == "gzip"
+        assert "accept-encoding" in packed.headers["vary"].lower()
+        assert len(packed.body) < len(plain.body) / 4
+        assert promtool_complaints(gzip.decompress(packed.body)) == []
+        assert metric_value(gzip.decompress(packed.body).decode(), "topoagent_gpus") == 8
+        refused = agent.get("/metrics", headers={"Accept-Encoding": "gzip;q=0, identity"})
+        assert "content-encoding" not in refused.headers and refused.body.startswith(b"# HELP")
     finally:
         agent.stop()
