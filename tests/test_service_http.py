@@ -98,7 +98,7 @@ def test_metrics_cover_the_node(agent):
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 1
     assert metric_value(text, "topoagent_snapshot_stale") == 0
     assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0
-    assert 'topoagent_gpu_info{gpu="3"' in text
+    assert metric_value(text, "topoagent_gpu_info", {"gpu": "3"}) == 1
 
 
 # -- placement and leases ------------------------------------------------------------------
