@@ -12,16 +12,24 @@ What NCCL's own dump (``NCCL_TOPO_DUMP_FILE``) holds, and how we fill each part:
   ``<cpu>``.  Children are sorted by bus id, as NCCL keeps them.  ``link_speed`` and
   ``link_width`` are the lower of the device's and its upstream port's maximum, the speed
   in sysfs's words (``"16.0 GT/s PCIe"``).
-- ``<gpu dev sm rank gdr>``: ``dev`` is the NVML index, ``sm`` the compute capability ×10
+- ``<gpu dev sm rank>``: ``dev`` is the NVML index, ``sm`` the compute capability ×10
   (from the model; left out when the model is unknown, NCCL then asks the GPU), ``rank``
-  the index (NCCL overwrites ``rank`` and ``gdr`` for its local GPUs at init).
+  the index (NCCL sets ``rank`` itself at init).  ``gdr`` is left out: NCCL keeps a file's
+  ``gdr`` (src/graph/topo.cc, ``xmlInitAttrInt``) and only fills it when absent, from
+  CUDA's ``cudaDevAttrGPUDirectRDMASupported``, which nothing outside CUDA can read.
 - ``<nvlink target count tclass>``: one per remote end of the GPU's active links, ``count``
   links to it, ``tclass`` the remote's PCI class (NVSwitch ``0x068000``, GPU ``0x030200``).
   A remote NVML cannot see (a VM) is NCCL's ``fffffff:ff:ff.0``, taken for an NVSwitch.
-- ``<nic><net name dev speed port latency guid gdr/></nic>`` per active RDMA port: ``dev``
-  numbers the active ports in device order as the IB plugin does, ``speed`` is Mb/s.
-  ``maxconn`` (the HCA's queue-pair limit, a verbs query) is not in sysfs, so it is left
-  out and NCCL uses its default.
+- ``<nic><net name dev speed port latency gdr/></nic>`` per active RDMA port: ``dev``
+  numbers the active ports in device order as the IB plugin does (NCCL renumbers it
+  anyway), ``speed`` is Mb/s from sysfs ``rate``, the same number the IB plugin computes.
+  NCCL keeps every other ``net`` attribute a file gives (``xmlInitAttr*``) instead of
+  asking the plugin, so we write only what we know:  ``gdr="1"`` only when a GPUDirect
+  peer-memory module is loaded (the files NCCL's IB plugin tests); otherwise ``gdr`` is
+  left out and NCCL detects it, DMA-BUF included.  ``guid`` is left out: NCCL's is the
+  HCA's ``sys_image_guid`` as verbs returns it (bytes reversed from sysfs on x86), and it
+  uses guid+port to decide which nets share a port's bandwidth, so sysfs's per-function
+  ``node_guid`` would mean something else.  ``maxconn`` (a verbs query) is left out too.
 """
 
 from __future__ import annotations
@@ -150,13 +158,12 @@ def build_nccl_xml(topology: NodeTopology) -> ET.Element:
             parent = pci_element(bridge, parent)
         return pci_element(device.address, parent)
 
-    gdr = "1" if any(n.active for n in topology.nics) else "0"
     for gpu in topology.gpus:
         dev = by_address.get(gpu.pci_address or "")
         if dev is None:
             continue  # nvidia-smi saw it, sysfs did not: NCCL could not place it either
         pci = place(dev, gpu.numa_node if gpu.numa_node is not None else dev.numa_node)
-        _gpu_element(pci, gpu, gdr, by_address)
+        _gpu_element(pci, gpu, by_address)
 
     nets = _active_nets(topology.nics)
     for nic in topology.nics:
@@ -171,9 +178,8 @@ def build_nccl_xml(topology: NodeTopology) -> ET.Element:
         for net in mine:
             attrs = {"name": nic.device or nic.name, "dev": str(net.dev), "speed": str(net.mbps),
                      "port": str(net.port), "latency": "0.000000"}
-            if nic.node_guid:
-                attrs["guid"] = nic.node_guid
-            attrs["gdr"] = "1"
+            if topology.peer_memory is not None:
+                attrs["gdr"] = "1"
             ET.SubElement(nic_el, "net", attrs)
 
     for key in sorted(cpus):
@@ -203,12 +209,12 @@ def _pci_attrs(address: str, dev: PciDevice | None, by_address: dict[str, PciDev
     return attrs
 
 
-def _gpu_element(pci: ET.Element, gpu: GpuTopo, gdr: str, by_address: dict[str, PciDevice]) -> None:
+def _gpu_element(pci: ET.Element, gpu: GpuTopo, by_address: dict[str, PciDevice]) -> None:
     attrs = {"dev": str(gpu.index)}
     sm = sm_for_model(gpu.model)
     if sm is not None:
         attrs["sm"] = str(sm)
-    attrs.update({"rank": str(gpu.index), "gdr": gdr})
+    attrs["rank"] = str(gpu.index)
     element = ET.SubElement(pci, "gpu", attrs)
     counts: dict[str, int] = {}
     classes: dict[str, str] = {}

@@ -47,8 +47,13 @@ def label_value(text: str) -> str:
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
 
 
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else f"{value:.2f}".rstrip("0")
+def gpu_product(model: str) -> str:
+    """The GPU Operator's ``nvidia.com/gpu.product`` spelling of an NVML name: spaces become
+    dashes (gpu-feature-discovery's ``strings.ReplaceAll(name, " ", "-")``), so
+    ``NVIDIA A100-SXM4-40GB`` is ``NVIDIA-A100-SXM4-40GB`` and one nodeSelector value fits
+    both labels.  A name that would still not be a label value is made into one."""
+    value = model.strip().replace(" ", "-")
+    return value if len(value) <= 63 and LABEL_VALUE.match(value) else label_value(model)
 
 
 def nvlink_zones(topology: NodeTopology) -> list[set[str]]:
@@ -79,7 +84,7 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
     models = {g.model for g in gpus if g.model}
     if models:
         model = models.pop() if len(models) == 1 else "mixed"
-        features["gpu.model"] = label_value(model.removeprefix("NVIDIA ")) or "unknown"
+        features["gpu.model"] = (gpu_product(model) if model != "mixed" else model) or "unknown"
     if gpus:
         zones = nvlink_zones(topology)
         largest = len(zones[0]) if zones and len(zones[0]) > 1 else 0
@@ -99,9 +104,10 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
         features["nvswitch.count"] = str(nvswitches)
     per_node = Counter(g.numa_node for g in gpus if g.numa_node is not None)
     if per_node:
-        low, high = min(per_node.values()), max(per_node.values())
-        # One number when the GPUs are spread evenly, else "min-max".
-        features["gpu.per-numa-node"] = str(high) if low == high else f"{low}-{high}"
+        # Integers, so nodeAffinity's Gt/Lt can compare them: the fewest GPUs on a NUMA node
+        # that has any (what NUMA-aligned placement can count on) and the most.
+        features["gpu.per-numa-node"] = str(min(per_node.values()))
+        features["gpu.per-numa-node.max"] = str(max(per_node.values()))
         features["gpu.numa-nodes"] = str(len(per_node))
     rdma = [n for n in nics if n.ports]
     features["nic.count"] = str(len(rdma))
@@ -111,12 +117,14 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
             if (lvl := topology.level(g.name, n.name)) is not None
             and lvl.kind in (LevelKind.PIX, LevelKind.PXB)
         }
-        features["nic.per-gpu"] = _number(round(len(close) / len(gpus), 2))
+        # Per mille, an integer Gt/Lt can compare: 1000 is one NIC per GPU, 500 one per two.
+        features["nic.per-gpu-permille"] = str(round(1000 * len(close) / len(gpus)))
     active = [p for n in rdma for p in n.ports if p.active]
     features["ib.active-ports"] = str(len(active))
     rates = [p.rate_gbps for p in active if p.rate_gbps]
     if rates:
-        features["ib.rate-gbps"] = _number(max(rates))
+        # Whole Gb/s (every IB/RoCE rate since QDR is one); an integer Gt/Lt can compare.
+        features["ib.rate-gbps"] = str(int(max(rates)))
     severities = Counter(f.severity for f in topology.findings)
     features["findings"] = str(len(topology.findings))
     # The label kept its name when discovery's "error" severity became critical.
@@ -136,4 +144,4 @@ def render_nfd(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> str:
 
 
 __all__ = ["DEFAULT_PREFIX", "LABEL_NAME", "LABEL_PREFIX", "LABEL_VALUE", "LabelError",
-           "check_label", "label_value", "nfd_features", "nvlink_zones", "render_nfd"]
+           "check_label", "gpu_product", "label_value", "nfd_features", "nvlink_zones", "render_nfd"]

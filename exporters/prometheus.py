@@ -38,6 +38,16 @@ def _opt(value: object) -> str:
     return "" if value is None else str(value)
 
 
+def nvml_bus_id(address: str | None) -> str:
+    """sysfs ``0000:07:00.0`` as NVML (and dcgm-exporter) writes it: ``00000000:07:00.0``.
+
+    NVML's busId has an 8-hex-digit domain and upper-case hex digits."""
+    if not address:
+        return ""
+    domain, _, rest = address.partition(":")
+    return f"{int(domain, 16):08X}:{rest.upper()}"
+
+
 class SnapshotCollector(Collector):
     def __init__(self, snapshot: Snapshot) -> None:
         self.snapshot = snapshot
@@ -50,7 +60,11 @@ class SnapshotCollector(Collector):
         for info in matrix.gpus:
             gpu_info.add_metric(
                 [str(info.index)],
-                {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node)},
+                {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node),
+                 # dcgm-exporter's names and spellings for the same GPU, so a PromQL join needs
+                 # no relabelling (its `gpu` is the NVML index, as ours is).
+                 "UUID": _opt(info.uuid), "pci_bus_id": nvml_bus_id(info.pci_address), "modelName": _opt(info.model),
+                 "Hostname": _opt(node.hostname)},
             )
         yield gpu_info
 

@@ -135,6 +135,24 @@ def wait_ready(agent: Agent, timeout: float = 20) -> None:
     raise AssertionError("agent never became ready:\n" + agent.log())
 
 
+# The one promtool lint accepted on purpose: topoagent_gpu_info's modelName is dcgm-exporter's
+# spelling, kept so a PromQL join needs no relabelling (promtool asks for snake_case).
+ACCEPTED_LINT = "topoagent_gpu_info label names should be written in 'snake_case' not 'camelCase'"
+
+
+def promtool_complaints(text: bytes) -> list[str]:
+    """What `promtool check metrics` says about a page, less the accepted lint; [] is clean."""
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        raise AssertionError("promtool not found: install the Debian package 'prometheus' (scripts/test does)")
+    done = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=30)
+    said = [line for line in (done.stdout + done.stderr).decode().splitlines() if line.strip()]
+    complaints = [line for line in said if line != ACCEPTED_LINT]
+    if done.returncode not in (0, 3):  # 3: lint findings only; anything else failed to parse
+        complaints.append(f"promtool exited {done.returncode}")
+    return complaints
+
+
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float | None:
     for line in text.splitlines():
         if line.startswith("#") or not line.startswith(name):

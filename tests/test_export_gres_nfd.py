@@ -3,6 +3,7 @@ the CPU core map against lstopo's Core L# on real hwloc recordings."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -16,7 +17,7 @@ from topoagent.collectors.cpu import SYSFS, assume_core_map, read_core_map
 from topoagent.commands.discover import discover_root
 from topoagent.cpulist import parse_cpulist
 from topoagent.exporters.gres import bus_order, render_gres
-from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, render_nfd
+from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, gpu_product, nfd_features, render_nfd
 from topoagent.host import Host
 
 SNAPSHOTS = FIXTURES / "snapshots"
@@ -117,10 +118,36 @@ def test_nfd_values_say_what_each_machine_is():
     dgx2, a100, ws, bad = features("dgx2"), features("dgx-a100"), features("workstation-2gpu"), features("degraded")
     assert dgx2["gpu.count"] == "16" and dgx2["nvswitch"] == "true" and dgx2["nvlink.zone-size"] == "16"
     assert dgx2["gpu.model"].startswith("Tesla-V100")
-    assert a100["gpu.per-numa-node"] == "2" and a100["ib.rate-gbps"] == "200" and a100["nic.per-gpu"] == "1"
+    assert a100["gpu.per-numa-node"] == "2" and a100["ib.rate-gbps"] == "200" and a100["nic.per-gpu-permille"] == "1000"
+    # gpu-feature-discovery's nvidia.com/gpu.product value for the same GPU: one nodeSelector fits both.
+    assert a100["gpu.model"] == "NVIDIA-A100-SXM4-40GB"
     assert ws["nvswitch"] == "false" and ws["nvlink.zone-size"] == "0"
     assert bad["findings"] == "3" and bad["findings.warnings"] == "3"  # x8 link, NVLink down, IB port down
     assert bad["ib.active-ports"] == "7"
+
+
+# The labels a nodeAffinity Gt/Lt may compare: Kubernetes parses both sides as integers.
+NOT_NUMBERS = {"gpu.model", "nvswitch"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_nfd_label_but_the_model_and_a_flag_is_an_integer_gt_and_lt_can_compare(name):
+    for key, value in features(name).items():
+        if key not in NOT_NUMBERS:
+            assert re.fullmatch(r"0|[1-9][0-9]*", value), (key, value)
+
+
+def test_uneven_gpus_per_numa_node_give_the_fewest_and_the_most():
+    node = discover_root(str(SNAPSHOTS / "pcie-2socket"))  # 4 + 4 GPUs; move one across
+    moved = (replace(node.gpus[0], numa_node=1), *node.gpus[1:])
+    labels = nfd_features(replace(node, gpus=moved), "t.io")
+    assert (labels["t.io/gpu.per-numa-node"], labels["t.io/gpu.per-numa-node.max"]) == ("3", "5")
+
+
+def test_gpu_product_spells_a_model_as_gpu_feature_discovery_does():
+    assert gpu_product("NVIDIA H100 80GB HBM3") == "NVIDIA-H100-80GB-HBM3"
+    assert gpu_product("Tesla V100-SXM2-32GB") == "Tesla-V100-SXM2-32GB"
+    assert gpu_product("NVIDIA RTX A6000 (rev 2)") == "NVIDIA-RTX-A6000-rev-2"  # not a label value as GFD has it
 
 
 def test_cli_exports_to_a_file_and_refuses_bad_input(tmp_path):

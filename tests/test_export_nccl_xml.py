@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import CORPUS, FIXTURES
 
+from topoagent.collectors.gpudirect import PEER_MEMORY_FILES
 from topoagent.collectors.pci import PciDevice
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.nccl_xml import cpumap, render_nccl_xml, xml_parent_chain
@@ -57,13 +58,19 @@ def structure(root: ET.Element) -> dict[str, set[str]]:
     return found
 
 
-def export(name: str, tmp_path: Path) -> ET.Element:
+def export(name: str, tmp_path: Path, peer_memory_file: str | None = None) -> ET.Element:
+    """The fixture's NCCL file; ``peer_memory_file``: a GPUDirect module's file added to it."""
     root = SNAPSHOTS / name
-    if name in CPUINFO:  # the fixture with the CPU facts a live node has in /proc/cpuinfo
+    if name in CPUINFO or peer_memory_file:
         copy = tmp_path / name
         shutil.copytree(root, copy, symlinks=True)
-        (copy / "proc").mkdir(exist_ok=True)
-        (copy / "proc" / "cpuinfo").write_text(CPUINFO[name])
+        if name in CPUINFO:  # the CPU facts a live node has in /proc/cpuinfo
+            (copy / "proc").mkdir(exist_ok=True)
+            (copy / "proc" / "cpuinfo").write_text(CPUINFO[name])
+        if peer_memory_file:
+            marker = copy / peer_memory_file.lstrip("/")
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text("1.0-0\n")
         root = copy
     return ET.fromstring(render_nccl_xml(discover_root(str(root))))
 
@@ -74,14 +81,17 @@ def h200_dump() -> ET.Element:
 
 
 def test_hgx_h100_has_the_elements_attributes_and_nesting_of_nccls_h200_dump(tmp_path, h200_dump):
-    ours, theirs = structure(export("hgx-h100", tmp_path)), structure(h200_dump)
+    ours = structure(export("hgx-h100", tmp_path, "/sys/module/nvidia_peermem/version"))
+    theirs = structure(h200_dump)
     assert set(ours) == set(theirs)
     assert ours["nesting"] == theirs["nesting"]
-    # host_hash is NCCL's hash of the host name (multi-node only); maxconn is a verbs query.
-    not_in_sysfs = {"cpu": {"host_hash"}, "net": {"maxconn"}}
+    # NCCL keeps these from a file instead of asking, and we cannot know them as NCCL means
+    # them: host_hash (its hash of the host name), a GPU's gdr (a CUDA attribute), a net's
+    # guid (verbs' sys_image_guid) and maxconn (a verbs query).  Left out, NCCL detects them.
+    left_to_nccl = {"cpu": {"host_hash"}, "gpu": {"gdr"}, "net": {"maxconn", "guid"}}
     for tag, attrs in theirs.items():
         if tag != "nesting":
-            assert ours[tag] == attrs - not_in_sysfs.get(tag, set()), tag
+            assert ours[tag] == attrs - left_to_nccl.get(tag, set()), tag
 
 
 def test_hgx_h100_switch_blocks_match_the_dump_line_for_line(tmp_path, h200_dump):
@@ -101,7 +111,7 @@ def test_hgx_h100_switch_blocks_match_the_dump_line_for_line(tmp_path, h200_dump
         assert {c.get("busid") for c in theirs.findall("pci")} <= {c.get("busid") for c in mine.findall("pci")}
         gpu, their_gpu = mine.find("gpu"), theirs.find("gpu")
         if their_gpu is not None:
-            assert {k: gpu.get(k) for k in ("dev", "sm", "rank", "gdr")} == dict(their_gpu.attrib)
+            assert dict(gpu.attrib) == {k: their_gpu.get(k) for k in ("dev", "sm", "rank")}
             assert sorted((l.get("target"), l.get("count"), l.get("tclass")) for l in gpu.findall("nvlink")) == \
                 sorted((l.get("target"), l.get("count"), l.get("tclass")) for l in their_gpu.findall("nvlink"))
 
@@ -127,7 +137,23 @@ def test_dgx_a100_matches_the_a100_files_and_links_through_six_nvswitches(tmp_pa
     assert [n.get("name") for n in nets] == [f"mlx5_{i}" for i in range(10)]
     assert [n.get("dev") for n in nets] == [str(i) for i in range(10)]
     assert {n.get("speed") for n in nets} == {"200000"}
-    assert all(re.fullmatch(r"0x[0-9a-f]{16}", n.get("guid")) for n in nets)
+
+
+@pytest.mark.parametrize("name", ["dgx-a100", "hgx-h100"])
+def test_without_a_peer_memory_module_no_gdr_is_written_so_nccl_detects_it(name, tmp_path):
+    """NCCL keeps a file's gdr; with no module seen we do not know (DMA-BUF may still work)."""
+    root = export(name, tmp_path)
+    assert root.findall(".//net") and root.findall(".//gpu")
+    assert [e.tag for e in root.iter() if "gdr" in e.attrib] == []
+    assert [n.get("name") for n in root.iter("net") if "guid" in n.attrib] == []
+
+
+@pytest.mark.parametrize("module_file", [path for path, _ in PEER_MEMORY_FILES])
+def test_a_peer_memory_module_nccl_tests_for_turns_gdr_on_for_the_nets_only(module_file, tmp_path):
+    root = export("dgx-a100", tmp_path, module_file)
+    assert {n.get("gdr") for n in root.iter("net")} == {"1"}
+    assert len(root.findall(".//net")) == 10
+    assert [g.get("dev") for g in root.iter("gpu") if "gdr" in g.attrib] == []  # CUDA's to say
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in SNAPSHOTS.iterdir()))

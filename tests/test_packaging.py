@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 
+import pytest
 from conftest import REPO
 
 FOLDERS = {"topoagent": "topoagent", "collectors": "topoagent.collectors",
@@ -52,3 +53,119 @@ def test_version_matches_the_installed_distribution():
     assert proc.stdout == f"topoagent {version('topoagent')}\n"
     with open(REPO / "pyproject.toml", "rb") as handle:
         assert version("topoagent") == tomllib.load(handle)["project"]["version"]
+
+
+# --- the built wheel, installed in a fresh venv, deploys a node --------------------------
+
+WHEEL_SOURCES = ["pyproject.toml", "README.md", "LICENSE", "topoagent", "collectors", "probes", "exporters", "systemd"]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    return build_wheel(tmp_path_factory.mktemp("wheel"))
+
+
+def build_wheel(tmp_path):
+    """`pip wheel` of a copy of the tree (the build leaves build/ and *.egg-info beside the
+    sources), offline: no build isolation, the test venv's setuptools does the build."""
+    import shutil
+    import subprocess
+    import sys
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in WHEEL_SOURCES:
+        path = REPO / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.copytree(path, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(path, source / name, follow_symlinks=False)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index",
+                           "-q", "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("topoagent-*.whl")
+    return wheel
+
+
+def test_the_wheel_carries_licence_types_deployment_files_and_honest_metadata(wheel):
+    import zipfile
+    from email.parser import Parser
+
+    wheel = zipfile.ZipFile(wheel)
+    names = set(wheel.namelist())
+    assert {"topoagent/py.typed", "topoagent/data/topoagent.service", "topoagent/data/topoagent.toml",
+            "topoagent/data/grafana-dashboard.json", "topoagent/collectors/pci.py", "topoagent/exporters/nfd.py"} <= names
+    (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert b"Apache License" in wheel.read(license_file) and b"Version 2.0, January 2004" in wheel.read(license_file)
+    (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+    metadata = Parser().parsestr(wheel.read(metadata_name).decode())
+    assert metadata["Metadata-Version"] >= "2.4" and metadata["License-Expression"] == "Apache-2.0"
+    assert metadata["License-File"] == "LICENSE"
+    requires = metadata.get_all("Requires-Dist")
+    assert {r for r in requires if "extra ==" not in r} == {
+        "aiohttp>=3.9", "prometheus-client>=0.14", "nvidia-ml-py>=12.550.52", "pyudev>=0.16"}
+    assert 'torch<3,>=2.1; extra == "probes"' in requires
+    assert "Typing :: Typed" in metadata.get_all("Classifier")
+    assert any(url.startswith("Homepage, ") for url in metadata.get_all("Project-URL"))
+
+
+def test_the_wheel_installed_in_a_fresh_venv_serves_a_recorded_node_and_installs_its_files(wheel, tmp_path):
+    import http.client
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import sysconfig
+    import time
+    import venv
+
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
+                           "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # The venv's own topoagent, with its dependencies borrowed from this test environment's
+    # site-packages (offline, and no second copy) by a .pth line, which comes after the
+    # venv's own site-packages: the wheel's topoagent wins over one installed there.  The
+    # checkout is not on the path (no PYTHONPATH, and the commands run elsewhere).
+    (site,) = (env_dir / "lib").glob("python3*/site-packages")
+    (site / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    where = subprocess.run([str(python), "-c", "import topoagent; print(topoagent.__file__)"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert where.stdout.startswith(str(env_dir)), where.stdout + where.stderr
+
+    files = subprocess.run([str(env_dir / "bin/topoagent"), "install-files", str(tmp_path / "etc")], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert files.returncode == 0, files.stderr
+    assert (tmp_path / "etc/topoagent.service").read_bytes() == (REPO / "systemd/topoagent.service").read_bytes()
+    assert len(files.stdout.splitlines()) == 3
+
+    serve = subprocess.Popen([str(env_dir / "bin/topoagent"), "serve", "--root", str(REPO / "fixtures/snapshots/dgx-a100"),
+                              "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")],
+                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = serve.stdout.readline()
+        host, port = line.rsplit("http://", 1)[1].split()[0].rstrip("/").rsplit(":", 1)
+
+        def get(path: str) -> tuple[int, bytes]:
+            for _ in range(200):  # until discovery of the recorded node is done
+                conn = http.client.HTTPConnection(host, int(port), timeout=30)
+                conn.request("GET", path)
+                reply = conn.getresponse()
+                body = reply.read()
+                conn.close()
+                if reply.status != 503:
+                    return reply.status, body
+                time.sleep(0.05)
+            return reply.status, body
+
+        assert get("/healthz") == (200, b'{"status": "alive"}')
+        status, body = get("/topology")
+        assert status == 200 and len(json.loads(body)["gpus"]) == 8
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        _, err = serve.communicate(timeout=30)
+    assert serve.returncode == 0, err

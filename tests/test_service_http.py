@@ -43,9 +43,9 @@ def test_topology_json_etag_and_304(agent):
     pair01 = next(p for p in doc["pairs"] if (p["a"], p["b"]) == ("GPU0", "GPU1"))
     assert pair01["level"] == "NV12"
     assert doc["agent"]["stale"] is False
-    # nvidia_driver finds nothing in the recording: absent (no_data), so still a success.
+    # nvidia_driver and gpudirect find nothing in the recording: absent (no_data), so still a success.
     assert {name for name, c in doc["collectors"].items() if c["status"] != "error"} == {
-        "numa", "cpu", "pci", "infiniband", "nvml", "nvidia_driver", "nvidia_smi"}
+        "numa", "cpu", "pci", "infiniband", "gpudirect", "nvml", "nvidia_driver", "nvidia_smi"}
     assert all(c["last_success_at"] >= doc["agent"]["built_at"] for c in doc["collectors"].values())
     # Every fact once: no second copy of findings or collector status under agent.
     assert set(doc["agent"]) == {"snapshot_version", "built_at", "stale", "error", "failed_at", "probe_figures"}
@@ -98,7 +98,7 @@ def test_metrics_cover_the_node(agent):
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 1
     assert metric_value(text, "topoagent_snapshot_stale") == 0
     assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0
-    assert 'topoagent_gpu_info{gpu="3"' in text
+    assert metric_value(text, "topoagent_gpu_info", {"gpu": "3"}) == 1
 
 
 # -- placement and leases ------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 
 from topoagent import __version__
 from topoagent.errors import UsageError
+from topoagent.log import LEVELS, log_to_stderr
 
 # Subcommand name -> module under topoagent.commands.  Each module defines
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
@@ -20,6 +21,9 @@ COMMANDS = {
     "export": "topoagent.commands.export",
     "serve": "topoagent.commands.serve",
     "device-plugin": "topoagent.commands.device_plugin",
+    "install-files": "topoagent.commands.install_files",
+    "completion": "topoagent.commands.completion",
+    "man": "topoagent.commands.man",
 }
 
 
@@ -34,11 +38,27 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="GPU topology discovery, link measurement and placement for one node.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", choices=tuple(LEVELS), help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         if only is None or name == only:
             importlib.import_module(module_name).register(sub)
+    _accept_log_level_everywhere(sub)
     return parser
+
+
+LOG_LEVEL_HELP = "log events at this level and above to stderr (default: info for serve, warning otherwise)"
+
+
+def _accept_log_level_everywhere(sub: argparse._SubParsersAction) -> None:
+    """`topoagent serve --log-level debug` works as well as `topoagent --log-level debug serve`.
+
+    SUPPRESS as default: a subcommand that was not given the flag leaves the top-level value."""
+    for parser in sub.choices.values():
+        parser.add_argument("--log-level", choices=tuple(LEVELS), default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_log_level_everywhere(action)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     # The command comes first: build only its parser (top-level help still lists all).
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
+    if args.log_level is not None and args.command != "serve":  # serve sets up its own (journald)
+        log_to_stderr(LEVELS[args.log_level])
     try:
         return args.run(args)
     except UsageError as exc:

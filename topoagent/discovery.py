@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from topoagent.collectors import cpu, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors import cpu, gpudirect, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
 from topoagent.collectors.base import CollectorResult
 from topoagent.host import Host
 from topoagent.merge import merge
@@ -39,6 +39,7 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("cpu", cpu.collect, needs=("numa",)),
     Collector("pci", pci.collect, needs=("numa",)),
     Collector("infiniband", infiniband.collect),
+    Collector("gpudirect", gpudirect.collect),
     Collector("nvml", nvml.collect),
     Collector("nvidia_driver", nvidia_driver.collect),
     Collector("nvidia_smi", nvidia_smi.collect),

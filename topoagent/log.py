@@ -5,9 +5,26 @@ from __future__ import annotations
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 log = logging.getLogger("topoagent")
+
+# `--log-level` names, quietest last; serve defaults to info, one-shot commands to warning.
+LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+
+
+def level_named(name: str | None, default: int) -> int:
+    return LEVELS[name] if name else default
+
+
+def log_to_stderr(level: int) -> None:
+    """One-shot commands: events at ``level`` and above on stderr, one line each."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.handlers[:] = [handler]
+    log.setLevel(level)
+    log.propagate = False
 
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 

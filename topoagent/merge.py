@@ -221,4 +221,5 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         collectors=tuple(_status(r) for r in results.values()),
         declared=declared,
         cpu=cpu,
+        peer_memory=_data(results, "gpudirect"),
     )

@@ -116,6 +116,8 @@ class NodeTopology:
     collectors: tuple[CollectorStatus, ...]
     declared: TopoMatrix | None = None
     cpu: CpuFacts | None = None  # CPU identity and core map (the NCCL and gres exports read it)
+    # The GPUDirect peer-memory module loaded ("nvidia_peermem"), None when none was seen.
+    peer_memory: str | None = None
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:

@@ -42,10 +42,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         fmt.set_defaults(run=run)
 
 
+# One rule for every format: a node without GPUs has nothing to export, so each says the
+# same line and exits 1 without writing (an existing -o file is left as it was); 2 is bad input.
+NO_GPUS = "no GPUs found on this node; nothing written"
+EXIT_NO_GPUS = 1
+
+
 def run(args: argparse.Namespace) -> int:
     from topoagent.commands.discover import discover_root
 
-    _write(_render(args, discover_root(args.root)), args.output)
+    topology = discover_root(args.root)
+    if not topology.gpus:
+        print(f"topoagent export {args.format}: {NO_GPUS}", file=sys.stderr)
+        return EXIT_NO_GPUS
+    _write(_render(args, topology), args.output)
     return 0
 
 

@@ -65,7 +65,7 @@ def read_token(path: str | None) -> bytes:
     return token
 
 
-def setup_logging() -> None:
+def setup_logging(level: int = logging.INFO) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if os.environ.get("JOURNAL_STREAM"):
         # journald adds time and unit; a <N> prefix sets the priority (sd-daemon(3)).
@@ -80,7 +80,7 @@ def setup_logging() -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     root = logging.getLogger("topoagent")
     root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
+    root.setLevel(level)
     root.propagate = False
     # aiohttp's access log is one line per request: too loud for journald by default.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
@@ -118,7 +118,9 @@ def _event_line(event: str, **fields: object) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging()
+    from topoagent.log import level_named
+
+    setup_logging(level_named(getattr(args, "log_level", None), logging.INFO))
     try:
         config = with_credential_token(load_config(args.config, _overrides(args)))
         token = read_token(config.token_file)
