@@ -237,7 +237,15 @@ class RuntimeCollector(Collector):
         leases.add_metric([], len(active))
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
         leased.add_metric([], sum(len(l.gpus) for l in active))
-        yield from (leases, leased)
+        satisfaction = GaugeMetricFamily(
+            f"{NS}_lease_topology_satisfaction",
+            "Share of a live lease's pattern links that are local (NVLink or one PCIe switch), from its placement.",
+            labels=["lease", "owner"],
+        )
+        for lease in active:
+            if lease.satisfaction is not None:
+                satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
+        yield from (leases, leased, satisfaction)
         store = agent.lease_store
         recovered = GaugeMetricFamily(
             f"{NS}_leases_recovered_from_corrupt_state",

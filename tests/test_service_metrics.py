@@ -136,3 +136,34 @@ def test_metrics_are_gzipped_when_the_scraper_asks_and_plain_otherwise(tmp_path)
         assert "content-encoding" not in refused.headers and refused.body.startswith(b"# HELP")
     finally:
         agent.stop()
+
+
+def test_live_leases_show_their_topology_satisfaction_also_after_a_restart(tmp_path):
+    from topoagent.placement import Request
+
+    async def run(step: str) -> tuple[str, str, str]:
+        agent = Agent(Config(root=str(SNAPSHOTS / "pcie-2socket"), state_dir=str(tmp_path / "state"), udev=False))
+        await agent.start()
+        try:
+            await agent.request_refresh("test")
+            if step == "restart":  # the leases come back from the state file
+                return MetricsPage(agent).render().decode(), "", ""
+            _, local = await agent.reserve(Request(gpus=2), "job-local", 600)
+            _, wide = await agent.reserve(Request(gpus=6), "job-wide", 600)
+            assert local is not None and wide is not None
+            before = MetricsPage(agent).render().decode()
+            await agent.release(wide.id)
+            return before, MetricsPage(agent).render().decode(), local.id + " " + wide.id
+        finally:
+            await agent.stop()
+
+    before, after, ids = asyncio.run(run("grant"))
+    local_id, wide_id = ids.split()
+    name = "topoagent_lease_topology_satisfaction"
+    assert metric_value(before, name, {"lease": local_id, "owner": "job-local"}) == 1.0  # one PCIe switch
+    # Six GPUs of two sockets' switches (four each): two of the six ring links cross the sockets.
+    assert metric_value(before, name, {"lease": wide_id, "owner": "job-wide"}) == pytest.approx(4 / 6, abs=1e-4)
+    assert metric_value(after, name, {"lease": wide_id, "owner": "job-wide"}) is None  # released: gone
+    assert promtool_complaints(before.encode()) == []
+    restarted, _, _ = asyncio.run(run("restart"))
+    assert metric_value(restarted, name, {"lease": local_id, "owner": "job-local"}) == 1.0

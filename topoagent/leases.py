@@ -110,6 +110,8 @@ class Lease:
     created_at: float  # Unix time, for display
     expires_at: float  # Unix time, for display
     deadline: float  # on the boot clock: the lease is held while boot_clock() < deadline
+    # The topology satisfaction of the placement it holds (None: GPUs named by hand).
+    satisfaction: float | None = None
 
     @property
     def ttl_s(self) -> float:
@@ -280,7 +282,7 @@ class LeaseStore:
             answer = place(matrix, request, busy)
             if isinstance(answer, NoFit):
                 return answer
-            return self._grant(owner, answer.indices, ttl_s), answer
+            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction), answer
 
     def release(self, lease_id: str) -> bool:
         with self._locked():
@@ -304,7 +306,7 @@ class LeaseStore:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _grant(self, owner: str, gpus: tuple[int, ...], ttl_s: float) -> Lease:
+    def _grant(self, owner: str, gpus: tuple[int, ...], ttl_s: float, satisfaction: float | None = None) -> Lease:
         problem = _gpus_problem(gpus)
         if problem:
             raise LeaseError(problem)
@@ -315,7 +317,7 @@ class LeaseStore:
         if clash:
             holder = taken[clash[0]]
             raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
-        lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s))
+        lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction)
         self._leases[lease.id] = lease
         self._save()  # durable before anyone hears of it
         return lease
@@ -366,7 +368,12 @@ def _lease_from_json(obj: object, n: int) -> tuple[Lease, float | None]:
     if not 0 < expires - created <= TTL_MAX_S + 1e-3:
         raise StateCorrupt(f"{where}: expires_at - created_at must be above 0 and at most {TTL_MAX_S} s")
     deadline = _finite(obj, "deadline_boottime_s", where) if "deadline_boottime_s" in obj else None
-    return Lease(lid, obj["owner"], tuple(obj["gpus"]), created, expires, math.nan), deadline
+    satisfaction = obj.get("satisfaction")
+    if satisfaction is not None:  # absent in files of older agents
+        satisfaction = _finite(obj, "satisfaction", where)
+        if not 0 <= satisfaction <= 1:
+            raise StateCorrupt(f"{where}.satisfaction: expected a share from 0 to 1")
+    return Lease(lid, obj["owner"], tuple(obj["gpus"]), created, expires, math.nan, satisfaction), deadline
 
 
 def _finite(obj: dict[str, Any], key: str, where: str) -> float:

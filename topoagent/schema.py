@@ -465,6 +465,7 @@ LEASE = Document("Lease", {
     "gpus": _plain_list("gpus", INTEGER),
     "created_at": Field(NUMBER, description="Unix time"),
     "expires_at": Field(NUMBER, description="Unix time"),
+    "satisfaction": Field(nullable(NUMBER), description="the topology satisfaction of the placement it holds; null for GPUs leased by hand"),
 })
 
 
