@@ -270,7 +270,7 @@ async def place(request: web.Request) -> web.Response:
 
 def _why_busy(agent: Agent, req: Request) -> str:
     """Say which wanted GPUs are leased (by whom) and which run processes."""
-    leased = {g: lease for lease in agent.active_leases() for g in lease.gpus}
+    leased = agent.holding().holder
     running = agent.gpus_with_processes()
     parts = []
     for gpu in req.include:
@@ -287,7 +287,12 @@ def _why_busy(agent: Agent, req: Request) -> str:
 
 async def list_leases(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    body: dict[str, Any] = {"leases": [lease_document(lease) for lease in agent.active_leases()]}
+    holding = agent.holding()
+    body: dict[str, Any] = {
+        "leases": [lease_document(lease) for lease in agent.active_leases()],
+        # Leases whose GPU left the node: kept until they expire or are released, blocking nothing.
+        "orphaned": [lease.id for lease in holding.orphaned],
+    }
     store = agent.lease_store
     if store is not None and store.recovered_from is not None:
         # Leases granted before this start may be lost: say so where schedulers look.

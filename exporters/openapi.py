@@ -125,8 +125,9 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "200": {
                             "description": "Active leases, oldest first.",
-                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases"], "properties": {
+                            "content": {"application/json": {"schema": {"type": "object", "required": ["leases", "orphaned"], "properties": {
                                 "leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}},
+                                "orphaned": {"type": "array", "items": {"type": "string"}, "description": "Ids of leases whose GPU left the node (found by UUID): they block nothing."},
                                 "recovered_from_corrupt_state": {
                                     "type": "object",
                                     "required": ["file", "moved_to", "error"],

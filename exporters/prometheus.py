@@ -245,7 +245,10 @@ class RuntimeCollector(Collector):
         for lease in active:
             if lease.satisfaction is not None:
                 satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
-        yield from (leases, leased, satisfaction)
+        holding = agent.holding()
+        orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases whose GPU left the node: they block nothing until released or expired.")
+        orphaned.add_metric([], len(holding.orphaned))
+        yield from (leases, leased, satisfaction, orphaned)
         store = agent.lease_store
         recovered = GaugeMetricFamily(
             f"{NS}_leases_recovered_from_corrupt_state",
@@ -254,7 +257,7 @@ class RuntimeCollector(Collector):
         recovered.add_metric([], 1.0 if store is not None and store.recovered_from is not None else 0.0)
         yield recovered
         busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
-        leased_set = {g for lease in active for g in lease.gpus}
+        leased_set = set(holding.holder)
         running = agent.gpus_with_processes()
         for gpu in sorted(leased_set | running):
             busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)

@@ -108,7 +108,7 @@ def test_dry_run_places_without_holding(fresh):
     assert reply.status == 200, reply.body
     gpus = [g["index"] for g in reply.json()["gpus"]]
     assert len(gpus) == 4 and set(gpus) <= set(GPUS)
-    assert fresh.get("/leases").json() == {"leases": []}
+    assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
     nofit = fresh.post("/place", {"gpus": 9})
     assert nofit.status == 409
     assert nofit.json()["error"] == "no_fit" and nofit.json()["nofit"]["constraint"] == "gpus"
@@ -145,7 +145,7 @@ def test_short_lease_expires(tmp_path):
         import time
 
         time.sleep(0.8)
-        assert a.get("/leases").json() == {"leases": []}
+        assert a.get("/leases").json() == {"leases": [], "orphaned": []}
         assert reserve(a, 8).status == 200
         assert "event=lease_expired" in a.log()
     finally:
@@ -196,7 +196,7 @@ def test_bad_input_is_400_naming_the_field_and_changes_nothing(fresh):
         doc = reply.json()
         assert set(doc) == {"error", "detail"} and doc["error"] == "bad_request"
         assert field in doc["detail"], (raw, doc)
-    assert fresh.get("/leases").json() == {"leases": []}
+    assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
     assert fresh.state_dir.joinpath("leases.json").exists() == before_file
     text = fresh.get("/metrics").body.decode()
     assert metric_value(text, "topoagent_placement_requests_total", {"outcome": "reserved"}) == 0
@@ -240,7 +240,7 @@ def test_oversized_body_is_413(fresh):
     reply = fresh.request("POST", "/place", raw=big, token=fresh.token)
     assert reply.status == 413
     assert reply.json()["error"] == "payload_too_large"
-    assert fresh.get("/leases").json() == {"leases": []}
+    assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
 
 
 def test_token_is_required_to_mutate(fresh):
@@ -264,7 +264,7 @@ def test_without_token_file_mutating_endpoints_are_off(tmp_path):
         reply = a.post("/place", {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}, token="anything")
         assert reply.status == 403 and "token-file" in reply.json()["detail"]
         assert a.post("/place", {"gpus": 2}).status == 200  # dry runs still answer
-        assert a.get("/leases").json() == {"leases": []}
+        assert a.get("/leases").json() == {"leases": [], "orphaned": []}
     finally:
         a.stop()
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent.config import Config
 from topoagent.discovery_process import DiscoveryFailed, discover_in_child
 from topoagent.host import Host, HostError
-from topoagent.leases import Lease, LeaseStore
+from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
@@ -411,9 +411,16 @@ class Agent:
         own = os.getpid()
         return frozenset(i for i, seen in self.activity.items() if any(p != own for p in seen.processes))
 
+    def holding(self) -> Holding:
+        """Which GPU of the node as it is now each live lease holds (by UUID), and the
+        leases whose GPU left the node."""
+        if self.snapshot is None:  # nothing discovered yet: the leases as granted
+            return Holding({g: lease for lease in self.active_leases() for g in lease.gpus}, ())
+        return Holding.of(self.active_leases(), self.snapshot.matrix.gpus)
+
     def busy(self) -> frozenset[int]:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
-        return frozenset(g for lease in self.active_leases() for g in lease.gpus) | self.gpus_with_processes()
+        return frozenset(self.holding().holder) | self.gpus_with_processes()
 
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
@@ -506,7 +513,7 @@ class Agent:
             i: GpuActivity(seen.utilization_percent, sum(1 for p in seen.processes if p != own))
             for i, seen in self.activity.items()
         }
-        for gpu in {g for lease in self.active_leases() for g in lease.gpus}:
+        for gpu in self.holding().holder:
             # A leased GPU belongs to a job that may start any moment: leave it alone.
             seen = activity.get(gpu, GpuActivity())
             activity[gpu] = GpuActivity(seen.utilization_percent, seen.other_processes + 1)

@@ -48,13 +48,13 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from topoagent.matrix import DistanceMatrix
+from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import NoFit, Placement, Request, place
 from topoagent.placement.request import REQUEST_LIMITS
 from topoagent.schema import lease_document
@@ -66,6 +66,7 @@ SCHEMA = 1  # boot_id and deadline_boottime_s were added beside it: older agents
 # What a lease may be: the store grants nothing it would refuse to load.
 TTL_MAX_S = 7 * 24 * 3600
 OWNER_MAX_LEN = 128
+UUID_MAX_LEN = 128  # NVML's are 40 characters (GPU-8-4-4-4-12)
 LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 # Every GPU of the largest node leased one by one, owners at their longest, is ~300 KB.
@@ -112,10 +113,49 @@ class Lease:
     deadline: float  # on the boot clock: the lease is held while boot_clock() < deadline
     # The topology satisfaction of the placement it holds (None: GPUs named by hand).
     satisfaction: float | None = None
+    # The same GPUs by UUID, where known: what the lease really holds.  Indices are for
+    # display; a re-numbering must not move a lease onto other GPUs.
+    uuids: tuple[str | None, ...] = ()
+
+    def gpus_now(self, index_of_uuid: Mapping[str, int], indices: Collection[int]) -> tuple[int, ...] | None:
+        """This lease's GPUs by their indices on the node as it is now (found by UUID where
+        known), or None when one of them has left the node: an orphaned lease, which
+        blocks nothing."""
+        now = []
+        for n, index in enumerate(self.gpus):
+            uuid = self.uuids[n] if n < len(self.uuids) else None
+            found = index_of_uuid.get(uuid) if uuid else (index if index in indices else None)
+            if found is None:
+                return None
+            now.append(found)
+        return tuple(now)
 
     @property
     def ttl_s(self) -> float:
         return self.expires_at - self.created_at
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """Who holds which GPU of the node as it is now."""
+
+    holder: dict[int, Lease]  # GPU index now -> its lease
+    orphaned: tuple[Lease, ...]  # leases whose GPU left the node
+
+    @classmethod
+    def of(cls, leases: Iterable[Lease], gpus: Iterable[GpuInfo]) -> Holding:
+        gpus = tuple(gpus)
+        index_of_uuid = {g.uuid: g.index for g in gpus if g.uuid}
+        indices = {g.index for g in gpus}
+        holder: dict[int, Lease] = {}
+        orphaned = []
+        for lease in leases:
+            now = lease.gpus_now(index_of_uuid, indices)
+            if now is None:
+                orphaned.append(lease)
+            else:
+                holder.update(dict.fromkeys(now, lease))
+        return cls(holder, tuple(orphaned))
 
 
 class LeaseStore:
@@ -195,7 +235,7 @@ class LeaseStore:
         same_boot = self.boot_id is not None and file_boot == self.boot_id
         wall, mono = self.clock(), self.monotonic()
         leases: dict[str, Lease] = {}
-        holders: dict[int, str] = {}
+        holders: dict[str, str] = {}
         changed = False
         for n, item in enumerate(items):
             lease, persisted = _lease_from_json(item, n)
@@ -210,10 +250,13 @@ class LeaseStore:
             changed |= stepped or not same_boot or deadline != persisted
             if lease.id in leases:
                 raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
-            for gpu in lease.gpus:
-                if gpu in holders:
-                    raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[gpu]}")
-                holders[gpu] = lease.id
+            # A GPU is held once: by UUID where known (an orphaned lease may keep an index
+            # that a new GPU has since taken), else by index.
+            for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus)):
+                key = uuid or f"index {gpu}"
+                if key in holders:
+                    raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[key]}")
+                holders[key] = lease.id
             leases[lease.id] = lease
         return leases, changed
 
@@ -276,13 +319,17 @@ class LeaseStore:
         _check(owner, ttl_s)
         with self._locked():
             self._expire(self.monotonic())
-            # A lease or process on a GPU the node no longer shows blocks nothing here.
+            # Leases hold GPUs by UUID: one whose GPU left the node blocks nothing here, and
+            # neither does a process on a GPU the node no longer shows.
+            held = Holding.of(self._leases.values(), matrix.gpus).holder
             on_node = {g.index for g in matrix.gpus}
-            busy = ({g for lease in self._leases.values() for g in lease.gpus} | set(gpus_with_processes)) & on_node
+            busy = (set(held) | set(gpus_with_processes)) & on_node
             answer = place(matrix, request, busy)
             if isinstance(answer, NoFit):
                 return answer
-            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction), answer
+            uuid_of = {g.index: g.uuid for g in matrix.gpus}
+            uuids = tuple(uuid_of.get(i) for i in answer.indices)
+            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids, held), answer
 
     def release(self, lease_id: str) -> bool:
         with self._locked():
@@ -306,18 +353,28 @@ class LeaseStore:
 
     # --- helpers ----------------------------------------------------------------------------
 
-    def _grant(self, owner: str, gpus: tuple[int, ...], ttl_s: float, satisfaction: float | None = None) -> Lease:
+    def _grant(
+        self,
+        owner: str,
+        gpus: tuple[int, ...],
+        ttl_s: float,
+        satisfaction: float | None = None,
+        uuids: tuple[str | None, ...] = (),
+        held: Mapping[int, Lease] | None = None,
+    ) -> Lease:
+        """``held``: who holds which GPU index now (by UUID), when the caller knows the node;
+        else the leases' own indices."""
         problem = _gpus_problem(gpus)
         if problem:
             raise LeaseError(problem)
         wall, mono = self.clock(), self.monotonic()
         self._expire(mono)
-        taken = {g: lease for lease in self._leases.values() for g in lease.gpus}
+        taken = held if held is not None else {g: lease for lease in self._leases.values() for g in lease.gpus}
         clash = sorted(set(gpus) & set(taken))
         if clash:
             holder = taken[clash[0]]
             raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
-        lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction)
+        lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction, uuids)
         self._leases[lease.id] = lease
         self._save()  # durable before anyone hears of it
         return lease
@@ -373,7 +430,12 @@ def _lease_from_json(obj: object, n: int) -> tuple[Lease, float | None]:
         satisfaction = _finite(obj, "satisfaction", where)
         if not 0 <= satisfaction <= 1:
             raise StateCorrupt(f"{where}.satisfaction: expected a share from 0 to 1")
-    return Lease(lid, obj["owner"], tuple(obj["gpus"]), created, expires, math.nan, satisfaction), deadline
+    uuids = obj.get("gpu_uuids", [])  # absent in files of older agents
+    if not isinstance(uuids, list) or (uuids and len(uuids) != len(obj["gpus"])) or not all(
+        u is None or (isinstance(u, str) and 0 < len(u) <= UUID_MAX_LEN and not CONTROL.search(u)) for u in uuids
+    ):
+        raise StateCorrupt(f"{where}.gpu_uuids: expected one UUID (or null) per GPU")
+    return Lease(lid, obj["owner"], tuple(obj["gpus"]), created, expires, math.nan, satisfaction, tuple(uuids)), deadline
 
 
 def _finite(obj: dict[str, Any], key: str, where: str) -> float:

@@ -462,7 +462,8 @@ def topo_matrix_document(matrix: TopoMatrix) -> dict[str, Any]:
 LEASE = Document("Lease", {
     "id": Field(STRING),
     "owner": Field(STRING),
-    "gpus": _plain_list("gpus", INTEGER),
+    "gpus": Field(array(INTEGER), lambda lease: list(lease.gpus), "nvidia-smi indices when granted, in rank order (for display)"),
+    "gpu_uuids": Field(array(nullable(STRING)), lambda lease: list(lease.uuids), "what the lease holds: the same GPUs by UUID (empty when unknown)"),
     "created_at": Field(NUMBER, description="Unix time"),
     "expires_at": Field(NUMBER, description="Unix time"),
     "satisfaction": Field(nullable(NUMBER), description="the topology satisfaction of the placement it holds; null for GPUs leased by hand"),

@@ -1,0 +1,82 @@
+"""Leases hold GPUs by UUID: a re-numbering moves nothing, and a lease whose GPU left the
+node blocks nothing (it is listed as orphaned) instead of making every /place a 409."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+import pytest
+from service_helpers import DGX_A100, metric_value
+
+from topoagent.agent import Agent
+from topoagent.config import Config
+from topoagent.discovery import discover
+from topoagent.exporters.prometheus import MetricsPage
+from topoagent.host import Host
+from topoagent.leases import LeaseStore
+from topoagent.model import NodeTopology
+from topoagent.placement import NoFit, Request
+
+
+@pytest.fixture(scope="module")
+def node() -> NodeTopology:
+    with Host(str(DGX_A100)) as host:
+        return asyncio.run(discover(host))
+
+
+def without_gpu(node: NodeTopology, index: int) -> NodeTopology:
+    """The node after a re-discovery lost GPU ``index`` (fell off the bus)."""
+    name = f"GPU{index}"
+    return replace(node, gpus=tuple(g for g in node.gpus if g.index != index),
+                   pairs=tuple(p for p in node.pairs if name not in (p.a, p.b)))
+
+
+def renumbered(node: NodeTopology, a: int, b: int) -> NodeTopology:
+    """The same GPUs with the UUIDs of indices ``a`` and ``b`` swapped (a new enumeration order)."""
+    uuid = {g.index: g.uuid for g in node.gpus}
+    uuid[a], uuid[b] = uuid[b], uuid[a]
+    return replace(node, gpus=tuple(replace(g, uuid=uuid[g.index]) for g in node.gpus))
+
+
+def test_a_lease_names_its_gpus_by_uuid_and_follows_them_through_a_renumbering(tmp_path, node):
+    store = LeaseStore(tmp_path)
+    matrix = node.distance_matrix()
+    answer = store.reserve_placement(matrix, Request(gpus=1, include=(7,)), "job", 600)
+    assert not isinstance(answer, NoFit)
+    lease, _ = answer
+    assert lease.uuids == (node.gpus[7].uuid,)
+    assert LeaseStore(tmp_path).leases()[0].uuids == lease.uuids  # persisted
+    moved = renumbered(node, 0, 7).distance_matrix()  # the leased GPU is index 0 now
+    again = store.reserve_placement(moved, Request(gpus=1, include=(0,)), "other", 600)
+    assert isinstance(again, NoFit) and again.constraint == "include"  # still held
+    free_seven = store.reserve_placement(moved, Request(gpus=1, include=(7,)), "other", 600)
+    assert not isinstance(free_seven, NoFit)  # index 7 is another GPU now, and free
+
+
+def test_a_lease_whose_gpu_left_the_node_blocks_nothing_and_is_listed_as_orphaned(tmp_path, node):
+    lost = without_gpu(node, 7)
+    answers = iter([node, lost])
+
+    async def scripted(host: Host) -> NodeTopology:
+        return next(answers)
+
+    async def scenario() -> tuple[int, list[str], str, bool]:
+        agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), interval_s=3600, udev=False), discover=scripted)
+        await agent.start()
+        try:
+            await asyncio.sleep(0.05)
+            _, lease = await agent.reserve(Request(gpus=1, include=(7,)), "job-7", 600)
+            assert lease is not None
+            await agent.request_refresh("test")  # GPU 7 is gone
+            dry = agent.place(Request(gpus=7))
+            _, reserved = await agent.reserve(Request(gpus=7), "job-all", 600)
+            metrics = MetricsPage(agent).render().decode()
+            return len(dry.indices), [l.id for l in agent.holding().orphaned], metrics, reserved is not None
+        finally:
+            await agent.stop()
+
+    placed, orphaned, metrics, reserved = asyncio.run(scenario())
+    assert placed == 7 and reserved  # every remaining GPU is free for dry runs and leases
+    assert len(orphaned) == 1
+    assert metric_value(metrics, "topoagent_leases_orphaned") == 1
