@@ -20,7 +20,7 @@ from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
-from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_groups
+from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
     REQUEST_FIELDS,
     REQUEST_LIMITS,
@@ -30,7 +30,7 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Found, Prepared, Search, bits, numa_label, prepare
 
 __all__ = [
     "REQUEST_FIELDS",
@@ -47,6 +47,7 @@ __all__ = [
     "RequestError",
     "edge_key",
     "evaluate_damage",
+    "numa_distance",
     "numa_groups",
     "parse_request",
     "place",
@@ -80,7 +81,9 @@ def place(
     include = mask_of("include", request.include)
     exclude = mask_of("exclude", request.exclude)
     free_all = prep.all_mask & ~busy_mask
-    candidates = free_all & ~exclude
+    # A GPU with a critical finding is left out unless the request names it.
+    unhealthy = prep.unhealthy & free_all & ~exclude & ~include
+    candidates = free_all & ~exclude & ~unhealthy
     k = request.gpus
     if include & busy_mask:
         gone = _indices(matrix, include & busy_mask)
@@ -88,7 +91,8 @@ def place(
         return NoFit(request, why, "include", _indices(matrix, candidates))
     if candidates.bit_count() < k:
         why = Reason(ReasonCode.TOO_FEW_FREE, {
-            "gpus": k, "free": candidates.bit_count(), "size": prep.n, "excluded": exclude.bit_count(),
+            "gpus": k, "free": candidates.bit_count(), "size": prep.n,
+            "excluded": (exclude | unhealthy).bit_count(),
         })
         return NoFit(request, why, "gpus", _indices(matrix, candidates))
     if request.nics > prep.n_nics:
@@ -96,10 +100,33 @@ def place(
         best = place(matrix, relaxed, busy, now=now)
         why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": prep.n_nics})
         return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
-    found = Search(prep, request, free_all, candidates, include).run()
-    if found is not None:
-        return build(prep, request, found, free_all)
-    return _diagnose(prep, request, free_all, candidates, include)
+    found = _search_known_first(prep, request, free_all, candidates, include)
+    if found is None:
+        return _diagnose(prep, request, free_all, candidates, include)
+    answer = build(prep, request, found, free_all)
+    notes = []
+    if unhealthy:
+        causes = tuple(f"GPU{g.index}: {g.unhealthy}" for g in (matrix.gpus[v] for v in bits(unhealthy)))
+        notes.append(Reason(ReasonCode.UNHEALTHY_LEFT_OUT, {"gpus": _indices(matrix, unhealthy), "why": causes}))
+    if found.mask & prep.links_unknown:
+        notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, found.mask & prep.links_unknown)}))
+    return replace(answer, reasons=answer.reasons + tuple(notes)) if notes else answer
+
+
+def _search_known_first(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Found | None:
+    """GPUs whose links are unknown come last: the best set of GPUs with known links (and
+    what ``include`` names); else every known GPU plus the fewest unknown ones; else any."""
+    unknown = candidates & prep.links_unknown & ~include
+    if unknown:
+        known = candidates & ~unknown
+        found = Search(prep, request, free_all, known, include).run()
+        if found is not None:
+            return found
+        if known.bit_count() < request.gpus:
+            found = Search(prep, request, free_all, candidates, include | known).run()
+            if found is not None:
+                return found
+    return Search(prep, request, free_all, candidates, include).run()
 
 
 def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:

@@ -102,7 +102,11 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int) -> PlacedGpu:
         nic_level = None
         if kinds and min(kinds) < NO_NIC:
             best_kind = min(kinds)
-            nearest = tuple(prep.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind)
+            # At equal closeness the faster NICs (a NIC with no active port is NO_NIC).
+            top_rate = max(prep.nic_rate[j] for j, kv in enumerate(kinds) if kv == best_kind)
+            nearest = tuple(
+                prep.nic_names[j] for j, kv in enumerate(kinds) if kv == best_kind and prep.nic_rate[j] == top_rate
+            )
             nic_level = next(
                 prep.matrix.gpu_nic_levels[pos][j] for j, kv in enumerate(kinds) if kv == best_kind
             )
@@ -156,9 +160,9 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     if nics:
         dist = []
         for j, steps in enumerate(prep.nic_steps):
-            kv = next((kv for kv, m in steps if m & mask), NO_NIC)
-            dist.append((kv, j))
-        chosen = tuple(nic_names[j] for _, j in sorted(dist)[:nics])
+            if prep.nic_usable[j]:  # closest first, then the faster (as term 4 counts them)
+                dist.append((next((kv for kv, m in steps if m & mask), NO_NIC), -prep.nic_rate[j], j))
+        chosen = tuple(nic_names[j] for _, _, j in sorted(dist)[:nics])
     else:
         chosen = tuple(dict.fromkeys(p.nearest_nics[0] for p in placed if p.nearest_nics))
 
@@ -206,9 +210,10 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int) -> Placemen
     objective = Objective(
         bandwidth_gbps=parts.bandwidth,
         bottleneck_level=parts.weakest.level if parts.weakest else None,
-        numa_nodes=found.key[0],
-        nic_cost=found.key[1],
-        damage=found.key[2],
+        numa_distance=found.numa_distance if prep.numa_dist is not None else None,
+        numa_nodes=found.numa_nodes,
+        nic_cost=found.nic_cost,
+        damage=found.damage,
     )
     quality = parts.bandwidth or 0.0
     loss = (objective.numa_nodes - 1) + len(broken)

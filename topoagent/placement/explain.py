@@ -31,6 +31,8 @@ class ReasonCode(enum.StrEnum):
     NCCL_HCA_LEAVES_OUT = "nccl_hca_leaves_out"  # names
     BREAKS_ZONES = "breaks_zones"  # zones
     KEEPS_ZONES = "keeps_zones"
+    UNHEALTHY_LEFT_OUT = "unhealthy_left_out"  # gpus (indices), why (one line per GPU)
+    UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -106,6 +108,13 @@ _TEMPLATES = {
     ),
     ReasonCode.BREAKS_ZONES: lambda p: "breaks whole free zones: " + "; ".join(p["zones"]),
     ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
+    ReasonCode.UNHEALTHY_LEFT_OUT: lambda p: (
+        f"left out GPU(s) {p.gpus('gpus')} ({'; '.join(p['why'])}); {p.field_name('include')} names a GPU to use it anyway"
+    ),
+    ReasonCode.UNKNOWN_LINKS_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because "
+        "the GPUs whose links are known cannot hold the job"
+    ),
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,
     ReasonCode.TOO_MANY_NICS: lambda p: f"{p['nics']} NICs requested, the node has {p['node_nics']}",
