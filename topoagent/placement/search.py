@@ -730,12 +730,16 @@ class Search:
     ) -> list[tuple[int, tuple[int, ...]]]:
         """The classes to branch on, best-fit first so the first answer found is good and
         the bounds cut early: NUMA nodes that can hold the whole job, fewest candidates
-        first; then the others, most candidates first.  Hierarchy order within a node."""
+        first; then the others, nearest (NUMA distance) to the one with most candidates
+        first, then most candidates first.  Hierarchy order within a node."""
         prep = self.prep
+        counts = [(g & cand).bit_count() for g in prep.numa_masks]
+        dist = prep.numa_dist
+        anchor = max(range(len(counts)), key=counts.__getitem__)
         group_key = []
-        for g in prep.numa_masks:
-            c = (g & cand).bit_count()
-            group_key.append((0, c) if c >= rem else (1, -c))
+        for gi, c in enumerate(counts):
+            near = dist[anchor][gi] if dist is not None else 0
+            group_key.append((0, 0, c) if c >= rem else (1, near, -c))
         ordered = [(m & cand, zones) for m, zones in classes_all if m & cand]
         if len(group_key) > 1:
             numa_of = prep.numa_of
