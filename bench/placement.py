@@ -214,7 +214,6 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
         ("snapshot-dgx-a100", snapshot("dgx-a100")),
         ("synthetic-nvswitch-16", nvswitch_16()),
         ("synthetic-pcie-16", pcie_16()),
-        ("synthetic-32-4-sockets", node_32()),
     ]
     summary = []
     for name, m in nodes:
