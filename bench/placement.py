@@ -12,13 +12,14 @@ import argparse
 import random
 import statistics
 import time
+from dataclasses import replace
 from itertools import combinations, permutations
 from pathlib import Path
 
 from bench.baselines import PairScorePolicy, ZoneFirstPolicy, first_fit, nv_zones, self_check
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Placement, Request, numa_groups, place
+from topoagent.placement import Placement, Request, numa_distance, numa_groups, place
 from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -36,6 +37,13 @@ def corpus() -> list[tuple[str, DistanceMatrix]]:
             out.append((path.name.split(".txt")[0][:34], m))
     out.append(("synthetic-pcie-2socket-8", pcie_two_socket_8()))
     return out
+
+
+def snapshot(name: str) -> DistanceMatrix:
+    """A recorded node of fixtures/snapshots, with its SLIT table and NIC states."""
+    from topoagent.commands.discover import discover_root
+
+    return discover_root(str(Path(__file__).resolve().parents[1] / "fixtures" / "snapshots" / name)).distance_matrix()
 
 
 def pct(values: list[float], q: float) -> float:
@@ -97,7 +105,7 @@ def latency(samples: int) -> None:
     print("\nworst cpu p99 over every k and pattern: " + ", ".join(f"{n} GPUs {v:.3f} ms" for n, v in sorted(worst.items())))
     print("\nfirst call (ms): on a new matrix (builds its tables), then a new request shape on it:")
     for name, m in nodes:
-        fresh = DistanceMatrix(m.gpus, m.nics, m.gpu_levels, m.gpu_expected_gbps, m.gpu_nic_levels)
+        fresh = replace(m)  # the same value with an empty cache
         t0 = time.perf_counter()
         place(fresh, Request(gpus=min(4, m.size)))
         first = 1000 * (time.perf_counter() - t0)
@@ -198,9 +206,15 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
     print("rejected (it would go to another node) -- the same jobs for every policy, since all fit by count.")
     print("delivered = mean ring bandwidth of multi-GPU jobs / the best the empty node offers for that k;")
     print("clean = share of large jobs (8 GPUs, or the size of a whole NUMA node / NVLink or PCIe zone)")
-    print("placed at the empty-node best bandwidth on the fewest NUMA nodes.\n")
-    print(f"{'fixture':36} {'policy':11} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8}")
-    nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [("synthetic-nvswitch-16", nvswitch_16()), ("synthetic-pcie-16", pcie_16())]
+    print("placed at the empty-node best bandwidth on the fewest NUMA nodes.")
+    print("NUMA dist = mean NUMA distance spanned by multi-GPU jobs (largest SLIT entry between their")
+    print("NUMA nodes; '-' on nodes without a SLIT table: nvidia-smi matrices).\n")
+    print(f"{'fixture':36} {'policy':11} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8} {'NUMA dist':>9}")
+    nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [
+        ("snapshot-dgx-a100", snapshot("dgx-a100")),
+        ("synthetic-nvswitch-16", nvswitch_16()),
+        ("synthetic-pcie-16", pcie_16()),
+    ]
     summary = []
     for name, m in nodes:
         n = m.size
@@ -224,7 +238,7 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
         results = {}
         for pname, policy in pols.items():
             running: list[tuple[float, tuple[int, ...]]] = []
-            ratios, clean, n_large, rejected = [], 0, 0, 0
+            ratios, clean, n_large, rejected, spans = [], 0, 0, 0, []
             for arrive, k, duration in stream:
                 running = [(end, g) for end, g in running if end > arrive]
                 busy = {i for _, g in running for i in g}
@@ -236,6 +250,9 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
                     continue
                 running.append((arrive + duration, tuple(got)))
                 if k >= 2:
+                    span = numa_distance(m, got)
+                    if span is not None:
+                        spans.append(span)
                     others = [g.index for g in m.gpus if g.index not in got]
                     ev = place(m, Request(gpus=k), others)
                     ratios.append(ev.bandwidth_gbps / empty[k][0])
@@ -245,9 +262,10 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
                     clean += 1
             mean = statistics.mean(ratios) if ratios else float("nan")
             results[pname] = (mean, clean / max(1, n_large))
+            dist = f"{statistics.mean(spans):9.2f}" if spans else f"{'-':>9}"
             print(
                 f"{name:36} {pname:11} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d}"
-                f" {100 * rejected / len(stream):7.1f}%"
+                f" {100 * rejected / len(stream):7.1f}% {dist}"
             )
         if pair.capped:
             print(f"{'':36} (pair-score hit its time cap {pair.capped} times)")

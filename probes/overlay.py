@@ -18,10 +18,11 @@ placement ranks by — returns the measurement while it is fresh.
 - ``numa_affinity_mismatch``: host copies from another NUMA node beat those from the
   node the GPU is declared on.
 
-Levels promise hardware rates; copies achieve less.  ``ACHIEVABLE_FRACTION`` is the
-ratio seen in the NVIDIA tools' outputs kept in ``shared/corpus/bandwidth/``: PCIe Gen4
-x16 P2P 26.3 of 31.5 GB/s (0.84), H100 NVLink4 376 of 450 (0.84), nvbandwidth on H100
-371 of 450 (0.82), GB200 NVL4 747 of 900 (0.83), A100 276 of 300 (0.92).
+Levels promise hardware rates; copies achieve less: ``ACHIEVABLE_FRACTION`` (kept in
+topoagent.levels, with its sources) is what a level's copies reach.  Placement reads a
+measurement against that, within a tolerance band and with hysteresis
+(``levels.measured_gbps``): ``overlay`` records each pair's verdict given the one it had
+in the previous matrix, so a figure inside the band never flips a pair either way.
 """
 
 from __future__ import annotations
@@ -30,13 +31,24 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LevelKind, LinkLevel, expected_gbps, pcie_gbps
+from topoagent.levels import (
+    ACHIEVABLE_FRACTION,
+    NODE,
+    PHB,
+    PIX,
+    PXB,
+    SYS,
+    LevelKind,
+    LinkLevel,
+    expected_gbps,
+    measured_degraded,
+    pcie_gbps,
+)
 from topoagent.matrix import DistanceMatrix, Measurement
 from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.vocabulary import FindingKind, Severity
 
-ACHIEVABLE_FRACTION = 0.83
 DEGRADED_FRACTION = 0.5  # below half of what the level achieves: degraded
 CRITICAL_FRACTION = 0.25
 # A figure "looks like" a level when it is within this factor of what that level achieves.
@@ -71,22 +83,33 @@ def unidirectional_by_pair(figures: Iterable[ProbeFigure]) -> dict[tuple[int, in
 
 
 def measurements_from_figures(
-    matrix: DistanceMatrix, figures: Iterable[ProbeFigure]
+    matrix: DistanceMatrix, figures: Iterable[ProbeFigure], previous: DistanceMatrix | None = None
 ) -> dict[tuple[int, int], Measurement]:
-    """Matrix positions -> measurement, for the pairs of GPUs the matrix knows."""
+    """Matrix positions -> measurement, for the pairs of GPUs the matrix knows, each with
+    its verdict given the verdict the pair had in ``previous`` (hysteresis)."""
     out: dict[tuple[int, int], Measurement] = {}
     for (a, b), seen in unidirectional_by_pair(figures).items():
         try:
             i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
         except KeyError:
             continue  # a device the matrix does not describe
-        out[(min(i, j), max(i, j))] = Measurement(gbps=seen.gbps, taken_at=seen.taken_at)
+        before = None
+        if previous is not None:
+            try:
+                before = previous.measured_degraded(previous.gpu_by_index(a), previous.gpu_by_index(b))
+            except KeyError:
+                before = None
+        degraded = measured_degraded(matrix.gpu_expected_gbps[i][j], seen.gbps, before)
+        out[(min(i, j), max(i, j))] = Measurement(gbps=seen.gbps, taken_at=seen.taken_at, degraded=degraded)
     return out
 
 
-def overlay(matrix: DistanceMatrix, figures: Iterable[ProbeFigure]) -> DistanceMatrix:
-    """The matrix with fresh measurements replacing expectations."""
-    return matrix.with_measurements(measurements_from_figures(matrix, list(figures)))
+def overlay(
+    matrix: DistanceMatrix, figures: Iterable[ProbeFigure], previous: DistanceMatrix | None = None
+) -> DistanceMatrix:
+    """The matrix with fresh measurements, judged against their levels (see module doc);
+    ``previous`` is the matrix placement read before, for each pair's last verdict."""
+    return matrix.with_measurements(measurements_from_figures(matrix, list(figures), previous))
 
 
 def _fits(measured: float, achievable: float) -> bool:

@@ -60,17 +60,32 @@ def numa_key(matrix: DistanceMatrix, pos: int):
     return ("unknown",)
 
 
+def numa_distance(matrix: DistanceMatrix, positions) -> int:
+    """The largest SLIT entry between the NUMA nodes of these GPUs (0 without a table for
+    every node involved... of the whole node: the objective falls back to counting)."""
+    nodes = {matrix.gpus[p].numa_node for p in positions}
+    every = {g.numa_node for g in matrix.gpus}
+    slit = matrix.numa_distances
+    if None in every or any((a, b) not in slit for a in every for b in every):
+        return 0
+    return max(slit[(a, b)] for a in nodes for b in nodes)
+
+
 def _nic_kind(level) -> int:
     return 99 if level is None else int(level.kind)
 
 
-def nic_cost(matrix: DistanceMatrix, positions, wanted: int) -> int:
+def nic_cost(matrix: DistanceMatrix, positions, wanted: int):
+    """(kinds summed, -Gb/s summed) of the ``wanted`` best NICs with an active port."""
     if not wanted:
-        return 0
+        return (0, 0.0)
     dists = sorted(
-        min(_nic_kind(matrix.gpu_nic_levels[p][j]) for p in positions) for j in range(len(matrix.nics))
+        (min(_nic_kind(matrix.gpu_nic_levels[p][j]) for p in positions), -(nic.rate_gbps or 0.0))
+        for j, nic in enumerate(matrix.nics)
+        if nic.active is not False
     )
-    return sum(dists[:wanted])
+    chosen = dists[:wanted]
+    return (sum(k for k, _ in chosen), sum(r for _, r in chosen))
 
 
 def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
@@ -85,9 +100,15 @@ def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
 
 
 def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
-    """(pattern key, numa, nic, damage) of the optimum, or None when nothing fits."""
+    """(pattern key, numa distance, numa, nic, damage) of the optimum, or None when
+    nothing fits.  Unhealthy GPUs are candidates only when included."""
+    if req.nics > sum(1 for nic in matrix.nics if nic.active is not False):
+        return None  # more NICs than have an active port
     busy = set(busy)
-    free = [p for p, g in enumerate(matrix.gpus) if g.index not in busy and g.index not in req.exclude]
+    free = [
+        p for p, g in enumerate(matrix.gpus)
+        if g.index not in busy and g.index not in req.exclude and (g.unhealthy is None or g.index in req.include)
+    ]
     best = None
     for subset in combinations(free, req.gpus):
         if not satisfies(matrix, subset, req):
@@ -99,12 +120,13 @@ def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
             pk = key_cache[ck]
         else:
             pk = pattern_key(matrix, subset, req.pattern)
+        distance = numa_distance(matrix, subset)
         numa = len({numa_key(matrix, p) for p in subset})
         nic = nic_cost(matrix, subset, req.nics)
         damage = evaluate_damage(matrix, busy, [matrix.gpus[p].index for p in subset])
-        key = ((pk is not None, pk or (0.0, ())), -numa, -nic, -damage)
+        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage)
         if best is None or key > best[0]:
-            best = (key, pk, numa, nic, damage)
+            best = (key, pk, distance, numa, nic[0], damage)
     if best is None:
         return None
     return best[1:]

@@ -161,5 +161,5 @@ def test_a_critical_finding_is_drawn_in_the_picture(tmp_path: Path) -> None:
     nvswitch_node(tmp_path, gpu3_links_up=4, gpu2_in_fabric=False)
     topology = discover_root(str(tmp_path))
     assert [(f.kind, f.severity) for f in topology.findings if f.subject == "GPU2"] == [
-        ("nvlink-down", "warning"), ("gpu-outside-fabric", "critical")]
+        ("nvlink-down", "critical"), ("gpu-outside-fabric", "critical")]
     assert f'stroke="{COLORS["critical"]}"' in render_svg(topology)

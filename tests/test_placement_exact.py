@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from placement_oracle import best_keys, edge, numa_key, pattern_key, satisfies
+from placement_oracle import best_keys, edge, numa_distance, numa_key, pattern_key, satisfies
 
 import topoagent.placement.search as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
@@ -76,9 +76,11 @@ def check_answer(matrix, req, busy, answer, cache):
     assert len(set(pos)) == req.gpus
     assert not set(answer.indices) & set(busy)
     assert satisfies(matrix, pos, req)
-    exp_pk, exp_numa, exp_nic, exp_damage = expected
+    exp_pk, exp_distance, exp_numa, exp_nic, exp_damage = expected
     got_pk, got_numa = answer_keys(matrix, answer, cache)
     assert got_pk == exp_pk, (req, busy, answer.indices)
+    assert numa_distance(matrix, pos) == exp_distance, (req, busy, answer.indices)
+    assert (answer.objective.numa_distance or 0) == exp_distance
     assert got_numa == exp_numa, (req, busy, answer.indices)
     # The rank order really delivers the reported bottleneck.
     if exp_pk is not None:
@@ -130,10 +132,22 @@ def random_case(draw):
     nic_levels = tuple(
         tuple(draw(st.sampled_from([PIX, PXB, NODE, SYS])) for _ in range(n_nics)) for _ in range(n)
     )
+    unhealthy = draw(st.sets(st.integers(0, n - 1), max_size=2)) if draw(st.booleans()) else set()
     gpus = tuple(
-        GpuInfo(index=i, name=f"GPU{i}", numa_node=numa[i], cpus=None if numa[i] is not None else "0-7")
+        GpuInfo(
+            index=i, name=f"GPU{i}", numa_node=numa[i], cpus=None if numa[i] is not None else "0-7",
+            unhealthy="gpu-outside-fabric: off the fabric" if i in unhealthy else None,
+        )
         for i in range(n)
     )
+    # A SLIT table over NUMA nodes 0-2 where two nodes are close and one far, so fewest
+    # nodes and least distance disagree (3 close nodes beat 2 far ones); sometimes none.
+    slit = {}
+    if draw(st.booleans()):
+        far = draw(st.sampled_from([(2,), (1,), (0, 1)]))
+        for a in range(3):
+            for b in range(3):
+                slit[(a, b)] = 10 if a == b else (32 if a in far or b in far else 12)
     expected = tuple(tuple(expected_gbps(lv) for lv in row) for row in levels)
     measured = {}
     if draw(st.booleans()):
@@ -143,11 +157,19 @@ def random_case(draw):
                     measured[(i, j)] = Measurement(draw(st.sampled_from([10.0, 20.0, 24.0, 45.0])), 0.0)
     matrix = DistanceMatrix(
         gpus=gpus,
-        nics=tuple(NicInfo(name=f"mlx5_{j}") for j in range(n_nics)),
+        nics=tuple(
+            NicInfo(
+                name=f"mlx5_{j}",
+                active=draw(st.sampled_from([True, True, False, None])),
+                rate_gbps=draw(st.sampled_from([None, 200.0, 400.0])),
+            )
+            for j in range(n_nics)
+        ),
         gpu_levels=tuple(tuple(r) for r in levels),
         gpu_expected_gbps=expected,
         gpu_nic_levels=nic_levels,
         measured=measured,
+        numa_distances=slit,
     )
     busy = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n - 1))
     free = [i for i in range(n) if i not in busy]
@@ -220,3 +242,43 @@ def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix):
                     ), (req, busy, searched.indices, exhaustive.indices)
     finally:
         placement_module.SMALL_TABLE_SETS = saved
+
+
+# --- NUMA distance on the recorded nodes (SLIT tables) ---------------------------------
+
+
+def snapshot_matrices() -> list[tuple[str, DistanceMatrix]]:
+    from topoagent.commands.discover import discover_root
+
+    root = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
+    out = []
+    for path in sorted(root.iterdir()):
+        matrix = discover_root(str(path)).distance_matrix()
+        if 2 <= matrix.size <= 8:  # brute force over orders: 16 GPUs is too slow for a test
+            out.append((path.name, matrix))
+    return out
+
+
+SNAPSHOT_MATRICES = snapshot_matrices()
+
+
+def test_snapshots_carry_their_numa_distances():
+    by_name = dict(SNAPSHOT_MATRICES)
+    a100 = by_name["dgx-a100"]
+    assert a100.numa_distance(3, 7) == 32 and a100.numa_distance(7, 5) == 12 and a100.numa_distance(3, 3) == 10
+
+
+@pytest.mark.parametrize("name,matrix", SNAPSHOT_MATRICES, ids=[n for n, _ in SNAPSHOT_MATRICES])
+def test_snapshots_match_brute_force_with_numa_distances(name, matrix, search_path):
+    """Every recorded node, with its SLIT table and its NICs' health: random busy sets,
+    every k, against brute force (the new order: bandwidth, NUMA distance, nodes...)."""
+    import random
+
+    rng = random.Random(name)
+    indices = [g.index for g in matrix.gpus]
+    cache: dict = {}
+    for _ in range(6):
+        busy = rng.sample(indices, rng.randint(0, len(indices) - 1))
+        for k in range(1, len(indices) - len(busy) + 1):
+            for req in (Request(gpus=k), Request(gpus=k, pattern="alltoall"), Request(gpus=k, nics=min(2, len(matrix.nics)))):
+                check_answer(matrix, req, busy, place(matrix, req, busy), cache)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from schema_check import validate
 
+from topoagent.levels import ACHIEVABLE_FRACTION
 from topoagent.probes.plan import (
     PlanError,
     build_round_plan,
@@ -270,7 +271,9 @@ def test_cli_round_overlays_measurements_on_the_declared_matrix(agent_run):
     for row in pairs:
         assert row["level"] == "NV18" and row["expected_gbps"] == 450.0
         assert row["measured_gbps"] > 0
-        assert row["bandwidth_gbps"] == row["measured_gbps"]  # placement sees the measurement
+        # The cpu backend's copies are far below NV18: degraded, so placement ranks the
+        # pair by what it achieves, on the levels' peak scale (issue 11).
+        assert row["bandwidth_gbps"] == round(row["measured_gbps"] / ACHIEVABLE_FRACTION, 2)
 
 
 def test_cli_reports_host_copies_far_below_nvlink_as_degraded_links(agent_run):

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from service_helpers import make_root, metric_value, promtool_complaints, start_agent
 
+from topoagent.levels import ACHIEVABLE_FRACTION
+
 # Small copies, few repetitions: a target takes about as long as the worker's start.
 PROBES = """
 [probes]
@@ -72,9 +74,10 @@ def test_measured_figures_reach_topology_metrics_and_place(probing):
     assert metric_value(metrics, "topoagent_probe_seconds_total") > 0
     assert metric_value(metrics, "topoagent_probes_enabled") == 1
 
-    # Placement ranks by the measurement now, not by the NV12 expectation (300 GB/s).
+    # The fake copies are far below what NV12 achieves: placement ranks the pair by the
+    # measurement (on the levels' peak scale, issue 11), not by the expectation (300 GB/s).
     placed = probing.post("/place", {"gpus": 2, "include": [int(a[3:]), int(b[3:])]}).json()
-    assert placed["links"][0]["gbps"] == pytest.approx(measured_pairs(probing)[(a, b)], rel=1e-3)
+    assert placed["links"][0]["gbps"] == pytest.approx(measured_pairs(probing)[(a, b)] / ACHIEVABLE_FRACTION, rel=1e-3)
     assert placed["links"][0]["gbps"] < 300
 
 

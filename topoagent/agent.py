@@ -124,13 +124,17 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 # ---------------------------------------------------------------------------------------
 
 
-def overlay_probes(node: NodeTopology, figures: list[ProbeFigure]) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
-    """Discovery's matrix with the probes' figures overlaid (placement ranks by the
-    measured bandwidth), and the findings the measurements support."""
+def overlay_probes(
+    node: NodeTopology, figures: list[ProbeFigure], previous: DistanceMatrix | None = None
+) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
+    """Discovery's matrix with the probes' figures overlaid (a pair clearly below its
+    level counts at what it achieves; ``previous``, the matrix served before, gives each
+    pair's last verdict), GPUs with a critical finding of the probes' marked unhealthy,
+    and the findings the measurements support."""
     from topoagent.probes.overlay import findings_for, overlay
 
-    matrix = overlay(node.distance_matrix(), figures)
-    return matrix, tuple(findings_for(matrix, figures))
+    findings = tuple(findings_for(overlay(node.distance_matrix(), figures), figures))
+    return overlay(node.distance_matrix(findings), figures, previous), findings
 
 
 def topology_signature(node: NodeTopology) -> tuple:
@@ -344,7 +348,8 @@ class Agent:
         figures: tuple[ProbeFigure, ...] = ()
         if self.config.probes_enabled and self.probes is not None:
             figures = tuple(self.probes.figures())
-            matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures))
+            served = self.snapshot.matrix if self.snapshot is not None else None
+            matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures), served)
         snapshot = Snapshot(
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
@@ -596,7 +601,7 @@ class Agent:
             if based_on is None or discovered is None:
                 return
             figures = tuple(self.probes.figures())
-            matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures))
+            matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix)
             snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
             await asyncio.to_thread(lambda: snapshot.body)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it

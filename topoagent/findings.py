@@ -29,8 +29,10 @@ def nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int]) -
     for g in nvml.gpus:
         down = [l.link for l in g.nvlinks if not l.active]
         if down:
+            # Every link down: the GPU is off its NVLink peers; placement keeps off it.
+            severity = Severity.CRITICAL if len(down) == len(g.nvlinks) else Severity.WARNING
             found.append(Finding(
-                FindingKind.NVLINK_DOWN, Severity.WARNING, f"GPU{g.index}",
+                FindingKind.NVLINK_DOWN, severity, f"GPU{g.index}",
                 f"NVLink {', '.join(map(str, down))} down ({len(g.nvlinks) - len(down)} of "
                 f"{len(g.nvlinks)} links active)",
             ))

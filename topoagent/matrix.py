@@ -9,11 +9,19 @@ PCIe generation and width, NVLink generation).
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from topoagent.levels import LinkLevel, expected_gbps, nvlink_generation_for_model, pcie_gbps
+from topoagent.levels import (
+    SYS,
+    LinkLevel,
+    expected_gbps,
+    measured_degraded,
+    measured_gbps,
+    nvlink_generation_for_model,
+    pcie_gbps,
+)
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix
@@ -31,6 +39,13 @@ class GpuInfo:
     # The GPU's own PCIe link as it can train (generation, lanes); None when unknown.
     pcie_gen: int | None = None
     pcie_width: int | None = None
+    # Why placement keeps off this GPU unless a request names it (a critical finding:
+    # off the bus, outside the NVSwitch fabric, every NVLink down); None when healthy.
+    unhealthy: str | None = None
+    # False when some of this GPU's levels to other GPUs are unknown (sysfs does not show
+    # it and nvidia-smi did not say): its links count as the farthest level, at no
+    # bandwidth, and placement takes it only after every GPU whose links are known.
+    links_known: bool = True
 
     def pcie_gbps(self) -> float:
         """Per-direction rate of this GPU's host link (the default link when unknown)."""
@@ -93,6 +108,9 @@ class Measurement:
 
     gbps: float
     taken_at: float  # Unix time
+    # The verdict recorded when the figure was overlaid, given the pair's previous one
+    # (hysteresis, see levels.measured_degraded); None: judge the figure on its own.
+    degraded: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -108,6 +126,9 @@ class DistanceMatrix:
     measurement_max_age_s: float = 24 * 3600.0
     # CPUs, cores and sockets for per-rank bindings; None when only nvidia-smi text is known.
     host: HostLayout | None = None
+    # SLIT distances between NUMA node ids, (a, b) -> distance, both orders and a node
+    # with itself ({} when the node has no SLIT table: placement then counts nodes).
+    numa_distances: dict[tuple[int, int], int] = field(default_factory=dict)
     # Tables other modules derive from this (immutable) value, built once per instance:
     # e.g. the placement core's bitmasks.  Not part of the value: excluded from ==, repr,
     # and from ``replace()`` (a replaced matrix starts with an empty cache).
@@ -134,15 +155,39 @@ class DistanceMatrix:
         return self.gpu_levels[a_pos][b_pos]
 
     def bandwidth(self, a_pos: int, b_pos: int, now: float | None = None) -> float | None:
-        """Measured bandwidth when fresh, else expected, between the GPUs at these
-        positions; None for a GPU with itself."""
+        """The figure placement ranks this pair by (GB/s, on the levels' peak scale);
+        None for a GPU with itself.
+
+        Expected, unless a fresh measurement shows the pair clearly below what its level
+        achieves: then what it achieves, scaled to the peak scale so it compares with the
+        other pairs' expectations (levels.measured_gbps).  Noise never changes a figure.
+        """
         if a_pos == b_pos:
             return None
+        expected = self.gpu_expected_gbps[a_pos][b_pos]
+        m = self.fresh_measurement(a_pos, b_pos, now)
+        if m is None:
+            return expected
+        return measured_gbps(expected, m.gbps, m.degraded)
+
+    def fresh_measurement(self, a_pos: int, b_pos: int, now: float | None = None) -> Measurement | None:
         key = (a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos)
         m = self.measured.get(key)
         if m is not None and (now is None or now - m.taken_at <= self.measurement_max_age_s):
-            return m.gbps
-        return self.gpu_expected_gbps[a_pos][b_pos]
+            return m
+        return None
+
+    def measured_degraded(self, a_pos: int, b_pos: int, now: float | None = None) -> bool | None:
+        """Whether the pair's fresh measurement counts as degraded; None when unmeasured."""
+        m = self.fresh_measurement(a_pos, b_pos, now)
+        expected = self.gpu_expected_gbps[a_pos][b_pos]
+        if m is None or expected is None:
+            return None
+        return measured_degraded(expected, m.gbps, m.degraded)
+
+    def numa_distance(self, a: int, b: int) -> int | None:
+        """The SLIT distance between two NUMA node ids; None when not known."""
+        return self.numa_distances.get((a, b))
 
     def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> DistanceMatrix:
         merged = dict(self.measured)
@@ -215,6 +260,28 @@ class DistanceMatrix:
             gpu_expected_gbps=expected,
             gpu_nic_levels=gpu_nic,
         )
+
+
+# The level a pair whose level is unknown is counted at: the farthest within a node,
+# with no expected bandwidth (see GpuInfo.links_known).
+UNKNOWN_LINK = SYS
+
+
+def unknown_link_gpus(n: int, known: Callable[[int, int], bool]) -> list[int]:
+    """The GPUs (positions) to count as having unknown links: few enough that every pair
+    among the others is known.  Greedy, most unknown pairs first, the later GPU on a
+    tie: a GPU sysfs does not show is unknown to all the others and is the one named,
+    not every GPU it has an unknown pair with."""
+    unknown_pairs = {i: {j for j in range(n) if j != i and not known(i, j)} for i in range(n)}
+    marked: list[int] = []
+    while unknown_pairs:
+        worst = max(unknown_pairs, key=lambda i: (len(unknown_pairs[i]), i))
+        if not unknown_pairs[worst]:
+            break
+        marked.append(worst)
+        for j in unknown_pairs.pop(worst):
+            unknown_pairs[j].discard(worst)
+    return sorted(marked)
 
 
 def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:

@@ -210,7 +210,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
             expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, tree)
             pairs.append(Pair(a, b, level, source, declared_level, expected))
 
-    return NodeTopology(
+    node = NodeTopology(
         hostname=hostname,
         numa=numa,
         pci=tree,
@@ -223,3 +223,12 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         cpu=cpu,
         peer_memory=_data(results, "gpudirect"),
     )
+    unknown = node.gpus_with_unknown_links()
+    if not unknown:
+        return node
+    return replace(node, findings=node.findings + tuple(
+        Finding(FindingKind.LINKS_UNKNOWN, Severity.WARNING, name,
+                "levels to other GPUs are unknown (sysfs does not show the GPU and nvidia-smi "
+                "did not say); placement takes it only after every GPU whose links are known")
+        for name in unknown
+    ))

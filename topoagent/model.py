@@ -7,6 +7,7 @@ topoagent.findings.  Exporters read this model only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from topoagent.collectors.infiniband import IbPort
@@ -16,7 +17,7 @@ from topoagent.collectors.nvml import NvLink
 from topoagent.collectors.pci import PciDevice, PciLink, PciTree
 from topoagent.facts import CpuFacts
 from topoagent.levels import SELF, LinkLevel
-from topoagent.matrix import DistanceMatrix, GpuInfo, HostLayout, NicInfo, sockets_from_distances
+from topoagent.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, HostLayout, NicInfo, sockets_from_distances, unknown_link_gpus
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 # The fact types the model is made of, named here so exporters read them from the model
@@ -159,8 +160,36 @@ class NodeTopology:
         levels = tuple(tuple(self.level(a, b) for b in names) for a in names)
         return TopoMatrix(devices=tuple(devices), levels=levels)
 
-    def distance_matrix(self) -> DistanceMatrix:
-        """The GPU distance matrix the placement core and the exporters read."""
+    def gpus_with_unknown_links(self) -> tuple[str, ...]:
+        """The GPUs whose levels are unknown (sysfs does not show them and nvidia-smi did
+        not say), as few as leave every other pair known (see matrix.unknown_link_gpus)."""
+        names = [g.name for g in self.gpus]
+        return tuple(names[i] for i in unknown_link_gpus(len(names), lambda i, j: self.level(names[i], names[j]) is not None))
+
+    def unhealthy_gpus(self, findings: Iterable[Finding] = ()) -> dict[str, str]:
+        """GPU name -> the critical finding placement keeps off it for (the node's own,
+        then ``findings``, e.g. the probes')."""
+        gpus = {g.name for g in self.gpus}
+        out: dict[str, str] = {}
+        for f in (*self.findings, *findings):
+            if f.severity is Severity.CRITICAL and f.subject in gpus:
+                out.setdefault(f.subject, f"{f.kind}: {f.message}")
+        return out
+
+    def numa_distances(self) -> dict[tuple[int, int], int]:
+        """SLIT distances between NUMA node ids ({} when the table is missing or ragged)."""
+        if self.numa is None:
+            return {}
+        ids = [n.id for n in self.numa.nodes]
+        if any(len(n.distances) != len(ids) for n in self.numa.nodes):
+            return {}
+        return {(a.id, b): d for a in self.numa.nodes for b, d in zip(ids, a.distances)}
+
+    def distance_matrix(self, findings: Iterable[Finding] = ()) -> DistanceMatrix:
+        """The GPU distance matrix the placement core and the exporters read; ``findings``
+        (the probes') may mark more GPUs unhealthy than the node's own findings do."""
+        unknown = set(self.gpus_with_unknown_links())
+        unhealthy = self.unhealthy_gpus(findings)
         gpus = tuple(
             GpuInfo(
                 index=g.index,
@@ -172,6 +201,8 @@ class NodeTopology:
                 model=g.model,
                 pcie_gen=g.link.max_gen if g.link else None,
                 pcie_width=g.link.current_width if g.link else None,
+                unhealthy=unhealthy.get(g.name),
+                links_known=g.name not in unknown,
             )
             for g in self.gpus
         )
@@ -199,7 +230,9 @@ class NodeTopology:
                     continue
                 pair = self.pair(a.name, b.name)
                 if pair is None or pair.level is None:
-                    raise ValueError(f"level of {a.name}/{b.name} is unknown")
+                    row_levels.append(UNKNOWN_LINK)  # one of the two is in ``unknown``
+                    row_expected.append(None)
+                    continue
                 row_levels.append(pair.level)
                 row_expected.append(pair.expected_gbps)
             levels.append(tuple(row_levels))
@@ -213,6 +246,7 @@ class NodeTopology:
             gpu_levels=tuple(levels),
             gpu_expected_gbps=tuple(expected),
             gpu_nic_levels=gpu_nic if self.nics else (),
+            numa_distances=self.numa_distances(),
             host=self.host_layout(),
         )
 

@@ -528,9 +528,11 @@ PATTERN_LINK = Document("PatternLink", {
 OBJECTIVE = Document("Objective", {
     "bandwidth_gbps": Field(nullable(NUMBER), description="(1) the pattern's weakest link"),
     "bottleneck_level": Field(nullable(LEVEL), lambda o: level_text(o.bottleneck_level)),
-    "numa_nodes": Field(INTEGER, description="(2) NUMA nodes spanned"),
-    "nic_cost": Field(INTEGER, description="(3) 0 when no NICs were asked for"),
-    "damage": Field(INTEGER, description="(4) damage to the free zones"),
+    "numa_distance": Field(nullable(INTEGER), description=(
+        "(2) the largest SLIT distance between the NUMA nodes spanned; null when the node has no distances")),
+    "numa_nodes": Field(INTEGER, description="(3) NUMA nodes spanned"),
+    "nic_cost": Field(INTEGER, description="(4) 0 when no NICs were asked for"),
+    "damage": Field(INTEGER, description="(5) damage to the free zones"),
 }, "The terms of the objective for this answer, in the order they count.")
 
 PLACEMENT = Document("Placement", {
@@ -622,7 +624,9 @@ PROBE_PAIR = Document("ProbePair", {
     "level": Field(LEVEL, lambda p: str(p.level)),
     "expected_gbps": Field(nullable(NUMBER)),
     "measured_gbps": Field(nullable(NUMBER)),
-    "bandwidth_gbps": Field(nullable(NUMBER), description="what placement ranks by: measured when fresh, else expected"),
+    "bandwidth_gbps": Field(nullable(NUMBER), description=(
+        "what placement ranks by: expected, unless a fresh measurement is clearly below what the level "
+        "achieves (then measured / the achievable fraction, on the same peak scale)")),
 })
 
 

@@ -44,6 +44,7 @@ class FindingKind(enum.StrEnum):
     PCIE_DEGRADED = "pcie-degraded"
     PCIE_SLOW = "pcie-slow"
     IB_PORT_DOWN = "ib-port-down"
+    LINKS_UNKNOWN = "links-unknown"
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"

@@ -43,6 +43,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
     parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB)")
+    parser.add_argument(
+        "--measured", metavar="FILE",
+        help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument("--batch", action="store_true", help="JSON requests on stdin, JSON answers on stdout")
     parser.set_defaults(run=run)
@@ -94,12 +98,40 @@ def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[
 
 
 def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ...]]:
-    """The node's matrix, and GPUs left out of it because their levels are unknown."""
+    """The node's matrix (with --measured's figures overlaid), and GPUs left out of it
+    because their levels are unknown."""
     if args.from_nvidia_smi:
         if args.batch and args.from_nvidia_smi == "-":
             raise UsageError("--batch reads requests from stdin; give the matrix as a file")
-        return matrix_and_left_out(args.from_nvidia_smi)
-    return matrix_from_root(args.root or "/"), ()
+        matrix, left_out = matrix_and_left_out(args.from_nvidia_smi)
+    else:
+        matrix, left_out = matrix_from_root(args.root or "/"), ()
+    if args.measured:
+        matrix = with_measured(matrix, args.measured)
+    return matrix, left_out
+
+
+def with_measured(matrix: DistanceMatrix, path: str) -> DistanceMatrix:
+    """The matrix with the figures of a `topoagent probe --json` document overlaid, judged
+    as the service judges its own (levels.measured_gbps)."""
+    from topoagent.probes.figures import MalformedRecord, parse_figure
+    from topoagent.probes.overlay import overlay
+
+    try:
+        with open(path, encoding="utf-8") as handle:
+            doc = json.load(handle)
+    except OSError as exc:
+        raise UsageError(f"--measured: cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise UsageError(f"--measured: {path} is not JSON: {exc}") from None
+    records = doc.get("figures") if isinstance(doc, dict) else None
+    if not isinstance(records, list):
+        raise UsageError(f"--measured: {path} has no 'figures' list (expected `topoagent probe --json` output)")
+    try:
+        figures = [parse_figure(r) for r in records if isinstance(r, dict)]
+    except MalformedRecord as exc:
+        raise UsageError(f"--measured: {path}: {exc}") from None
+    return overlay(matrix, figures)
 
 
 def run(args: argparse.Namespace) -> int:

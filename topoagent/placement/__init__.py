@@ -21,7 +21,7 @@ from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
 from topoagent.placement.binding import tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
-from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_groups
+from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
     REQUEST_FIELDS,
     REQUEST_LIMITS,
@@ -31,7 +31,7 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Found, Prepared, Search, bits, numa_label, prepare
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
 
@@ -50,6 +50,7 @@ __all__ = [
     "RequestError",
     "edge_key",
     "evaluate_damage",
+    "numa_distance",
     "numa_groups",
     "parse_request",
     "place",
@@ -83,7 +84,9 @@ def place(
     include = mask_of("include", request.include)
     exclude = mask_of("exclude", request.exclude)
     free_all = prep.all_mask & ~busy_mask
-    candidates = free_all & ~exclude
+    # A GPU with a critical finding is left out unless the request names it.
+    unhealthy = prep.unhealthy & free_all & ~exclude & ~include
+    candidates = free_all & ~exclude & ~unhealthy
     k = request.gpus
     if include & busy_mask:
         gone = _indices(matrix, include & busy_mask)
@@ -91,7 +94,8 @@ def place(
         return NoFit(request, why, "include", _indices(matrix, candidates))
     if candidates.bit_count() < k:
         why = Reason(ReasonCode.TOO_FEW_FREE, {
-            "gpus": k, "free": candidates.bit_count(), "size": prep.n, "excluded": exclude.bit_count(),
+            "gpus": k, "free": candidates.bit_count(), "size": prep.n,
+            "excluded": (exclude | unhealthy).bit_count(),
         })
         return NoFit(request, why, "gpus", _indices(matrix, candidates))
     usable_nics = sum(tables(prep).usable_nics) if prep.n_nics else 0  # a NIC with every port down is no NIC
@@ -100,12 +104,40 @@ def place(
         best = place(matrix, relaxed, busy, now=now)
         why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": usable_nics})
         return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
+    answer: Placement | NoFit
     if request.affinity is not Affinity.ANY:
-        return _place_tier(prep, request, free_all, candidates, include)
-    found = Search(prep, request, free_all, candidates, include).run()
-    if found is not None:
-        return build(prep, request, found, free_all)
-    return _diagnose(prep, request, free_all, candidates, include)
+        answer = _place_tier(prep, request, free_all, candidates, include)
+    else:
+        found = _search_known_first(prep, request, free_all, candidates, include)
+        if found is None:
+            return _diagnose(prep, request, free_all, candidates, include)
+        answer = build(prep, request, found, free_all)
+    if isinstance(answer, NoFit):
+        return answer
+    taken = sum(1 << pos_of[i] for i in answer.indices)
+    notes = []
+    if unhealthy:
+        causes = tuple(f"GPU{g.index}: {g.unhealthy}" for g in (matrix.gpus[v] for v in bits(unhealthy)))
+        notes.append(Reason(ReasonCode.UNHEALTHY_LEFT_OUT, {"gpus": _indices(matrix, unhealthy), "why": causes}))
+    if taken & prep.links_unknown:
+        notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, taken & prep.links_unknown)}))
+    return replace(answer, reasons=answer.reasons + tuple(notes)) if notes else answer
+
+
+def _search_known_first(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Found | None:
+    """GPUs whose links are unknown come last: the best set of GPUs with known links (and
+    what ``include`` names); else every known GPU plus the fewest unknown ones; else any."""
+    unknown = candidates & prep.links_unknown & ~include
+    if unknown:
+        known = candidates & ~unknown
+        found = Search(prep, request, free_all, known, include).run()
+        if found is not None:
+            return found
+        if known.bit_count() < request.gpus:
+            found = Search(prep, request, free_all, candidates, include | known).run()
+            if found is not None:
+                return found
+    return Search(prep, request, free_all, candidates, include).run()
 
 
 def _place_tier(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Placement | NoFit:

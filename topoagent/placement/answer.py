@@ -236,9 +236,10 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int, *, fell_bac
     objective = Objective(
         bandwidth_gbps=parts.bandwidth,
         bottleneck_level=parts.weakest.level if parts.weakest else None,
-        numa_nodes=found.key[0],
-        nic_cost=found.key[1],
-        damage=found.key[2],
+        numa_distance=found.numa_distance if prep.numa_dist is not None else None,
+        numa_nodes=found.numa_nodes,
+        nic_cost=found.nic_cost,
+        damage=found.damage,
     )
     quality = parts.bandwidth or 0.0
     loss = (objective.numa_nodes - 1) + len(broken)

@@ -32,6 +32,8 @@ class ReasonCode(enum.StrEnum):
     BREAKS_ZONES = "breaks_zones"  # zones
     KEEPS_ZONES = "keeps_zones"
     AFFINITY_FELL_BACK = "affinity_fell_back"  # asked, met
+    UNHEALTHY_LEFT_OUT = "unhealthy_left_out"  # gpus (indices), why (one line per GPU)
+    UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -110,6 +112,13 @@ _TEMPLATES = {
     ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
     ReasonCode.AFFINITY_FELL_BACK: lambda p: (
         f"no free set meets {p.field_name('affinity')} {p['asked']}; {p.field_name('fallback')}: answered at tier {p['met']}"
+    ),
+    ReasonCode.UNHEALTHY_LEFT_OUT: lambda p: (
+        f"left out GPU(s) {p.gpus('gpus')} ({'; '.join(p['why'])}); {p.field_name('include')} names a GPU to use it anyway"
+    ),
+    ReasonCode.UNKNOWN_LINKS_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because "
+        "the GPUs whose links are known cannot hold the job"
     ),
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,

@@ -1,26 +1,45 @@
 """The placement objective: the terms every answer is ranked by, how the search reaches
 the exact optimum, and helpers that score an arbitrary set by the same terms.
 
+Who may be chosen
+-----------------
+A GPU with a critical finding (``GpuInfo.unhealthy``: off the bus, outside the NVSwitch
+fabric, every NVLink down) is never chosen unless the request's ``include`` names it.
+GPUs whose levels are unknown (``GpuInfo.links_known`` false: sysfs does not show the GPU
+and nvidia-smi did not say) come last: the best set of GPUs whose links are known; when
+those cannot hold the job, every one of them plus the fewest unknown ones; only then
+any set.  Their links count at the farthest level with no bandwidth.  A NIC with no
+ACTIVE port is never counted nor listed.
+
 Objective (lexicographic; an earlier term always wins over a later one)
 -----------------------------------------------------------------------
 1. **Pattern bandwidth**, maximised.  Every GPU pair has an edge key
-   ``(bandwidth, closeness)``: bandwidth is the measured GB/s when fresh, else the level's
-   expected GB/s; at equal bandwidth the closer level wins (so from an nvidia-smi matrix
+   ``(bandwidth, closeness)``: bandwidth is the level's expected GB/s, or, when a fresh
+   measurement shows the pair clearly below what its level achieves, what it achieves on
+   the same peak scale (``levels.measured_gbps``: a tolerance band with hysteresis, so
+   noise never changes an answer and a degraded pair ranks below every healthy one of
+   its level); at equal bandwidth the closer level wins (so from an nvidia-smi matrix
    alone NV n beats every PCIe level and more NVLinks beat fewer, and PIX beats PXB).
    The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
    (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
    ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
-2. **Fewest NUMA nodes** (sockets) spanned.  A GPU's NUMA node is the one nvidia-smi or
+2. **Least NUMA distance** spanned: the largest SLIT distance (``numactl -H``) between
+   the NUMA nodes of the chosen GPUs, a node with itself included (10 for one node, 12
+   for two nodes of one socket on a DGX A100, 32 across its sockets).  0 for every set
+   on a node without distances (an nvidia-smi matrix alone, a NUMA group known only by
+   its CPU list): then term (3) alone speaks for NUMA.
+3. **Fewest NUMA nodes** (sockets) spanned.  A GPU's NUMA node is the one nvidia-smi or
    sysfs reports; when only the CPU affinity is known, GPUs with the same CPU list count
    as one node.
-3. **NIC affinity**, only when ``nics`` > 0: the sum of the link-kind distances of the
-   ``nics`` NICs closest to the set (each NIC's distance is its closest GPU in the set).
-4. **Least damage to what stays free**: for every zone of the node -- NUMA nodes and the
+4. **NIC affinity**, only when ``nics`` > 0: the sum of the link-kind distances of the
+   ``nics`` NICs closest to the set (each NIC's distance is its closest GPU in the set),
+   then, at an equal sum, the most port rate (NICs taken closest first, faster first).
+5. **Least damage to what stays free**: for every zone of the node -- NUMA nodes and the
    connected groups at each link level (NVLink zones, PCIe switches, host bridges) --
    taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
    best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
    whole for later large jobs.
-5. **Deterministic tie-break**: leave each GPU that stays free its best link to another
+6. **Deterministic tie-break**: leave each GPU that stays free its best link to another
    free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
    each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
    mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
@@ -28,13 +47,14 @@ Objective (lexicographic; an earlier term always wins over a later one)
    answered from a table (below) the partner rule is applied to every tied set; in the
    branch and bound, to the tied sets it visits.
 
-Terms (1) and (2) are exact -- the global optimum over all k-subsets, not a heuristic --
-and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
+Terms (1)-(3) are exact -- the global optimum over all k-subsets, not a heuristic --
+and so are (4) and (5) given (1)-(3).  The search never enumerates partitions:
 
 * Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
   8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
-  its best pattern rank, order and NUMA count, best first; a query scans it, skipping
-  busy and disallowed sets, and stops at the first worse (bandwidth, NUMA) group.
+  its best pattern rank, order, NUMA distance and NUMA count, best first; a query scans
+  it, skipping busy and disallowed sets, and stops at the first worse (bandwidth, NUMA
+  distance, NUMA nodes) group.
 * Thresholds.  Feasibility of (1) is monotone in the threshold, so the search walks the
   distinct edge keys from best to worst (binary search when there are many) and, at each
   threshold ``t``, works on the graph of links at least as good as ``t``.  A ring needs
@@ -47,9 +67,11 @@ and so are (3) and (4) given (1)-(2).  The search never enumerates partitions:
   from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
   one per socket, when NICs do not matter).
 * Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
-  lower bounds taken one term at a time for (2) (NUMA nodes touched plus the fewest
-  further nodes that can hold the rest), (3) (the NIC cost of everything still allowed --
-  it only falls as GPUs are added) and (4): taking a of a zone's c remaining candidates
+  lower bounds taken one term at a time for (2) (the span of the NUMA nodes touched --
+  it only grows -- or, when they cannot hold the rest, the least span with one more
+  node), (3) (NUMA nodes touched plus the fewest further nodes that can hold the rest),
+  (4) (the NIC cost of everything still allowed -- it only falls as GPUs are added) and
+  (5): taking a of a zone's c remaining candidates
   costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
   every zone taken whole or not at all but one -- tried exactly when at most three zones
   are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
@@ -80,13 +102,14 @@ class Objective:
 
     bandwidth_gbps: float | None  # (1), None when the pattern has no links
     bottleneck_level: LinkLevel | None  # (1), the level of the weakest pattern link
-    numa_nodes: int  # (2)
-    nic_cost: int  # (3), 0 when no NICs were asked for
-    damage: int  # (4)
+    numa_distance: int | None  # (2), None when the node has no NUMA distances
+    numa_nodes: int  # (3)
+    nic_cost: int  # (4), the kinds summed; 0 when no NICs were asked for
+    damage: int  # (5)
 
 
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
-    """Objective term (4) for an arbitrary set: lets tests and benchmarks compare policies."""
+    """Objective term (5) for an arbitrary set: lets tests and benchmarks compare policies."""
     prep = prepare(matrix, None)
     pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
     busy_mask = sum(1 << pos_of[i] for i in busy)
@@ -95,9 +118,17 @@ def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterabl
 
 
 def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
-    """GPU indices per NUMA group as the objective counts them (term 2)."""
+    """GPU indices per NUMA group as the objective counts them (term 3)."""
     prep = prepare(matrix, None)
     return [tuple(matrix.gpus[v].index for v in bits(m)) for m in prep.numa_masks]
+
+
+def numa_distance(matrix: DistanceMatrix, indices: Iterable[int]) -> int | None:
+    """Objective term (2) for an arbitrary set of GPU indices; None without distances."""
+    prep = prepare(matrix, None)
+    if prep.numa_dist is None:
+        return None
+    return prep.numa_span(prep.groups_of(sum(1 << prep.pos_of[i] for i in indices)))
 
 
 def edge_key(matrix: DistanceMatrix, a_index: int, b_index: int, now: float | None = None) -> tuple[float, tuple[int, ...]]:

@@ -109,20 +109,37 @@ class Prepared:
         self.numa_masks = [0] * len(seen)
         for i, gi in enumerate(self.numa_of):
             self.numa_masks[gi] |= 1 << i
+        self.numa_bit = [1 << gi for gi in self.numa_of]
+        # NUMA distance (term 2): the SLIT entry between two groups, when every group is a
+        # NUMA node the matrix has distances for; else None and the term is 0 for every set.
+        slit = matrix.numa_distances
+        ids = [value for kind, value in self.numa_keys if kind == "numa"]
+        self.numa_dist: list[list[int]] | None = None
+        if slit and len(ids) == len(self.numa_keys) and all((a, b) in slit for a in ids for b in ids):
+            self.numa_dist = [[slit[(a, b)] for b in ids] for a in ids]
+        self._span: dict[int, int] = {0: 0}
+        # GPUs placement keeps off unless named (a critical finding), and GPUs whose links
+        # are unknown (taken only after every GPU whose links are known).
+        self.unhealthy = sum(1 << i for i, g in enumerate(matrix.gpus) if g.unhealthy is not None)
+        self.links_unknown = sum(1 << i for i, g in enumerate(matrix.gpus) if not g.links_known)
 
         # GPU -> NIC distance as a LevelKind number; per NIC, the GPUs within each kind.
+        # A NIC with no ACTIVE port carries no traffic: it is as far as no NIC at all
+        # (NO_NIC) and has no steps, so it never counts in term (3) nor is listed.
+        self.nic_usable = [nic.active is not False for nic in matrix.nics]
+        self.nic_rate = [nic.rate_gbps or 0.0 for nic in matrix.nics]
         self.nic_kind = [
             [
-                int(lv.kind) if lv is not None else NO_NIC
-                for lv in (matrix.gpu_nic_levels[i] if matrix.gpu_nic_levels else ())
+                int(lv.kind) if lv is not None and self.nic_usable[j] else NO_NIC
+                for j, lv in enumerate(matrix.gpu_nic_levels[i] if matrix.gpu_nic_levels else ())
             ]
             for i in range(n)
         ]
         n_nics = len(matrix.nics) if matrix.gpu_nic_levels else 0
-        self.n_nics = n_nics
+        self.n_nics = sum(self.nic_usable) if n_nics else 0  # the NICs a job can be given
         self.nic_steps: list[list[tuple[int, int]]] = []
         for j in range(n_nics):
-            kinds = sorted({self.nic_kind[i][j] for i in range(n)})
+            kinds = sorted({self.nic_kind[i][j] for i in range(n)} - {NO_NIC})
             steps = []
             for kv in kinds:
                 mask = sum(1 << i for i in range(n) if self.nic_kind[i][j] <= kv)
@@ -156,13 +173,13 @@ class Prepared:
         for pos, v in enumerate(sorted(range(n), key=lambda i: self.hier_key[i])):
             self.hier_pos[v] = pos
         self.no_limit = [self.all_mask] * n  # "any GPU may join", shared, never mutated
-        self._small_tables: dict[tuple[Pattern, int], list[tuple[int, int, int, tuple[int, ...]]] | None] = {}
+        self._small_tables: dict[tuple[Pattern, int], list[tuple[int, int, int, int, tuple[int, ...]]] | None] = {}
         self.links_cache: dict[tuple[int, int], PatternLink] = {}  # see answer.py
         self.placed_cache: dict[tuple[int, int, str | None, int | None], PlacedGpu] = {}  # see answer.placed_gpu
         self.nic_names = [nic.device or nic.name for nic in matrix.nics]
         # NICs known only by nvidia-smi's label (NIC0..., no NIC Legend): NCCL cannot use those.
         self.nics_without_device = frozenset(nic.name for nic in matrix.nics if nic.device is None)
-        self._nic_cost: dict[tuple[int, int], int] = {}
+        self._nic_cost: dict[tuple[int, int], tuple[int, float]] = {}
         self._classes: dict[bool, list[tuple[int, tuple[int, ...]]]] = {}
         self.gpu_cpus = [parse_cpulist(g.cpus) if g.cpus else None for g in matrix.gpus]
         distinct: dict[str | None, int] = {}
@@ -294,9 +311,29 @@ class Prepared:
         self._classes[with_nics] = with_zones
         return with_zones
 
-    def small_table(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, tuple[int, ...]]] | None:
-        """Every k-set of the node with its best pattern rank, NUMA count and order, best
-        first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
+    def numa_span(self, groups: int) -> int:
+        """Term (2) for a set touching these NUMA groups (a bitmask of group numbers): the
+        largest distance between two of them, a group with itself included; 0 when the
+        node has no distances (or no group is touched)."""
+        got = self._span.get(groups)
+        if got is None:
+            dist = self.numa_dist
+            got = 0
+            if dist is not None:
+                touched = list(bits(groups))
+                got = max(dist[a][b] for a in touched for b in touched)
+            self._span[groups] = got
+        return got
+
+    def groups_of(self, mask: int) -> int:
+        groups = 0
+        for v in bits(mask):
+            groups |= self.numa_bit[v]
+        return groups
+
+    def small_table(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
+        """Every k-set of the node with its best pattern rank, NUMA distance, NUMA count
+        and order, best first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
         k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
         instead of searching, which on such nodes is several times faster."""
         if comb(self.n, k) > SMALL_TABLE_SETS:
@@ -309,15 +346,15 @@ class Prepared:
         rows = []
         for verts in combinations(by_hier, k):
             mask = sum(1 << v for v in verts)
-            numa = sum(1 for g in self.numa_masks if g & mask)
+            groups = self.groups_of(mask)
             order: tuple[int, ...] | None
             rank, order = -1, verts
             if links:
                 rank, order = self._best_rank(mask, verts, pattern)
                 if order is None:
                     continue
-            rows.append((mask, rank, numa, order))
-        rows.sort(key=lambda row: (-row[1], row[2]))  # stable: hierarchy order on ties
+            rows.append((mask, rank, self.numa_span(groups), groups.bit_count(), order))
+        rows.sort(key=lambda row: (-row[1], row[2], row[3]))  # stable: hierarchy order on ties
         self._small_tables[key] = rows
         return rows
 
@@ -334,8 +371,11 @@ class Prepared:
                 return r, order
         return -1, None
 
-    def nic_cost(self, mask: int, wanted: int) -> int:
-        """Term (3): the link kinds of the ``wanted`` NICs closest to these GPUs, summed."""
+    def nic_cost(self, mask: int, wanted: int) -> tuple[int, float]:
+        """Term (4): the link kinds of the ``wanted`` NICs closest to these GPUs, summed,
+        then (at equal closeness) the most port rate: (kinds, -Gb/s).  NICs are taken
+        closest first, faster first at equal closeness.  Only falls as GPUs are added
+        (each NIC's kind can only fall), which the branch and bound's bound relies on."""
         key = (mask, wanted)
         got = self._nic_cost.get(key)
         if got is None:
@@ -344,17 +384,19 @@ class Prepared:
             got = self._nic_cost[key] = self._nic_cost_of(mask, wanted)
         return got
 
-    def _nic_cost_of(self, mask: int, wanted: int) -> int:
+    def _nic_cost_of(self, mask: int, wanted: int) -> tuple[int, float]:
         dists = []
-        for steps in self.nic_steps:
+        for j, steps in enumerate(self.nic_steps):
             for kv, m in steps:
                 if m & mask:
-                    dists.append(kv)
+                    dists.append((kv, -self.nic_rate[j]))
                     break
             else:
-                dists.append(NO_NIC)
+                if self.nic_usable[j]:
+                    dists.append((NO_NIC, -self.nic_rate[j]))
         dists.sort()
-        return sum(dists[:wanted])
+        chosen = dists[:wanted]
+        return sum(kv for kv, _ in chosen), sum(rate for _, rate in chosen)
 
     def ham(self, mask: int, r: int, cycle: bool) -> tuple[int, ...] | None:
         """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
@@ -429,13 +471,32 @@ def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
 # --- the search -----------------------------------------------------------------------
 
 
+NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
+
+
 @dataclass(slots=True)
 class Found:
     mask: int
     order: tuple[int, ...]
     rank: int | None
-    key: tuple[int, int, int]
+    key: tuple[int, int, tuple[int, float], int]  # terms (2)-(5): distance, nodes, NICs, damage
     loss: int | None = None  # partner loss, computed when a tie needs it
+
+    @property
+    def numa_distance(self) -> int:
+        return self.key[0]
+
+    @property
+    def numa_nodes(self) -> int:
+        return self.key[1]
+
+    @property
+    def nic_cost(self) -> int:
+        return self.key[2][0]
+
+    @property
+    def damage(self) -> int:
+        return self.key[3]
 
 
 class Search:
@@ -488,7 +549,7 @@ class Search:
                 hi = mid - 1
         return self._search_at(present[lo], stop_at_first=False)
 
-    def _scan(self, table: list[tuple[int, int, int, tuple[int, ...]]]) -> Found | None:
+    def _scan(self, table: list[tuple[int, int, int, int, tuple[int, ...]]]) -> Found | None:
         """The best set from the node's table of all k-sets (see Prepared.small_table)."""
         cand = self.candidates | self.include
         include = self.include
@@ -497,21 +558,21 @@ class Search:
         nics = self.nics
         best: Found | None = None
         group = None
-        for mask, rank, numa, order in table:
+        for mask, rank, span, numa, order in table:
             if mask & ~cand or include & ~mask or (single_numa and numa > 1):
                 continue
             if h is not None and any((h[v] | 1 << v) & mask != mask for v in order):
                 continue
-            if best is not None and (rank, numa) != group:
-                break  # sorted by (bandwidth, NUMA): the rest are worse
-            nic = self.prep.nic_cost(mask, nics) if nics else 0
-            if best is not None and nic > best.key[1]:
+            if best is not None and (rank, span, numa) != group:
+                break  # sorted by (bandwidth, NUMA distance, NUMA nodes): the rest are worse
+            nic = self.prep.nic_cost(mask, nics) if nics else NO_NICS
+            if best is not None and nic > best.key[2]:
                 continue
-            key = (numa, nic, self._damage_of(mask))
+            key = (span, numa, nic, self._damage_of(mask))
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
-                group = (rank, numa)
+                group = (rank, span, numa)
             elif key == best.key and best_loss != 0:
                 # (5) among equals: leave each free GPU its best free partner.
                 if best_loss is None:
@@ -669,12 +730,16 @@ class Search:
     ) -> list[tuple[int, tuple[int, ...]]]:
         """The classes to branch on, best-fit first so the first answer found is good and
         the bounds cut early: NUMA nodes that can hold the whole job, fewest candidates
-        first; then the others, most candidates first.  Hierarchy order within a node."""
+        first; then the others, nearest (NUMA distance) to the one with most candidates
+        first, then most candidates first.  Hierarchy order within a node."""
         prep = self.prep
+        counts = [(g & cand).bit_count() for g in prep.numa_masks]
+        dist = prep.numa_dist
+        anchor = max(range(len(counts)), key=counts.__getitem__)
         group_key = []
-        for g in prep.numa_masks:
-            c = (g & cand).bit_count()
-            group_key.append((0, c) if c >= rem else (1, -c))
+        for gi, c in enumerate(counts):
+            near = dist[anchor][gi] if dist is not None else 0
+            group_key.append((0, 0, c) if c >= rem else (1, near, -c))
         ordered = [(m & cand, zones) for m, zones in classes_all if m & cand]
         if len(group_key) > 1:
             numa_of = prep.numa_of
@@ -757,6 +822,24 @@ class Search:
                 need -= c
         return total
 
+    def _distance_bound(self, taken: int, cand: int, rem: int) -> int:
+        """Least NUMA distance of adding ``rem`` more GPUs from ``cand``: the span of what
+        is taken (it only grows), or, when the groups already touched cannot hold the
+        rest, the least span of those plus one more group."""
+        prep = self.prep
+        touched = prep.groups_of(taken)
+        span = prep.numa_span(touched)
+        cap = 0
+        for gi in bits(touched):
+            cap += (prep.numa_masks[gi] & cand).bit_count()
+        if rem <= cap:
+            return span
+        least = 1 << 30
+        for gi, g in enumerate(prep.numa_masks):
+            if g & cand and not touched >> gi & 1:
+                least = min(least, prep.numa_span(touched | 1 << gi))
+        return least
+
     def _numa_bound(self, taken: int, cand: int, rem: int) -> int:
         touched = 0
         cap = 0
@@ -792,16 +875,20 @@ class Search:
             if self.stop_at_first:
                 return
             # The bound, one term at a time: later terms only matter on a tie.
-            best_numa, best_nic, best_dmg = best.key
-            numa = self._numa_bound(taken, cand, rem)
-            if numa > best_numa:
+            best_span, best_numa, best_nic, best_dmg = best.key
+            span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
+            if span > best_span:
                 return
-            if numa == best_numa:
-                nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else 0
-                if nic > best_nic:
+            if span == best_span:
+                numa = self._numa_bound(taken, cand, rem)
+                if numa > best_numa:
                     return
-                if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
-                    return
+                if numa == best_numa:
+                    nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
+                    if nic > best_nic:
+                        return
+                    if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
+                        return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -840,9 +927,9 @@ class Search:
                 return
         else:
             order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
-        numa = sum(1 for g in prep.numa_masks if g & taken)
-        nic = prep.nic_cost(taken, self.nics) if self.nics else 0
-        key = (numa, nic, dmg)
+        groups = prep.groups_of(taken)
+        nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
+        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg)
         best = self.best
         if best is None or key < best.key:
             self.best = Found(taken, order, self.r, key)

@@ -7,7 +7,27 @@ from topoagent.levels import LinkLevel, expected_gbps
 from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
 
 
-def build(levels: list[list[str]], numa: list[int], cpus: list[str], nic_levels: list[list[str]]) -> DistanceMatrix:
+def socket_distances(sockets: int) -> dict[tuple[int, int], int]:
+    """A SLIT table over one NUMA node per socket: 10 local; with 4 sockets, sockets
+    0-1 and 2-3 are linked directly (16) and the others two hops apart (32), as on
+    glueless 4-socket boards; with 2, 21."""
+    def far(a: int, b: int) -> int:
+        if a == b:
+            return 10
+        if sockets <= 2:
+            return 21
+        return 16 if a // 2 == b // 2 else 32
+
+    return {(a, b): far(a, b) for a in range(sockets) for b in range(sockets)}
+
+
+def build(
+    levels: list[list[str]],
+    numa: list[int],
+    cpus: list[str],
+    nic_levels: list[list[str]],
+    numa_distances: dict[tuple[int, int], int] | None = None,
+) -> DistanceMatrix:
     n = len(levels)
     parsed = tuple(tuple(LinkLevel.parse(x) for x in row) for row in levels)
     return DistanceMatrix(
@@ -16,6 +36,7 @@ def build(levels: list[list[str]], numa: list[int], cpus: list[str], nic_levels:
         gpu_levels=parsed,
         gpu_expected_gbps=tuple(tuple(expected_gbps(lv) for lv in row) for row in parsed),
         gpu_nic_levels=tuple(tuple(LinkLevel.parse(x) for x in row) for row in nic_levels) if nic_levels else (),
+        numa_distances=numa_distances or {},
     )
 
 
@@ -47,7 +68,7 @@ def tree_node(sockets: int, switches_per_socket: int, gpus_per_switch: int, nv_z
     ]
     cores = 16
     cpus = [f"{sock[i] * cores}-{sock[i] * cores + cores - 1}" for i in range(n)]
-    return build(levels, sock, cpus, nic_levels)
+    return build(levels, sock, cpus, nic_levels, socket_distances(sockets))
 
 
 def pcie_two_socket_8() -> DistanceMatrix:
@@ -64,7 +85,7 @@ def nvswitch_16() -> DistanceMatrix:
         ["PIX" if i // 2 == s else ("NODE" if sock[i] == s // 4 else "SYS") for s in range(8)] for i in range(n)
     ]
     cpus = ["0-23,48-71" if s == 0 else "24-47,72-95" for s in sock]
-    return build(levels, sock, cpus, nic_levels)
+    return build(levels, sock, cpus, nic_levels, socket_distances(2))
 
 
 def node_32() -> DistanceMatrix:
