@@ -15,7 +15,7 @@ from urllib.parse import parse_qs, urlparse
 import grpc
 import pytest
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
-from placement_oracle import best_keys, numa_key, pattern_key
+from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
 from service_helpers import DGX_A100, Agent, make_root, start_agent
 
 from topoagent.deviceplugin import api_pb2
@@ -194,9 +194,10 @@ def test_preferred_allocations_are_optimal_on_every_fixture(name: str, tmp_path:
             if oracle_cost(len(offered), size) > ORACLE_BUDGET:
                 continue
             checked += 1
-            expected_pattern, expected_numa, *_ = best_keys(matrix, req, ())
+            expected_pattern, expected_distance, expected_numa, *_ = best_keys(matrix, req, ())
             positions = tuple(sorted(matrix.gpu_by_index(index[u]) for u in got))
             assert pattern_key(matrix, positions, req.pattern) == expected_pattern, (offered, must, size, got)
+            assert numa_distance(matrix, positions) == expected_distance, (offered, must, size, got)
             assert len({numa_key(matrix, p) for p in positions}) == expected_numa, (offered, must, size, got)
         assert checked >= min(len(cases), 4)
     finally:

@@ -123,8 +123,11 @@ def test_the_wheel_installed_in_a_fresh_venv_serves_a_recorded_node_and_installs
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=False)
     python = env_dir / "bin" / "python"
+    # Without PYTHONPATH: the checkout on it (a build leaves topoagent.egg-info there) would
+    # make pip take topoagent for installed already and skip the wheel.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index",
-                           "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+                           "-q", str(wheel)], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr
     # The venv's own topoagent, with its dependencies borrowed from this test environment's
     # site-packages (offline, and no second copy) by a .pth line, which comes after the
@@ -132,7 +135,6 @@ def test_the_wheel_installed_in_a_fresh_venv_serves_a_recorded_node_and_installs
     # checkout is not on the path (no PYTHONPATH, and the commands run elsewhere).
     (site,) = (env_dir / "lib").glob("python3*/site-packages")
     (site / "borrowed-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     where = subprocess.run([str(python), "-c", "import topoagent; print(topoagent.__file__)"], cwd=tmp_path, env=env,
                            capture_output=True, text=True, timeout=60)
     assert where.stdout.startswith(str(env_dir)), where.stdout + where.stderr

@@ -19,7 +19,6 @@ from dataclasses import replace
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
-from topoagent.placement.binding import tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
@@ -98,7 +97,7 @@ def place(
             "excluded": (exclude | unhealthy).bit_count(),
         })
         return NoFit(request, why, "gpus", _indices(matrix, candidates))
-    usable_nics = sum(tables(prep).usable_nics) if prep.n_nics else 0  # a NIC with every port down is no NIC
+    usable_nics = prep.n_nics  # a NIC with every port down is no NIC
     if request.nics > usable_nics:
         relaxed = replace(request, nics=usable_nics)
         best = place(matrix, relaxed, busy, now=now)

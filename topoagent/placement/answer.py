@@ -111,7 +111,10 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
     got = prep.placed_cache.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
-        best_kind, nearest = tables(prep).nearest[pos]
+        best_kind, closest = tables(prep).nearest[pos]
+        # Listed: the fastest of the closest (bind_ranks still spreads ranks over all of them).
+        top_rate = max((prep.nic_rate[j] for j in closest), default=0.0)
+        nearest = [j for j in closest if prep.nic_rate[j] == top_rate]
         nic_level = prep.matrix.gpu_nic_levels[pos][nearest[0]] if best_kind < NO_NIC else None
         nic_names = prep.nic_names
         got = PlacedGpu(
@@ -175,7 +178,7 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
         dist = []
         for j in usable:
             kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
-            dist.append((kv, -t.nic_rate[j], j))  # closest, then fastest
+            dist.append((kv, -prep.nic_rate[j], j))  # closest, then fastest
         job_nics = [j for _, _, j in sorted(dist)[:nics]]
     else:
         job_nics = usable

@@ -91,11 +91,9 @@ class BindingTables:
             elif g.cpus:
                 cpus = parse_cpulist(g.cpus)
             self.pool_of.append(tuple(sorted(cpus)) if cpus else None)
-        self.usable_nics = [nic.active is not False for nic in matrix.nics]
-        self.usable = [j for j, ok in enumerate(self.usable_nics) if ok]
+        self.usable = [j for j, ok in enumerate(prep.nic_usable) if ok]  # a NIC with every port down is no NIC
         # Per GPU: its closest kind among the usable NICs, and those NICs.
         self.nearest = [nearest_usable(prep, pos, self.usable) for pos in range(matrix.size)]
-        self.nic_rate = [nic.rate_gbps or 0.0 for nic in matrix.nics]
         self._splits: dict[tuple[tuple[int, ...], int], list[Share]] = {}
         self.numactl: dict[tuple[str | None, int | None], tuple[str, ...]] = {}
 
@@ -164,7 +162,7 @@ def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> l
     nic: list[int | None] = [None] * len(order)
     for rank in sorted(range(len(order)), key=lambda r: (len(choices[r]), r)):
         if choices[rank]:
-            pick = min(choices[rank], key=lambda j: (used[j], -t.nic_rate[j], j))
+            pick = min(choices[rank], key=lambda j: (used[j], -prep.nic_rate[j], j))
             used[pick] += 1
             nic[rank] = pick
     gpus = prep.matrix.gpus
