@@ -31,6 +31,9 @@ class GpuInfo:
     # The GPU's own PCIe link as it can train (generation, lanes); None when unknown.
     pcie_gen: int | None = None
     pcie_width: int | None = None
+    # The NUMA node the GPU claims, when a confirmed probe finding moved ``numa_node`` (and
+    # ``cpus``) to the node its host copies run fastest from (topoagent.probes.overlay).
+    claimed_numa_node: int | None = None
 
     def pcie_gbps(self) -> float:
         """Per-direction rate of this GPU's host link (the default link when unknown)."""
@@ -108,6 +111,9 @@ class DistanceMatrix:
     measurement_max_age_s: float = 24 * 3600.0
     # CPUs, cores and sockets for per-rank bindings; None when only nvidia-smi text is known.
     host: HostLayout | None = None
+    # (i, j) -> the declared level, i < j, for pairs a confirmed probe finding demoted in
+    # ``gpu_levels`` to the level their copies deliver (topoagent.probes.overlay).
+    declared_levels: dict[tuple[int, int], LinkLevel] = field(default_factory=dict)
     # Tables other modules derive from this (immutable) value, built once per instance:
     # e.g. the placement core's bitmasks.  Not part of the value: excluded from ==, repr,
     # and from ``replace()`` (a replaced matrix starts with an empty cache).
