@@ -16,7 +16,20 @@ placement ranks by — returns the measurement while it is fresh.
 - ``host_link_degraded``: a GPU's best host↔device figure is below what its PCIe link
   achieves;
 - ``numa_affinity_mismatch``: host copies from another NUMA node beat those from the
-  node the GPU is declared on.
+  node the GPU is declared on;
+- ``high_latency``: a pair's small copies take more than ``LATENCY_FAR_FACTOR`` times
+  what its level's small copies take (``LATENCY_US``).
+
+Figures taken under load (a forced round while a busy GPU shared the probe's PCIe path,
+``under_load``) are no evidence of a fault: they neither enter the matrix nor become
+findings.
+
+``apply_verdicts`` acts on *confirmed* findings (seen in ``CONFIRM_ROUNDS`` rounds of
+their target in a row; ``topoagent.probes.service`` counts): a NUMA mismatch moves the
+GPU's ``numa_node`` and ``cpus`` -- what CPU binding and the NUMA term read -- to the node
+the host copies say, keeping the claimed node in ``GpuInfo.claimed_numa_node``; a level
+contradiction demotes the pair's level to the one its copies deliver (zones and damage
+read ``gpu_levels``), keeping the declared level in ``DistanceMatrix.declared_levels``.
 
 Levels promise hardware rates; copies achieve less: ``ACHIEVABLE_FRACTION`` (kept in
 topoagent.levels, with its sources) is what a level's copies reach.  Placement reads a
@@ -28,9 +41,11 @@ in the previous matrix, so a figure inside the band never flips a pair either wa
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from dataclasses import replace
 from typing import NamedTuple
 
+from topoagent.cpulist import format_cpulist
 from topoagent.levels import (
     ACHIEVABLE_FRACTION,
     NODE,
@@ -44,7 +59,7 @@ from topoagent.levels import (
     measured_degraded,
     pcie_gbps,
 )
-from topoagent.matrix import DistanceMatrix, Measurement
+from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement
 from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.vocabulary import FindingKind, Severity
@@ -55,6 +70,27 @@ CRITICAL_FRACTION = 0.25
 LEVEL_FIT_FACTOR = 1.25
 NUMA_TOLERANCE = 0.15
 PCIE_LADDER = (PIX, PXB, PHB, NODE, SYS)
+CONFIRM_ROUNDS = 2
+
+# Small-copy (4 bytes) latency per level, microseconds, as p2pBandwidthLatencyTest's
+# "P2P=Enabled Latency (P2P Writes)" matrices in shared/corpus/bandwidth/ read:
+# RTX 6000 Ada on a Threadripper PRO, PHB: 1.12-1.14 us; on a 2-socket EPYC, NODE and SYS
+# alike: 1.21-1.44 us.  The same tools' "P2P=Disabled" rows (copies staged through host
+# memory) read 10.3-14.2 us, and 13.6-15.0 us on the 2x RTX 2080 Ti without P2P: about
+# ten times more.  The corpus holds no NVLink latency matrix; NVLink copies take a copy
+# engine's fixed cost like PCIe ones, so NVLink gets the PCIe figure, rounded up.
+# A pair slower than LATENCY_FAR_FACTOR times its level's figure (6 us) copies like a
+# staged pair: a finding, since latency-bound patterns (alltoall, pipeline at small
+# messages) pay it on every message.
+LATENCY_US = {
+    LevelKind.NV: 1.5,
+    LevelKind.PIX: 1.5,
+    LevelKind.PXB: 1.5,
+    LevelKind.PHB: 1.5,
+    LevelKind.NODE: 1.5,
+    LevelKind.SYS: 1.5,
+}
+LATENCY_FAR_FACTOR = 4.0
 
 
 class PairBandwidth(NamedTuple):
@@ -104,12 +140,92 @@ def measurements_from_figures(
     return out
 
 
+def target_gpus(figure: ProbeFigure) -> frozenset[int]:
+    """The GPUs of the probe target this figure came from (a pair, or one GPU)."""
+    return frozenset(g for g in (figure.src, figure.dst, figure.device) if g is not None)
+
+
+def without_load(figures: Iterable[ProbeFigure], under_load: Collection[frozenset[int]]) -> list[ProbeFigure]:
+    """The figures not taken under load (``under_load``: the targets' GPU sets)."""
+    return [f for f in figures if target_gpus(f) not in under_load]
+
+
 def overlay(
-    matrix: DistanceMatrix, figures: Iterable[ProbeFigure], previous: DistanceMatrix | None = None
+    matrix: DistanceMatrix,
+    figures: Iterable[ProbeFigure],
+    previous: DistanceMatrix | None = None,
+    under_load: Collection[frozenset[int]] = (),
 ) -> DistanceMatrix:
-    """The matrix with fresh measurements, judged against their levels (see module doc);
+    """The matrix with fresh measurements, judged against their levels (see module doc),
+    leaving out figures taken under load (``under_load``: the targets' GPU sets);
     ``previous`` is the matrix placement read before, for each pair's last verdict."""
-    return matrix.with_measurements(measurements_from_figures(matrix, list(figures), previous))
+    return matrix.with_measurements(measurements_from_figures(matrix, without_load(figures, under_load), previous))
+
+
+def apply_verdicts(matrix: DistanceMatrix, confirmed: Iterable[Finding], figures: Iterable[ProbeFigure]) -> DistanceMatrix:
+    """A new matrix acting on confirmed findings (see the module's docstring); the
+    matrix is immutable, so the answer is a copy whatever it changes."""
+    confirmed = list(confirmed)
+    figures = list(figures)
+    gpus = list(matrix.gpus)
+    host = matrix.host
+    for finding in confirmed:
+        if finding.kind is not FindingKind.NUMA_AFFINITY_MISMATCH:
+            continue
+        node = _fastest_node(finding, gpus, figures)
+        if node is None:
+            continue
+        pos, best = node
+        gpu = gpus[pos]
+        cpus = format_cpulist(sorted(host.numa_cpus[best])) if host is not None and best in host.numa_cpus else gpu.cpus
+        claimed = gpu.claimed_numa_node if gpu.claimed_numa_node is not None else gpu.numa_node
+        gpus[pos] = replace(gpu, numa_node=best, cpus=cpus, claimed_numa_node=claimed)
+    levels = [list(row) for row in matrix.gpu_levels]
+    declared = dict(matrix.declared_levels)
+    for finding in confirmed:
+        if finding.kind is not FindingKind.LEVEL_CONTRADICTION or finding.measured_gbps is None:
+            continue
+        pair = _pair_positions(matrix, finding.subject)
+        if pair is None:
+            continue
+        i, j = pair
+        level = levels[i][j]
+        pcie = min(matrix.gpus[i].pcie_gbps(), matrix.gpus[j].pcie_gbps())
+        fit = _farther_level_fit(level, matrix.gpu_expected_gbps[i][j] or 0.0, finding.measured_gbps, pcie)
+        if fit is None:
+            continue
+        demoted = PIX if fit[0] == "PCIe" else LinkLevel.parse(fit[0])
+        declared.setdefault((min(i, j), max(i, j)), level)
+        levels[i][j] = levels[j][i] = demoted
+    return replace(
+        matrix,
+        gpus=tuple(gpus),
+        gpu_levels=tuple(tuple(row) for row in levels),
+        declared_levels=declared,
+    )
+
+
+def _pair_positions(matrix: DistanceMatrix, subject: str) -> tuple[int, int] | None:
+    by_name = {g.name: pos for pos, g in enumerate(matrix.gpus)}
+    a, _, b = subject.partition("-")
+    if a in by_name and b in by_name:
+        return by_name[a], by_name[b]
+    return None
+
+
+def _fastest_node(finding: Finding, gpus: list[GpuInfo], figures: list[ProbeFigure]) -> tuple[int, int] | None:
+    """(position of the finding's GPU, the NUMA node its host copies are fastest from)."""
+    name = finding.subject.removesuffix(" host link")
+    for pos, gpu in enumerate(gpus):
+        if gpu.name != name:
+            continue
+        per_node = {
+            f.numa_node: f.median
+            for f in figures
+            if f.kind is ProbeKind.H2D and f.device == gpu.index and f.numa_node is not None and f.median is not None
+        }
+        return (pos, max(per_node, key=lambda n: per_node[n])) if per_node else None
+    return None
 
 
 def _fits(measured: float, achievable: float) -> bool:
@@ -172,8 +288,9 @@ def findings_for(
     figures: Iterable[ProbeFigure],
     *,
     degraded_fraction: float = DEGRADED_FRACTION,
+    under_load: Collection[frozenset[int]] = (),
 ) -> list[Finding]:
-    figures = list(figures)
+    figures = without_load(figures, under_load)
     found: list[Finding] = []
     name = {g.index: g.name for g in matrix.gpus}
 
@@ -240,7 +357,39 @@ def findings_for(
                 )
             )
 
+    found.extend(_latency_findings(matrix, figures))
     found.extend(_host_findings(matrix, figures, degraded_fraction))
+    return found
+
+
+def _latency_findings(matrix: DistanceMatrix, figures: list[ProbeFigure]) -> list[Finding]:
+    """Pairs whose small copies (the slower direction) cost far more than their level's."""
+    slowest: dict[tuple[int, int], float] = {}
+    for f in figures:
+        if f.kind is ProbeKind.LATENCY and f.median is not None and f.src is not None and f.dst is not None:
+            key = (min(f.src, f.dst), max(f.src, f.dst))
+            slowest[key] = max(slowest.get(key, 0.0), f.median)
+    found = []
+    for (a, b), micros in sorted(slowest.items()):
+        try:
+            i, j = matrix.gpu_by_index(a), matrix.gpu_by_index(b)
+        except KeyError:
+            continue
+        level = matrix.level(i, j)
+        typical = LATENCY_US.get(level.kind)
+        if typical is None or micros <= LATENCY_FAR_FACTOR * typical:
+            continue
+        subject = f"{matrix.gpus[i].name}-{matrix.gpus[j].name}"
+        found.append(
+            _probe_finding(
+                FindingKind.HIGH_LATENCY,
+                Severity.WARNING,
+                subject,
+                f"{subject} ({level}) takes {micros:.1f} us per small copy, {micros / typical:.0f}x the "
+                f"~{typical:g} us of a {level} pair: copies are staged or the path is congested; "
+                "alltoall and pipeline jobs pay it on every small message",
+            )
+        )
     return found
 
 

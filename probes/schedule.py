@@ -16,6 +16,17 @@ tests drive it with a fake one.  The rules:
   over a sliding ``duty_window_s`` (1% of an hour = 36 s by default); a target whose
   expected duration would overrun it waits.  Forced rounds are not capped.
 - **One at a time.**  While a probe is in flight ``next_probe`` returns nothing.
+- **Follow the node's life.**  GPUs a job gave back (``on_gpus_released``: a lease
+  released or expired, the processes NVML saw ended) are *unverified* until their own
+  target and the pairs among them have run again; their targets are due now and go
+  first (still within the duty cycle).  ``rearm`` makes chosen targets due soon with a
+  tight interval (a finding on the link); ``on_topology_change`` re-arms only the links
+  whose facts changed and keeps the others' baselines.
+- **Mind shared paths.**  A target whose PCIe path (``paths``: switch uplinks, host
+  bridges, socket links; see ``topoagent.probes.paths``) is shared with a busy GPU's
+  (``footprints``) is postponed like a busy one; a forced round runs it anyway and the
+  caller marks its figures as taken under load (``contended``), which ``record`` does
+  not turn into a baseline.
 """
 
 from __future__ import annotations
@@ -94,7 +105,7 @@ class Verdict:
     """What one result did to its target's schedule."""
 
     target: ProbeTarget
-    outcome: str  # "first" | "stable" | "drift" | "failed"
+    outcome: str  # "first" | "stable" | "drift" | "failed" | "under_load"
     next_due_in_s: float
     baseline: float | None
 
@@ -110,6 +121,14 @@ class ProbeSchedule:
     # gpu -> [(start, end)] of probes inside the duty window
     history: dict[int, list[tuple[float, float]]] = field(init=False, default_factory=dict)
 
+    # Targets that check GPUs a job gave back (their own target, pairs among the
+    # released), each with the GPUs it clears of ``unverified`` once it ran.
+    verifying: dict[ProbeTarget, set[int]] = field(init=False, default_factory=dict)
+    # target -> the shared path segments its copies cross; gpu -> the segments its own
+    # traffic may load (topoagent.probes.paths).  Empty: contention is not considered.
+    paths: Mapping[ProbeTarget, frozenset[str]] = field(init=False, default_factory=dict)
+    footprints: Mapping[int, frozenset[str]] = field(init=False, default_factory=dict)
+
     def __post_init__(self) -> None:
         now = self.clock()
         self.states = {
@@ -119,15 +138,55 @@ class ProbeSchedule:
 
     # --- events -------------------------------------------------------------------
 
-    def on_topology_change(self, gpus: Iterable[int] | None = None) -> None:
-        """Hotplug or a changed topology: new targets appear, and all are due soon.
+    def on_topology_change(self, gpus: Iterable[int] | None = None, changed: Iterable[ProbeTarget] | None = None) -> None:
+        """Hotplug or a changed topology: new targets appear and are due soon.
 
-        Baselines are dropped: after a change the old figures say nothing.
+        ``changed`` names the targets whose facts changed (None: all of them); those are
+        re-armed with their baselines dropped (the old figures say nothing about the new
+        link), the others keep their state and schedule.
         """
         now = self.clock()
         due = now + self.config.change_delay_s
         wanted = targets_for(gpus if gpus is not None else {g for t in self.states for g in t.gpus})
-        self.states = {t: TargetState(t, due, self.config.min_interval_s) for t in wanted}
+        rearm = set(wanted) if changed is None else set(changed)
+        kept = {t: s for t, s in self.states.items() if t in wanted and t not in rearm}
+        self.states = {t: kept.get(t) or TargetState(t, due, self.config.min_interval_s) for t in wanted}
+        self.verifying = {t: gs for t, gs in self.verifying.items() if t in self.states}
+
+    def rearm(self, targets: Iterable[ProbeTarget]) -> None:
+        """Probe these targets again soon, at the tightest interval (a finding on the link)."""
+        due = self.clock() + self.config.change_delay_s
+        for target in targets:
+            state = self.states.get(target)
+            if state is not None:
+                state.due_at = min(state.due_at, due)
+                state.interval_s = self.config.min_interval_s
+
+    def on_gpus_released(self, gpus: Iterable[int]) -> set[ProbeTarget]:
+        """A job gave these GPUs back: check them before the next job gets them.
+
+        Every target touching them is due now; each GPU stays in ``unverified`` until its
+        own target and the pairs among the released GPUs have run.  Returns the targets
+        that verify them.
+        """
+        released = {g for g in gpus if ProbeTarget((g,)) in self.states}
+        if not released:
+            return set()
+        now = self.clock()
+        for state in self.states.values():
+            if released & set(state.target.gpus):
+                state.due_at = min(state.due_at, now)
+        checks = {ProbeTarget((g,)) for g in released} | {
+            t for t in self.states if t.is_pair and set(t.gpus) <= released
+        }
+        for target in checks:
+            self.verifying.setdefault(target, set()).update(set(target.gpus) & released)
+        return checks
+
+    @property
+    def unverified(self) -> frozenset[int]:
+        """GPUs a job gave back that have not been probed since: placement may prefer others."""
+        return frozenset(g for gpus in self.verifying.values() for g in gpus)
 
     def request_round(self, *, force: bool = False) -> None:
         """Make every target due now; ``force`` also overrides busy GPUs and the duty cap."""
@@ -156,6 +215,20 @@ class ProbeSchedule:
         expected = state.last_duration_s if state.last_duration_s is not None else self.config.default_duration_s
         return all(self.duty_used_s(g, now) + expected <= budget for g in state.target.gpus)
 
+    def contended(self, target: ProbeTarget, activity: Mapping[int, GpuActivity]) -> bool:
+        """Whether a busy GPU outside the target loads a path segment the target's copies
+        cross, or a GPU of the target is busy itself: its figure would read congestion."""
+        if any(self.is_busy(g, activity) for g in target.gpus):
+            return True
+        path = self.paths.get(target, frozenset())
+        if not path:
+            return False
+        return any(
+            path & self.footprints.get(gpu, frozenset())
+            for gpu in activity
+            if gpu not in target.gpus and self.is_busy(gpu, activity)
+        )
+
     def next_probe(self, activity: Mapping[int, GpuActivity] | None = None) -> ProbeTarget | None:
         """The target to probe now, claimed until ``record``; None if nothing may run."""
         if self.in_flight is not None:
@@ -164,11 +237,13 @@ class ProbeSchedule:
         now = self.clock()
         due = sorted(
             (s for s in self.states.values() if s.due_at <= now),
-            key=lambda s: (not s.forced, s.due_at, not s.target.is_pair, s.target),  # pairs first: placement needs them
+            # Forced first, then GPUs a job gave back (the next placement waits on them),
+            # then the oldest due; pairs before single GPUs: placement needs them.
+            key=lambda s: (not s.forced, s.target not in self.verifying, s.due_at, not s.target.is_pair, s.target),
         )
         for state in due:
             if not state.forced:
-                if any(self.is_busy(g, activity) for g in state.target.gpus):
+                if self.contended(state.target, activity):
                     continue
                 if not self.fits_duty(state, now):
                     continue
@@ -186,12 +261,14 @@ class ProbeSchedule:
     # --- results ------------------------------------------------------------------
 
     def record(
-        self, target: ProbeTarget, *, duration_s: float, figure: float | None, ok: bool = True
+        self, target: ProbeTarget, *, duration_s: float, figure: float | None, ok: bool = True, under_load: bool = False
     ) -> Verdict:
         """Account a finished probe and reschedule its target.
 
         ``figure`` is the one number compared across rounds (for a pair: the slower
-        direction's P2P bandwidth; for a GPU: its host link), GB/s.
+        direction's P2P bandwidth; for a GPU: its host link), GB/s.  A figure taken
+        ``under_load`` (a forced round over a shared path) neither sets nor moves the
+        baseline: the target is due again at the tightest interval.
         """
         now = self.clock()
         if self.in_flight == target:
@@ -206,6 +283,13 @@ class ProbeSchedule:
         cfg = self.config
         state.forced = False
         state.last_duration_s = duration_s
+        if ok and figure is not None and not under_load:
+            self.verifying.pop(target, None)
+        if ok and figure is not None and under_load:
+            state.failures = 0
+            state.interval_s = cfg.min_interval_s
+            state.due_at = now + state.interval_s
+            return Verdict(target, "under_load", state.interval_s, state.baseline)
         if not ok or figure is None:
             state.failures += 1
             state.interval_s = min(cfg.failure_retry_s * cfg.backoff_factor ** (state.failures - 1), cfg.max_interval_s)

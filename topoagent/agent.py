@@ -125,14 +125,22 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 
 def overlay_probes(
-    node: NodeTopology, figures: list[ProbeFigure], previous: DistanceMatrix | None = None
+    node: NodeTopology,
+    figures: list[ProbeFigure],
+    previous: DistanceMatrix | None = None,
+    service: ProbeService | None = None,
 ) -> tuple[DistanceMatrix, tuple[Finding, ...]]:
     """Discovery's matrix with the probes' figures overlaid (a pair clearly below its
     level counts at what it achieves; ``previous``, the matrix served before, gives each
     pair's last verdict), GPUs with a critical finding of the probes' marked unhealthy,
-    and the findings the measurements support."""
+    and the findings the measurements support; with the service, also what its history
+    says (decay, figures under load, confirmed verdicts)."""
     from topoagent.probes.overlay import findings_for, overlay
 
+    if service is not None:
+        _, found = service.verdicts(node.distance_matrix(), figures, previous)
+        matrix, _ = service.verdicts(node.distance_matrix(tuple(found)), figures, previous)
+        return matrix, tuple(found)
     findings = tuple(findings_for(overlay(node.distance_matrix(), figures), figures))
     return overlay(node.distance_matrix(findings), figures, previous), findings
 
@@ -148,7 +156,26 @@ def topology_signature(node: NodeTopology) -> tuple:
     )
 
 
+def link_signatures(node: NodeTopology) -> dict[Any, tuple]:
+    """Probe target -> the facts whose change makes that link's old figures meaningless:
+    a GPU's identity and active NVLinks; for a pair, both GPUs' and their level."""
+    from topoagent.probes.schedule import ProbeTarget, targets_for
+
+    own = {g.index: (g.uuid, g.pci_address, tuple(sorted(link.link for link in g.nvlinks if link.active))) for g in node.gpus}
+    names = {g.index: g.name for g in node.gpus}
+    out: dict[Any, tuple] = {}
+    for target in targets_for(names):
+        if target.is_pair:
+            a, b = target.gpus
+            pair = node.pair(names[a], names[b])
+            out[target] = (own[a], own[b], str(pair.level) if pair else None)
+        else:
+            out[ProbeTarget(target.gpus)] = own[target.gpus[0]]
+    return out
+
+
 def make_probe_service(config: Config, gpus: list[int]) -> ProbeService:
+    from topoagent.probes.history import BaselineBook
     from topoagent.probes.plan import DEFAULTS
     from topoagent.probes.runner import ProbeRunner
     from topoagent.probes.schedule import ProbeSchedule, ScheduleConfig
@@ -170,7 +197,10 @@ def make_probe_service(config: Config, gpus: list[int]) -> ProbeService:
         defaults = replace(defaults, sizes_bytes=config.probe_sizes_bytes)
     if config.probe_repetitions is not None:
         defaults = replace(defaults, repetitions=config.probe_repetitions)
-    return ProbeService(schedule, ProbeRunner(timeout_s=config.probe_timeout_s), backend=config.probe_backend, defaults=defaults)
+    return ProbeService(
+        schedule, ProbeRunner(timeout_s=config.probe_timeout_s), backend=config.probe_backend, defaults=defaults,
+        book=BaselineBook(config.state_dir),
+    )
 
 
 class ProbesOff(Exception):
@@ -217,6 +247,7 @@ class Agent:
         self._discovered: NodeTopology | None = None
         self._last_success: dict[str, float] = {}  # collector name -> Unix time of its last good run
         self._signature: tuple | None = None
+        self._link_signatures: dict[Any, tuple] = {}
         self.probes: ProbeService | None = None
         self.probe_rounds: Counter[str] = Counter()  # by outcome: "ok" or the failure kind
         self.probe_seconds_total = 0.0
@@ -349,7 +380,7 @@ class Agent:
         if self.config.probes_enabled and self.probes is not None:
             figures = tuple(self.probes.figures())
             served = self.snapshot.matrix if self.snapshot is not None else None
-            matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures), served)
+            matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures), served, self.probes)
         snapshot = Snapshot(
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
@@ -453,6 +484,8 @@ class Agent:
         self.placement_requests["reserved" if lease else "nofit"] += 1
         if lease:
             log_event("lease_granted", lease=lease.id[:6], owner=owner, gpus=",".join(map(str, lease.gpus)), ttl_s=ttl_s)
+            if self.probes is not None:
+                await asyncio.to_thread(self.probes.on_lease_granted, lease.id, lease.gpus)
         return answer, lease
 
     async def release(self, lease_id: str) -> Lease | None:
@@ -467,6 +500,7 @@ class Agent:
         lease, self._leases = await asyncio.to_thread(work)
         if lease:
             log_event("lease_released", lease=lease_id[:6], owner=lease.owner)
+            await self._probe_after_lease(lease)
         return lease
 
     # -- GPU activity (busy GPUs) ----------------------------------------------------------
@@ -491,8 +525,10 @@ class Agent:
             log_event("gpu_activity_failed", logging.WARNING, error=f"{type(exc).__name__}: {exc}")
             return
         if readings is not None:
+            running_before = self.gpus_with_processes()
             self.activity = {r.index: r for r in readings}
             self.activity_read_at = time.time()
+            self._probe_when_processes_end(running_before - self.gpus_with_processes())
 
     # -- probes -----------------------------------------------------------------------------
     def _note_topology(self, node: NodeTopology) -> None:
@@ -502,13 +538,41 @@ class Agent:
         self._signature = signature
         if not self.config.probes_enabled:
             return
+        from topoagent.probes.paths import probe_paths
+
         gpus = [g.index for g in node.gpus]
+        links, old_links = link_signatures(node), self._link_signatures
+        self._link_signatures = links
         if self.probes is None:
             self.probes = make_probe_service(self.config, gpus)
         elif changed:
-            self.probes.schedule.on_topology_change(gpus)
-            log_event("probe_topology_changed", gpus=len(gpus))
+            rearmed = [t for t, sig in links.items() if old_links.get(t) != sig]
+            self.probes.on_topology_change(gpus, rearmed)
+            log_event("probe_topology_changed", gpus=len(gpus), rearmed=",".join(t.key for t in rearmed) or "none")
+        self.probes.matrix = node.distance_matrix()
+        self.probes.schedule.paths, self.probes.schedule.footprints = probe_paths(node)
         self._probe_wake.set()
+
+    async def _probe_after_lease(self, lease: Lease) -> None:
+        """A lease ended: its GPUs are probed (and unverified) before the next placement."""
+        if self.probes is None:
+            return
+        await asyncio.to_thread(self.probes.on_lease_ended, lease.id, lease.gpus)
+        log_event("probe_gpus_released", lease=lease.id[:6], gpus=",".join(map(str, lease.gpus)))
+        self._probe_wake.set()
+
+    def _probe_when_processes_end(self, gpus: frozenset[int]) -> None:
+        """NVML saw a GPU's processes end: a job left it; probe it before the next one."""
+        if self.probes is None or not gpus:
+            return
+        self.probes.on_gpus_released(gpus)
+        log_event("probe_gpus_released", reason="processes_ended", gpus=",".join(map(str, sorted(gpus))))
+        self._probe_wake.set()
+
+    def unverified_gpus(self) -> frozenset[int]:
+        """GPUs a job gave back and the probes have not checked since: a placement may
+        prefer the others at equal merit (placement's objective does not read it yet)."""
+        return self.probes.unverified if self.probes is not None else frozenset()
 
     def probe_activity(self) -> dict[int, Any]:
         from topoagent.probes.schedule import GpuActivity
@@ -601,7 +665,7 @@ class Agent:
             if based_on is None or discovered is None:
                 return
             figures = tuple(self.probes.figures())
-            matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix)
+            matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.probes)
             snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
             await asyncio.to_thread(lambda: snapshot.body)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
@@ -621,6 +685,7 @@ class Agent:
         for lid, lease in before.items():
             if lid not in now_ids and lease.deadline <= store.monotonic():
                 log_event("lease_expired", lease=lid[:6], owner=lease.owner)
+                await self._probe_after_lease(lease)
 
     def _say_if_corrupt(self) -> None:
         """One line for each state file moved aside (at start-up, or found later)."""

@@ -46,6 +46,9 @@ class GpuInfo:
     # it and nvidia-smi did not say): its links count as the farthest level, at no
     # bandwidth, and placement takes it only after every GPU whose links are known.
     links_known: bool = True
+    # The NUMA node the GPU claims, when a confirmed probe finding moved ``numa_node`` (and
+    # ``cpus``) to the node its host copies run fastest from (topoagent.probes.overlay).
+    claimed_numa_node: int | None = None
 
     def pcie_gbps(self) -> float:
         """Per-direction rate of this GPU's host link (the default link when unknown)."""
@@ -129,6 +132,9 @@ class DistanceMatrix:
     # SLIT distances between NUMA node ids, (a, b) -> distance, both orders and a node
     # with itself ({} when the node has no SLIT table: placement then counts nodes).
     numa_distances: dict[tuple[int, int], int] = field(default_factory=dict)
+    # (i, j) -> the declared level, i < j, for pairs a confirmed probe finding demoted in
+    # ``gpu_levels`` to the level their copies deliver (topoagent.probes.overlay).
+    declared_levels: dict[tuple[int, int], LinkLevel] = field(default_factory=dict)
     # Tables other modules derive from this (immutable) value, built once per instance:
     # e.g. the placement core's bitmasks.  Not part of the value: excluded from ==, repr,
     # and from ``replace()`` (a replaced matrix starts with an empty cache).

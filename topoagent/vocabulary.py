@@ -51,6 +51,8 @@ class FindingKind(enum.StrEnum):
     NO_PEER_ACCESS = "no_peer_access"
     HOST_LINK_DEGRADED = "host_link_degraded"
     NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
+    HIGH_LATENCY = "high_latency"
+    LINK_DECAY = "link_decay"
 
 
 class Pattern(enum.StrEnum):
