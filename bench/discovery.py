@@ -1,40 +1,51 @@
 """Discovery time: in-process, as a whole command, and against hwloc's lstopo, side by side.
 
-    python bench/discovery.py [--runs N] [--root SNAPSHOT]
+    python -m bench.discovery [--runs N] [--root SNAPSHOT]     (from a checkout's root)
 
-Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100
-when present, else an hwloc recording) and on the live machine; the command comparison
-alternates `topoagent discover --json` and `lstopo-no-graphics --of xml` on the live
-machine so both see the same load.
+Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100)
+and on the live machine; the command comparison alternates `topoagent discover --json` and
+`lstopo-no-graphics --of xml` on the live machine so both see the same load.  Child
+processes run this checkout's topoagent (PYTHONPATH), not whichever copy is installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from topoagent.discovery import discover_sync
+from topoagent.host import Host
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from topoagent.discovery import discover  # noqa: E402
-from topoagent.host import Host  # noqa: E402
-
-# What `topoagent discover` imports (the CLI registers only the command it runs).
-DISCOVER_IMPORTS = "import topoagent.cli; topoagent.cli.build_parser('discover'); import topoagent.discovery"
+# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
+# would make every run compile every module again and time the compiler instead.
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(REPO)}
 
 
-def default_root() -> Path:
-    fixture = REPO / "fixtures/snapshots/dgx-a100"
-    if fixture.is_dir():
-        return fixture
-    return REPO.parent / "shared/hwloc/linux/32intel64-2p8co2t+8ve.tar.bz2"
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    max_rss_kib: int
+
+
+def command(argv: list[str]) -> Run:
+    """Wall time and peak resident memory of one run of ``argv`` (its own, via wait4)."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)}: exit status {process.returncode}")
+    return Run(seconds, usage.ru_maxrss)
 
 
 def in_process(root: str | Path, runs: int) -> float:
@@ -42,51 +53,77 @@ def in_process(root: str | Path, runs: int) -> float:
     with Host(root) as host:
         for _ in range(runs):
             start = time.perf_counter()
-            asyncio.run(discover(host))
+            discover_sync(host)
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
-# would make every run compile every module again and time the compiler instead.
-CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+def median_ms(runs: list[Run]) -> float:
+    return statistics.median(r.seconds for r in runs) * 1e3
 
 
-def command(argv: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True, env=CHILD_ENV)
-    return time.perf_counter() - start
+def median_mib(runs: list[Run]) -> float:
+    return statistics.median(r.max_rss_kib for r in runs) / 1024
+
+
+TOPOAGENT = [sys.executable, "-m", "topoagent", "discover", "--json"]
+LSTOPO_ARGS = ["--whole-io", "--of", "xml", "-"]
+
+
+def measure(runs: int, root: str | Path) -> dict[str, float | str]:
+    """Every figure the README quotes about discovery, by name."""
+    figures: dict[str, float | str] = {
+        "in_process_replay_ms": in_process(root, runs) * 1e3,
+        "in_process_live_ms": in_process("/", runs) * 1e3,
+    }
+    replay = TOPOAGENT + ["--root", str(root)]
+    figures["command_first_ms"] = command(replay).seconds * 1e3  # also writes the bytecode caches
+    figures["command_replay_ms"] = median_ms([command(replay) for _ in range(runs)])
+    figures["interpreter_ms"] = median_ms([command([sys.executable, "-c", "pass"]) for _ in range(runs)])
+    lstopo = shutil.which("lstopo-no-graphics")
+    if lstopo is None:
+        figures["lstopo"] = "lstopo-no-graphics not installed: no side-by-side comparison"
+        return figures
+    ours: list[Run] = []
+    theirs: list[Run] = []
+    for _ in range(runs):  # alternate so both see the same machine state
+        ours.append(command(TOPOAGENT))
+        theirs.append(command([lstopo, *LSTOPO_ARGS]))
+    figures |= {
+        "live_ms": median_ms(ours), "lstopo_ms": median_ms(theirs),
+        "live_mib": median_mib(ours), "lstopo_mib": median_mib(theirs),
+    }
+    figures["time_ratio"] = figures["live_ms"] / figures["lstopo_ms"]
+    figures["memory_ratio"] = figures["live_mib"] / figures["lstopo_mib"]
+    return figures
+
+
+def lines(figures: dict[str, float | str], runs: int, root: str | Path) -> list[str]:
+    f = figures
+    out = [
+        f"in-process discover, {Path(root).name}: {f['in_process_replay_ms']:.1f} ms; live /: "
+        f"{f['in_process_live_ms']:.1f} ms (median of {runs})",
+        f"whole command `topoagent discover --json --root {Path(root).name}`: {f['command_replay_ms']:.0f} ms"
+        f" (first run {f['command_first_ms']:.0f} ms; interpreter start alone {f['interpreter_ms']:.0f} ms)",
+    ]
+    if "lstopo" in f:
+        out.append(str(f["lstopo"]))
+    else:
+        out.append(
+            f"live: `topoagent discover --json` {f['live_ms']:.0f} ms, {f['live_mib']:.0f} MiB | "
+            f"`lstopo-no-graphics --of xml` {f['lstopo_ms']:.0f} ms, {f['lstopo_mib']:.0f} MiB | "
+            f"ratio {f['time_ratio']:.1f}× time, {f['memory_ratio']:.1f}× memory (medians of {runs}, alternated)"
+        )
+    return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--root", default=None)
+    parser.add_argument("--root", default=str(REPO / "fixtures/snapshots/dgx-a100"))
     args = parser.parse_args()
-    root = args.root or default_root()
-    print(f"in-process discover, {root}: {in_process(root, args.runs) * 1e3:.1f} ms (median of {args.runs})")
-    print(f"in-process discover, live /: {in_process('/', args.runs) * 1e3:.1f} ms (median of {args.runs})")
-    topoagent = [sys.executable, "-P", "-m", "topoagent", "discover", "--json"]
-    replay = command(topoagent + ["--root", str(root)])  # also writes the bytecode caches
-    ours_replay = statistics.median([command(topoagent + ["--root", str(root)]) for _ in range(args.runs)])
-    print(f"whole command `topoagent discover --json --root {Path(root).name}`: {ours_replay * 1e3:.1f} ms"
-          f" (first run {replay * 1e3:.1f} ms)")
-    # Where a one-shot command's time goes before it reads anything.
-    bare = statistics.median([command([sys.executable, "-P", "-c", "pass"]) for _ in range(args.runs)])
-    imports = statistics.median([command([sys.executable, "-P", "-c", DISCOVER_IMPORTS]) for _ in range(args.runs)])
-    print(f"  of which: interpreter start {bare * 1e3:.1f} ms, + discover's imports {(imports - bare) * 1e3:.1f} ms"
-          f" (median of {args.runs})")
-    lstopo = shutil.which("lstopo-no-graphics")
-    if lstopo is None:
-        print("lstopo-no-graphics not installed: no side-by-side comparison")
-        return 0
-    ours, theirs = [], []
-    for _ in range(args.runs):  # alternate so both see the same machine state
-        ours.append(command(topoagent))
-        theirs.append(command([lstopo, "--whole-io", "--of", "xml", "-"]))
-    a, b = statistics.median(ours), statistics.median(theirs)
-    print(f"live: topoagent discover --json {a * 1e3:.1f} ms | lstopo-no-graphics --of xml {b * 1e3:.1f} ms"
-          f" | ratio {a / b:.2f} (median of {args.runs}, alternated)")
+    for line in lines(measure(args.runs, args.root), args.runs, args.root):
+        print(line)
     return 0
 
 

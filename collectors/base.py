@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -39,6 +40,20 @@ class CollectorResult(Generic[T]):
     @property
     def ok(self) -> bool:
         return self.status == OK
+
+
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a worker thread under a running event loop (the service), else here.
+
+    One-shot commands (`discover`, `place --root`) drive collectors without an event loop
+    so they need not import asyncio (and with it ssl): a third of their start-up time.
+    No loop can be running while asyncio was never imported.
+    """
+    asyncio = sys.modules.get("asyncio")
+    if asyncio is not None and asyncio._get_running_loop() is not None:
+        result: T = await asyncio.to_thread(fn, *args)
+        return result
+    return fn(*args)
 
 
 async def run_collector(

@@ -10,10 +10,9 @@ fact is missing instead of guessing silently.
 
 from __future__ import annotations
 
-import asyncio
 import re
 
-from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.numa import NumaTopology
 from topoagent.cpulist import CpuListError, parse_cpulist
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS, CoreMap, CpuFacts, CpuModel
@@ -156,7 +155,7 @@ async def collect(host: Host, numa: CollectorResult[NumaTopology] | None = None)
     numa_topology = numa.data if numa is not None and numa.ok else None
 
     async def read() -> tuple[CpuFacts, tuple[str, ...]]:
-        return await asyncio.to_thread(read_cpu, host, numa_topology)
+        return await off_loop(read_cpu, host, numa_topology)
 
     return await run_collector("cpu", read)
 

@@ -8,9 +8,7 @@ call on the HCA can tell (no file says so).  So a found module is a fact we can 
 
 from __future__ import annotations
 
-import asyncio
-
-from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.host import Host
 
 # The files NCCL tests, in its order, and the module each one means.
@@ -32,7 +30,7 @@ def read_peer_memory(host: Host) -> tuple[str, tuple[str, ...]]:
 
 async def collect(host: Host) -> CollectorResult[str]:
     async def read() -> tuple[str, tuple[str, ...]]:
-        return await asyncio.to_thread(read_peer_memory, host)
+        return await off_loop(read_peer_memory, host)
 
     return await run_collector("gpudirect", read)
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 
-from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.pci import _PCI_ADDRESS, normalize_address
 from topoagent.host import Host
 
@@ -144,6 +143,6 @@ def _natural(name: str) -> tuple:
 
 async def collect(host: Host) -> CollectorResult[tuple[Hca, ...]]:
     async def read() -> tuple[tuple[Hca, ...], tuple[str, ...]]:
-        return await asyncio.to_thread(read_hcas, host)
+        return await off_loop(read_hcas, host)
 
     return await run_collector("infiniband", read)

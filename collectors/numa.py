@@ -8,11 +8,10 @@ every online CPU and all memory, as hwloc reports it.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass, replace
 
-from topoagent.collectors.base import CollectorResult, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, SourceError, off_loop, run_collector
 from topoagent.cpulist import MAX_CPUS, CpuListError, format_cpulist, parse_cpulist, parse_cpumask
 from topoagent.host import Host, HostError
 
@@ -179,7 +178,7 @@ def _single_node(host: Host) -> NumaTopology:
 
 async def collect(host: Host) -> CollectorResult[NumaTopology]:
     async def read() -> tuple[NumaTopology, tuple[str, ...]]:
-        return await asyncio.to_thread(read_numa, host)
+        return await off_loop(read_numa, host)
 
     return await run_collector("numa", read)
 

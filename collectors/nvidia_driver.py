@@ -7,10 +7,9 @@ gres.conf ``File=`` names; it need not equal the GPU's index.  A node without th
 
 from __future__ import annotations
 
-import asyncio
 import re
 
-from topoagent.collectors.base import CollectorResult, NoData, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.host import Host
 
@@ -48,7 +47,7 @@ def read_device_minors(host: Host) -> tuple[dict[str, int], tuple[str, ...]]:
 
 async def collect(host: Host) -> CollectorResult[dict[str, int]]:
     async def read() -> tuple[dict[str, int], tuple[str, ...]]:
-        return await asyncio.to_thread(read_device_minors, host)
+        return await off_loop(read_device_minors, host)
 
     return await run_collector("nvidia_driver", read)
 

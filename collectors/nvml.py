@@ -9,13 +9,12 @@ is guarded because any one of them can be unsupported on a given GPU or driver.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.cpulist import format_cpulist
 from topoagent.host import Host
@@ -331,7 +330,7 @@ def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
 async def collect(host: Host) -> CollectorResult[NvmlInfo]:
     async def read() -> tuple[NvmlInfo, tuple[str, ...]]:
         if host.live:
-            data = await asyncio.to_thread(read_live)
+            data = await off_loop(read_live)
             if data is None:
                 raise NoData(NO_NVML)
             host.note_nvml(data)

@@ -9,12 +9,11 @@ instead of links: such devices have no known parent.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import re
 from dataclasses import dataclass, field, replace
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
 from topoagent.collectors.numa import NumaTopology
 from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist, parse_cpumask
 from topoagent.errors import TopoagentError
@@ -398,6 +397,6 @@ async def collect(host: Host, numa: CollectorResult[NumaTopology] | None = None)
 
     async def read() -> tuple[PciTree, tuple[str, ...]]:
         # Blocking sysfs reads go to a thread so the agent's loop keeps serving.
-        return await asyncio.to_thread(read_pci_tree, host, numa_cpus)
+        return await off_loop(read_pci_tree, host, numa_cpus)
 
     return await run_collector("pci", read)

@@ -313,19 +313,57 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
 # --- what a one-shot discover loads ------------------------------------------------------
 
 
-def test_discover_command_loads_no_heavy_modules(tmp_path: Path) -> None:
+# Modules a one-shot command has no use for: the event loop and TLS (a third of start-up
+# before), the HTTP stack, logging when it logs nothing, tarfile when the root is a directory.
+NEVER_ONE_SHOT = {"asyncio", "ssl", "aiohttp", "prometheus_client", "torch", "psutil", "logging", "tarfile",
+                  "topoagent.probes", "topoagent.served", "topoagent.agent"}
+A100 = str(SNAPSHOTS / "dgx-a100")
+SMI_TEXT = str(Path(__file__).resolve().parents[1] / "fixtures/nvidia-smi/hgx-h20-8gpu-8nic.txt")
+
+
+@pytest.mark.parametrize(("argv", "also_never", "proof"), [
+    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement"}, "topoagent.model"),
+    (["place", "--root", A100, "--gpus", "4"], {"pynvml"}, "topoagent.placement.search"),
+    (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.model"},
+     "topoagent.collectors.nvidia_smi"),
+])
+def test_one_shot_commands_import_only_what_they_use(
+    tmp_path: Path, argv: list[str], also_never: set[str], proof: str
+) -> None:
     script = (
         "import sys, json\n"
         "from topoagent.cli import main\n"
-        f"rc = main(['discover', '--json', '--root', {str(SNAPSHOTS / 'dgx-a100')!r}])\n"
+        f"rc = main({argv!r})\n"
         "print(json.dumps(sorted(sys.modules)), file=sys.stderr)\n"
         "sys.exit(rc)\n"
     )
     done = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True,
                           cwd=tmp_path, check=True)
-    assert json.loads(done.stdout)["schema_version"] == 2
+    assert done.stdout.strip()
     loaded = set(json.loads(done.stderr.strip().splitlines()[-1]))
-    heavy = {"aiohttp", "prometheus_client", "pynvml", "torch", "psutil",
-             "topoagent.placement", "topoagent.probes"}
-    assert not {m.split(".")[0] if not m.startswith("topoagent") else m for m in loaded} & heavy
-    assert "topoagent.model" in loaded  # it did discover
+    never = NEVER_ONE_SHOT | also_never
+    assert not {m for m in loaded if m in never or m.split(".")[0] in never}
+    assert proof in loaded  # it did its work
+
+
+def test_cli_offers_the_log_levels_the_logger_knows() -> None:
+    from topoagent.cli import LEVEL_NAMES
+    from topoagent.log import LEVELS
+
+    assert tuple(LEVELS) == LEVEL_NAMES
+
+
+def test_one_shot_discovery_matches_the_services() -> None:
+    import asyncio
+
+    from topoagent.discovery import discover, discover_sync
+    from topoagent.host import Host
+    from topoagent.schema import node_document
+
+    with Host(A100) as host:
+        one_shot = node_document(discover_sync(host))
+        served = node_document(asyncio.run(discover(host)))
+    for document in (one_shot, served):  # how long each collector took differs, nothing else
+        for collector in document["collectors"].values():
+            collector.pop("seconds", None)
+    assert one_shot == served

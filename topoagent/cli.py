@@ -8,7 +8,10 @@ import sys
 
 from topoagent import __version__
 from topoagent.errors import UsageError
-from topoagent.log import LEVELS, log_to_stderr
+
+# topoagent.log's LEVELS by name, spelled here so that a command that never logs does not
+# import logging (a tenth of `discover`'s start-up); a test holds the two equal.
+LEVEL_NAMES = ("debug", "info", "warning", "error")
 
 # Subcommand name -> module under topoagent.commands.  Each module defines
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
@@ -38,7 +41,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         description="GPU topology discovery, link measurement and placement for one node.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    parser.add_argument("--log-level", choices=tuple(LEVELS), help=LOG_LEVEL_HELP)
+    parser.add_argument("--log-level", choices=LEVEL_NAMES, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in COMMANDS.items():
         if only is None or name == only:
@@ -55,7 +58,7 @@ def _accept_log_level_everywhere(sub: argparse._SubParsersAction) -> None:
 
     SUPPRESS as default: a subcommand that was not given the flag leaves the top-level value."""
     for parser in sub.choices.values():
-        parser.add_argument("--log-level", choices=tuple(LEVELS), default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+        parser.add_argument("--log-level", choices=LEVEL_NAMES, default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
         for action in parser._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _accept_log_level_everywhere(action)
@@ -68,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     if args.log_level is not None and args.command != "serve":  # serve sets up its own (journald)
+        from topoagent.log import LEVELS, log_to_stderr
+
         log_to_stderr(LEVELS[args.log_level])
     try:
         return args.run(args)

@@ -18,20 +18,23 @@ us, and a 1 GB ``nvml.json`` must cost an error, not a gigabyte.
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import json
 import os
 import re
 import stat
-import tarfile
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
+
+if TYPE_CHECKING:
+    import tarfile
 
 _MAX_SYMLINK_HOPS = 40
 _T = TypeVar("_T")
@@ -138,6 +141,8 @@ class Host:
         self.close()
 
     def _extract(self, tarball: Path) -> Path:
+        import tarfile  # only recordings given as tarballs need it (6 ms of every start-up)
+
         self._tempdir = tempfile.TemporaryDirectory(prefix="topoagent-root-")
         dest = Path(self._tempdir.name)
         try:
@@ -431,6 +436,10 @@ class Host:
             if self.recording is not None:
                 self.recording.commands[command_file_stem(argv)] = replayed
             return replayed
+        asyncio = sys.modules.get("asyncio")
+        if asyncio is None or asyncio._get_running_loop() is None:
+            # A one-shot command drives collectors without an event loop (see off_loop).
+            return self._run_blocking(argv, timeout)
         try:
             process = await asyncio.create_subprocess_exec(
                 *argv,
@@ -453,6 +462,25 @@ class Host:
             out.decode("utf-8", errors="replace"),
             err.decode("utf-8", errors="replace"),
             process.returncode if process.returncode is not None else -1,
+        )
+        if self.recording is not None:
+            self.recording.commands[command_file_stem(argv)] = result
+        return result
+
+    def _run_blocking(self, argv: list[str], timeout: float) -> CommandResult:
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False)
+        except FileNotFoundError:
+            raise CommandNotFound(f"{argv[0]}: command not found") from None
+        except PermissionError:
+            raise HostError(f"{argv[0]}: permission denied") from None
+        except subprocess.TimeoutExpired:
+            raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
+        result = CommandResult(
+            tuple(argv),
+            done.stdout.decode("utf-8", errors="replace"),
+            done.stderr.decode("utf-8", errors="replace"),
+            done.returncode,
         )
         if self.recording is not None:
             self.recording.commands[command_file_stem(argv)] = result

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -48,10 +47,10 @@ def open_host(root: str) -> Host:
 
 def discover_root(root: str) -> NodeTopology:
     """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
-    from topoagent.discovery import discover
+    from topoagent.discovery import discover_sync
 
     with open_host(root) as host:
-        return asyncio.run(discover(host))
+        return discover_sync(host)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 
 from topoagent.errors import UsageError
@@ -30,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.discovery import discover
+    from topoagent.discovery import discover_sync
     from topoagent.snapshot import check_snapshot_target, write_snapshot
 
     try:
@@ -42,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         host.close()
         raise UsageError(f"not a recorded node: no sys/ under {args.root}")
     with host:
-        asyncio.run(discover(host))
+        discover_sync(host)
         try:
             path = write_snapshot(host, args.out, force=args.force)
         except HostError as exc:  # names the path itself
