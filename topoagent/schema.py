@@ -276,9 +276,10 @@ FINDING = Document("Finding", {
     "severity": Field(SEVERITY),
     "subject": Field(STRING),
     "message": Field(STRING),
-    "source": Field(one_of(("discovery", "probe"))),
+    "source": Field(one_of(("discovery", "probe", "telemetry"))),
     "expected_gbps": Field(nullable(NUMBER), description="a measurement's finding: what the level should give, GB/s"),
     "measured_gbps": Field(nullable(NUMBER), description="a measurement's finding: what was measured, GB/s"),
+    "rate_per_s": Field(nullable(NUMBER), description="a counter's finding: the rate per second that raised it"),
 })
 
 

@@ -50,6 +50,13 @@ class FindingKind(enum.StrEnum):
     NO_PEER_ACCESS = "no_peer_access"
     HOST_LINK_DEGRADED = "host_link_degraded"
     NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
+    # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
+    IB_ERRORS_RISING = "ib-errors-rising"
+    NVLINK_ERRORS_RISING = "nvlink-errors-rising"
+    PCIE_AER_ERRORS = "pcie-aer-errors"
+    GPU_XID = "gpu-xid"
+    GPU_ECC_UNCORRECTED = "gpu-ecc-uncorrected"
+    GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
 
 
 class Pattern(enum.StrEnum):
