@@ -355,7 +355,7 @@ NODE = Document("Node", {
     "gpus": Field(array(GPU.ref), lambda v: [GPU.dump(g) for g in v.node.gpus]),
     "nics": Field(array(NIC.ref), lambda v: [NIC.dump(n) for n in v.node.nics]),
     "pairs": Field(array(PAIR.ref), _pairs, "every unordered GPU/NIC pair once"),
-    "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's and the probes'"),
+    "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's, the probes' and the counters'"),
     "collectors": Field({"type": "object", "additionalProperties": COLLECTOR.ref}, _collectors, "by collector name"),
 }, "How the node is wired: `topoagent discover --json`, and /topology without `agent`.")
 
