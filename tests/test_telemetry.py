@@ -7,6 +7,7 @@ counters rise between them) through a real `topoagent serve` child, and the pure
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -179,6 +180,25 @@ def test_a_failing_source_fails_alone(tmp_path):
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvml_counters"}) == 0
     assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 1
     assert metric_value(text, "topoagent_infiniband_port_errors_total", {"device": "mlx5_2", "counter": "link_downed"}) == 2
+
+
+def test_a_hung_source_times_out_alone_and_metrics_still_answer(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(SNAPSHOTS / "dgx-a100", root, symlinks=True)
+    (root / "telemetry.json").unlink()  # read the recorded sysfs, as live
+    counters = (root / "sys/class/infiniband/mlx5_0").resolve() / "ports" / "1" / "counters"
+    counters.mkdir(parents=True)
+    os.mkfifo(counters / "symbol_error")  # a read that never returns, like a wedged device
+    agent = start_agent(tmp_path, root=root, config=FAST + "timeout_s = 0.5\n")
+    try:
+        text = scrape_with_telemetry(agent)
+        time.sleep(1.5)  # more reads while the first is still stuck
+        again = agent.get("/metrics").body.decode()  # answers from the cache while the read hangs
+    finally:
+        agent.stop()
+    assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
+    assert metric_value(again, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
+    assert metric_value(again, "topoagent_collector_success", {"collector": "pcie_aer"}) == 1  # absent here: quiet
 
 
 def test_telemetry_off_serves_no_counters(tmp_path):

@@ -226,6 +226,7 @@ class Agent:
         self.counter_history = History()
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
+        self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -518,8 +519,13 @@ class Agent:
             timeout = self.config.telemetry_timeout_s
 
             async def one(source: Any) -> Sample:
+                stuck = self._counter_reads.get(source.name)
+                if stuck is not None and not stuck.done():
+                    # A read that hung is abandoned, not killed: never start a second beside it.
+                    return Sample(source.name, time.monotonic(), None, "the previous read has not returned")
+                read = self._counter_reads[source.name] = run_in_daemon_thread(lambda: read_live(source, context))
                 try:
-                    return await asyncio.wait_for(run_in_daemon_thread(lambda: read_live(source, context)), timeout)
+                    return await asyncio.wait_for(asyncio.shield(read), timeout)
                 except TimeoutError:
                     return Sample(source.name, time.monotonic(), None, f"timed out after {timeout:g}s", timeout)
 
