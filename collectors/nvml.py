@@ -344,3 +344,182 @@ async def collect(host: Host) -> CollectorResult[NvmlInfo]:
         return info, ()
 
     return await run_collector("nvml", read)
+
+
+# --- counters and health (the telemetry loop; docs/snapshot-format.md, telemetry.json) --
+
+# NVML field ids (nvml.h): NVLink data counters in KiB, asked per link (scopeId = link).
+_FI_NVLINK_THROUGHPUT_DATA_TX = 138
+_FI_NVLINK_THROUGHPUT_DATA_RX = 139
+_FI_PCIE_REPLAY_COUNTER = 94
+_FI_PCIE_COUNT_TX_BYTES = 197  # Hopper and later
+_FI_PCIE_COUNT_RX_BYTES = 198
+# nvmlNvLinkErrorCounter_t -> the `counter` label
+_NVLINK_ERRORS = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}
+_EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
+_NVML_SUCCESS = 0
+# nvmlClocksThrottleReason* bits -> the `reason` label
+THROTTLE_REASONS = {
+    0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+    0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting",
+}
+
+Series = tuple[str, tuple[tuple[str, str], ...], float]
+
+
+class LiveCounterReader:
+    """Reads each GPU's counters and health through NVML, keeping NVML initialised and
+    one Xid event set registered for the agent's life (events arrive between reads and
+    are counted here, per GPU and Xid, since the agent started)."""
+
+    def __init__(self) -> None:
+        self._nv: Any = None
+        self._events: Any = None
+        self._xids: dict[tuple[int, int], int] = {}
+
+    def _open(self) -> Any:
+        if self._nv is None:
+            try:
+                import pynvml
+            except ImportError:
+                raise NoData(NO_NVML) from None
+            try:
+                pynvml.nvmlInit()
+            except Exception:
+                raise NoData(NO_NVML) from None
+            self._nv = pynvml
+            with contextlib.suppress(Exception):
+                self._events = pynvml.nvmlEventSetCreate()
+                for index in range(pynvml.nvmlDeviceGetCount()):
+                    with contextlib.suppress(Exception):  # not every GPU supports Xid events
+                        pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(index), _EVENT_XID, self._events)
+        return self._nv
+
+    def close(self) -> None:
+        if self._nv is not None:
+            with contextlib.suppress(Exception):
+                if self._events is not None:
+                    self._nv.nvmlEventSetFree(self._events)
+                self._nv.nvmlShutdown()
+        self._nv = self._events = None
+
+    def _drain_events(self, nv: Any, index_of: dict[Any, int]) -> None:
+        # A zero timeout returns what is queued; NVML raises Timeout when the queue is empty.
+        for _ in range(10_000):
+            try:
+                event = nv.nvmlEventSetWait_v2(self._events, 0)
+            except Exception:
+                return
+            index = index_of.get(getattr(event.device, "value", event.device), -1)
+            key = (index, int(event.eventData))
+            self._xids[key] = self._xids.get(key, 0) + 1
+
+    def read(self) -> dict:
+        nv = self._open()
+        count = _ask(nv.nvmlDeviceGetCount) or 0
+        handles = {i: _ask(nv.nvmlDeviceGetHandleByIndex, i) for i in range(count)}
+        if self._events is not None:
+            self._drain_events(nv, {getattr(h, "value", h): i for i, h in handles.items() if h is not None})
+        gpus = []
+        for index, handle in handles.items():
+            if handle is not None:
+                gpus.append(self._gpu(nv, index, handle))
+        return {"gpus": gpus}
+
+    def _gpu(self, nv: Any, index: int, handle: Any) -> dict:
+        def field_values(ids: list[Any]) -> list[int | None]:
+            values = _ask(nv.nvmlDeviceGetFieldValues, handle, ids)
+            if values is None:
+                return [None] * len(ids)
+            return [_field_int(v) for v in values]
+
+        links = []
+        for link in range(_MAX_NVLINKS):
+            if _ask(nv.nvmlDeviceGetNvLinkState, handle, link) is None:
+                continue
+            tx, rx = field_values([(_FI_NVLINK_THROUGHPUT_DATA_TX, link), (_FI_NVLINK_THROUGHPUT_DATA_RX, link)])
+            errors = {name: _ask(nv.nvmlDeviceGetNvLinkErrorCounter, handle, link, code) for code, name in _NVLINK_ERRORS.items()}
+            links.append({"link": link, "tx_bytes_total": None if tx is None else tx * 1024,
+                          "rx_bytes_total": None if rx is None else rx * 1024, "errors": errors})
+        replays, pcie_tx, pcie_rx = field_values([_FI_PCIE_REPLAY_COUNTER, _FI_PCIE_COUNT_TX_BYTES, _FI_PCIE_COUNT_RX_BYTES])
+        memory = _ask(nv.nvmlDeviceGetMemoryInfo, handle)
+        power = _ask(nv.nvmlDeviceGetPowerUsage, handle)
+        limit = _ask(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+        remapped = _ask(nv.nvmlDeviceGetRemappedRows, handle)  # (correctable, uncorrectable, pending, failure)
+        pending = _ask(nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+        counters = {
+            "temperature_c": _ask(nv.nvmlDeviceGetTemperature, handle, 0),
+            "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
+            "power_limit_w": limit / 1000.0 if isinstance(limit, (int, float)) else None,
+            "memory_used_bytes": getattr(memory, "used", None),
+            "ecc_corrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 0, 0),
+            "ecc_uncorrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 1, 0),
+            "retired_pages_pending": None if pending is None else bool(pending),
+            "remapped_rows": None if not isinstance(remapped, tuple) else dict(zip(("correctable", "uncorrectable", "pending", "failure"), remapped, strict=False)),
+            "throttle_reasons": _ask(nv.nvmlDeviceGetCurrentClocksThrottleReasons, handle),
+            "pcie_replays_total": replays,
+            "pcie_tx_bytes_total": pcie_tx,
+            "pcie_rx_bytes_total": pcie_rx,
+            "xid_errors": {str(xid): n for (gpu, xid), n in sorted(self._xids.items()) if gpu == index},
+        }
+        return {"index": index, "counters": counters, "nvlinks": links}
+
+
+def _field_int(value: Any) -> int | None:
+    if getattr(value, "nvmlReturn", 1) != _NVML_SUCCESS:
+        return None
+    for member in ("ullVal", "ulVal", "uiVal", "sllVal", "siVal"):
+        with contextlib.suppress(AttributeError):
+            return int(getattr(value.value, member))
+    return None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return float(value)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def parse_counters(data: dict) -> list[Series]:
+    """One NVML counter sample (telemetry.json's ``nvml_counters``) -> series.  Fields
+    NVML did not give (null, absent) are no series: absent, not zero."""
+    out: list[Series] = []
+    for raw in data.get("gpus") or []:
+        if not isinstance(raw, dict) or not isinstance(raw.get("index"), int):
+            raise SourceError("nvml counters: every gpu needs an integer 'index'")
+        gpu = (("gpu", str(raw["index"])),)
+        c = raw.get("counters") or {}
+
+        def put(metric: str, value: Any, labels: tuple[tuple[str, str], ...] = gpu) -> None:
+            number = _number(value)
+            if number is not None:
+                out.append((metric, labels, number))
+
+        put("gpu_temperature_celsius", c.get("temperature_c"))
+        put("gpu_power_watts", c.get("power_w"))
+        put("gpu_power_limit_watts", c.get("power_limit_w"))
+        put("gpu_memory_used_bytes", c.get("memory_used_bytes"))
+        put("gpu_ecc_errors_total", c.get("ecc_corrected_total"), (*gpu, ("type", "corrected")))
+        put("gpu_ecc_errors_total", c.get("ecc_uncorrected_total"), (*gpu, ("type", "uncorrected")))
+        put("gpu_retired_pages_pending", c.get("retired_pages_pending"))
+        for state, value in sorted((c.get("remapped_rows") or {}).items()):
+            put("gpu_remapped_rows", value, (*gpu, ("state", state)))
+        reasons = c.get("throttle_reasons")
+        if isinstance(reasons, int) and not isinstance(reasons, bool):
+            for bit, reason in THROTTLE_REASONS.items():
+                put("gpu_clock_throttle_reason", 1 if reasons & bit else 0, (*gpu, ("reason", reason)))
+        put("pcie_replays_total", c.get("pcie_replays_total"))
+        put("pcie_transmitted_bytes_total", c.get("pcie_tx_bytes_total"))
+        put("pcie_received_bytes_total", c.get("pcie_rx_bytes_total"))
+        for xid, count in sorted((c.get("xid_errors") or {}).items(), key=lambda kv: int(kv[0])):
+            put("gpu_xid_errors_total", count, (*gpu, ("xid", str(xid))))
+        for link in raw.get("nvlinks") or []:
+            if not isinstance(link, dict) or not isinstance(link.get("link"), int):
+                raise SourceError(f"nvml counters: gpu {raw['index']}: every nvlink needs an integer 'link'")
+            at = (*gpu, ("link", str(link["link"])))
+            put("nvlink_transmitted_bytes_total", link.get("tx_bytes_total"), at)
+            put("nvlink_received_bytes_total", link.get("rx_bytes_total"), at)
+            for name, value in sorted((link.get("errors") or {}).items()):
+                put("nvlink_errors_total", value, (*at, ("counter", name)))
+    return out

@@ -162,6 +162,8 @@ class SnapshotCollector(Collector):
             findings.add_metric([kind, severity], count)
         yield findings
 
+        yield from telemetry_families(snapshot)
+
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
         last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
@@ -171,6 +173,10 @@ class SnapshotCollector(Collector):
             last_success_at = snapshot.last_success_at.get(c.name)
             if last_success_at is not None:
                 last_ok.add_metric([c.name], last_success_at)
+        # The counter sources (telemetry loop): no_data is quiet, as for discovery's.
+        for c in snapshot.telemetry.sources if snapshot.telemetry else ():
+            success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            duration.add_metric([c.name], c.seconds)
         yield from (success, duration, last_ok)
 
         yield from _probe_figures(snapshot.probe_figures)
@@ -182,6 +188,48 @@ class SnapshotCollector(Collector):
         gpus = GaugeMetricFamily(f"{NS}_gpus", "GPUs on this node.")
         gpus.add_metric([], matrix.size)
         yield from (stale, built, gpus)
+
+
+# The telemetry loop's series (topoagent/telemetry.py): name -> (help, label names).
+# Names ending in _total are counters (Prometheus computes their rates); the rest gauges.
+TELEMETRY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "infiniband_port_transmitted_bytes_total": ("Bytes an InfiniBand/RoCE port sent (sysfs port_xmit_data x 4).", ("device", "port")),
+    "infiniband_port_received_bytes_total": ("Bytes an InfiniBand/RoCE port received (sysfs port_rcv_data x 4).", ("device", "port")),
+    "infiniband_port_transmitted_packets_total": ("Packets an InfiniBand/RoCE port sent.", ("device", "port")),
+    "infiniband_port_received_packets_total": ("Packets an InfiniBand/RoCE port received.", ("device", "port")),
+    "infiniband_port_transmit_wait_total": ("Ticks a port had data to send but no credits (port_xmit_wait): congestion.", ("device", "port")),
+    "infiniband_port_errors_total": ("Error counters of an InfiniBand/RoCE port; counter is the sysfs name (counters/ and hw_counters/).", ("device", "port", "counter")),
+    "nvlink_transmitted_bytes_total": ("Data bytes a GPU sent over an NVLink (NVML throughput counter).", ("gpu", "link")),
+    "nvlink_received_bytes_total": ("Data bytes a GPU received over an NVLink.", ("gpu", "link")),
+    "nvlink_errors_total": ("NVLink error counters: crc_flit, crc_data, replay, recovery.", ("gpu", "link", "counter")),
+    "pcie_replays_total": ("PCIe replays of a GPU's link (NVML).", ("gpu",)),
+    "pcie_transmitted_bytes_total": ("Bytes a GPU sent over PCIe (NVML; Hopper and later).", ("gpu",)),
+    "pcie_received_bytes_total": ("Bytes a GPU received over PCIe (NVML; Hopper and later).", ("gpu",)),
+    "pcie_aer_errors_total": ("PCIe AER errors a tracked device (GPU, NIC, bridge above them) reported, by severity.", ("device", "severity")),
+    "gpu_temperature_celsius": ("GPU core temperature.", ("gpu",)),
+    "gpu_power_watts": ("GPU power draw.", ("gpu",)),
+    "gpu_power_limit_watts": ("GPU enforced power limit.", ("gpu",)),
+    "gpu_memory_used_bytes": ("GPU memory in use.", ("gpu",)),
+    "gpu_ecc_errors_total": ("ECC errors since the driver loaded (volatile), corrected or uncorrected.", ("gpu", "type")),
+    "gpu_retired_pages_pending": ("1 when retired pages wait for a GPU reset (pre-Ampere page retirement).", ("gpu",)),
+    "gpu_remapped_rows": ("Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.", ("gpu", "state")),
+    "gpu_clock_throttle_reason": ("1 when the reason currently holds the GPU's clocks down.", ("gpu", "reason")),
+    "gpu_xid_errors_total": ("Xid events NVML reported since the agent started, by Xid.", ("gpu", "xid")),
+}
+
+
+def telemetry_families(snapshot: Snapshot) -> Iterator[Metric]:
+    """The counters' and health gauges' latest values, one family per TELEMETRY_METRICS row."""
+    telemetry = snapshot.telemetry
+    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
+    for name, (text, labels) in TELEMETRY_METRICS.items():
+        kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
+        families[name] = kind(f"{NS}_{name}", text, labels=list(labels))
+    for reading in telemetry.readings if telemetry else ():
+        family = families.get(reading.metric)
+        if family is not None:
+            family.add_metric([v for _, v in reading.labels], reading.value)
+    yield from (f for f in families.values() if f.samples)
 
 
 def _probe_figures(figures: Iterable[ProbeFigure]) -> Iterator[Metric]:

@@ -260,9 +260,10 @@ def test_snapshot_of_a_fixture_replays_to_the_same_discovery(
     capsys.readouterr()
     assert discover_json(capsys, out) == discover_json(capsys, SNAPSHOTS / name)
     if form == "dir":
-        # Only what discovery reads: pcie-2socket's hidden bridge comes along, nothing else.
+        # Only what discovery reads (pcie-2socket's hidden bridge comes along) and the
+        # recorded counter samples, nothing else.
         kept = {p.relative_to(out).parts[0] for p in out.iterdir()}
-        assert kept <= {"sys", "proc", "commands", "nvml.json", "snapshot.json"}
+        assert kept <= {"sys", "proc", "commands", "nvml.json", "snapshot.json", "telemetry.json"}
         assert json.loads((out / "snapshot.json").read_text())["recorded_by"].endswith(str(SNAPSHOTS / name))
 
 

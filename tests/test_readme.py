@@ -15,7 +15,9 @@ def exported_metric_names() -> set[str]:
     families = re.findall(r'(Gauge|Counter|Info)MetricFamily\(\s*f"\{NS\}_([a-z_]+)"', source)
     assert len(families) == source.count("MetricFamily(")  # the pattern missed none
     suffix = {"Gauge": "", "Counter": "_total", "Info": "_info"}
-    return {name + suffix[kind] for kind, name in families}
+    from topoagent.exporters.prometheus import TELEMETRY_METRICS  # families built from one table
+
+    return {name + suffix[kind] for kind, name in families} | set(TELEMETRY_METRICS)
 
 
 def test_readme_lists_exactly_the_exported_metrics():

@@ -33,10 +33,11 @@ from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import NoFit, Placement, Request, place
 from topoagent.served import Snapshot
+from topoagent.telemetry import History
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
-    from topoagent.collectors.nvml import GpuActivityReading
+    from topoagent.collectors.nvml import GpuActivityReading, LiveCounterReader
     from topoagent.probes.figures import ProbeFigure
     from topoagent.probes.runner import ProbeRound
     from topoagent.probes.service import ProbeService
@@ -255,7 +256,12 @@ class Agent:
         # GPU index -> what NVML says it runs (refreshed every activity_interval_s).
         self.activity: dict[int, GpuActivityReading] = {}
         self.activity_read_at: float | None = None
-        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes")}
+        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes", "telemetry")}
+        # Counters: the last two samples of each series (rates), and NVML kept open for them.
+        self.counter_history = History()
+        self._counter_reader: LiveCounterReader | None = None
+        self._replayed_counters = False
+        self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -278,6 +284,9 @@ class Agent:
                 self._keep_running("gpu_activity", self.read_activity, lambda: self.config.activity_interval_s, wait_first=True), name="gpu-activity"
             ),
         ]
+        if self.config.telemetry_enabled:
+            self._tasks.append(asyncio.create_task(
+                self._keep_running("telemetry", self.read_counters, lambda: self.config.telemetry_interval_s), name="telemetry"))
         if self.config.probes_enabled:
             # A probe step waits by itself (on its schedule); after a failure, the retry pause.
             self._tasks.append(asyncio.create_task(self._keep_running("probes", self._probe_step, lambda: 0.0), name="probes"))
@@ -305,6 +314,8 @@ class Agent:
             log_event("stop_abandoned_tasks", logging.WARNING, tasks=",".join(t.get_name() for t in pending))
         if self.host:
             self.host.close()
+        if self._counter_reader is not None:
+            self._counter_reader.close()
 
     def reload(self, config: Config) -> list[str]:
         """Apply a re-read configuration; returns the settings that need a restart."""
@@ -384,6 +395,7 @@ class Agent:
         snapshot = Snapshot(
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
+            telemetry=previous.telemetry if previous else None,
         )
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         self._version += 1
@@ -529,6 +541,51 @@ class Agent:
             self.activity = {r.index: r for r in readings}
             self.activity_read_at = time.time()
             self._probe_when_processes_end(running_before - self.gpus_with_processes())
+
+    # -- counters (telemetry) ---------------------------------------------------------------
+    async def read_counters(self) -> None:
+        """Read every counter source (each in its own thread, under its own timeout), take
+        the samples into the history and serve the new rates and findings.  A recorded node
+        gives all its recorded samples at the first read, then nothing new."""
+        from topoagent.collectors.nvml import LiveCounterReader
+        from topoagent.discovery import COUNTER_SOURCES
+        from topoagent.telemetry import Context, Sample, read_live, recorded_samples, served
+
+        host, snapshot = self.host, self.snapshot
+        if host is None or snapshot is None:
+            return  # the AER source reads the devices discovery found: after the first one
+        parsers = {s.name: s.parse for s in COUNTER_SOURCES}
+        samples: list[Sample] = []
+        recorded = None if host.live else await asyncio.to_thread(recorded_samples, host)
+        if recorded is not None:
+            samples = [] if self._replayed_counters else recorded
+            self._replayed_counters = True
+        else:
+            if self._counter_reader is None:
+                self._counter_reader = LiveCounterReader()
+            context = Context(host, snapshot.node, self._counter_reader)
+            timeout = self.config.telemetry_timeout_s
+
+            async def one(source: Any) -> Sample:
+                stuck = self._counter_reads.get(source.name)
+                if stuck is not None and not stuck.done():
+                    # A read that hung is abandoned, not killed: never start a second beside it.
+                    return Sample(source.name, time.monotonic(), None, "the previous read has not returned")
+                read = self._counter_reads[source.name] = run_in_daemon_thread(lambda: read_live(source, context))
+                try:
+                    return await asyncio.wait_for(asyncio.shield(read), timeout)
+                except TimeoutError:
+                    return Sample(source.name, time.monotonic(), None, f"timed out after {timeout:g}s", timeout)
+
+            samples = list(await asyncio.gather(*(one(s) for s in COUNTER_SOURCES)))
+        for sample in samples:
+            if sample.source in parsers:
+                self.counter_history.add(sample, parsers[sample.source])
+        telemetry = served(self.counter_history, dict(self.config.telemetry_thresholds), snapshot.node)
+        current = self.snapshot
+        if current is not None:
+            self._version += 1
+            self.snapshot = current.with_telemetry(self._version, telemetry)
 
     # -- probes -----------------------------------------------------------------------------
     def _note_topology(self, node: NodeTopology) -> None:

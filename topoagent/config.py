@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from topoagent.errors import TopoagentError
+from topoagent.telemetry import THRESHOLD_KEYS
+
+THRESHOLD_PREFIX = "threshold:"
 
 # Loopback only by default: reads are open there.  9477 is this agent's fixed port so
 # Prometheus' `instance` label stays stable across restarts (see README, "Port").
@@ -59,6 +62,11 @@ class Config:
     probe_busy_utilization_percent: float = 5.0
     probe_sizes_bytes: tuple[int, ...] | None = None  # None: the backend's defaults
     probe_repetitions: int | None = None
+    # [telemetry]: link and GPU counters read on their own interval (topoagent/telemetry.py)
+    telemetry_enabled: bool = True
+    telemetry_interval_s: float = 10.0
+    telemetry_timeout_s: float = 5.0  # one source's read longer than this fails alone
+    telemetry_thresholds: tuple[tuple[str, float], ...] = ()  # THRESHOLDS overridden by key
 
     @property
     def live(self) -> bool:
@@ -117,6 +125,12 @@ def _repetitions(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
         raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {value!r}")
     return value
+
+
+def _rate(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise ConfigError(f"{key}: expected a number >= 0, got {value!r}")
+    return float(value)
 
 
 def _body_limit(key: str, value: Any) -> int:
@@ -178,6 +192,13 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "sizes_bytes": ("probe_sizes_bytes", _sizes),
         "repetitions": ("probe_repetitions", _repetitions),
     },
+    "telemetry": {
+        "enabled": ("telemetry_enabled", _bool),
+        "interval_s": ("telemetry_interval_s", _positive_seconds),
+        "timeout_s": ("telemetry_timeout_s", _positive_seconds),
+        # One key per row of topoagent.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
+        **{key: (f"{THRESHOLD_PREFIX}{key}", _rate) for key in THRESHOLD_KEYS},
+    },
 }
 
 
@@ -198,6 +219,9 @@ def config_from_toml(text: str, source: str = "config") -> Config:
                 raise ConfigError(f"{section}.{key}: unknown key (known: {known})")
             field_name, check = SCHEMA[section][key]
             values[field_name] = check(f"{section}.{key}", value)
+    thresholds = {k.removeprefix(THRESHOLD_PREFIX): values.pop(k) for k in list(values) if k.startswith(THRESHOLD_PREFIX)}
+    if thresholds:
+        values["telemetry_thresholds"] = tuple(sorted(thresholds.items()))
     if values.get("probe_min_interval_s", 900.0) > values.get("probe_max_interval_s", 24 * 3600.0):
         raise ConfigError("probes.min_interval_s: must not exceed probes.max_interval_s")
     return Config(**values)

@@ -15,11 +15,12 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from topoagent.collectors import cpu, gpudirect, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors import aer, cpu, gpudirect, ib_counters, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
 from topoagent.collectors.base import CollectorResult
 from topoagent.host import Host
 from topoagent.merge import merge
 from topoagent.model import NodeTopology
+from topoagent.telemetry import Context, CounterSource
 
 if TYPE_CHECKING:
     import asyncio
@@ -45,6 +46,36 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("nvml", nvml.collect),
     Collector("nvidia_driver", nvidia_driver.collect),
     Collector("nvidia_smi", nvidia_smi.collect),
+)
+
+
+def _tracked_pcie(context: Context) -> list[str]:
+    """The PCIe devices whose AER counters we read: GPUs, NICs, and the bridges above them."""
+    node = context.node
+    if node is None:
+        return []
+    addresses = [g.pci_address for g in node.gpus if g.pci_address] + [n.pci_address for n in node.nics if n.pci_address]
+    if node.pci is not None:
+        for address in list(addresses):
+            device = node.pci.get(address)
+            addresses.extend(device.bridges if device else ())
+    return addresses
+
+
+def _nvml_counters(context: Context) -> Any:
+    if context.host.live:
+        return context.nvml.read()
+    from topoagent.collectors.base import NoData
+
+    raise NoData(nvml.NO_NVML + " (this recording has no telemetry.json)")
+
+
+# Counter sources, read by the agent's telemetry loop on their own interval (not
+# discovery: see topoagent/telemetry.py).  Each is a raw read and a pure parser.
+COUNTER_SOURCES: tuple[CounterSource, ...] = (
+    CounterSource("infiniband_counters", lambda c: ib_counters.read_raw(c.host), ib_counters.parse),
+    CounterSource("pcie_aer", lambda c: aer.read_raw(c.host, _tracked_pcie(c)), aer.parse),
+    CounterSource("nvml_counters", _nvml_counters, nvml.parse_counters),
 )
 
 
@@ -122,4 +153,4 @@ def finish(coroutine: Coroutine[Any, Any, CollectorResult[Any]]) -> CollectorRes
     raise RuntimeError("a collector waited on an event loop; use discover() under asyncio")
 
 
-__all__ = ["COLLECTORS", "Collector", "check_order", "discover", "discover_sync", "run_collectors", "run_collectors_sync"]
+__all__ = ["COLLECTORS", "COUNTER_SOURCES", "Collector", "check_order", "discover", "discover_sync", "run_collectors", "run_collectors_sync"]

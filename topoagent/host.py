@@ -99,6 +99,7 @@ class Recording:
     dirs: dict[str, dict[str, str]] = field(default_factory=dict)  # dir -> name -> kind
     commands: dict[str, CommandResult] = field(default_factory=dict)
     nvml: dict | None = None
+    telemetry: dict | None = None  # counter samples, written as telemetry.json
 
 
 class Host:

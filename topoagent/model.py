@@ -39,9 +39,10 @@ class Finding:
     severity: Severity
     subject: str  # "GPU3", "GPU0/NIC1", "mlx5_2 port 1", "0000:3b:00.0", a collector name
     message: str
-    source: str = "discovery"  # or "probe"
+    source: str = "discovery"  # or "probe", "telemetry"
     expected_gbps: float | None = None  # a measurement's finding: what the level should give
     measured_gbps: float | None = None  # and what was measured
+    rate_per_s: float | None = None  # a counter's finding: the rate (per second) that raised it
 
 
 @dataclass(frozen=True, slots=True)

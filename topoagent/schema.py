@@ -276,9 +276,10 @@ FINDING = Document("Finding", {
     "severity": Field(SEVERITY),
     "subject": Field(STRING),
     "message": Field(STRING),
-    "source": Field(one_of(("discovery", "probe"))),
+    "source": Field(one_of(("discovery", "probe", "telemetry"))),
     "expected_gbps": Field(nullable(NUMBER), description="a measurement's finding: what the level should give, GB/s"),
     "measured_gbps": Field(nullable(NUMBER), description="a measurement's finding: what was measured, GB/s"),
+    "rate_per_s": Field(nullable(NUMBER), description="a counter's finding: the rate per second that raised it"),
 })
 
 
@@ -354,7 +355,7 @@ NODE = Document("Node", {
     "gpus": Field(array(GPU.ref), lambda v: [GPU.dump(g) for g in v.node.gpus]),
     "nics": Field(array(NIC.ref), lambda v: [NIC.dump(n) for n in v.node.nics]),
     "pairs": Field(array(PAIR.ref), _pairs, "every unordered GPU/NIC pair once"),
-    "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's and the probes'"),
+    "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's, the probes' and the counters'"),
     "collectors": Field({"type": "object", "additionalProperties": COLLECTOR.ref}, _collectors, "by collector name"),
 }, "How the node is wired: `topoagent discover --json`, and /topology without `agent`.")
 

@@ -19,6 +19,7 @@ from typing import Any
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
+from topoagent.telemetry import Telemetry
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,8 @@ class Snapshot:
     stale: bool = False  # the last discovery failed; these facts are older
     error: str | None = None  # why the last discovery failed
     failed_at: float | None = None
+    # The counters' last read (telemetry loop), swapped in every [telemetry] interval_s.
+    telemetry: Telemetry | None = None
     _cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> Snapshot:
@@ -44,9 +47,14 @@ class Snapshot:
         """The same discovery state with new measurements overlaid."""
         return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={})
 
+    def with_telemetry(self, version: int, telemetry: Telemetry) -> Snapshot:
+        """The same discovery state with the counters' latest read."""
+        return replace(self, version=version, telemetry=telemetry, _cache={})
+
     @property
     def findings(self) -> tuple[Finding, ...]:
-        return self.node.findings + self.probe_findings
+        telemetry = self.telemetry.findings if self.telemetry else ()
+        return self.node.findings + self.probe_findings + telemetry
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
         """What a door renders from this snapshot once (the JSON, the text matrix, the

@@ -9,10 +9,12 @@ import shutil
 import socket
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 
 from topoagent import __version__
 from topoagent.host import Host, HostError
+from topoagent.model import NodeTopology
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # Archive names a user may reach for that we do not write: refused rather than
@@ -78,6 +80,30 @@ def write_snapshot(host: Host, out: str | os.PathLike[str], *, force: bool = Fal
     return out_path
 
 
+def record_counters(host: Host, node: NodeTopology, samples: int = 2, pause_s: float = 1.0) -> None:
+    """Read every counter source ``samples`` times, ``pause_s`` apart, into the recording
+    (telemetry.json), so a replay reproduces the rates; a recording keeps its own."""
+    from topoagent.collectors.nvml import LiveCounterReader
+    from topoagent.discovery import COUNTER_SOURCES
+    from topoagent.telemetry import Context, read_live, recorded_samples, sample_document
+
+    assert host.recording is not None
+    if not host.live:
+        recorded_samples(host)  # copies the recording's samples, if it has any
+        return
+    reader = LiveCounterReader()
+    try:
+        context = Context(host, node, reader)
+        rounds = []
+        for n in range(samples):
+            if n:
+                time.sleep(pause_s)
+            rounds.append([read_live(source, context) for source in COUNTER_SOURCES])
+    finally:
+        reader.close()
+    host.recording.telemetry = sample_document(rounds)
+
+
 def _inside(root: Path, node_path: str) -> Path:
     return root / node_path.lstrip("/")
 
@@ -124,6 +150,8 @@ def _write_dir(host: Host, root: Path) -> None:
                 (commands / f"{stem}.rc").write_text(f"{result.returncode}\n")
     if rec.nvml is not None:
         (root / "nvml.json").write_text(json.dumps(rec.nvml, indent=1) + "\n")
+    if rec.telemetry is not None:
+        (root / "telemetry.json").write_text(json.dumps(rec.telemetry, indent=1) + "\n")
     recorded_by = f"topoagent snapshot {__version__}"
     hostname: str | None = socket.gethostname()
     if not host.live:

@@ -53,6 +53,13 @@ class FindingKind(enum.StrEnum):
     NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
     HIGH_LATENCY = "high_latency"
     LINK_DECAY = "link_decay"
+    # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
+    IB_ERRORS_RISING = "ib-errors-rising"
+    NVLINK_ERRORS_RISING = "nvlink-errors-rising"
+    PCIE_AER_ERRORS = "pcie-aer-errors"
+    GPU_XID = "gpu-xid"
+    GPU_ECC_UNCORRECTED = "gpu-ecc-uncorrected"
+    GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
 
 
 class Pattern(enum.StrEnum):

@@ -25,12 +25,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--root", metavar="DIR|TARBALL", default="/",
                         help="re-record a recorded node (keeps only what discovery reads); "
                              "default: this node")
+    parser.add_argument("--counter-interval", metavar="SECONDS", type=float, default=1.0,
+                        help="pause between the two counter samples recorded (telemetry.json), "
+                             "so a replay has rates; default: 1")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from topoagent.discovery import discover_sync
-    from topoagent.snapshot import check_snapshot_target, write_snapshot
+    from topoagent.snapshot import check_snapshot_target, record_counters, write_snapshot
 
     try:
         check_snapshot_target(args.out, force=args.force)  # before minutes of discovery
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         host.close()
         raise UsageError(f"not a recorded node: no sys/ under {args.root}")
     with host:
-        discover_sync(host)
+        node = discover_sync(host)
+        record_counters(host, node, pause_s=max(0.0, args.counter_interval))
         try:
             path = write_snapshot(host, args.out, force=args.force)
         except HostError as exc:  # names the path itself

@@ -1,0 +1,242 @@
+"""Telemetry: counters read on their own interval, rates, findings, recorded samples.
+
+Against the fixtures' telemetry.json (two samples 10 s apart; the degraded node's error
+counters rise between them) through a real `topoagent serve` child, and the pure parts
+(sysfs parsers, the rate rule) on their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES, REPO
+from service_helpers import metric_value, promtool_complaints, start_agent
+
+from topoagent.collectors import aer, ib_counters
+from topoagent.exporters.prometheus import TELEMETRY_METRICS
+from topoagent.telemetry import THRESHOLDS, History, Sample, rate
+
+SNAPSHOTS = FIXTURES / "snapshots"
+FAST = "[telemetry]\ninterval_s = 0.2\n"
+
+
+def samples_of(root: Path) -> list[dict]:
+    return json.loads((root / "telemetry.json").read_text())["samples"]
+
+
+def scrape_with_telemetry(agent, timeout: float = 20) -> str:
+    """/metrics once the telemetry loop has served its first read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = agent.get("/metrics").body.decode()
+        if 'collector="pcie_aer"' in text or time.monotonic() > deadline:
+            return text
+        time.sleep(0.1)
+
+
+def telemetry_findings(agent) -> list[dict]:
+    return [f for f in agent.get("/topology").json()["findings"] if f["source"] == "telemetry"]
+
+
+# --- the pure parts ----------------------------------------------------------------------
+
+
+def test_a_counter_that_went_down_has_no_rate_never_a_negative_one():
+    assert rate(100, 160, 10) == 6.0
+    assert rate(2**32 - 10, 5, 10) is None  # reset (or wrap): no rate for that interval
+    assert rate(7, 7, 10) == 0.0  # a saturated counter reads 0/s
+    history = History()
+
+    def parse(raw):
+        return [("infiniband_port_errors_total", (("device", "mlx5_0"), ("port", "1"), ("counter", "symbol_error")), raw)]
+
+    for taken, value in ((0.0, 50.0), (10.0, 3.0), (20.0, 13.0)):
+        history.add(Sample("infiniband_counters", taken, value), parse)
+        [reading] = history.readings()
+        assert reading.rate_per_s is None or reading.rate_per_s >= 0
+    assert reading.rate_per_s == 1.0  # after the reset, the next interval has a rate again
+
+
+def test_ib_data_counters_are_words_and_errors_keep_their_sysfs_name():
+    raw = {"mlx5_0/1/counters/port_xmit_data": "250\n", "mlx5_0/1/counters/symbol_error": "7\n",
+           "mlx5_0/1/hw_counters/out_of_buffer": "2\n", "mlx5_0/1/hw_counters/rx_write_requests": "9\n",
+           "mlx5_0/1/counters/unicast_xmit_packets": "4\n", "mlx5_0/1/hw_counters/lifespan": "N/A\n"}
+    got = {(m, dict(labels).get("counter")): v for m, labels, v in ib_counters.parse(raw)}
+    assert got == {("infiniband_port_transmitted_bytes_total", None): 1000.0,
+                   ("infiniband_port_errors_total", "symbol_error"): 7.0,
+                   ("infiniband_port_errors_total", "out_of_buffer"): 2.0}
+
+
+def test_aer_totals_come_from_the_total_line():
+    gpu1 = json.loads((SNAPSHOTS / "degraded" / "nvml.json").read_text())["gpus"][1]["pci_bus_id"]
+    second = samples_of(SNAPSHOTS / "degraded")[1]["sources"]["pcie_aer"]
+    series = {(dict(labels)["device"], dict(labels)["severity"]): v for _, labels, v in aer.parse(second)}
+    assert series[(gpu1, "nonfatal")] == 3.0
+    assert series[(gpu1, "fatal")] == 0.0
+    assert aer.parse_total("RxErr 2\nBadTLP 1\nTOTAL_ERR_COR 3\n") == 3
+    assert aer.parse_total("RxErr 2\nBadTLP 1\n") == 3  # an older kernel without the total line
+
+
+# --- a real agent on the recorded nodes ----------------------------------------------------
+
+
+def test_every_telemetry_family_is_served_with_the_recorded_values(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST)
+    try:
+        text = scrape_with_telemetry(agent)
+    finally:
+        agent.stop()
+    for name in TELEMETRY_METRICS:
+        assert f"\ntopoagent_{name}{{" in text, name
+    last = samples_of(SNAPSHOTS / "degraded")[1]["sources"]
+    words = int(last["infiniband_counters"]["mlx5_2/1/counters/port_xmit_data"])
+    assert metric_value(text, "topoagent_infiniband_port_transmitted_bytes_total", {"device": "mlx5_2", "port": "1"}) == 4 * words
+    assert metric_value(text, "topoagent_infiniband_port_errors_total", {"device": "mlx5_2", "counter": "symbol_error"}) == 40
+    assert metric_value(text, "topoagent_gpu_xid_errors_total", {"gpu": "6", "xid": "79"}) == 1
+    assert metric_value(text, "topoagent_nvlink_errors_total", {"gpu": "2", "link": "3", "counter": "recovery"}) == 1
+    assert metric_value(text, "topoagent_gpu_clock_throttle_reason", {"gpu": "0", "reason": "gpu_idle"}) == 1
+    for source in ("infiniband_counters", "pcie_aer", "nvml_counters"):
+        assert metric_value(text, "topoagent_collector_success", {"collector": source}) == 1
+    assert promtool_complaints(text.encode()) == []
+
+
+def test_rising_errors_become_findings_with_the_rate_of_the_two_samples(tmp_path):
+    first, second = samples_of(SNAPSHOTS / "degraded")
+    seconds = second["monotonic_s"] - first["monotonic_s"]
+
+    def ib(sample, name):
+        return int(sample["sources"]["infiniband_counters"][f"mlx5_2/1/counters/{name}"])
+
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST)
+    try:
+        scrape_with_telemetry(agent)
+        findings = telemetry_findings(agent)
+        metrics = agent.get("/metrics").body.decode()
+    finally:
+        agent.stop()
+    got = {(f["kind"], f["subject"], f["severity"]): f["rate_per_s"] for f in findings}
+    assert got == {
+        ("ib-errors-rising", "mlx5_2 port 1", "warning"): (ib(second, "symbol_error") - ib(first, "symbol_error")) / seconds,
+        ("ib-errors-rising", "mlx5_2 port 1", "critical"): (ib(second, "link_downed") - ib(first, "link_downed")) / seconds,
+        ("nvlink-errors-rising", "GPU2 NVLink 3", "warning"): 0.5,
+        ("nvlink-errors-rising", "GPU2 NVLink 3", "critical"): 0.1,
+        ("pcie-aer-errors", "GPU1", "warning"): 0.3,
+        ("gpu-xid", "GPU6", "critical"): 0.1,
+        ("gpu-ecc-uncorrected", "GPU6", "critical"): 0.2,
+        ("gpu-row-remap-failed", "GPU4", "critical"): None,
+    }
+    # Every rule of the table that the fixture exercises raised its finding kind.
+    assert {f["kind"] for f in findings} == {str(t.kind) for t in THRESHOLDS}
+    assert metric_value(metrics, "topoagent_findings", {"kind": "gpu-xid", "severity": "critical"}) == 1
+
+
+def test_a_healthy_node_has_traffic_rates_but_no_telemetry_findings(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100", config=FAST)
+    try:
+        text = scrape_with_telemetry(agent)
+        findings = telemetry_findings(agent)
+    finally:
+        agent.stop()
+    assert findings == []
+    assert metric_value(text, "topoagent_infiniband_port_transmitted_bytes_total", {"device": "mlx5_0"}) is not None
+
+
+def test_the_readme_documents_every_threshold():
+    readme = (REPO / "README.md").read_text()
+    for rule in THRESHOLDS:
+        assert f"| `{rule.key}` |" in readme, rule.key
+
+
+def test_thresholds_are_set_in_the_config(tmp_path):
+    config = FAST + "symbol_error_per_s = 5\nlink_downed_per_s = 1\n"
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=config)
+    try:
+        scrape_with_telemetry(agent)
+        kinds = {(f["kind"], f["subject"]) for f in telemetry_findings(agent)}
+    finally:
+        agent.stop()
+    assert ("ib-errors-rising", "mlx5_2 port 1") not in kinds  # 2.8/s and 0.1/s are under them now
+    assert ("gpu-xid", "GPU6") in kinds
+
+
+def test_a_failing_source_fails_alone(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(SNAPSHOTS / "degraded", root, symlinks=True)
+    document = json.loads((root / "telemetry.json").read_text())
+    for sample in document["samples"]:
+        sample["sources"]["nvml_counters"] = {"gpus": [{"no": "index"}]}
+    (root / "telemetry.json").write_text(json.dumps(document))
+    agent = start_agent(tmp_path, root=root, config=FAST)
+    try:
+        text = scrape_with_telemetry(agent)
+    finally:
+        agent.stop()
+    assert metric_value(text, "topoagent_collector_success", {"collector": "nvml_counters"}) == 0
+    assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 1
+    assert metric_value(text, "topoagent_infiniband_port_errors_total", {"device": "mlx5_2", "counter": "link_downed"}) == 2
+
+
+def test_a_hung_source_times_out_alone_and_metrics_still_answer(tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(SNAPSHOTS / "dgx-a100", root, symlinks=True)
+    (root / "telemetry.json").unlink()  # read the recorded sysfs, as live
+    counters = (root / "sys/class/infiniband/mlx5_0").resolve() / "ports" / "1" / "counters"
+    counters.mkdir(parents=True)
+    os.mkfifo(counters / "symbol_error")  # a read that never returns, like a wedged device
+    agent = start_agent(tmp_path, root=root, config=FAST + "timeout_s = 0.5\n")
+    try:
+        text = scrape_with_telemetry(agent)
+        time.sleep(1.5)  # more reads while the first is still stuck
+        again = agent.get("/metrics").body.decode()  # answers from the cache while the read hangs
+    finally:
+        agent.stop()
+    assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
+    assert metric_value(again, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
+    assert metric_value(again, "topoagent_collector_success", {"collector": "pcie_aer"}) == 1  # absent here: quiet
+
+
+def test_telemetry_off_serves_no_counters(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config="[telemetry]\nenabled = false\ninterval_s = 0.2\n")
+    try:
+        time.sleep(1.0)
+        text = agent.get("/metrics").body.decode()
+    finally:
+        agent.stop()
+    assert "topoagent_infiniband_port_errors_total" not in text
+
+
+# --- recording ------------------------------------------------------------------------------
+
+
+def snapshot(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-m", "topoagent", "snapshot", *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def test_snapshot_records_two_counter_samples_with_their_times(tmp_path):
+    done = snapshot(str(tmp_path / "live"), "--counter-interval", "0.2")
+    assert done.returncode == 0, done.stderr
+    samples = samples_of(tmp_path / "live")
+    assert len(samples) == 2
+    assert samples[1]["monotonic_s"] - samples[0]["monotonic_s"] >= 0.2
+    names = {"infiniband_counters", "pcie_aer", "nvml_counters"}
+    for sample in samples:  # each source answered, failed or is absent here: none forgotten
+        assert set(sample["sources"]) | set(sample["errors"]) | set(sample["no_data"]) == names
+
+
+def test_a_re_recorded_node_keeps_its_samples_and_replays_the_same_findings(tmp_path):
+    done = snapshot("--root", str(SNAPSHOTS / "degraded"), str(tmp_path / "again"))
+    assert done.returncode == 0, done.stderr
+    assert samples_of(tmp_path / "again") == samples_of(SNAPSHOTS / "degraded")
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SNAPSHOTS.iterdir()))
+def test_every_fixture_has_two_samples(name):
+    samples = samples_of(SNAPSHOTS / name)
+    assert [s["monotonic_s"] for s in samples] == [1000.0, 1010.0]

@@ -1,0 +1,297 @@
+"""Counters and health, read on their own interval: samples, rates, and the findings
+the rates support.
+
+Counters are not topology, so they are not discovery: the agent's telemetry loop asks
+each counter source (``topoagent.discovery.COUNTER_SOURCES``) every ``[telemetry]
+interval_s``, each in its own thread with its own timeout, so one slow or failing
+source never holds up the others.  What the loop keeps is a ``History``: the last two
+values of every series with the monotonic time of their sample.  The served value is a
+``Telemetry`` (latest values, rates, how each source fared, findings); ``/metrics``
+renders only that, never NVML or sysfs.
+
+A recorded node replays its ``telemetry.json`` (docs/snapshot-format.md): every
+recorded sample, with its recorded times, so a replay reproduces the recorded rates.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from topoagent.model import CollectorStatus, Finding
+from topoagent.vocabulary import FindingKind, Severity, Status
+
+if TYPE_CHECKING:
+    from topoagent.collectors.nvml import LiveCounterReader
+    from topoagent.host import Host
+    from topoagent.model import NodeTopology
+
+Labels = tuple[tuple[str, str], ...]
+Series = tuple[str, Labels, float]  # (metric without the topoagent_ prefix, labels, value)
+Key = tuple[str, Labels]
+
+TELEMETRY_FILE = "/telemetry.json"
+MAX_TELEMETRY_BYTES = 16 << 20
+# Counters NVIDIA does not keep, we do: the agent counts Xid events since it started, so
+# a series that appears later started at zero (its first event is a rise).
+COUNTED_FROM_ZERO = frozenset({"gpu_xid_errors_total"})
+# Xids NVIDIA's Xid catalogue says need action (reset the GPU, drain the node, call
+# support): 48 DBE, 63/64 row remapping, 74 NVLink error, 79 fallen off the bus, 92 high
+# single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
+ACTIONABLE_XIDS = frozenset({"48", "63", "64", "74", "79", "92", "94", "95", "119", "120"})
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What a counter source may read: the node (which devices we track) and NVML."""
+
+    host: Host
+    node: NodeTopology | None
+    nvml: LiveCounterReader
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSource:
+    name: str  # its collector_success label
+    read: Callable[[Context], Any]  # live: the source's raw answer (JSON-able), blocking
+    parse: Callable[[Any], list[Series]]  # raw answer -> series (pure)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    source: str
+    taken_at: float  # time.monotonic() of the read (a recording keeps its own)
+    raw: Any = None  # None: the read failed
+    error: str | None = None
+    seconds: float = 0.0
+    absent: bool = False  # the source is not on this node (no HCA, no NVML): quiet, not failed
+
+
+def rate(previous: float, current: float, seconds: float) -> float | None:
+    """Per-second rise of a counter between two samples; never negative.
+
+    A counter that went down is taken as *reset*, never as wrapped: the IB PMA counters
+    saturate at their maximum rather than wrap (IBA 16.1.3; the kernel's data counters are
+    64-bit), and NVML's are 64-bit; a decrease means it was cleared (``perfquery -R``, a
+    driver reload, a GPU reset, a reboot).  We cannot know how much it rose before the
+    reset, so that interval has no rate (None), and the next interval has one again.  A
+    saturated 32-bit counter stays at its maximum: its rate reads 0, its value says why.
+    """
+    if seconds <= 0 or current < previous:
+        return None
+    return (current - previous) / seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    metric: str
+    labels: Labels
+    value: float
+    rate_per_s: float | None  # None: a gauge, a first sample, or a reset
+
+
+class History:
+    """The last two samples of every series, by source, with their monotonic times."""
+
+    def __init__(self) -> None:
+        self._latest: dict[str, tuple[float, dict[Key, float]]] = {}
+        self._previous: dict[str, tuple[float, dict[Key, float]]] = {}
+        self.statuses: dict[str, CollectorStatus] = {}
+
+    def add(self, sample: Sample, parse: Callable[[Any], list[Series]]) -> None:
+        if sample.raw is None:
+            # Failed: its collector_success goes to 0; the last values stay as they were.
+            status = Status.NO_DATA if sample.absent else Status.ERROR
+            self.statuses[sample.source] = CollectorStatus(sample.source, status, sample.error, sample.seconds)
+            return
+        latest = self._latest.get(sample.source)
+        if latest is not None and sample.taken_at <= latest[0]:
+            return  # a replayed sample already taken in
+        try:
+            values = {(metric, labels): value for metric, labels, value in parse(sample.raw)}
+        except Exception as exc:  # a damaged recording, a parser's bug: this source fails alone
+            self.statuses[sample.source] = CollectorStatus(sample.source, Status.ERROR, f"{type(exc).__name__}: {exc}", sample.seconds)
+            return
+        if latest is not None:
+            self._previous[sample.source] = latest
+        self._latest[sample.source] = (sample.taken_at, values)
+        self.statuses[sample.source] = CollectorStatus(sample.source, Status.OK, None, sample.seconds)
+
+    def readings(self) -> list[Reading]:
+        out: list[Reading] = []
+        for source, (now, values) in sorted(self._latest.items()):
+            before = self._previous.get(source)
+            for (metric, labels), value in values.items():
+                per_s = None
+                if before is not None and metric.endswith("_total"):
+                    old = before[1].get((metric, labels))
+                    if old is None and metric in COUNTED_FROM_ZERO:
+                        old = 0.0
+                    if old is not None:
+                        per_s = rate(old, value, now - before[0])
+                out.append(Reading(metric, labels, value, per_s))
+        return out
+
+
+# --- findings ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Threshold:
+    """A rule: a series of ``metric`` whose labels match, rising faster than ``per_s``
+    (or, for a gauge, above it), raises a finding of ``kind`` and ``severity``."""
+
+    key: str  # its [telemetry] config key
+    metric: str
+    match: Mapping[str, frozenset[str]]  # label -> values it must have
+    per_s: float  # default; 0 means any rise
+    kind: FindingKind
+    severity: Severity
+    what: str
+
+    def matches(self, reading: Reading) -> bool:
+        labels = dict(reading.labels)
+        return reading.metric == self.metric and all(labels.get(k) in v for k, v in self.match.items())
+
+
+def _is(label: str, *values: str) -> Mapping[str, frozenset[str]]:
+    return {label: frozenset(values)}
+
+
+# The one table of thresholds (README "Telemetry"; each key settable in [telemetry]).
+# Critical: placement avoids the GPU or link (issue #9's health flag).
+THRESHOLDS: tuple[Threshold, ...] = (
+    Threshold("symbol_error_per_s", "infiniband_port_errors_total", _is("counter", "symbol_error"), 0.01,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "symbol errors"),
+    Threshold("link_error_recovery_per_s", "infiniband_port_errors_total", _is("counter", "link_error_recovery"), 0.0,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "link error recoveries"),
+    Threshold("link_downed_per_s", "infiniband_port_errors_total", _is("counter", "link_downed"), 0.0,
+              FindingKind.IB_ERRORS_RISING, Severity.CRITICAL, "link downed events (the port flaps)"),
+    Threshold("port_rcv_errors_per_s", "infiniband_port_errors_total", _is("counter", "port_rcv_errors"), 0.1,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "receive errors"),
+    Threshold("nvlink_replay_per_s", "nvlink_errors_total", _is("counter", "replay"), 0.0,
+              FindingKind.NVLINK_ERRORS_RISING, Severity.WARNING, "NVLink replays"),
+    Threshold("nvlink_recovery_per_s", "nvlink_errors_total", _is("counter", "recovery"), 0.0,
+              FindingKind.NVLINK_ERRORS_RISING, Severity.CRITICAL, "NVLink recoveries"),
+    Threshold("aer_nonfatal_per_s", "pcie_aer_errors_total", _is("severity", "nonfatal"), 0.0,
+              FindingKind.PCIE_AER_ERRORS, Severity.WARNING, "PCIe AER non-fatal errors"),
+    Threshold("aer_fatal_per_s", "pcie_aer_errors_total", _is("severity", "fatal"), 0.0,
+              FindingKind.PCIE_AER_ERRORS, Severity.CRITICAL, "PCIe AER fatal errors"),
+    Threshold("xid_per_s", "gpu_xid_errors_total", {"xid": ACTIONABLE_XIDS}, 0.0,
+              FindingKind.GPU_XID, Severity.CRITICAL, "Xid events that need action"),
+    Threshold("ecc_uncorrected_per_s", "gpu_ecc_errors_total", _is("type", "uncorrected"), 0.0,
+              FindingKind.GPU_ECC_UNCORRECTED, Severity.CRITICAL, "uncorrectable ECC errors"),
+    Threshold("remapped_rows_failure", "gpu_remapped_rows", _is("state", "failure"), 0.0,
+              FindingKind.GPU_ROW_REMAP_FAILED, Severity.CRITICAL, "row remapping failure (the GPU needs service)"),
+)
+THRESHOLD_KEYS = tuple(t.key for t in THRESHOLDS)
+
+
+def _subject(reading: Reading, gpu_by_address: Mapping[str, str]) -> str:
+    labels = dict(reading.labels)
+    if "link" in labels:
+        return f"GPU{labels['gpu']} NVLink {labels['link']}"
+    if "gpu" in labels:
+        return f"GPU{labels['gpu']}"
+    if "port" in labels:
+        return f"{labels['device']} port {labels['port']}"
+    device = labels.get("device", "?")
+    return gpu_by_address.get(device, device)
+
+
+def findings_from(readings: Iterable[Reading], overrides: Mapping[str, float], gpu_by_address: Mapping[str, str]) -> tuple[Finding, ...]:
+    """The findings the latest rates (and gauge values) support, one per rule and subject."""
+    found: list[Finding] = []
+    for rule in THRESHOLDS:
+        limit = overrides.get(rule.key, rule.per_s)
+        for reading in readings:
+            if not rule.matches(reading):
+                continue
+            gauge = not rule.metric.endswith("_total")
+            figure = reading.value if gauge else reading.rate_per_s
+            if figure is None or figure <= limit:
+                continue
+            subject = _subject(reading, gpu_by_address)
+            extra = "".join(f" {k}={v}" for k, v in reading.labels if k in ("counter", "xid"))
+            message = (f"{rule.what}:{extra} at {reading.value:g}" if gauge
+                       else f"{rule.what}:{extra} rising at {figure:.3g}/s (threshold {limit:g}/s; total {reading.value:g})")
+            found.append(Finding(rule.kind, rule.severity, subject, message, source="telemetry",
+                                 rate_per_s=None if gauge else figure))
+    return tuple(found)
+
+
+@dataclass(frozen=True, slots=True)
+class Telemetry:
+    """What the telemetry loop serves: read once per interval, rendered by /metrics."""
+
+    read_at: float  # Unix time of the last read
+    readings: tuple[Reading, ...]
+    sources: tuple[CollectorStatus, ...]
+    findings: tuple[Finding, ...] = ()
+    _rates: dict[Key, float | None] = field(default_factory=dict, repr=False, compare=False)
+
+    def rate_of(self, metric: str, labels: Labels) -> float | None:
+        if not self._rates:
+            self._rates.update({(r.metric, r.labels): r.rate_per_s for r in self.readings})
+        return self._rates.get((metric, labels))
+
+
+def served(history: History, overrides: Mapping[str, float], node: NodeTopology | None) -> Telemetry:
+    readings = tuple(history.readings())
+    gpus = {g.pci_address: g.name for g in node.gpus if g.pci_address} if node else {}
+    return Telemetry(time.time(), readings, tuple(history.statuses[k] for k in sorted(history.statuses)),
+                     findings_from(readings, overrides, gpus))
+
+
+# --- reading: live, or from a recording ------------------------------------------------
+
+
+def read_live(source: CounterSource, context: Context) -> Sample:
+    """One read of one source; a failure is the sample's error (never raised)."""
+    from topoagent.collectors.base import NoData
+
+    started = time.perf_counter()
+    taken_at = time.monotonic()
+    try:
+        raw = source.read(context)
+    except NoData as exc:
+        return Sample(source.name, taken_at, None, str(exc), time.perf_counter() - started, absent=True)
+    except Exception as exc:  # OSError, HostError, NVML: this source fails alone
+        return Sample(source.name, taken_at, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
+    return Sample(source.name, taken_at, raw, None, time.perf_counter() - started)
+
+
+def recorded_samples(host: Host) -> list[Sample] | None:
+    """A recording's telemetry.json as samples, in order; None when it has none."""
+    if host.live or not host.exists(TELEMETRY_FILE):
+        return None
+    document = json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
+    if host.recording is not None:
+        host.recording.telemetry = document  # re-recording a recording keeps its samples
+    samples: list[Sample] = []
+    for entry in document.get("samples", []):
+        taken_at = float(entry["monotonic_s"])
+        for name, raw in sorted((entry.get("sources") or {}).items()):
+            samples.append(Sample(name, taken_at, raw))
+        for name, error in sorted((entry.get("errors") or {}).items()):
+            samples.append(Sample(name, taken_at, None, str(error)))
+        for name, why in sorted((entry.get("no_data") or {}).items()):
+            samples.append(Sample(name, taken_at, None, str(why), absent=True))
+    return samples
+
+
+def sample_document(rounds: list[list[Sample]]) -> dict:
+    """Rounds of live samples -> telemetry.json (what ``topoagent snapshot`` writes)."""
+    out = []
+    for samples in rounds:
+        taken = min((s.taken_at for s in samples), default=0.0)
+        out.append({
+            "monotonic_s": round(taken, 6),
+            "sources": {s.source: s.raw for s in samples if s.raw is not None},
+            "errors": {s.source: s.error for s in samples if s.raw is None and not s.absent},
+            "no_data": {s.source: s.error for s in samples if s.raw is None and s.absent},
+        })
+    return {"schema": 1, "samples": out}
