@@ -36,22 +36,36 @@ def parse_cpulist(text: str) -> frozenset[int]:
     return frozenset(cpus)
 
 
+# Linux builds for at most 8192 CPUs (NR_CPUS); the bound keeps a hostile '0-4000000000'
+# from expanding into billions of ints.
+MAX_CPU_ID = 65535
+
+
 def _number(text: str, chunk: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise CpuListError(f"cpulist {chunk!r}: {text.strip()!r} is not a CPU number") from None
+    text = text.strip()
+    if not text.isascii() or not text.isdigit() or len(text.lstrip("0")) > len(str(MAX_CPU_ID)):
+        shown = chunk if len(chunk) <= 24 else chunk[:21] + "..."
+        raise CpuListError(f"cpulist {shown!r}: not a CPU number from 0 to {MAX_CPU_ID}")
+    number = int(text)
+    if number > MAX_CPU_ID:
+        raise CpuListError(f"cpulist {chunk!r}: CPU {number} is above {MAX_CPU_ID}")
+    return number
 
 
 def parse_cpumask(text: str) -> frozenset[int]:
     """sysfs ``local_cpus`` (``00000000,0000ffff``, 32-bit words, high first) -> CPU set."""
     words = text.strip().split(",")
+    if len(words) > (MAX_CPU_ID + 1) // 32:
+        raise CpuListError(f"cpumask of {len(words)} words names CPUs above {MAX_CPU_ID}")
     value = 0
     for word in words:
         try:
+            if len(word) > 8:  # a word is 32 bits
+                raise ValueError(word)
             value = (value << 32) | int(word or "0", 16)
         except ValueError:
-            raise CpuListError(f"cpumask word {word!r} is not hexadecimal") from None
+            shown = word if len(word) <= 12 else word[:9] + "..."
+            raise CpuListError(f"cpumask word {shown!r} is not up to 8 hexadecimal digits") from None
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
 
 
