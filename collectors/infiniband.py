@@ -90,8 +90,14 @@ def parse_node_guid(text: str | None) -> str | None:
     return f"0x{int(digits, 16):016x}"
 
 
+def _is_port_number(name: str) -> bool:
+    # ASCII and short: str.isdigit() also passes '²', which int() refuses, and a
+    # recorded tree may hold any name.
+    return name.isascii() and name.isdigit() and len(name) <= 6
+
+
 def _port_sort_key(name: str) -> int:
-    return int(name) if name.isdigit() else 1 << 30
+    return int(name) if _is_port_number(name) else 1 << 30
 
 
 def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
@@ -114,7 +120,7 @@ def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
             warnings.append(f"{base}/device: not a PCI function ({device_path})")
         ports = []
         for port in sorted(host.listdir(f"{base}/ports"), key=_port_sort_key):
-            if not port.isdigit():
+            if not _is_port_number(port):
                 continue
             p = f"{base}/ports/{port}"
             rate, rate_text = parse_rate(host.read_optional(f"{p}/rate"))
@@ -137,8 +143,10 @@ def read_hcas(host: Host) -> tuple[tuple[Hca, ...], tuple[str, ...]]:
 
 
 def _natural(name: str) -> tuple:
-    """mlx5_2 before mlx5_10."""
-    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name))
+    """mlx5_2 before mlx5_10.  Digit runs compare by length, then text: no int(), so a
+    recorded name of 5,000 digits sorts rather than passing Python's int digit limit."""
+    parts = re.split(r"([0-9]+)", name)  # text, digits, text, ...: same types at each place
+    return tuple((len(t.lstrip("0")), t.lstrip("0")) if i % 2 else t for i, t in enumerate(parts))
 
 
 async def collect(host: Host) -> CollectorResult[tuple[Hca, ...]]:

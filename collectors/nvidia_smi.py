@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.cpulist import CpuListError, parse_cpulist
 from topoagent.errors import TopoagentError
 from topoagent.host import CommandNotFound, Host
 from topoagent.levels import LevelError, LevelKind, LinkLevel
@@ -79,18 +80,29 @@ class TopoMatrix:
                 yield a, self.devices[j], self.levels[i][j]
 
 
+# --- bounds ---------------------------------------------------------------------------
+
+# The largest real outputs hold 16 GPUs and ~20 NICs in under 20 KB.  Bounding the text,
+# the devices and each value keeps hostile input (a 10k-column paste, a 100 KB header,
+# thousands of digits) to one clear error in bounded time and memory: the level grid is
+# devices squared.
+MAX_TOPO_TEXT_CHARS = 1 << 20
+MAX_TOPO_DEVICES = 256
+MAX_TOPO_VALUE_CHARS = 4096  # a cpulist of every other CPU of 1024 fits
+
+
 # --- tokens ---------------------------------------------------------------------------
 
-_LEVEL_TOKEN = re.compile(r"X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC")
+# ASCII digits only: int() would also read '١٢', and nvidia-smi prints none.
+_LEVEL_TOKEN = re.compile(r"X|NV[0-9]+|PIX|PXB|PHB|NODE|SYS|SOC")
 # RDMA device names are lower case (mlx5_0, mlx4_0, bnxt_re0); upper case is GPUn/NICn only.
 # e.g. mlx5_0, mlx4_0, bnxt_re0, mlx5_bond_0, rocep65s0f0, efa_0 ... : lower case, ending in a digit.
-_DEVICE_NAME = re.compile(r"GPU\d+|NIC\d+|[a-z][a-z0-9_]*\d")
-_GLUED_NAMES = re.compile(r"GPU\d+|NIC\d+|[a-z]+\d*_\d+|[a-z][a-z_]*\d+")
+_DEVICE_NAME = re.compile(r"GPU[0-9]+|NIC[0-9]+|[a-z][a-z0-9_]*[0-9]")
+_GLUED_NAME = re.compile(r"GPU[0-9]+|NIC[0-9]+|[a-z]+[0-9]*_[0-9]+|[a-z][a-z_]*[0-9]+")
 _TRAILING_COLUMNS = ("CPU Affinity", "NUMA Affinity", "GPU NUMA ID")
 _TRAILING_RE = re.compile("|".join(re.escape(c) for c in _TRAILING_COLUMNS))
-_CPULIST = re.compile(r"\d+(-\d+)?(,\d+(-\d+)?)*")
-_NUMA_ID = re.compile(r"-?\d+")
-_NIC_LEGEND_ENTRY = re.compile(r"(NIC\d+)\s*:\s*(\S+)")
+_NUMA_ID = re.compile(r"-?[0-9]+")
+_NIC_LEGEND_ENTRY = re.compile(r"(NIC[0-9]+)\s*:\s*(\S+)")
 _NOT_AVAILABLE = {"N/A", "NA", ""}
 
 
@@ -132,6 +144,7 @@ class _Row:
     label: str
     cells: list[str]
     trailing: list[str]
+    ends_input: bool = False  # the last line, with no line end: perhaps cut off
 
 
 def _split_header(text: str) -> tuple[list[str], list[str]] | None:
@@ -144,12 +157,31 @@ def _split_header(text: str) -> tuple[list[str], list[str]] | None:
         return ([], trailing) if trailing else None
     if not all(_DEVICE_NAME.fullmatch(n) for n in names):
         # Separators lost ('GPU0GPU1GPU2'): recover names by pattern.
-        names = _GLUED_NAMES.findall(device_part.replace(" ", ""))
-        if "".join(names) != device_part.replace(" ", "").replace("\t", ""):
+        glued = _unglue("".join(names))
+        if glued is None:
             return None
+        names = glued
     if not any(n.startswith("GPU") for n in names):
         return None
     return names, trailing
+
+
+def _unglue(text: str) -> list[str] | None:
+    """'GPU0GPU1mlx5_0' -> names, or None if some part is no name.
+
+    Each name must start where the last one ended, so a failed match ends the search:
+    linear in the header's length (a scan that retried every position was quadratic,
+    and froze `serve` for 30 s on a 100 KB header).
+    """
+    names: list[str] = []
+    position = 0
+    while position < len(text):
+        match = _GLUED_NAME.match(text, position)
+        if match is None:
+            return None
+        names.append(match.group(0))
+        position = match.end()
+    return names
 
 
 def _device_kind(name: str) -> str:
@@ -170,6 +202,11 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
     the whole rows it has; devices without a row are listed in ``missing_rows`` and their
     levels are taken from the other rows by symmetry where possible.
     """
+    if len(text) > MAX_TOPO_TEXT_CHARS:
+        raise TopoParseError(
+            f"input is {len(text)} characters, more than {MAX_TOPO_TEXT_CHARS}; "
+            "nvidia-smi topo -m prints a few KB"
+        )
     if "\x00" in text:
         raise TopoParseError("input holds NUL bytes; this is not nvidia-smi text output")
     lines = text.splitlines()
@@ -187,6 +224,12 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
         line = _clean(raw)
         stripped = line.strip()
         tokens = line.split()
+        if any(len(token) > MAX_TOPO_VALUE_CHARS for token in tokens):
+            raise TopoParseError(
+                f"a value longer than {MAX_TOPO_VALUE_CHARS} characters; nvidia-smi prints none",
+                line_no,
+                raw,
+            )
         if stripped.startswith("NIC Legend"):
             in_nic_legend = True
             body_closed_at = body_closed_at or line_no
@@ -225,10 +268,16 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
             if not rows and last_text_before_rows is not None:
                 header_line_no, header_text = last_text_before_rows
                 header = _split_header(header_text)
-            cells: list[str] = []
-            rest = tokens[1:]
-            while rest and _is_level(rest[0]):
-                cells.append(rest.pop(0))
+            links = 1
+            while links < len(tokens) and _is_level(tokens[links]):
+                links += 1
+            cells, rest = tokens[1:links], tokens[links:]
+            if len(cells) > MAX_TOPO_DEVICES:
+                raise TopoParseError(
+                    f"row {tokens[0]} has {len(cells)} link cells; at most {MAX_TOPO_DEVICES} devices are read",
+                    line_no,
+                    raw,
+                )
             if rest and _is_level_word(rest[0]):
                 # Links stop early at a word no affinity column holds: a bad level, not
                 # the first trailing value ('GPU0  X  NVXX  NV8 ...').
@@ -251,6 +300,7 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
 
     notes: list[str] = list(legend_notes)
     if not text.endswith("\n") and rows[-1].line_no == len(lines):
+        rows[-1].ends_input = True
         notes.append(
             f"line {rows[-1].line_no}: the output ends inside row {rows[-1].label} with no line end; "
             "if it was cut off, that row's last value may be incomplete"
@@ -452,10 +502,23 @@ def _checked_value(title: str, token: str, row: _Row) -> str | None:
     value = _value(token)
     if value is None:
         return None
-    pattern = _NUMA_ID if title == "GPU NUMA ID" else _CPULIST
-    if not pattern.fullmatch(value):
-        raise TopoParseError(f"{title} of {row.label} is {token!r}, not a valid value", row.line_no, row.text)
-    return value
+    # One reading of CPU and NUMA lists for every command (matrix, place, probe): the
+    # parser refuses what placement could not read ('156-20' from a cut-off paste).
+    problem = None
+    if title == "GPU NUMA ID":
+        if not _NUMA_ID.fullmatch(value) or len(value) > 6:
+            problem = "not a valid value"
+    else:
+        try:
+            parse_cpulist(value)
+        except CpuListError as exc:
+            problem = f"not a valid value: {exc}"
+    if problem is None:
+        return value
+    if row.ends_input:
+        problem += " (the output ends there with no line end: cut off?)"
+    shown = token if len(token) <= 40 else token[:37] + "..."
+    raise TopoParseError(f"{title} of {row.label} is {shown!r}, {problem}", row.line_no)
 
 
 # --- rendering ------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from typing import Any
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
 from topoagent.collectors.pci import PciParseError, normalize_address
-from topoagent.cpulist import format_cpulist
+from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.host import Host
 
 # Same words live and replayed, so a snapshot replays to the same output.
@@ -86,6 +86,18 @@ class NvmlInfo:
 # --- pure parser of the recorded / live answers --------------------------------------
 
 
+def _field(raw: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """``raw[key]`` when absent, null or of ``kind`` (never a bool for int); else SourceError.
+
+    A recording is input: a field of the wrong type would surface later as a TypeError
+    far from the file that holds it.
+    """
+    value = raw.get(key)
+    if value is None or (isinstance(value, kind) and not isinstance(value, bool)):
+        return value
+    raise SourceError(f"{where}: {key!r} must be {getattr(kind, '__name__', kind)}, got {type(value).__name__}")
+
+
 def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
     """The nvml.json dict -> NvmlInfo; raises SourceError naming the bad field."""
     if not isinstance(data, dict):
@@ -96,19 +108,19 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
     gpus = []
     for position, raw in enumerate(raw_gpus):
         where = f"{what}: gpus[{position}]"
-        if not isinstance(raw, dict) or not isinstance(raw.get("index"), int):
+        if not isinstance(raw, dict) or not isinstance(raw.get("index"), int) or isinstance(raw["index"], bool):
             raise SourceError(f"{where}: needs an integer 'index'")
         links = []
-        for k, link in enumerate(raw.get("nvlinks") or []):
+        for k, link in enumerate(_field(raw, "nvlinks", list, where) or []):
             if not isinstance(link, dict) or not isinstance(link.get("link"), int):
                 raise SourceError(f"{where}.nvlinks[{k}]: needs an integer 'link'")
             links.append(
                 NvLink(
                     link=link["link"],
                     active=bool(link.get("active")),
-                    version=link.get("version"),
+                    version=_field(link, "version", int, f"{where}.nvlinks[{k}]"),
                     remote_pci_address=_address(link.get("remote_pci_bus_id"), f"{where}.nvlinks[{k}]"),
-                    remote_type=link.get("remote_type"),
+                    remote_type=_field(link, "remote_type", str, f"{where}.nvlinks[{k}]"),
                 )
             )
         p2p_raw = raw.get("p2p") or {}
@@ -118,24 +130,30 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
             raise SourceError(f"{where}.p2p: expected {{peer index: status}}") from None
         health = raw.get("health") or {}
         numa = raw.get("numa_node")
+        cpu_affinity = _field(raw, "cpu_affinity", str, where)
+        if cpu_affinity is not None:
+            try:
+                parse_cpulist(cpu_affinity)  # the one reading placement will use
+            except CpuListError as exc:
+                raise SourceError(f"{where}.cpu_affinity: {exc}") from None
         gpus.append(
             NvmlGpu(
                 index=raw["index"],
-                uuid=raw.get("uuid"),
-                name=raw.get("name"),
+                uuid=_field(raw, "uuid", str, where),
+                name=_field(raw, "name", str, where),
                 pci_address=_address(raw.get("pci_bus_id"), where),
-                memory_total_bytes=raw.get("memory_total_bytes"),
+                memory_total_bytes=_field(raw, "memory_total_bytes", int, where),
                 numa_node=numa if isinstance(numa, int) and numa >= 0 else None,
-                cpu_affinity=raw.get("cpu_affinity"),
+                cpu_affinity=cpu_affinity,
                 nvlinks=tuple(links),
                 p2p=p2p,
                 health=tuple(sorted(health.items())) if isinstance(health, dict) else (),
             )
         )
     return NvmlInfo(
-        driver_version=data.get("driver_version"),
-        cuda_driver_version=data.get("cuda_driver_version"),
-        nvml_version=data.get("nvml_version"),
+        driver_version=_field(data, "driver_version", str, what),
+        cuda_driver_version=_field(data, "cuda_driver_version", int, what),
+        nvml_version=_field(data, "nvml_version", str, what),
         gpus=tuple(sorted(gpus, key=lambda g: g.index)),
     )
 
@@ -144,9 +162,12 @@ def _address(value: object, where: str) -> str | None:
     if value is None:
         return None
     try:
-        return normalize_address(str(value))
+        if not isinstance(value, str):
+            raise PciParseError(type(value).__name__)
+        return normalize_address(value)
     except PciParseError:
-        raise SourceError(f"{where}: {value!r} is not a PCI bus id") from None
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise SourceError(f"{where}: {shown} is not a PCI bus id") from None
 
 
 # --- live reader ---------------------------------------------------------------------

@@ -53,7 +53,7 @@ def test_batch_answers_in_order(monkeypatch, capsys):
         '{"gpus": 4, "pattern": "pipeline", "busy": "0"}',
         '{"gpus": 3, "single_numa": true, "nics": 1}',
     ]
-    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode())))
     assert main(["place", "--batch", "--from-nvidia-smi", DGX1]) == 0
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(answers) == 7

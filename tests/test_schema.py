@@ -65,7 +65,7 @@ def test_place_answers_hold_to_their_schemas(capsys: pytest.CaptureFixture[str],
     validate(nofit, "NoFit")
     assert nofit["best_available"] is not None  # the nested placement was checked too
     lines = "\n".join(['{"gpus": 2}', '{"gpus": 2, "include": [9]}', "not json"])
-    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
     assert main(["place", "--batch", "--root", root]) == 0
     fit, bad_index, not_json = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     validate(fit, "Placement")

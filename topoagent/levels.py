@@ -41,7 +41,10 @@ class LevelError(TopoagentError, ValueError):  # ValueError: request parsers cat
     """A string is not a link level."""
 
 
-_NV_RE = re.compile(r"NV(\d+)")
+_NV_RE = re.compile(r"NV([0-9]+)")  # ASCII digits: int() would also read '١٢'
+# The most bonded NVLinks one pair can have: 18 today (H100, B200); the bound keeps a
+# hostile 'NV' + thousands of digits a clear LevelError rather than a huge int.
+MAX_NVLINKS = 255
 _ALIASES = {"X": LevelKind.SELF, "SELF": LevelKind.SELF, "SOC": LevelKind.SYS}
 
 # The grammar of a level between two GPUs of one node, as requests write it (``min_level``,
@@ -90,7 +93,11 @@ class LinkLevel:
             return cls(_ALIASES[token])
         match = _NV_RE.fullmatch(token)
         if match:
-            links = int(match.group(1))
+            digits = match.group(1).lstrip("0")
+            if len(digits) > len(str(MAX_NVLINKS)) or int(digits or "0") > MAX_NVLINKS:
+                shown = text if len(text) <= 12 else text[:9] + "..."
+                raise LevelError(f"{shown!r}: at most {MAX_NVLINKS} NVLinks join two devices")
+            links = int(digits or "0")
             if links < 1:
                 raise LevelError(f"{text!r}: NV needs at least one link")
             return cls(LevelKind.NV, links)

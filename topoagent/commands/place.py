@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.errors import UsageError
@@ -162,11 +163,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# A request is a short JSON object; a longer line is refused (and skipped) unread.
+MAX_BATCH_LINE_BYTES = 64 * 1024
+
+
 def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         return batch_error_document(line_no, None, f"not JSON: {exc.msg}")
+    except RecursionError:
+        return batch_error_document(line_no, None, "not JSON we read: nested too deeply")
+    except ValueError as exc:  # a number past Python's int digit limit
+        return batch_error_document(line_no, None, f"not JSON we read: {str(exc).split(';')[0]}")
     try:
         if not isinstance(obj, dict):
             raise RequestError("request", "expected a JSON object")
@@ -178,11 +187,32 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, An
         return batch_error_document(line_no, exc.location, exc.message)
 
 
-def run_batch(matrix: DistanceMatrix) -> int:
-    for line_no, line in enumerate(sys.stdin, 1):
-        if not line.strip():
+def batch_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
+    """(line number, text) per line of ``stream``; text None for a line over the bound.
+
+    Bytes, not text: a byte that is not UTF-8 spoils its own line (read as U+FFFD, so
+    that line is not JSON), not the whole batch.
+    """
+    line_no = 0
+    while chunk := stream.readline(MAX_BATCH_LINE_BYTES + 1):
+        line_no += 1
+        if len(chunk) <= MAX_BATCH_LINE_BYTES or chunk.endswith(b"\n"):
+            yield line_no, chunk.decode("utf-8", errors="replace")
             continue
-        sys.stdout.write(json.dumps(answer_line(matrix, line_no, line), separators=(",", ":")) + "\n")
+        while chunk and not chunk.endswith(b"\n"):  # skip the rest of the long line
+            chunk = stream.readline(MAX_BATCH_LINE_BYTES)
+        yield line_no, None
+
+
+def run_batch(matrix: DistanceMatrix) -> int:
+    for line_no, line in batch_lines(sys.stdin.buffer):
+        if line is None:
+            answer = batch_error_document(line_no, None, f"line longer than {MAX_BATCH_LINE_BYTES} bytes")
+        elif not line.strip():
+            continue
+        else:
+            answer = answer_line(matrix, line_no, line)
+        sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
         sys.stdout.flush()
     return 0
 

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import sys
 
-from topoagent.collectors.nvidia_smi import TopoMatrix, TopoParseError, parse_topo_matrix
+from topoagent.collectors.nvidia_smi import (
+    MAX_TOPO_TEXT_CHARS,
+    TopoMatrix,
+    TopoParseError,
+    parse_topo_matrix,
+)
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix, gpus_with_unknown_pairs
 
@@ -12,14 +17,21 @@ from topoagent.matrix import DistanceMatrix, gpus_with_unknown_pairs
 def read_topo_matrix(path: str) -> TopoMatrix:
     """Parse `nvidia-smi topo -m` output from a file or stdin (``-``); errors are one line."""
     source = "stdin" if path == "-" else path
+    # Bytes, not text: stdin under a UTF-8 locale decodes strictly and would raise on a
+    # stray byte.  Read one byte past the bound to tell a too-long input without holding it.
     try:
         if path == "-":
-            text = sys.stdin.read()
+            data = sys.stdin.buffer.read(MAX_TOPO_TEXT_CHARS + 1)
         else:
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                text = handle.read()
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_TOPO_TEXT_CHARS + 1)
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    if len(data) > MAX_TOPO_TEXT_CHARS:
+        raise UsageError(f"{source}: more than {MAX_TOPO_TEXT_CHARS} bytes; nvidia-smi topo -m prints a few KB")
+    # nvidia-smi prints ASCII; a byte that is not UTF-8 reads as U+FFFD and the parser
+    # names the value it spoils.
+    text = data.decode("utf-8", errors="replace")
     try:
         return parse_topo_matrix(text)
     except TopoParseError as exc:
