@@ -240,3 +240,19 @@ def test_a_re_recorded_node_keeps_its_samples_and_replays_the_same_findings(tmp_
 def test_every_fixture_has_two_samples(name):
     samples = samples_of(SNAPSHOTS / name)
     assert [s["monotonic_s"] for s in samples] == [1000.0, 1010.0]
+
+
+def test_placement_keeps_off_gpus_the_counters_call_critical(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST)
+    try:
+        scrape_with_telemetry(agent)
+        assert ("gpu-xid", "GPU6") in {(f["kind"], f["subject"]) for f in telemetry_findings(agent)}
+        six = agent.post("/place", {"gpus": 6}).json()
+        named = agent.post("/place", {"gpus": 2, "include": [6]}).json()
+    finally:
+        agent.stop()
+    # GPU6 (Xid 79, uncorrectable ECC) and GPU4 (row remapping failed) are left out...
+    assert {g["index"] for g in six["gpus"]} == {0, 1, 2, 3, 5, 7}
+    assert any("left out GPU(s) 4,6" in line for line in six["explain"])
+    # ...unless the request names one.
+    assert 6 in {g["index"] for g in named["gpus"]}

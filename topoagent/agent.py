@@ -396,7 +396,7 @@ class Agent:
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
             telemetry=previous.telemetry if previous else None,
-        )
+        ).with_health()
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         self._version += 1
         self.snapshot = snapshot

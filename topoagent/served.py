@@ -45,11 +45,21 @@ class Snapshot:
 
     def with_probes(self, version: int, matrix: DistanceMatrix, figures: tuple[ProbeFigure, ...], findings: tuple[Finding, ...]) -> Snapshot:
         """The same discovery state with new measurements overlaid."""
-        return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={})
+        return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={}).with_health()
 
     def with_telemetry(self, version: int, telemetry: Telemetry) -> Snapshot:
         """The same discovery state with the counters' latest read."""
-        return replace(self, version=version, telemetry=telemetry, _cache={})
+        return replace(self, version=version, telemetry=telemetry, _cache={}).with_health()
+
+    def with_health(self) -> Snapshot:
+        """The matrix marks unhealthy every GPU a critical finding names -- discovery's,
+        the probes' and the counters' -- so placement keeps off it (unless included).
+        Unchanged health keeps the matrix, and with it placement's tables."""
+        unhealthy = self.node.unhealthy_gpus(self.probe_findings + (self.telemetry.findings if self.telemetry else ()))
+        if all(g.unhealthy == unhealthy.get(g.name) for g in self.matrix.gpus):
+            return self
+        gpus = tuple(replace(g, unhealthy=unhealthy.get(g.name)) for g in self.matrix.gpus)
+        return replace(self, matrix=replace(self.matrix, gpus=gpus), _cache={})
 
     @property
     def findings(self) -> tuple[Finding, ...]:
