@@ -230,8 +230,10 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
     print("clean = share of large jobs (8 GPUs, or the size of a whole NUMA node / NVLink or PCIe zone)")
     print("placed at the empty-node best bandwidth on the fewest NUMA nodes.")
     print("NUMA dist = mean NUMA distance spanned by multi-GPU jobs (largest SLIT entry between their")
-    print("NUMA nodes; '-' on nodes without a SLIT table: nvidia-smi matrices).\n")
-    print(f"{'fixture':36} {'policy':13} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8} {'NUMA dist':>9}")
+    print("NUMA nodes; '-' on nodes without a SLIT table: nvidia-smi matrices).")
+    print("satisf = mean topology satisfaction of multi-GPU jobs (share of the ring's links that are")
+    print("NVLink or one PCIe switch).\n")
+    print(f"{'fixture':36} {'policy':13} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8} {'NUMA dist':>9} {'satisf':>6}")
     nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [
         ("snapshot-dgx-a100", snapshot("dgx-a100")),
         ("synthetic-nvswitch-16", nvswitch_16()),
@@ -260,7 +262,7 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
         results = {}
         for pname, policy in pols.items():
             running: list[tuple[float, tuple[int, ...]]] = []
-            ratios, clean, n_large, rejected, invalid, refused, spans = [], 0, 0, 0, 0, 0, []
+            ratios, clean, n_large, rejected, invalid, refused, spans, sats = [], 0, 0, 0, 0, 0, [], []
             for arrive, k, duration in stream:
                 running = [(end, g) for end, g in running if end > arrive]
                 busy = {i for _, g in running for i in g}
@@ -284,6 +286,7 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
                     others = [g.index for g in m.gpus if g.index not in got]
                     ev = place(m, Request(gpus=k), others)
                     ratios.append(ev.bandwidth_gbps / empty[k][0])
+                    sats.append(ev.satisfaction)
                     if k in large and ev.bandwidth_gbps >= empty[k][0] and ev.objective.numa_nodes <= empty[k][1]:
                         clean += 1
                 elif k in large:
@@ -291,9 +294,10 @@ def simulate(events: int, load: float, seed: int = 7) -> None:
             mean = statistics.mean(ratios) if ratios else float("nan")
             results[pname] = (mean, clean / max(1, n_large))
             dist = f"{statistics.mean(spans):9.2f}" if spans else f"{'-':>9}"
+            sat = f"{statistics.mean(sats):6.3f}" if sats else f"{'-':>6}"
             print(
                 f"{name:36} {pname:13} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d}"
-                f" {100 * rejected / len(stream):7.1f}% {dist}"
+                f" {100 * rejected / len(stream):7.1f}% {dist} {sat}"
                 + (f"  ({invalid} invalid answers)" if invalid else "")
                 + (f"  (refused {refused}: search too large)" if refused else "")
             )
