@@ -1,54 +1,221 @@
-"""The Grafana dashboard's queries name only metrics the exporter really emits."""
+"""The Grafana dashboard: every query run by a real Prometheus against a real agent's scrape.
+
+A `topoagent serve` child on the degraded recorded node (telemetry on a short interval, the
+cpu probe backend, one lease) is scraped by Prometheus from Debian's `prometheus` package,
+which also loads the alert rules; each panel's query must answer with series."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
 
+import pytest
 from conftest import FIXTURES, REPO
+from service_helpers import Agent, metric_value, start_agent
 
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
+RULES = REPO / "systemd" / "topoagent-alerts.yml"
 METRIC = re.compile(r"\btopoagent_[a-z0-9_]+\b")
+AGENT_CONFIG = """
+[telemetry]
+interval_s = 0.2
+[probes]
+enabled = true
+backend = "cpu"
+startup_delay_s = 0.1
+sizes_bytes = [65536]
+repetitions = 3
+timeout_s = 60
+"""
+WAIT_S = 90
+
+
+def board() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panel_exprs(title: str | None = None) -> list[str]:
+    return [t["expr"] for p in board()["panels"] if title in (None, p["title"]) for t in p["targets"]]
 
 
 def dashboard_metrics() -> set[str]:
-    board = json.loads(DASHBOARD.read_text())
-    exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
-    exprs += [v["definition"] for v in board["templating"]["list"] if v.get("definition")]
+    exprs = panel_exprs() + [v["definition"] for v in board()["templating"]["list"] if v.get("definition")]
     return {m for e in exprs for m in METRIC.findall(e)}
 
 
-def test_dashboard_is_grafana_json_with_unique_panels():
-    board = json.loads(DASHBOARD.read_text())
-    ids = [p["id"] for p in board["panels"]]
-    assert len(ids) == len(set(ids)) and board["uid"] and board["schemaVersion"] >= 36
-    assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in board["panels"])
-    assert len(dashboard_metrics()) >= 15
+def wait_for(what: str, check, timeout: float = WAIT_S, log=lambda: ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"never saw {what} within {timeout} s\n{log()[-3000:]}")
 
 
-def test_every_metric_the_dashboard_queries_is_in_a_real_scrape(tmp_path):
+def start_busy_agent(tmp: Path) -> Agent:
+    """The degraded node with telemetry read, a probe round measured and a GPU leased."""
+    agent = start_agent(tmp, root=FIXTURES / "snapshots" / "degraded", config=AGENT_CONFIG)
+    try:
+        assert agent.post("/place", {"gpus": 2, "reserve": {"owner": "dash", "ttl_s": 600}}, token=agent.token).status == 200
+
+        def complete() -> str | None:
+            text = agent.get("/metrics").body.decode()
+            done = 'collector="pcie_aer"' in text and metric_value(text, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second") is not None
+            return text if done else None
+
+        wait_for("telemetry and a measured pair in /metrics", complete, log=agent.log)
+    except BaseException:
+        agent.stop()
+        raise
+    return agent
+
+
+def real_scrape_names(tmp: Path) -> set[str]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from topoagent import agent as agent_mod
-    from topoagent.config import Config
-    from topoagent.exporters.prometheus import MetricsPage
-    from topoagent.matrix import Measurement
+    agent = start_busy_agent(tmp)
+    try:
+        text = agent.get("/metrics").body.decode()
+    finally:
+        agent.stop()
+    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
 
-    async def scrape() -> bytes:
-        agent = agent_mod.Agent(Config(root=str(FIXTURES / "snapshots" / "degraded"),
-                                       state_dir=str(tmp_path / "state"), udev=False))
-        await agent.start()
+
+def test_dashboard_is_grafana_json_with_unique_panels():
+    doc = board()
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids)) and doc["uid"]
+    assert doc["schemaVersion"] >= 39  # what Grafana 11 writes
+    assert all(p["targets"] and p["datasource"]["uid"] == "${datasource}" for p in doc["panels"])
+    assert len(dashboard_metrics()) >= 30
+    titles = {p["title"] for p in doc["panels"]}
+    for wanted in ("Findings", "Busy GPUs", "Lease state recovered from corruption", "Probe rounds", "Probe failures in a row",
+                   "InfiniBand/RoCE traffic", "NVLink traffic per GPU", "InfiniBand/RoCE port errors", "NVLink errors",
+                   "PCIe AER errors and replays", "GPU Xid events"):
+        assert wanted in titles, wanted
+
+
+def test_panels_never_overlap():
+    cells: set[tuple[int, int]] = set()
+    for p in board()["panels"]:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, p["title"]
+        cells |= mine
+
+
+STATES = re.compile(r"topoagent_(ready|snapshot_stale|infiniband_port_active|collector_success|leases_recovered_from_corrupt_state|probes_enabled)\b")
+
+
+def test_a_panel_plotting_a_state_plots_nothing_else_and_has_a_0_to_1_axis():
+    for p in board()["panels"]:
+        exprs = [t["expr"] for t in p["targets"]]
+        states = [e for e in exprs if STATES.search(e) and " or on (instance)" not in e]
+        if not states:
+            continue
+        assert states == exprs, f"{p['title']}: a 0/1 state shares an axis with {exprs}"
+        defaults = p["fieldConfig"]["defaults"]
+        assert (defaults.get("min"), defaults.get("max"), defaults.get("unit")) == (0, 1, None), p["title"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, target: str) -> None:
+        binary = shutil.which("prometheus")
+        if binary is None:
+            raise AssertionError("prometheus not found: install the Debian package 'prometheus' (scripts/test does)")
+        config = tmp / "prometheus.yml"
+        config.write_text(f"""
+global: {{scrape_interval: 1s, evaluation_interval: 1s}}
+rule_files: ["{RULES}"]
+scrape_configs:
+  - job_name: topoagent
+    static_configs: [{{targets: ["{target}"]}}]
+""")
+        self.port = free_port()
+        self.log = tmp / "prometheus.log"
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+                                          f"--web.listen-address=127.0.0.1:{self.port}"], stdout=log, stderr=log)
+
+    def api(self, path: str, **params: str) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?{urllib.parse.urlencode(params)}"
         try:
-            await agent.request_refresh("test")
-            snap = agent.snapshot  # a probe result, so the measured series exist too
-            matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=300.0, taken_at=1.7e9)})
-            agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
-            return MetricsPage(agent).render()
-        finally:
-            await agent.stop()
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return json.loads(reply.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
+        except OSError:
+            return {"status": "down"}
 
-    text = asyncio.run(scrape()).decode()
-    emitted = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
-    missing = dashboard_metrics() - emitted
-    assert not missing, f"dashboard queries metrics the exporter does not emit: {sorted(missing)}"
+    def query(self, expr: str) -> dict:
+        return self.api("query", query=expr)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dashboard")
+    agent = start_busy_agent(tmp)
+    prom = Prometheus(tmp, f"127.0.0.1:{agent.port}")
+    try:
+        # Three scrapes at least, so rate() over them has two samples and a slope.
+        wait_for("three scrapes of the agent", lambda: (prom.query("count_over_time(topoagent_ready[1m]) >= 3").get("data") or {}).get("result"),
+                 log=lambda: prom.log.read_text())
+        yield prom
+    finally:
+        prom.stop()
+        agent.stop()
+
+
+def grafana_to_promql(expr: str) -> str:
+    return expr.replace("$instance", ".*").replace("$__rate_interval", "1m")
+
+
+def test_every_panel_query_answers_with_series_from_a_real_scrape(prometheus):
+    silent = {}
+    for p in board()["panels"]:
+        for t in p["targets"]:
+            expr = grafana_to_promql(t["expr"])
+            # Error panels keep only rising series (`> 0`); the recorded counters rose before
+            # Prometheus's first scrape, so here the query is asked without that filter.
+            asked = expr.removesuffix(" > 0")
+            answer = prometheus.query(asked)
+            assert answer["status"] == "success", f"{p['title']}: {asked}: {answer}"
+            if not answer["data"]["result"]:
+                silent[p["title"]] = asked
+    assert not silent, f"panels with no data on a real scrape: {silent}"
+
+
+def test_findings_panel_shows_the_degraded_nodes_count_once(prometheus):
+    (expr,) = panel_exprs("Findings")
+    (series,) = prometheus.query(grafana_to_promql(expr))["data"]["result"]
+    total = prometheus.query("sum(topoagent_findings)")["data"]["result"][0]["value"][1]
+    assert series["value"][1] == total and float(total) >= 3
+
+
+def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings(prometheus):
+    groups = prometheus.api("rules")["data"]["groups"]
+    rules = {r["name"]: r for g in groups for r in g["rules"]}
+    assert len(rules) == 9 and all(r["health"] == "ok" for r in rules.values()), rules
+    alerts = wait_for("TopoagentCriticalFinding pending", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
+                                                                   if a["labels"]["alertname"] == "TopoagentCriticalFinding"])
+    assert {a["labels"]["kind"] for a in alerts} >= {"gpu-xid", "ib-errors-rising", "nvlink-errors-rising"}
+    assert all(a["state"] in ("pending", "firing") for a in alerts)

@@ -94,7 +94,7 @@ def test_the_wheel_carries_licence_types_deployment_files_and_honest_metadata(wh
     wheel = zipfile.ZipFile(wheel)
     names = set(wheel.namelist())
     assert {"topoagent/py.typed", "topoagent/data/topoagent.service", "topoagent/data/topoagent.toml",
-            "topoagent/data/grafana-dashboard.json", "topoagent/collectors/pci.py", "topoagent/exporters/nfd.py"} <= names
+            "topoagent/data/grafana-dashboard.json", "topoagent/data/topoagent-alerts.yml", "topoagent/collectors/pci.py", "topoagent/exporters/nfd.py"} <= names
     (license_file,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
     assert b"Apache License" in wheel.read(license_file) and b"Version 2.0, January 2004" in wheel.read(license_file)
     (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
@@ -143,7 +143,8 @@ def test_the_wheel_installed_in_a_fresh_venv_serves_a_recorded_node_and_installs
                            capture_output=True, text=True, timeout=60)
     assert files.returncode == 0, files.stderr
     assert (tmp_path / "etc/topoagent.service").read_bytes() == (REPO / "systemd/topoagent.service").read_bytes()
-    assert len(files.stdout.splitlines()) == 3
+    assert (tmp_path / "etc/topoagent-alerts.yml").read_bytes() == (REPO / "systemd/topoagent-alerts.yml").read_bytes()
+    assert len(files.stdout.splitlines()) == 4
 
     serve = subprocess.Popen([str(env_dir / "bin/topoagent"), "serve", "--root", str(REPO / "fixtures/snapshots/dgx-a100"),
                               "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "state")],

@@ -1,6 +1,6 @@
 """`topoagent install-files DIR`: write the deployment files the wheel carries.
 
-The systemd unit, the example config and the Grafana dashboard travel inside the package
+The systemd unit, the example config, the Grafana dashboard and its alert rules travel inside the package
 (topoagent/data, the repository's systemd/ folder), so `pip install topoagent` is all a
 node needs; this writes them out where the operator wants them.
 """
@@ -18,9 +18,9 @@ from topoagent.errors import UsageError
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "install-files",
-        help="write the systemd unit, config and Grafana dashboard into a directory",
+        help="write the systemd unit, config, Grafana dashboard and alert rules into a directory",
         description="Write the deployment files shipped with topoagent (systemd unit, example "
-                    "config, Grafana dashboard) into DIR and name each one written. Existing files "
+                    "config, Grafana dashboard, Prometheus alert rules) into DIR and name each one written. Existing files "
                     "are left alone unless --force.",
     )
     parser.add_argument("directory", metavar="DIR", help="where to write them (created if missing)")
