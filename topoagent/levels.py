@@ -41,14 +41,17 @@ class LevelError(TopoagentError, ValueError):  # ValueError: request parsers cat
 
 
 _NV_RE = re.compile(r"NV(\d+)")
+# An NV level's link count: NVSwitch systems bond 18 today; three digits leave room, and
+# a bound keeps a count of thousands of digits from reaching int() (which refuses those).
+MAX_NVLINKS = 999
 _ALIASES = {"X": LevelKind.SELF, "SELF": LevelKind.SELF, "SOC": LevelKind.SYS}
 
 # The grammar of a level between two GPUs of one node, as requests write it (``min_level``,
-# ``--min-level``): NV alone = any NVLink, NV<n> = at least n bonded links (n >= 1), then
+# ``--min-level``): NV alone = any NVLink, NV<n> = at least n bonded links (1 to 999), then
 # the PCIe/CPU words; SOC is SYS; any case, nothing around it.  Written once, as a JSON
 # Schema (ECMAScript) pattern, so the OpenAPI document and parse_gpu_pair_level agree.
 GPU_PAIR_LEVEL_WORDS = ("PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
-GPU_PAIR_LEVEL_HELP = "NV, NV<links> such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
+GPU_PAIR_LEVEL_HELP = f"NV, NV<links> (1 to {MAX_NVLINKS}) such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
 
 
 def _any_case(word: str) -> str:
@@ -58,13 +61,18 @@ def _any_case(word: str) -> str:
 GPU_PAIR_LEVEL_PATTERN = (
     "^(?:"
     + _any_case("nv")
-    + "(?:[0-9]*[1-9][0-9]*)?|"
+    + "(?:0*[1-9][0-9]{0,2})?|"
     + "|".join(_any_case(w) for w in GPU_PAIR_LEVEL_WORDS)
     + ")$"
 )
 _GPU_PAIR_LEVEL_RE = re.compile(GPU_PAIR_LEVEL_PATTERN)
 # A level as we print it (``str(level)``, every JSON document): nvidia-smi's words.
-PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]*|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
+PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]{0,2}|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
+
+
+def _cut(text: str, limit: int = 24) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 @total_ordering
@@ -76,8 +84,8 @@ class LinkLevel:
     nvlinks: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind is LevelKind.NV and self.nvlinks < 1:
-            raise LevelError("an NV level needs at least one link")
+        if self.kind is LevelKind.NV and not 1 <= self.nvlinks <= MAX_NVLINKS:
+            raise LevelError(f"an NV level has 1 to {MAX_NVLINKS} links, not {self.nvlinks}")
         if self.kind is not LevelKind.NV and self.nvlinks:
             raise LevelError(f"{self.kind.name} carries no NVLink count")
 
@@ -89,10 +97,12 @@ class LinkLevel:
             return cls(_ALIASES[token])
         match = _NV_RE.fullmatch(token)
         if match:
-            links = int(match.group(1))
-            if links < 1:
+            digits = match.group(1).lstrip("0")
+            if not digits:
                 raise LevelError(f"{text!r}: NV needs at least one link")
-            return cls(LevelKind.NV, links)
+            if len(digits) > len(str(MAX_NVLINKS)):
+                raise LevelError(f"{_cut(text)}: an NV link count is at most {MAX_NVLINKS}")
+            return cls(LevelKind.NV, int(digits))
         try:
             kind = LevelKind[token]
         except KeyError:
@@ -137,7 +147,7 @@ def nv(links: int) -> LinkLevel:
 def parse_gpu_pair_level(text: str) -> LinkLevel:
     """A level between two GPUs of a node, by GPU_PAIR_LEVEL_PATTERN; "NV" is nv(1)."""
     if not _GPU_PAIR_LEVEL_RE.fullmatch(text):
-        raise LevelError(f"{text!r} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
+        raise LevelError(f"{_cut(text, 40)} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
     if text.upper() == "NV":
         return nv(1)  # "any NVLink"
     return LinkLevel.parse(text)  # the grammar is a subset of what parse reads
