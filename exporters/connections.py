@@ -36,10 +36,12 @@ from topoagent.log import log_event
 
 # Descriptors kept for everything but client connections: the listener, leases and their
 # lock, sysfs reads in discovery threads, udev's netlink socket, probe worker pipes, logs;
-# and a listen backlog's worth more, since asyncio accepts up to that many connections in
-# one go before the guard sees any of them.
-BACKLOG = 128
-FD_RESERVE = 64 + BACKLOG
+# and room for what asyncio holds before the guard can act.  It accepts up to BACKLOG
+# connections per wake-up, and a connection reaches the guard (connection_made) two loop
+# turns after its accept, a closed one frees its descriptor a turn after that: under a
+# flood up to four batches are in flight beyond the connections the guard counts.
+BACKLOG = 64
+FD_RESERVE = 64 + 4 * BACKLOG
 RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 LOG_INTERVAL_S = 60.0
 
