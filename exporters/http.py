@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import hmac
+import ipaddress
 import json
 import logging
 import math
 import re
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -21,8 +23,11 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.agent import Agent, ProbeRunning, ProbesOff
+from topoagent.config import Config
+from topoagent.exporters.connections import ConnectionGuard
 from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
-from topoagent.exporters.prometheus import MetricsPage
+from topoagent.exporters.prometheus import HttpCollector, MetricsPage
+from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import render_page
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
@@ -42,18 +47,21 @@ class Token:
 TOKEN = web.AppKey("token", Token)
 METRICS = web.AppKey("metrics", MetricsPage)
 OPENAPI = web.AppKey("openapi", bytes)
+RATE = web.AppKey("rate", RateLimiter)
+REFUSED = web.AppKey("refused", dict)  # requests refused before a handler: reason -> count
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, error: str, detail: str, extra: dict[str, Any] | None = None) -> None:
+    def __init__(self, status: int, error: str, detail: str, extra: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(detail)
         self.status, self.error, self.detail, self.extra = status, error, detail, extra or {}
+        self.headers = headers or {}
 
 
-def error_response(status: int, error: str, detail: str, **extra: Any) -> web.Response:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+def error_response(status: int, error: str, detail: str, headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
+    headers = {**({"WWW-Authenticate": "Bearer"} if status == 401 else {}), **(headers or {})}
     return web.json_response({"error": error, "detail": detail, **extra}, status=status, headers=headers)
 
 
@@ -65,8 +73,8 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     try:
         return await handler(request)
     except ApiError as exc:
-        resp = error_response(exc.status, exc.error, exc.detail, **exc.extra)
-        if exc.status == 413:
+        resp = error_response(exc.status, exc.error, exc.detail, exc.headers, **exc.extra)
+        if exc.status in (408, 413):
             resp.force_close()  # the unread body must not be taken for the next request
         return resp
     except web.HTTPException as exc:
@@ -92,17 +100,105 @@ def _token_ok(request: web.Request) -> bool:
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not given:
         return False
-    return hmac.compare_digest(given.strip().encode(), token)
+    # aiohttp hands header bytes that are not UTF-8 over as surrogates ("Bearer \xe9"):
+    # encode them back, byte for byte, instead of failing on them.
+    return hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token)
+
+
+def limit_rate(request: web.Request) -> None:
+    """429 when this client has spent its share of changes (a token bucket per address)."""
+    limiter = request.app[RATE]
+    config = request.app[AGENT].config
+    limiter.configure(config.rate_limit_per_s, config.rate_limit_burst)  # SIGHUP may change them
+    client = client_key(request.remote)
+    wait = limiter.take(client)
+    if wait > 0:
+        request.app[REFUSED]["rate_limited"] += 1
+        retry = RateLimiter.retry_after(wait)
+        raise ApiError(
+            429, "too_many_requests",
+            f"too many changes from {client}: {config.rate_limit_burst} at once, then {config.rate_limit_per_s:g} a second; retry in {retry} s",
+            headers={"Retry-After": str(retry)},
+        )
 
 
 def require_token(request: web.Request) -> None:
+    """The gate of every endpoint that changes something: the token, then the rate limit.
+
+    A refusal for want of a token costs the agent nothing; what the rate bounds is the
+    work a change costs (a lease written and synced, a discovery run, a probe round)."""
     if not request.app[TOKEN].value:
         raise ApiError(403, "forbidden", "mutating endpoints are off: the agent was started without --token-file")
     if not _token_ok(request):
         raise ApiError(401, "unauthorized", "send Authorization: Bearer <token> (the agent's --token-file)")
+    limit_rate(request)
 
 
 OPEN_PATHS = {"/healthz", "/readyz"}
+
+
+class AllowedHosts:
+    """The Host header values this agent answers to.
+
+    A page that rebinds its own DNS name to this node's address makes the browser send
+    that name in Host; refusing names we do not know keeps such a page from reading the
+    API through a browser on the node.  An IP literal cannot be rebound, so any passes;
+    names pass when they are localhost, this machine's name, or listed in
+    [http] allowed_hosts ("*" there turns the check off)."""
+
+    def __init__(self, config: Config, hostname: str | None = None) -> None:
+        self.configure(config, hostname)
+
+    def configure(self, config: Config, hostname: str | None = None) -> None:
+        name = (hostname if hostname is not None else socket.gethostname()).lower().rstrip(".")
+        names = {"localhost", name, name.split(".", 1)[0], config.listen.host.lower(), *config.allowed_hosts}
+        self.any = "*" in names
+        self.names = frozenset(n for n in names if n and n != "*")
+        self._source = config.allowed_hosts, config.listen
+
+    def refresh(self, config: Config) -> None:
+        if (config.allowed_hosts, config.listen) != self._source:
+            self.configure(config)
+
+    def allows(self, header: str | None) -> bool:
+        if header is None or self.any:
+            return True  # no Host at all: HTTP/1.0, never a browser
+        host = header.strip().lower()
+        if host.startswith("["):  # [v6]:port
+            literal, sep, rest = host[1:].partition("]")
+            return bool(sep) and (not rest or _is_port(rest)) and _is_ip(literal)
+        name, sep, port = host.rpartition(":")
+        if not sep or not _is_port(sep + port):
+            name = host
+        name = name.rstrip(".")
+        return _is_ip(name) or name in self.names
+
+
+def _is_port(text: str) -> bool:
+    return text.startswith(":") and text[1:].isascii() and text[1:].isdigit() and len(text) <= 6
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
+
+
+HOSTS = web.AppKey("hosts", AllowedHosts)
+
+
+@web.middleware
+async def host_check(request: web.Request, handler: Handler) -> web.StreamResponse:
+    hosts = request.app[HOSTS]
+    hosts.refresh(request.app[AGENT].config)
+    header = request.headers.get("Host")
+    if not hosts.allows(header):
+        request.app[REFUSED]["misdirected_host"] += 1
+        shown = _cut(json.dumps(header), 80)  # json: control characters and stray bytes escaped
+        raise ApiError(421, "misdirected_request", f"Host {shown} is not a name this agent answers to; add it to [http] allowed_hosts")
+    return await handler(request)
 
 
 @web.middleware
@@ -191,7 +287,12 @@ async def read_json(request: web.Request) -> Any:
     error = _too_large(request)
     if error is not None:
         raise error
-    raw = await request.read()  # raises 413 past client_max_size (chunked bodies)
+    timeout_s = request.app[AGENT].config.header_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):  # a body sent a byte a minute holds a connection
+            raw = await request.read()  # raises 413 past client_max_size (chunked bodies)
+    except TimeoutError:
+        raise ApiError(408, "request_timeout", f"the request body did not arrive within {timeout_s:g} s") from None
     if not raw:
         raise ApiError(400, "bad_request", "body: empty; expected a JSON object")
     try:
@@ -389,12 +490,19 @@ async def probe(request: web.Request) -> web.Response:
     return web.json_response(scheduled, status=202)
 
 
-def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True) -> web.Application:
-    """The app; with `run_agent` the agent's loop starts and stops with it."""
-    app = web.Application(middlewares=[json_errors, read_auth], client_max_size=agent.config.max_body_bytes)
+def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True, guard: ConnectionGuard | None = None) -> web.Application:
+    """The app; with `run_agent` the agent's loop starts and stops with it.  `guard` (the
+    listener's) is told where each request starts and ends, to time idle connections."""
+    middlewares = [json_errors, host_check, read_auth]
+    if guard is not None:
+        middlewares.insert(0, guard.middleware())
+    app = web.Application(middlewares=middlewares, client_max_size=agent.config.max_body_bytes)
     app[AGENT] = agent
     app[TOKEN] = Token(token)
-    app[METRICS] = MetricsPage(agent)
+    app[RATE] = RateLimiter(agent.config.rate_limit_per_s, agent.config.rate_limit_burst)
+    app[HOSTS] = AllowedHosts(agent.config)
+    app[REFUSED] = refused = {"rate_limited": 0, "misdirected_host": 0}
+    app[METRICS] = MetricsPage(agent, HttpCollector(guard, refused))
     app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
 
     async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:

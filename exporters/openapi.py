@@ -29,11 +29,20 @@ def _json(description: str, ref: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{ref}"}}}}
 
 
-READ_ERRORS = {"401": _err("The agent requires a token for reads and none or a wrong one was given.")}
+# Every operation: a Host header naming neither an IP address nor a name this agent
+# answers to ([http] allowed_hosts): what a DNS-rebinding page in a browser sends.
+HOST_ERRORS = {"421": _err("The Host header names a host this agent does not answer to.")}
+READ_ERRORS = {"401": _err("The agent requires a token for reads and none or a wrong one was given."), **HOST_ERRORS}
 MUTATE_ERRORS = {
     "401": _err("Missing or wrong `Authorization: Bearer` token."),
     "403": _err("Mutating endpoints are off: the agent was started without a token file."),
+    "429": {
+        **_err("This client address made more changes than [http] rate_limit_burst at once and rate_limit_per_s after; `Retry-After` says when to try again."),
+        "headers": {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer", "minimum": 1}}},
+    },
+    **HOST_ERRORS,
 }
+BODY_TIMEOUT = {"408": _err("The request body did not arrive within [http] header_timeout_s.")}
 
 _REQUEST = request_json_schema()
 PLACE_REQUEST = {
@@ -112,6 +121,7 @@ def openapi_document() -> dict[str, Any]:
                             "links": {"ReleaseLease": {"operationId": "releaseLease", "parameters": {"lease_id": "$response.body#/lease/id"}}},
                         },
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
+                        **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
                         "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
                         "413": _err("Body larger than the limit."),
@@ -157,6 +167,7 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {
                         "200": {"description": "The snapshot after the run.", "content": {"application/json": {"schema": {"type": "object"}}}},
                         "400": _err("A body that is not a JSON object, or one with fields (it takes none); `detail` names them."),
+                        **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
                         "413": _err("Body larger than the limit."),
                         **not_ready,
@@ -200,13 +211,13 @@ def openapi_document() -> dict[str, Any]:
                     "responses": {"200": {"description": "Metrics.", "content": {"text/plain": {"schema": {"type": "string"}}}}, **READ_ERRORS},
                 }
             },
-            "/healthz": {"get": {"summary": "The process is alive.", "responses": {"200": {"description": "Alive.", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/healthz": {"get": {"summary": "The process is alive.", "responses": {"200": {"description": "Alive.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},
             "/readyz": {
                 "get": {
                     "summary": "A topology is loaded.",
-                    "responses": {"200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}}, **not_ready},
+                    "responses": {"200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}}, **not_ready, **HOST_ERRORS},
                 }
             },
-            "/openapi.json": {"get": {"summary": "This document.", "responses": {"200": {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+            "/openapi.json": {"get": {"summary": "This document.", "responses": {"200": {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},
         },
     }

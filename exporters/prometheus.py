@@ -28,6 +28,7 @@ from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
     from topoagent.agent import Agent
+    from topoagent.exporters.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
 
 NS = "topoagent"
@@ -341,6 +342,35 @@ class RuntimeCollector(Collector):
             yield from (failures, running)
 
 
+class HttpCollector(Collector):
+    """What the listener and the request gates turned away (see exporters/connections.py)."""
+
+    def __init__(self, guard: ConnectionGuard | None, refused: dict[str, int]) -> None:
+        self.guard = guard
+        self.refused = refused  # reason -> requests refused before any work
+
+    def collect(self) -> Iterator[Metric]:
+        guard = self.guard
+        if guard is not None:
+            open_now = GaugeMetricFamily(f"{NS}_http_connections", "Client connections held open now.")
+            open_now.add_metric([], guard.open_connections)
+            cap = GaugeMetricFamily(f"{NS}_http_connections_limit", "Most client connections held at once ([http] max_connections, kept below the open-file limit).")
+            cap.add_metric([], guard.cap)
+            closed = CounterMetricFamily(
+                f"{NS}_http_connections_closed",
+                "Connections the agent closed: no request head in time (header_timeout, keepalive_timeout), the longest-idle one "
+                "closed for a new one at the limit (evicted), or a new one answered 503 with every connection busy (refused).",
+                labels=["reason"],
+            )
+            for reason in ("header_timeout", "keepalive_timeout", "evicted", "refused"):
+                closed.add_metric([reason], guard.stats[reason])
+            yield from (open_now, cap, closed)
+        refused = CounterMetricFamily(f"{NS}_http_requests_refused", "Requests refused before any work: rate_limited (429), misdirected_host (421).", labels=["reason"])
+        for reason, count in sorted(self.refused.items()):
+            refused.add_metric([reason], count)
+        yield refused
+
+
 def _render(collector: Collector) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
@@ -350,9 +380,10 @@ def _render(collector: Collector) -> bytes:
 class MetricsPage:
     """The /metrics text: the snapshot part rendered once per snapshot, plus the runtime part."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, http: HttpCollector | None = None) -> None:
         self.agent = agent
         self._runtime = RuntimeCollector(agent)
+        self._http = http
         self._cached: tuple[int, bytes] | None = None
 
     def render(self) -> bytes:
@@ -362,4 +393,4 @@ class MetricsPage:
             if self._cached is None or self._cached[0] != snapshot.version:
                 self._cached = (snapshot.version, _render(SnapshotCollector(snapshot)))
             static = self._cached[1]
-        return static + _render(self._runtime)
+        return static + _render(self._runtime) + (_render(self._http) if self._http is not None else b"")

@@ -95,7 +95,8 @@ class Agent:
             raise AssertionError(f"topoagent serve ignored signal {sig} for {timeout} s:\n{self.log()[-2000:]}") from None
 
 
-def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None) -> Agent:
+def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None, nofile: int | None = None) -> Agent:
+    """`nofile`: the child's open-file limit, soft and hard (as a unit's LimitNOFILE sets it)."""
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
     args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
@@ -114,7 +115,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **(env or {})}
     # The child keeps its own copy of the descriptor; ours is closed once it is handed over.
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
     line = proc.stdout.readline()
     match = re.search(r"on http://([\d.]+):(\d+)", line)
     if not match:
@@ -124,6 +125,12 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path)
     wait_ready(agent)
     return agent
+
+
+def _limit_files(n: int) -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 def wait_ready(agent: Agent, timeout: float = 20) -> None:

@@ -66,3 +66,13 @@ def test_pcie_bandwidth_by_generation_and_width():
 )
 def test_nvlink_generation_from_model_name(model, gen):
     assert nvlink_generation_for_model(model) == gen
+
+
+@pytest.mark.parametrize("text", ["NV1000", "NV" + "1" * 4301, "NV" + "0" * 5000 + "1000"])
+def test_an_nvlink_count_is_at_most_999(text):
+    with pytest.raises(LevelError, match="at most 999"):
+        LinkLevel.parse(text)
+    assert LinkLevel.parse("NV999").nvlinks == 999
+    assert LinkLevel.parse("NV" + "0" * 5000 + "18").nvlinks == 18  # leading zeros are not digits of the count
+    with pytest.raises(LevelError):
+        LinkLevel(LevelKind.NV, 1000)

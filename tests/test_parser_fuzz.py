@@ -154,7 +154,7 @@ def test_glued_headers_are_read_or_refused_in_a_bounded_child() -> None:
 
 @pytest.mark.parametrize(
     ("level", "message"),
-    [("NV" + "9" * 40, "at most 255 NVLinks"), ("NV" + "9" * 5000, "longer than 4096 characters")],
+    [("NV" + "9" * 40, "an NV link count is at most 999"), ("NV" + "9" * 5000, "longer than 4096 characters")],
 )
 def test_huge_nvlink_counts_are_one_typed_error(level: str, message: str) -> None:
     with pytest.raises(TopoParseError, match=message):

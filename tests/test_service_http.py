@@ -376,12 +376,12 @@ def _raw_exchange(agent: Agent, head: bytes, wait: float = 5.0) -> bytes:
 
 
 def test_huge_content_length_is_413_before_the_body(agent):
-    head = b"POST /place HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n"
+    head = b"POST /place HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 99999999999\r\n\r\n"
     reply = _raw_exchange(agent, head)
     assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
     assert b'"payload_too_large"' in reply
     # With Expect: 100-continue the client is told 413 instead of being invited to send.
-    reply = _raw_exchange(agent, head.replace(b"Host: x\r\n", b"Host: x\r\nExpect: 100-continue\r\n"))
+    reply = _raw_exchange(agent, head.replace(b"Host: 127.0.0.1\r\n", b"Host: 127.0.0.1\r\nExpect: 100-continue\r\n"))
     assert b"100 Continue" not in reply, reply[:200]
     assert reply.startswith(b"HTTP/1.1 413 "), reply[:200]
     assert b'"payload_too_large"' in reply
@@ -390,7 +390,7 @@ def test_huge_content_length_is_413_before_the_body(agent):
 
 def test_bad_content_length_is_400_and_one_log_line(fresh):
     for value in (b"-5", b"abc"):
-        reply = _raw_exchange(fresh, b"POST /place HTTP/1.1\r\nHost: x\r\nContent-Length: " + value + b"\r\n\r\n")
+        reply = _raw_exchange(fresh, b"POST /place HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: " + value + b"\r\n\r\n")
         assert reply.split(b"\r\n")[0].endswith(b"400 Bad Request"), reply[:200]
     # aiohttp's parser answers these itself, before any handler; the log keeps one line each.
     log = fresh.log()

@@ -7,6 +7,8 @@ raises `ConfigError` whose message names the key (`http.listen`, `discovery.inte
 from __future__ import annotations
 
 import ipaddress
+import math
+import re
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -44,6 +46,16 @@ class Config:
     token_file: str | None = None
     require_token_for_reads: bool = False
     max_body_bytes: int = 16 * 1024
+    # Slow or idle clients: what they may hold, and for how long (see serve's listener).
+    max_connections: int = 512  # beyond it the longest-idle connection is closed, else the new one
+    header_timeout_s: float = 10.0  # from connecting to a whole request head; again for a body
+    keepalive_timeout_s: float = 30.0  # an idle kept-alive connection is closed after this
+    # Host names this agent answers to besides localhost, this machine's name and any IP
+    # literal (a DNS-rebinding page names its own host); "*" turns the check off.
+    allowed_hosts: tuple[str, ...] = ()
+    # POST /place with reserve, DELETE /leases, POST /refresh, POST /probe: per client IP.
+    rate_limit_per_s: float = 2.0
+    rate_limit_burst: int = 60
     interval_s: float = 300.0  # re-discover this often even without udev events
     timeout_s: float = 60.0  # a discovery run longer than this is cut off
     udev: bool = True  # re-discover on PCI / InfiniBand / net hotplug (live root only)
@@ -74,21 +86,37 @@ class Config:
 
 
 # TOML layout: section -> {key: (Config field, checker)}.
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value quoted in an error message: repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _str(key: str, value: Any) -> str:
     if not isinstance(value, str) or not value:
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"{key}: expected a non-empty string, got {_shown(value)}")
     return value
+
+
+def _path(key: str, value: Any) -> str:
+    """A file or directory name: a NUL would make every system call on it fail."""
+    text = _str(key, value)
+    if "\x00" in text:
+        raise ConfigError(f"{key}: a path cannot contain a NUL character, got {_shown(text)}")
+    if len(text) > 4095:
+        raise ConfigError(f"{key}: a path of {len(text)} characters is longer than the system allows (4095)")
+    return text
 
 
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
     return value
 
 
 def _positive_seconds(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{key}: expected a number of seconds > 0, got {value!r}")
+        raise ConfigError(f"{key}: expected a number of seconds > 0, got {_shown(value)}")
     if value > 7 * 24 * 3600:
         raise ConfigError(f"{key}: {value} s is more than a week")
     return float(value)
@@ -96,19 +124,19 @@ def _positive_seconds(key: str, value: Any) -> float:
 
 def _backend(key: str, value: Any) -> str:
     if value not in ("cuda", "cpu"):
-        raise ConfigError(f"{key}: expected \"cuda\" or \"cpu\", got {value!r}")
+        raise ConfigError(f"{key}: expected \"cuda\" or \"cpu\", got {_shown(value)}")
     return value
 
 
 def _fraction(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
-        raise ConfigError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+        raise ConfigError(f"{key}: expected a fraction in (0, 1], got {_shown(value)}")
     return float(value)
 
 
 def _percent(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-        raise ConfigError(f"{key}: expected a percentage from 0 to 100, got {value!r}")
+        raise ConfigError(f"{key}: expected a percentage from 0 to 100, got {_shown(value)}")
     return float(value)
 
 
@@ -117,25 +145,58 @@ def _sizes(key: str, value: Any) -> tuple[int, ...]:
         isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 34 for v in value
     )
     if not ok:
-        raise ConfigError(f"{key}: expected a non-empty list of byte counts from 1 to 2^34, got {value!r}")
+        raise ConfigError(f"{key}: expected a non-empty list of byte counts from 1 to 2^34, got {_shown(value)}")
     return tuple(value)
 
 
 def _repetitions(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
-        raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {value!r}")
+        raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {_shown(value)}")
     return value
 
 
 def _rate(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-        raise ConfigError(f"{key}: expected a number >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value >= 0:
+        raise ConfigError(f"{key}: expected a number >= 0, got {_shown(value)}")
     return float(value)
+
+
+def _connections(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 8 <= value <= 65536:
+        raise ConfigError(f"{key}: expected a number of connections from 8 to 65536, got {_shown(value)}")
+    return value
+
+
+def _request_rate(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not 0 < value <= 10000:
+        raise ConfigError(f"{key}: expected requests per second, > 0 and at most 10000, got {_shown(value)}")
+    return float(value)
+
+
+def _burst(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 100000:
+        raise ConfigError(f"{key}: expected a number of requests from 1 to 100000, got {_shown(value)}")
+    return value
+
+
+# A DNS name as a Host header carries it (RFC 1123 labels), or "*" for any.
+_HOST_NAME = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def _hosts(key: str, value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or len(value) > 256:
+        raise ConfigError(f"{key}: expected a list of up to 256 host names, got {_shown(value)}")
+    names = []
+    for item in value:
+        if not isinstance(item, str) or not (item == "*" or _HOST_NAME.fullmatch(item)):
+            raise ConfigError(f"{key}: expected host names such as \"node7.example.org\" (or \"*\" for any), got {_shown(item)}")
+        names.append(item.lower().rstrip("."))
+    return tuple(names)
 
 
 def _body_limit(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 256 <= value <= 16 * 1024 * 1024:
-        raise ConfigError(f"{key}: expected a byte count from 256 to 16777216, got {value!r}")
+        raise ConfigError(f"{key}: expected a byte count from 256 to 16777216, got {_shown(value)}")
     return value
 
 
@@ -144,32 +205,43 @@ def parse_listen(key: str, value: Any) -> Listen:
     text = _str(key, value)
     host, sep, port_text = text.rpartition(":")
     if not sep:
-        raise ConfigError(f"{key}: expected HOST:PORT, got {text!r}")
-    host = host.strip("[]") or "127.0.0.1"
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ConfigError(f"{key}: port {port_text!r} is not a number") from None
+        raise ConfigError(f"{key}: expected HOST:PORT, got {_shown(text)}")
+    if host.startswith("[") or host.endswith("]"):
+        if not (host.startswith("[") and host.endswith("]") and ":" in host):
+            raise ConfigError(f"{key}: brackets hold an IPv6 address, as in [::1]:9477; got {_shown(text)}")
+        host = host[1:-1]
+    elif ":" in host:
+        raise ConfigError(f"{key}: write an IPv6 address in brackets, as in [::1]:9477; got {_shown(text)}")
+    host = host or "127.0.0.1"
+    if not re.fullmatch(r"[0-9]{1,5}", port_text):  # int() would take "+80", " 80", "8_0"
+        raise ConfigError(f"{key}: port {_shown(port_text)} is not a number")
+    port = int(port_text)
     if not 0 <= port <= 65535:
         raise ConfigError(f"{key}: port {port} is outside 0-65535")
     if host != "localhost":
         try:
             ipaddress.ip_address(host)
         except ValueError:
-            raise ConfigError(f"{key}: {host!r} is not an IP address (or localhost)") from None
+            raise ConfigError(f"{key}: {_shown(host)} is not an IP address (or localhost)") from None
     return Listen(host, port)
 
 
 SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
     "http": {
         "listen": ("listen", parse_listen),
-        "token_file": ("token_file", _str),
+        "token_file": ("token_file", _path),
         "require_token_for_reads": ("require_token_for_reads", _bool),
         "max_body_bytes": ("max_body_bytes", _body_limit),
         "drain_timeout_s": ("drain_timeout_s", _positive_seconds),
+        "max_connections": ("max_connections", _connections),
+        "header_timeout_s": ("header_timeout_s", _positive_seconds),
+        "keepalive_timeout_s": ("keepalive_timeout_s", _positive_seconds),
+        "allowed_hosts": ("allowed_hosts", _hosts),
+        "rate_limit_per_s": ("rate_limit_per_s", _request_rate),
+        "rate_limit_burst": ("rate_limit_burst", _burst),
     },
     "discovery": {
-        "root": ("root", _str),
+        "root": ("root", _path),
         "interval_s": ("interval_s", _positive_seconds),
         "timeout_s": ("timeout_s", _positive_seconds),
         "udev": ("udev", _bool),
@@ -177,7 +249,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "activity_interval_s": ("activity_interval_s", _positive_seconds),
     },
     "leases": {
-        "state_dir": ("state_dir", _str),
+        "state_dir": ("state_dir", _path),
         "sweep_s": ("lease_sweep_s", _positive_seconds),
     },
     "probes": {
@@ -207,16 +279,20 @@ def config_from_toml(text: str, source: str = "config") -> Config:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise ConfigError(f"{source}: not valid TOML: {' '.join(str(exc).split())[:200]}") from None
+    except RecursionError:  # arrays or inline tables nested thousands deep
+        raise ConfigError(f"{source}: not valid TOML: nested too deeply") from None
     values: dict[str, Any] = {}
     for section, table in doc.items():
         if section not in SCHEMA:
-            raise ConfigError(f"{section}: unknown section (known: {', '.join(SCHEMA)})")
+            raise ConfigError(f"{section if section.isidentifier() else _shown(section, 60)}: unknown section (known: {', '.join(SCHEMA)})")
         if not isinstance(table, dict):
             raise ConfigError(f"{section}: expected a [{section}] table")
         for key, value in table.items():
             if key not in SCHEMA[section]:
                 known = ", ".join(SCHEMA[section])
-                raise ConfigError(f"{section}.{key}: unknown key (known: {known})")
+                raise ConfigError(f"{section}.{_shown(key, 60) if not key.isidentifier() else key}: unknown key (known: {known})")
             field_name, check = SCHEMA[section][key]
             values[field_name] = check(f"{section}.{key}", value)
     thresholds = {k.removeprefix(THRESHOLD_PREFIX): values.pop(k) for k in list(values) if k.startswith(THRESHOLD_PREFIX)}
@@ -244,7 +320,7 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
     if "probes" in flags:  # --probes off|cpu|cuda
         choice = flags.pop("probes")
         if choice not in ("off", "cpu", "cuda"):
-            raise ConfigError(f"--probes: expected off, cpu or cuda, got {choice!r}")
+            raise ConfigError(f"--probes: expected off, cpu or cuda, got {_shown(choice)}")
         flags["probes_enabled"] = choice != "off"
         if choice != "off":
             flags["probe_backend"] = choice

@@ -42,17 +42,17 @@ class LevelError(TopoagentError, ValueError):  # ValueError: request parsers cat
 
 
 _NV_RE = re.compile(r"NV([0-9]+)")  # ASCII digits: int() would also read '١٢'
-# The most bonded NVLinks one pair can have: 18 today (H100, B200); the bound keeps a
-# hostile 'NV' + thousands of digits a clear LevelError rather than a huge int.
-MAX_NVLINKS = 255
+# An NV level's link count: NVSwitch systems bond 18 today; three digits leave room, and
+# a bound keeps a count of thousands of digits from reaching int() (which refuses those).
+MAX_NVLINKS = 999
 _ALIASES = {"X": LevelKind.SELF, "SELF": LevelKind.SELF, "SOC": LevelKind.SYS}
 
 # The grammar of a level between two GPUs of one node, as requests write it (``min_level``,
-# ``--min-level``): NV alone = any NVLink, NV<n> = at least n bonded links (n >= 1), then
+# ``--min-level``): NV alone = any NVLink, NV<n> = at least n bonded links (1 to 999), then
 # the PCIe/CPU words; SOC is SYS; any case, nothing around it.  Written once, as a JSON
 # Schema (ECMAScript) pattern, so the OpenAPI document and parse_gpu_pair_level agree.
 GPU_PAIR_LEVEL_WORDS = ("PIX", "PXB", "PHB", "NODE", "SYS", "SOC")
-GPU_PAIR_LEVEL_HELP = "NV, NV<links> such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
+GPU_PAIR_LEVEL_HELP = f"NV, NV<links> (1 to {MAX_NVLINKS}) such as NV12, PIX, PXB, PHB, NODE, SYS; any case"
 
 
 def _any_case(word: str) -> str:
@@ -62,13 +62,18 @@ def _any_case(word: str) -> str:
 GPU_PAIR_LEVEL_PATTERN = (
     "^(?:"
     + _any_case("nv")
-    + "(?:[0-9]*[1-9][0-9]*)?|"
+    + "(?:0*[1-9][0-9]{0,2})?|"
     + "|".join(_any_case(w) for w in GPU_PAIR_LEVEL_WORDS)
     + ")$"
 )
 _GPU_PAIR_LEVEL_RE = re.compile(GPU_PAIR_LEVEL_PATTERN)
 # A level as we print it (``str(level)``, every JSON document): nvidia-smi's words.
-PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]*|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
+PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]{0,2}|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
+
+
+def _cut(text: str, limit: int = 24) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
 
 
 @total_ordering
@@ -80,8 +85,8 @@ class LinkLevel:
     nvlinks: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind is LevelKind.NV and self.nvlinks < 1:
-            raise LevelError("an NV level needs at least one link")
+        if self.kind is LevelKind.NV and not 1 <= self.nvlinks <= MAX_NVLINKS:
+            raise LevelError(f"an NV level has 1 to {MAX_NVLINKS} links, not {self.nvlinks}")
         if self.kind is not LevelKind.NV and self.nvlinks:
             raise LevelError(f"{self.kind.name} carries no NVLink count")
 
@@ -94,13 +99,11 @@ class LinkLevel:
         match = _NV_RE.fullmatch(token)
         if match:
             digits = match.group(1).lstrip("0")
-            if len(digits) > len(str(MAX_NVLINKS)) or int(digits or "0") > MAX_NVLINKS:
-                shown = text if len(text) <= 12 else text[:9] + "..."
-                raise LevelError(f"{shown!r}: at most {MAX_NVLINKS} NVLinks join two devices")
-            links = int(digits or "0")
-            if links < 1:
+            if not digits:
                 raise LevelError(f"{text!r}: NV needs at least one link")
-            return cls(LevelKind.NV, links)
+            if len(digits) > len(str(MAX_NVLINKS)):
+                raise LevelError(f"{_cut(text)}: an NV link count is at most {MAX_NVLINKS}")
+            return cls(LevelKind.NV, int(digits))
         try:
             kind = LevelKind[token]
         except KeyError:
@@ -145,7 +148,7 @@ def nv(links: int) -> LinkLevel:
 def parse_gpu_pair_level(text: str) -> LinkLevel:
     """A level between two GPUs of a node, by GPU_PAIR_LEVEL_PATTERN; "NV" is nv(1)."""
     if not _GPU_PAIR_LEVEL_RE.fullmatch(text):
-        raise LevelError(f"{text!r} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
+        raise LevelError(f"{_cut(text, 40)} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
     if text.upper() == "NV":
         return nv(1)  # "any NVLink"
     return LinkLevel.parse(text)  # the grammar is a subset of what parse reads

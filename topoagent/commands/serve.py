@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import stat
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -54,15 +55,51 @@ def with_credential_token(config: Config) -> Config:
 
 
 def read_token(path: str | None) -> bytes:
+    """The bearer token from its file, refused (as ssh refuses a key) when anyone but this
+    agent's user or root could have written it: whoever can write the token can reserve."""
     if path is None:
         return b""
     try:
-        token = Path(path).read_bytes().strip()
+        # O_NONBLOCK: a FIFO put in the token's place must not hang the start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)  # the file opened, not whatever the name points at by now
+        problem = token_file_problem(info)
+        if problem:
+            raise ConfigError(f"token file {path}: {problem}")
+        with os.fdopen(os.dup(fd), "rb") as handle:
+            token = handle.read(64 * 1024 + 1).strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(token) > 64 * 1024:
+        raise ConfigError(f"token file {path}: more than 64 KiB; expected one token")
     if len(token) < 16:
         raise ConfigError(f"token file {path}: the token must be at least 16 characters")
     return token
+
+
+def token_file_problem(info: os.stat_result) -> str | None:
+    """Why a token file cannot be trusted, or None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    uid = os.geteuid()
+    if info.st_uid not in (uid, 0):
+        return f"owned by uid {info.st_uid}, not by this agent's user (uid {uid}) or root; chown it"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
+        return f"writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}); chmod 0600 it"
+    return None
+
+
+def checked(config: Config, token: bytes) -> Config:
+    """Settings that only make sense together."""
+    if config.require_token_for_reads and not token:
+        raise ConfigError("http.require_token_for_reads: set, but there is no token (http.token_file, --token-file or the systemd credential); reads would be open")
+    return config
 
 
 def setup_logging(level: int = logging.INFO) -> None:
@@ -124,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = with_credential_token(load_config(args.config, _overrides(args)))
         token = read_token(config.token_file)
+        checked(config, token)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     from topoagent.agent import RootError
@@ -151,23 +189,39 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     from aiohttp import web
 
     from topoagent.agent import Agent
+    from topoagent.exporters.connections import ConnectionGuard, Throttled, loop_exception_handler, raise_open_file_limit
     from topoagent.exporters.http import TOKEN, make_app
     from topoagent.log import log_event
 
+    loop = asyncio.get_running_loop()
+    # Out of descriptors (or buffers), asyncio reports every failed accept() with a
+    # traceback, up to a backlog's worth a tick: one line a minute says it as well.
+    loop.set_exception_handler(loop_exception_handler(Throttled()))
+    guard = ConnectionGuard(
+        max_connections=config.max_connections, header_timeout_s=config.header_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s, open_files=raise_open_file_limit(),
+    )
     agent = Agent(config)
-    app = make_app(agent, token)
-    runner = web.AppRunner(app, shutdown_timeout=config.drain_timeout_s, access_log=None, logger=logging.getLogger(HTTP_LOGGER))
+    app = make_app(agent, token, guard=guard)
+    runner = web.AppRunner(
+        app, shutdown_timeout=config.drain_timeout_s, access_log=None, logger=logging.getLogger(HTTP_LOGGER),
+        keepalive_timeout=config.keepalive_timeout_s,
+        # After an early answer (413, 408) aiohttp reads and drops the unread body this
+        # long before closing; a client sending it slowly is not waited on longer.
+        lingering_time=min(10.0, config.header_timeout_s),
+    )
     try:
         await runner.setup()  # starts the agent (cleanup_ctx): root, leases, discovery
     except OSError as exc:  # the state dir: missing parent, not a directory, read-only
         raise UsageError(f"cannot start: {os_error_text(exc, f'state dir {config.state_dir}')}") from None
-    site = web.TCPSite(runner, config.listen.host, config.listen.port, reuse_address=True)
+    assert runner.server is not None
     try:
-        await site.start()
+        # Our own listener (not web.TCPSite): every connection passes through the guard.
+        listener = await guard.listen(runner.server, config.listen.host, config.listen.port)
     except OSError as exc:  # port in use, address not on this host
         await runner.cleanup()
         raise UsageError(f"cannot start: {os_error_text(exc, f'listen {config.listen}')}") from None
-    port = runner.addresses[0][1] if runner.addresses else config.listen.port
+    port = listener.sockets[0].getsockname()[1] if listener.sockets else config.listen.port
     host = config.listen.host
     base = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     log_event("listening", url=base, root=config.root, state_dir=config.state_dir, token_file=config.token_file or "-")
@@ -186,16 +240,17 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     print("  Ctrl-C or SIGTERM stops it; SIGHUP reloads the config", flush=True)
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
 
     def on_hup() -> None:
         try:
             new = with_credential_token(load_config(args.config, _overrides(args)))
             new_token = read_token(new.token_file)
+            checked(new, new_token)
         except ConfigError as exc:
-            log_event("reload_failed", logging.ERROR, error=exc)
+            log_event("reload_failed", logging.ERROR, error=exc, kept="the running configuration and token")
             return
         restart = agent.reload(new)
+        guard.configure(max_connections=new.max_connections, header_timeout_s=new.header_timeout_s, keepalive_timeout_s=new.keepalive_timeout_s)
         app[TOKEN].value = new_token
         log_event("reloaded", config=args.config or "-", needs_restart=",".join(restart) or "none")
 
@@ -204,7 +259,8 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
     log_event("draining", timeout_s=config.drain_timeout_s)
-    await runner.cleanup()  # closes the listener, waits for in-flight requests, stops the agent
+    listener.close()  # no new connections; those open are drained by the runner
+    await runner.cleanup()  # closes idle connections, waits for in-flight requests, stops the agent
     log_event("stopped")
     if agent.abandoned_runs:
         # A discovery cut off by its timeout may still sit in a read that never returns
