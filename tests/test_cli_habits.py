@@ -147,7 +147,7 @@ def test_install_files_writes_the_shipped_files_and_refuses_to_overwrite(tmp_pat
     done = topoagent("install-files", str(target))
     assert done.returncode == 0, done.stderr
     written = sorted(Path(line).name for line in done.stdout.splitlines())
-    assert written == ["grafana-dashboard.json", "topoagent.service", "topoagent.toml"]
+    assert written == ["grafana-dashboard.json", "topoagent-alerts.yml", "topoagent.service", "topoagent.toml"]
     repo = Path(__file__).resolve().parents[1]
     for name in written:
         assert (target / name).read_bytes() == (repo / "systemd" / name).read_bytes()

@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from service_helpers import DGX_A100
 
-from topoagent.config import SCHEMA, Config, ConfigError, Listen, config_from_toml, parse_listen
+from topoagent.config import SCHEMA, THRESHOLD_PREFIX, Config, ConfigError, Listen, config_from_toml, parse_listen
+from topoagent.telemetry import THRESHOLD_KEYS
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -189,6 +190,10 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("probes", "busy_utilization_percent"): st.floats(min_value=0, max_value=100),
     ("probes", "sizes_bytes"): st.lists(st.integers(1, 1 << 34), min_size=1, max_size=5),
     ("probes", "repetitions"): st.integers(1, 1000),
+    ("telemetry", "enabled"): st.booleans(),
+    ("telemetry", "interval_s"): SECONDS,
+    ("telemetry", "timeout_s"): SECONDS,
+    **{("telemetry", key): st.floats(min_value=0, max_value=1e6) | st.integers(0, 10**6) for key in THRESHOLD_KEYS},
 }
 
 
@@ -216,8 +221,12 @@ def test_good_values_load_as_given(values):
     for (section, key), value in values.items():
         doc.setdefault(section, {})[key] = value
     config = config_from_toml(toml_document(doc))
+    thresholds = dict(config.telemetry_thresholds)
     for (section, key), value in values.items():
         field = SCHEMA[section][key][0]
+        if field.startswith(THRESHOLD_PREFIX):  # gathered into one table
+            assert thresholds[key] == float(value), (section, key)
+            continue
         assert getattr(config, field) == expected(section, key, value), (section, key)
     assert isinstance(config.listen, Listen)
 

@@ -139,7 +139,7 @@ def test_a_body_that_never_arrives_is_408(tmp_path):
         assert status_of(reply) == 408, reply
         assert time.monotonic() - start < 5
         assert b'"request_timeout"' in reply
-        assert a.get("/leases").json() == {"leases": []}
+        assert a.get("/leases").json() == {"leases": [], "orphaned": []}
     finally:
         assert a.stop() == 0
 
@@ -327,7 +327,7 @@ def test_changes_past_the_rate_are_429_with_retry_after(tmp_path):
         assert a.get("/healthz").status == 200
         text = a.get("/metrics").body.decode()
         assert metric_value(text, "topoagent_http_requests_refused_total", {"reason": "rate_limited"}) == 3
-        assert a.get("/leases").json() == {"leases": []}
+        assert a.get("/leases").json() == {"leases": [], "orphaned": []}
     finally:
         assert a.stop() == 0
 
