@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from topoagent.capacity import Capacity, capacity
 from topoagent.config import Config
 from topoagent.discovery_process import DiscoveryFailed, discover_in_child
 from topoagent.host import Host, HostError
@@ -32,7 +34,7 @@ from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import NoFit, Placement, Request, place
-from topoagent.served import Snapshot
+from topoagent.served import Snapshot, etag_of
 from topoagent.telemetry import History
 from topoagent.vocabulary import Status
 
@@ -215,6 +217,23 @@ class ProbeRunning(Exception):
 Answer = Placement | NoFit
 
 
+@dataclass(frozen=True)
+class ServedCapacity:
+    """One computed /capacity: the figures, their JSON and its ETag."""
+
+    key: tuple  # (snapshot version, leased GPUs, GPUs running processes)
+    capacity: Capacity
+    body: bytes
+    etag: str
+
+    @classmethod
+    def of(cls, key: tuple, figures: Capacity) -> ServedCapacity:
+        from topoagent.schema import capacity_document
+
+        body = json.dumps(capacity_document(key[0], figures), indent=1).encode()
+        return cls(key, figures, body, etag_of(body))
+
+
 # ---------------------------------------------------------------------------------------
 # Runtime
 # ---------------------------------------------------------------------------------------
@@ -262,6 +281,7 @@ class Agent:
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
+        self._capacity: ServedCapacity | None = None
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -469,6 +489,19 @@ class Agent:
     def busy(self) -> frozenset[int]:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
         return frozenset(self.holding().holder) | self.gpus_with_processes()
+
+    def capacity(self) -> ServedCapacity | None:
+        """GET /capacity and the capacity metrics: computed once per (snapshot, busy
+        set), so scrapes and polling schedulers cost a dictionary lookup."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return None
+        leased, running = frozenset(self.holding().holder), self.gpus_with_processes()
+        key = (snapshot.version, leased, running)
+        cached = self._capacity
+        if cached is None or cached.key != key:
+            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running))
+        return cached
 
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
