@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent.capacity import Capacity, capacity
 from topoagent.config import Config
 from topoagent.discovery_process import DiscoveryFailed, discover_in_child
+from topoagent.exports import Exports, node_with_all_findings
 from topoagent.host import Host, HostError
 from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 LOOP_LOG_EVERY_S = 60.0
 # ... and tries again at most this often, whatever its interval.
 LOOP_RETRY_MIN_S = 1.0
+# [exports]: how often the agent looks for a new snapshot to write the files from.
+EXPORT_CHECK_S = 1.0
 
 
 class LoopHealth:
@@ -275,13 +278,15 @@ class Agent:
         # GPU index -> what NVML says it runs (refreshed every activity_interval_s).
         self.activity: dict[int, GpuActivityReading] = {}
         self.activity_read_at: float | None = None
-        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes", "telemetry")}
+        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes", "telemetry", "exports")}
         # Counters: the last two samples of each series (rates), and NVML kept open for them.
         self.counter_history = History()
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
         self._capacity: ServedCapacity | None = None
+        self.exports = Exports()
+        self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -304,6 +309,7 @@ class Agent:
                 self._keep_running("gpu_activity", self.read_activity, lambda: self.config.activity_interval_s, wait_first=True), name="gpu-activity"
             ),
         ]
+        self._tasks.append(asyncio.create_task(self._keep_running("exports", self._update_exports, lambda: EXPORT_CHECK_S), name="exports"))
         if self.config.telemetry_enabled:
             self._tasks.append(asyncio.create_task(
                 self._keep_running("telemetry", self.read_counters, lambda: self.config.telemetry_interval_s), name="telemetry"))
@@ -466,6 +472,23 @@ class Agent:
             self._debounce.cancel()
         loop = asyncio.get_running_loop()
         self._debounce = loop.call_later(self.config.udev_debounce_s, self.request_refresh, "udev")
+
+    # -- exports ([exports]: files kept current) -----------------------------------------
+    async def _update_exports(self) -> None:
+        """Bring the configured files up to the served snapshot: rendered again only when
+        the snapshot or the config changed (or NFD's expiry nears), written only where the
+        text changed.  A failure raises: the loop logs it and the next check retries."""
+        snapshot, config = self.snapshot, self.config
+        if snapshot is None:
+            return
+        key = (snapshot.version, config)
+        if key == self._exported and not self.exports.refresh_due():
+            return
+        node = node_with_all_findings(snapshot.node, snapshot.findings)
+        written = await asyncio.to_thread(self.exports.update, config, node)
+        self._exported = key
+        for path in written:
+            log_event("export_written", path=path, snapshot_version=snapshot.version)
 
     # -- placement and leases -----------------------------------------------------------
     def active_leases(self) -> list[Lease]:
