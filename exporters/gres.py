@@ -31,7 +31,17 @@ from topoagent.model import GpuTopo, NodeTopology
 
 
 class GresError(TopoagentError):
-    """The node has nothing to write a gres.conf about."""
+    """The node has nothing to write a gres.conf about, or a node name Slurm cannot read."""
+
+
+# A Slurm node name or hostlist expression (gpu01, gpu[01-16]): no spaces, no comment sign.
+NODE_NAME = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.\[\],]*$")
+
+
+def check_node_name(name: str) -> str:
+    if len(name) > 256 or not NODE_NAME.match(name):
+        raise GresError(f"node name {name!r} is not a Slurm node name or hostlist (letters, digits, -_.[],)")
+    return name
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,8 +107,11 @@ def gres_lines(topology: NodeTopology) -> list[GresLine]:
     return lines
 
 
-def render_gres(topology: NodeTopology) -> str:
+def render_gres(topology: NodeTopology, node_name: str | None = None) -> str:
+    """The node's gres.conf; with ``node_name`` each line starts ``NodeName=<name>``, so
+    the lines of many nodes can live in one gres.conf shared by the cluster."""
     lines = gres_lines(topology)
+    prefix = f"NodeName={check_node_name(node_name)} " if node_name is not None else ""
     cores = _core_map(topology)
     head = [f"# gres.conf for {topology.hostname or 'this node'}, written by topoagent export gres",
             "# Links= lists NVLink counts to each GPU in PCI bus id order (-1 = itself)."]
@@ -110,7 +123,7 @@ def render_gres(topology: NodeTopology) -> str:
         head.append(f"# Cores= assume {how} (sysfs CPU topology not available); check with lstopo -l.")
     if any(gpu.device_minor is None for gpu in topology.gpus):
         head.append("# File= assumes /dev/nvidia minor numbers equal the GPU indices.")
-    return "\n".join(head + [line.render() for line in lines]) + "\n"
+    return "\n".join(head + [prefix + line.render() for line in lines]) + "\n"
 
 
-__all__ = ["GresError", "GresLine", "bus_order", "gres_lines", "render_gres", "slurm_type"]
+__all__ = ["GresError", "GresLine", "bus_order", "check_node_name", "gres_lines", "render_gres", "slurm_type"]

@@ -339,6 +339,17 @@ async def topology(request: web.Request) -> web.StreamResponse:
     return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
 
 
+async def capacity(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    _ready_snapshot(agent)
+    served = agent.capacity()
+    assert served is not None  # a snapshot is loaded
+    headers = {"ETag": served.etag, "Cache-Control": "no-cache"}
+    if _not_modified(request, served.etag):
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=served.body, content_type="application/json", headers=headers)
+
+
 async def place(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     doc = await read_json(request)
@@ -515,6 +526,7 @@ def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True, guard:
     app.router.add_get("/", index)
     app.router.add_get("/topology", topology)
     app.router.add_post("/place", place, expect_handler=expect_continue)
+    app.router.add_get("/capacity", capacity)
     app.router.add_get("/leases", list_leases)
     app.router.add_delete("/leases/{lease_id}", delete_lease)
     app.router.add_post("/refresh", refresh, expect_handler=expect_continue)

@@ -108,6 +108,18 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/capacity": {
+                "get": {
+                    "summary": "What this node can take now: free GPUs, the largest free NVLink zone, fragmentation, and for each k whether k GPUs fit and how well.",
+                    "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
+                    "responses": {
+                        "200": {**_json("The figures for the current snapshot and busy GPUs.", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
+                        "304": {"description": "Unchanged since the ETag given in If-None-Match."},
+                        **READ_ERRORS,
+                        **not_ready,
+                    },
+                }
+            },
             "/place": {
                 "post": {
                     "operationId": "place",

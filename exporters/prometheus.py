@@ -311,7 +311,25 @@ class RuntimeCollector(Collector):
         for gpu in sorted(leased_set | running):
             busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)
         yield busy
+        yield from self._capacity()
         yield from self._probes(now)
+
+    def _capacity(self) -> Iterator[Metric]:
+        """GET /capacity's figures (cached per snapshot and busy set), for cluster views."""
+        served = self.agent.capacity()
+        if served is None:
+            return
+        figures = served.capacity
+        free = GaugeMetricFamily(f"{NS}_capacity_free_gpus", "GPUs free now: not leased, running no process, without a critical finding.")
+        free.add_metric([], len(figures.free))
+        zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink among themselves.")
+        zone.add_metric([], len(figures.largest_free_zone))
+        fragmentation = GaugeMetricFamily(f"{NS}_capacity_fragmentation", "1 - largest free NVLink zone / free GPUs (0 when nothing is free).")
+        fragmentation.add_metric([], figures.fragmentation)
+        fits = GaugeMetricFamily(f"{NS}_capacity_fits", "1 when a k-GPU job fits on the free GPUs now.", labels=["k"])
+        for fit in figures.fits:
+            fits.add_metric([str(fit.gpus)], 1.0 if fit.fits else 0.0)
+        yield from (free, zone, fragmentation, fits)
 
     def _probes(self, now: float) -> Iterator[Metric]:
         agent = self.agent

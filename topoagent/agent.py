@@ -14,25 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from topoagent.capacity import Capacity, capacity
 from topoagent.config import Config
 from topoagent.discovery_process import DiscoveryFailed, discover_in_child
+from topoagent.exports import Exports, node_with_all_findings
 from topoagent.host import Host, HostError
 from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import NoFit, Placement, Request, place
-from topoagent.served import Snapshot
+from topoagent.served import Snapshot, etag_of
 from topoagent.telemetry import History
 from topoagent.vocabulary import Status
 
@@ -46,6 +49,8 @@ if TYPE_CHECKING:
 LOOP_LOG_EVERY_S = 60.0
 # ... and tries again at most this often, whatever its interval.
 LOOP_RETRY_MIN_S = 1.0
+# [exports]: how often the agent looks for a new snapshot to write the files from.
+EXPORT_CHECK_S = 1.0
 
 
 class LoopHealth:
@@ -215,6 +220,23 @@ class ProbeRunning(Exception):
 Answer = Placement | NoFit
 
 
+@dataclass(frozen=True)
+class ServedCapacity:
+    """One computed /capacity: the figures, their JSON and its ETag."""
+
+    key: tuple  # (snapshot version, leased GPUs, GPUs running processes)
+    capacity: Capacity
+    body: bytes
+    etag: str
+
+    @classmethod
+    def of(cls, key: tuple, figures: Capacity) -> ServedCapacity:
+        from topoagent.schema import capacity_document
+
+        body = json.dumps(capacity_document(key[0], figures), indent=1).encode()
+        return cls(key, figures, body, etag_of(body))
+
+
 # ---------------------------------------------------------------------------------------
 # Runtime
 # ---------------------------------------------------------------------------------------
@@ -256,12 +278,15 @@ class Agent:
         # GPU index -> what NVML says it runs (refreshed every activity_interval_s).
         self.activity: dict[int, GpuActivityReading] = {}
         self.activity_read_at: float | None = None
-        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes", "telemetry")}
+        self.loops = {name: LoopHealth(name) for name in ("discovery", "lease_sweep", "gpu_activity", "probes", "telemetry", "exports")}
         # Counters: the last two samples of each series (rates), and NVML kept open for them.
         self.counter_history = History()
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
+        self._capacity: ServedCapacity | None = None
+        self.exports = Exports()
+        self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
 
     # -- life cycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -284,6 +309,7 @@ class Agent:
                 self._keep_running("gpu_activity", self.read_activity, lambda: self.config.activity_interval_s, wait_first=True), name="gpu-activity"
             ),
         ]
+        self._tasks.append(asyncio.create_task(self._keep_running("exports", self._update_exports, lambda: EXPORT_CHECK_S), name="exports"))
         if self.config.telemetry_enabled:
             self._tasks.append(asyncio.create_task(
                 self._keep_running("telemetry", self.read_counters, lambda: self.config.telemetry_interval_s), name="telemetry"))
@@ -447,6 +473,23 @@ class Agent:
         loop = asyncio.get_running_loop()
         self._debounce = loop.call_later(self.config.udev_debounce_s, self.request_refresh, "udev")
 
+    # -- exports ([exports]: files kept current) -----------------------------------------
+    async def _update_exports(self) -> None:
+        """Bring the configured files up to the served snapshot: rendered again only when
+        the snapshot or the config changed (or NFD's expiry nears), written only where the
+        text changed.  A failure raises: the loop logs it and the next check retries."""
+        snapshot, config = self.snapshot, self.config
+        if snapshot is None:
+            return
+        key = (snapshot.version, config)
+        if key == self._exported and not self.exports.refresh_due():
+            return
+        node = node_with_all_findings(snapshot.node, snapshot.findings)
+        written = await asyncio.to_thread(self.exports.update, config, node)
+        self._exported = key
+        for path in written:
+            log_event("export_written", path=path, snapshot_version=snapshot.version)
+
     # -- placement and leases -----------------------------------------------------------
     def active_leases(self) -> list[Lease]:
         if self.lease_store is None:
@@ -469,6 +512,19 @@ class Agent:
     def busy(self) -> frozenset[int]:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
         return frozenset(self.holding().holder) | self.gpus_with_processes()
+
+    def capacity(self) -> ServedCapacity | None:
+        """GET /capacity and the capacity metrics: computed once per (snapshot, busy
+        set), so scrapes and polling schedulers cost a dictionary lookup."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return None
+        leased, running = frozenset(self.holding().holder), self.gpus_with_processes()
+        key = (snapshot.version, leased, running)
+        cached = self._capacity
+        if cached is None or cached.key != key:
+            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running))
+        return cached
 
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""

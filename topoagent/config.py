@@ -79,6 +79,13 @@ class Config:
     telemetry_interval_s: float = 10.0
     telemetry_timeout_s: float = 5.0  # one source's read longer than this fails alone
     telemetry_thresholds: tuple[tuple[str, float], ...] = ()  # THRESHOLDS overridden by key
+    # [exports]: files the running agent keeps current (topoagent/exports.py); None = not written
+    export_nfd_path: str | None = None
+    export_nfd_prefix: str = "topoagent.io"
+    export_nfd_expiry_s: float = 3600.0  # NFD drops the labels this long after a write
+    export_gres_path: str | None = None
+    export_gres_node_name: str | None = None
+    export_nccl_path: str | None = None
 
     @property
     def live(self) -> bool:
@@ -200,6 +207,33 @@ def _body_limit(key: str, value: Any) -> int:
     return value
 
 
+def _absolute_path(key: str, value: Any) -> str:
+    text = _str(key, value)
+    if not Path(text).is_absolute():
+        raise ConfigError(f"{key}: expected an absolute path, got {text!r}")
+    return text
+
+
+def _label_prefix(key: str, value: Any) -> str:
+    from topoagent.exporters.nfd import LabelError, check_label
+
+    text = _str(key, value)
+    try:
+        check_label(f"{text}/gpu.count", "0")
+    except LabelError:
+        raise ConfigError(f"{key}: {text!r} is not a valid label namespace (a DNS subdomain)") from None
+    return text
+
+
+def _node_name(key: str, value: Any) -> str:
+    from topoagent.exporters.gres import GresError, check_node_name
+
+    try:
+        return check_node_name(_str(key, value))
+    except GresError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 def parse_listen(key: str, value: Any) -> Listen:
     """`HOST:PORT`, `[V6]:PORT` or `:PORT` (loopback)."""
     text = _str(key, value)
@@ -270,6 +304,14 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "timeout_s": ("telemetry_timeout_s", _positive_seconds),
         # One key per row of topoagent.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
         **{key: (f"{THRESHOLD_PREFIX}{key}", _rate) for key in THRESHOLD_KEYS},
+    },
+    "exports": {
+        "nfd_path": ("export_nfd_path", _absolute_path),
+        "nfd_prefix": ("export_nfd_prefix", _label_prefix),
+        "nfd_expiry_s": ("export_nfd_expiry_s", _positive_seconds),
+        "gres_path": ("export_gres_path", _absolute_path),
+        "gres_node_name": ("export_gres_node_name", _node_name),
+        "nccl_path": ("export_nccl_path", _absolute_path),
     },
 }
 

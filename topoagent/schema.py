@@ -33,6 +33,7 @@ from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
 from topoagent.vocabulary import Affinity, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
+    from topoagent.capacity import Capacity
     from topoagent.collectors.nvidia_smi import TopoMatrix
     from topoagent.leases import Lease
     from topoagent.matrix import DistanceMatrix, Measurement
@@ -671,6 +672,47 @@ def probe_round_document(probe_round: ProbeRound, pairs: Iterable[ProbePairView]
     return probe_documents()[3].dump(_RoundView(probe_round, None if pairs is None else tuple(pairs), tuple(findings)))
 
 
+# --- capacity (`GET /capacity`) ----------------------------------------------------------------
+
+CAPACITY_FIT = Document("CapacityFit", {
+    "gpus": Field(INTEGER, description="k: a k-GPU all-reduce job"),
+    "fits": Field(BOOLEAN, description="whether it fits on the free GPUs now; every figure below is null when not"),
+    "indices": Field(array(INTEGER), lambda f: list(f.indices), "the GPUs the best answer takes (nvidia-smi indices)"),
+    "score": Field(nullable(NUMBER), description="the best answer's score, as /place gives it: comparable across nodes"),
+    "bandwidth_gbps": Field(nullable(NUMBER), description="its ring's weakest link, GB/s per direction (null for one GPU)"),
+    "numa_distance": Field(nullable(INTEGER), description="its largest SLIT distance between the NUMA nodes spanned"),
+    "affinity": Field(nullable(one_of(Affinity)), description="the strictest tier it meets"),
+    "satisfaction": Field(nullable({"type": "number", "minimum": 0, "maximum": 1}), description="share of its ring's links that are local"),
+}, "The best placement for k GPUs now.")
+
+CAPACITY = Document("Capacity", {
+    "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda c: SCHEMA_VERSION),
+    "snapshot_version": Field(INTEGER, lambda v: v.snapshot_version, "the /topology snapshot these figures are of"),
+    "gpus": Field(INTEGER, lambda v: v.capacity.gpus, "GPUs on the node"),
+    "free": Field(array(INTEGER), lambda v: list(v.capacity.free), "not leased, running no process, without a critical finding"),
+    "free_gpus": Field(INTEGER, lambda v: len(v.capacity.free)),
+    "leased": Field(array(INTEGER), lambda v: list(v.capacity.leased)),
+    "running": Field(array(INTEGER), lambda v: list(v.capacity.running), "running processes the agent did not place"),
+    "unhealthy": Field(array(INTEGER), lambda v: list(v.capacity.unhealthy), "otherwise free, kept off by a critical finding"),
+    "largest_free_zone": Field(array(INTEGER), lambda v: list(v.capacity.largest_free_zone),
+                               "the largest group of free GPUs joined by NVLink among themselves"),
+    "largest_free_zone_gpus": Field(INTEGER, lambda v: len(v.capacity.largest_free_zone)),
+    "fragmentation": Field({"type": "number", "minimum": 0, "maximum": 1}, lambda v: v.capacity.fragmentation,
+                           "1 - largest_free_zone_gpus / free_gpus (0 when nothing is free)"),
+    "fits": Field(array(CAPACITY_FIT.ref), lambda v: [CAPACITY_FIT.dump(f) for f in v.capacity.fits], "k = 1 .. gpus"),
+}, "What this node can take now, for cluster schedulers (`GET /capacity`).")
+
+
+@dataclass(frozen=True, slots=True)
+class _CapacityView:
+    snapshot_version: int
+    capacity: Capacity
+
+
+def capacity_document(snapshot_version: int, capacity: Capacity) -> dict[str, Any]:
+    return CAPACITY.dump(_CapacityView(snapshot_version, capacity))
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 ERROR = Document("Error", {
@@ -683,6 +725,7 @@ DOCUMENTS: tuple[Document, ...] = (
     PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
     REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, ESTIMATE, LAUNCH, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
+    CAPACITY_FIT, CAPACITY,
 )
 
 

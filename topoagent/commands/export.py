@@ -36,6 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                          help="a recorded node (snapshot directory or tarball); default: this node")
         fmt.add_argument("-o", "--output", metavar="FILE",
                          help="write here (atomically) instead of standard output")
+        if name == "gres":
+            fmt.add_argument("--node-name", metavar="NAME",
+                             help="start each line with NodeName=NAME, so one gres.conf serves many nodes")
         if name == "nfd":
             fmt.add_argument("--prefix", default="topoagent.io",
                              help="label namespace (default: topoagent.io)")
@@ -71,7 +74,7 @@ def _render(args: argparse.Namespace, topology: NodeTopology) -> str:
         from topoagent.exporters.gres import GresError, render_gres
 
         try:
-            return render_gres(topology)
+            return render_gres(topology, args.node_name)
         except GresError as exc:
             raise UsageError(str(exc)) from None
     if args.format == "nfd":

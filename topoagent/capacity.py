@@ -1,0 +1,92 @@
+"""What this node can take now: the figures a cluster scheduler compares nodes by.
+
+``capacity(matrix, leased, running)`` is pure.  It says which GPUs are free (not leased,
+running no process, without a critical finding), the largest free NVLink zone, and for
+each job size k from 1 to the node's GPU count whether a k-GPU all-reduce fits now and
+how good the placement core's best answer is.  The agent computes it once per (snapshot,
+busy set) and serves it at ``GET /capacity`` and in /metrics.
+
+*Largest free NVLink zone*: the largest group of free GPUs joined to each other by
+NVLink paths that stay within the free GPUs (a GPU with no free NVLink peer is a zone of
+one).  *Fragmentation* = 1 - largest free zone / free GPUs: 0 when every free GPU is in
+one NVLink zone (or none is free), towards 1 as the free GPUs scatter across zones.  A
+node without NVLink scores 1 - 1/free: its GPUs can only talk over PCIe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from topoagent.levels import LevelKind
+from topoagent.matrix import DistanceMatrix
+from topoagent.placement import Placement, Request, place
+from topoagent.vocabulary import Affinity
+
+
+@dataclass(frozen=True, slots=True)
+class Fit:
+    """The best answer for k GPUs now (every figure null when it does not fit)."""
+
+    gpus: int  # k
+    fits: bool
+    indices: tuple[int, ...]  # the GPUs the best answer takes
+    score: float | None
+    bandwidth_gbps: float | None
+    numa_distance: int | None
+    affinity: Affinity | None  # the strictest tier the answer meets
+    satisfaction: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Capacity:
+    gpus: int  # on the node
+    free: tuple[int, ...]  # nvidia-smi indices
+    leased: tuple[int, ...]
+    running: tuple[int, ...]  # running processes the agent did not place
+    unhealthy: tuple[int, ...]  # a critical finding
+    largest_free_zone: tuple[int, ...]
+    fragmentation: float
+    fits: tuple[Fit, ...]  # k = 1 .. gpus
+
+
+def free_nvlink_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple[int, ...]]:
+    """The free GPUs grouped by NVLink connectivity among themselves, largest first."""
+    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    left = sorted(free)
+    zones = []
+    while left:
+        zone, todo = {left[0]}, [left[0]]
+        while todo:
+            a = todo.pop()
+            for b in left:
+                if b not in zone and matrix.gpu_levels[pos_of[a]][pos_of[b]].kind is LevelKind.NV:
+                    zone.add(b)
+                    todo.append(b)
+        zones.append(tuple(sorted(zone)))
+        left = [g for g in left if g not in zone]
+    return sorted(zones, key=lambda z: (-len(z), z))
+
+
+def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[int]) -> Capacity:
+    on_node = {g.index for g in matrix.gpus}
+    leased_set, running_set = set(leased) & on_node, set(running) & on_node
+    busy = leased_set | running_set
+    unhealthy = {g.index for g in matrix.gpus if g.unhealthy is not None}
+    free = tuple(sorted(on_node - busy - unhealthy))
+    zones = free_nvlink_zones(matrix, free)
+    largest = zones[0] if zones else ()
+    fragmentation = 1 - len(largest) / len(free) if free else 0.0
+    fits = []
+    for k in range(1, len(matrix.gpus) + 1):
+        # place() leaves out unhealthy GPUs by itself; more than the free count cannot fit.
+        answer = place(matrix, Request(gpus=k), busy) if k <= len(free) else None
+        if isinstance(answer, Placement):
+            fits.append(Fit(k, True, answer.indices, answer.score, answer.bandwidth_gbps,
+                            answer.objective.numa_distance, answer.affinity, answer.satisfaction))
+        else:
+            fits.append(Fit(k, False, (), None, None, None, None, None))
+    return Capacity(
+        len(matrix.gpus), free, tuple(sorted(leased_set)), tuple(sorted(running_set - leased_set)),
+        tuple(sorted(unhealthy - busy)), largest, round(fragmentation, 6), tuple(fits),
+    )
