@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from topoagent.errors import TopoagentError
+from topoagent.placement.request import SERVICE_DEADLINE_MS
 from topoagent.telemetry import THRESHOLD_KEYS
 
 THRESHOLD_PREFIX = "threshold:"
@@ -67,6 +68,8 @@ class Config:
     telemetry_interval_s: float = 10.0
     telemetry_timeout_s: float = 5.0  # one source's read longer than this fails alone
     telemetry_thresholds: tuple[tuple[str, float], ...] = ()  # THRESHOLDS overridden by key
+    # [placement]: a request without deadline_ms gets this one (ms)
+    placement_deadline_ms: int = SERVICE_DEADLINE_MS
 
     @property
     def live(self) -> bool:
@@ -124,6 +127,12 @@ def _sizes(key: str, value: Any) -> tuple[int, ...]:
 def _repetitions(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
         raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {value!r}")
+    return value
+
+
+def _deadline_ms(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 60_000:
+        raise ConfigError(f"{key}: expected milliseconds from 1 to 60000, got {value!r}")
     return value
 
 
@@ -198,6 +207,9 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "timeout_s": ("telemetry_timeout_s", _positive_seconds),
         # One key per row of topoagent.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
         **{key: (f"{THRESHOLD_PREFIX}{key}", _rate) for key in THRESHOLD_KEYS},
+    },
+    "placement": {
+        "deadline_ms": ("placement_deadline_ms", _deadline_ms),
     },
 }
 

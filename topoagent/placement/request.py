@@ -41,6 +41,8 @@ REQUEST_LIMITS = {
     "message_bytes_max": 1 << 40,  # 1 TiB: far above any one collective, small enough to print
     "deadline_ms_max": 60_000,  # a minute: longer is a stall, not a search
 }
+# The service's deadline for a request that names none ([placement] deadline_ms), and place --batch's.
+SERVICE_DEADLINE_MS = 20
 _PATTERN_NAMES = ", ".join(p.value for p in Pattern)
 _AFFINITY_NAMES = ", ".join(a.value for a in Affinity)
 

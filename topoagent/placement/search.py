@@ -64,10 +64,13 @@ class Deadline:
     microseconds): cheap next to the search, and far finer than a millisecond."""
 
     CHECK_EVERY = 16
+    # The search stops this much before the deadline (a quarter of it at most): building
+    # the answer from the set takes a fraction of a millisecond, more on a loaded machine.
+    ANSWER_RESERVE_S = 0.002
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-        self.at = monotonic() + seconds
+        self.at = monotonic() + seconds - min(self.ANSWER_RESERVE_S, seconds / 4)
         self.left = self.CHECK_EVERY
         self.reached = False
         self.suspended = False  # while a search finds its first, cheap answer
@@ -93,6 +96,7 @@ SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a tabl
 # Caps on the per-matrix memos, so a node's tables stay a few MB at 128 GPUs (bench/placement.py
 # measures them): past a cap a memo starts again empty, costing time, never answers.
 HAM_MEMO_MAX = 50_000
+WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
 NIC_COST_MAX = 50_000
 
 
@@ -522,6 +526,28 @@ def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
             cache.clear()
         prepared = cache[fresh] = Prepared(matrix, now)
     return prepared
+
+
+def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
+    """Build the matrix's tables before any request needs them (the agent does this when
+    it builds a snapshot, off its event loop): the per-matrix bitmasks, the adjacency at
+    every threshold, the classes and the small tables of k-sets.  A small table that does
+    not finish within ``budget_s`` is left for requests to build under their deadlines."""
+    prep = prepare(matrix, None)
+    if prep.n_ranks <= WARM_RANKS_MAX:
+        for r in range(prep.n_ranks):
+            prep.adj(r)
+    prep.classes(False)
+    prep.classes(True)
+    deadline = Deadline(budget_s)
+    try:
+        for pattern in Pattern:
+            for k in range(1, prep.n + 1):
+                if prep.has_small_table(pattern, k):
+                    prep.small_table(pattern, k, deadline)
+    except DeadlineReached:
+        pass
+    return prep
 
 
 # --- the search -----------------------------------------------------------------------
