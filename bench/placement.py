@@ -2,6 +2,7 @@
 
     python -m bench.placement            # everything (a few minutes on 2 cores)
     python -m bench.placement --quick    # fewer samples and events
+    python -m bench.placement --quick --only deadline   # bounded time at 8-128 GPUs
 
 Prints tables; asserts nothing (tests check correctness, this measures).
 """
@@ -29,7 +30,17 @@ from bench.baselines import (
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_distance, numa_groups, place
-from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
+from topoagent.placement.request import SERVICE_DEADLINE_MS
+from topoagent.placement.search import warm
+from topoagent.placement.synthetic import (
+    irregular_mesh,
+    node_32,
+    nvswitch_16,
+    nvswitch_node,
+    pcie_16,
+    pcie_two_socket_8,
+    tree_node,
+)
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CORPUS = SHARED / "corpus" / "nvidia-smi-topo"
@@ -122,6 +133,70 @@ def latency(samples: int) -> None:
         place(fresh, Request(gpus=min(3, m.size), pattern="pipeline"))
         shape = 1000 * (time.perf_counter() - t0)
         print(f"  {name:28} {first:8.2f} {shape:8.2f}")
+
+
+# --- bounded time at every node size --------------------------------------------------
+
+TREES = {8: (2, 2, 2), 16: (2, 4, 2), 32: (2, 4, 4), 64: (2, 4, 8), 128: (2, 8, 8)}
+FAMILIES = {
+    "NVSwitch": lambda n: nvswitch_node(n),
+    "PCIe tree": lambda n: tree_node(*TREES[n]),
+    "irregular mesh": lambda n: irregular_mesh(n),
+}
+
+
+def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS) -> None:
+    import tracemalloc
+
+    print(f"\n## Bounded time: place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms)\n")
+    print("k drawn from 1, 2, 4, 8, n/4, n/2 with a random busy set each; late = answers after the")
+    print("deadline + 1 ms (wall clock, on a shared machine); proven = share proven optimal;")
+    print("ratio = worst deadline answer's bandwidth / the exact answer's (sizes where the exact")
+    print("search finishes in reasonable time: 8-32).\n")
+    print(f"{'family':15} {'n':>4} {'warm ms':>8} {'p50':>7} {'p99':>7} {'max':>7} {'cpu p99':>7} {'late':>5} {'proven':>7} {'ratio':>6}")
+    rng = random.Random(5)
+    for family, make in FAMILIES.items():
+        for n in (8, 16, 32, 64, 128):
+            m = make(n)
+            t0 = time.perf_counter()
+            warm(m)
+            warm_ms = 1000 * (time.perf_counter() - t0)
+            wall, cpu, proven, late, ratios = [], [], 0, 0, []
+            for _ in range(samples):
+                k = rng.choice(sorted({1, 2, 4, 8, max(1, n // 4), n // 2}))
+                busy = rng.sample(range(n), rng.randint(0, n - k))
+                req = Request(gpus=k, deadline_ms=deadline_ms)
+                c0 = time.thread_time_ns()
+                t0 = time.perf_counter_ns()
+                answer = place(m, req, busy)
+                wall.append((time.perf_counter_ns() - t0) / 1e6)
+                cpu.append((time.thread_time_ns() - c0) / 1e6)
+                late += wall[-1] > deadline_ms + 1
+                if not isinstance(answer, Placement):
+                    continue
+                proven += answer.proven_optimal
+                if not answer.proven_optimal and n <= 32 and answer.bandwidth_gbps:
+                    exact = place(m, Request(gpus=k), busy)
+                    assert isinstance(exact, Placement) and exact.bandwidth_gbps
+                    ratios.append(answer.bandwidth_gbps / exact.bandwidth_gbps)
+            ratio = f"{min(ratios):6.2f}" if ratios else ("     -" if n > 32 else "  1.00")
+            print(
+                f"{family:15} {n:>4} {warm_ms:8.1f} {statistics.median(wall):7.3f} {pct(wall, .99):7.3f} {max(wall):7.2f}"
+                f" {pct(cpu, .99):7.3f} {late:>5} {proven / samples:7.0%} {ratio}"
+            )
+    print("\nper-matrix tables at 128 GPUs (tracemalloc: after warm(), and after the requests above):")
+    for family, make in FAMILIES.items():
+        tracemalloc.start()
+        m = make(128)
+        base = tracemalloc.get_traced_memory()[0]
+        warm(m)
+        after_warm = tracemalloc.get_traced_memory()[0] - base
+        for _ in range(samples):
+            k = rng.choice([1, 2, 4, 8, 32, 64])
+            place(m, Request(gpus=k, deadline_ms=deadline_ms), rng.sample(range(128), rng.randint(0, 128 - k)))
+        after_use, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        print(f"  {family:15} warm {after_warm / 2**20:6.1f} MiB   after use {(after_use - base) / 2**20:6.1f} MiB   peak {(peak - base) / 2**20:6.1f} MiB")
 
 
 # --- quality against brute force -------------------------------------------------------
@@ -327,7 +402,7 @@ def pair_score_cost() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore"])
+    parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore", "deadline"])
     parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
@@ -347,6 +422,8 @@ def main() -> None:
         simulate(events, args.load, args.seed)
     if args.only in (None, "pairscore"):
         pair_score_cost()
+    if args.only in (None, "deadline"):
+        deadline_study(60 if args.quick else 300)
 
 
 if __name__ == "__main__":

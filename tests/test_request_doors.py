@@ -51,6 +51,10 @@ request_objects = st.fixed_dictionaries(
             st.integers(min_value=1, max_value=1 << 30),
             st.sampled_from([0, -1, 1 << 40, (1 << 40) + 1, 2.0**20, 1.5, "1024", None, True]),
         ),
+        "deadline_ms": st.one_of(
+            st.integers(min_value=1, max_value=60_000),
+            st.sampled_from([0, -1, 60_001, 20.0, 2.5, "20", None, True]),
+        ),
         "colour": st.just("red"),  # an unknown field
     },
 ).map(lambda obj: {k: v for k, v in obj.items() if not (k == "gpus" and v == -3)})  # -3: "gpus" left out

@@ -35,6 +35,7 @@ from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import NoFit, Placement, Request, place
+from topoagent.placement.search import warm as warm_placement
 from topoagent.served import Snapshot, etag_of
 from topoagent.telemetry import History
 from topoagent.vocabulary import Status
@@ -424,6 +425,7 @@ class Agent:
             telemetry=previous.telemetry if previous else None,
         ).with_health()
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
+        await asyncio.to_thread(warm_placement, matrix)  # the first /place is as fast as the rest
         self._version += 1
         self.snapshot = snapshot
         self.refreshes["success"] += 1
@@ -526,11 +528,17 @@ class Agent:
             cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running))
         return cached
 
+    def _with_deadline(self, request: Request) -> Request:
+        """The request with the service's deadline when it names none."""
+        if request.deadline_ms is not None:
+            return request
+        return replace(request, deadline_ms=self.config.placement_deadline_ms)
+
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
         assert self.snapshot is not None
         matrix = self.snapshot.matrix
-        answer = place(matrix, request, self.busy() & {g.index for g in matrix.gpus})
+        answer = place(matrix, self._with_deadline(request), self.busy() & {g.index for g in matrix.gpus})
         self.placement_requests["placed" if answer.fit else "nofit"] += 1
         return answer
 
@@ -542,7 +550,7 @@ class Agent:
         running = self.gpus_with_processes()
 
         def work() -> tuple[Answer, Lease | None, tuple[Lease, ...]]:
-            answer = store.reserve_placement(matrix, request, owner, ttl_s, running)
+            answer = store.reserve_placement(matrix, self._with_deadline(request), owner, ttl_s, running)
             if isinstance(answer, NoFit):
                 return answer, None, tuple(store.leases())
             lease, placement = answer
@@ -781,6 +789,7 @@ class Agent:
             matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.probes)
             snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
             await asyncio.to_thread(lambda: snapshot.body)
+            await asyncio.to_thread(warm_placement, matrix)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
                 self._version += 1
                 self.snapshot = snapshot

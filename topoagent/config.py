@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from topoagent.errors import TopoagentError
+from topoagent.placement.request import SERVICE_DEADLINE_MS
 from topoagent.telemetry import THRESHOLD_KEYS
 
 THRESHOLD_PREFIX = "threshold:"
@@ -86,6 +87,8 @@ class Config:
     export_gres_path: str | None = None
     export_gres_node_name: str | None = None
     export_nccl_path: str | None = None
+    # [placement]: a request without deadline_ms gets this one (ms)
+    placement_deadline_ms: int = SERVICE_DEADLINE_MS
 
     @property
     def live(self) -> bool:
@@ -159,6 +162,12 @@ def _sizes(key: str, value: Any) -> tuple[int, ...]:
 def _repetitions(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
         raise ConfigError(f"{key}: expected an integer from 1 to 1000, got {_shown(value)}")
+    return value
+
+
+def _deadline_ms(key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 60_000:
+        raise ConfigError(f"{key}: expected milliseconds from 1 to 60000, got {value!r}")
     return value
 
 
@@ -312,6 +321,9 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "gres_path": ("export_gres_path", _absolute_path),
         "gres_node_name": ("export_gres_node_name", _node_name),
         "nccl_path": ("export_nccl_path", _absolute_path),
+    },
+    "placement": {
+        "deadline_ms": ("placement_deadline_ms", _deadline_ms),
     },
 }
 

@@ -489,6 +489,7 @@ REQUEST = Document("Request", {
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
     "message_bytes": Field(nullable(INTEGER), description="null: the estimate's default size"),
+    "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
 PLACED_GPU = Document("PlacedGpu", {
@@ -557,6 +558,9 @@ PLACEMENT = Document("Placement", {
     "satisfaction": Field({"type": "number", "minimum": 0, "maximum": 1},
                           description="share of the pattern's links that are local (NVLink or one PCIe switch, PIX); 1 without links"),
     "estimate": nested(ESTIMATE, "estimate", optional=True),
+    "proven_optimal": Field(BOOLEAN, description="false: the deadline stopped the search; this is the best set it found"),
+    "bandwidth_bound_gbps": Field(nullable(NUMBER),
+                                  description="when not proven: no set's pattern bandwidth exceeds this; null when proven or not bounded"),
     "launch": nested(LAUNCH, "launch"),
     "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
     "request": nested(REQUEST, "request"),

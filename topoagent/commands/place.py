@@ -6,13 +6,14 @@ import argparse
 import json
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any, BinaryIO
 
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Door, NoFit, Placement, RequestError, parse_request, place
-from topoagent.placement.request import parse_gpu_indices
+from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
 from topoagent.schema import answer_document, batch_error_document
 from topoagent.vocabulary import Affinity, Pattern
 
@@ -48,9 +49,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--measured", metavar="FILE",
         help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",
     )
+    parser.add_argument(
+        "--deadline-ms", metavar="MS",
+        help=f"answer by then with the best set found so far, saying whether it is proven optimal (default {CLI_DEADLINE_MS})",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument("--batch", action="store_true", help="JSON requests on stdin, JSON answers on stdout")
     parser.set_defaults(run=run)
+
+
+# A person at a terminal can wait longer than a scheduler's request: a second.
+CLI_DEADLINE_MS = 1000
 
 
 def flag_value(text: str) -> Any:
@@ -95,6 +104,7 @@ def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[
         fields["fallback"] = True
     if args.message_bytes is not None:
         fields["message_bytes"] = flag_value(args.message_bytes)
+    fields["deadline_ms"] = flag_value(args.deadline_ms) if args.deadline_ms is not None else CLI_DEADLINE_MS
     return fields
 
 
@@ -182,7 +192,10 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, An
         fields = dict(obj)
         gpu_indices = {g.index for g in matrix.gpus}
         busy = parse_gpu_indices("busy", fields.pop("busy", []), gpu_indices)
-        return answer_document(place(matrix, parse_request(fields, gpu_indices=gpu_indices), busy))
+        request = parse_request(fields, gpu_indices=gpu_indices)
+        if request.deadline_ms is None:  # a scheduler's door, like HTTP: the service's default
+            request = replace(request, deadline_ms=SERVICE_DEADLINE_MS)
+        return answer_document(place(matrix, request, busy))
     except RequestError as exc:
         return batch_error_document(line_no, exc.location, exc.message)
 

@@ -30,7 +30,7 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Found, Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Deadline, Found, Prepared, Search, bits, numa_label, prepare
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
 
@@ -65,7 +65,11 @@ def place(
     *,
     now: float | None = None,
 ) -> Placement | NoFit:
-    """The best placement of ``request`` on this node given the ``busy`` GPU indices."""
+    """The best placement of ``request`` on this node given the ``busy`` GPU indices.
+
+    With ``request.deadline_ms`` the search stops then with the best set found so far,
+    marked ``proven_optimal=False`` with the bandwidth bound it established."""
+    deadline = Deadline(request.deadline_ms / 1000) if request.deadline_ms is not None else None
     prep = prepare(matrix, now)
     pos_of = prep.pos_of
 
@@ -100,17 +104,22 @@ def place(
     usable_nics = prep.n_nics  # a NIC with every port down is no NIC
     if request.nics > usable_nics:
         relaxed = replace(request, nics=usable_nics)
-        best = place(matrix, relaxed, busy, now=now)
+        best = place(matrix, relaxed, busy, now=now)  # its own deadline: this one has not started
         why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": usable_nics})
         return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
     answer: Placement | NoFit
     if request.affinity is not Affinity.ANY:
-        answer = _place_tier(prep, request, free_all, candidates, include)
+        answer = _place_tier(prep, request, free_all, candidates, include, deadline)
     else:
-        found = _search_known_first(prep, request, free_all, candidates, include)
+        found = _search_known_first(prep, request, free_all, candidates, include, deadline)
+        if found is None and deadline is not None and deadline.reached:
+            why = Reason(ReasonCode.NONE_IN_TIME, {"deadline_ms": request.deadline_ms})
+            return NoFit(request, why, "deadline_ms", _indices(matrix, candidates))
         if found is None:
             return _diagnose(prep, request, free_all, candidates, include)
         answer = build(prep, request, found, free_all)
+    if deadline is not None and deadline.reached and isinstance(answer, Placement):
+        answer = _not_proven(answer, deadline, request)
     if isinstance(answer, NoFit):
         return answer
     taken = sum(1 << pos_of[i] for i in answer.indices)
@@ -123,35 +132,50 @@ def place(
     return replace(answer, reasons=answer.reasons + tuple(notes)) if notes else answer
 
 
-def _search_known_first(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Found | None:
+def _not_proven(answer: Placement, deadline: Deadline, request: Request) -> Placement:
+    """The answer as the deadline left it: not proven optimal, with the bound the search
+    established, and its bottleneck no longer claimed best."""
+    bound = deadline.bound_gbps
+    why = Reason(ReasonCode.NOT_PROVEN, {"deadline_ms": request.deadline_ms, "bound_gbps": bound})
+    reasons = tuple(
+        Reason(r.code, {**r.params, "proven": False}) if r.code is ReasonCode.BOTTLENECK else r for r in answer.reasons
+    )
+    return replace(answer, reasons=(why, *reasons), proven_optimal=False, bandwidth_bound_gbps=bound)
+
+
+def _search_known_first(
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None
+) -> Found | None:
     """GPUs whose links are unknown come last: the best set of GPUs with known links (and
     what ``include`` names); else every known GPU plus the fewest unknown ones; else any."""
     unknown = candidates & prep.links_unknown & ~include
     if unknown:
         known = candidates & ~unknown
-        found = Search(prep, request, free_all, known, include).run()
+        found = Search(prep, request, free_all, known, include, deadline).run()
         if found is not None:
             return found
         if known.bit_count() < request.gpus:
-            found = Search(prep, request, free_all, candidates, include | known).run()
+            found = Search(prep, request, free_all, candidates, include | known, deadline).run()
             if found is not None:
                 return found
-    return Search(prep, request, free_all, candidates, include).run()
+    return Search(prep, request, free_all, candidates, include, deadline).run()
 
 
-def _place_tier(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> Placement | NoFit:
+def _place_tier(
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None
+) -> Placement | NoFit:
     """``affinity`` asked: the tier's answer, else (``fallback``) the best lower tier's,
     else a no fit naming ``affinity`` with the best answer without it (placement.tiers)."""
     asked = request.affinity
     rank = list(Affinity).index  # strictest first
     for tier in (asked, *asked.fallbacks()) if request.fallback else (asked,):
-        found = search_tier(prep, request, tier, free_all, candidates, include)
+        found = search_tier(prep, request, tier, free_all, candidates, include, deadline)
         if found is None:
             continue
         answer = build(prep, request, found, free_all, fell_back=tier is not asked)
         if rank(answer.affinity) <= rank(tier):
             return answer
-    plain = Search(prep, request, free_all, candidates, include).run()
+    plain = Search(prep, request, free_all, candidates, include, deadline).run()
     if plain is None:
         return _diagnose(prep, request, free_all, candidates, include)
     best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all)

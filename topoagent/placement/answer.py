@@ -65,6 +65,10 @@ class Placement:
     affinity: Affinity = Affinity.ANY  # the strictest tier the answer meets (placement.tiers)
     satisfaction: float = 1.0  # share of the pattern's links that are local (placement.tiers)
     estimate: Estimate | None = None  # ring all-reduce model; None for one GPU
+    # False when the request's deadline stopped the search: the best set found in time,
+    # and the bandwidth no set can exceed as far as the search got (None: not bounded).
+    proven_optimal: bool = True
+    bandwidth_bound_gbps: float | None = None
 
     fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
 

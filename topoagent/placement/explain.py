@@ -34,6 +34,7 @@ class ReasonCode(enum.StrEnum):
     AFFINITY_FELL_BACK = "affinity_fell_back"  # asked, met
     UNHEALTHY_LEFT_OUT = "unhealthy_left_out"  # gpus (indices), why (one line per GPU)
     UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
+    NOT_PROVEN = "not_proven"  # deadline_ms, bound_gbps (None: the search bounded no bandwidth)
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -44,6 +45,7 @@ class ReasonCode(enum.StrEnum):
     CONSTRAINTS_CONFLICT = "constraints_conflict"  # fields
     NOTHING_MEETS = "nothing_meets"
     AFFINITY_UNREACHABLE = "affinity_unreachable"  # gpus, affinity, met
+    NONE_IN_TIME = "none_in_time"  # deadline_ms
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,9 +80,16 @@ class _Params:
 
 def _bottleneck(p: _Params) -> str:
     held = f" holding GPUs {p.gpus('held')}" if p["held"] else ""
+    claim = f"no free set of {p['gpus']}{held} does better" if p.params.get("proven", True) else "best found in time"
+    return f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']}); {claim}"
+
+
+def _not_proven(p: _Params) -> str:
+    bound = p["bound_gbps"]
     return (
-        f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} "
-        f"(GPU{p['a_index']}-GPU{p['b_index']}); no free set of {p['gpus']}{held} does better"
+        f"not proven optimal: the search stopped at the {p['deadline_ms']} ms {p.field_name('deadline_ms')} "
+        "with the best set found so far"
+        + (f"; bandwidth <= {bound:g} GB/s for every set" if bound is not None else "")
     )
 
 
@@ -115,6 +124,11 @@ _TEMPLATES = {
     ),
     ReasonCode.UNHEALTHY_LEFT_OUT: lambda p: (
         f"left out GPU(s) {p.gpus('gpus')} ({'; '.join(p['why'])}); {p.field_name('include')} names a GPU to use it anyway"
+    ),
+    ReasonCode.NOT_PROVEN: _not_proven,
+    ReasonCode.NONE_IN_TIME: lambda p: (
+        f"no set meeting the request was found within the {p['deadline_ms']} ms {p.field_name('deadline_ms')} "
+        "(not proven that none exists)"
     ),
     ReasonCode.UNKNOWN_LINKS_TAKEN: lambda p: (
         f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because "

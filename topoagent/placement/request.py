@@ -31,6 +31,7 @@ from topoagent.vocabulary import Affinity, Pattern
 
 REQUEST_FIELDS = (
     "gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "affinity", "fallback", "message_bytes",
+    "deadline_ms",
 )
 # Bounds on what a request may ask; the same at every door and in the JSON Schema.
 REQUEST_LIMITS = {
@@ -38,7 +39,10 @@ REQUEST_LIMITS = {
     "gpu_index_max": 1023,
     "nics_max": 64,
     "message_bytes_max": 1 << 40,  # 1 TiB: far above any one collective, small enough to print
+    "deadline_ms_max": 60_000,  # a minute: longer is a stall, not a search
 }
+# The service's deadline for a request that names none ([placement] deadline_ms), and place --batch's.
+SERVICE_DEADLINE_MS = 20
 _PATTERN_NAMES = ", ".join(p.value for p in Pattern)
 _AFFINITY_NAMES = ", ".join(a.value for a in Affinity)
 
@@ -159,6 +163,7 @@ class Request:
     affinity: Affinity = Affinity.ANY  # the tier the answer must meet (placement.tiers)
     fallback: bool = False  # settle for the best lower tier instead of no fit
     message_bytes: int | None = None  # the all-reduce size the estimate is for; None: a default
+    deadline_ms: int | None = None  # when the search stops with its best so far; None: no limit (the door's default)
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -174,6 +179,8 @@ class Request:
         _flag("fallback", self.fallback)
         if self.message_bytes is not None:
             put(self, "message_bytes", _whole_number("message_bytes", self.message_bytes, 1, REQUEST_LIMITS["message_bytes_max"]))
+        if self.deadline_ms is not None:
+            put(self, "deadline_ms", _whole_number("deadline_ms", self.deadline_ms, 1, REQUEST_LIMITS["deadline_ms_max"]))
         if both := sorted(set(self.include) & set(self.exclude)):
             raise RequestError("include", f"GPU {both[0]} is both included and excluded")
         if len(self.include) > self.gpus:
@@ -214,6 +221,8 @@ def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Re
         fields["fallback"] = _flag("fallback", obj["fallback"])
     if "message_bytes" in obj:  # null too is refused: leave it out for the default
         fields["message_bytes"] = _whole_number("message_bytes", obj["message_bytes"], 1, REQUEST_LIMITS["message_bytes_max"])
+    if "deadline_ms" in obj:  # null too is refused: leave it out for the door's default
+        fields["deadline_ms"] = _whole_number("deadline_ms", obj["deadline_ms"], 1, REQUEST_LIMITS["deadline_ms_max"])
     return Request(**fields)
 
 
@@ -244,5 +253,8 @@ def request_json_schema() -> dict[str, Any]:
                          "description": "When `affinity` cannot be met, answer with the best lower tier (and say which) instead of no fit."},
             "message_bytes": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["message_bytes_max"],
                               "description": "The all-reduce message size the answer's estimate is for (default 256 MiB)."},
+            "deadline_ms": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["deadline_ms_max"],
+                            "description": "When the search stops and answers with the best set found so far "
+                                           "(`proven_optimal` false; default: the service's `[placement] deadline_ms`)."},
         },
     }

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import combinations
+from itertools import combinations, pairwise
 from math import comb
+from time import monotonic
 from typing import TYPE_CHECKING, Any
 
 from topoagent.cpulist import format_cpulist, parse_cpulist
@@ -51,7 +52,52 @@ def connected_components(verts: int, adjacency: list[int]) -> list[int]:
 
 
 NO_NIC = 99
+
+
+class DeadlineReached(Exception):
+    """The search's time is up: the caller answers with the best set found so far."""
+
+
+class Deadline:
+    """A point on the monotonic clock a search stops at.  The clock is read every
+    CHECK_EVERY steps (a step is one branch or one Hamiltonian extension, a few
+    microseconds): cheap next to the search, and far finer than a millisecond."""
+
+    CHECK_EVERY = 16
+    # The search stops this much before the deadline (a quarter of it at most): building
+    # the answer from the set takes a fraction of a millisecond, more on a loaded machine.
+    ANSWER_RESERVE_S = 0.002
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.at = monotonic() + seconds - min(self.ANSWER_RESERVE_S, seconds / 4)
+        self.left = self.CHECK_EVERY
+        self.reached = False
+        self.suspended = False  # while a search finds its first, cheap answer
+        self.bound_gbps: float | None = None  # what the stopped search could still prove
+
+    def tick(self) -> None:
+        self.left -= 1
+        if self.left <= 0:
+            self.left = self.CHECK_EVERY
+            if self.suspended:
+                return
+            if self.reached or monotonic() >= self.at:
+                self.reached = True
+                raise DeadlineReached
+
+
+def tick(deadline: Deadline | None) -> None:
+    if deadline is not None:
+        deadline.tick()
+
+
 SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
+# Caps on the per-matrix memos, so a node's tables stay a few MB at 128 GPUs (bench/placement.py
+# measures them): past a cap a memo starts again empty, costing time, never answers.
+HAM_MEMO_MAX = 50_000
+WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
+NIC_COST_MAX = 50_000
 
 
 class Prepared:
@@ -82,6 +128,7 @@ class Prepared:
             for i in range(n)
         ]
         self.n_ranks = len(ordered)
+        self.rank_gbps = [key[0] for key in ordered]  # a threshold's bandwidth, for bounds
         # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
         self.rank_exact = [[0] * n for _ in ordered]
         for i in range(n):
@@ -331,11 +378,20 @@ class Prepared:
             groups |= self.numa_bit[v]
         return groups
 
-    def small_table(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
+    def has_small_table(self, pattern: Pattern, k: int) -> bool:
+        return comb(self.n, k) <= SMALL_TABLE_SETS
+
+    def small_table_if_built(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
+        return self._small_tables.get((pattern, k))
+
+    def small_table(
+        self, pattern: Pattern, k: int, deadline: Deadline | None = None
+    ) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
         """Every k-set of the node with its best pattern rank, NUMA distance, NUMA count
         and order, best first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
         k near 1 or n elsewhere).  Built once per (pattern, k); a query then scans it
-        instead of searching, which on such nodes is several times faster."""
+        instead of searching, which on such nodes is several times faster.  A build the
+        deadline stops is not kept."""
         if comb(self.n, k) > SMALL_TABLE_SETS:
             return None
         key = (pattern, k)
@@ -350,7 +406,7 @@ class Prepared:
             order: tuple[int, ...] | None
             rank, order = -1, verts
             if links:
-                rank, order = self._best_rank(mask, verts, pattern)
+                rank, order = self._best_rank(mask, verts, pattern, deadline)
                 if order is None:
                     continue
             rows.append((mask, rank, self.numa_span(groups), groups.bit_count(), order))
@@ -358,7 +414,9 @@ class Prepared:
         self._small_tables[key] = rows
         return rows
 
-    def _best_rank(self, mask: int, verts: tuple[int, ...], pattern: Pattern) -> tuple[int, tuple[int, ...] | None]:
+    def _best_rank(
+        self, mask: int, verts: tuple[int, ...], pattern: Pattern, deadline: Deadline | None
+    ) -> tuple[int, tuple[int, ...] | None]:
         rank = self.rank
         pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
         if pattern is Pattern.ALLTOALL:
@@ -366,7 +424,7 @@ class Prepared:
         if len(verts) == 2:
             return pairs[0], tuple(sorted(verts))
         for r in sorted(set(pairs), reverse=True):
-            order = self.ham(mask, r, pattern is Pattern.ALLREDUCE)
+            order = self.ham(mask, r, pattern is Pattern.ALLREDUCE, deadline)
             if order is not None:
                 return r, order
         return -1, None
@@ -379,7 +437,7 @@ class Prepared:
         key = (mask, wanted)
         got = self._nic_cost.get(key)
         if got is None:
-            if len(self._nic_cost) > 100_000:
+            if len(self._nic_cost) > NIC_COST_MAX:
                 self._nic_cost.clear()
             got = self._nic_cost[key] = self._nic_cost_of(mask, wanted)
         return got
@@ -398,18 +456,18 @@ class Prepared:
         chosen = dists[:wanted]
         return sum(kv for kv, _ in chosen), sum(rate for _, rate in chosen)
 
-    def ham(self, mask: int, r: int, cycle: bool) -> tuple[int, ...] | None:
+    def ham(self, mask: int, r: int, cycle: bool, deadline: Deadline | None = None) -> tuple[int, ...] | None:
         """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
         key = (mask, r, cycle)
         if key in self.ham_memo:
             return self.ham_memo[key]
-        if len(self.ham_memo) > 200_000:
+        if len(self.ham_memo) > HAM_MEMO_MAX:
             self.ham_memo.clear()
-        result = self._ham_search(mask, self.adj(r), cycle)
+        result = self._ham_search(mask, self.adj(r), cycle, deadline)
         self.ham_memo[key] = result
         return result
 
-    def _ham_search(self, mask: int, adj: list[int], cycle: bool) -> tuple[int, ...] | None:
+    def _ham_search(self, mask: int, adj: list[int], cycle: bool, deadline: Deadline | None) -> tuple[int, ...] | None:
         verts = sorted(bits(mask), key=self.hier_pos.__getitem__)
         k = len(verts)
         if k == 1:
@@ -429,6 +487,8 @@ class Prepared:
             path = [start]
 
             def extend(last: int, visited: int) -> bool:
+                if deadline is not None:
+                    deadline.tick()
                 if len(path) == k:
                     return not cycle or bool(adj[last] & (1 << start))
                 left = mask & ~visited
@@ -468,6 +528,28 @@ def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
     return prepared
 
 
+def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
+    """Build the matrix's tables before any request needs them (the agent does this when
+    it builds a snapshot, off its event loop): the per-matrix bitmasks, the adjacency at
+    every threshold, the classes and the small tables of k-sets.  A small table that does
+    not finish within ``budget_s`` is left for requests to build under their deadlines."""
+    prep = prepare(matrix, None)
+    if prep.n_ranks <= WARM_RANKS_MAX:
+        for r in range(prep.n_ranks):
+            prep.adj(r)
+    prep.classes(False)
+    prep.classes(True)
+    deadline = Deadline(budget_s)
+    try:
+        for pattern in Pattern:
+            for k in range(1, prep.n + 1):
+                if prep.has_small_table(pattern, k):
+                    prep.small_table(pattern, k, deadline)
+    except DeadlineReached:
+        pass
+    return prep
+
+
 # --- the search -----------------------------------------------------------------------
 
 
@@ -502,8 +584,24 @@ class Found:
 class Search:
     """Branch and bound over interchangeable-GPU classes at one bandwidth threshold."""
 
-    def __init__(self, prep: Prepared, req: Request, free_all: int, candidates: int, include: int):
+    def __init__(
+        self,
+        prep: Prepared,
+        req: Request,
+        free_all: int,
+        candidates: int,
+        include: int,
+        deadline: Deadline | None = None,
+    ):
         self.prep = prep
+        self.deadline = deadline
+        # What run() leaves when the deadline stopped it: proven False, the best set found
+        # at any threshold, and the best threshold not ruled out (its bandwidth bounds
+        # every set's; None when links do not matter or nothing was ruled in).
+        self.proven = True
+        self.best_so_far: Found | None = None
+        self.best_value = -2
+        self.bound_rank: int | None = None
         self.req = req
         self.k = req.gpus
         self.nics = req.nics
@@ -518,18 +616,49 @@ class Search:
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
 
+    @property
+    def bandwidth_bound_gbps(self) -> float | None:
+        return None if self.bound_rank is None else self.prep.rank_gbps[self.bound_rank]
+
     def run(self) -> Found | None:
-        table = self.prep.small_table(self.req.pattern, self.k)
-        if table is not None:
-            return self._scan(table)
+        """The best set; when the deadline stops the search first, the best set found so
+        far (``proven`` False), or None when none was found in time."""
+        self.best: Found | None = None
+        try:
+            return self._run()
+        except DeadlineReached:
+            self.proven = False
+            self._offer(self.best)  # the threshold being searched when time ran out
+            if self.best_so_far is not None and self.deadline is not None:
+                self.deadline.bound_gbps = self.bandwidth_bound_gbps
+            return self.best_so_far
+
+    def _run(self) -> Found | None:
+        prep = self.prep
+        pattern = self.req.pattern
+        if prep.has_small_table(pattern, self.k):
+            built = prep.small_table_if_built(pattern, self.k)
+            if built is None:
+                # Not warmed (or dropped): have an answer before building it under the deadline.
+                if self._seed() is None:
+                    return None  # none at the lowest threshold: the table would hold none
+                built = prep.small_table(pattern, self.k, self.deadline)
+            assert built is not None  # has_small_table said so
+            return self._scan(built)
         if not self.links_needed():
+            self._seed()
             return self._search_at(None, stop_at_first=False)
         present = self._ranks_present()
         if not present:
             return None
+        # A first answer at the lowest threshold (every link qualifies): a best-fit descent.
+        # No set there means no set at all (feasibility only falls as the threshold rises).
+        if self._seed(present) is None:
+            return None
         # Feasibility falls as the threshold rises: find the best feasible one.
         if len(present) <= 8:
             for r in reversed(present):
+                self.bound_rank = r  # every better threshold is ruled out
                 if not self._feasible_on_idle_node(r):
                     continue
                 found = self._search_at(r, stop_at_first=False)
@@ -537,17 +666,63 @@ class Search:
                     return found
             return None
         lo, hi = 0, len(present) - 1  # present ascending; find the highest feasible
-        if self._search_at(present[lo], stop_at_first=True) is None:
-            return None
+        self.bound_rank = present[hi]
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self._feasible_on_idle_node(present[mid]) and (
-                self._search_at(present[mid], stop_at_first=True) is not None
+                self._offer(self._search_at(present[mid], stop_at_first=True)) is not None
             ):
                 lo = mid
             else:
                 hi = mid - 1
+                self.bound_rank = present[hi]
         return self._search_at(present[lo], stop_at_first=False)
+
+    def _seed(self, present: list[int] | None = None) -> Found | None:
+        """A first answer, found before the deadline is looked at: the first leaf of a
+        best-fit descent at the lowest threshold, which every link meets, so it needs no
+        backtracking.  With a ``min_level`` a set is a clique of close pairs and finding one
+        may take long: that descent keeps to the deadline."""
+        if self.links_needed():
+            present = present if present is not None else self._ranks_present()
+            if not present:
+                return None
+            self.bound_rank = present[-1]  # no set beats its best link
+        r = present[0] if present else None
+        deadline = self.deadline
+        cheap = deadline is not None and self.h_adj is None
+        if cheap:
+            assert deadline is not None
+            deadline.suspended = True
+        try:
+            return self._offer(self._search_at(r, stop_at_first=True))
+        finally:
+            if cheap:
+                assert deadline is not None
+                deadline.suspended = False
+
+    def _offer(self, found: Found | None) -> Found | None:
+        """Keep ``found`` as the best so far when its own order's bandwidth is higher, or
+        equal with better later terms."""
+        if found is not None:
+            value = self._order_rank(found.order)
+            best = self.best_so_far
+            if best is None or value > self.best_value or (value == self.best_value and found.key < best.key):
+                self.best_so_far, self.best_value = found, value
+        return found
+
+    def _order_rank(self, order: tuple[int, ...]) -> int:
+        """The rank of the weakest link the pattern uses in this order (-1: no links)."""
+        if not self.links_needed() or len(order) < 2:
+            return -1
+        rank = self.prep.rank
+        pattern = self.req.pattern
+        if pattern is Pattern.ALLTOALL:
+            return min(rank[a][b] for i, a in enumerate(order) for b in order[i + 1 :])
+        steps = list(pairwise(order))
+        if pattern is Pattern.ALLREDUCE and len(order) >= 3:
+            steps.append((order[-1], order[0]))
+        return min(rank[a][b] for a, b in steps)
 
     def _scan(self, table: list[tuple[int, int, int, int, tuple[int, ...]]]) -> Found | None:
         """The best set from the node's table of all k-sets (see Prepared.small_table)."""
@@ -638,7 +813,10 @@ class Search:
         key = (self.req.pattern, self.k, r)
         got = self.prep.idle_feasible.get(key)
         if got is None:
-            idle = Search(self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0)
+            idle = Search(
+                self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0,
+                self.deadline,
+            )
             got = self.prep.idle_feasible[key] = idle._search_at(r, stop_at_first=True) is not None
         return got
 
@@ -705,7 +883,7 @@ class Search:
         self.allowed = allowed
         self.r = r
         self.check_order = r is not None and pattern in (Pattern.ALLREDUCE, Pattern.PIPELINE) and k >= 3
-        self.best: Found | None = None
+        self.best = None
         self.stop_at_first = stop_at_first
         classes_all = prep.classes(self.nics > 0)
         for comp in comps:
@@ -865,6 +1043,8 @@ class Search:
         return touched
 
     def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+        if self.deadline is not None:
+            self.deadline.tick()
         if rem == 0:
             self._leaf(taken, dmg)
             return
@@ -917,7 +1097,7 @@ class Search:
         order: tuple[int, ...] | None
         if self.check_order:
             assert self.r is not None  # check_order is only ever set with a level
-            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE)
+            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE, self.deadline)
             if order is None:
                 return
         elif self.r is not None and self.k == 2:

@@ -96,3 +96,33 @@ def node_32() -> DistanceMatrix:
 def pcie_16() -> DistanceMatrix:
     """16 PCIe GPUs: 2 sockets x 4 switches x 2 GPUs, no NVLink."""
     return tree_node(2, 4, 2)
+
+
+def nvswitch_node(n: int, sockets: int = 2) -> DistanceMatrix:
+    """``n`` GPUs all NV18 (one NVSwitch fabric), split evenly over ``sockets``, no NICs."""
+    per = n // sockets
+    sock = [i // per for i in range(n)]
+    levels = [["X" if i == j else "NV18" for j in range(n)] for i in range(n)]
+    cpus = [f"{s * 16}-{s * 16 + 15}" for s in sock]
+    return build(levels, sock, cpus, [], socket_distances(sockets))
+
+
+def irregular_mesh(n: int, seed: int = 1, p: float = 0.3, socket_size: int = 8) -> DistanceMatrix:
+    """An NVLink mesh with no symmetry (a mesh with failed links is such a node): each pair
+    NV1 or NV2 with probability ``p``, else NODE within a socket of ``socket_size`` GPUs
+    and SYS across.  Deterministic for a seed."""
+    import random
+
+    rng = random.Random(seed)
+    sock = [i // socket_size for i in range(n)]
+    levels = [["X"] * n for _ in range(n)]
+    for i in range(n):
+        for j in range(i + 1, n):
+            if rng.random() < p:
+                level = rng.choice(("NV1", "NV2"))
+            else:
+                level = "NODE" if sock[i] == sock[j] else "SYS"
+            levels[i][j] = levels[j][i] = level
+    sockets = sock[-1] + 1
+    cpus = [f"{s * 16}-{s * 16 + 15}" for s in sock]
+    return build(levels, sock, cpus, [], socket_distances(sockets) if sockets <= 4 else None)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from topoagent.levels import LevelKind, LinkLevel
-from topoagent.placement.search import Found, Prepared, Search, bits
+from topoagent.placement.search import Deadline, Found, Prepared, Search, bits
 from topoagent.vocabulary import Affinity
 
 if TYPE_CHECKING:
@@ -141,18 +141,21 @@ def tier_met(prep: Prepared, mask: int, links: tuple[PatternLink, ...]) -> Affin
     return Affinity.BETTER
 
 
-def search_tier(prep: Prepared, req: Request, tier: Affinity, free_all: int, candidates: int, include: int) -> Found | None:
+def search_tier(
+    prep: Prepared, req: Request, tier: Affinity, free_all: int, candidates: int, include: int,
+    deadline: Deadline | None = None,
+) -> Found | None:
     """The search for ``req`` under ``tier``'s constraints (module docstring); the caller
     checks the answer with ``tier_met``."""
     if tier is Affinity.BEST:
-        return Search(prep, replace(req, single_numa=True), free_all, candidates, include).run()
+        return Search(prep, replace(req, single_numa=True), free_all, candidates, include, deadline).run()
     if tier is Affinity.ANY:
-        return Search(prep, req, free_all, candidates, include).run()
+        return Search(prep, req, free_all, candidates, include, deadline).run()
     best: Found | None = None
     for socket in tier_tables(prep).socket_masks:
         if include & ~socket or (candidates & socket).bit_count() < req.gpus:
             continue
-        found = Search(prep, req, free_all, candidates & socket, include).run()
+        found = Search(prep, req, free_all, candidates & socket, include, deadline).run()
         if found is not None and (best is None or _better(found, best)):
             best = found
     return best
