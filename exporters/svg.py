@@ -431,7 +431,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
             short = line if len(line) <= cap else line[:cap - 1] + "…"
             parts.append(f'<text class="finding" data-severity="{_esc(f.severity)}" x="0" y="{30 + k * 15}" '
                          f'font-size="11" fill="{COLORS.get(f.severity, COLORS["text"])}">'
-                         f"<title>{_esc(line)} ({_esc(f.source)})</title>{_esc(short)}</text>")
+                         f"{_esc(short)}<title>{_esc(line)} ({_esc(f.source)})</title></text>")
         parts.append("</g>")
         y += 30 + 15 * len(findings)
         width = max(width, min(max_width, MARGIN * 2 + 6.6 * max(len(f"{f.severity}: {f.subject}: {f.message}")
