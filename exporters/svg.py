@@ -422,6 +422,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
         lx += 40 + 7 * len(text)
     parts.append("</g>")
     y = legend_y + 50
+    width = max(width, min(max_width, MARGIN * 2 + lx))  # the legend never clipped
     if findings:
         cap = int((max_width - 2 * MARGIN) / 6.6)  # 11 px text, about 6.6 px a character
         parts.append(f'<g class="findings" transform="translate({MARGIN},{y:.1f})">')
