@@ -28,7 +28,7 @@ from topoagent.exporters.connections import ConnectionGuard
 from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
-from topoagent.exporters.svg import render_page
+from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.schema import answer_document, lease_document
@@ -474,18 +474,27 @@ def _not_modified(request: web.Request, etag: str) -> bool:
 
 
 async def index(request: web.Request) -> web.Response:
-    """The picture of the node: an HTML page with the SVG drawn here (no script)."""
-    snapshot = _ready_snapshot(request.app[AGENT])
-    body, etag = await asyncio.to_thread(snapshot.cached, "page", lambda: _page(snapshot))  # once per snapshot, off the loop
+    """The picture of the node as the agent knows it now (leases, busy GPUs, every
+    finding), drawn here; a few lines of script poll this door with If-None-Match."""
+    agent = request.app[AGENT]
+    snapshot = _ready_snapshot(agent)
+    leased, busy = frozenset(agent.holding().holder), agent.gpus_with_processes()
+    key = f"page {sorted(leased)} {sorted(busy)}"  # the page shows leases and busy GPUs: they key it too
+    body, etag = await asyncio.to_thread(snapshot.cached, key, lambda: _page(snapshot, leased, busy))  # off the loop
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
     return web.Response(body=body, content_type="text/html", charset="utf-8", headers=headers)
 
 
-def _page(snapshot: Snapshot) -> tuple[bytes, str]:
-    body = render_page(snapshot.node, snapshot.matrix).encode()
-    return body, etag_of(body)
+def _page(snapshot: Snapshot, leased: frozenset[int], busy: frozenset[int]) -> tuple[bytes, str]:
+    page = render_page(snapshot.node, snapshot.matrix, findings=snapshot.findings, leased=leased, busy=busy,
+                       live_ms=PAGE_POLL_MS)
+    etag = etag_of(page.encode())  # of the page with its slot empty, then stamped into it
+    return page.replace(ETAG_SLOT, f"data-etag='{etag}'", 1).encode(), etag
+
+
+PAGE_POLL_MS = 3000
 
 
 async def probe(request: web.Request) -> web.Response:

@@ -30,19 +30,22 @@ from dataclasses import dataclass, field
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import Finding, GpuTopo, NicTopo, NodeTopology
 
-GPU_W, GPU_H = 92, 58
-NIC_W, NIC_H = 92, 40
+GPU_W, GPU_H = 92, 64
+NIC_W, NIC_H = 92, 50
 GAP = 10
 SW_PAD, SW_TITLE = 10, 20
 NUMA_PAD, NUMA_TITLE = 12, 26
 EMPTY_NUMA_W = 130
 MARGIN = 20
+MAX_WIDTH = 1320  # 1366 px screen less the page's padding and a scrollbar
+LANE = 64  # room under a row for its NVLink drops and the fabric bus
 
 COLORS = {
     "gpu": "#76b900", "gpu_text": "#10240a", "nic": "#3b82c4", "nic_down": "#9aa5b1",
     "numa": "#f4f6f8", "numa_stroke": "#5b6b7b", "switch": "#ffffff", "switch_stroke": "#8a99a8",
     "nvlink": "#2f7d1c", "fabric": "#1f5f12", "critical": "#d1242f", "warning": "#e08a00",
     "info": "#6e7781", "text": "#1f2328", "muted": "#57606a",
+    "leased": "#8250df", "busy": "#bf8700",
 }
 SEVERITY_RANK = {"critical": 3, "warning": 2, "info": 1}
 
@@ -82,7 +85,7 @@ def _short_model(model: str | None) -> str:
     if not model:
         return "GPU"
     text = model.removeprefix("NVIDIA ").removeprefix("Tesla ")
-    return text if len(text) <= 14 else text[:13] + "…"
+    return text if len(text) <= 13 else text[:12] + "…"
 
 
 def _switch_of(topology: NodeTopology, address: str | None) -> tuple[str | None, str]:
@@ -94,7 +97,7 @@ def _switch_of(topology: NodeTopology, address: str | None) -> tuple[str | None,
     return dev.bridges[0], f"root port {dev.bridges[0].removeprefix('0000:')}"
 
 
-def _device_findings(topology: NodeTopology) -> dict[str, list[Finding]]:
+def _device_findings(topology: NodeTopology, findings: tuple[Finding, ...]) -> dict[str, list[Finding]]:
     """Findings per GPU/NIC name, matched by name, RDMA device or a PCI address on its path."""
     names: dict[str, str] = {}
     for g in topology.gpus:
@@ -108,7 +111,7 @@ def _device_findings(topology: NodeTopology) -> dict[str, list[Finding]]:
         if n.pci_address:
             names[n.pci_address] = n.name
     by_device: dict[str, list[Finding]] = {}
-    for finding in topology.findings:
+    for finding in findings:
         tokens = set(re.split(r"[\s/,()]+", f"{finding.subject} {finding.message}"))
         hits = {names[t] for t in tokens if t in names}
         for name in hits:
@@ -137,10 +140,28 @@ def _measured(matrix: DistanceMatrix | None) -> dict[frozenset[str], float]:
     return out
 
 
-def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> str:
-    findings_of = _device_findings(topology)
+def _fabric_gbps(fabric: dict[str, int], measured: dict[frozenset[str], float]) -> dict[str, float]:
+    """GPU name -> mean fresh measured GB/s to the other fabric GPUs (a bus has no pair
+    edges to label, so each GPU's drop carries its own figure)."""
+    out: dict[str, float] = {}
+    for name in fabric:
+        figures = [g for pair, g in measured.items() if name in pair and len(pair) == 2]
+        if figures:
+            out[name] = sum(figures) / len(figures)
+    return out
+
+
+def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
+               findings: tuple[Finding, ...] | None = None, leased: frozenset[int] = frozenset(),
+               busy: frozenset[int] = frozenset(), max_width: float = MAX_WIDTH, show_state: bool = False) -> str:
+    """The picture.  ``findings``: every source's (default: discovery's); ``leased`` and
+    ``busy``: GPU indices the agent has leased out / sees running processes (the page);
+    rows of NUMA nodes wrap at ``max_width`` so a 16-GPU node stays legible at 1366 px."""
+    findings = topology.findings if findings is None else findings
+    findings_of = _device_findings(topology, findings)
     fabric = _fabric(topology)
     measured = _measured(matrix)
+    fabric_gbps = _fabric_gbps(fabric, measured)
 
     # --- group devices: NUMA node -> switch -> GPUs / NICs
     numa_ids = [n.id for n in topology.numa.nodes] if topology.numa else []
@@ -157,59 +178,89 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
         else:
             switch.nics.append(dev)
 
-    # --- place NUMA boxes in one row
-    x: float = MARGIN
-    top = MARGIN + 34
-    numa_boxes: list[tuple[int | None, _Box, list[tuple[_Switch, _Box]]]] = []
-    max_h = 0.0
-    for node, switches in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+    # --- place NUMA boxes in rows, wrapping at max_width; under each row a lane for NVLink
+    def numa_width(switches: dict[str | None, _Switch]) -> float:
         if not switches:
-            box = _Box(x, top, EMPTY_NUMA_W, NUMA_TITLE + 40)
-            numa_boxes.append((node, box, []))
-            x += box.w + GAP * 2
-            continue
-        placed = []
-        sx = x + NUMA_PAD
-        ordered = sorted(switches.values(), key=lambda s: (not s.gpus, s.key or ""))
-        inner_h = max(s.height for s in ordered)
-        for s in ordered:
-            placed.append((s, _Box(sx, top + NUMA_TITLE, s.width, inner_h)))
-            sx += s.width + GAP
-        box = _Box(x, top, sx - GAP + NUMA_PAD - x, NUMA_TITLE + inner_h + NUMA_PAD)
-        numa_boxes.append((node, box, placed))
-        max_h = max(max_h, box.h)
-        x += box.w + GAP * 2
-    width = max(x - GAP * 2 + MARGIN, 640)
-    for _, box, _ in numa_boxes:
-        box.h = max(box.h, max_h) if box.h > NUMA_TITLE + 40 else box.h
+            return EMPTY_NUMA_W
+        return sum(s.width for s in switches.values()) + GAP * (len(switches) - 1) + 2 * NUMA_PAD
 
+    rows: list[list[tuple[int | None, dict[str | None, _Switch]]]] = [[]]
+    x: float = MARGIN
+    for node, switches in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0)):
+        w = numa_width(switches)
+        if rows[-1] and x + w > max_width - MARGIN:
+            rows.append([])
+            x = MARGIN
+        rows[-1].append((node, switches))
+        x += w + GAP * 2
+    numa_boxes: list[tuple[int | None, _Box, list[tuple[_Switch, _Box]]]] = []
     parts: list[str] = []
     gpu_anchor: dict[str, tuple[float, float]] = {}  # bottom centre of each GPU
+    row_of: dict[str, int] = {}
+    row_bottoms: list[float] = []
+    width: float = 640
+    top: float = MARGIN + 34
+    for r, row in enumerate(rows):
+        x = MARGIN
+        inner = [max(s.height for s in sw.values()) for _, sw in row if sw]
+        inner_h: float = max(inner, default=40)
+        for node, switches in row:
+            if not switches:
+                box = _Box(x, top, EMPTY_NUMA_W, NUMA_TITLE + 40)
+                numa_boxes.append((node, box, []))
+                x += box.w + GAP * 2
+                continue
+            placed = []
+            sx: float = x + NUMA_PAD
+            for s in sorted(switches.values(), key=lambda s: (not s.gpus, s.key or "")):
+                placed.append((s, _Box(sx, top + NUMA_TITLE, s.width, inner_h)))
+                for gi, gpu in enumerate(s.gpus):
+                    row_of[gpu.name] = r
+                    gx = sx + SW_PAD + gi * (GPU_W + GAP)
+                    gpu_anchor[gpu.name] = (gx + GPU_W / 2, top + NUMA_TITLE + inner_h - SW_PAD)
+                sx += s.width + GAP
+            box = _Box(x, top, sx - GAP + NUMA_PAD - x, NUMA_TITLE + inner_h + NUMA_PAD)
+            numa_boxes.append((node, box, placed))
+            x += box.w + GAP * 2
+        width = max(width, x - GAP * 2 + MARGIN)
+        bottom = top + NUMA_TITLE + inner_h + NUMA_PAD
+        row_bottoms.append(bottom)
+        in_fabric = any(row_of.get(n) == r for n in fabric)
+        top = bottom + (LANE + 24 if in_fabric else 24)
 
     def device_rect(name: str, kind: str, bx: float, by: float, w: float, h: float,
-                    fill: str, lines: list[str], tooltip: str) -> None:
+                    fill: str, lines: list[str], tooltip: str, state: str | None = None) -> None:
         found = findings_of.get(name, [])
         worst = max((f.severity for f in found), key=lambda s: SEVERITY_RANK.get(s, 0), default=None)
         stroke = COLORS[worst] if worst else "#33404d"
         sw = 3 if worst in ("critical", "warning") else 1
-        tip = tooltip + "".join(f"\n{f.severity}: {f.message}" for f in found)
+        tip = tooltip + (f"\n{state}" if state else "") + "".join(f"\n{f.severity}: {f.message}" for f in found)
+        hover = f' data-hover="{_esc(name)}"' if kind == "gpu" else ""
+        parts.append(f'<g class="dev"{hover}>')
+        data_state = f' data-state="{state}"' if state else ""
         parts.append(
-            f'<rect class="device {kind}" data-device="{_esc(name)}" x="{bx:.1f}" y="{by:.1f}" '
+            f'<rect class="device {kind}" data-device="{_esc(name)}"{data_state} x="{bx:.1f}" y="{by:.1f}" '
             f'width="{w}" height="{h}" rx="5" fill="{fill}" stroke="{stroke}" stroke-width="{sw}">'
             f"<title>{_esc(tip)}</title></rect>"
         )
+        color = COLORS["gpu_text"] if kind == "gpu" else "#ffffff"
         for k, line in enumerate(lines):
-            weight = ' font-weight="bold"' if k == 0 else ""
-            size = 13 if k == 0 else 10
-            parts.append(f'<text x="{bx + w / 2:.1f}" y="{by + 16 + k * 13:.1f}" font-size="{size}"'
-                         f'{weight} text-anchor="middle" fill="{COLORS["gpu_text"] if kind == "gpu" else "#ffffff"}">'
-                         f"{_esc(line)}</text>")
+            if k == 0:  # the name, left; the finding badge keeps to the right of it
+                parts.append(f'<text class="device-name" data-name-of="{_esc(name)}" x="{bx + 7:.1f}" '
+                             f'y="{by + 16:.1f}" font-size="13" font-weight="bold" fill="{color}">{_esc(line)}</text>')
+            else:
+                parts.append(f'<text x="{bx + w / 2:.1f}" y="{by + 16 + k * 13:.1f}" font-size="10" '
+                             f'text-anchor="middle" fill="{color}">{_esc(line)}</text>')
+        if state:
+            parts.append(f'<text class="state-tag" x="{bx + w / 2:.1f}" y="{by + h - 5:.1f}" font-size="9" '
+                         f'font-weight="bold" text-anchor="middle" fill="{COLORS[state]}">{state.upper()}</text>')
         if worst in ("critical", "warning"):
-            cx, cy = bx + w - 4, by + 4
+            cx, cy = bx + w - 11, by + 11
             parts.append(f'<g class="finding-badge" data-finding-for="{_esc(name)}">'
-                         f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="9" fill="{COLORS[worst]}" stroke="#fff"/>'
-                         f'<text x="{cx:.1f}" y="{cy + 4:.1f}" font-size="12" font-weight="bold" '
+                         f'<circle cx="{cx:.1f}" cy="{cy:.1f}" r="7" fill="{COLORS[worst]}" stroke="#fff"/>'
+                         f'<text x="{cx:.1f}" y="{cy + 4:.1f}" font-size="11" font-weight="bold" '
                          f'text-anchor="middle" fill="#fff">!</text></g>')
+        parts.append("</g>")
 
     for node, box, placed in numa_boxes:
         cpus = ""
@@ -243,7 +294,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
                     layer = "RoCE" if nic.ports and all(p.roce for p in nic.ports) else "IB"
                     fill = COLORS["nic"] if nic.active is not False else COLORS["nic_down"]
                     device_rect(nic.name, "nic", nx, row_y, NIC_W, NIC_H, fill,
-                                [f"{nic.name} {nic.device or ''}".strip(), f"{rate} {layer}".strip()],
+                                [nic.name, nic.device or "", f"{rate} {layer}".strip()],
                                 f"{nic.name} {nic.device or ''} {nic.pci_address or ''}")
                 row_y += NIC_H + GAP
             for k, gpu in enumerate(switch.gpus):
@@ -252,39 +303,60 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
                 link = ""
                 if gpu.link and gpu.link.max_gen:
                     link = f"PCIe{gpu.link.max_gen} x{gpu.link.current_width or '?'}"
-                device_rect(gpu.name, "gpu", gx, gy, GPU_W, GPU_H, COLORS["gpu"],
+                state = "leased" if gpu.index in leased else "busy" if gpu.index in busy else None
+                fill = {"leased": "#d8c8f7", "busy": "#f3dc8f"}.get(state or "", COLORS["gpu"])
+                device_rect(gpu.name, "gpu", gx, gy, GPU_W, GPU_H, fill,
                             [gpu.name, _short_model(gpu.model), link],
-                            f"{gpu.name} {gpu.model or ''} {gpu.pci_address or ''}")
-                gpu_anchor[gpu.name] = (gx + GPU_W / 2, gy + GPU_H)
+                            f"{gpu.name} {gpu.model or ''} {gpu.pci_address or ''}", state)
 
-    y = top + max_h + 24
+    y = row_bottoms[-1] + 24
 
-    # --- NVLink: a bus for a switch fabric, arcs for direct links
+    # --- NVLink: a bus for a switch fabric (a segment under each row), arcs for direct links
     if fabric:
-        xs = [gpu_anchor[n][0] for n in fabric if n in gpu_anchor]
-        if xs:
-            bar_y = y + 22
-            nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
+        segments: list[tuple[float, float, float]] = []  # x0, x1, bar y
+        drops: list[str] = []
+        for r, bottom in enumerate(row_bottoms):
+            names = [n for n in fabric if row_of.get(n) == r and n in gpu_anchor]
+            if not names:
+                continue
+            bar_y = bottom + 24 + 22
             usual = max(fabric.values())
-            for name, links in fabric.items():
-                if name not in gpu_anchor:
-                    continue
+            for name in names:
+                links = fabric[name]
                 gx, gy = gpu_anchor[name]
                 degraded = links < usual
                 color = COLORS["warning"] if degraded else COLORS["fabric"]
                 dash = ' stroke-dasharray="6 4"' if degraded else ""
-                parts.append(f'<line class="nvlink fabric-link" data-gpu="{_esc(name)}" x1="{gx:.1f}" y1="{gy:.1f}" '
-                             f'x2="{gx:.1f}" y2="{bar_y:.1f}" stroke="{color}" stroke-width="{_width(links):.1f}"'
-                             f'{dash}><title>{_esc(name)}: {links} NVLinks into the fabric</title></line>')
-                parts.append(f'<text x="{gx + 4:.1f}" y="{bar_y - 6:.1f}" font-size="9" fill="{color}">NV{links}</text>')
-            x0, x1 = min(xs) - 30, max(xs) + 30
-            label = f"NVSwitch fabric · {nvswitches} NVSwitch{'es' if nvswitches != 1 else ''}" if nvswitches \
-                else "NVSwitch fabric"
-            parts.append(f'<rect class="nvswitch-fabric" x="{x0:.1f}" y="{bar_y:.1f}" width="{x1 - x0:.1f}" '
+                gbps = fabric_gbps.get(name)
+                weight = links if gbps is None else gbps / 25.0
+                label = f"NV{links}" if gbps is None else f"NV{links} · {gbps:.0f} GB/s"
+                klass = f"link-{_esc(name)}"
+                drops.append(f'<line class="nvlink fabric-link {klass}" data-gpu="{_esc(name)}" x1="{gx:.1f}" '
+                             f'y1="{gy:.1f}" x2="{gx:.1f}" y2="{bar_y:.1f}" stroke="{color}" '
+                             f'stroke-width="{_width(weight):.1f}"{dash}><title>{_esc(name)}: {links} NVLinks into '
+                             f'the fabric{"" if gbps is None else f", {gbps:.0f} GB/s measured (mean)"}</title></line>')
+                drops.append(f'<text class="link-label {klass}" x="{gx + 8:.1f}" y="{bar_y - 6:.1f}" font-size="9" '
+                             f'fill="{color}">{_esc(label)}</text>')
+            xs = [gpu_anchor[n][0] for n in names]
+            segments.append((min(xs) - 30, max(xs) + 30, bar_y))
+        nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
+        label = f"NVSwitch fabric · {nvswitches} NVSwitch{'es' if nvswitches != 1 else ''}" if nvswitches \
+            else "NVSwitch fabric"
+        parts.extend(drops)
+        parts.append('<g class="nvswitch-fabric">')
+        if len(segments) > 1:  # one fabric: the row segments joined down the left margin
+            x_join = MARGIN / 2
+            parts.append(f'<rect class="fabric-join" x="{x_join - 3:.1f}" y="{segments[0][2]:.1f}" width="6" '
+                         f'height="{segments[-1][2] - segments[0][2] + 22:.1f}" fill="{COLORS["fabric"]}"/>')
+            segments = [(x_join - 3, x1, by) for _, x1, by in segments]
+        for k, (x0, x1, bar_y) in enumerate(segments):
+            parts.append(f'<rect class="fabric-segment" x="{x0:.1f}" y="{bar_y:.1f}" width="{x1 - x0:.1f}" '
                          f'height="22" rx="4" fill="{COLORS["fabric"]}"/>')
+            text = f"{label} · GPUs {len(fabric)}" if k == 0 else f"{label} (continued)"
             parts.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{bar_y + 15:.1f}" font-size="12" font-weight="bold" '
-                         f'text-anchor="middle" fill="#fff">{_esc(label)} · GPUs {len(xs)}</text>')
-            y = bar_y + 22 + 20
+                         f'text-anchor="middle" fill="#fff">{_esc(text)}</text>')
+        parts.append("</g>")
+        y = segments[-1][2] + 22 + 20
     direct = []
     for i, ga in enumerate(topology.gpus):
         for gb in topology.gpus[i + 1:]:
@@ -303,12 +375,14 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
             gbps = measured.get(frozenset((a, b)))
             stroke = _width(links) if gbps is None else _width(gbps / 25.0)
             label = f"NV{links}" if gbps is None else f"NV{links} · {gbps:.0f} GB/s"
-            parts.append(f'<path class="nvlink direct-link" data-pair="{_esc(a)}-{_esc(b)}" '
+            klass = f"link-{_esc(a)} link-{_esc(b)}"
+            parts.append(f'<path class="nvlink direct-link {klass}" data-pair="{_esc(a)}-{_esc(b)}" '
                          f'd="M{ax:.1f},{ay:.1f} C{ax:.1f},{cy:.1f} {bx:.1f},{cy:.1f} {bx:.1f},{by:.1f}" '
                          f'fill="none" stroke="{COLORS["nvlink"]}" stroke-opacity="0.75" '
                          f'stroke-width="{stroke:.1f}"><title>{_esc(a)} ↔ {_esc(b)}: {_esc(label)}</title></path>')
             mid_y = 0.25 * base + 0.75 * cy
-            parts.append(f'<text x="{(ax + bx) / 2:.1f}" y="{mid_y + 3:.1f}" font-size="10" text-anchor="middle" '
+            parts.append(f'<text class="link-label {klass}" x="{(ax + bx) / 2:.1f}" y="{mid_y + 3:.1f}" '
+                         f'font-size="10" text-anchor="middle" '
                          f'fill="{COLORS["nvlink"]}" stroke="#fff" stroke-width="3" paint-order="stroke">'
                          f"{_esc(label)}</text>")
             deepest = max(deepest, mid_y + 14)
@@ -335,6 +409,12 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
         (f'<rect x="0" y="21" width="26" height="14" rx="3" fill="{COLORS["fabric"]}"/>', "NVSwitch fabric"),
         (f'<circle cx="13" cy="28" r="8" fill="{COLORS["warning"]}"/>', "finding"),
     ]
+    if show_state:
+        items += [
+            ('<rect x="0" y="20" width="26" height="16" rx="3" fill="#d8c8f7" stroke="#33404d"/>', "leased"),
+            ('<rect x="0" y="20" width="26" height="16" rx="3" fill="#f3dc8f" stroke="#33404d"/>',
+             "busy (processes)"),
+        ]
     lx = 0
     for shape, text in items:
         parts.append(f'<g transform="translate({lx},0)">{shape}'
@@ -342,29 +422,51 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> 
         lx += 40 + 7 * len(text)
     parts.append("</g>")
     y = legend_y + 50
-    if topology.findings:
+    width = max(width, min(max_width, MARGIN * 2 + lx))  # the legend never clipped
+    if findings:
+        cap = int((max_width - 2 * MARGIN) / 6.6)  # 11 px text, about 6.6 px a character
         parts.append(f'<g class="findings" transform="translate({MARGIN},{y:.1f})">')
-        parts.append(f'<text x="0" y="12" font-size="12" font-weight="bold">Findings ({len(topology.findings)})</text>')
-        for k, f in enumerate(topology.findings):
+        parts.append(f'<text x="0" y="12" font-size="12" font-weight="bold">Findings ({len(findings)})</text>')
+        for k, f in enumerate(findings):
+            line = f"{f.severity}: {f.subject}: {f.message}"
+            short = line if len(line) <= cap else line[:cap - 1] + "…"
             parts.append(f'<text class="finding" data-severity="{_esc(f.severity)}" x="0" y="{30 + k * 15}" '
                          f'font-size="11" fill="{COLORS.get(f.severity, COLORS["text"])}">'
-                         f"{_esc(f.severity)}: {_esc(f.subject)}: {_esc(f.message)}</text>")
+                         f"{_esc(short)}<title>{_esc(line)} ({_esc(f.source)})</title></text>")
         parts.append("</g>")
-        y += 30 + 15 * len(topology.findings)
-        width = max(width, MARGIN * 2 + 7 * max(len(f"{f.severity}: {f.subject}: {f.message}")
-                                                  for f in topology.findings))
+        y += 30 + 15 * len(findings)
+        width = max(width, min(max_width, MARGIN * 2 + 6.6 * max(len(f"{f.severity}: {f.subject}: {f.message}")
+                                                                 for f in findings)))
     height = y + MARGIN
+    links_seen = {n for n in fabric if n in gpu_anchor} | {n for a, b, _ in direct for n in (a, b)}
+    held = [g.name for g in topology.gpus if g.index in leased]
+    running = [g.name for g in topology.gpus if g.index in busy and g.index not in leased]
+    state_note = (f" · leased {len(held)}" if held else "") + (f" · busy {len(running)}" if running else "")
     header = (f'<text x="{MARGIN}" y="{MARGIN + 12}" font-size="16" font-weight="bold" fill="{COLORS["text"]}">'
               f"{_esc(topology.hostname or 'node')} · {len(topology.gpus)} GPU"
               f"{'s' if len(topology.gpus) != 1 else ''} · {len(topology.nics)} NIC"
-              f"{'s' if len(topology.nics) != 1 else ''}</text>")
+              f"{'s' if len(topology.nics) != 1 else ''}{state_note}</text>")
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" class="topoagent-topology" width="{width:.0f}" '
         f'height="{height:.0f}" viewBox="0 0 {width:.0f} {height:.0f}" '
         f'font-family="DejaVu Sans, Helvetica, Arial, sans-serif">'
         f'<rect width="100%" height="100%" fill="#ffffff"/>'
-        + header + "".join(parts) + "</svg>\n"
+        + _hover_style([g.name for g in topology.gpus if g.name in links_seen]) + header + "".join(parts) + "</svg>\n"
     )
+
+
+def _hover_style(gpus: list[str]) -> str:
+    """Hovering a GPU highlights its NVLinks and dims the rest (CSS only: works in the
+    file and the page alike).  Each link drawing carries ``link-GPUn`` for both ends."""
+    if not gpus:
+        return ""
+    rules = ["text{pointer-events:none}.dev{cursor:default}"]
+    for name in gpus:
+        on = f'svg:has([data-hover="{name}"]:hover)'
+        rules.append(f"{on} .nvlink:not(.link-{name}),{on} .link-label:not(.link-{name}){{opacity:.12}}"
+                     f"{on} .nvlink.link-{name}{{stroke:{COLORS['critical']};stroke-opacity:1}}"
+                     f"{on} .link-label.link-{name}{{fill:{COLORS['critical']};font-weight:bold}}")
+    return "<style>" + "".join(rules) + "</style>"
 
 
 def _width(weight: float) -> float:
@@ -372,9 +474,36 @@ def _width(weight: float) -> float:
     return max(1.5, min(12.0, 1.2 + weight * 0.8))
 
 
-def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None) -> str:
-    """A standalone HTML page (inline SVG, inline CSS; nothing fetched, no script)."""
+# The page's live refresh: poll / with If-None-Match; on 200 swap the picture in place.
+# The agent stamps the page's own ETag into <body data-etag> so the first poll is a 304.
+_LIVE = (
+    "<script>(()=>{let tag=document.body.dataset.etag;const note=document.getElementById('live');"
+    "const poll=async()=>{try{const r=await fetch(location.pathname,{headers:{'If-None-Match':tag},"
+    "cache:'no-store',credentials:'same-origin'});"
+    "if(r.status===200){const d=new DOMParser().parseFromString(await r.text(),'text/html');"
+    "document.querySelector('svg.topoagent-topology').replaceWith(d.querySelector('svg.topoagent-topology'));"
+    "tag=r.headers.get('ETag')||'';document.body.dataset.etag=tag;note.textContent='live: updated '+"
+    "new Date().toLocaleTimeString()}else if(r.status!==304){note.textContent='live refresh stopped: HTTP '+"
+    "r.status+' (reload with the token to resume)';return}}catch(e){note.textContent='live: agent unreachable, retrying'}"
+    "setTimeout(poll,POLL_MS)};setTimeout(poll,POLL_MS)})()</script>"
+)
+ETAG_SLOT = 'data-etag=""'
+
+
+def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
+                findings: tuple[Finding, ...] | None = None, leased: frozenset[int] = frozenset(),
+                busy: frozenset[int] = frozenset(), live_ms: int | None = None) -> str:
+    """A standalone HTML page (inline SVG, inline CSS; nothing fetched from elsewhere).
+
+    With ``live_ms`` (the agent's ``/``) the page shows the agent's state (leases, busy
+    GPUs, every source's findings) and carries a few lines of script that poll ``/`` every
+    ``live_ms`` with If-None-Match and swap the picture when it changed; the caller fills
+    ``data-etag=""`` (``ETAG_SLOT``) with the page's ETag.  Without it: no script at all."""
     title = f"topoagent · {topology.hostname or 'node'}"
+    live = live_ms is not None
+    script = _LIVE.replace("POLL_MS", str(live_ms)) if live else ""
+    note = ('<span id="live">live: polling every '
+            f'{(live_ms or 0) / 1000:g} s</span> · ') if live else ""
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{_esc(title)}</title>"
@@ -382,12 +511,13 @@ def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None) ->
         "<style>body{margin:0;padding:12px;font-family:DejaVu Sans,Helvetica,Arial,sans-serif;"
         "color:#1f2328;background:#fff}h1{font-size:18px;margin:0 0 8px}"
         ".error{color:#d1242f}.warning{color:#e08a00}.info{color:#6e7781}"
-        "svg{max-width:100%;height:auto}ul{font-size:13px}</style></head><body>"
+        "svg{max-width:100%;height:auto}ul{font-size:13px}</style></head>"
+        f"{f'<body {ETAG_SLOT}>' if live else '<body>'}"
         f"<h1>{_esc(title)}</h1>"
-        f"{render_svg(topology, matrix)}"
-        "<p style=\"font-size:12px;color:#57606a\">JSON: <a href=\"/topology\">/topology</a> · "
+        f"{render_svg(topology, matrix, findings=findings, leased=leased, busy=busy, show_state=live or bool(leased or busy))}"
+        f"<p style=\"font-size:12px;color:#57606a\">{note}JSON: <a href=\"/topology\">/topology</a> · "
         "metrics: <a href=\"/metrics\">/metrics</a></p>"
-        "</body></html>\n"
+        f"{script}</body></html>\n"
     )
 
 
