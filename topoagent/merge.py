@@ -35,6 +35,7 @@ from topoagent.model import (
     InterfaceTopo,
     NicTopo,
     NodeTopology,
+    NvlinkDomain,
     Pair,
 )
 from topoagent.vocabulary import FindingKind, Severity
@@ -229,6 +230,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         cpu=cpu,
         peer_memory=_data(results, "gpudirect"),
         interfaces=interfaces,
+        nvlink_domain=_nvlink_domain(nvml),
     )
     unknown = node.gpus_with_unknown_links()
     if not unknown:
@@ -273,3 +275,17 @@ def _socket_interfaces(
         best = min(level for level, _ in levels)
         out[gpu] = tuple(name for level, name in levels if level == best)
     return out
+
+
+def _nvlink_domain(nvml: NvmlInfo | None) -> NvlinkDomain | None:
+    """The (cluster UUID, clique id) most of the node's GPUs completed registration in."""
+    if nvml is None:
+        return None
+    members: dict[tuple[str, int | None], list[str]] = {}
+    for g in nvml.gpus:
+        if g.fabric is not None and g.fabric.registered and g.fabric.cluster_uuid is not None:
+            members.setdefault((g.fabric.cluster_uuid, g.fabric.clique_id), []).append(f"GPU{g.index}")
+    if not members:
+        return None
+    (uuid, clique), gpus = max(members.items(), key=lambda kv: len(kv[1]))
+    return NvlinkDomain(uuid, clique, tuple(gpus))

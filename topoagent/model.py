@@ -25,7 +25,7 @@ from topoagent.vocabulary import FindingKind, Severity, Status
 # and never import a collector module.
 __all__ = [
     "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
-    "NvLink", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
+    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
 ]
 
 DERIVED = "derived"
@@ -118,6 +118,16 @@ class InterfaceTopo:
 
 
 @dataclass(frozen=True, slots=True)
+class NvlinkDomain:
+    """The multi-node NVLink domain the node's GPUs are registered in (NVML's GPU fabric
+    info): two nodes with the same cluster UUID and clique id are NVLink neighbours."""
+
+    cluster_uuid: str
+    clique_id: int | None
+    gpus: tuple[str, ...]  # the GPUs NVML registered in it ("GPU0", ...)
+
+
+@dataclass(frozen=True, slots=True)
 class Pair:
     a: str
     b: str
@@ -142,6 +152,7 @@ class NodeTopology:
     # The GPUDirect peer-memory module loaded ("nvidia_peermem"), None when none was seen.
     peer_memory: str | None = None
     interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
+    nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:
