@@ -37,6 +37,25 @@ class NvLink:
     remote_type: str | None  # "gpu", "switch", "cpu" or None
 
 
+# nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.
+_FABRIC_STATES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
+FABRIC_COMPLETED = "completed"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFabric:
+    """nvmlDeviceGetGpuFabricInfo(V): the GPU's place in a multi-node NVLink fabric (GB200 NVL72)."""
+
+    cluster_uuid: str | None  # the NVLink domain's cluster, "6f1e...-..."; None when all zero
+    clique_id: int | None  # the partition (clique) within the cluster
+    state: str | None  # "completed", "in_progress", "not_started", "not_supported"
+    status: int | None  # nvmlReturn_t of the registration: 0 = success
+
+    @property
+    def registered(self) -> bool:
+        return self.state == FABRIC_COMPLETED and self.status == 0 and self.cluster_uuid is not None
+
+
 @dataclass(frozen=True, slots=True)
 class NvmlGpu:
     index: int
@@ -49,6 +68,7 @@ class NvmlGpu:
     nvlinks: tuple[NvLink, ...]
     p2p: tuple[tuple[int, str], ...]  # (peer index, status)
     health: tuple[tuple[str, Any], ...]  # ("temperature_c", 33), ...
+    fabric: GpuFabric | None = None  # absent in recordings made before it was asked
 
     def health_value(self, key: str) -> Any:
         return dict(self.health).get(key)
@@ -148,6 +168,7 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
                 nvlinks=tuple(links),
                 p2p=p2p,
                 health=tuple(sorted(health.items())) if isinstance(health, dict) else (),
+                fabric=_fabric(raw.get("fabric"), f"{where}.fabric"),
             )
         )
     return NvmlInfo(
@@ -155,6 +176,23 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
         cuda_driver_version=_field(data, "cuda_driver_version", int, what),
         nvml_version=_field(data, "nvml_version", str, what),
         gpus=tuple(sorted(gpus, key=lambda g: g.index)),
+    )
+
+
+def _fabric(raw: object, where: str) -> GpuFabric | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise SourceError(f"{where}: expected an object")
+    uuid = _field(raw, "cluster_uuid", str, where)
+    state = _field(raw, "state", str, where)
+    if state is not None and state not in _FABRIC_STATES.values():
+        raise SourceError(f"{where}: state {state[:40]!r} is not one of {', '.join(_FABRIC_STATES.values())}")
+    return GpuFabric(
+        cluster_uuid=None if uuid is None or not uuid.strip("0-") else uuid.lower(),  # all zero: no cluster
+        clique_id=_field(raw, "clique_id", int, where),
+        state=state,
+        status=_field(raw, "status", int, where),
     )
 
 
@@ -240,6 +278,7 @@ def _read_all(nv: Any) -> dict:
         util = ask(nv.nvmlDeviceGetUtilizationRates, handle)
         processes = ask(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
         numa = ask(nv.nvmlDeviceGetNumaNodeId, handle)
+        fabric = ask(nv.nvmlDeviceGetGpuFabricInfo, handle)  # None before R550 or where unsupported
         gpus.append(
             {
                 "index": index,
@@ -251,6 +290,7 @@ def _read_all(nv: Any) -> dict:
                 "cpu_affinity": _affinity_to_cpulist(affinity),
                 "nvlinks": links,
                 "p2p": p2p,
+                "fabric": _fabric_answer(fabric),
                 "health": {
                     "temperature_c": ask(nv.nvmlDeviceGetTemperature, handle, 0),
                     "power_w": round(power / 1000.0, 1) if isinstance(power, (int, float)) else None,
@@ -267,6 +307,29 @@ def _read_all(nv: Any) -> dict:
         "cuda_driver_version": ask(nv.nvmlSystemGetCudaDriverVersion),
         "nvml_version": _maybe_text(ask(nv.nvmlSystemGetNVMLVersion)),
         "gpus": gpus,
+    }
+
+
+def _fabric_answer(info: object) -> dict | None:
+    """nvmlGpuFabricInfo_t -> nvml.json's ``fabric``; clusterUuid's 16 bytes as a UUID."""
+    if info is None:
+        return None
+    raw = getattr(info, "clusterUuid", None)
+    try:
+        digits = bytes(bytearray(raw)).hex() if raw is not None else None
+    except (TypeError, ValueError):
+        digits = None
+    uuid = None
+    if digits is not None and len(digits) == 32:
+        uuid = f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+    state = getattr(info, "state", None)
+    status = getattr(info, "status", None)
+    clique = getattr(info, "cliqueId", None)
+    return {
+        "cluster_uuid": uuid,
+        "clique_id": clique if isinstance(clique, int) else None,
+        "state": _FABRIC_STATES.get(state) if isinstance(state, int) else None,
+        "status": status if isinstance(status, int) else None,
     }
 
 

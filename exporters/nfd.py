@@ -97,6 +97,12 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
         nv_counts = [lvl.nvlinks for lvl in links if lvl is not None and lvl.is_nvlink]
         if nv_counts:
             features["nvlink.links-per-pair"] = str(min(nv_counts))
+    if topology.nvlink_domain is not None:
+        # Nodes with equal labels share one NVLink domain (GB200 NVL72): a nodeSelector or a
+        # scheduler's topology key can keep a job inside it.
+        features["nvlink.cluster-uuid"] = label_value(topology.nvlink_domain.cluster_uuid)
+        if topology.nvlink_domain.clique_id is not None:
+            features["nvlink.clique-id"] = str(topology.nvlink_domain.clique_id)
     nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
     via_fabric = any(l.remote_type == "switch" and l.active for g in gpus for l in g.nvlinks)
     features["nvswitch"] = "true" if nvswitches or via_fabric else "false"

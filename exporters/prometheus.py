@@ -69,6 +69,12 @@ class SnapshotCollector(Collector):
             )
         yield gpu_info
 
+        if node.nvlink_domain is not None:  # absent, not empty, where NVML reports no domain
+            domain = InfoMetricFamily(f"{NS}_nvlink_domain", "The multi-node NVLink domain this node's GPUs are registered in.",
+                                      labels=["cluster_uuid", "clique_id"])
+            domain.add_metric([node.nvlink_domain.cluster_uuid, _opt(node.nvlink_domain.clique_id)], {})
+            yield domain
+
         level = GaugeMetricFamily(
             f"{NS}_gpu_pair_link_level",
             "Link level between two GPUs, closest first: 1 NV, 2 PIX, 3 PXB, 4 PHB, 5 NODE, 6 SYS; the level label names it as nvidia-smi does.",

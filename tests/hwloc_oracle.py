@@ -22,6 +22,7 @@ class HwlocView:
     pci_depth: dict[str, int]  # address -> number of PCI bridges above it
     pci_locality: dict[str, frozenset[int]]  # address -> CPUs it is local to
     interfaces: dict[str, str]  # net / IB interface name -> PCI address it sits on
+    net_interfaces: dict[str, str]  # network interface (Linux netdev) name -> PCI address
 
 
 def run_lstopo(root: str | None) -> str:
@@ -53,6 +54,7 @@ def read_view(xml_text: str) -> HwlocView:
     pci_depth: dict[str, int] = {}
     pci_locality: dict[str, frozenset[int]] = {}
     interfaces: dict[str, str] = {}
+    net_interfaces: dict[str, str] = {}
     machine = tree.find("object")
     assert machine is not None
     all_cpus = parse_hwloc_cpuset(machine.get("cpuset", "0x0"))
@@ -72,6 +74,8 @@ def read_view(xml_text: str) -> HwlocView:
             if kind == "OSDev":
                 if child.get("osdev_type") in (_OSDEV_NET, _OSDEV_OPENFABRICS) and pci_parent:
                     interfaces[child.get("name", "")] = pci_parent
+                if child.get("osdev_type") == _OSDEV_NET and pci_parent:
+                    net_interfaces[child.get("name", "")] = pci_parent
                 continue
             if busid:
                 pci_depth[busid] = bridges
@@ -90,4 +94,4 @@ def read_view(xml_text: str) -> HwlocView:
         order = sorted(range(n), key=lambda k: indexes[k])
         for a in range(n):
             distances[indexes[a]] = [values[a * n + b] for b in order]
-    return HwlocView(numa_cpus, numa_memory, distances, all_cpus, pci_depth, pci_locality, interfaces)
+    return HwlocView(numa_cpus, numa_memory, distances, all_cpus, pci_depth, pci_locality, interfaces, net_interfaces)

@@ -54,11 +54,11 @@ def test_the_fixture_list_is_the_issue_list() -> None:
 @pytest.mark.parametrize("name", ALL)
 def test_every_collector_reads_every_fixture(name: str) -> None:
     topo = discover_at(SNAPSHOTS / name)
-    # Every fixture records sysfs, NVML, RDMA devices and nvidia-smi: nothing is missing.
+    # Every fixture records sysfs, NVML, RDMA devices, network interfaces and nvidia-smi: nothing is missing.
     # None records the driver's procfs (minor numbers) or a GPUDirect peer-memory module:
     # those sources are absent, quietly.
     assert {c.name: (c.status, c.message, c.warnings) for c in topo.collectors} == {
-        **{c: ("ok", None, ()) for c in ("numa", "cpu", "pci", "infiniband", "nvml", "nvidia_smi")},
+        **{c: ("ok", None, ()) for c in ("numa", "cpu", "pci", "infiniband", "interfaces", "nvml", "nvidia_smi")},
         "nvidia_driver": ("no_data", "/proc/driver/nvidia/gpus: no GPUs listed by the driver", ()),
         "gpudirect": ("no_data", "no GPUDirect peer-memory module loaded (nvidia_peermem, nv_peer_mem)", ()),
     }
@@ -240,7 +240,7 @@ def test_discover_json_has_the_issue_shapes(capsys: pytest.CaptureFixture[str]) 
     assert (gpu_nic["level"], gpu_nic["source"]) == ("PXB", "derived")
     assert len(out["pairs"]) == (8 + 10) * (8 + 10 - 1) // 2
     assert out["findings"] == []
-    assert set(out["collectors"]) == {"numa", "cpu", "pci", "infiniband", "gpudirect", "nvml", "nvidia_driver", "nvidia_smi"}
+    assert set(out["collectors"]) == {"numa", "cpu", "pci", "infiniband", "interfaces", "gpudirect", "nvml", "nvidia_driver", "nvidia_smi"}
     assert out["collectors"].pop("nvidia_driver")["status"] == "no_data"  # not recorded
     assert out["collectors"].pop("gpudirect")["status"] == "no_data"  # no peer-memory module recorded
     for status in out["collectors"].values():

@@ -69,6 +69,13 @@ def _compare(root: Path | None, host: Host, name: str) -> None:
 
     ours_ifaces = {i: d["address"] for d in ours["pci_devices"] for i in d["interfaces"]}
     assert ours_ifaces == theirs.interfaces, "which PCI device each interface sits on"
+    # The interfaces table (every /sys/class/net entry) places each netdev as lstopo does;
+    # virtual ones (no PCI function) are ours alone, lstopo lists only PCI-attached ones.
+    ours_net = {i["name"]: i["address"] for i in ours["interfaces"] if i["address"] is not None}
+    assert ours_net == theirs.net_interfaces, "which PCI device each network interface is on"
+    for i in ours["interfaces"]:
+        if i["address"] is not None:
+            assert i["numa_node"] == devices[i["address"]]["numa_node"], f"NUMA node of {i['name']}"
 
 
 def hwloc_numa_node(locality: frozenset[int], numa_cpus: dict[int, frozenset[int]]) -> int | None:

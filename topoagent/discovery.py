@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from topoagent.collectors import aer, cpu, gpudirect, ib_counters, infiniband, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors import aer, cpu, gpudirect, ib_counters, infiniband, netdev, numa, nvidia_driver, nvidia_smi, nvml, pci
 from topoagent.collectors.base import CollectorResult
 from topoagent.host import Host
 from topoagent.merge import merge
@@ -42,6 +42,7 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("cpu", cpu.collect, needs=("numa",)),
     Collector("pci", pci.collect, needs=("numa",)),
     Collector("infiniband", infiniband.collect),
+    Collector("interfaces", netdev.collect),
     Collector("gpudirect", gpudirect.collect),
     Collector("nvml", nvml.collect),
     Collector("nvidia_driver", nvidia_driver.collect),

@@ -49,6 +49,9 @@ class GpuInfo:
     # The NUMA node the GPU claims, when a confirmed probe finding moved ``numa_node`` (and
     # ``cpus``) to the node its host copies run fastest from (topoagent.probes.overlay).
     claimed_numa_node: int | None = None
+    # Plain (non-RDMA) interfaces that are up and nearest this GPU in the PCIe tree: what
+    # NCCL's socket transport should use for it when no RDMA NIC serves.
+    socket_interfaces: tuple[str, ...] = ()
 
     def pcie_gbps(self) -> float:
         """Per-direction rate of this GPU's host link (the default link when unknown)."""

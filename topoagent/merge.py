@@ -16,6 +16,7 @@ from typing import Any
 
 from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.infiniband import Hca
+from topoagent.collectors.netdev import NetInterface
 from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoMatrix
 from topoagent.collectors.nvml import NvmlInfo
@@ -31,8 +32,10 @@ from topoagent.model import (
     CollectorStatus,
     Finding,
     GpuTopo,
+    InterfaceTopo,
     NicTopo,
     NodeTopology,
+    NvlinkDomain,
     Pair,
 )
 from topoagent.vocabulary import FindingKind, Severity
@@ -210,6 +213,10 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
             expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, tree)
             pairs.append(Pair(a, b, level, source, declared_level, expected))
 
+    interfaces = _interfaces(_data(results, "interfaces") or (), hcas, tree, gpu_pci)
+    socket_of = _socket_interfaces(interfaces, tree, gpu_pci)
+    gpus = [replace(g, socket_interfaces=socket_of.get(g.name, ())) for g in gpus]
+
     node = NodeTopology(
         hostname=hostname,
         numa=numa,
@@ -222,6 +229,8 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         declared=declared,
         cpu=cpu,
         peer_memory=_data(results, "gpudirect"),
+        interfaces=interfaces,
+        nvlink_domain=_nvlink_domain(nvml),
     )
     unknown = node.gpus_with_unknown_links()
     if not unknown:
@@ -232,3 +241,51 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
                 "did not say); placement takes it only after every GPU whose links are known")
         for name in unknown
     ))
+
+
+def _interfaces(
+    found: tuple[NetInterface, ...], hcas: tuple[Hca, ...], tree: PciTree | None, gpu_pci: dict[str, PciDevice]
+) -> tuple[InterfaceTopo, ...]:
+    """Every interface with its NUMA node, its RDMA device if any, and the GPUs nearest it."""
+    rdma_of = {netdev: hca.name for hca in hcas for netdev in hca.netdevs}
+    out = []
+    for i in found:
+        dev = tree.get(i.pci_address) if tree and i.pci_address else None
+        nearest: tuple[str, ...] = ()
+        if dev is not None and gpu_pci:
+            levels = {name: pcie_level(dev, gpu) for name, gpu in gpu_pci.items()}
+            best = min(levels.values())
+            nearest = tuple(sorted((n for n, lvl in levels.items() if lvl == best), key=_natural))
+        out.append(InterfaceTopo(i.name, i.pci_address, dev.numa_node if dev else None, i.speed_mbps,
+                                 i.operstate, rdma_of.get(i.name), nearest))
+    return tuple(out)
+
+
+def _socket_interfaces(
+    interfaces: tuple[InterfaceTopo, ...], tree: PciTree | None, gpu_pci: dict[str, PciDevice]
+) -> dict[str, tuple[str, ...]]:
+    """GPU name -> the plain interfaces (up, not RDMA) at the closest PCIe level to it."""
+    candidates = [(i.name, tree.get(i.pci_address)) for i in interfaces if i.socket_candidate and tree and i.pci_address]
+    devices = [(name, dev) for name, dev in candidates if dev is not None]
+    out: dict[str, tuple[str, ...]] = {}
+    for gpu, gdev in gpu_pci.items():
+        if not devices:
+            break
+        levels = [(pcie_level(gdev, dev), name) for name, dev in devices]
+        best = min(level for level, _ in levels)
+        out[gpu] = tuple(name for level, name in levels if level == best)
+    return out
+
+
+def _nvlink_domain(nvml: NvmlInfo | None) -> NvlinkDomain | None:
+    """The (cluster UUID, clique id) most of the node's GPUs completed registration in."""
+    if nvml is None:
+        return None
+    members: dict[tuple[str, int | None], list[str]] = {}
+    for g in nvml.gpus:
+        if g.fabric is not None and g.fabric.registered and g.fabric.cluster_uuid is not None:
+            members.setdefault((g.fabric.cluster_uuid, g.fabric.clique_id), []).append(f"GPU{g.index}")
+    if not members:
+        return None
+    (uuid, clique), gpus = max(members.items(), key=lambda kv: len(kv[1]))
+    return NvlinkDomain(uuid, clique, tuple(gpus))

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from topoagent.collectors.infiniband import IbPort
+from topoagent.collectors.netdev import NetInterface
 from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
@@ -23,8 +24,8 @@ from topoagent.vocabulary import FindingKind, Severity, Status
 # The fact types the model is made of, named here so exporters read them from the model
 # and never import a collector module.
 __all__ = [
-    "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "NicTopo", "NodeTopology", "NumaTopology",
-    "NvLink", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
+    "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
+    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
 ]
 
 DERIVED = "derived"
@@ -71,6 +72,8 @@ class GpuTopo:
     utilization_percent: float | None = None
     processes: tuple[int, ...] = ()
     device_minor: int | None = None  # N of /dev/nvidiaN, from the driver's procfs
+    # The plain interfaces (up, not RDMA) closest to this GPU in the PCIe tree.
+    socket_interfaces: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +100,34 @@ class NicTopo:
 
 
 @dataclass(frozen=True, slots=True)
+class InterfaceTopo:
+    """A network interface, RDMA or plain Ethernet, placed in the PCIe tree."""
+
+    name: str  # "ens1f0"
+    pci_address: str | None = None  # None: virtual (lo, bridges, veths)
+    numa_node: int | None = None
+    speed_mbps: int | None = None
+    operstate: str | None = None
+    rdma_device: str | None = None  # "mlx5_0" when the interface is an RDMA device's netdev
+    nearest_gpus: tuple[str, ...] = ()  # the GPUs at the closest PCIe level to it
+
+    @property
+    def socket_candidate(self) -> bool:
+        """A physical interface NCCL's socket transport could use: not RDMA's, not down."""
+        return self.pci_address is not None and self.rdma_device is None and self.operstate != "down"
+
+
+@dataclass(frozen=True, slots=True)
+class NvlinkDomain:
+    """The multi-node NVLink domain the node's GPUs are registered in (NVML's GPU fabric
+    info): two nodes with the same cluster UUID and clique id are NVLink neighbours."""
+
+    cluster_uuid: str
+    clique_id: int | None
+    gpus: tuple[str, ...]  # the GPUs NVML registered in it ("GPU0", ...)
+
+
+@dataclass(frozen=True, slots=True)
 class Pair:
     a: str
     b: str
@@ -120,6 +151,8 @@ class NodeTopology:
     cpu: CpuFacts | None = None  # CPU identity and core map (the NCCL and gres exports read it)
     # The GPUDirect peer-memory module loaded ("nvidia_peermem"), None when none was seen.
     peer_memory: str | None = None
+    interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
+    nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -204,6 +237,7 @@ class NodeTopology:
                 pcie_width=g.link.current_width if g.link else None,
                 unhealthy=unhealthy.get(g.name),
                 links_known=g.name not in unknown,
+                socket_interfaces=g.socket_interfaces,
             )
             for g in self.gpus
         )

@@ -261,6 +261,22 @@ NIC = Document("Nic", {
     "ports": listed(IB_PORT, "ports"),
 })
 
+INTERFACE = Document("Interface", {
+    "name": Field(STRING),
+    "address": Field(nullable(STRING), lambda i: i.pci_address, "the PCI function it sits on; null for a virtual interface"),
+    "numa_node": Field(nullable(INTEGER)),
+    "speed_mbps": Field(nullable(INTEGER), description="link speed, Mb/s; null when unknown (no link)"),
+    "operstate": Field(nullable(STRING), description="up, down, unknown, ... as the kernel says"),
+    "rdma_device": Field(nullable(STRING), description="the RDMA device it belongs to (mlx5_0); null for plain Ethernet"),
+    "nearest_gpus": _plain_list("nearest_gpus", STRING),
+}, "A network interface from /sys/class/net, RDMA or not.")
+
+NVLINK_DOMAIN = Document("NvlinkDomain", {
+    "cluster_uuid": Field(STRING, description="NVML's GPU fabric cluster UUID"),
+    "clique_id": Field(nullable(INTEGER), description="the clique (NVLink partition) within the cluster"),
+    "gpus": _plain_list("gpus", STRING),
+}, "The multi-node NVLink domain (GB200 NVL72-class): nodes with the same cluster UUID and clique id are NVLink neighbours.")
+
 CPU = Document("Cpu", {
     "arch": Field(nullable(STRING), lambda c: c.model.arch if c.model else None, "as NCCL names it: x86_64, arm64, ppc64"),
     "vendor": Field(nullable(STRING), lambda c: c.model.vendor if c.model else None),
@@ -355,6 +371,9 @@ NODE = Document("Node", {
     "pci_devices": Field(array(PCI_DEVICE.ref), lambda v: [PCI_DEVICE.dump(d) for d in (v.node.pci.devices if v.node.pci else ())]),
     "gpus": Field(array(GPU.ref), lambda v: [GPU.dump(g) for g in v.node.gpus]),
     "nics": Field(array(NIC.ref), lambda v: [NIC.dump(n) for n in v.node.nics]),
+    "interfaces": Field(array(INTERFACE.ref), lambda v: [INTERFACE.dump(i) for i in v.node.interfaces], "every network interface"),
+    "nvlink_domain": Field(nullable(NVLINK_DOMAIN.ref), lambda v: NVLINK_DOMAIN.dump(v.node.nvlink_domain) if v.node.nvlink_domain else None,
+                           "null when NVML reports no completed GPU fabric registration"),
     "pairs": Field(array(PAIR.ref), _pairs, "every unordered GPU/NIC pair once"),
     "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's, the probes' and the counters'"),
     "collectors": Field({"type": "object", "additionalProperties": COLLECTOR.ref}, _collectors, "by collector name"),
@@ -726,7 +745,7 @@ ERROR = Document("Error", {
 
 # Every document above, for the OpenAPI components.
 DOCUMENTS: tuple[Document, ...] = (
-    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
+    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
     REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, ESTIMATE, LAUNCH, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
     CAPACITY_FIT, CAPACITY,

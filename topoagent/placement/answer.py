@@ -211,6 +211,12 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     unnamed = [name for name in chosen if name in prep.nics_without_device]
     if hcas:
         env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
+    else:
+        # No RDMA NIC serves the ranks: NCCL falls back to sockets; name the plain
+        # interfaces nearest their GPUs ('=': exact names, eth1 is not eth10).
+        sockets = dict.fromkeys(i for pos in order for i in prep.matrix.gpus[pos].socket_interfaces)
+        if sockets:
+            env.append(("NCCL_SOCKET_IFNAME", "=" + ",".join(sockets)))
 
     nic_reasons = []
     if nics:
