@@ -26,6 +26,7 @@ busy GPU's footprint would read congestion as a degraded link.
 from __future__ import annotations
 
 from topoagent.collectors.pci import PciDevice, PciTree
+from topoagent.derive import shared_bridges
 from topoagent.model import NodeTopology
 from topoagent.probes.schedule import ProbeTarget, targets_for
 
@@ -36,12 +37,7 @@ def _upstream(device: PciDevice, below: int = 0) -> set[str]:
 
 
 def pair_path(a: PciDevice, b: PciDevice, socket_a: int | None, socket_b: int | None) -> frozenset[str]:
-    common = 0
-    if a.root_complex is not None and a.root_complex == b.root_complex:
-        for x, y in zip(a.bridges, b.bridges):
-            if x != y:
-                break
-            common += 1
+    common = shared_bridges(a, b)
     segments = _upstream(a, common) | _upstream(b, common)
     if common == 0:  # no shared switch: up through the host bridge(s)
         segments |= {f"host-bridge:{rc}" for rc in (a.root_complex, b.root_complex) if rc is not None}

@@ -20,15 +20,23 @@ from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps
 from topoagent.model import GpuTopo, NicTopo
 
 
+def shared_bridges(a: PciDevice, b: PciDevice) -> int:
+    """How many bridges, from the root complex down, two devices have in common (0 under
+    different root complexes): a transfer between them does not cross those."""
+    common = 0
+    if a.root_complex is not None and a.root_complex == b.root_complex:
+        for x, y in zip(a.bridges, b.bridges):
+            if x != y:
+                break
+            common += 1
+    return common
+
+
 def pcie_level(a: PciDevice, b: PciDevice) -> LinkLevel:
     """The PCIe level between two devices, from their bridge chains and NUMA nodes."""
     if a.root_complex is None or b.root_complex is None or a.root_complex != b.root_complex:
         return NODE if a.numa_node == b.numa_node else SYS
-    common = 0
-    for x, y in zip(a.bridges, b.bridges):
-        if x != y:
-            break
-        common += 1
+    common = shared_bridges(a, b)
     if common == 0:
         return PHB
     below_a, below_b = len(a.bridges) - common, len(b.bridges) - common
@@ -39,12 +47,7 @@ def pcie_level(a: PciDevice, b: PciDevice) -> LinkLevel:
 
 def path_devices(a: PciDevice, b: PciDevice, tree: PciTree) -> list[PciDevice]:
     """The endpoints and the bridges whose links a transfer between them crosses."""
-    common = 0
-    if a.root_complex is not None and a.root_complex == b.root_complex:
-        for x, y in zip(a.bridges, b.bridges):
-            if x != y:
-                break
-            common += 1
+    common = shared_bridges(a, b)
     # Below a common switch, the shared upstream link is not crossed; keep the ports below.
     addresses = list(a.bridges[common:]) + list(b.bridges[common:])
     found = [d for d in (tree.get(x) for x in addresses) if d is not None]
