@@ -29,9 +29,8 @@ from bench.baselines import (
 )
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Placement, Request, numa_distance, numa_groups, place
+from topoagent.placement import Placement, Request, numa_distance, numa_groups, place, warm
 from topoagent.placement.request import SERVICE_DEADLINE_MS
-from topoagent.placement.search import warm
 from topoagent.placement.synthetic import (
     irregular_mesh,
     node_32,
@@ -85,8 +84,9 @@ def latency(samples: int) -> None:
     ]
     print("\n## Latency of place() in-process, warm (ms; random busy sets)\n")
     print("wall = perf_counter; cpu = this thread's CPU time (immune to other processes on a")
-    print("shared machine).  Every request shape is asked once before timing (its tables are")
-    print("built on first use; see 'first call' below).\n")
+    print("shared machine).  The matrix is warmed first, as the agent does when it builds a")
+    print("snapshot (placement.warm), and every request shape is asked once before timing;")
+    print("see 'first call' below for a cold matrix.\n")
     print(
         f"{'node':28} {'k':>3} {'ring p50':>8} {'p99':>7} {'max':>7} {'cpu p99':>7}"
         f"   {'nics=2 p99':>10} {'alltoall p99':>12} {'pipeline p99':>12}"
@@ -95,7 +95,7 @@ def latency(samples: int) -> None:
     worst: dict[int, float] = {}
     for name, m in nodes:
         n = m.size
-        place(m, Request(gpus=1))  # builds the per-matrix tables once (cold cost below)
+        warm(m)  # what the agent does when it builds a snapshot (cold costs below)
         for k in sorted({1, 2, 3, 4, 8, n // 2, n - 2} - {0}):
             if k > n:
                 continue

@@ -204,3 +204,19 @@ def test_large_synthetic_nodes():
     assert big.objective.numa_nodes == 2
     zone = place(node_32(), Request(gpus=8), busy=[0])
     assert zone.bandwidth_gbps == 450.0 and min(zone.indices) >= 8
+
+
+def test_after_warm_up_a_request_on_an_8_gpu_node_builds_no_answer():
+    """The agent warms a new matrix: every set of the small tables has its answer pieces
+    (bindings, NICs, launch forms) built, so a request only looks them up."""
+    from topoagent.placement import warm
+    from topoagent.placement.search import prepare
+
+    matrix = pcie_two_socket_8()
+    warm(matrix)
+    built = dict(prepare(matrix, None).answer_parts)
+    assert built
+    for k, busy, nics in ((2, [0], 0), (4, [1, 6], 1), (3, [], 2)):
+        answer = place(matrix, Request(gpus=k, nics=nics), busy)
+        assert isinstance(answer, Placement)
+        assert prepare(matrix, None).answer_parts == built  # nothing new was built

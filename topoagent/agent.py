@@ -34,8 +34,8 @@ from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
-from topoagent.placement import NoFit, Placement, Request, place
-from topoagent.placement.search import warm as warm_placement
+from topoagent.placement import NoFit, Placement, Request, place, warm_answers
+from topoagent.placement.search import warm as warm_tables
 from topoagent.served import Snapshot, etag_of
 from topoagent.telemetry import History
 from topoagent.vocabulary import Status
@@ -150,6 +150,11 @@ def overlay_probes(
         return matrix, tuple(found)
     findings = tuple(findings_for(overlay(node.distance_matrix(), figures), figures))
     return overlay(node.distance_matrix(findings), figures, previous), findings
+
+
+def _log_warm_failure(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:  # a bug: requests still build what they need
+        log_event("placement_warm_failed", logging.ERROR, error=f"{type(done.exception()).__name__}: {done.exception()}")
 
 
 def topology_signature(node: NodeTopology) -> tuple:
@@ -286,6 +291,7 @@ class Agent:
         self._replayed_counters = False
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
         self._capacity: ServedCapacity | None = None
+        self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
         self.exports = Exports()
         self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
 
@@ -425,11 +431,18 @@ class Agent:
             telemetry=previous.telemetry if previous else None,
         ).with_health()
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
-        await asyncio.to_thread(warm_placement, matrix)  # the first /place is as fast as the rest
+        await asyncio.to_thread(warm_tables, snapshot.matrix)  # the first /place is as fast as the rest
         self._version += 1
         self.snapshot = snapshot
+        self._warm_answers(snapshot)
         self.refreshes["success"] += 1
         log_event("discovery_ok", reason=reason, version=self._version, gpus=len(node.gpus), findings=len(snapshot.findings), seconds=f"{time.time() - started:.3f}")
+
+    def _warm_answers(self, snapshot: Snapshot) -> None:
+        """Build the new matrix's answers in the background: requests need not wait for
+        it (they build what is missing), and the swap did not."""
+        self._warming = asyncio.ensure_future(asyncio.to_thread(warm_answers, snapshot.matrix))
+        self._warming.add_done_callback(_log_warm_failure)
 
     def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
         self.refreshes["failure"] += 1
@@ -789,10 +802,11 @@ class Agent:
             matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.probes)
             snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
             await asyncio.to_thread(lambda: snapshot.body)
-            await asyncio.to_thread(warm_placement, matrix)
+            await asyncio.to_thread(warm_tables, snapshot.matrix)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
                 self._version += 1
                 self.snapshot = snapshot
+                self._warm_answers(snapshot)
                 return
 
     async def _sweep_leases(self) -> None:

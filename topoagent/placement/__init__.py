@@ -13,12 +13,13 @@ exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound),
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, build
+from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
@@ -31,6 +32,7 @@ from topoagent.placement.request import (
     request_json_schema,
 )
 from topoagent.placement.search import Deadline, Found, Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import warm as warm_tables
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
 
@@ -55,7 +57,33 @@ __all__ = [
     "place",
     "render",
     "request_json_schema",
+    "warm",
 ]
+
+
+WARM_NICS = 2  # answers are built ahead for jobs asking up to this many NICs
+
+
+def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
+    """Build the answer pieces (ranks' bindings, NICs, launch forms, tier, estimate) of
+    every set the matrix's small tables hold -- on an 8-GPU node at most 255 sets -- so a
+    request there builds no answer.  The agent runs this in the background after it swaps
+    a snapshot in (``search.warm`` builds the tables before); ``budget_s`` bounds it, and
+    what it leaves is built on first use."""
+    until = time.monotonic() + budget_s
+    prep = prepare(matrix, None)
+    for nics in range(min(prep.n_nics, WARM_NICS) + 1):
+        for pattern, rows in prep.built_small_tables():
+            for mask, _rank, _span, _nodes, order in rows:
+                if time.monotonic() > until:
+                    return
+                answer_parts(prep, order, mask, pattern, nics)
+
+
+def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
+    """The search's tables, then the answers (see warm_answers): what a request reads."""
+    warm_tables(matrix, budget_s)
+    warm_answers(matrix, budget_s)
 
 
 def place(

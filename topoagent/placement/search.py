@@ -384,6 +384,10 @@ class Prepared:
     def small_table_if_built(self, pattern: Pattern, k: int) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
         return self._small_tables.get((pattern, k))
 
+    def built_small_tables(self) -> list[tuple[Pattern, list[tuple[int, int, int, int, tuple[int, ...]]]]]:
+        """(pattern, rows) of every small table built so far."""
+        return [(pattern, rows) for (pattern, _k), rows in self._small_tables.items() if rows is not None]
+
     def small_table(
         self, pattern: Pattern, k: int, deadline: Deadline | None = None
     ) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
