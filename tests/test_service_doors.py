@@ -392,7 +392,7 @@ def test_a_token_file_others_may_write_is_refused_at_start(tmp_path, mode, owner
     token.chmod(mode)
     if owner is not None:
         if os.geteuid() != 0:
-            pytest.skip("chown to another user needs root")
+            pytest.skip(reason="chown to another user needs root (CI runs as root)")
         os.chown(token, owner, owner)
     result = _serve(tmp_path, "--token-file", str(token))
     assert result.returncode == 2, result.stderr
