@@ -5,9 +5,10 @@ demand.  A run that hangs is cut off by its timeout; a run that fails leaves the
 good snapshot in place, marked stale, with the error recorded.  Snapshots are immutable
 and swapped by one assignment, so readers never lock.
 
-The three things this module needs from other parts of topoagent -- discovery, the
-placement core and the lease book -- are reached only through the adapters in the
-"Adapters" section below, so wiring the real modules in is a few lines there.
+It serves discovery's typed NodeTopology as it is (topoagent/served.py's Snapshot adds
+the agent's own state: measurements, findings of probes and counters, staleness); the
+few functions in the section below are the only places that combine discovery, probes,
+placement and leases.
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
 
 
 # ---------------------------------------------------------------------------------------
-# Adapters: the only places that know discovery's, placement's and leases' shapes.
+# Where discovery, probes, placement and leases meet.
 # ---------------------------------------------------------------------------------------
 
 
