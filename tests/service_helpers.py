@@ -147,6 +147,32 @@ def wait_ready(agent: Agent, timeout: float = 20) -> None:
 ACCEPTED_LINT = "topoagent_gpu_info label names should be written in 'snake_case' not 'camelCase'"
 
 
+# Probes on the CPU backend with small copies and few repetitions: a target takes about as
+# long as the worker's start.
+CPU_PROBES = """
+[probes]
+enabled = true
+backend = "cpu"
+startup_delay_s = 0.1
+sizes_bytes = [65536]
+repetitions = 3
+timeout_s = 60
+"""
+
+
+def wait_for(what: str, check, agent: Agent | None = None, timeout: float = 20.0, interval: float = 0.05, log=None):
+    """``check()``'s first true value, polled until ``timeout``; else fail naming ``what``
+    with the end of the agent's log (or of ``log()``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval)
+    tail = log() if log is not None else agent.log() if agent is not None else ""
+    raise AssertionError(f"never saw {what} within {timeout} s:\n{tail[-3000:]}")
+
+
 def promtool_complaints(text: bytes) -> list[str]:
     """What `promtool check metrics` says about a page, less the accepted lint; [] is clean."""
     promtool = shutil.which("promtool")

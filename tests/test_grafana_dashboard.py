@@ -11,14 +11,13 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, REPO
-from service_helpers import Agent, metric_value, start_agent
+from service_helpers import CPU_PROBES, Agent, metric_value, start_agent, wait_for
 
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
 RULES = REPO / "systemd" / "topoagent-alerts.yml"
@@ -26,14 +25,7 @@ METRIC = re.compile(r"\btopoagent_[a-z0-9_]+\b")
 AGENT_CONFIG = """
 [telemetry]
 interval_s = 0.2
-[probes]
-enabled = true
-backend = "cpu"
-startup_delay_s = 0.1
-sizes_bytes = [65536]
-repetitions = 3
-timeout_s = 60
-"""
+""" + CPU_PROBES
 WAIT_S = 90
 
 
@@ -50,15 +42,6 @@ def dashboard_metrics() -> set[str]:
     return {m for e in exprs for m in METRIC.findall(e)}
 
 
-def wait_for(what: str, check, timeout: float = WAIT_S, log=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"never saw {what} within {timeout} s\n{log()[-3000:]}")
-
 
 def start_busy_agent(tmp: Path) -> Agent:
     """The degraded node with telemetry read, a probe round measured and a GPU leased."""
@@ -71,7 +54,7 @@ def start_busy_agent(tmp: Path) -> Agent:
             done = 'collector="pcie_aer"' in text and metric_value(text, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second") is not None
             return text if done else None
 
-        wait_for("telemetry and a measured pair in /metrics", complete, log=agent.log)
+        wait_for("telemetry and a measured pair in /metrics", complete, agent, WAIT_S, 0.2)
     except BaseException:
         agent.stop()
         raise
@@ -178,7 +161,7 @@ def prometheus(tmp_path_factory):
     try:
         # Three scrapes at least, so rate() over them has two samples and a slope.
         wait_for("three scrapes of the agent", lambda: (prom.query("count_over_time(topoagent_ready[1m]) >= 3").get("data") or {}).get("result"),
-                 log=lambda: prom.log.read_text())
+                 timeout=WAIT_S, interval=0.2, log=lambda: prom.log.read_text())
         yield prom
     finally:
         prom.stop()
@@ -216,6 +199,7 @@ def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings
     rules = {r["name"]: r for g in groups for r in g["rules"]}
     assert len(rules) == 9 and all(r["health"] == "ok" for r in rules.values()), rules
     alerts = wait_for("TopoagentCriticalFinding pending", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
-                                                                   if a["labels"]["alertname"] == "TopoagentCriticalFinding"])
+                                                                   if a["labels"]["alertname"] == "TopoagentCriticalFinding"],
+                      timeout=WAIT_S, interval=0.2)
     assert {a["labels"]["kind"] for a in alerts} >= {"gpu-xid", "ib-errors-rising", "nvlink-errors-rising"}
     assert all(a["state"] in ("pending", "firing") for a in alerts)

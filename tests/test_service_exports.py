@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from datetime import datetime
 from pathlib import Path
 
 import pytest
-from service_helpers import Agent, make_root, start_agent
+from service_helpers import Agent, make_root, start_agent, wait_for
 
 from topoagent.config import ConfigError, config_from_toml
 
@@ -22,15 +21,6 @@ def export(fmt: str, root: Path, *extra: str) -> str:
                           capture_output=True, text=True, timeout=60, check=True)
     return done.stdout
 
-
-def wait_for(check, agent: Agent, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"{what} never happened:\n{agent.log()[-3000:]}")
 
 
 def identity(path: Path) -> tuple[int, int]:
@@ -58,7 +48,7 @@ nccl_path = "{out / 'nccl-topo.xml'}"
 def test_exports_are_the_export_commands_text_and_follow_findings(exporting):
     out = exporting.root.parent / "out"
     nfd, gres, nccl = out / "topoagent.features", out / "gres.conf", out / "nccl-topo.xml"
-    wait_for(lambda: all(p.exists() for p in (nfd, gres, nccl)), exporting, "the three files written")
+    wait_for("the three files written", lambda: all(p.exists() for p in (nfd, gres, nccl)), exporting)
     root = exporting.root
     assert gres.read_text() == export("gres", root, "--node-name", "gpu[01-02]")
     assert all(line.startswith("NodeName=gpu[01-02] Name=gpu ") for line in gres.read_text().splitlines() if not line.startswith("#"))
@@ -76,7 +66,7 @@ def test_exports_are_the_export_commands_text_and_follow_findings(exporting):
     # An InfiniBand port goes down: a finding appears and the NFD labels follow.
     (root / IB_STATE).write_text("1: DOWN\n")
     assert exporting.post("/refresh", token=exporting.token).json()["stale"] is False
-    wait_for(lambda: identity(nfd) != before[nfd], exporting, "the NFD file rewritten")
+    wait_for("the NFD file rewritten", lambda: identity(nfd) != before[nfd], exporting)
     labels = nfd.read_text().partition("\n")[2]
     assert labels == export("nfd", root)
     assert "topoagent.io/findings.warnings=1\n" in labels
@@ -84,7 +74,7 @@ def test_exports_are_the_export_commands_text_and_follow_findings(exporting):
     # The port comes back: the finding clears, and the labels with it.
     (root / IB_STATE).write_text("4: ACTIVE\n")
     assert exporting.post("/refresh", token=exporting.token).status == 200
-    wait_for(lambda: "topoagent.io/findings.warnings=0\n" in nfd.read_text(), exporting, "the finding cleared")
+    wait_for("the finding cleared", lambda: "topoagent.io/findings.warnings=0\n" in nfd.read_text(), exporting)
     assert identity(gres) == before[gres]
     assert "event=export_written" in exporting.log()
 
@@ -95,11 +85,11 @@ def test_a_file_that_cannot_be_written_is_retried_and_the_agent_keeps_serving(tm
     blocked = out / "missing-dir" / "gres.conf"  # its directory does not exist yet
     agent = start_agent(tmp_path, config=f'[exports]\ngres_path = "{blocked}"\nnccl_path = "{out / "nccl.xml"}"\n')
     try:
-        wait_for(lambda: (out / "nccl.xml").exists(), agent, "the writable file written")
-        wait_for(lambda: "event=loop_failed loop=exports" in agent.log(), agent, "the failure logged")
+        wait_for("the writable file written", lambda: (out / "nccl.xml").exists(), agent)
+        wait_for("the failure logged", lambda: "event=loop_failed loop=exports" in agent.log(), agent)
         assert agent.get("/readyz").status == 200
         blocked.parent.mkdir()
-        wait_for(blocked.exists, agent, "the file written once its directory exists")
+        wait_for("the file written once its directory exists", blocked.exists, agent)
         assert agent.log().count("event=loop_failed loop=exports") == 1  # once, not per try
     finally:
         assert agent.stop() == 0

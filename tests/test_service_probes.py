@@ -8,35 +8,16 @@ a real worker child process copies real buffers, and its figures must reach /top
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
-from service_helpers import make_root, metric_value, promtool_complaints, start_agent
+from service_helpers import CPU_PROBES, make_root, metric_value, promtool_complaints, start_agent, wait_for
 
 from topoagent.levels import ACHIEVABLE_FRACTION
 
-# Small copies, few repetitions: a target takes about as long as the worker's start.
-PROBES = """
-[probes]
-enabled = true
-backend = "cpu"
-startup_delay_s = 0.1
-sizes_bytes = [65536]
-repetitions = 3
-timeout_s = 60
-"""
+PROBES = CPU_PROBES
 WAIT_S = 90  # bound on waiting for probes; a target takes ~2 s on a loaded 2-core box
 
-
-def wait_for(what: str, check, agent, timeout: float = WAIT_S):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"never saw {what} within {timeout} s:\n{agent.log()[-3000:]}")
 
 
 def measured_pairs(agent) -> dict[tuple[str, str], float]:
@@ -48,7 +29,7 @@ def measured_pairs(agent) -> dict[tuple[str, str], float]:
 def probing(tmp_path_factory):
     agent = start_agent(tmp_path_factory.mktemp("probing"), config=PROBES)
     try:
-        wait_for("a measured GPU pair", lambda: measured_pairs(agent), agent)
+        wait_for("a measured GPU pair", lambda: measured_pairs(agent), agent, WAIT_S, 0.2)
         yield agent
     finally:
         assert agent.stop() == 0
@@ -130,7 +111,7 @@ def test_a_worker_that_fails_leaves_the_service_up_and_shows_in_metrics(tmp_path
             metrics = agent.get("/metrics").body.decode()
             return (metric_value(metrics, "topoagent_probe_rounds_total", {"outcome": "timeout"}) or 0) >= 1 and metrics
 
-        metrics = wait_for("a timed-out probe in /metrics", failed, agent)
+        metrics = wait_for("a timed-out probe in /metrics", failed, agent, WAIT_S, 0.2)
         assert metric_value(metrics, "topoagent_probe_consecutive_failures") >= 1
         assert metric_value(metrics, "topoagent_probe_rounds_total", {"outcome": "ok"}) == 0
         topo = agent.get("/topology")
@@ -161,7 +142,7 @@ def test_a_gpu_running_a_process_is_busy_for_place_leases_and_probes(tmp_path):
         assert gpu1["processes"] == [4242] and gpu1["utilization_percent"] == 97
 
         # Pairs are probed in order 0-1, 0-2, ...: the probes step over the busy GPU1.
-        wait_for("pair GPU0-GPU2 measured", lambda: ("GPU0", "GPU2") in measured_pairs(agent), agent)
+        wait_for("pair GPU0-GPU2 measured", lambda: ("GPU0", "GPU2") in measured_pairs(agent), agent, WAIT_S, 0.2)
         assert not [p for p in measured_pairs(agent) if "GPU1" in p]
 
         nofit = agent.post("/place", {"gpus": 8})

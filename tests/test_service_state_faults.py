@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from service_helpers import DGX_A100, Agent, start_agent
+from service_helpers import DGX_A100, start_agent, wait_for
 
 from topoagent import agent as agent_module
 from topoagent.agent import Agent as Runtime
@@ -52,15 +52,6 @@ def test_serve_starts_on_a_hostile_state_file_and_says_it_recovered(tmp_path, na
         assert agent.stop() == 0
 
 
-def _wait_for(what, agent: Agent, timeout: float = 20):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = what()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("timed out; log:\n" + agent.log()[-3000:])
-
 
 def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
     agent = start_agent(tmp_path, config="[leases]\nsweep_s = 0.1\n")
@@ -73,7 +64,7 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
         held = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-a", "ttl_s": 3600}}, token=agent.token).json()["lease"]
         state_file.rename(state_file.with_name("kept"))
         state_file.mkdir()  # from now on every read and write of the book fails
-        _wait_for(failed_lines, agent)
+        wait_for("the sweeps failing", failed_lines, agent)
         assert "loop=lease_sweep" in failed_lines()[0] and "IsADirectoryError" in failed_lines()[0]
         refused = agent.post("/place", {"gpus": 1, "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
         assert refused.status != 200  # nothing is acknowledged that is not on disk
@@ -86,7 +77,7 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
 
         state_file.rmdir()
         state_file.with_name("kept").rename(state_file)
-        recovered = _wait_for(lambda: re.search(r"event=loop_recovered loop=lease_sweep failures=(\d+)", agent.log()), agent)
+        recovered = wait_for("the sweeper recovered", lambda: re.search(r"event=loop_recovered loop=lease_sweep failures=(\d+)", agent.log()), agent)
         assert len(failed_lines()) < int(recovered.group(1))  # not a line per try
         assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]
         more = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-c", "ttl_s": 60}}, token=agent.token)
@@ -170,7 +161,7 @@ def test_wall_clock_steps_neither_free_nor_stretch_a_running_agents_leases(tmp_p
         job = reserve(8, 3600).json()["lease"]
         step_to(2 * 3600)  # +2 h: the step that handed a running job's 8 GPUs to the next caller
         # /leases follows the step (expires_at moves with it) once the sweeper has looked
-        _wait_for(lambda: listed() and listed()[0]["expires_at"] > job["expires_at"] + 3600, agent)
+        wait_for("the lease extended by the step", lambda: listed() and listed()[0]["expires_at"] > job["expires_at"] + 3600, agent)
         assert [le["id"] for le in listed()] == [job["id"]]
         assert reserve(1, 60).status == 409
         assert agent.get("/healthz").status == 200
@@ -178,7 +169,7 @@ def test_wall_clock_steps_neither_free_nor_stretch_a_running_agents_leases(tmp_p
         assert agent.request("DELETE", f"/leases/{job['id']}", token=agent.token).status == 200
         assert reserve(1, 2).status == 200
         step_to(-86400)  # -1 day: the step that made a 60 s lease last 2 h
-        _wait_for(lambda: not listed(), agent)  # ends on its own, within the bounded wait
+        wait_for("the lease ended", lambda: not listed(), agent)  # ends on its own, within the bounded wait
         assert reserve(8, 60).status == 200  # its GPU is free again, with the others
         assert agent.get("/healthz").status == 200
     finally:
