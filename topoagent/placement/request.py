@@ -13,10 +13,11 @@ the published schema accept what the parser refuses.
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from topoagent.errors import TopoagentError
 from topoagent.levels import (
@@ -43,8 +44,6 @@ REQUEST_LIMITS = {
 }
 # The service's deadline for a request that names none ([placement] deadline_ms), and place --batch's.
 SERVICE_DEADLINE_MS = 20
-_PATTERN_NAMES = ", ".join(p.value for p in Pattern)
-_AFFINITY_NAMES = ", ".join(a.value for a in Affinity)
 
 
 class RequestError(TopoagentError, ValueError):
@@ -87,22 +86,18 @@ def _whole_number(field_name: str, value: Any, low: int, high: int, item: int | 
     return value
 
 
-def parse_pattern(value: Any) -> Pattern:
-    if isinstance(value, str):
-        try:
-            return Pattern(value)
-        except ValueError:
-            pass
-    raise RequestError("pattern", f"expected one of {_PATTERN_NAMES}, got {quoted(value)}")
+E = TypeVar("E", bound=enum.Enum)
 
 
-def parse_affinity(value: Any) -> Affinity:
+def parse_word(field_name: str, words: type[E], value: Any) -> E:
+    """One of an enum's words (``pattern``, ``affinity``), or RequestError listing them."""
     if isinstance(value, str):
         try:
-            return Affinity(value)
+            return words(value)
         except ValueError:
             pass
-    raise RequestError("affinity", f"expected one of {_AFFINITY_NAMES}, got {quoted(value)}")
+    names = ", ".join(str(w.value) for w in words)
+    raise RequestError(field_name, f"expected one of {names}, got {quoted(value)}")
 
 
 def parse_min_level(value: Any) -> LinkLevel:
@@ -168,14 +163,14 @@ class Request:
     def __post_init__(self) -> None:
         put = object.__setattr__
         put(self, "gpus", _whole_number("gpus", self.gpus, 1, REQUEST_LIMITS["gpus_max"]))
-        put(self, "pattern", parse_pattern(self.pattern))
+        put(self, "pattern", parse_word("pattern", Pattern, self.pattern))
         if self.min_level is not None:
             put(self, "min_level", parse_min_level(self.min_level))
         _flag("single_numa", self.single_numa)
         put(self, "include", parse_gpu_indices("include", self.include))
         put(self, "exclude", parse_gpu_indices("exclude", self.exclude))
         put(self, "nics", _whole_number("nics", self.nics, 0, REQUEST_LIMITS["nics_max"]))
-        put(self, "affinity", parse_affinity(self.affinity))
+        put(self, "affinity", parse_word("affinity", Affinity, self.affinity))
         _flag("fallback", self.fallback)
         if self.message_bytes is not None:
             put(self, "message_bytes", _whole_number("message_bytes", self.message_bytes, 1, REQUEST_LIMITS["message_bytes_max"]))
@@ -205,7 +200,7 @@ def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Re
         raise RequestError("gpus", "required")
     fields: dict[str, Any] = {"gpus": _whole_number("gpus", obj["gpus"], 1, REQUEST_LIMITS["gpus_max"])}
     if "pattern" in obj:
-        fields["pattern"] = parse_pattern(obj["pattern"])
+        fields["pattern"] = parse_word("pattern", Pattern, obj["pattern"])
     if "min_level" in obj:  # null too is refused: the schema says a string
         fields["min_level"] = parse_min_level(obj["min_level"])
     if "single_numa" in obj:
@@ -216,7 +211,7 @@ def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Re
     if "nics" in obj:
         fields["nics"] = _whole_number("nics", obj["nics"], 0, REQUEST_LIMITS["nics_max"])
     if "affinity" in obj:
-        fields["affinity"] = parse_affinity(obj["affinity"])
+        fields["affinity"] = parse_word("affinity", Affinity, obj["affinity"])
     if "fallback" in obj:
         fields["fallback"] = _flag("fallback", obj["fallback"])
     if "message_bytes" in obj:  # null too is refused: leave it out for the default
