@@ -328,8 +328,7 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
                 color = COLORS["warning"] if degraded else COLORS["fabric"]
                 dash = ' stroke-dasharray="6 4"' if degraded else ""
                 gbps = fabric_gbps.get(name)
-                weight = links if gbps is None else gbps / 25.0
-                label = f"NV{links}" if gbps is None else f"NV{links} · {gbps:.0f} GB/s"
+                weight, label = _nvlink_look(links, gbps)
                 klass = f"link-{_esc(name)}"
                 drops.append(f'<line class="nvlink fabric-link {klass}" data-gpu="{_esc(name)}" x1="{gx:.1f}" '
                              f'y1="{gy:.1f}" x2="{gx:.1f}" y2="{bar_y:.1f}" stroke="{color}" '
@@ -373,8 +372,8 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
             base = max(ay, by)
             cy = base + depth + (y - base)
             gbps = measured.get(frozenset((a, b)))
-            stroke = _width(links) if gbps is None else _width(gbps / 25.0)
-            label = f"NV{links}" if gbps is None else f"NV{links} · {gbps:.0f} GB/s"
+            weight, label = _nvlink_look(links, gbps)
+            stroke = _width(weight)
             klass = f"link-{_esc(a)} link-{_esc(b)}"
             parts.append(f'<path class="nvlink direct-link {klass}" data-pair="{_esc(a)}-{_esc(b)}" '
                          f'd="M{ax:.1f},{ay:.1f} C{ax:.1f},{cy:.1f} {bx:.1f},{cy:.1f} {bx:.1f},{by:.1f}" '
@@ -467,6 +466,14 @@ def _hover_style(gpus: list[str]) -> str:
                      f"{on} .nvlink.link-{name}{{stroke:{COLORS['critical']};stroke-opacity:1}}"
                      f"{on} .link-label.link-{name}{{fill:{COLORS['critical']};font-weight:bold}}")
     return "<style>" + "".join(rules) + "</style>"
+
+
+def _nvlink_look(links: int, gbps: float | None) -> tuple[float, str]:
+    """A link's drawn weight and label: by its link count, or by the GB/s measured on it
+    (25 GB/s, one NVLink's worth, weighs as one link)."""
+    if gbps is None:
+        return float(links), f"NV{links}"
+    return gbps / 25.0, f"NV{links} · {gbps:.0f} GB/s"
 
 
 def _width(weight: float) -> float:
