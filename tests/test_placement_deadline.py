@@ -20,6 +20,9 @@ HERE = Path(__file__).resolve().parent
 CORPUS = HERE.parents[0].parent / "shared" / "corpus" / "nvidia-smi-topo"
 # Answers of place() before deadlines existed, one row per (busy, pattern, k) and corpus file.
 BEFORE = json.loads((HERE / "data" / "placement_answers_before_deadlines.json").read_text())
+# Answers on every recorded snapshot (the 16-GPU DGX-2 is answered by branch and bound),
+# recorded by tests/data/record_snapshot_answers.py before the anytime search's incumbents.
+SNAPSHOT_ANSWERS = json.loads((HERE / "data" / "placement_answers_snapshots.json").read_text())
 
 MESH = irregular_mesh(128)  # no symmetry to exploit: the exact search takes far longer than 1 ms
 
@@ -83,6 +86,18 @@ def test_every_recorded_answer_is_proven_and_the_same_as_before(name):
             assert answer.proven_optimal, (busy, pattern, k)
         else:
             assert isinstance(answer, NoFit) and answer.constraint != "deadline_ms"
+
+
+@pytest.mark.parametrize("name", sorted(SNAPSHOT_ANSWERS["answers"]))
+def test_every_snapshot_answer_is_proven_and_the_same_as_recorded(name):
+    from topoagent.commands.discover import discover_root
+
+    matrix = discover_root(str(HERE.parent / "fixtures" / "snapshots" / name)).distance_matrix()
+    for busy, pattern, k, nics, before in SNAPSHOT_ANSWERS["answers"][name]:
+        answer = place(matrix, Request(gpus=k, pattern=pattern, nics=nics, deadline_ms=60_000), busy)
+        got = list(answer.indices) if isinstance(answer, Placement) else None
+        assert got == before, (busy, pattern, k, nics)
+        assert not isinstance(answer, Placement) or answer.proven_optimal, (busy, pattern, k, nics)
 
 
 def test_warm_builds_the_tables_requests_read():
