@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import combinations, pairwise
 from math import comb
 from time import monotonic
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LinkLevel
@@ -34,10 +34,11 @@ def bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def connected_components(verts: int, adjacency: list[int]) -> list[int]:
-    """The connected components (as GPU bitmasks) of the graph restricted to ``verts``."""
+def connected_components(verts: int, adjacency: list[int], start: int = 0) -> list[int]:
+    """The connected components (as GPU bitmasks) of the graph restricted to ``verts``;
+    with ``start`` (a GPU's bit), only the one holding it."""
     comps = []
-    remaining = verts
+    remaining = start or verts
     while remaining:
         comp = frontier = remaining & -remaining
         while frontier:
@@ -47,7 +48,7 @@ def connected_components(verts: int, adjacency: list[int]) -> list[int]:
             frontier = reach & verts & ~comp
             comp |= frontier
         comps.append(comp)
-        remaining &= ~comp
+        remaining = 0 if start else remaining & ~comp
     return comps
 
 
@@ -87,9 +88,30 @@ class Deadline:
                 raise DeadlineReached
 
 
-def tick(deadline: Deadline | None) -> None:
-    if deadline is not None:
-        deadline.tick()
+class StepsSpent(Exception):
+    """A heuristic's step budget is spent: the search it serves goes on without its set."""
+
+
+class StepBudget:
+    """A number of search steps for a cheap try (a first answer at a threshold), counted
+    inside the search's own deadline: a deterministic bound, whatever the machine's load."""
+
+    def __init__(self, steps: int, deadline: Deadline | None):
+        self.left = steps
+        self.deadline = deadline
+
+    def tick(self) -> None:
+        self.left -= 1
+        if self.left < 0:
+            raise StepsSpent
+        if self.deadline is not None:
+            self.deadline.tick()
+
+
+class Ticker(Protocol):
+    """What a search calls once per step: a Deadline or a StepBudget."""
+
+    def tick(self) -> None: ...
 
 
 SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
@@ -98,6 +120,7 @@ SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a tabl
 HAM_MEMO_MAX = 50_000
 WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
 NIC_COST_MAX = 50_000
+FIRST_SET_STEPS = 400  # per cheap try at a threshold (Search._first_set_at): about a millisecond
 
 
 class Prepared:
@@ -389,7 +412,7 @@ class Prepared:
         return [(pattern, rows) for (pattern, _k), rows in self._small_tables.items() if rows is not None]
 
     def small_table(
-        self, pattern: Pattern, k: int, deadline: Deadline | None = None
+        self, pattern: Pattern, k: int, deadline: Ticker | None = None
     ) -> list[tuple[int, int, int, int, tuple[int, ...]]] | None:
         """Every k-set of the node with its best pattern rank, NUMA distance, NUMA count
         and order, best first -- only where there are at most SMALL_TABLE_SETS of them (8-GPU nodes, and
@@ -419,7 +442,7 @@ class Prepared:
         return rows
 
     def _best_rank(
-        self, mask: int, verts: tuple[int, ...], pattern: Pattern, deadline: Deadline | None
+        self, mask: int, verts: tuple[int, ...], pattern: Pattern, deadline: Ticker | None
     ) -> tuple[int, tuple[int, ...] | None]:
         rank = self.rank
         pairs = [rank[a][b] for i, a in enumerate(verts) for b in verts[i + 1 :]]
@@ -460,7 +483,7 @@ class Prepared:
         chosen = dists[:wanted]
         return sum(kv for kv, _ in chosen), sum(rate for _, rate in chosen)
 
-    def ham(self, mask: int, r: int, cycle: bool, deadline: Deadline | None = None) -> tuple[int, ...] | None:
+    def ham(self, mask: int, r: int, cycle: bool, deadline: Ticker | None = None) -> tuple[int, ...] | None:
         """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
         key = (mask, r, cycle)
         if key in self.ham_memo:
@@ -471,7 +494,7 @@ class Prepared:
         self.ham_memo[key] = result
         return result
 
-    def _ham_search(self, mask: int, adj: list[int], cycle: bool, deadline: Deadline | None) -> tuple[int, ...] | None:
+    def _ham_search(self, mask: int, adj: list[int], cycle: bool, deadline: Ticker | None) -> tuple[int, ...] | None:
         verts = sorted(bits(mask), key=self.hier_pos.__getitem__)
         k = len(verts)
         if k == 1:
@@ -485,6 +508,8 @@ class Prepared:
             return None
         if not cycle and sum(1 for d in degree.values() if d == 1) > 2:
             return None
+        if len(connected_components(mask, adj)) > 1:
+            return None  # without this a split set is refuted only by trying every path
         starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
         rank = self.rank
         for start in starts:
@@ -596,9 +621,15 @@ class Search:
         candidates: int,
         include: int,
         deadline: Deadline | None = None,
+        steps: StepBudget | None = None,
     ):
         self.prep = prep
         self.deadline = deadline
+        self.ticker: Ticker | None = steps if steps is not None else deadline  # called once per step
+        # The key of a set known at the threshold being searched (a cheap first answer's):
+        # branches that cannot come within it are cut.  Cut only when strictly worse, so
+        # the search visits every set it would visit without it (see _cut): same answer.
+        self.cutoff: tuple[int, int, tuple[int, float], int] | None = None
         # What run() leaves when the deadline stopped it: proven False, the best set found
         # at any threshold, and the best threshold not ruled out (its bandwidth bounds
         # every set's; None when links do not matter or nothing was ruled in).
@@ -657,30 +688,41 @@ class Search:
             return None
         # A first answer at the lowest threshold (every link qualifies): a best-fit descent.
         # No set there means no set at all (feasibility only falls as the threshold rises).
-        if self._seed(present) is None:
+        seed = self._seed(present)
+        if seed is None:
             return None
-        # Feasibility falls as the threshold rises: find the best feasible one.
-        if len(present) <= 8:
-            for r in reversed(present):
+        # Then climb: a cheap set at each higher threshold while one is found, so a good
+        # answer is in hand early and the exact search below starts with a cutoff.
+        lo, known = 0, seed
+        for i in range(1, len(present)):
+            found = self._offer(self._first_set_at(present[i]))
+            if found is None:
+                break
+            lo, known = i, found
+        # Feasibility falls as the threshold rises: find the best feasible one, above lo.
+        if len(present) - lo <= 8:
+            for i in range(len(present) - 1, lo, -1):
+                r = present[i]
                 self.bound_rank = r  # every better threshold is ruled out
                 if not self._feasible_on_idle_node(r):
                     continue
                 found = self._search_at(r, stop_at_first=False)
                 if found is not None:
                     return found
-            return None
-        lo, hi = 0, len(present) - 1  # present ascending; find the highest feasible
-        self.bound_rank = present[hi]
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._feasible_on_idle_node(present[mid]) and (
-                self._offer(self._search_at(present[mid], stop_at_first=True)) is not None
-            ):
-                lo = mid
-            else:
-                hi = mid - 1
-                self.bound_rank = present[hi]
-        return self._search_at(present[lo], stop_at_first=False)
+        else:
+            hi = len(present) - 1  # present ascending; find the highest feasible
+            self.bound_rank = present[hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                found = self._search_at(present[mid], stop_at_first=True) if self._feasible_on_idle_node(present[mid]) else None
+                if self._offer(found) is not None:
+                    assert found is not None
+                    lo, known = mid, found
+                else:
+                    hi = mid - 1
+                    self.bound_rank = present[hi]
+        self.bound_rank = present[lo]
+        return self._search_at(present[lo], stop_at_first=False, cutoff=known.key)
 
     def _seed(self, present: list[int] | None = None) -> Found | None:
         """A first answer, found before the deadline is looked at: the first leaf of a
@@ -838,7 +880,42 @@ class Search:
                 present.append(r)
         return present
 
-    def _search_at(self, r: int | None, stop_at_first: bool) -> Found | None:
+    def _first_set_at(self, r: int) -> Found | None:
+        """A set at threshold ``r`` found cheaply, or None (which proves nothing): the first
+        set of a best-fit descent kept to one NUMA node -- each that can hold the job,
+        fewest candidates first, the best set kept -- else to growing groups of nodes
+        nearest the one with most candidates.  Each try has FIRST_SET_STEPS steps."""
+        prep = self.prep
+        cand = self.candidates | self.include
+        counts = [(g & cand).bit_count() for g in prep.numa_masks]
+        holding = sorted((c, gi) for gi, c in enumerate(counts) if c >= self.k and not self.include & ~prep.numa_masks[gi])
+        tries = [prep.numa_masks[gi] for _, gi in holding]
+        if not tries:
+            anchor = max(range(len(counts)), key=counts.__getitem__)
+            dist = prep.numa_dist
+            near = sorted(range(len(counts)), key=lambda gi: (dist[anchor][gi] if dist else gi != anchor, -counts[gi]))
+            union = 0
+            for gi in near:
+                union |= prep.numa_masks[gi]
+                if (union & cand).bit_count() >= self.k and not self.include & ~union:
+                    tries.append(union)
+        best: Found | None = None
+        for group in tries:
+            sub = Search(
+                prep, self.req, self.free_all, self.candidates & group, self.include, self.deadline,
+                StepBudget(FIRST_SET_STEPS, self.deadline),
+            )
+            try:
+                found = sub._search_at(r, stop_at_first=True)
+            except StepsSpent:
+                continue
+            if found is not None and (best is None or found.key < best.key):
+                best = found
+            if best is not None and not holding:
+                break  # growing groups: the first one that holds a set
+        return best
+
+    def _search_at(self, r: int | None, stop_at_first: bool, cutoff: tuple[int, int, tuple[int, float], int] | None = None) -> Found | None:
         prep = self.prep
         k = self.k
         pattern = self.req.pattern
@@ -887,7 +964,12 @@ class Search:
         self.allowed = allowed
         self.r = r
         self.check_order = r is not None and pattern in (Pattern.ALLREDUCE, Pattern.PIPELINE) and k >= 3
+        # A ring or path at r: every member needs `need` links at r inside the set, and the
+        # set lies in one component of those links; _branch cuts branches that cannot.
+        self.eff = eff if self.check_order else None
+        self.need = need
         self.best = None
+        self.cutoff = None if stop_at_first else cutoff
         self.stop_at_first = stop_at_first
         classes_all = prep.classes(self.nics > 0)
         for comp in comps:
@@ -1047,32 +1129,34 @@ class Search:
         return touched
 
     def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
-        if self.deadline is not None:
-            self.deadline.tick()
+        if self.ticker is not None:
+            self.ticker.tick()
         if rem == 0:
             self._leaf(taken, dmg)
             return
         if cand.bit_count() < rem:
             return
         best = self.best
-        if best is not None:
-            if self.stop_at_first:
+        if best is not None and self.stop_at_first:
+            return
+        cutoff = self.cutoff
+        if cutoff is not None and (best is None or cutoff < best.key):
+            if self._cut(taken, cand, rem, dmg, cutoff, strict=True):
                 return
-            # The bound, one term at a time: later terms only matter on a tie.
-            best_span, best_numa, best_nic, best_dmg = best.key
-            span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
-            if span > best_span:
-                return
-            if span == best_span:
-                numa = self._numa_bound(taken, cand, rem)
-                if numa > best_numa:
+        elif best is not None and self._cut(taken, cand, rem, dmg, best.key, strict=False):
+            return
+        eff = self.eff
+        if eff is not None and taken:
+            # No ring/path at r can be completed: a member short of links, or the members
+            # apart.  Such a branch holds no set, so cutting it changes no answer.
+            reach = taken | cand
+            for v in bits(taken):
+                if (eff[v] & reach).bit_count() < self.need:
                     return
-                if numa == best_numa:
-                    nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
-                    if nic > best_nic:
-                        return
-                    if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
-                        return
+            low = taken & -taken
+            comp = connected_components(reach, eff, low)[0]
+            if taken & ~comp or comp.bit_count() < self.k:
+                return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -1096,12 +1180,30 @@ class Search:
             if self.best is not None and self.stop_at_first:
                 return
 
+    def _cut(
+        self, taken: int, cand: int, rem: int, dmg: int, limit: tuple[int, int, tuple[int, float], int], strict: bool
+    ) -> bool:
+        """Whether no completion of ``taken`` from ``cand`` can beat ``limit`` (or, strict,
+        equal it): the bound, one term at a time -- later terms only matter on a tie."""
+        limit_span, limit_numa, limit_nic, limit_dmg = limit
+        span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
+        if span != limit_span:
+            return span > limit_span
+        numa = self._numa_bound(taken, cand, rem)
+        if numa != limit_numa:
+            return numa > limit_numa
+        nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
+        if nic != limit_nic:
+            return nic > limit_nic
+        least = dmg + self._damage_bound(taken, cand, rem)
+        return least > limit_dmg if strict else least >= limit_dmg
+
     def _leaf(self, taken: int, dmg: int) -> None:
         prep = self.prep
         order: tuple[int, ...] | None
         if self.check_order:
             assert self.r is not None  # check_order is only ever set with a level
-            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE, self.deadline)
+            order = prep.ham(taken, self.r, self.req.pattern is Pattern.ALLREDUCE, self.ticker)
             if order is None:
                 return
         elif self.r is not None and self.k == 2:
