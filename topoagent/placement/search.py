@@ -881,28 +881,19 @@ class Search:
         return present
 
     def _first_set_at(self, r: int) -> Found | None:
-        """A set at threshold ``r`` found cheaply, or None (which proves nothing): the first
-        set of a best-fit descent kept to one NUMA node -- each that can hold the job,
-        fewest candidates first, the best set kept -- else to growing groups of nodes
-        nearest the one with most candidates.  Each try has FIRST_SET_STEPS steps."""
+        """A set at threshold ``r`` found cheaply, or None (which proves nothing).  Where
+        NUMA nodes can hold the job alone: the first set of a best-fit descent in each
+        (fewest candidates first), the best kept.  Else over growing groups of nodes,
+        nearest the one with most candidates first: a ring, path or clique grown link by
+        link (_grow).  Each try has FIRST_SET_STEPS steps."""
         prep = self.prep
         cand = self.candidates | self.include
         counts = [(g & cand).bit_count() for g in prep.numa_masks]
         holding = sorted((c, gi) for gi, c in enumerate(counts) if c >= self.k and not self.include & ~prep.numa_masks[gi])
-        tries = [prep.numa_masks[gi] for _, gi in holding]
-        if not tries:
-            anchor = max(range(len(counts)), key=counts.__getitem__)
-            dist = prep.numa_dist
-            near = sorted(range(len(counts)), key=lambda gi: (dist[anchor][gi] if dist else gi != anchor, -counts[gi]))
-            union = 0
-            for gi in near:
-                union |= prep.numa_masks[gi]
-                if (union & cand).bit_count() >= self.k and not self.include & ~union:
-                    tries.append(union)
         best: Found | None = None
-        for group in tries:
+        for _, gi in holding:
             sub = Search(
-                prep, self.req, self.free_all, self.candidates & group, self.include, self.deadline,
+                prep, self.req, self.free_all, self.candidates & prep.numa_masks[gi], self.include, self.deadline,
                 StepBudget(FIRST_SET_STEPS, self.deadline),
             )
             try:
@@ -911,9 +902,89 @@ class Search:
                 continue
             if found is not None and (best is None or found.key < best.key):
                 best = found
-            if best is not None and not holding:
-                break  # growing groups: the first one that holds a set
-        return best
+        if best is not None or self.req.single_numa:
+            return best
+        anchor = max(range(len(counts)), key=counts.__getitem__)
+        dist = prep.numa_dist
+        near = sorted(range(len(counts)), key=lambda gi: (dist[anchor][gi] if dist else gi != anchor, -counts[gi]))
+        union = 0
+        for gi in near:
+            union |= prep.numa_masks[gi]
+            if (union & cand).bit_count() >= self.k and not self.include & ~union:
+                try:
+                    found = self._grow(r, union & cand, StepBudget(FIRST_SET_STEPS, self.deadline))
+                except StepsSpent:
+                    found = None
+                if found is not None:
+                    return found
+        return None
+
+    def _grow(self, r: int, pool: int, steps: StepBudget) -> Found | None:
+        """k GPUs of ``pool`` holding the pattern at threshold ``r``, grown from one GPU
+        (every ``include`` GPU first): a path extended depth first by the GPU with fewest
+        onward links (closing the ring at the end), or for all-to-all a clique grown by
+        the GPU joined to most of the rest.  None when ``steps`` run out first."""
+        prep = self.prep
+        k = self.k
+        adj = prep.adj(r)
+        h = self.h_adj
+        eff = [adj[v] & h[v] for v in range(prep.n)] if h is not None else adj
+        numa_masks, numa_of = prep.numa_masks, prep.numa_of
+        single = self.req.single_numa
+        include = self.include
+        if self.req.pattern is Pattern.ALLTOALL:
+            for start in bits(include or pool):
+                steps.tick()
+                taken = include | 1 << start
+                left = pool & ~taken
+                for v in bits(taken):
+                    left &= eff[v]
+                if single:
+                    left &= numa_masks[numa_of[start]]
+                while taken.bit_count() < k and left:
+                    steps.tick()
+                    v = max(bits(left), key=lambda u: (eff[u] & left).bit_count())
+                    taken |= 1 << v
+                    left &= eff[v]
+                if taken.bit_count() == k and all((eff[v] | 1 << v) & taken == taken for v in bits(taken)):
+                    return self._found(taken, tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__)), r)
+            return None
+        cycle = self.req.pattern is Pattern.ALLREDUCE and k >= 3
+        if include:
+            return None  # a path through every named GPU: left to the exact search
+        path: list[int] = []
+
+        def extend(last: int, room: int) -> bool:
+            """``room``: the GPUs that may still join (unvisited; with a min_level, close
+            to every GPU on the path)."""
+            steps.tick()
+            if len(path) == k:
+                return not cycle or bool(eff[last] >> path[0] & 1)
+            left = room
+            options = eff[last] & left
+            if cycle and len(path) == k - 1:
+                options &= eff[path[0]]
+            # Fewest onward links first (long paths are found fast), same NUMA node first.
+            for v in sorted(bits(options), key=lambda u: (numa_of[u] != numa_of[path[0]], (eff[u] & left).bit_count())):
+                path.append(v)
+                if extend(v, room & ~(1 << v) & (h[v] if h is not None else room)):
+                    return True
+                path.pop()
+            return False
+
+        for start in sorted(bits(pool), key=lambda u: -(eff[u] & pool).bit_count()):
+            path[:] = [start]
+            if extend(start, pool & ~(1 << start) & (h[start] if h is not None else pool)):
+                taken = sum(1 << v for v in path)
+                return self._found(taken, tuple(path), r)
+        return None
+
+    def _found(self, taken: int, order: tuple[int, ...], r: int) -> Found:
+        """``taken`` in ``order`` as the search scores a set (terms 2-5)."""
+        prep = self.prep
+        groups = prep.groups_of(taken)
+        nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
+        return Found(taken, order, r, (prep.numa_span(groups), groups.bit_count(), nic, self._damage_of(taken)))
 
     def _search_at(self, r: int | None, stop_at_first: bool, cutoff: tuple[int, int, tuple[int, float], int] | None = None) -> Found | None:
         prep = self.prep
