@@ -1218,14 +1218,25 @@ class Search:
             return
         eff = self.eff
         if eff is not None and taken:
-            # No ring/path at r can be completed: a member short of links, or the members
-            # apart.  Such a branch holds no set, so cutting it changes no answer.
+            # No ring/path at r can be completed: such a branch holds no set, so cutting it
+            # changes no answer.  In a ring, the members taken lie in runs between the rem
+            # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
+            # component of the links among them; each member has 2 ring links (a path's
+            # two ends 1), those not among the taken go to the rem newcomers, 2 each.
+            ends = 0 if self.req.pattern is Pattern.ALLREDUCE else 2
             reach = taken | cand
+            short = 0
             for v in bits(taken):
                 if (eff[v] & reach).bit_count() < self.need:
                     return
-            low = taken & -taken
-            comp = connected_components(reach, eff, low)[0]
+                inside = (eff[v] & taken).bit_count()
+                if inside < 2:
+                    short += 2 - inside
+            if short > 2 * rem + ends:
+                return
+            if len(connected_components(taken, eff)) > rem + ends // 2:
+                return
+            comp = connected_components(reach, eff, taken & -taken)[0]
             if taken & ~comp or comp.bit_count() < self.k:
                 return
         classes = self.classes
