@@ -121,6 +121,7 @@ HAM_MEMO_MAX = 50_000
 WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
 NIC_COST_MAX = 50_000
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Search._first_set_at): about a millisecond
+FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
 
 
 class Prepared:
@@ -904,20 +905,43 @@ class Search:
                 best = found
         if best is not None or self.req.single_numa:
             return best
+        for union in self._unions(counts):
+            try:
+                found = self._grow(r, union & cand, StepBudget(FIRST_SET_STEPS, self.deadline))
+            except StepsSpent:
+                found = None
+            if found is not None:
+                return found
+        return None
+
+    def _unions(self, counts: list[int]) -> list[int]:
+        """Groups of NUMA nodes that can hold the job, as GPU masks, best first: pairs and
+        triples by the NUMA distance and count they span, most candidates first (the first
+        FIRST_SET_UNIONS of them), then the nodes nearest the one with most candidates,
+        one more at a time."""
+        prep = self.prep
+        include = self.include
+        live = [gi for gi, c in enumerate(counts) if c]
+        combos = []
+        for size in (2, 3):
+            for combo in combinations(live, size):
+                mask = sum(prep.numa_masks[gi] for gi in combo)
+                held = sum(counts[gi] for gi in combo)
+                if held >= self.k and not include & ~mask:
+                    combos.append((prep.numa_span(sum(1 << gi for gi in combo)), size, -held, mask))
+            if len(combos) >= FIRST_SET_UNIONS:
+                break
+        tries = [mask for *_, mask in sorted(combos)[:FIRST_SET_UNIONS]]
         anchor = max(range(len(counts)), key=counts.__getitem__)
         dist = prep.numa_dist
         near = sorted(range(len(counts)), key=lambda gi: (dist[anchor][gi] if dist else gi != anchor, -counts[gi]))
-        union = 0
+        union = held = 0
         for gi in near:
             union |= prep.numa_masks[gi]
-            if (union & cand).bit_count() >= self.k and not self.include & ~union:
-                try:
-                    found = self._grow(r, union & cand, StepBudget(FIRST_SET_STEPS, self.deadline))
-                except StepsSpent:
-                    found = None
-                if found is not None:
-                    return found
-        return None
+            held += counts[gi]
+            if held >= self.k and not include & ~union and union not in tries:
+                tries.append(union)
+        return tries
 
     def _grow(self, r: int, pool: int, steps: StepBudget) -> Found | None:
         """k GPUs of ``pool`` holding the pattern at threshold ``r``, grown from one GPU
