@@ -4,10 +4,13 @@ still comes, valid and marked not proven; where it finishes, nothing changes."""
 from __future__ import annotations
 
 import json
+import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import topoagent.placement.search as search_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import NoFit, Placement, Request, place
@@ -69,6 +72,71 @@ def test_the_same_request_with_time_to_finish_is_proven():
     assert answer.proven_optimal is True and answer.bandwidth_bound_gbps is None
     assert not answer.explain[0].startswith("not proven")
     assert answer.indices == place(node, Request(gpus=6), busy=[0, 9]).indices
+
+
+class StepClock:
+    """A clock that moves a fixed amount each time it is read: a deadline becomes a count
+    of search steps, the same on an idle laptop and a loaded CI machine."""
+
+    def __init__(self, per_read_s: float):
+        self.now = 0.0
+        self.per_read_s = per_read_s
+
+    def __call__(self) -> float:
+        self.now += self.per_read_s
+        return self.now
+
+
+def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypatch):
+    """Where the exact search cannot finish in its steps, the answer is still at the best
+    bandwidth any set has (the later terms -- NUMA nodes, damage -- not proven)."""
+    mesh = irregular_mesh(32)
+    rng = random.Random(2)
+    cases = []
+    for _ in range(30):
+        k = rng.choice([8, 16])
+        cases.append((k, rng.choice(["allreduce", "pipeline", "alltoall"]), rng.sample(range(32), rng.randint(0, 28 - k))))
+    exact = [place(mesh, Request(gpus=k, pattern=pattern), busy) for k, pattern, busy in cases]
+    monkeypatch.setattr(search_module, "clock", StepClock(2e-5))  # 20 ms: about 3,600 steps
+    unproven = 0
+    for (k, pattern, busy), best in zip(cases, exact):
+        request = Request(gpus=k, pattern=pattern, deadline_ms=20)
+        answer = place(mesh, request, busy)
+        assert isinstance(answer, Placement) and isinstance(best, Placement)
+        assert_valid(mesh, request, busy, answer)
+        assert answer.bandwidth_gbps == best.bandwidth_gbps, (k, pattern, busy)
+        unproven += not answer.proven_optimal
+    assert unproven >= 5  # the steps were too few to prove them: the case this is about
+
+
+CLAIMS_OF_THE_BEST = (
+    "does better", "no set on fewer", "no free set meets", "cannot hold", "the best set has", "the best set meets",
+    "free GPUs meet affinity", "free GPUs are all within",
+)
+
+
+@pytest.mark.parametrize("request_", [
+    Request(gpus=12),
+    Request(gpus=12, include=(0, 31), pattern="pipeline"),
+    Request(gpus=6, affinity="best", fallback=True, pattern="alltoall"),
+    Request(gpus=9, affinity="best"),
+    Request(gpus=6, min_level="NV2", pattern="alltoall"),
+], ids=["plain", "include", "fallback", "affinity", "min_level"])
+def test_no_line_claims_the_best_when_not_proven(monkeypatch, request_):
+    """Time runs out at the first look at the clock: whatever comes back -- a placement
+    or no fit -- says what was found in time, never that no set does better."""
+    mesh = irregular_mesh(32)
+    prepare(mesh, None)
+    monkeypatch.setattr(search_module, "clock", StepClock(1.0))
+    answer = place(mesh, replace(request_, deadline_ms=20), busy=[3, 17])
+    if isinstance(answer, Placement):
+        assert answer.proven_optimal is False
+        lines = answer.explain
+    else:
+        lines = (answer.reason,) + (answer.best_available.explain if answer.best_available else ())
+    for line in lines:
+        assert not any(claim in line for claim in CLAIMS_OF_THE_BEST), line
+        assert "optimal" not in line or line.startswith("not proven optimal"), line
 
 
 def corpus(name: str) -> DistanceMatrix:

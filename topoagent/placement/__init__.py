@@ -20,7 +20,7 @@ from dataclasses import replace
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
-from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.explain import CLAIMS, Door, Reason, ReasonCode, render
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
     REQUEST_FIELDS,
@@ -97,7 +97,7 @@ def place(
 
     With ``request.deadline_ms`` the search stops then with the best set found so far,
     marked ``proven_optimal=False`` with the bandwidth bound it established."""
-    deadline = Deadline(request.deadline_ms / 1000) if request.deadline_ms is not None else None
+    deadline = Deadline(request.deadline_ms / 1000, request.gpus) if request.deadline_ms is not None else None
     prep = prepare(matrix, now)
     pos_of = prep.pos_of
 
@@ -143,13 +143,17 @@ def place(
         if found is None and deadline is not None and deadline.reached:
             why = Reason(ReasonCode.NONE_IN_TIME, {"deadline_ms": request.deadline_ms})
             return NoFit(request, why, "deadline_ms", _indices(matrix, candidates))
-        if found is None:
-            return _diagnose(prep, request, free_all, candidates, include)
-        answer = build(prep, request, found, free_all)
-    if deadline is not None and deadline.reached and isinstance(answer, Placement):
-        answer = _not_proven(answer, deadline, request)
+        answer = (
+            build(prep, request, found, free_all) if found is not None
+            else _diagnose(prep, request, free_all, candidates, include, deadline)
+        )
+    late = deadline is not None and deadline.reached
     if isinstance(answer, NoFit):
-        return answer
+        if not late:
+            return answer
+        assert deadline is not None
+        shown = answer.best_available
+        return replace(answer, why=_unclaimed(answer.why), best_available=shown and _not_proven(shown, deadline, request))
     taken = sum(1 << pos_of[i] for i in answer.indices)
     notes = []
     if unhealthy:
@@ -157,18 +161,27 @@ def place(
         notes.append(Reason(ReasonCode.UNHEALTHY_LEFT_OUT, {"gpus": _indices(matrix, unhealthy), "why": causes}))
     if taken & prep.links_unknown:
         notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, taken & prep.links_unknown)}))
-    return replace(answer, reasons=answer.reasons + tuple(notes)) if notes else answer
+    if notes:
+        answer = replace(answer, reasons=answer.reasons + tuple(notes))
+    if late:
+        assert deadline is not None
+        answer = _not_proven(answer, deadline, request)
+    return answer
 
 
 def _not_proven(answer: Placement, deadline: Deadline, request: Request) -> Placement:
     """The answer as the deadline left it: not proven optimal, with the bound the search
-    established, and its bottleneck no longer claimed best."""
+    established, and no line claiming that no set does better."""
     bound = deadline.bound_gbps
     why = Reason(ReasonCode.NOT_PROVEN, {"deadline_ms": request.deadline_ms, "bound_gbps": bound})
-    reasons = tuple(
-        Reason(r.code, {**r.params, "proven": False}) if r.code is ReasonCode.BOTTLENECK else r for r in answer.reasons
-    )
+    reasons = tuple(_unclaimed(r) for r in answer.reasons)
     return replace(answer, reasons=(why, *reasons), proven_optimal=False, bandwidth_bound_gbps=bound)
+
+
+def _unclaimed(reason: Reason) -> Reason:
+    """``reason`` as a search the deadline stopped may say it: a claim about every set
+    (none does better, none meets a tier) becomes one about the sets found in time."""
+    return Reason(reason.code, {**reason.params, "proven": False}) if reason.code in CLAIMS else reason
 
 
 def _search_known_first(
@@ -205,7 +218,7 @@ def _place_tier(
             return answer
     plain = Search(prep, request, free_all, candidates, include, deadline).run()
     if plain is None:
-        return _diagnose(prep, request, free_all, candidates, include)
+        return _diagnose(prep, request, free_all, candidates, include, deadline)
     best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all)
     why = Reason(ReasonCode.AFFINITY_UNREACHABLE, {"gpus": request.gpus, "affinity": asked, "met": best.affinity})
     return NoFit(request, why, "affinity", _indices(prep.matrix, candidates), best)
@@ -215,8 +228,12 @@ def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
     return tuple(matrix.gpus[pos].index for pos in bits(mask))
 
 
-def _diagnose(prep: Prepared, request: Request, free_all: int, candidates: int, include: int) -> NoFit:
-    """Which constraint stops the request: the first whose relaxation fits."""
+def _diagnose(
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None
+) -> NoFit:
+    """Which constraint stops the request: the first whose relaxation fits.  The
+    relaxed searches keep to the request's deadline; one it stops proves nothing, and
+    when none fits in time the answer says only what is proven (nothing meets it)."""
     k = request.gpus
     free_indices = _indices(prep.matrix, candidates)
     relaxations = []
@@ -227,7 +244,7 @@ def _diagnose(prep: Prepared, request: Request, free_all: int, candidates: int, 
     if request.include:
         relaxations.append(("include", replace(request, include=())))
     for name, relaxed in relaxations:
-        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0).run()
+        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline).run()
         if found is None:
             continue
         best = build(prep, relaxed, found, free_all)
@@ -245,6 +262,8 @@ def _diagnose(prep: Prepared, request: Request, free_all: int, candidates: int, 
             why = Reason(ReasonCode.INCLUDE_UNREACHABLE)
         return NoFit(request, why, name, free_indices, best)
     names = tuple(name for name, _ in relaxations)
+    if deadline is not None and deadline.reached:
+        return NoFit(request, Reason(ReasonCode.NOTHING_MEETS), names[0] if names else "gpus", free_indices)
     why = (
         Reason(ReasonCode.CONSTRAINTS_CONFLICT, {"fields": names})
         if len(names) > 1

@@ -78,10 +78,66 @@ class _Params:
         return ",".join(str(i) for i in self.params[key])
 
 
+# Reasons that say something of every set (none does better, none meets a tier): when a
+# deadline stopped the search their ``proven`` parameter is False and they say only what
+# the sets found in time show (placement._unclaimed).
+CLAIMS = frozenset({
+    ReasonCode.BOTTLENECK, ReasonCode.SPANS_NUMA_BEST, ReasonCode.SPANS_NUMA_FORCED, ReasonCode.AFFINITY_FELL_BACK,
+    ReasonCode.UNKNOWN_LINKS_TAKEN, ReasonCode.AFFINITY_UNREACHABLE, ReasonCode.MIN_LEVEL_UNREACHABLE,
+})
+
+
+def _proven(p: _Params) -> bool:
+    return bool(p.params.get("proven", True))
+
+
 def _bottleneck(p: _Params) -> str:
     held = f" holding GPUs {p.gpus('held')}" if p["held"] else ""
-    claim = f"no free set of {p['gpus']}{held} does better" if p.params.get("proven", True) else "best found in time"
+    claim = f"no free set of {p['gpus']}{held} does better" if _proven(p) else "the best found in time, not proven"
     return f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']}); {claim}"
+
+
+def _spans(p: _Params) -> str:
+    if not _proven(p):
+        return f"spans {p['count']} NUMA nodes (fewer not ruled out in time)"
+    if p.params.get("field") is None:
+        return f"spans {p['count']} NUMA nodes: no set on fewer has the same bandwidth"
+    return (
+        f"spans {p['count']} NUMA nodes: forced by {p.field()} GPUs {p.gpus('held')}: "
+        "no set on fewer that holds them has the same bandwidth"
+    )
+
+
+def _fell_back(p: _Params) -> str:
+    asked = f"{p.field_name('affinity')} {p['asked']}"
+    none = f"no free set meets {asked}" if _proven(p) else f"no free set meeting {asked} was found in time"
+    return f"{none}; {p.field_name('fallback')}: answered at tier {p['met']}"
+
+
+def _unknown_links(p: _Params) -> str:
+    why = (
+        "the GPUs whose links are known cannot hold the job" if _proven(p)
+        else "no set of GPUs whose links are known was found in time"
+    )
+    return f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because {why}"
+
+
+def _affinity_unreachable(p: _Params) -> str:
+    if _proven(p):
+        return f"no {p['gpus']} free GPUs meet affinity {p['affinity']}; the best set meets {p['met']}"
+    return f"no {p['gpus']} free GPUs meeting affinity {p['affinity']} were found in time; the set found meets {p['met']}"
+
+
+def _min_level_unreachable(p: _Params) -> str:
+    if _proven(p):
+        return (
+            f"no {p['gpus']} free GPUs are all within {p['min_level']} of each other; "
+            f"the best set has pairs at {p['best_worst']}"
+        )
+    return (
+        f"no {p['gpus']} free GPUs all within {p['min_level']} of each other were found in time; "
+        f"the set found has pairs at {p['best_worst']}"
+    )
 
 
 def _not_proven(p: _Params) -> str:
@@ -104,14 +160,11 @@ def _too_few(p: _Params) -> str:
 _TEMPLATES = {
     ReasonCode.BOTTLENECK: _bottleneck,
     ReasonCode.ONE_NUMA_NODE: lambda p: f"stays on one NUMA node ({p['node']})",
-    ReasonCode.SPANS_NUMA_BEST: lambda p: f"spans {p['count']} NUMA nodes: no set on fewer has the same bandwidth",
+    ReasonCode.SPANS_NUMA_BEST: _spans,
     ReasonCode.SPANS_NUMA_INCLUDED_ALONE: lambda p: (
         f"spans {p['count']} NUMA nodes: {p.field()} GPUs {p.gpus('held')} alone span {p['included_span']}"
     ),
-    ReasonCode.SPANS_NUMA_FORCED: lambda p: (
-        f"spans {p['count']} NUMA nodes: forced by {p.field()} GPUs {p.gpus('held')}: "
-        "no set on fewer that holds them has the same bandwidth"
-    ),
+    ReasonCode.SPANS_NUMA_FORCED: _spans,
     ReasonCode.NICS_CLOSEST: lambda p: f"{p['nics']} NIC(s) closest to the set: {', '.join(p['names'])}",
     ReasonCode.NCCL_HCA_LEAVES_OUT: lambda p: (
         f"NCCL_IB_HCA leaves out {', '.join(p['names'])}: their RDMA device names are unknown "
@@ -119,9 +172,7 @@ _TEMPLATES = {
     ),
     ReasonCode.BREAKS_ZONES: lambda p: "breaks whole free zones: " + "; ".join(p["zones"]),
     ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
-    ReasonCode.AFFINITY_FELL_BACK: lambda p: (
-        f"no free set meets {p.field_name('affinity')} {p['asked']}; {p.field_name('fallback')}: answered at tier {p['met']}"
-    ),
+    ReasonCode.AFFINITY_FELL_BACK: _fell_back,
     ReasonCode.UNHEALTHY_LEFT_OUT: lambda p: (
         f"left out GPU(s) {p.gpus('gpus')} ({'; '.join(p['why'])}); {p.field_name('include')} names a GPU to use it anyway"
     ),
@@ -130,26 +181,18 @@ _TEMPLATES = {
         f"no set meeting the request was found within the {p['deadline_ms']} ms {p.field_name('deadline_ms')} "
         "(not proven that none exists)"
     ),
-    ReasonCode.UNKNOWN_LINKS_TAKEN: lambda p: (
-        f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because "
-        "the GPUs whose links are known cannot hold the job"
-    ),
+    ReasonCode.UNKNOWN_LINKS_TAKEN: _unknown_links,
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,
     ReasonCode.TOO_MANY_NICS: lambda p: f"{p['nics']} NICs requested, the node has {p['node_nics']}",
-    ReasonCode.MIN_LEVEL_UNREACHABLE: lambda p: (
-        f"no {p['gpus']} free GPUs are all within {p['min_level']} of each other; "
-        f"the best set has pairs at {p['best_worst']}"
-    ),
+    ReasonCode.MIN_LEVEL_UNREACHABLE: _min_level_unreachable,
     ReasonCode.NO_NUMA_NODE_HOLDS: lambda p: f"no NUMA node has {p['gpus']} free GPUs (most: {p['most']} on node {p['node']})",
     ReasonCode.INCLUDE_UNREACHABLE: lambda p: "the included GPUs cannot be part of any set meeting the other constraints",
     ReasonCode.CONSTRAINTS_CONFLICT: lambda p: (
         f"constraints {', '.join(p.field_name(name) for name in p['fields'])} cannot hold together"
     ),
     ReasonCode.NOTHING_MEETS: lambda p: "no set of free GPUs meets the request",
-    ReasonCode.AFFINITY_UNREACHABLE: lambda p: (
-        f"no {p['gpus']} free GPUs meet affinity {p['affinity']}; the best set meets {p['met']}"
-    ),
+    ReasonCode.AFFINITY_UNREACHABLE: _affinity_unreachable,
 }
 
 
