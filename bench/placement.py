@@ -3,6 +3,7 @@
     python -m bench.placement            # everything (a few minutes on 2 cores)
     python -m bench.placement --quick    # fewer samples and events
     python -m bench.placement --quick --only deadline   # bounded time at 8-128 GPUs
+    python -m bench.placement --only deadline --markdown   # the same as a markdown table (bench/report.py)
 
 Prints tables; asserts nothing (tests check correctness, this measures).
 """
@@ -145,15 +146,17 @@ FAMILIES = {
 }
 
 
-def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS) -> None:
+def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS, markdown: bool = False) -> None:
     import tracemalloc
 
     print(f"\n## Bounded time: place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms)\n")
-    print("k drawn from 1, 2, 4, 8, n/4, n/2 with a random busy set each; late = answers after the")
-    print("deadline + 1 ms (wall clock, on a shared machine); proven = share proven optimal;")
-    print("ratio = worst deadline answer's bandwidth / the exact answer's (sizes where the exact")
-    print("search finishes in reasonable time: 8-32).\n")
-    print(f"{'family':15} {'n':>4} {'warm ms':>8} {'p50':>7} {'p99':>7} {'max':>7} {'cpu p99':>7} {'late':>5} {'proven':>7} {'ratio':>6}")
+    print("k drawn from 1, 2, 4, 8, n/4, n/2 with a random busy set each.  wall = perf_counter, cpu = this")
+    print("thread's CPU time (what the search itself spent; wall adds the other processes of a shared")
+    print("machine).  late = answers after the deadline + 1 ms, by the wall clock and by CPU time;")
+    print("proven = share proven optimal; ratio = the worst deadline answer's bandwidth over the")
+    print("optimum's (the same request without a deadline: the exact search, which the tests check")
+    print("against brute force), at 8-32 GPUs where that finishes; '-' where it is not run.\n")
+    rows = []
     rng = random.Random(5)
     for family, make in FAMILIES.items():
         for n in (8, 16, 32, 64, 128):
@@ -161,7 +164,7 @@ def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS) -> None
             t0 = time.perf_counter()
             warm(m)
             warm_ms = 1000 * (time.perf_counter() - t0)
-            wall, cpu, proven, late, ratios = [], [], 0, 0, []
+            wall, cpu, proven, ratios = [], [], 0, []
             for _ in range(samples):
                 k = rng.choice(sorted({1, 2, 4, 8, max(1, n // 4), n // 2}))
                 busy = rng.sample(range(n), rng.randint(0, n - k))
@@ -171,7 +174,6 @@ def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS) -> None
                 answer = place(m, req, busy)
                 wall.append((time.perf_counter_ns() - t0) / 1e6)
                 cpu.append((time.thread_time_ns() - c0) / 1e6)
-                late += wall[-1] > deadline_ms + 1
                 if not isinstance(answer, Placement):
                     continue
                 proven += answer.proven_optimal
@@ -179,10 +181,31 @@ def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS) -> None
                     exact = place(m, Request(gpus=k), busy)
                     assert isinstance(exact, Placement) and exact.bandwidth_gbps
                     ratios.append(answer.bandwidth_gbps / exact.bandwidth_gbps)
-            ratio = f"{min(ratios):6.2f}" if ratios else ("     -" if n > 32 else "  1.00")
+            rows.append({
+                "family": family, "n": n, "warm": warm_ms,
+                "p50": statistics.median(wall), "p99": pct(wall, .99), "max": max(wall),
+                "cpu p50": statistics.median(cpu), "cpu p99": pct(cpu, .99),
+                "late": sum(w > deadline_ms + 1 for w in wall), "late cpu": sum(c > deadline_ms + 1 for c in cpu),
+                "proven": proven / samples,
+                "ratio": f"{min(ratios):.2f}" if ratios else ("-" if n > 32 else "1.00"),
+            })
+    if markdown:
+        print(f"| family | GPUs | p50 ms | p99 ms (wall) | p99 ms (cpu) | late (wall / cpu, of {samples}) | proven | worst ratio to optimum |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
             print(
-                f"{family:15} {n:>4} {warm_ms:8.1f} {statistics.median(wall):7.3f} {pct(wall, .99):7.3f} {max(wall):7.2f}"
-                f" {pct(cpu, .99):7.3f} {late:>5} {proven / samples:7.0%} {ratio}"
+                f"| {r['family']} | {r['n']} | {r['p50']:.3f} | {r['p99']:.3f} | {r['cpu p99']:.3f} |"
+                f" {r['late']} / {r['late cpu']} | {r['proven']:.0%} | {r['ratio']} |"
+            )
+    else:
+        print(
+            f"{'family':15} {'n':>4} {'warm ms':>8} {'p50':>7} {'p99':>7} {'max':>7} {'cpu p50':>7} {'cpu p99':>7}"
+            f" {'late':>5} {'(cpu)':>5} {'proven':>7} {'ratio':>6}"
+        )
+        for r in rows:
+            print(
+                f"{r['family']:15} {r['n']:>4} {r['warm']:8.1f} {r['p50']:7.3f} {r['p99']:7.3f} {r['max']:7.2f}"
+                f" {r['cpu p50']:7.3f} {r['cpu p99']:7.3f} {r['late']:>5} {r['late cpu']:>5} {r['proven']:7.0%} {r['ratio']:>6}"
             )
     print("\nper-matrix tables at 128 GPUs (tracemalloc: after warm(), and after the requests above):")
     for family, make in FAMILIES.items():
@@ -405,6 +428,7 @@ def main() -> None:
     parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore", "deadline"])
     parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--markdown", action="store_true", help="deadline: print the study as a markdown table")
     args = parser.parse_args()
     anchors = dict(corpus())
     self_check(
@@ -423,7 +447,7 @@ def main() -> None:
     if args.only in (None, "pairscore"):
         pair_score_cost()
     if args.only in (None, "deadline"):
-        deadline_study(60 if args.quick else 300)
+        deadline_study(60 if args.quick else 300, markdown=args.markdown)
 
 
 if __name__ == "__main__":

@@ -518,6 +518,8 @@ class Prepared:
         if len(connected_components(mask, adj)) > 1:
             return None  # without this a split set is refuted only by trying every path
         starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
+        if not cycle and degree[starts[0]] == 1:
+            starts = starts[:1]  # a GPU with one link ends every path: the one start to try
         rank = self.rank
         for start in starts:
             path = [start]
@@ -530,6 +532,17 @@ class Prepared:
                 left = mask & ~visited
                 if cycle and not (adj[start] & left):
                     return False
+                if left & ~connected_components(left | 1 << last, adj, 1 << last)[0]:
+                    return False  # the rest cannot all be reached from here
+                # Each GPU still to visit has two path neighbours among the rest, the last
+                # visited and (a ring) the start -- but for the one that ends a path.
+                around = left | 1 << last | (1 << start if cycle else 0)
+                ends = 0
+                for v in bits(left):
+                    if (adj[v] & around).bit_count() < 2:
+                        ends += 1
+                        if cycle or ends > 1:
+                            return False
                 options = list(bits(adj[last] & left))
                 # Fewest onward options first (finds Hamiltonian paths fast), best link first.
                 options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
