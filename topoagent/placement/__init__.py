@@ -62,12 +62,16 @@ __all__ = [
 
 
 WARM_NICS = 2  # answers are built ahead for jobs asking up to this many NICs
+# ... and for sets of up to this many GPUs: every set of an 8-GPU node, the 1- and 2-GPU sets
+# of larger ones.  An answer for 127 of 128 GPUs takes milliseconds and ~100 KB to build;
+# ahead of time, all of them would take seconds and tens of MB for requests seldom made.
+WARM_ANSWER_GPUS = 8
 
 
 def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
     """Build the answer pieces (ranks' bindings, NICs, launch forms, tier, estimate) of
-    every set the matrix's small tables hold -- on an 8-GPU node at most 255 sets -- so a
-    request there builds no answer.  The agent runs this in the background after it swaps
+    every set of up to WARM_ANSWER_GPUS GPUs the matrix's small tables hold -- on an 8-GPU
+    node at most 255 sets -- so a request there builds no answer.  The agent runs this in the background after it swaps
     a snapshot in (``search.warm`` builds the tables before); ``budget_s`` bounds it, and
     what it leaves is built on first use."""
     until = time.monotonic() + budget_s
@@ -77,7 +81,8 @@ def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
             for mask, _rank, _span, _nodes, order in rows:
                 if time.monotonic() > until:
                     return
-                answer_parts(prep, order, mask, pattern, nics)
+                if len(order) <= WARM_ANSWER_GPUS:
+                    answer_parts(prep, order, mask, pattern, nics)
 
 
 def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
