@@ -8,6 +8,7 @@ nvidia-smi indices appear only where a request or an answer is read or written.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import combinations, pairwise
@@ -136,7 +137,11 @@ class Prepared:
     def __init__(self, matrix: DistanceMatrix, now: float | None):
         n = matrix.size
         self.n = n
-        self.matrix = matrix
+        # Weak: the matrix keeps its tables (derived_cache), and a strong link back would
+        # make a cycle that only Python's full collection frees -- a pause of tens of ms
+        # in whichever request comes after a snapshot is replaced.  Without the cycle the
+        # old tables go the moment the old snapshot does.
+        self.matrix: DistanceMatrix = weakref.proxy(matrix)
         self.all_mask = (1 << n) - 1
         levels = matrix.gpu_levels
         bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
