@@ -129,6 +129,7 @@ WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks e
 NIC_COST_MAX = 50_000
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Search._first_set_at): about a millisecond
 FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
+FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 
 
 class Prepared:
@@ -716,14 +717,22 @@ class Search:
         seed = self._seed(present)
         if seed is None:
             return None
-        # Then climb: a cheap set at each higher threshold while one is found, so a good
-        # answer is in hand early and the exact search below starts with a cutoff.
+        # Then bandwidth first, cheaply (proving nothing): by halving, the highest threshold
+        # at which a set can be grown over all candidates; there, a set on fewer or nearer
+        # NUMA nodes.  A good answer is in hand early, and the exact search below starts
+        # with its key as a cutoff.
         lo, known = 0, seed
-        for i in range(1, len(present)):
-            found = self._offer(self._first_set_at(present[i]))
+        hi = len(present) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
             if found is None:
-                break
-            lo, known = i, found
+                hi = mid - 1
+            else:
+                lo, known = mid, found
+        closer = self._offer(self._first_set_at(present[lo])) if lo else None
+        if closer is not None and closer.key < known.key:
+            known = closer
         # Feasibility falls as the threshold rises: find the best feasible one, above lo.
         if len(present) - lo <= 8:
             for i in range(len(present) - 1, lo, -1):
@@ -916,7 +925,7 @@ class Search:
         counts = [(g & cand).bit_count() for g in prep.numa_masks]
         holding = sorted((c, gi) for gi, c in enumerate(counts) if c >= self.k and not self.include & ~prep.numa_masks[gi])
         best: Found | None = None
-        for _, gi in holding:
+        for _, gi in holding[:FIRST_SET_NODES]:
             sub = Search(
                 prep, self.req, self.free_all, self.candidates & prep.numa_masks[gi], self.include, self.deadline,
                 StepBudget(FIRST_SET_STEPS, self.deadline),
@@ -930,13 +939,23 @@ class Search:
         if best is not None or self.req.single_numa:
             return best
         for union in self._unions(counts):
-            try:
-                found = self._grow(r, union & cand, StepBudget(FIRST_SET_STEPS, self.deadline))
-            except StepsSpent:
-                found = None
+            found = self._cheap_set(r, union & cand)
             if found is not None:
                 return found
         return None
+
+    def _cheap_set(self, r: int, pool: int) -> Found | None:
+        """A set of ``pool`` at threshold ``r`` within FIRST_SET_STEPS steps, or None: grown
+        link by link, or, for a ring or path that must hold ``include``, the first set of a
+        best-fit descent."""
+        steps = StepBudget(FIRST_SET_STEPS, self.deadline)
+        try:
+            if self.include and self.req.pattern is not Pattern.ALLTOALL:
+                sub = Search(self.prep, self.req, self.free_all, pool & self.candidates, self.include, self.deadline, steps)
+                return sub._search_at(r, stop_at_first=True)
+            return self._grow(r, pool, steps)
+        except StepsSpent:
+            return None
 
     def _unions(self, counts: list[int]) -> list[int]:
         """Groups of NUMA nodes that can hold the job, as GPU masks, best first: pairs and
@@ -994,7 +1013,7 @@ class Search:
                     v = max(bits(left), key=lambda u: (eff[u] & left).bit_count())
                     taken |= 1 << v
                     left &= eff[v]
-                if taken.bit_count() == k and all((eff[v] | 1 << v) & taken == taken for v in bits(taken)):
+                if taken.bit_count() == k and self._meets(taken, r):
                     return self._found(taken, tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__)), r)
             return None
         cycle = self.req.pattern is Pattern.ALLREDUCE and k >= 3
@@ -1022,10 +1041,29 @@ class Search:
 
         for start in sorted(bits(pool), key=lambda u: -(eff[u] & pool).bit_count()):
             path[:] = [start]
-            if extend(start, pool & ~(1 << start) & (h[start] if h is not None else pool)):
+            room = pool & ~(1 << start) & (h[start] if h is not None else pool)
+            if single:
+                room &= numa_masks[numa_of[start]]
+            if extend(start, room):
                 taken = sum(1 << v for v in path)
-                return self._found(taken, tuple(path), r)
+                return self._found(taken, tuple(path), r) if self._meets(taken, None) else None
         return None
+
+    def _meets(self, taken: int, r: int | None) -> bool:
+        """Whether the GPUs ``taken`` meet the request's constraints and (with ``r``, an
+        all-to-all set) every pair threshold ``r``: checked whole, since a cheap set
+        becomes the exact search's cutoff and a wrong one would hide the answer."""
+        prep = self.prep
+        if taken & ~(self.candidates | self.include) or self.include & ~taken:
+            return False
+        if self.req.single_numa and prep.groups_of(taken).bit_count() > 1:
+            return False
+        h = self.h_adj
+        adj = prep.adj(r) if r is not None else None
+        return all(
+            (adj is None or (adj[v] | 1 << v) & taken == taken) and (h is None or (h[v] | 1 << v) & taken == taken)
+            for v in bits(taken)
+        )
 
     def _found(self, taken: int, order: tuple[int, ...], r: int) -> Found:
         """``taken`` in ``order`` as the search scores a set (terms 2-5)."""
