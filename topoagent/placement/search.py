@@ -1039,15 +1039,37 @@ class Search:
                 path.pop()
             return False
 
-        for start in sorted(bits(pool), key=lambda u: -(eff[u] & pool).bit_count()):
+        # One start per NUMA node, fewest candidates first (best fit: the path keeps to its
+        # start's node first), each with its own steps; the best set kept.  Then, if none
+        # grew, every other GPU, most links first, on the steps left.
+        by_links = sorted(bits(pool), key=lambda u: -(eff[u] & pool).bit_count())
+        firsts: dict[int, int] = {}
+        for u in by_links:
+            firsts.setdefault(numa_of[u], u)
+        per_node = sorted(firsts.values(), key=lambda u: (numa_masks[numa_of[u]] & pool).bit_count())[:FIRST_SET_NODES]
+        best: Found | None = None
+        for start in per_node + [u for u in by_links if u not in per_node]:
+            if best is not None and start not in per_node:
+                break
             path[:] = [start]
             room = pool & ~(1 << start) & (h[start] if h is not None else pool)
             if single:
                 room &= numa_masks[numa_of[start]]
-            if extend(start, room):
-                taken = sum(1 << v for v in path)
-                return self._found(taken, tuple(path), r) if self._meets(taken, None) else None
-        return None
+            try:
+                grown = extend(start, room)
+            except StepsSpent:
+                if start in per_node:
+                    steps.left = FIRST_SET_STEPS
+                    continue
+                raise
+            if start in per_node:
+                steps.left = FIRST_SET_STEPS
+            taken = sum(1 << v for v in path)
+            if grown and self._meets(taken, None):
+                found = self._found(taken, tuple(path), r)
+                if best is None or found.key < best.key:
+                    best = found
+        return best
 
     def _meets(self, taken: int, r: int | None) -> bool:
         """Whether the GPUs ``taken`` meet the request's constraints and (with ``r``, an
