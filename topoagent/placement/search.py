@@ -999,6 +999,21 @@ class Search:
         numa_masks, numa_of = prep.numa_masks, prep.numa_of
         single = self.req.single_numa
         include = self.include
+        # Only GPUs with enough links in the pool (a ring member 2, a path's 1, a clique's
+        # k - 1), in a component of k or more: where none is left, no set grows (at once).
+        cycle = self.req.pattern is Pattern.ALLREDUCE and k >= 3
+        need = k - 1 if self.req.pattern is Pattern.ALLTOALL else min(2 if cycle else 1, k - 1)
+        peeled = True
+        while peeled:
+            peeled = False
+            for v in bits(pool):
+                steps.tick()
+                if (eff[v] & pool).bit_count() < need:
+                    pool &= ~(1 << v)
+                    peeled = True
+        pool = sum(c for c in connected_components(pool, eff) if c.bit_count() >= k and not include & ~c)
+        if not pool:
+            return None
         if self.req.pattern is Pattern.ALLTOALL:
             for start in bits(include or pool):
                 steps.tick()
@@ -1016,7 +1031,6 @@ class Search:
                 if taken.bit_count() == k and self._meets(taken, r):
                     return self._found(taken, tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__)), r)
             return None
-        cycle = self.req.pattern is Pattern.ALLREDUCE and k >= 3
         if include:
             return None  # a path through every named GPU: left to the exact search
         path: list[int] = []
