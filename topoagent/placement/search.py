@@ -4,6 +4,19 @@ the objective it is exact for.
 
 Everything here works on GPU *positions* (rows of the DistanceMatrix, bits of a mask);
 nvidia-smi indices appear only where a request or an answer is read or written.
+
+Anytime, under a deadline (Search.run):
+1. a first set at the lowest threshold, which every link meets: the first leaf of the
+   best-fit descent, found without looking at the clock;
+2. bandwidth first, cheaply (a step budget each, proving nothing): by halving over the
+   thresholds, the highest at which a ring, path or clique grows over all candidates;
+   there, a set on one NUMA node or on a pair or triple of near ones;
+3. the exact search: thresholds above that one, best first, then that one with the cheap
+   set's key as a cutoff -- branches strictly worse are cut, so the search visits every
+   set it would visit without it and the answer is the same, sooner.
+When the deadline stops it, the answer is the best set found, not proven, and the bound is
+the best threshold not yet ruled out.  Rings and paths also cut branches that cannot be
+completed (members short of links, runs of members apart), which changes no answer.
 """
 
 from __future__ import annotations
