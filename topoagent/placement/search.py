@@ -422,7 +422,13 @@ class Prepared:
         return got
 
     def groups_of(self, mask: int) -> int:
+        """The NUMA groups (a bitmask of group numbers) the GPUs ``mask`` touch."""
         groups = 0
+        if len(self.numa_masks) < mask.bit_count():  # the fewer loops: groups or GPUs
+            for gi, g in enumerate(self.numa_masks):
+                if g & mask:
+                    groups |= 1 << gi
+            return groups
         for v in bits(mask):
             groups |= self.numa_bit[v]
         return groups
