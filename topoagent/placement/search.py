@@ -82,16 +82,16 @@ class Deadline:
     hundred microseconds at 128 GPUs): cheap next to the search, finer than 0.5 ms."""
 
     CHECK_EVERY = 4
-    # The search stops this much before the deadline (a quarter of it at most): building
-    # the answer from the set takes ~0.1 ms for one GPU and ~1.5 ms for 64 (ranks,
-    # bindings, launch forms), more on a loaded machine.
+    # The search stops this much before the deadline (half of it at most): building the
+    # answer from the set takes ~0.1 ms for one GPU and 1-5 ms for 64 (ranks, bindings,
+    # launch forms; the more the busier the machine).
     ANSWER_RESERVE_S = 0.0015
-    ANSWER_RESERVE_PER_GPU_S = 0.00004
+    ANSWER_RESERVE_PER_GPU_S = 0.0001
 
     def __init__(self, seconds: float, gpus: int = 1):
         self.seconds = seconds
         reserve = self.ANSWER_RESERVE_S + gpus * self.ANSWER_RESERVE_PER_GPU_S
-        self.at = clock() + seconds - min(reserve, seconds / 4)
+        self.at = clock() + seconds - min(reserve, seconds / 2)
         self.left = self.CHECK_EVERY
         self.reached = False
         self.suspended = False  # while a search finds its first, cheap answer
