@@ -741,7 +741,7 @@ class Search:
         # NUMA nodes.  A good answer is in hand early, and the exact search below starts
         # with its key as a cutoff.
         lo, known = 0, seed
-        hi = len(present) - 1
+        hi = len(present) - 1 if self.k > 2 else 0  # a pair: the exact search is as quick
         while lo < hi:
             mid = (lo + hi + 1) // 2
             found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
