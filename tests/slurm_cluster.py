@@ -41,7 +41,7 @@ from typing import IO
 import pytest
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
-CLIENTS = ("srun", "sbatch", "sinfo", "scontrol", "scancel", "squeue")
+CLIENTS = ("srun", "salloc", "sbatch", "sinfo", "scontrol", "scancel", "squeue")
 NVIDIA_MAJOR = 195  # the NVIDIA driver's character device major (/dev/nvidiaN is 195:N)
 
 # Run by `unshare -m -p -f --mount-proc` before slurmd: a tmpfs over /dev holding the host's
@@ -304,6 +304,17 @@ class SlurmCluster:
     def node_state(self, name: str) -> str:
         done = self.run("sinfo", "-h", "-N", "-n", name, "-o", "%T", check=False)
         return done.stdout.strip() if done.returncode == 0 else ""
+
+    def wait_job(self, job_id: str, timeout: float = 60.0) -> str:
+        """The state a job ends in (COMPLETED, FAILED ...), polled (sbatch --wait polls slowly)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            shown = self.run("scontrol", "-o", "show", "job", job_id).stdout
+            state = re.search(r"JobState=(\S+)", shown)
+            if state and state.group(1) not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING"):
+                return state.group(1)
+            time.sleep(0.05)
+        raise AssertionError(f"job {job_id} still not done after {timeout} s:\n{self.log('slurmctld')[-3000:]}")
 
     def slurmd_gres(self) -> subprocess.CompletedProcess[str]:
         """``slurmd -G``: the GRES slurmd reads from slurm.conf and gres.conf, as its node
