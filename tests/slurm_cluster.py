@@ -78,11 +78,11 @@ exec "$@"
 def require_slurm() -> None:
     """Fail when Slurm is not installed (scripts/test installs it); skip only where this
     machine cannot run it at all."""
+    if os.geteuid() != 0:
+        pytest.skip(reason="slurmd launches jobs only as root, and faking /dev/nvidia* needs root")
     missing = [name for name in (*DAEMONS, *CLIENTS, "munge", "unshare") if shutil.which(name) is None]
     if missing:
         raise AssertionError(f"{', '.join(missing)} not found: install Debian's slurm-wlm (scripts/test does)")
-    if os.geteuid() != 0:
-        pytest.skip(reason="slurmd launches jobs only as root, and faking /dev/nvidia* needs root")
     probe = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True, timeout=30)
     if probe.returncode != 0:
         pytest.skip(reason=f"no private mount and PID namespaces for slurmd here: {probe.stderr.strip()}")
