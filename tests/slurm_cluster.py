@@ -26,6 +26,7 @@ Choices, and why:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -234,9 +235,10 @@ class SlurmCluster:
     def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> _Daemon:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - closed by stop()
         env = env or self.env
-        # Own session: stop() signals the daemon's whole process group.
+        # Own session: stop() signals the daemon's whole process group.  And the kernel kills
+        # the daemon if the test process dies without stop() (killed, or pytest crashed).
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
         daemon = _Daemon(name, list(argv), env, proc, log)
         self._daemons.append(daemon)
         return daemon
@@ -341,6 +343,11 @@ class SlurmCluster:
     def log(self, daemon: str) -> str:
         path = self.logs / f"{daemon}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1  # prctl(2); SIGKILL: unshare ignores SIGTERM (its --kill-child ends slurmd)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _end(daemon: _Daemon) -> None:
