@@ -81,7 +81,7 @@ def require_slurm() -> None:
     machine cannot run it at all."""
     if os.geteuid() != 0:
         pytest.skip(reason="slurmd launches jobs only as root, and faking /dev/nvidia* needs root")
-    missing = [name for name in (*DAEMONS, *CLIENTS, "munge", "unshare") if shutil.which(name) is None]
+    missing = [name for name in (*DAEMONS, *CLIENTS, "unshare") if shutil.which(name) is None]
     if missing:
         raise AssertionError(f"{', '.join(missing)} not found: install Debian's slurm-wlm (scripts/test does)")
     probe = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True, timeout=30)
