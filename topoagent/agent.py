@@ -35,10 +35,10 @@ from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
-from topoagent.placement import NoFit, Placement, Request, place, warm_answers
+from topoagent.placement import Live, NoFit, Placement, Request, place, warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.served import Snapshot, etag_of
-from topoagent.telemetry import History
+from topoagent.telemetry import History, nic_traffic
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
@@ -548,11 +548,17 @@ class Agent:
             return request
         return replace(request, deadline_ms=self.config.placement_deadline_ms)
 
+    def live(self) -> Live:
+        """What placement weighs at equal merit (placement.live): GPUs a job gave back that
+        the probes have not checked since, and the traffic each NIC carries now."""
+        telemetry = self.snapshot.telemetry if self.snapshot is not None else None
+        return Live(self.unverified_gpus(), nic_traffic(telemetry))
+
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
         assert self.snapshot is not None
         matrix = self.snapshot.matrix
-        answer = place(matrix, self._with_deadline(request), self.busy() & {g.index for g in matrix.gpus})
+        answer = place(matrix, self._with_deadline(request), self.busy() & {g.index for g in matrix.gpus}, live=self.live())
         self.placement_requests["placed" if answer.fit else "nofit"] += 1
         return answer
 
@@ -561,10 +567,10 @@ class Agent:
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
         matrix, store = self.snapshot.matrix, self.lease_store
-        running = self.gpus_with_processes()
+        running, live = self.gpus_with_processes(), self.live()
 
         def work() -> tuple[Answer, Lease | None, tuple[Lease, ...]]:
-            answer = store.reserve_placement(matrix, self._with_deadline(request), owner, ttl_s, running)
+            answer = store.reserve_placement(matrix, self._with_deadline(request), owner, ttl_s, running, live)
             if isinstance(answer, NoFit):
                 return answer, None, tuple(store.leases())
             lease, placement = answer
@@ -705,8 +711,8 @@ class Agent:
         self._probe_wake.set()
 
     def unverified_gpus(self) -> frozenset[int]:
-        """GPUs a job gave back and the probes have not checked since: a placement may
-        prefer the others at equal merit (placement's objective does not read it yet)."""
+        """GPUs a job gave back and the probes have not checked since: placement prefers
+        the others at equal merit (placement.live)."""
         return self.probes.unverified if self.probes is not None else frozenset()
 
     def probe_activity(self) -> dict[int, Any]:

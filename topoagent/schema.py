@@ -164,8 +164,8 @@ def _hex(digits: int, attr: str) -> Field:
     return Field(nullable(STRING), get)
 
 
-def _plain_list(attr: str, items: JsonSchema) -> Field:
-    return Field(array(items), lambda value: list(getattr(value, attr)))
+def _plain_list(attr: str, items: JsonSchema, description: str | None = None) -> Field:
+    return Field(array(items), lambda value: list(getattr(value, attr)), description)
 
 
 LEVEL = {"type": "string", "pattern": PRINTED_LEVEL_PATTERN}
@@ -555,6 +555,9 @@ OBJECTIVE = Document("Objective", {
     "numa_nodes": Field(INTEGER, description="(3) NUMA nodes spanned"),
     "nic_cost": Field(INTEGER, description="(4) 0 when no NICs were asked for"),
     "damage": Field(INTEGER, description="(5) damage to the free zones"),
+    "unverified_gpus": Field(INTEGER, description="(6) GPUs taken that a job gave back and the probes have not checked since"),
+    "nic_traffic_steps": Field(INTEGER, description=(
+        "(6) traffic now on the GPUs' nearest NICs, summed in tenths of each port's line rate (0 without telemetry)")),
 }, "The terms of the objective for this answer, in the order they count.")
 
 PLACEMENT = Document("Placement", {
@@ -580,6 +583,8 @@ PLACEMENT = Document("Placement", {
     "proven_optimal": Field(BOOLEAN, description="false: the deadline stopped the search; this is the best set it found"),
     "bandwidth_bound_gbps": Field(nullable(NUMBER),
                                   description="when not proven: no set's pattern bandwidth exceeds this; null when proven or not bounded"),
+    "unverified": _plain_list("unverified", INTEGER, "chosen GPUs a job gave back that the probes have not checked since "
+                                                     "(taken only when no set of verified GPUs has equal merit)"),
     "launch": nested(LAUNCH, "launch"),
     "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
     "request": nested(REQUEST, "request"),

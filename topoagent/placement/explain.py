@@ -35,6 +35,12 @@ class ReasonCode(enum.StrEnum):
     UNHEALTHY_LEFT_OUT = "unhealthy_left_out"  # gpus (indices), why (one line per GPU)
     UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
     NOT_PROVEN = "not_proven"  # deadline_ms, bound_gbps (None: the search bounded no bandwidth)
+    # Live signals, weighed at equal merit (placement.live).
+    UNVERIFIED_TAKEN = "unverified_taken"  # gpus
+    UNVERIFIED_PASSED_OVER = "unverified_passed_over"  # gpus
+    NIC_LESS_TRAFFIC = "nic_less_traffic"  # chosen, over, chosen_gbs, over_gbs
+    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC)
+    BUSY_NICS_PASSED_OVER = "busy_nics_passed_over"  # gpus, gbs (the least)
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -133,6 +139,24 @@ _TEMPLATES = {
     ReasonCode.UNKNOWN_LINKS_TAKEN: lambda p: (
         f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because "
         "the GPUs whose links are known cannot hold the job"
+    ),
+    ReasonCode.UNVERIFIED_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since): "
+        "taken because no set of verified GPUs has equal merit"
+    ),
+    ReasonCode.UNVERIFIED_PASSED_OVER: lambda p: (
+        f"verified GPUs preferred at equal merit: GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since)"
+    ),
+    ReasonCode.NIC_LESS_TRAFFIC: lambda p: (
+        f"NIC {p['chosen']} chosen over {p['over']} (equally near): {p['chosen_gbs']:g} vs {p['over_gbs']:g} GB/s of traffic now"
+    ),
+    ReasonCode.BUSY_NICS_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: "
+        "no set of equal merit has quieter NICs"
+    ),
+    ReasonCode.BUSY_NICS_PASSED_OVER: lambda p: (
+        f"GPUs with quieter NICs preferred at equal merit: the nearest NICs of GPU(s) {p.gpus('gpus')} "
+        f"carry {p['gbs']:g} GB/s or more of traffic now"
     ),
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,

@@ -23,6 +23,7 @@ from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
     from topoagent.placement.answer import AnswerParts, PatternLink, PlacedGpu
+    from topoagent.placement.live import LiveCosts
 
 # --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
 
@@ -249,7 +250,7 @@ class Prepared:
             if z.bit_count() > 1
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
-        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int], AnswerParts] = {}
+        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None], AnswerParts] = {}
 
     def _zone_label(self, name: str, zone: int) -> str:
         """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
@@ -558,6 +559,7 @@ def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
 
 
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
+NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
 
 
 @dataclass(slots=True)
@@ -565,7 +567,7 @@ class Found:
     mask: int
     order: tuple[int, ...]
     rank: int | None
-    key: tuple[int, int, tuple[int, float], int]  # terms (2)-(5): distance, nodes, NICs, damage
+    key: tuple[int, int, tuple[int, float], int, tuple[int, int]]  # terms (2)-(6): distance, nodes, NICs, damage, live
     loss: int | None = None  # partner loss, computed when a tie needs it
 
     @property
@@ -596,9 +598,11 @@ class Search:
         candidates: int,
         include: int,
         deadline: Deadline | None = None,
+        live: LiveCosts | None = None,
     ):
         self.prep = prep
         self.deadline = deadline
+        self.live = live  # term (6): unverified GPUs, NIC traffic now (placement.live)
         # What run() leaves when the deadline stopped it: proven False, the best set found
         # at any threshold, and the best threshold not ruled out (its bandwidth bounds
         # every set's; None when links do not matter or nothing was ruled in).
@@ -747,7 +751,7 @@ class Search:
             nic = self.prep.nic_cost(mask, nics) if nics else NO_NICS
             if best is not None and nic > best.key[2]:
                 continue
-            key = (span, numa, nic, self._damage_of(mask))
+            key = (span, numa, nic, self._damage_of(mask), self.live.cost(mask) if self.live else NO_LIVE_COST)
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
@@ -763,6 +767,9 @@ class Search:
                     best = Found(mask, order, rank, key)
                     best_loss = loss
         return best
+
+    def _live_cost(self, mask: int) -> tuple[int, int]:
+        return self.live.cost(mask) if self.live else NO_LIVE_COST
 
     def _best_loss(self, best: Found) -> int:
         if best.loss is None:
@@ -1059,7 +1066,7 @@ class Search:
             if self.stop_at_first:
                 return
             # The bound, one term at a time: later terms only matter on a tie.
-            best_span, best_numa, best_nic, best_dmg = best.key
+            best_span, best_numa, best_nic, best_dmg, best_live = best.key
             span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
             if span > best_span:
                 return
@@ -1071,8 +1078,11 @@ class Search:
                     nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
                     if nic > best_nic:
                         return
-                    if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
-                        return
+                    if nic == best_nic:
+                        least = dmg + self._damage_bound(taken, cand, rem)
+                        # Term (6) only grows as GPUs are added: what is taken bounds it.
+                        if least > best_dmg or (least == best_dmg and self._live_cost(taken) >= best_live):
+                            return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -1080,6 +1090,8 @@ class Search:
             return
         class_mask, zones = classes[ci]
         members = list(bits(class_mask & cand))
+        if self.live:  # a class's members differ only in term (6): the cheapest go first
+            members.sort(key=self.live.of.__getitem__)
         rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
@@ -1113,7 +1125,7 @@ class Search:
             order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
         groups = prep.groups_of(taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg)
+        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg, self._live_cost(taken))
         best = self.best
         if best is None or key < best.key:
             self.best = Found(taken, order, self.r, key)
