@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import combinations, permutations
 
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Request, evaluate_damage
+from topoagent.placement import Live, Request, evaluate_damage
 
 _EDGES: dict[int, tuple[DistanceMatrix, list]] = {}
 
@@ -88,6 +88,26 @@ def nic_cost(matrix: DistanceMatrix, positions, wanted: int):
     return (sum(k for k, _ in chosen), sum(r for _, r in chosen))
 
 
+def live_cost(matrix: DistanceMatrix, positions, live: Live | None) -> tuple[int, int]:
+    """Term (6): (unverified GPUs, traffic steps of each GPU's least loaded nearest NIC)."""
+    if live is None:
+        return (0, 0)
+    unverified = sum(1 for p in positions if matrix.gpus[p].index in live.unverified)
+    usable = [j for j, nic in enumerate(matrix.nics) if nic.active is not False]
+    load = 0
+    for p in positions:
+        kinds = {j: _nic_kind(matrix.gpu_nic_levels[p][j]) for j in usable} if matrix.gpu_nic_levels else {}
+        if not kinds or min(kinds.values()) == 99:
+            continue
+        near = min(kinds.values())
+        line = [(matrix.nics[j].rate_gbps or 100.0) * 1e9 / 8 for j in usable]
+        load += min(
+            int(live.nic_traffic.get(matrix.nics[j].device or matrix.nics[j].name, 0.0) / (0.1 * line[usable.index(j)]))
+            for j, kind in kinds.items() if kind == near
+        )
+    return (unverified, load)
+
+
 def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
     idx = {matrix.gpus[p].index for p in positions}
     if not set(req.include) <= idx:
@@ -99,8 +119,8 @@ def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
     return not (req.single_numa and len({numa_key(matrix, p) for p in positions}) > 1)
 
 
-def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
-    """(pattern key, numa distance, numa, nic, damage) of the optimum, or None when
+def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None, live: Live | None = None):
+    """(pattern key, numa distance, numa, nic, damage, live) of the optimum, or None when
     nothing fits.  Unhealthy GPUs are candidates only when included."""
     if req.nics > sum(1 for nic in matrix.nics if nic.active is not False):
         return None  # more NICs than have an active port
@@ -124,9 +144,10 @@ def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
         numa = len({numa_key(matrix, p) for p in subset})
         nic = nic_cost(matrix, subset, req.nics)
         damage = evaluate_damage(matrix, busy, [matrix.gpus[p].index for p in subset])
-        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage)
+        cost = live_cost(matrix, subset, live)
+        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage, (-cost[0], -cost[1]))
         if best is None or key > best[0]:
-            best = (key, pk, distance, numa, nic[0], damage)
+            best = (key, pk, distance, numa, nic[0], damage, cost)
     if best is None:
         return None
     return best[1:]
