@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from itertools import combinations, permutations
 
+from topoagent.levels import LATENCY_US
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Live, Request, evaluate_damage
 
@@ -26,17 +27,44 @@ def edge(matrix: DistanceMatrix, i: int, j: int):
     return hit[1][i][j]
 
 
-def pattern_key(matrix: DistanceMatrix, positions: tuple[int, ...], pattern: str):
+# One message between two ranks when a request names no size (alltoall, pipeline).
+DEFAULT_MESSAGE_BYTES = 1 << 20
+
+
+def latency_us(matrix: DistanceMatrix, i: int, j: int) -> float:
+    """Alpha: the measured small-copy latency, else the level's figure."""
+    m = matrix.measured_latency.get((min(i, j), max(i, j)))
+    return m.us if m is not None else LATENCY_US[matrix.gpu_levels[i][j].kind]
+
+
+def timed_edge(matrix: DistanceMatrix, i: int, j: int, message_bytes: int | None):
+    """A latency-bound pattern's link key: (-(alpha + size / bandwidth) us, GB/s, closeness)."""
+    gbps, closeness = edge(matrix, i, j)
+    size = message_bytes or DEFAULT_MESSAGE_BYTES
+    time_us = latency_us(matrix, i, j) + size / (1000 * gbps) if gbps > 0 else float("inf")
+    return (-time_us, gbps, closeness)
+
+
+def link_key(matrix: DistanceMatrix, pattern: str, message_bytes: int | None = None):
+    """The key links are ranked by: bandwidth for allreduce, one message's time for
+    alltoall and pipeline (latency-bound)."""
+    if pattern in ("alltoall", "pipeline"):
+        return lambda a, b: timed_edge(matrix, a, b, message_bytes)
+    return lambda a, b: edge(matrix, a, b)
+
+
+def pattern_key(matrix: DistanceMatrix, positions: tuple[int, ...], pattern: str, message_bytes: int | None = None):
     """The best achievable weakest-link key of the pattern on these GPU positions."""
     k = len(positions)
     if k < 2 or pattern == "independent":
         return None
+    key = link_key(matrix, pattern, message_bytes)
     if pattern == "alltoall":
-        return min(edge(matrix, a, b) for a, b in combinations(positions, 2))
+        return min(key(a, b) for a, b in combinations(positions, 2))
     if k == 2:
-        return edge(matrix, *positions)
+        return key(*positions)
     first, rest = positions[0], positions[1:]
-    table = [[edge(matrix, a, b) for b in range(matrix.size)] for a in range(matrix.size)]
+    table = [[key(a, b) if a != b else None for b in range(matrix.size)] for a in range(matrix.size)]
     best = None
     if pattern == "allreduce":
         orders = ((first,) + p for p in permutations(rest))
@@ -134,12 +162,12 @@ def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None, live: 
         if not satisfies(matrix, subset, req):
             continue
         if key_cache is not None:
-            ck = (subset, req.pattern)
+            ck = (subset, req.pattern, req.message_bytes)
             if ck not in key_cache:
-                key_cache[ck] = pattern_key(matrix, subset, req.pattern)
+                key_cache[ck] = pattern_key(matrix, subset, req.pattern, req.message_bytes)
             pk = key_cache[ck]
         else:
-            pk = pattern_key(matrix, subset, req.pattern)
+            pk = pattern_key(matrix, subset, req.pattern, req.message_bytes)
         distance = numa_distance(matrix, subset)
         numa = len({numa_key(matrix, p) for p in subset})
         nic = nic_cost(matrix, subset, req.nics)

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from placement_oracle import best_keys, edge, numa_distance, numa_key, pattern_key, satisfies
+from placement_oracle import best_keys, edge, link_key, numa_distance, numa_key, pattern_key, satisfies
 
 import topoagent.placement.search as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
-from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement, NicInfo
+from topoagent.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement, NicInfo
 from topoagent.placement import Live, NoFit, Placement, Request, evaluate_damage, place
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
@@ -58,9 +58,9 @@ def test_corpus_has_the_machines_the_issue_names():
 
 def answer_keys(matrix: DistanceMatrix, answer: Placement, cache: dict):
     pos = tuple(sorted(matrix.gpu_by_index(g.index) for g in answer.gpus))
-    ck = (pos, answer.request.pattern)
+    ck = (pos, answer.request.pattern, answer.request.message_bytes)
     if ck not in cache:
-        cache[ck] = pattern_key(matrix, pos, answer.request.pattern)
+        cache[ck] = pattern_key(matrix, pos, answer.request.pattern, answer.request.message_bytes)
     pk = cache[ck]
     return pk, len({numa_key(matrix, p) for p in pos})
 
@@ -85,14 +85,19 @@ def check_answer(matrix, req, busy, answer, cache, live=None):
     # The rank order really delivers the reported bottleneck.
     if exp_pk is not None:
         order = list(pos)
+        key = link_key(matrix, req.pattern, req.message_bytes)
         if req.pattern == "alltoall":
-            links = [edge(matrix, a, b) for a, b in combinations(order, 2)]
+            pairs = list(combinations(order, 2))
         else:
-            links = [edge(matrix, order[i], order[i + 1]) for i in range(len(order) - 1)]
+            pairs = [(order[i], order[i + 1]) for i in range(len(order) - 1)]
             if req.pattern == "allreduce" and len(order) >= 3:
-                links.append(edge(matrix, order[-1], order[0]))
-        assert min(links) == exp_pk
-        assert answer.bandwidth_gbps == round(exp_pk[0], 2)
+                pairs.append((order[-1], order[0]))
+        assert min(key(a, b) for a, b in pairs) == exp_pk
+        assert answer.bandwidth_gbps == round(min(edge(matrix, a, b)[0] for a, b in pairs), 2)
+        if req.pattern in ("alltoall", "pipeline"):  # ranked by one message's time (placement.latency)
+            assert answer.objective.link_time_us == pytest.approx(-exp_pk[0], abs=1e-3)
+        else:
+            assert answer.objective.link_time_us is None
     assert answer.objective.nic_cost == exp_nic
     assert answer.objective.damage == exp_damage
     assert evaluate_damage(matrix, busy, answer.indices) == exp_damage
@@ -158,6 +163,13 @@ def random_case(draw):
             for j in range(i + 1, n):
                 if draw(st.booleans()):
                     measured[(i, j)] = Measurement(draw(st.sampled_from([10.0, 20.0, 24.0, 45.0])), 0.0)
+    # Measured small-copy latencies (alltoall and pipeline are ranked by alpha + size / bandwidth).
+    latency = {}
+    if draw(st.booleans()):
+        for i in range(n):
+            for j in range(i + 1, n):
+                if draw(st.booleans()):
+                    latency[(i, j)] = LatencyMeasurement(draw(st.sampled_from([1.5, 3.0, 12.0, 40.0])), 0.0)
     matrix = DistanceMatrix(
         gpus=gpus,
         nics=tuple(
@@ -172,6 +184,7 @@ def random_case(draw):
         gpu_expected_gbps=expected,
         gpu_nic_levels=nic_levels,
         measured=measured,
+        measured_latency=latency,
         numa_distances=slit,
     )
     busy = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n - 1))
@@ -193,6 +206,7 @@ def random_case(draw):
         include=tuple(include),
         exclude=tuple(e for e in exclude if e is not None),
         nics=draw(st.integers(0, n_nics)),
+        message_bytes=draw(st.sampled_from([None, 4096, 1 << 16, 1 << 28])),
     )
     return matrix, req, busy, live
 

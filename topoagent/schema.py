@@ -507,7 +507,7 @@ REQUEST = Document("Request", {
     "nics": Field(INTEGER),
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
-    "message_bytes": Field(nullable(INTEGER), description="null: the estimate's default size"),
+    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for the estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
@@ -549,6 +549,9 @@ PATTERN_LINK = Document("PatternLink", {
 
 OBJECTIVE = Document("Objective", {
     "bandwidth_gbps": Field(nullable(NUMBER), description="(1) the pattern's weakest link"),
+    "link_time_us": Field(nullable(NUMBER), description=(
+        "(1) for alltoall and pipeline, what they are ranked by: one message of message_bytes (default 1 MiB) over the slowest "
+        "link, small-copy latency + size / bandwidth; null for other patterns")),
     "bottleneck_level": Field(nullable(LEVEL), lambda o: level_text(o.bottleneck_level)),
     "numa_distance": Field(nullable(INTEGER), description=(
         "(2) the largest SLIT distance between the NUMA nodes spanned; null when the node has no distances")),

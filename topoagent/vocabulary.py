@@ -75,6 +75,12 @@ class Pattern(enum.StrEnum):
         """The word for the links this pattern uses ('ring', 'path', 'all pairs', 'none')."""
         return {"allreduce": "ring", "alltoall": "all pairs", "pipeline": "path", "independent": "none"}[self.value]
 
+    @property
+    def latency_bound(self) -> bool:
+        """Whether its links are ranked by one message's time, not bandwidth alone
+        (many messages between pairs, often small: topoagent.placement.latency)."""
+        return self in (Pattern.ALLTOALL, Pattern.PIPELINE)
+
 
 class Affinity(enum.StrEnum):
     """How close a job's GPUs must be (a request's ``affinity``); tiers from strictest.

@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs")
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
-    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB)")
+    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB); alltoall, pipeline: one message's size, their links are timed by (default 1 MiB)")
     parser.add_argument(
         "--measured", metavar="FILE",
         help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",

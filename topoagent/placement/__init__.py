@@ -21,6 +21,7 @@ from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.live import NO_LIVE, Live, LiveCosts, live_costs
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
@@ -103,7 +104,8 @@ def place(
     the best set found so far, marked ``proven_optimal=False`` with the bandwidth bound it
     established."""
     deadline = Deadline(request.deadline_ms / 1000) if request.deadline_ms is not None else None
-    prep = prepare(matrix, now)
+    timed = request.pattern.latency_bound  # links ranked by one message's time (placement.latency)
+    prep = prepare(matrix, now, (request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES) if timed else None)
     costs = live_costs(prep, live)
     pos_of = prep.pos_of
 

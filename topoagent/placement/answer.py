@@ -6,11 +6,13 @@ Answers carry typed reasons (explain.py); the JSON form renders them with field 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from topoagent.levels import LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
 from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
@@ -262,10 +264,32 @@ def answer_parts(
     return parts
 
 
+@dataclass(frozen=True, slots=True)
+class SlowestMessage:
+    """A latency-bound pattern's weakest link as its term (1) ranks it (placement.latency)."""
+
+    time_us: float
+    alpha_us: float
+    message_bytes: int
+
+
+def _slowest_message(prep: Prepared, req: Request, weakest: PatternLink | None) -> SlowestMessage | None:
+    if weakest is None or not req.pattern.latency_bound:
+        return None
+    a, b = prep.pos_of[weakest.a_index], prep.pos_of[weakest.b_index]
+    size = req.message_bytes or LATENCY_BOUND_MESSAGE_BYTES
+    alpha = prep.alpha[a][b]
+    time_us = link_time_us(alpha, prep.bw[a][b], size)
+    if math.isinf(time_us):
+        return None  # a link of unknown bandwidth: no time to give
+    return SlowestMessage(round(time_us, 3), round(alpha, 3), size)
+
+
 def build(
     prep: Prepared, req: Request, found: Found, free_all: int, live: LiveCosts | None = None, *, fell_back: bool = False
 ) -> Placement:
     parts = answer_parts(prep, found.order, found.mask, req.pattern, req.nics, live)
+    slowest = _slowest_message(prep, req, parts.weakest)
     mask = found.mask
     broken = tuple(
         label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
@@ -279,6 +303,7 @@ def build(
         damage=found.damage,
         unverified_gpus=found.key[4][0],
         nic_traffic_steps=found.key[4][1],
+        link_time_us=slowest.time_us if slowest is not None else None,
     )
     quality = parts.bandwidth or 0.0
     loss = (objective.numa_nodes - 1) + len(broken)
@@ -289,6 +314,9 @@ def build(
             "shape": req.pattern.shape, "gbps": weakest.gbps, "level": weakest.level,
             "a_index": weakest.a_index, "b_index": weakest.b_index, "gpus": len(found.order),
             "held": req.include,
+            **({} if slowest is None else {
+                "time_us": slowest.time_us, "alpha_us": slowest.alpha_us, "message_bytes": slowest.message_bytes,
+            }),
         }))
     count = len(parts.numa_labels)
     if count == 1:

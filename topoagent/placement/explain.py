@@ -22,7 +22,7 @@ class Door(enum.Enum):
 
 class ReasonCode(enum.StrEnum):
     # A placement.
-    BOTTLENECK = "bottleneck"  # shape, gbps, level, a_index, b_index, gpus, held
+    BOTTLENECK = "bottleneck"  # shape, gbps, level, a_index, b_index, gpus, held[, time_us, alpha_us, message_bytes]
     ONE_NUMA_NODE = "one_numa_node"  # node
     SPANS_NUMA_BEST = "spans_numa_best"  # count
     SPANS_NUMA_INCLUDED_ALONE = "spans_numa_included_alone"  # count, field, held, included_span
@@ -87,7 +87,13 @@ class _Params:
 def _bottleneck(p: _Params) -> str:
     held = f" holding GPUs {p.gpus('held')}" if p["held"] else ""
     claim = f"no free set of {p['gpus']}{held} does better" if p.params.get("proven", True) else "best found in time"
-    return f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']}); {claim}"
+    link = f"over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']})"
+    if "time_us" in p.params:  # a latency-bound pattern: ranked by one message's time (placement.latency)
+        return (
+            f"{p['shape']}: slowest link {p['time_us']:g} us per {p['message_bytes']}-byte message {link}: "
+            f"{p['alpha_us']:g} us latency + {p['gbps']:g} GB/s; {claim}"
+        )
+    return f"{p['shape']} bottleneck {p['gbps']:g} GB/s {link}; {claim}"
 
 
 def _not_proven(p: _Params) -> str:

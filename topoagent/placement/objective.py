@@ -111,6 +111,7 @@ class Objective:
     numa_nodes: int  # (3)
     nic_cost: int  # (4), the kinds summed; 0 when no NICs were asked for
     damage: int  # (5)
+    link_time_us: float | None = None  # (1) for alltoall and pipeline: one message over the slowest link
     unverified_gpus: int = 0  # (6), GPUs not probed since a job gave them back
     nic_traffic_steps: int = 0  # (6), traffic now on the GPUs' nearest NICs, tenths of line rate
 
