@@ -288,6 +288,25 @@ def _probe_finding(
     return Finding(kind, severity, subject, message, source="probe", expected_gbps=expected_gbps, measured_gbps=measured_gbps)
 
 
+def _under_load_findings(
+    figures: list[ProbeFigure], under_load: Collection[frozenset[int]], name: dict[int, str]
+) -> list[Finding]:
+    """Say which targets' figures were not judged: why no link verdict is raised there."""
+    found = []
+    loaded = sorted({target_gpus(f) for f in figures} & set(under_load), key=sorted)
+    for gpus in loaded:
+        if not all(g in name for g in gpus):
+            continue
+        ordered = sorted(gpus)
+        subject = "-".join(name[g] for g in ordered) if len(ordered) > 1 else f"{name[ordered[0]]} host link"
+        found.append(_probe_finding(
+            FindingKind.PROBED_UNDER_LOAD, Severity.INFO, subject,
+            f"{subject}: the newest figures were taken under load (a forced round while a busy GPU shared the copies' "
+            "path): not judged, so no degraded-link or other verdict until a quiet round measures it",
+        ))
+    return found
+
+
 def findings_for(
     matrix: DistanceMatrix,
     figures: Iterable[ProbeFigure],
@@ -295,9 +314,10 @@ def findings_for(
     degraded_fraction: float = DEGRADED_FRACTION,
     under_load: Collection[frozenset[int]] = (),
 ) -> list[Finding]:
-    figures = without_load(figures, under_load)
-    found: list[Finding] = []
+    figures = list(figures)
     name = {g.index: g.name for g in matrix.gpus}
+    found = _under_load_findings(figures, under_load, name)
+    figures = without_load(figures, under_load)
 
     for (a, b), seen in sorted(unidirectional_by_pair(figures).items()):
         try:

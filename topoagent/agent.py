@@ -422,14 +422,15 @@ class Agent:
         matrix = node.distance_matrix()
         probe_findings: tuple[Finding, ...] = ()
         figures: tuple[ProbeFigure, ...] = ()
+        under_load: frozenset[frozenset[int]] = frozenset()
         if self.config.probes_enabled and self.probes is not None:
-            figures = tuple(self.probes.figures())
+            figures, under_load = tuple(self.probes.figures()), frozenset(self.probes.under_load)
             served = self.snapshot.matrix if self.snapshot is not None else None
             matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures), served, self.probes)
         snapshot = Snapshot(
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
-            telemetry=previous.telemetry if previous else None,
+            probes_under_load=under_load, telemetry=previous.telemetry if previous else None,
         ).with_health()
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         await asyncio.to_thread(warm_tables, snapshot.matrix)  # the first /place is as fast as the rest
@@ -807,7 +808,8 @@ class Agent:
                 return
             figures = tuple(self.probes.figures())
             matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.probes)
-            snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
+            loaded = frozenset(self.probes.under_load)
+            snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings, loaded)
             await asyncio.to_thread(lambda: snapshot.body)
             await asyncio.to_thread(warm_tables, snapshot.matrix)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it

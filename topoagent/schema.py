@@ -396,7 +396,21 @@ PROBE_FIGURE = Document("ProbeFigure", {
     "repetitions": Field(nullable(INTEGER)),
     "available": Field(nullable(BOOLEAN), description="peer_access: P2P possible"),
     "received_at": Field(nullable(NUMBER), description="Unix time the agent read it"),
+    "taken_under_load": Field(BOOLEAN, lambda f: getattr(f, "taken_under_load", False), description=(
+        "measured in a forced round while a busy GPU shared the copies' path: neither overlaid on the matrix nor judged "
+        "(no degraded-link finding from it; a probed_under_load finding says so)")),
 }, "A probe's figure: the largest size measured, median and spread of its repetitions.")
+
+class _ServedFigure:
+    """A probe figure as /topology serves it: with whether it was taken under load."""
+
+    def __init__(self, figure: Any, taken_under_load: bool):
+        self.figure = figure
+        self.taken_under_load = taken_under_load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.figure, name)
+
 
 AGENT_STATE = Document("AgentState", {
     "snapshot_version": Field(INTEGER, lambda s: s.version, "increases with every swap"),
@@ -404,7 +418,9 @@ AGENT_STATE = Document("AgentState", {
     "stale": Field(BOOLEAN, description="the last discovery failed; the facts are older"),
     "error": Field(nullable(STRING), description="why the last discovery failed"),
     "failed_at": Field(nullable(NUMBER)),
-    "probe_figures": listed(PROBE_FIGURE, "probe_figures"),
+    "probe_figures": Field(array(PROBE_FIGURE.ref), lambda s: [
+        PROBE_FIGURE.dump(_ServedFigure(f, s.taken_under_load(f))) for f in s.probe_figures
+    ]),
 })
 
 TOPOLOGY = NODE.extended("Topology", {

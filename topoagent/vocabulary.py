@@ -53,6 +53,7 @@ class FindingKind(enum.StrEnum):
     NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
     HIGH_LATENCY = "high_latency"
     LINK_DECAY = "link_decay"
+    PROBED_UNDER_LOAD = "probed_under_load"  # info: figures not judged (a busy GPU shared the path)
     # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
     IB_ERRORS_RISING = "ib-errors-rising"
     NVLINK_ERRORS_RISING = "nvlink-errors-rising"
