@@ -38,7 +38,7 @@ from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import Live, NoFit, Placement, Request, place, warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.served import Snapshot, etag_of
-from topoagent.telemetry import History, nic_traffic
+from topoagent.telemetry import History, Telemetry, nic_traffic
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ class Agent:
         self.counter_history = History()
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
+        self._nic_traffic: tuple[Telemetry | None, dict[str, float]] = (None, {})  # per read, for placement
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
         self._capacity: ServedCapacity | None = None
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
@@ -553,7 +554,9 @@ class Agent:
         """What placement weighs at equal merit (placement.live): GPUs a job gave back that
         the probes have not checked since, and the traffic each NIC carries now."""
         telemetry = self.snapshot.telemetry if self.snapshot is not None else None
-        return Live(self.unverified_gpus(), nic_traffic(telemetry))
+        if self._nic_traffic[0] is not telemetry:  # once per counters' read, not per request
+            self._nic_traffic = (telemetry, nic_traffic(telemetry))
+        return Live(self.unverified_gpus(), self._nic_traffic[1])
 
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
