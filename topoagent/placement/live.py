@@ -51,15 +51,13 @@ class LiveCosts:
     """``Live`` over one matrix's positions: per NIC its load in steps, per GPU whether it
     is unverified and the load of its least loaded nearest NIC (what its rank would use)."""
 
-    def __init__(self, prep: Prepared, live: Live):
+    def __init__(self, prep: Prepared, live: Live, nic_load: list[int]):
         from topoagent.placement.binding import tables
 
         matrix = prep.matrix
         self.live = live
         self.nic_names = prep.nic_names
-        self.nic_load = [
-            load_steps(live.nic_traffic.get(name, 0.0), nic.rate_gbps) for name, nic in zip(prep.nic_names, matrix.nics)
-        ]
+        self.nic_load = nic_load
         nearest = self.nearest = tables(prep).nearest
         self.unverified = sum(1 << pos for pos, g in enumerate(matrix.gpus) if g.index in live.unverified)
         self.gpu_load = [min((self.nic_load[j] for j in nearest[pos][1]), default=0) for pos in range(matrix.size)]
@@ -89,8 +87,18 @@ class LiveCosts:
 
 
 def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
-    """The live costs, or None when nothing live could change an answer."""
+    """The live costs, or None when nothing live could change an answer (no GPU of the
+    node unverified, no NIC carrying a step of traffic).  The last one is kept per table:
+    the agent's requests between two counter reads share it."""
     if not live:
         return None
-    costs = LiveCosts(prep, live)
-    return costs if costs.any or costs.loads_key else None
+    nic_load = [load_steps(live.nic_traffic.get(name, 0.0), nic.rate_gbps) for name, nic in zip(prep.nic_names, prep.matrix.nics)]
+    unverified = frozenset(live.unverified & prep.pos_of.keys())
+    if not unverified and not any(nic_load):
+        return None
+    key = (unverified, tuple(nic_load))
+    got = prep.live_costs.get(key)
+    if got is None or got.live.nic_traffic is not live.nic_traffic:  # the reasons quote this read's GB/s
+        prep.live_costs.clear()
+        got = prep.live_costs[key] = LiveCosts(prep, live, nic_load)
+    return got

@@ -136,6 +136,7 @@ class Prepared:
         # Distinct (alpha, GB/s, closeness) of the links: what a message size's order is of.
         self.edge_classes = {(self.alpha[i][j], bw[i][j], closeness[i][j]) for i in range(n) for j in range(n) if i != j}
         self._timed: dict[tuple, Prepared] = {}
+        self.live_costs: dict[tuple, LiveCosts] = {}  # the last request's (placement.live)
         # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
         self.rank_exact = [[0] * n for _ in ordered]
         for i in range(n):
