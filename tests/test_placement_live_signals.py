@@ -34,17 +34,19 @@ def a100() -> DistanceMatrix:
     return discover_root(str(DGX_A100)).distance_matrix()
 
 
-def loaded_root(base: Path, device: str = "mlx5_0", gbs: float = BUSY_GBS) -> Path:
-    """A copy of the recorded DGX A100 whose counter samples show ``device`` sending
-    ``gbs`` GB/s between its two reads (10 s apart): the data counters count 4-byte words."""
+def loaded_root(base: Path, loads: dict[str, float] | None = None) -> Path:
+    """A copy of the recorded DGX A100 whose counter samples show each device of ``loads``
+    sending that many more GB/s between its two reads (10 s apart; default: mlx5_0 at
+    BUSY_GBS).  The data counters count 4-byte words."""
     root = base / "loaded"
     shutil.copytree(DGX_A100, root, symlinks=True)
     document = json.loads((root / "telemetry.json").read_text())
     first, second = document["samples"]
     seconds = second["monotonic_s"] - first["monotonic_s"]
-    key = f"{device}/1/counters/port_xmit_data"
-    before = int(first["sources"]["infiniband_counters"][key])
-    second["sources"]["infiniband_counters"][key] = f"{before + int(gbs * 1e9 * seconds / 4)}\n"
+    for device, gbs in (loads or {"mlx5_0": BUSY_GBS}).items():
+        key = f"{device}/1/counters/port_xmit_data"
+        before = int(second["sources"]["infiniband_counters"][key])
+        second["sources"]["infiniband_counters"][key] = f"{before + int(gbs * 1e9 * seconds / 4)}\n"
     (root / "telemetry.json").write_text(json.dumps(document))
     return root
 
@@ -108,7 +110,7 @@ def test_the_agent_passes_its_unverified_gpus_to_placement(tmp_path):
 
 def test_recorded_rates_reach_placement_as_nic_traffic(tmp_path):
     traffic = nic_traffic(replayed(Host(str(loaded_root(tmp_path))), None))
-    assert traffic["mlx5_0"] == pytest.approx(BUSY_GBS * 1e9, rel=1e-3)
+    assert traffic["mlx5_0"] == pytest.approx(BUSY_GBS * 1e9 + 0.1e9, rel=1e-3)  # on top of its recorded 0.1 GB/s
     assert traffic["mlx5_1"] == pytest.approx(0.2e9)  # the recording's own: 2e9 bytes sent in 10 s
     assert set(traffic) == {f"mlx5_{j}" for j in range(10)}
 
@@ -120,7 +122,7 @@ def test_a_busy_nic_is_passed_over_for_an_equally_near_quiet_one(a100, tmp_path)
     answer = place(a100, Request(gpus=1, include=[0]), live=Live(nic_traffic=traffic))
     assert isinstance(answer, Placement) and nics_of(answer) == {0: "mlx5_1"}
     assert answer.env["NCCL_IB_HCA"] == "=mlx5_1"
-    assert "NIC mlx5_1 chosen over mlx5_0 (equally near): 0.2 vs 20 GB/s of traffic now" in answer.explain
+    assert "NIC mlx5_1 chosen over mlx5_0 (equally near): 0.2 vs 20.1 GB/s of traffic now" in answer.explain
     # Asked for one NIC: the quiet one too.
     one = place(a100, Request(gpus=1, include=[0], nics=1), live=Live(nic_traffic=traffic))
     assert isinstance(one, Placement) and one.nics == ("mlx5_1",)
@@ -161,25 +163,33 @@ FAST_TELEMETRY = "[telemetry]\ninterval_s = 0.2\n"
 
 
 def test_place_over_http_and_the_cli_pick_the_quiet_nic_and_say_why(tmp_path):
-    """A real agent replays the recording's counters; /place and `topoagent place` on the
-    same recording give the same answer."""
-    root = loaded_root(tmp_path)
-    request = {"gpus": 1, "include": [0]}
+    """A real agent replays the recording's counters: mlx5_0 sends 20 GB/s more, mlx5_1
+    4 GB/s more (both HCAs of GPUs 0 and 1 busy, mlx5_1 less).  /place, /capacity and
+    `topoagent place` on the same recording give the same answers."""
+    root = loaded_root(tmp_path, {"mlx5_0": BUSY_GBS, "mlx5_1": 4.0})
     agent = start_agent(tmp_path, root=root, config=FAST_TELEMETRY)
     try:
         def answered():
-            doc = agent.post("/place", request).json()
+            doc = agent.post("/place", {"gpus": 1, "include": [0]}).json()
             return doc if doc["gpus"][0]["nic"] == "mlx5_1" else None
 
-        doc = wait_for("an answer that weighs the counters' rates", answered, agent)
+        held = wait_for("an answer that weighs the counters' rates", answered, agent)
+        pair = agent.post("/place", {"gpus": 2}).json()
+        fits = {fit["gpus"]: fit for fit in agent.get("/capacity").json()["fits"]}
     finally:
         agent.stop()
-    validate(doc, "Placement")
-    assert "NIC mlx5_1 chosen over mlx5_0 (equally near): 0.2 vs 20 GB/s of traffic now" in doc["explain"]
-    assert doc["env"]["NCCL_IB_HCA"] == "=mlx5_1"
-    cli = subprocess.run(
-        [sys.executable, "-m", "topoagent", "place", "--root", str(root), "--gpus", "1", "--include", "0", "--json"],
-        capture_output=True, text=True, timeout=120, check=True,
-    )
-    by_cli = json.loads(cli.stdout)
-    assert (by_cli["gpus"], by_cli["explain"], by_cli["env"]) == (doc["gpus"], doc["explain"], doc["env"])
+    validate(held, "Placement")
+    assert "NIC mlx5_1 chosen over mlx5_0 (equally near): 4.2 vs 20.1 GB/s of traffic now" in held["explain"]
+    assert held["env"]["NCCL_IB_HCA"] == "=mlx5_1"
+    # Every NVLink pair is as good: the job goes where the NICs are quiet, and says so.
+    assert not {g["index"] for g in pair["gpus"]} & {0, 1}
+    assert any(line.startswith("GPUs with quieter NICs preferred at equal merit") for line in pair["explain"])
+    assert fits[2]["indices"] == [g["index"] for g in pair["gpus"]]
+
+    def cli(*args: str) -> dict:
+        run = subprocess.run([sys.executable, "-m", "topoagent", "place", "--root", str(root), "--json", *args],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return json.loads(run.stdout)
+
+    for by_cli, by_http in ((cli("--gpus", "1", "--include", "0"), held), (cli("--gpus", "2"), pair)):
+        assert (by_cli["gpus"], by_cli["explain"], by_cli["env"]) == (by_http["gpus"], by_http["explain"], by_http["env"])

@@ -537,11 +537,12 @@ class Agent:
         snapshot = self.snapshot
         if snapshot is None:
             return None
-        leased, running = frozenset(self.holding().holder), self.gpus_with_processes()
-        key = (snapshot.version, leased, running)
+        leased, running, live = frozenset(self.holding().holder), self.gpus_with_processes(), self.live()
+        # The counters' rates are the snapshot's (a read swaps a new version in); unverified GPUs are not.
+        key = (snapshot.version, leased, running, live.unverified)
         cached = self._capacity
         if cached is None or cached.key != key:
-            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running))
+            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running, live))
         return cached
 
     def _with_deadline(self, request: Request) -> Request:
