@@ -23,6 +23,9 @@ Objective (lexicographic; an earlier term always wins over a later one)
    The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
    (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
    ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
+   The latency-bound patterns (``alltoall``, ``pipeline``) key a link by one message's
+   time first, small-copy latency + ``message_bytes`` / bandwidth (placement.latency),
+   then bandwidth and closeness: the same bottleneck search over another ranking.
 2. **Least NUMA distance** spanned: the largest SLIT distance (``numactl -H``) between
    the NUMA nodes of the chosen GPUs, a node with itself included (10 for one node, 12
    for two nodes of one socket on a DGX A100, 32 across its sockets).  0 for every set
