@@ -781,7 +781,7 @@ class Search:
             nic = self.prep.nic_cost(mask, nics) if nics else NO_NICS
             if best is not None and nic > best.key[2]:
                 continue
-            key = (span, numa, nic, self._damage_of(mask), self.live.cost(mask) if self.live else NO_LIVE_COST)
+            key = (span, numa, nic, self._damage_of(mask), self._live_cost(mask))
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
