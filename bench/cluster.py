@@ -203,6 +203,10 @@ def cluster(fixtures: list[str], extender_args: list[str] | None = None, work: P
     token_file = work / "token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
+    # The replay runs hours of a cluster's binds and releases in seconds, all from one
+    # loopback address: lift the agents' per-client limit on changes (2 a second).
+    config = work / "agent.toml"
+    config.write_text("[http]\nrate_limit_per_s = 10000\nrate_limit_burst = 100000\n")
     try:
         nodes = []
         for n, fixture in enumerate(fixtures, start=1):
@@ -211,7 +215,7 @@ def cluster(fixtures: list[str], extender_args: list[str] | None = None, work: P
             with open(log, "w") as err:
                 proc = subprocess.Popen(
                     [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(SNAPSHOTS / fixture), "--listen", f"{address}:{port}",
-                     "--state-dir", str(work / f"state-{n}"), "--token-file", str(token_file)],
+                     "--state-dir", str(work / f"state-{n}"), "--token-file", str(token_file), "--config", str(config)],
                     stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
             procs.append(proc)
             _wait_line(proc, f"agent {fixture} on {address}:{port}", log)
