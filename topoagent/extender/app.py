@@ -1,5 +1,5 @@
 """The extender's HTTP service (aiohttp): ``{prefix}/filter``, ``{prefix}/prioritize``,
-``{prefix}/bind`` (with a Kubernetes API to bind through), ``/healthz`` and ``/readyz``.
+``{prefix}/bind`` (with a Kubernetes API to bind through), ``/metrics``, ``/healthz`` and ``/readyz``.
 
 kube-scheduler calls filter, then prioritize, for each pod it is configured to send (a
 pod requesting a ``managedResources`` entry), then bind for the node it chose when
@@ -21,6 +21,7 @@ from aiohttp import web
 
 from topoagent.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
 from topoagent.extender.kube import Kube, KubeError
+from topoagent.extender.metrics import ExtenderCollector, render
 from topoagent.extender.nodes import Agents, Refused, Unreachable, scores
 from topoagent.extender.wire import (
     DEFAULT_RESOURCE,
@@ -55,6 +56,8 @@ class Settings:
 
 
 SETTINGS = web.AppKey("settings", Settings)
+VERBS: web.AppKey[dict[str, int]] = web.AppKey("verbs")  # verb -> calls, for /metrics
+BINDS: web.AppKey[dict[str, int]] = web.AppKey("binds")  # result -> binds
 AGENTS = web.AppKey("agents", Agents)
 KUBE = web.AppKey("kube", Kube)
 
@@ -100,6 +103,7 @@ def _wanted(settings: Settings, args: ExtenderArgs) -> tuple[dict[str, Any] | No
 
 async def filter_nodes(request: web.Request) -> web.Response:
     settings, agents = request.app[SETTINGS], request.app[AGENTS]
+    request.app[VERBS]["filter"] += 1
     args = parse_extender_args(await _body(request))
     wanted, problem = _wanted(settings, args)
     names = [c.name for c in args.candidates]
@@ -122,6 +126,7 @@ async def filter_nodes(request: web.Request) -> web.Response:
 
 async def prioritize(request: web.Request) -> web.Response:
     settings, agents = request.app[SETTINGS], request.app[AGENTS]
+    request.app[VERBS]["prioritize"] += 1
     args = parse_extender_args(await _body(request))
     wanted, _ = _wanted(settings, args)
     if wanted is None:
@@ -129,16 +134,18 @@ async def prioritize(request: web.Request) -> web.Response:
     return web.json_response(host_priorities(scores(await agents.verdicts(args.candidates, wanted))))
 
 
-def _bind_result(error: str = "") -> web.Response:
-    return web.json_response({"Error": error})
-
-
 async def bind(request: web.Request) -> web.Response:
     settings, agents = request.app[SETTINGS], request.app[AGENTS]
     kube = request.app.get(KUBE)
     if kube is None:
         raise web.HTTPNotFound(text="bind is off: start the extender with --bind (and a Kubernetes API to bind through)")
+    request.app[VERBS]["bind"] += 1
     args = parse_binding_args(await _body(request))
+
+    def _bind_result(error: str = "") -> web.Response:
+        request.app[BINDS]["failed" if error else "bound"] += 1
+        return web.json_response({"Error": error})
+
     pod_name = f"{args.pod_namespace}/{args.pod_name}"
     try:
         pod = await kube.pod(args.pod_namespace, args.pod_name)
@@ -193,6 +200,11 @@ async def _reserve_and_bind(app: web.Application, ref: PodRef, node: str, wanted
     return ""
 
 
+async def metrics(request: web.Request) -> web.Response:
+    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS]))
+    return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
@@ -205,6 +217,8 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> we
     app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[AGENTS] = agents
+    app[VERBS] = {"filter": 0, "prioritize": 0, "bind": 0}
+    app[BINDS] = {"bound": 0, "failed": 0}
     if kube is not None:
         app[KUBE] = kube
 
@@ -217,6 +231,7 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> we
     app.router.add_post(f"{prefix}/filter", filter_nodes)
     app.router.add_post(f"{prefix}/prioritize", prioritize)
     app.router.add_post(f"{prefix}/bind", bind)
+    app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     return app

@@ -102,7 +102,8 @@ class Agents:
         self.addresses = _Remembered()  # node -> address, from Node objects seen
         self._capacity = _Remembered()  # node -> (etag, capacity document)
         self._answers = _Remembered()  # node -> (etag, {request key: answer or Refused})
-        self.asked = {"capacity": 0, "not_modified": 0, "place": 0, "cached": 0, "unreachable": 0}
+        # For /metrics: how often each agent endpoint was asked, and how often the cache answered.
+        self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0}
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -151,15 +152,15 @@ class Agents:
         url = self.url(node) + "/capacity"
         cached = self._capacity.get(node)
         headers = {"If-None-Match": cached[0]} if cached else {}
-        self.asked["capacity"] += 1
         status, resp_headers, doc = await self._get_json(url, headers=headers)
         if status == 304 and cached:
-            self.asked["not_modified"] += 1
+            self.asked["capacity_not_modified"] += 1
             self._capacity.move_to_end(node)
             return cached[0], cached[1]
         if status != 200 or not isinstance(doc, dict) or not _is_count(doc.get("free_gpus")) or not _is_count(doc.get("gpus")):
             raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
         etag = resp_headers.get("ETag", "")
+        self.asked["capacity_changed"] += 1
         self._capacity.remember(node, (etag, doc))
         return etag, doc
 
@@ -171,12 +172,12 @@ class Agents:
             known = (etag, dict[str, Any]())
             self._answers.remember(node, known)
         if key in known[1]:
-            self.asked["cached"] += 1
+            self.asked["dry_run_cache"] += 1
             got = known[1][key]
             if isinstance(got, Refused):
                 raise got
             return dict(got)
-        self.asked["place"] += 1
+        self.asked["dry_run_agent"] += 1
         try:
             answer = await self._place(node, dict(request))
         except Refused as refused:
@@ -208,10 +209,10 @@ class Agents:
                         return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
                     answer = await self.dry_run(name, etag, request)
             except TimeoutError:
-                self.asked["unreachable"] += 1
+                self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
             except Unreachable as exc:
-                self.asked["unreachable"] += 1
+                self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
