@@ -200,6 +200,9 @@ def test_an_agent_that_does_not_answer_is_filtered_out_with_the_reason(c: Cluste
     assert "did not answer" in result["FailedNodes"]["node-refuses"]
     assert "did not answer within 2 s" in result["FailedNodes"]["node-hangs"]
     assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes}
+    # Not asked again at once: the next cycle says so instead of waiting out the timeout again.
+    again = c.extender.call("filter", args_for(c, pod))["FailedNodes"]["node-hangs"]
+    assert again.startswith("the node's agent did not answer within 2 s (") and "asked again after 10 s" in again
 
 
 def test_with_unanswered_pass_it_stays_with_the_lowest_score(c: Cluster, silent: list, tmp_path: Path) -> None:
@@ -240,6 +243,19 @@ def test_a_failed_bind_releases_the_lease(c: Cluster) -> None:
     stale = c.extender.call("bind", {"PodName": "doomed", "PodNamespace": "team-a", "PodUID": "not-the-uid", "Node": best})
     assert "it was replaced" in stale["Error"]
     assert all(not held for held in leases(c).values())
+
+
+def test_a_retried_bind_leases_nothing_more(c: Cluster) -> None:
+    pod = new_pod(c, 4, name="twice")
+    meta = pod["metadata"]
+    best = max(c.extender.call("prioritize", args_for(c, pod)), key=lambda p: p["Score"])["Host"]
+    binding = {"PodName": "twice", "PodNamespace": "team-a", "PodUID": meta["uid"], "Node": best}
+    assert c.extender.call("bind", binding) == {"Error": ""}
+    held = [x for x in c.node(best).request("GET", "/leases")[1]["leases"] if x["owner"].startswith("team-a/twice/")]
+    assert len(held) == 1 and held[0]["id"] == c.api.pod("twice", "team-a")["metadata"]["annotations"][LEASE_ANNOTATION]
+    assert "already bound to node " + best in c.extender.call("bind", binding)["Error"]
+    assert [x["id"] for x in c.node(best).request("GET", "/leases")[1]["leases"]] == [held[0]["id"]]
+    assert c.node(best).request("DELETE", f"/leases/{held[0]['id']}", token=c.token)[0] == 200
 
 
 def test_hostile_bodies_get_400_and_the_extender_keeps_serving(c: Cluster) -> None:

@@ -152,6 +152,9 @@ async def bind(request: web.Request) -> web.Response:
         ref = pod_ref(pod)
         if ref.uid != args.pod_uid:
             return _bind_result(f"pod {pod_name} has UID {ref.uid}, not {args.pod_uid}: it was replaced")
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if bound_to:  # a retried bind that went through: lease nothing more
+            return _bind_result(f"pod {pod_name} is already bound to node {bound_to}")
         try:
             wanted = pod_request(pod, settings.resource)
         except PodError as exc:

@@ -9,7 +9,8 @@ gets the same answer, so filter and prioritize of one pod, and pods alike, ask o
 At most ``concurrency`` agents are asked at once; each node has ``timeout_s`` for its
 answers.  A node whose agent does not answer in time, refuses the connection or answers
 something that is not its document is *unanswered*: the caller treats it as configured
-(``Unanswered``), never as a failed scheduling cycle.
+(``Unanswered``), never as a failed scheduling cycle; it is not asked again for
+``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
 Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
 agent delivers for the pod, then the least NUMA distance, then the least damage to the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -93,15 +95,18 @@ class Agents:
     """The agents of the cluster's nodes, reached by ``url_template`` (``{node}``: the node's
     name; ``{address}``: its address from the Node object kube-scheduler sent)."""
 
-    def __init__(self, url_template: str, *, timeout_s: float = 2.0, concurrency: int = 32, token: str | None = None) -> None:
+    def __init__(self, url_template: str, *, timeout_s: float = 2.0, concurrency: int = 32, token: str | None = None,
+                 quiet_s: float = 10.0) -> None:
         self.url_template = url_template
         self.timeout_s = timeout_s
+        self.quiet_s = quiet_s
         self.token = token
         self._gate = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
         self.addresses = _Remembered()  # node -> address, from Node objects seen
         self._capacity = _Remembered()  # node -> (etag, capacity document)
         self._answers = _Remembered()  # node -> (etag, {request key: answer or Refused})
+        self._silent = _Remembered()  # node -> (monotonic time, reason) of its agent's last silence
         # For /metrics: how often each agent endpoint was asked, and how often the cache answered.
         self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0}
 
@@ -198,6 +203,20 @@ class Agents:
 
     async def verdict(self, candidate: Candidate, request: Mapping[str, Any]) -> Verdict:
         name = candidate.name
+        silent = self._silent.get(name)
+        if silent is not None and time.monotonic() - silent[0] < self.quiet_s:
+            # Asked again only after quiet_s: a dead agent must not cost every cycle its timeout.
+            self.asked["unanswered"] += 1
+            ago = time.monotonic() - silent[0]
+            return Verdict(name, False, f"{silent[1]} ({ago:.0f} s ago; asked again after {self.quiet_s:g} s)", answered=False)
+        verdict = await self._ask(name, request)
+        if verdict.answered:
+            self._silent.pop(name, None)
+        else:
+            self._silent.remember(name, (time.monotonic(), verdict.reason))
+        return verdict
+
+    async def _ask(self, name: str, request: Mapping[str, Any]) -> Verdict:
         async with self._gate:
             try:
                 async with asyncio.timeout(self.timeout_s):
