@@ -152,7 +152,8 @@ async def bind(request: web.Request) -> web.Response:
         ref = pod_ref(pod)
         if ref.uid != args.pod_uid:
             return _bind_result(f"pod {pod_name} has UID {ref.uid}, not {args.pod_uid}: it was replaced")
-        bound_to = (pod.get("spec") or {}).get("nodeName")
+        spec = pod.get("spec")
+        bound_to = spec.get("nodeName") if isinstance(spec, dict) else None
         if bound_to:  # a retried bind that went through: lease nothing more
             return _bind_result(f"pod {pod_name} is already bound to node {bound_to}")
         try:

@@ -100,7 +100,8 @@ class Agents:
         self.url_template = url_template
         self.timeout_s = timeout_s
         self.quiet_s = quiet_s
-        self.token = token
+        # Sent with every request: an agent may guard reads too (require_token_for_reads).
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._gate = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
         self.addresses = _Remembered()  # node -> address, from Node objects seen
@@ -157,7 +158,7 @@ class Agents:
         url = self.url(node) + "/capacity"
         cached = self._capacity.get(node)
         headers = {"If-None-Match": cached[0]} if cached else {}
-        status, resp_headers, doc = await self._get_json(url, headers=headers)
+        status, resp_headers, doc = await self._get_json(url, headers={**self._auth, **headers})
         if status == 304 and cached:
             self.asked["capacity_not_modified"] += 1
             self._capacity.move_to_end(node)
@@ -193,8 +194,7 @@ class Agents:
 
     async def _place(self, node: str, body: dict[str, Any]) -> dict[str, Any]:
         url = self.url(node) + "/place"
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token and "reserve" in body else {}
-        status, _, doc = await self._get_json(url, "POST", body, headers)
+        status, _, doc = await self._get_json(url, "POST", body, self._auth)
         if status == 200 and isinstance(doc, dict) and isinstance(doc.get("gpus"), list):
             return doc
         if 400 <= status < 500 and isinstance(doc, dict) and isinstance(doc.get("detail"), str):
@@ -261,10 +261,9 @@ class Agents:
         """Whether the lease is gone now (released, or already ended)."""
         if not LEASE_ID.fullmatch(lease_id):
             return False  # not an id the agent hands out: never put into a URL
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
             async with asyncio.timeout(self.timeout_s):
-                status, _, _ = await self._get_json(f"{self.url(node)}/leases/{lease_id}", "DELETE", headers=headers)
+                status, _, _ = await self._get_json(f"{self.url(node)}/leases/{lease_id}", "DELETE", headers=self._auth)
         except (TimeoutError, Unreachable):
             return False
         return status in (200, 404)
