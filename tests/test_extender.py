@@ -11,8 +11,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -177,20 +179,36 @@ def test_names_only_when_node_cache_capable(c: Cluster) -> None:
     assert "no address known" in result["FailedNodes"]["node-never-seen"]
 
 
+class Garbled(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "7")
+        self.end_headers()
+        self.wfile.write(b'{"free_')
+
+    def log_message(self, *args) -> None:
+        pass
+
+
 @pytest.fixture
 def silent(c: Cluster) -> Iterator[list[tuple[str, str]]]:
-    """Two nodes whose agents do not answer: one refuses connections, one accepts and says nothing."""
+    """Three nodes whose agents do not answer: one refuses connections, one accepts and
+    says nothing, one answers what is not JSON."""
     port = c.nodes[0].port
     base = c.nodes[0].address.rsplit(".", 1)[0]
     hung = socket.socket()
     hung.bind((f"{base}.201", port))
     hung.listen(8)  # never accepted: the request is sent and nothing comes back
-    c.unanswering = [("node-refuses", f"{base}.200"), ("node-hangs", f"{base}.201")]
+    garbled = ThreadingHTTPServer((f"{base}.202", port), Garbled)
+    threading.Thread(target=garbled.serve_forever, daemon=True).start()
+    c.unanswering = [("node-refuses", f"{base}.200"), ("node-hangs", f"{base}.201"), ("node-garbles", f"{base}.202")]
     try:
         yield c.unanswering
     finally:
         c.unanswering = []
         hung.close()
+        garbled.shutdown()
+        garbled.server_close()
 
 
 def test_an_agent_that_does_not_answer_is_filtered_out_with_the_reason(c: Cluster, silent: list) -> None:
@@ -199,6 +217,7 @@ def test_an_agent_that_does_not_answer_is_filtered_out_with_the_reason(c: Cluste
     assert result["Error"] == ""
     assert "did not answer" in result["FailedNodes"]["node-refuses"]
     assert "did not answer within 2 s" in result["FailedNodes"]["node-hangs"]
+    assert "the answer is not JSON" in result["FailedNodes"]["node-garbles"]
     assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes}
     # Not asked again at once: the next cycle says so instead of waiting out the timeout again.
     again = c.extender.call("filter", args_for(c, pod))["FailedNodes"]["node-hangs"]
@@ -216,9 +235,9 @@ def test_with_unanswered_pass_it_stays_with_the_lowest_score(c: Cluster, silent:
         other = type(c.extender)(proc, "127.0.0.1", int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0]))
         pod = new_pod(c, 1)
         result = other.call("filter", args_for(c, pod))
-        assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes} | {"node-refuses", "node-hangs"}
+        assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes} | {"node-refuses", "node-hangs", "node-garbles"}
         scores = {p["Host"]: p["Score"] for p in other.call("prioritize", args_for(c, pod))}
-        assert scores["node-refuses"] == scores["node-hangs"] == 0
+        assert scores["node-refuses"] == scores["node-hangs"] == scores["node-garbles"] == 0
         assert min(scores[n.name] for n in c.nodes) >= 1
         assert "event=agent_unanswered" in wait_for("the log line", lambda: log.read_text() if "treated_as=pass" in log.read_text() else "", log=log.read_text)
     finally:

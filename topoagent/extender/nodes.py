@@ -150,7 +150,7 @@ class Agents:
                 return resp.status, resp.headers, doc
         except (aiohttp.ClientError, OSError) as exc:
             raise Unreachable(f"{method} {url}: {cut(str(exc) or type(exc).__name__, 160)}") from None
-        except ValueError:
+        except (ValueError, RecursionError):
             raise Unreachable(f"{method} {url}: the answer is not JSON") from None
 
     async def capacity(self, node: str) -> tuple[str, dict[str, Any]]:
