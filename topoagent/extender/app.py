@@ -119,7 +119,7 @@ async def filter_nodes(request: web.Request) -> web.Response:
             failed[verdict.node] = verdict.reason
         else:
             unresolvable[verdict.node] = verdict.reason
-        if not verdict.answered:
+        if not verdict.answered and verdict.asked:  # once per silence, not once per pod
             log_event("agent_unanswered", logging.WARNING, node=verdict.node, reason=verdict.reason, treated_as=settings.unanswered)
     return web.json_response(filter_result(args, passed, failed, unresolvable))
 

@@ -62,6 +62,7 @@ class Verdict:
     answered: bool = True
     resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
     answer: dict[str, Any] | None = None  # the agent's dry-run placement
+    asked: bool = True  # False: not asked, its agent was silent a moment ago
 
     def key(self) -> tuple[float, float, float]:
         """Smaller is better: the placement core's order across nodes."""
@@ -208,7 +209,7 @@ class Agents:
             # Asked again only after quiet_s: a dead agent must not cost every cycle its timeout.
             self.asked["unanswered"] += 1
             ago = time.monotonic() - silent[0]
-            return Verdict(name, False, f"{silent[1]} ({ago:.0f} s ago; asked again after {self.quiet_s:g} s)", answered=False)
+            return Verdict(name, False, f"{silent[1]} ({ago:.0f} s ago; asked again after {self.quiet_s:g} s)", answered=False, asked=False)
         verdict = await self._ask(name, request)
         if verdict.answered:
             self._silent.pop(name, None)
