@@ -117,6 +117,21 @@ def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
     assert scores[max(bandwidth, key=lambda n: bandwidth[n])] == 10
 
 
+def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
+    full = c.nodes[3]
+    status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+    assert status == 200
+    try:
+        result = c.extender.call("filter", args_for(c, new_pod(c, 2)))
+        assert result["FailedNodes"] == {full.name: f"0 of {full.gpus} GPUs free; the pod needs 2"}
+        assert full.name not in {n["metadata"]["name"] for n in result["Nodes"]["items"]}
+        huge = c.extender.call("filter", args_for(c, new_pod(c, 16)))
+        assert huge["Nodes"]["items"] == [] and huge["FailedNodes"] == {}
+        assert huge["FailedAndUnresolvableNodes"] == {n.name: f"the node has {n.matrix.size} GPUs; the pod needs 16" for n in c.nodes}
+    finally:
+        assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+
+
 def test_the_pods_wishes_are_the_agents_words(c: Cluster) -> None:
     """A node passes exactly when its own agent places the same request."""
     wishes = {"topoagent.io/min-level": "NV12", "topoagent.io/affinity": "better", "topoagent.io/single-numa": "false"}
