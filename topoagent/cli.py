@@ -24,6 +24,7 @@ COMMANDS = {
     "export": "topoagent.commands.export",
     "serve": "topoagent.commands.serve",
     "device-plugin": "topoagent.commands.device_plugin",
+    "extender": "topoagent.commands.extender",
     "install-files": "topoagent.commands.install_files",
     "completion": "topoagent.commands.completion",
     "man": "topoagent.commands.man",

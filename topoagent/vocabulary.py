@@ -120,3 +120,10 @@ class ProbeKind(enum.StrEnum):
 class Unit(enum.StrEnum):
     GBPS = "GB/s"  # 10^9 bytes per second, per direction
     MICROSECONDS = "us"  # per copy (latency)
+
+
+class Unanswered(enum.StrEnum):
+    """What the scheduler extender does with a node whose agent does not answer."""
+
+    FILTER = "filter"  # out, with the reason in FailedNodes: kube-scheduler picks among the others
+    PASS = "pass"  # kept, with the lowest score: the node is chosen only when no agent answered better
