@@ -69,6 +69,17 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     return name.strip()[:_MAX_TEXT] or None, fields
 
 
+def _kind(capabilities: Any) -> str:
+    """A peer that bridges or routes is a switch; one that says it does neither (a host's
+    lldpd, a station) is not a leaf.  A peer that sends no capabilities counts as a switch."""
+    if isinstance(capabilities, dict):
+        capabilities = [capabilities]
+    if not isinstance(capabilities, list) or not capabilities:
+        return "switch"
+    enabled = {c.get("type") for c in capabilities if isinstance(c, dict) and c.get("enabled") is True}
+    return "switch" if enabled & {"Bridge", "Router"} else "host"
+
+
 def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:
     """``lldpctl -f json`` -> one PortNeighbour per (interface, neighbour) heard."""
     try:
@@ -103,7 +114,8 @@ def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:
         # A switch names its port by ifname ("Ethernet1/5", "swp12"); a port known only
         # by its MAC is better told by its description.
         switch_port = port_text if port_type in ("ifname", "local", None) else (description or port_text)
-        found.append(PortNeighbour(FabricSource.LLDP, chassis_id.lower(), name, switch_port, interface=interface[:_MAX_TEXT]))
+        found.append(PortNeighbour(FabricSource.LLDP, chassis_id.lower(), name, switch_port, interface=interface[:_MAX_TEXT],
+                                   switch_kind=_kind(chassis.get("capability"))))
     return tuple(found)
 
 
