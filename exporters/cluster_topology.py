@@ -149,7 +149,8 @@ def slurm_topology_conf(nodes: Sequence[ClusterNode]) -> str:
         lines.append(f"# {_describe(members)}")
         lines.append(f"SwitchName={switch_name(leaf)} Nodes={hostlist(m.name for m in members)}")
     if len(by_leaf) > 1:
-        lines.append(f"SwitchName={TOP_SWITCH} Switches={hostlist(switch_name(leaf) for leaf in by_leaf)}")
+        # Listed, not compressed: a GUID's trailing digits are no host number.
+        lines.append(f"SwitchName={TOP_SWITCH} Switches={','.join(switch_name(leaf) for leaf in by_leaf)}")
     return "\n".join(lines) + "\n"
 
 
@@ -182,7 +183,7 @@ def slurm_topology_yaml(nodes: Sequence[ClusterNode]) -> str:
         out.append(f"        nodes: {_yaml_text(hostlist(m.name for m in members))}")
     if len(by_leaf) > 1:
         out.append(f"      - switch: {TOP_SWITCH}")
-        out.append(f"        children: {_yaml_text(hostlist(switch_name(leaf) for leaf in by_leaf))}")
+        out.append(f"        children: {_yaml_text(','.join(switch_name(leaf) for leaf in by_leaf))}")
     blocks: dict[str, list[ClusterNode]] = {}
     for node in nodes:
         if node.nvlink_domain is not None:
