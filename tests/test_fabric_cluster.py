@@ -141,7 +141,7 @@ def test_a_real_two_tier_fat_tree_files_each_node_under_its_recorded_leaf(tmp_pa
     tree = yaml.safe_load((out / "topology.yaml").read_text())
     jsonschema.Draft202012Validator(SLURM_TOPOLOGY_YAML).validate(tree)
     (fabric,) = tree
-    assert list(fabric)[0] == "topology"  # topology.yaml(5): "Must be the first attribute"
+    assert next(iter(fabric)) == "topology"  # topology.yaml(5): "Must be the first attribute"
     yaml_leaves = {s["switch"]: sorted(expand(s["nodes"])) for s in fabric["tree"]["switches"] if "nodes" in s}
     assert yaml_leaves == {k: sorted(v) for k, v in expected.items()}
 
