@@ -15,6 +15,7 @@ import pytest
 import yaml
 from fabric_cluster import FABRIC, REPO, IbSwitch, build_node, host_port, leaves, parse_ibnetdiscover
 from service_helpers import start_agent
+from slurm_cluster import SlurmCluster, SlurmNode
 
 from topoagent.discovery import discover_sync
 from topoagent.exporters.cluster_topology import ClusterNode, hostlist, slurm_topology_yaml, switch_name
@@ -157,6 +158,30 @@ def test_a_real_two_tier_fat_tree_files_each_node_under_its_recorded_leaf(tmp_pa
         assert labels[levels[0]] == leaf.guid
 
 
+def shown_topology(text: str) -> dict[str, tuple[str, list[str]]]:
+    """`scontrol show topology` -> switch name -> (level, its nodes expanded)."""
+    out = {}
+    for m in re.finditer(r"SwitchName=(?P<name>\S+) Level=(?P<level>\d) .*?Nodes=(?P<nodes>\S+)", text):
+        out[m["name"]] = (m["level"], sorted(expand(m["nodes"])))
+    return out
+
+
+def test_a_real_slurmctld_loads_the_fat_tree_and_says_each_leaf_holds_its_recorded_hosts(tmp_path: Path) -> None:
+    files = write_documents(tmp_path, "dgx1-v100", FAT_TREE_HOSTS, fat_tree_cabling)
+    done = cli("--topology-files", *files)
+    assert done.returncode == 0, done.stderr
+    nodes = [SlurmNode(hostlist(FAT_TREE_HOSTS), slurmd=False)]
+    with SlurmCluster(tmp_path / "slurm", nodes, topology_conf=done.stdout) as cluster:
+        shown = cluster.run("scontrol", "show", "topology").stdout
+    expected: dict[str, tuple[str, list[str]]] = {}
+    for host in FAT_TREE_HOSTS:
+        leaf, _ = host_port(FAT_TREE, f"{host} HCA-1")
+        expected.setdefault(switch_name(leaf.guid), ("0", []))[1].append(host)
+    expected = {name: (level, sorted(hosts)) for name, (level, hosts) in expected.items()}
+    expected["fabric"] = ("1", sorted(FAT_TREE_HOSTS))
+    assert shown_topology(shown) == expected, shown
+
+
 def test_a_rail_optimised_cluster_is_one_group_of_its_eight_rail_leaves(tmp_path: Path) -> None:
     files = write_documents(tmp_path, "hgx-h100", RAIL_HOSTS, rail_cabling)
     done = cli("--topology-files", *files)
@@ -166,6 +191,9 @@ def test_a_rail_optimised_cluster_is_one_group_of_its_eight_rail_leaves(tmp_path
     assert sorted(group["Nodes"]) == RAIL_HOSTS
     rail_leaves = sorted(switch_name(guid) for guid in leaves(RAILS))
     assert len(rail_leaves) == 8 and f"# 8 rails, leaves: {', '.join(rail_leaves)}" in done.stdout.splitlines()
+    with SlurmCluster(tmp_path / "slurm", [SlurmNode(hostlist(RAIL_HOSTS), slurmd=False)], topology_conf=done.stdout) as cluster:
+        shown = shown_topology(cluster.run("scontrol", "show", "topology").stdout)
+    assert list(shown.values()) == [("0", RAIL_HOSTS)]
 
     kueue = cli("--topology-files", *files, "--format", "kueue", "--topograph-labels")
     assert kueue.returncode == 0, kueue.stderr
