@@ -4,6 +4,7 @@ them: /topology and its schema, NFD labels, /metrics, each rank's rail in a plac
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,21 @@ def test_metrics_name_each_ports_switch_and_rail_and_pass_promtool(tmp_path: Pat
     assert len(series) == 8
     assert {"device": "mlx5_7", "port": "1", "interface": "", "switch_id": "0xfc6a1c0300a70000",
             "switch_name": "MF0;rail7-leaf:MQM9700/U1", "switch_port": "3", "source": "infiniband", "rail": "7"} in series
+
+
+def test_a_snapshot_keeps_the_neighbour_answers_and_replays_the_same_rails(tmp_path: Path) -> None:
+    from topoagent.cli import main
+
+    recorded = rail_node(tmp_path)
+    assert main(["snapshot", "--root", str(recorded), str(tmp_path / "again")]) == 0
+    kept = sorted(p.name for p in (tmp_path / "again" / "commands").iterdir() if p.name.startswith("smpquery"))
+    assert len(kept) == 16 and "smpquery_-C_mlx5_3_-P_1_-D_nodeinfo_0-1.out" in kept
+    assert discover(tmp_path / "again").fabric == discover(recorded).fabric
+
+
+def test_place_in_words_names_each_ranks_rail(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from topoagent.cli import main
+
+    assert main(["place", "--root", str(rail_node(tmp_path)), "--gpus", "2"]) == 0
+    ranks = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank ")]
+    assert len(ranks) == 2 and all(re.search(r"NIC mlx5_(\d) \(PIX\) rail \1$", line) for line in ranks), ranks
