@@ -12,7 +12,6 @@ Pure: built from the neighbour facts and the node's NICs, interfaces and levels.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +56,8 @@ def leaf_group(leaves: Sequence[str]) -> str | None:
         return None
     if len(unique) == 1:
         return unique[0]
+    import hashlib  # only nodes with several rails need it; kept off discover's start-up
+
     digest = hashlib.sha256("\n".join(unique).encode()).hexdigest()[:12]
     return f"{RAIL_GROUP_PREFIX}{digest}"
 
