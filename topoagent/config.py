@@ -220,7 +220,7 @@ def _body_limit(key: str, value: Any) -> int:
 def _absolute_path(key: str, value: Any) -> str:
     text = _str(key, value)
     if not Path(text).is_absolute():
-        raise ConfigError(f"{key}: expected an absolute path, got {text!r}")
+        raise ConfigError(f"{key}: expected an absolute path, got {_shown(text)}")
     return text
 
 
@@ -231,7 +231,7 @@ def _label_prefix(key: str, value: Any) -> str:
     try:
         check_label(f"{text}/gpu.count", "0")
     except LabelError:
-        raise ConfigError(f"{key}: {text!r} is not a valid label namespace (a DNS subdomain)") from None
+        raise ConfigError(f"{key}: {_shown(text)} is not a valid label namespace (a DNS subdomain)") from None
     return text
 
 
