@@ -128,9 +128,14 @@ def unplaced(nodes: Sequence[ClusterNode]) -> list[str]:
     return sorted(n.name for n in nodes if n.leaf is None)
 
 
+def _printable(text: str) -> str:
+    """Text from an agent, safe in a comment line: no line breaks or other controls."""
+    return "".join(c if c.isprintable() else "?" for c in text)[:120]
+
+
 def _describe(members: Sequence[ClusterNode]) -> str:
     rails = members[0].rail_leaves
-    names = sorted({name or leaf for leaf, name in rails})
+    names = sorted({_printable(name or leaf) for leaf, name in rails})
     if len(rails) <= 1:
         return f"leaf {', '.join(names)}"
     return f"{len(rails)} rails, leaves: " + ", ".join(sorted({switch_name(leaf) for leaf, _ in rails}))

@@ -51,9 +51,10 @@ def test_lldpctl_json_of_one_neighbour_and_of_several() -> None:
     # lldpd's own test peer is a station (a host), not a switch: it makes no rail.
     assert (one.interface, one.switch_id, one.switch_name, one.switch_port, one.switch_kind) == (
         "eth0", "00:00:00:00:00:02", "ns-2.example.com", "eth1", "host")
-    two = parse_lldpctl_json((FABRIC / "lldpctl-json-roce-two-rails.json").read_text())
-    assert [(n.interface, n.switch_name, n.switch_port, n.switch_kind) for n in two] == [
-        ("enp33s0f0np0", "leaf-r07-a", "swp12", "switch"), ("enp33s0f1np1", "leaf-r07-b", "swp12", "switch")]
+    three = parse_lldpctl_json((FABRIC / "lldpctl-json-roce-two-rails.json").read_text())
+    assert [(n.interface, n.switch_name, n.switch_port, n.switch_kind) for n in three] == [
+        ("enp33s0f0np0", "leaf-r07-a", "swp12", "switch"), ("enp33s0f1np1", "leaf-r07-b", "swp12", "switch"),
+        ("enp20s0f0", "mgmt-r07", "swp7", "switch")]
 
 
 @pytest.mark.parametrize("text, says", [
@@ -105,6 +106,8 @@ def test_roce_ports_get_their_switches_from_lldp(tmp_path: Path) -> None:
     write_command(root, LLDPCTL, (FABRIC / "lldpctl-json-roce-two-rails.json").read_text())
     node = discover(root)
     assert [(r.index, r.leaf_name, r.nics) for r in node.fabric.rails] == [(0, "leaf-r07-a", ("NIC0",)), (1, "leaf-r07-b", ("NIC1",))]
+    # The management port's switch is a neighbour, not a rail: GPU traffic rides the RDMA NICs.
+    assert [n.switch_name for n in node.fabric.neighbours if n.interface == "enp20s0f0"] == ["mgmt-r07"]
     statuses = {c.name: c.status for c in node.collectors}
     assert statuses["lldp"] == "ok" and statuses["ib_neighbours"] == "no_data"  # RoCE ports only
 

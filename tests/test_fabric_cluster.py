@@ -261,6 +261,16 @@ def test_a_bad_document_is_an_error_naming_the_file(tmp_path: Path, content: str
     assert done.returncode == 1 and f"{bad}" in done.stderr and says in done.stderr
 
 
+def test_text_from_an_agent_cannot_add_lines_to_topology_conf(tmp_path: Path) -> None:
+    document = {"hostname": "gpu001", "fabric": {"leaf": "0xaa\nSwitchName=evil Nodes=gpu001",
+                "rails": [{"leaf": "0xaa", "leaf_name": "sw\nSwitchName=evil Nodes=gpu001"}]}}
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(document))
+    done = cli("--topology-files", str(path))
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if not line.startswith("#")] == ["SwitchName=leaf-aa-SwitchName-evil-Nodes-gpu001 Nodes=gpu001"]
+
+
 def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:
     files = write_documents(tmp_path, "dgx1-v100", ["gpu001"], fat_tree_cabling)
     done = cli("--topology-files", files[0], files[0])

@@ -5,7 +5,11 @@ A *rail* is a leaf switch the node reaches: ports of one node that reach differe
 are different rails (a rail-optimised node has eight: NIC k of every node meets NIC k of
 its peers on leaf k); ports that reach the same leaf share a rail.  Rails are numbered in
 the order of the node's NICs (then its plain Ethernet interfaces), so rail 0 is NIC0's.
-Each GPU uses the rails of its closest NICs, as placement binds them.
+Each GPU uses the rails of its closest NICs, as placement binds them.  Where any RDMA NIC
+has a known leaf, only RDMA NICs make rails: a plain Ethernet port's switch (the management
+network's, heard over LLDP) is listed among the neighbours but is no rail.  A node with no
+RDMA NIC on a known leaf (GPU traffic over plain Ethernet) takes its rails from its plain
+interfaces.
 
 Pure: built from the neighbour facts and the node's NICs, interfaces and levels.
 """
@@ -91,6 +95,8 @@ def build_fabric(
             return (0, min(order[n] for n in on_nics), "", leaf)
         return (1, 0, min(on_interfaces, default=""), leaf)
 
+    if any(on_nics for _, on_nics, _ in leaves.values()):
+        leaves = {leaf: (name, on_nics, []) for leaf, (name, on_nics, _) in leaves.items() if on_nics}
     ranked = sorted(leaves.items(), key=rank)
     rail_nics = {nic: k for k, (_, (_, on_nics, _)) in enumerate(ranked) for nic in on_nics}
     gpus_on: dict[int, list[str]] = {}
