@@ -227,18 +227,25 @@ def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
         for host in hosts:
             root = build_node("dgx1-v100", tmp_path / "nodes" / host, host, fat_tree_cabling(host))
             (tmp_path / host).mkdir()
-            agents.append(start_agent(tmp_path / host, root=root))
+            # The first guards reads with its token: --token-file passes it.
+            guard = "[http]\nrequire_token_for_reads = true\n" if not agents else None
+            agents.append(start_agent(tmp_path / host, root=root, config=guard, token_value="s3cret-fabric-token"))
         dead = f"http://127.0.0.1:{closed_port()}"
         urls = [a.url for a in agents]
 
-        refused = cli("--agents", *urls, dead)
+        unauthorised = cli("--agents", *urls)
+        assert unauthorised.returncode == 1 and f"{urls[0]}: HTTP 401" in unauthorised.stderr
+        token_file = tmp_path / "token.txt"
+        token_file.write_text("s3cret-fabric-token\n")
+
+        refused = cli("--agents", *urls, dead, "--token-file", str(token_file))
         assert refused.returncode == 1 and refused.stdout == ""
         assert f"topoagent cluster-topology: {dead}: " in refused.stderr and "Connection refused" in refused.stderr
         assert "1 of 4 agents failed; nothing written" in refused.stderr
 
         listed = tmp_path / "agents.txt"
         listed.write_text("# the rack's agents\n" + "\n".join([*urls, dead]) + "\n")
-        partial = cli("--agents-file", str(listed), "--partial")
+        partial = cli("--agents-file", str(listed), "--partial", "--token-file", str(token_file))
         assert partial.returncode == 0 and dead in partial.stderr
         switches = topology_conf_switches(partial.stdout)
         assert {name: s["Nodes"] for name, s in switches.items() if "Nodes" in s} == {

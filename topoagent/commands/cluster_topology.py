@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--agents", nargs="+", metavar="URL", help="agent base URLs, e.g. http://gpu001:9500")
+    source.add_argument("--agents", nargs="+", metavar="URL", help="agent base URLs, e.g. http://gpu001:9477")
     source.add_argument("--agents-file", metavar="FILE", help="a file of agent base URLs, one a line (# comments)")
     source.add_argument("--topology-files", nargs="+", metavar="FILE", help="saved /topology or `discover --json` documents")
     parser.add_argument("--format", choices=list(FORMATS), default="topology.conf",
@@ -45,10 +45,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--partial", action="store_true",
                         help="when some agents cannot be read, still write what the others said (their errors are printed)")
     parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="per agent (default: 10)")
+    parser.add_argument("--token-file", metavar="FILE", help="bearer token for agents that guard reads (require_token_for_reads)")
     parser.add_argument("--prefix", default="topoagent.io", help="the label namespace of the NFD labels (default: topoagent.io)")
     parser.add_argument("--topograph-labels", action="store_true",
                         help="the Kueue levels name topograph's labels (network.topology.nvidia.com/leaf, /accelerator)")
-    parser.add_argument("--kueue-name", default="topoagent", help="the Kueue Topology's name (default: topoagent)")
+    parser.add_argument("--kueue-name", default="topoagent", metavar="NAME", help="the Kueue Topology's name (default: topoagent)")
     parser.set_defaults(run=run)
 
 
@@ -66,17 +67,18 @@ def _agent_urls(args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def fetch_topology(url: str, timeout: float) -> Any:
+def fetch_topology(url: str, timeout: float, token: str | None = None) -> Any:
     """GET <url>/topology as JSON; errors say what went wrong in words."""
     from urllib.error import HTTPError, URLError
-    from urllib.request import urlopen
+    from urllib.request import Request, urlopen
 
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise OSError("not an http:// or https:// URL")
     target = base if base.endswith("/topology") else f"{base}/topology"
     try:
-        with urlopen(target, timeout=timeout) as response:
+        request = Request(target, headers={"Authorization": f"Bearer {token}"} if token else {})
+        with urlopen(request, timeout=timeout) as response:
             body = response.read(MAX_DOCUMENT_BYTES + 1)
     except HTTPError as exc:
         raise OSError(f"HTTP {exc.code} {exc.reason}") from None
@@ -122,9 +124,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--timeout must be positive")
     timeout = args.timeout
     sources = list(args.topology_files) if args.topology_files else _agent_urls(args)
+    token = None
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--token-file: {exc.strerror}: {args.token_file}") from None
 
     def read(source: str) -> Any:
-        return _read_file(source) if args.topology_files else fetch_topology(source, timeout)
+        return _read_file(source) if args.topology_files else fetch_topology(source, timeout, token)
 
     nodes: list[ClusterNode] = []
     failures: list[str] = []
