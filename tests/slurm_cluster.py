@@ -26,6 +26,7 @@ Choices, and why:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shutil
@@ -80,7 +81,7 @@ def require_slurm() -> None:
     machine cannot run it at all."""
     if os.geteuid() != 0:
         pytest.skip(reason="slurmd launches jobs only as root, and faking /dev/nvidia* needs root")
-    missing = [name for name in (*DAEMONS, *CLIENTS, "munge", "unshare") if shutil.which(name) is None]
+    missing = [name for name in (*DAEMONS, *CLIENTS, "unshare") if shutil.which(name) is None]
     if missing:
         raise AssertionError(f"{', '.join(missing)} not found: install Debian's slurm-wlm (scripts/test does)")
     probe = subprocess.run(["unshare", "-m", "-p", "-f", "--mount-proc", "true"], capture_output=True, text=True, timeout=30)
@@ -145,6 +146,8 @@ def _node_hardware(hwloc_synthetic: str | None) -> str:
 @dataclass
 class _Daemon:
     name: str
+    argv: list[str]
+    env: dict[str, str]
     proc: subprocess.Popen[bytes]
     log: IO[bytes]
 
@@ -231,10 +234,12 @@ class SlurmCluster:
 
     def _spawn(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> _Daemon:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - closed by stop()
-        # Own session: stop() signals the daemon's whole process group.
+        env = env or self.env
+        # Own session: stop() signals the daemon's whole process group.  And the kernel kills
+        # the daemon if the test process dies without stop() (killed, or pytest crashed).
         proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                env=env or self.env, start_new_session=True)
-        daemon = _Daemon(name, proc, log)
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        daemon = _Daemon(name, list(argv), env, proc, log)
         self._daemons.append(daemon)
         return daemon
 
@@ -261,30 +266,41 @@ class SlurmCluster:
                                             f"--key-file={key}", f"--log-file={munge_dir / 'munged.log'}",
                                             f"--pid-file={munge_dir / 'munged.pid'}", f"--seed-file={munge_dir / 'munged.seed'}"])
             self._wait("munged's socket", munged, self.munge_socket.exists, timeout)
-            ctld = self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.slurm_conf)])
-            self._wait("slurmctld answer scontrol ping", ctld, lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout)
+            self._ready(self._spawn("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.slurm_conf)]), timeout)
             if any(node.slurmd for node in self.nodes):
                 node = self._node()
                 argv, env = self._in_node(node, ["slurmd", "-D", "-N", node.name, "-f", str(self.slurm_conf)])
-                slurmd = self._spawn("slurmd", argv, env)
-                self._wait(f"node {node.name} idle", slurmd, lambda: self.node_state(node.name) == "idle", timeout)
+                self._ready(self._spawn("slurmd", argv, env), timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _ready(self, daemon: _Daemon, timeout: float, registered: int = 0) -> None:
+        if daemon.name == "slurmctld":
+            self._wait("slurmctld answer scontrol ping", daemon, lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout)
+            if any(d.name == "slurmd" for d in self._daemons):  # a restart: the node registers again
+                node = self._node().name
+                self._wait(f"node {node} idle", daemon, lambda: self.node_state(node) == "idle", timeout)
+        elif daemon.name == "slurmd":
+            node = self._node().name
+            # registered: how many times it had started before, so a restart waits for its own start
+            self._wait(f"node {node} idle", daemon,
+                       lambda: self.log("slurmd").count("slurmd started on") > registered and self.node_state(node) == "idle", timeout)
+
+    def restart(self, name: str, timeout: float = 30.0) -> None:
+        """Stop one daemon (slurmctld or slurmd) and start it again, as an admin does for
+        changes ``scontrol reconfigure`` does not apply; back when it is ready again."""
+        daemon = next(d for d in self._daemons if d.name == name)
+        before = self.log("slurmd").count("slurmd started on")
+        self._daemons.remove(daemon)
+        _end(daemon)
+        self._ready(self._spawn(name, daemon.argv, daemon.env), timeout, before)
+
     def stop(self) -> None:
         """Stop the daemons, last started first; slurmd's end ends its jobs (PID namespace)."""
         while self._daemons:
-            daemon = self._daemons.pop()
-            if daemon.proc.poll() is None:
-                _signal_group(daemon.proc, signal.SIGTERM)
-                try:
-                    daemon.proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    _signal_group(daemon.proc, signal.SIGKILL)
-                    daemon.proc.wait(timeout=10)
-            daemon.log.close()
+            _end(self._daemons.pop())
 
     def __enter__(self) -> SlurmCluster:
         return self.start()
@@ -296,7 +312,8 @@ class SlurmCluster:
 
     def run(self, *argv: str, timeout: float = 60.0, check: bool = True) -> subprocess.CompletedProcess[str]:
         """A Slurm command (srun, sinfo, scontrol ...) against this cluster."""
-        done = subprocess.run(list(argv), env=self.env, capture_output=True, text=True, timeout=timeout)
+        # cwd: where sbatch writes a job's slurm-N.out unless told otherwise
+        done = subprocess.run(list(argv), env=self.env, cwd=self.directory, capture_output=True, text=True, timeout=timeout)
         if check and done.returncode != 0:
             raise AssertionError(f"{' '.join(argv)} exited {done.returncode}:\n{done.stdout}{done.stderr}")
         return done
@@ -326,6 +343,22 @@ class SlurmCluster:
     def log(self, daemon: str) -> str:
         path = self.logs / f"{daemon}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1  # prctl(2); SIGKILL: unshare ignores SIGTERM (its --kill-child ends slurmd)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _end(daemon: _Daemon) -> None:
+    if daemon.proc.poll() is None:
+        _signal_group(daemon.proc, signal.SIGTERM)
+        try:
+            daemon.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            _signal_group(daemon.proc, signal.SIGKILL)
+            daemon.proc.wait(timeout=10)
+    daemon.log.close()
 
 
 def _signal_group(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -25,6 +25,7 @@ COMMANDS = {
     "cluster-topology": "topoagent.commands.cluster_topology",
     "serve": "topoagent.commands.serve",
     "device-plugin": "topoagent.commands.device_plugin",
+    "extender": "topoagent.commands.extender",
     "install-files": "topoagent.commands.install_files",
     "completion": "topoagent.commands.completion",
     "man": "topoagent.commands.man",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from topoagent.levels import (
+    LATENCY_US,
     SYS,
     LinkLevel,
     expected_gbps,
@@ -120,6 +121,14 @@ class Measurement:
     degraded: bool | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LatencyMeasurement:
+    """A measured GPU→GPU small-copy latency (microseconds, the slower direction)."""
+
+    us: float
+    taken_at: float  # Unix time
+
+
 @dataclass(frozen=True)
 class DistanceMatrix:
     gpus: tuple[GpuInfo, ...]
@@ -131,6 +140,8 @@ class DistanceMatrix:
     measured: dict[tuple[int, int], Measurement] = field(default_factory=dict)
     # Measurements older than this (seconds) no longer override the expectation.
     measurement_max_age_s: float = 24 * 3600.0
+    # (i, j) -> measured small-copy latency, i < j; fresh ones replace the level's figure.
+    measured_latency: dict[tuple[int, int], LatencyMeasurement] = field(default_factory=dict)
     # CPUs, cores and sockets for per-rank bindings; None when only nvidia-smi text is known.
     host: HostLayout | None = None
     # SLIT distances between NUMA node ids, (a, b) -> distance, both orders and a node
@@ -180,6 +191,16 @@ class DistanceMatrix:
             return expected
         return measured_gbps(expected, m.gbps, m.degraded)
 
+    def latency_us(self, a_pos: int, b_pos: int, now: float | None = None) -> float:
+        """A pair's small-copy latency, the alpha of placement's link model: measured when
+        fresh, else its level's figure (levels.LATENCY_US); 0 for a GPU with itself."""
+        if a_pos == b_pos:
+            return 0.0
+        m = self.measured_latency.get((a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos))
+        if m is not None and (now is None or now - m.taken_at <= self.measurement_max_age_s):
+            return m.us
+        return LATENCY_US.get(self.gpu_levels[a_pos][b_pos].kind, max(LATENCY_US.values()))
+
     def fresh_measurement(self, a_pos: int, b_pos: int, now: float | None = None) -> Measurement | None:
         key = (a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos)
         m = self.measured.get(key)
@@ -199,11 +220,16 @@ class DistanceMatrix:
         """The SLIT distance between two NUMA node ids; None when not known."""
         return self.numa_distances.get((a, b))
 
-    def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> DistanceMatrix:
+    def with_measurements(
+        self, measured: dict[tuple[int, int], Measurement], latency: dict[tuple[int, int], LatencyMeasurement] | None = None
+    ) -> DistanceMatrix:
         merged = dict(self.measured)
         for (i, j), m in measured.items():
             merged[(min(i, j), max(i, j))] = m
-        return replace(self, measured=merged)
+        latencies = dict(self.measured_latency)
+        for (i, j), lat in (latency or {}).items():
+            latencies[(min(i, j), max(i, j))] = lat
+        return replace(self, measured=merged, measured_latency=latencies)
 
     def gpu_by_index(self, index: int) -> int:
         """Position in ``gpus`` of the GPU with this nvidia-smi index."""

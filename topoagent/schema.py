@@ -164,8 +164,8 @@ def _hex(digits: int, attr: str) -> Field:
     return Field(nullable(STRING), get)
 
 
-def _plain_list(attr: str, items: JsonSchema) -> Field:
-    return Field(array(items), lambda value: list(getattr(value, attr)))
+def _plain_list(attr: str, items: JsonSchema, description: str | None = None) -> Field:
+    return Field(array(items), lambda value: list(getattr(value, attr)), description)
 
 
 LEVEL = {"type": "string", "pattern": PRINTED_LEVEL_PATTERN}
@@ -424,7 +424,21 @@ PROBE_FIGURE = Document("ProbeFigure", {
     "repetitions": Field(nullable(INTEGER)),
     "available": Field(nullable(BOOLEAN), description="peer_access: P2P possible"),
     "received_at": Field(nullable(NUMBER), description="Unix time the agent read it"),
+    "taken_under_load": Field(BOOLEAN, lambda f: getattr(f, "taken_under_load", False), description=(
+        "measured in a forced round while a busy GPU shared the copies' path: neither overlaid on the matrix nor judged "
+        "(no degraded-link finding from it; a probed_under_load finding says so)")),
 }, "A probe's figure: the largest size measured, median and spread of its repetitions.")
+
+class _ServedFigure:
+    """A probe figure as /topology serves it: with whether it was taken under load."""
+
+    def __init__(self, figure: Any, taken_under_load: bool):
+        self.figure = figure
+        self.taken_under_load = taken_under_load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.figure, name)
+
 
 AGENT_STATE = Document("AgentState", {
     "snapshot_version": Field(INTEGER, lambda s: s.version, "increases with every swap"),
@@ -432,7 +446,9 @@ AGENT_STATE = Document("AgentState", {
     "stale": Field(BOOLEAN, description="the last discovery failed; the facts are older"),
     "error": Field(nullable(STRING), description="why the last discovery failed"),
     "failed_at": Field(nullable(NUMBER)),
-    "probe_figures": listed(PROBE_FIGURE, "probe_figures"),
+    "probe_figures": Field(array(PROBE_FIGURE.ref), lambda s: [
+        PROBE_FIGURE.dump(_ServedFigure(f, s.taken_under_load(f))) for f in s.probe_figures
+    ]),
 })
 
 TOPOLOGY = NODE.extended("Topology", {
@@ -535,7 +551,7 @@ REQUEST = Document("Request", {
     "nics": Field(INTEGER),
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
-    "message_bytes": Field(nullable(INTEGER), description="null: the estimate's default size"),
+    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for the estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
@@ -578,12 +594,18 @@ PATTERN_LINK = Document("PatternLink", {
 
 OBJECTIVE = Document("Objective", {
     "bandwidth_gbps": Field(nullable(NUMBER), description="(1) the pattern's weakest link"),
+    "link_time_us": Field(nullable(NUMBER), description=(
+        "(1) for alltoall and pipeline, what they are ranked by: one message of message_bytes (default 1 MiB) over the slowest "
+        "link, small-copy latency + size / bandwidth; null for other patterns")),
     "bottleneck_level": Field(nullable(LEVEL), lambda o: level_text(o.bottleneck_level)),
     "numa_distance": Field(nullable(INTEGER), description=(
         "(2) the largest SLIT distance between the NUMA nodes spanned; null when the node has no distances")),
     "numa_nodes": Field(INTEGER, description="(3) NUMA nodes spanned"),
     "nic_cost": Field(INTEGER, description="(4) 0 when no NICs were asked for"),
     "damage": Field(INTEGER, description="(5) damage to the free zones"),
+    "unverified_gpus": Field(INTEGER, description="(6) GPUs taken that a job gave back and the probes have not checked since"),
+    "nic_traffic_steps": Field(INTEGER, description=(
+        "(6) traffic now on the GPUs' nearest NICs, summed in tenths of each port's line rate (0 without telemetry)")),
 }, "The terms of the objective for this answer, in the order they count.")
 
 PLACEMENT = Document("Placement", {
@@ -609,6 +631,8 @@ PLACEMENT = Document("Placement", {
     "proven_optimal": Field(BOOLEAN, description="false: the deadline stopped the search; this is the best set it found"),
     "bandwidth_bound_gbps": Field(nullable(NUMBER),
                                   description="when not proven: no set's pattern bandwidth exceeds this; null when proven or not bounded"),
+    "unverified": _plain_list("unverified", INTEGER, "chosen GPUs a job gave back that the probes have not checked since "
+                                                     "(taken only when no set of verified GPUs has equal merit)"),
     "launch": nested(LAUNCH, "launch"),
     "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
     "request": nested(REQUEST, "request"),

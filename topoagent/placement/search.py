@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import combinations, pairwise
+from itertools import accumulate, combinations, pairwise
 from math import comb
 from time import monotonic
 from typing import TYPE_CHECKING, Any
@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Any
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
+from topoagent.placement.latency import time_key
 from topoagent.placement.request import Request
 from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
     from topoagent.placement.answer import AnswerParts, PatternLink, PlacedGpu
+    from topoagent.placement.live import LiveCosts
 
 # --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
 
@@ -103,32 +105,38 @@ NIC_COST_MAX = 50_000
 class Prepared:
     """Everything about a matrix the search reads, as bitmasks over GPU positions."""
 
-    def __init__(self, matrix: DistanceMatrix, now: float | None):
+    def __init__(self, matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None):
         n = matrix.size
         self.n = n
         self.matrix = matrix
+        self.now = now
         self.all_mask = (1 << n) - 1
         levels = matrix.gpu_levels
         bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
         self.bw = bw
-        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...).
-        keys = {
-            (bw[i][j], tuple(-x for x in levels[i][j].sort_key()))
-            for i in range(n)
-            for j in range(n)
-            if i != j
-        }
-        ordered = sorted(keys)
-        index_of = {key: r for r, key in enumerate(ordered)}
-        self.rank = [
+        self.alpha = [[matrix.latency_us(i, j, now) for j in range(n)] for i in range(n)]  # placement.latency
+        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...);
+        # with ``message_bytes`` (latency-bound patterns) one message's time first (placement.latency).
+        self.message_bytes = message_bytes
+        closeness = [[tuple(-x for x in levels[i][j].sort_key()) for j in range(n)] for i in range(n)]
+        edge = [
             [
-                index_of[(bw[i][j], tuple(-x for x in levels[i][j].sort_key()))] if i != j else -1
+                (bw[i][j], closeness[i][j]) if message_bytes is None
+                else time_key(self.alpha[i][j], bw[i][j], closeness[i][j], message_bytes)
                 for j in range(n)
             ]
             for i in range(n)
         ]
+        ordered = sorted({edge[i][j] for i in range(n) for j in range(n) if i != j})
+        index_of = {key: r for r, key in enumerate(ordered)}
+        self.rank = [[index_of[edge[i][j]] if i != j else -1 for j in range(n)] for i in range(n)]
         self.n_ranks = len(ordered)
-        self.rank_gbps = [key[0] for key in ordered]  # a threshold's bandwidth, for bounds
+        # A threshold's bound on bandwidth: the widest link ranked at or below it.
+        self.rank_gbps = list(accumulate((key[0] if message_bytes is None else key[1] for key in ordered), max))
+        # Distinct (alpha, GB/s, closeness) of the links: what a message size's order is of.
+        self.edge_classes = {(self.alpha[i][j], bw[i][j], closeness[i][j]) for i in range(n) for j in range(n) if i != j}
+        self._timed: dict[tuple, Prepared] = {}
+        self.live_costs: dict[tuple, LiveCosts] = {}  # the last request's (placement.live)
         # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
         self.rank_exact = [[0] * n for _ in ordered]
         for i in range(n):
@@ -249,7 +257,26 @@ class Prepared:
             if z.bit_count() > 1
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
-        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int], AnswerParts] = {}
+        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None], AnswerParts] = {}
+
+    def timed(self, message_bytes: int) -> Prepared:
+        """The tables for a latency-bound pattern at ``message_bytes`` (placement.latency):
+        these when one message's time orders the links as bandwidth does -- every pair of a
+        bandwidth key with one alpha, in the same order, as with no latency measured --
+        else ones built for that order, shared by every size giving it."""
+        order = sorted(self.edge_classes, key=lambda c: time_key(c[0], c[1], c[2], message_bytes))
+        alphas: dict[tuple, set[float]] = {}
+        for alpha, gbps, near in self.edge_classes:
+            alphas.setdefault((gbps, near), set()).add(alpha)
+        if all(len(a) == 1 for a in alphas.values()) and [c[1:] for c in order] == sorted(alphas):
+            return self
+        signature = tuple(order)
+        got = self._timed.get(signature)
+        if got is None:
+            if len(self._timed) > 8:
+                self._timed.clear()
+            got = self._timed[signature] = Prepared(self.matrix, self.now, message_bytes)
+        return got
 
     def _zone_label(self, name: str, zone: int) -> str:
         """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
@@ -513,23 +540,27 @@ class Prepared:
         return None
 
 
-def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
-    """The matrix's tables, built once per matrix and set of fresh measurements."""
-    if matrix.measured:
+def prepare(matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None) -> Prepared:
+    """The matrix's tables, built once per matrix and set of fresh measurements; with
+    ``message_bytes``, for a latency-bound pattern at that size (Prepared.timed)."""
+    fresh: frozenset = frozenset()
+    if matrix.measured or matrix.measured_latency:
         fresh = frozenset(
             key
             for key, m in matrix.measured.items()
             if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+        ) | frozenset(
+            ("latency", key)
+            for key, lat in matrix.measured_latency.items()
+            if now is None or now - lat.taken_at <= matrix.measurement_max_age_s
         )
-    else:
-        fresh = frozenset()
     cache = matrix.derived_cache.setdefault("placement", {})
     prepared = cache.get(fresh)
     if prepared is None:
         if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
             cache.clear()
         prepared = cache[fresh] = Prepared(matrix, now)
-    return prepared
+    return prepared if message_bytes is None else prepared.timed(message_bytes)
 
 
 def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
@@ -558,6 +589,7 @@ def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
 
 
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
+NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
 
 
 @dataclass(slots=True)
@@ -565,7 +597,7 @@ class Found:
     mask: int
     order: tuple[int, ...]
     rank: int | None
-    key: tuple[int, int, tuple[int, float], int]  # terms (2)-(5): distance, nodes, NICs, damage
+    key: tuple[int, int, tuple[int, float], int, tuple[int, int]]  # terms (2)-(6): distance, nodes, NICs, damage, live
     loss: int | None = None  # partner loss, computed when a tie needs it
 
     @property
@@ -596,9 +628,11 @@ class Search:
         candidates: int,
         include: int,
         deadline: Deadline | None = None,
+        live: LiveCosts | None = None,
     ):
         self.prep = prep
         self.deadline = deadline
+        self.live = live  # term (6): unverified GPUs, NIC traffic now (placement.live)
         # What run() leaves when the deadline stopped it: proven False, the best set found
         # at any threshold, and the best threshold not ruled out (its bandwidth bounds
         # every set's; None when links do not matter or nothing was ruled in).
@@ -747,7 +781,7 @@ class Search:
             nic = self.prep.nic_cost(mask, nics) if nics else NO_NICS
             if best is not None and nic > best.key[2]:
                 continue
-            key = (span, numa, nic, self._damage_of(mask))
+            key = (span, numa, nic, self._damage_of(mask), self._live_cost(mask))
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
@@ -763,6 +797,9 @@ class Search:
                     best = Found(mask, order, rank, key)
                     best_loss = loss
         return best
+
+    def _live_cost(self, mask: int) -> tuple[int, int]:
+        return self.live.cost(mask) if self.live else NO_LIVE_COST
 
     def _best_loss(self, best: Found) -> int:
         if best.loss is None:
@@ -1059,7 +1096,7 @@ class Search:
             if self.stop_at_first:
                 return
             # The bound, one term at a time: later terms only matter on a tie.
-            best_span, best_numa, best_nic, best_dmg = best.key
+            best_span, best_numa, best_nic, best_dmg, best_live = best.key
             span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
             if span > best_span:
                 return
@@ -1071,8 +1108,11 @@ class Search:
                     nic = self.prep.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
                     if nic > best_nic:
                         return
-                    if nic == best_nic and dmg + self._damage_bound(taken, cand, rem) >= best_dmg:
-                        return
+                    if nic == best_nic:
+                        least = dmg + self._damage_bound(taken, cand, rem)
+                        # Term (6) only grows as GPUs are added: what is taken bounds it.
+                        if least > best_dmg or (least == best_dmg and self._live_cost(taken) >= best_live):
+                            return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -1080,6 +1120,8 @@ class Search:
             return
         class_mask, zones = classes[ci]
         members = list(bits(class_mask & cand))
+        if self.live:  # a class's members differ only in term (6): the cheapest go first
+            members.sort(key=self.live.of.__getitem__)
         rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
@@ -1113,7 +1155,7 @@ class Search:
             order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
         groups = prep.groups_of(taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg)
+        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg, self._live_cost(taken))
         best = self.best
         if best is None or key < best.key:
             self.best = Found(taken, order, self.r, key)
