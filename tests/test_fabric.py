@@ -226,3 +226,17 @@ def test_place_in_words_names_each_ranks_rail(tmp_path: Path, capsys: pytest.Cap
     assert main(["place", "--root", str(rail_node(tmp_path)), "--gpus", "2"]) == 0
     ranks = [line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("rank ")]
     assert len(ranks) == 2 and all(re.search(r"NIC mlx5_(\d) \(PIX\) rail \1$", line) for line in ranks), ranks
+
+
+def test_no_lldpd_is_a_warning_that_says_what_to_check(tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "ws"
+    shutil.copytree(FABRIC.parent / "snapshots" / "workstation-2gpu", root, symlinks=True)
+    write_command(root, LLDPCTL, "", stderr="lldpctl: unable to connect to socket /run/lldpd.socket\n", rc=1)
+    node = discover(root)
+    status = next(c for c in node.collectors if c.name == "lldp")
+    assert status.status == "error"
+    assert "unable to connect to socket /run/lldpd.socket" in (status.message or "") and "is lldpd running" in (status.message or "")
+    assert [(f.kind, f.severity) for f in node.findings if f.subject == "lldp"] == [("collector-error", "warning")]
+    assert node.gpus and node.fabric.rails == ()
