@@ -22,6 +22,7 @@ COMMANDS = {
     "probe": "topoagent.commands.probe",
     "place": "topoagent.commands.place",
     "export": "topoagent.commands.export",
+    "cluster-topology": "topoagent.commands.cluster_topology",
     "serve": "topoagent.commands.serve",
     "device-plugin": "topoagent.commands.device_plugin",
     "extender": "topoagent.commands.extender",

@@ -15,7 +15,21 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from topoagent.collectors import aer, cpu, gpudirect, ib_counters, infiniband, netdev, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors import (
+    aer,
+    cpu,
+    gpudirect,
+    ib_counters,
+    ib_neighbours,
+    infiniband,
+    lldp,
+    netdev,
+    numa,
+    nvidia_driver,
+    nvidia_smi,
+    nvml,
+    pci,
+)
 from topoagent.collectors.base import CollectorResult
 from topoagent.host import Host
 from topoagent.merge import merge
@@ -47,6 +61,9 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("nvml", nvml.collect),
     Collector("nvidia_driver", nvidia_driver.collect),
     Collector("nvidia_smi", nvidia_smi.collect),
+    # Optional: what is at the other end of each port (the leaf switches, the rails).
+    Collector(ib_neighbours.NAME, ib_neighbours.collect, needs=("infiniband",)),
+    Collector(lldp.NAME, lldp.collect),
 )
 
 

@@ -68,6 +68,7 @@ class NicInfo:
     netdev: str | None = None  # "ibp12s0"
     rate_gbps: float | None = None  # port rate in Gb/s, e.g. 400
     active: bool | None = None
+    rail: int | None = None  # the node's rail its leaf switch makes (topoagent.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,8 @@ from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
 from topoagent.collectors.pci import PciDevice, PciLink, PciTree
-from topoagent.facts import CpuFacts
+from topoagent.fabric import Fabric, Rail
+from topoagent.facts import CpuFacts, PortNeighbour
 from topoagent.levels import SELF, LinkLevel
 from topoagent.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, HostLayout, NicInfo, sockets_from_distances, unknown_link_gpus
 from topoagent.vocabulary import FindingKind, Severity, Status
@@ -24,8 +25,8 @@ from topoagent.vocabulary import FindingKind, Severity, Status
 # The fact types the model is made of, named here so exporters read them from the model
 # and never import a collector module.
 __all__ = [
-    "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
-    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
+    "CollectorStatus", "CpuFacts", "Fabric", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
+    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "PortNeighbour", "Rail", "TopoDevice", "TopoMatrix",
 ]
 
 DERIVED = "derived"
@@ -153,6 +154,7 @@ class NodeTopology:
     peer_memory: str | None = None
     interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
     nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
+    fabric: Fabric = field(default_factory=Fabric)  # each port's neighbour switch and the rails they make (topoagent.fabric)
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -250,6 +252,7 @@ class NodeTopology:
                 netdev=n.netdevs[0] if n.netdevs else None,
                 rate_gbps=n.rate_gbps,
                 active=n.active,
+                rail=self.fabric.rail_of_nic(n.name),
             )
             for n in self.nics
         )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
-from topoagent.vocabulary import Affinity, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
+from topoagent.vocabulary import Affinity, FabricSource, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
     from topoagent.capacity import Capacity
@@ -277,6 +277,33 @@ NVLINK_DOMAIN = Document("NvlinkDomain", {
     "gpus": _plain_list("gpus", STRING),
 }, "The multi-node NVLink domain (GB200 NVL72-class): nodes with the same cluster UUID and clique id are NVLink neighbours.")
 
+NEIGHBOUR = Document("PortNeighbour", {
+    "source": Field(one_of(FabricSource), description="infiniband: the peer's own answer to directed-route SMPs (smpquery); lldp: what the switch announced"),
+    "device": Field(nullable(STRING), description="InfiniBand: the local RDMA device (mlx5_0)"),
+    "port": Field(nullable(INTEGER), description="InfiniBand: the local port number"),
+    "interface": Field(nullable(STRING), description="LLDP: the local interface"),
+    "switch_id": Field(STRING, description="InfiniBand: the peer's node GUID; LLDP: its chassis id"),
+    "switch_name": Field(nullable(STRING), description="InfiniBand: the peer's node description; LLDP: its system name"),
+    "switch_port": Field(nullable(STRING), description="the peer's port: an InfiniBand port number, an LLDP port id (Ethernet1/5)"),
+    "switch_kind": Field(one_of(("switch", "host", "router")), description="what the peer is (host: a back-to-back cable)"),
+}, "What is at the other end of one of the node's ports.")
+
+RAIL = Document("Rail", {
+    "rail": Field(INTEGER, lambda r: r.index, "numbered in the order of the node's NICs: rail 0 is the first NIC's"),
+    "leaf": Field(STRING, description="the leaf switch's id (InfiniBand node GUID, LLDP chassis id)"),
+    "leaf_name": Field(nullable(STRING), description="its description or system name; not unique across a fabric"),
+    "nics": _plain_list("nics", STRING),
+    "interfaces": _plain_list("interfaces", STRING),
+    "gpus": _plain_list("gpus", STRING),
+}, "A leaf switch the node reaches: ports that reach different leaves are different rails; gpus are those whose closest NICs are on it.")
+
+FABRIC = Document("Fabric", {
+    "leaf": Field(nullable(STRING), lambda f: f.leaf,
+                  "the node's leaf; with several rails, rails-<hash of the set of leaves> (nodes with the same set share it); null when no neighbour is known"),
+    "rails": listed(RAIL, "rails"),
+    "neighbours": listed(NEIGHBOUR, "neighbours"),
+}, "The node's place in the cluster fabric, from the optional ib_neighbours and lldp collectors.")
+
 CPU = Document("Cpu", {
     "arch": Field(nullable(STRING), lambda c: c.model.arch if c.model else None, "as NCCL names it: x86_64, arm64, ppc64"),
     "vendor": Field(nullable(STRING), lambda c: c.model.vendor if c.model else None),
@@ -374,6 +401,7 @@ NODE = Document("Node", {
     "interfaces": Field(array(INTERFACE.ref), lambda v: [INTERFACE.dump(i) for i in v.node.interfaces], "every network interface"),
     "nvlink_domain": Field(nullable(NVLINK_DOMAIN.ref), lambda v: NVLINK_DOMAIN.dump(v.node.nvlink_domain) if v.node.nvlink_domain else None,
                            "null when NVML reports no completed GPU fabric registration"),
+    "fabric": Field(FABRIC.ref, lambda v: FABRIC.dump(v.node.fabric)),
     "pairs": Field(array(PAIR.ref), _pairs, "every unordered GPU/NIC pair once"),
     "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's, the probes' and the counters'"),
     "collectors": Field({"type": "object", "additionalProperties": COLLECTOR.ref}, _collectors, "by collector name"),
@@ -538,6 +566,7 @@ PLACED_GPU = Document("PlacedGpu", {
     "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, no CPU in two ranks' lists"),
     "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to"),
     "nic": Field(nullable(STRING), description="this rank's NIC: the closest with a port up, distinct ones where several are as close"),
+    "rail": Field(nullable(INTEGER), description="the rail of this rank's NIC (the node's fabric.rails); null when its leaf is unknown"),
     "numactl": _plain_list("numactl", STRING),
 })
 
@@ -769,7 +798,7 @@ ERROR = Document("Error", {
 
 # Every document above, for the OpenAPI components.
 DOCUMENTS: tuple[Document, ...] = (
-    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, CPU, FINDING, PAIR, COLLECTOR, NODE,
+    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, NEIGHBOUR, RAIL, FABRIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
     REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, ESTIMATE, LAUNCH, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
     CAPACITY_FIT, CAPACITY,

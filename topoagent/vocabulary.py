@@ -63,6 +63,13 @@ class FindingKind(enum.StrEnum):
     GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
 
 
+class FabricSource(enum.StrEnum):
+    """Who said what is at the other end of a network port."""
+
+    INFINIBAND = "infiniband"  # directed-route SMPs to the port's peer (smpquery)
+    LLDP = "lldp"  # what the switch announced, as lldpd heard it (lldpctl)
+
+
 class Pattern(enum.StrEnum):
     """How a job's ranks talk, which decides which of its links matter."""
 

@@ -259,7 +259,7 @@ def render(answer: Placement | NoFit) -> str:
     for g in answer.gpus:
         lines.append(
             f"  rank {g.rank}: GPU{g.index}  CPUs {g.cpus or 'unknown'}  memory node {'-' if g.memory_node is None else g.memory_node}"
-            f"  NIC {g.nic or '-'} ({g.nic_level or '-'})"
+            f"  NIC {g.nic or '-'} ({g.nic_level or '-'})" + ("" if g.rail is None else f" rail {g.rail}")
         )
     env = " ".join(f"{k}={v}" for k, v in answer.env.items())
     lines.append(f"launch: {env} {' '.join(answer.numactl)} <command>".replace("  ", " "))

@@ -36,6 +36,7 @@ class PlacedGpu:
     memory_node: int | None = None
     nic: str | None = None
     numactl: tuple[str, ...] = ()
+    rail: int | None = None  # the rail of its NIC (topoagent.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,7 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
             rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(nic_names[j] for j in nearest), nic_level,
             None if share is None else share.text, binding.memory_node,
             None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
+            None if binding.nic is None else prep.matrix.nics[binding.nic].rail,
         )
         if len(prep.placed_cache) >= 50_000:
             prep.placed_cache.clear()
