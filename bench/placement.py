@@ -430,7 +430,7 @@ def _cell(value, spec: str) -> str:
 
 
 def _cells(r: dict) -> list[str]:
-    return [_cell(r["ring"], ".1f"), _cell(r["numa"], ".2f"), _cell(r["slit"], ".2f"), _cell(r["zone"], ".2f"),
+    return [_cell(r["ring"], ".2f"), _cell(r["numa"], ".3f"), _cell(r["slit"], ".2f"), _cell(r["zone"], ".3f"),
             f"{r['waited']:.1f}%"]
 
 
