@@ -217,18 +217,10 @@ def _text(value: object) -> str:
 
 
 def driver_present() -> bool:
-    """Whether NVML can answer here: the kernel driver's /proc entry, or (WSL and other
-    setups without it) a libnvidia-ml that loads.  Asked before importing pynvml, which
+    """Whether NVML can answer here: the NVIDIA driver's /proc entry or its control device
+    (as containers get them), or WSL's GPU device.  Asked before importing pynvml, which
     costs a one-shot command on a node without GPUs a tenth of its start-up."""
-    if os.path.isdir("/proc/driver/nvidia"):
-        return True
-    import ctypes
-
-    try:
-        ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-        return False
-    return True
+    return any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
 
 
 def read_live() -> dict | None:
