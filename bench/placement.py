@@ -3,6 +3,7 @@
     python -m bench.placement            # everything (a few minutes on 2 cores)
     python -m bench.placement --quick    # fewer samples and events
     python -m bench.placement --quick --only deadline   # bounded time at 8-128 GPUs
+    python -m bench.placement --only simulate --markdown  # a README block (bench/report.py)
 
 Prints tables; asserts nothing (tests check correctness, this measures).
 """
@@ -515,6 +516,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--markdown", action="store_true", help="print --only's figures as the README's markdown block")
     args = parser.parse_args()
+    if args.markdown and args.only not in ("latency", "simulate"):
+        parser.error("--markdown goes with --only latency or --only simulate (the README's blocks)")
     anchors = dict(corpus())
     self_check(
         next(m for n, m in anchors.items() if n.startswith("dlperf-8xV100")),
