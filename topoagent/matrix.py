@@ -8,8 +8,7 @@ PCIe generation and width, NVLink generation).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -256,6 +255,8 @@ class DistanceMatrix:
         of the default.  GPU pairs whose level is unknown (both rows cut off) are refused:
         a placement on guessed levels would be a silent wrong answer.
         """
+        from topoagent.collectors.nvidia_smi import first_numa_node  # loaded already: ``topo`` is its type
+
         gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu" and d.name not in leave_out]
         nic_rows = [i for i, d in enumerate(topo.devices) if d.kind == "nic"]
         gpus = tuple(
@@ -303,23 +304,6 @@ class DistanceMatrix:
 UNKNOWN_LINK = SYS
 
 
-def unknown_link_gpus(n: int, known: Callable[[int, int], bool]) -> list[int]:
-    """The GPUs (positions) to count as having unknown links: few enough that every pair
-    among the others is known.  Greedy, most unknown pairs first, the later GPU on a
-    tie: a GPU sysfs does not show is unknown to all the others and is the one named,
-    not every GPU it has an unknown pair with."""
-    unknown_pairs = {i: {j for j in range(n) if j != i and not known(i, j)} for i in range(n)}
-    marked: list[int] = []
-    while unknown_pairs:
-        worst = max(unknown_pairs, key=lambda i: (len(unknown_pairs[i]), i))
-        if not unknown_pairs[worst]:
-            break
-        marked.append(worst)
-        for j in unknown_pairs.pop(worst):
-            unknown_pairs[j].discard(worst)
-    return sorted(marked)
-
-
 def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:
     """GPUs whose level to some other GPU is unknown (both rows cut off a pasted output).
 
@@ -334,19 +318,7 @@ def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:
     )
 
 
-def first_numa_node(numa_affinity: str | None) -> int | None:
-    """The NUMA node of a GPU from nvidia-smi's 'NUMA Affinity' cell.
 
-    A list such as '0,2-17' (Grace: the CPU node, then the GPU-memory nodes) starts with
-    the node whose CPUs are close; a range such as '0-7' means the driver could not narrow
-    it down, which we report as unknown.
-    """
-    if not numa_affinity:
-        return None
-    first = numa_affinity.split(",")[0]
-    if re.fullmatch(r"\d+", first):
-        return int(first)
-    return None
 
 
 def nvlink_generation(gpus: tuple[GpuInfo, ...]) -> int | None:

@@ -18,7 +18,7 @@ from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.infiniband import Hca
 from topoagent.collectors.netdev import NetInterface
 from topoagent.collectors.numa import NumaTopology
-from topoagent.collectors.nvidia_smi import TopoMatrix
+from topoagent.collectors.nvidia_smi import TopoMatrix, first_numa_node
 from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.derive import expected_for_pair, nvlink_levels, pcie_level
@@ -26,7 +26,6 @@ from topoagent.fabric import build_fabric
 from topoagent.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
 from topoagent.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
 from topoagent.levels import LinkLevel, nv, nvlink_generation_for_model
-from topoagent.matrix import first_numa_node
 from topoagent.model import (
     DECLARED,
     DERIVED,
