@@ -1,6 +1,6 @@
 """Discovery time: in-process, as a whole command, and against hwloc's lstopo, side by side.
 
-    python -m bench.discovery [--runs N] [--root SNAPSHOT]     (from a checkout's root)
+    python -m bench.discovery [--runs N] [--root SNAPSHOT] [--markdown]    (from a checkout's root)
 
 Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100)
 and on the live machine; the command comparison alternates `topoagent discover --json` and
@@ -16,6 +16,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,16 +37,27 @@ class Run:
     max_rss_kib: int
 
 
+# A child forked from this Python process starts with its memory counted in its peak
+# (Linux keeps the pre-exec peak), so wait4 alone would give every command this process's
+# RSS as a floor.  GNU time (Debian package 'time') forks the command from a small
+# process and reports its own peak; without it the figure is an upper bound.
+GNU_TIME = "/usr/bin/time" if Path("/usr/bin/time").is_file() else None
+MEMORY_NOTE = "" if GNU_TIME else " (upper bound: /usr/bin/time missing, so it includes the benchmark's own memory)"
+
+
 def command(argv: list[str]) -> Run:
-    """Wall time and peak resident memory of one run of ``argv`` (its own, via wait4)."""
-    start = time.perf_counter()
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise SystemExit(f"{' '.join(argv)}: exit status {process.returncode}")
-    return Run(seconds, usage.ru_maxrss)
+    """Wall time and peak resident memory of one run of ``argv``."""
+    with tempfile.NamedTemporaryFile("r") as peak:
+        wrapped = [GNU_TIME, "-f", "%M", "-o", peak.name, *argv] if GNU_TIME else argv
+        start = time.perf_counter()
+        process = subprocess.Popen(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            raise SystemExit(f"{' '.join(argv)}: exit status {process.returncode}")
+        max_rss_kib = int(peak.read().split()[-1]) if GNU_TIME else usage.ru_maxrss
+    return Run(seconds, max_rss_kib)
 
 
 def in_process(root: str | Path, runs: int) -> float:
@@ -93,9 +105,37 @@ def measure(runs: int, root: str | Path) -> dict[str, float | str]:
         "live_ms": median_ms(ours), "lstopo_ms": median_ms(theirs),
         "live_mib": median_mib(ours), "lstopo_mib": median_mib(theirs),
     }
-    figures["time_ratio"] = figures["live_ms"] / figures["lstopo_ms"]
-    figures["memory_ratio"] = figures["live_mib"] / figures["lstopo_mib"]
+    # Ratios pair by pair (each pair ran back to back), then their median.
+    figures["time_ratio"] = statistics.median(a.seconds / b.seconds for a, b in zip(ours, theirs))
+    figures["memory_ratio"] = statistics.median(a.max_rss_kib / b.max_rss_kib for a, b in zip(ours, theirs))
     return figures
+
+
+def markdown(figures: dict[str, float | str], runs: int, root: str | Path) -> list[str]:
+    """The README's block: the same figures as a table."""
+    f = figures
+    out = [
+        f"Medians of {runs} runs; child processes run this checkout with its bytecode cached, as an"
+        " installed agent does.",
+        "",
+        "| what | wall (median) | peak memory |",
+        "|---|---:|---:|",
+        f"| discovery in-process, recorded `{Path(root).name}` | {f['in_process_replay_ms']:.1f} ms | |",
+        f"| discovery in-process, this machine (`/`) | {f['in_process_live_ms']:.1f} ms | |",
+        f"| `python -c pass` (interpreter start alone) | {f['interpreter_ms']:.0f} ms | |",
+        f"| `topoagent discover --json --root {Path(root).name}` | {f['command_replay_ms']:.0f} ms | |",
+    ]
+    if "lstopo" in f:
+        out += ["", str(f["lstopo"])]
+        return out
+    out += [
+        f"| `topoagent discover --json`, this machine | {f['live_ms']:.0f} ms | {f['live_mib']:.0f} MiB |",
+        f"| `lstopo-no-graphics {' '.join(LSTOPO_ARGS)}`, this machine | {f['lstopo_ms']:.0f} ms | {f['lstopo_mib']:.0f} MiB |",
+        f"| ratio, pair by pair (alternated runs) | {f['time_ratio']:.1f}× | {f['memory_ratio']:.1f}× |",
+    ]
+    if MEMORY_NOTE:
+        out += ["", "Peak memory" + MEMORY_NOTE + "."]
+    return out
 
 
 def lines(figures: dict[str, float | str], runs: int, root: str | Path) -> list[str]:
@@ -121,8 +161,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--root", default=str(REPO / "fixtures/snapshots/dgx-a100"))
+    parser.add_argument("--markdown", action="store_true", help="print the README's block")
     args = parser.parse_args()
-    for line in lines(measure(args.runs, args.root), args.runs, args.root):
+    for line in (markdown if args.markdown else lines)(measure(args.runs, args.root), args.runs, args.root):
         print(line)
     return 0
 

@@ -3,7 +3,7 @@
     python -m bench.placement            # everything (a few minutes on 2 cores)
     python -m bench.placement --quick    # fewer samples and events
     python -m bench.placement --quick --only deadline   # bounded time at 8-128 GPUs
-    python -m bench.placement --only deadline --markdown   # the same as a markdown table (bench/report.py)
+    python -m bench.placement --only simulate --markdown  # a README block (bench/report.py; also latency, deadline)
 
 Prints tables; asserts nothing (tests check correctness, this measures).
 """
@@ -25,13 +25,14 @@ from bench.baselines import (
     RandomFit,
     Refused,
     first_fit,
-    nv_zones,
     self_check,
 )
+from bench.neutral import Grader
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Placement, Request, numa_distance, numa_groups, place, warm
+from topoagent.placement import Placement, Request, numa_groups, place, warm
 from topoagent.placement.request import SERVICE_DEADLINE_MS
+from topoagent.placement.search import warm as warm_tables
 from topoagent.placement.synthetic import (
     irregular_mesh,
     node_32,
@@ -74,66 +75,84 @@ def pct(values: list[float], q: float) -> float:
 # --- latency --------------------------------------------------------------------------
 
 
-def latency(samples: int) -> None:
+PATTERNS = {"ring": {}, "ring+2 NICs": {"nics": 2}, "alltoall": {"pattern": "alltoall"}, "pipeline": {"pattern": "pipeline"}}
+
+
+def shapes(m: DistanceMatrix) -> list[tuple[str, Request]]:
+    """Every request shape the latency study asks: k by pattern (NICs where the node has them)."""
+    out = []
+    for k in sorted({1, 2, 3, 4, 8, m.size // 2, m.size - 2} - {0}):
+        if k <= m.size:
+            for label, extra in PATTERNS.items():
+                extra = {**extra, "nics": min(extra["nics"], len(m.nics))} if "nics" in extra else extra
+                out.append((f"k={k} {label}", Request(gpus=k, **extra)))
+    return out
+
+
+def timed(m: DistanceMatrix, request: Request, busy=()) -> tuple[float, float]:
+    """Wall and thread CPU milliseconds of one place() call."""
+    c0 = time.thread_time_ns()
+    t0 = time.perf_counter_ns()
+    place(m, request, busy)
+    return (time.perf_counter_ns() - t0) / 1e6, (time.thread_time_ns() - c0) / 1e6
+
+
+def latency_results(samples: int) -> list[dict]:
     nodes = [
-        ("8: DGX-1 V100 cube mesh", next(m for n, m in corpus() if n.startswith("dlperf-8xV100"))),
-        ("8: HGX H20 NVSwitch+8 NIC", next(m for n, m in corpus() if n.startswith("sglang-24966"))),
-        ("8: PCIe 2 sockets", pcie_two_socket_8()),
-        ("16: NVSwitch DGX-2-like", nvswitch_16()),
-        ("16: PCIe 2 sockets x 4 sw", pcie_16()),
-        ("32: 4 sockets, NV18 zones", node_32()),
+        ("DGX-1 V100 cube mesh", next(m for n, m in corpus() if n.startswith("dlperf-8xV100"))),
+        ("HGX H20 NVSwitch + 8 NICs", next(m for n, m in corpus() if n.startswith("sglang-24966"))),
+        ("PCIe, 2 sockets", pcie_two_socket_8()),
+        ("NVSwitch, DGX-2-like", nvswitch_16()),
+        ("PCIe, 2 sockets x 4 switches", pcie_16()),
+        ("4 sockets, NV18 zones", node_32()),
     ]
-    print("\n## Latency of place() in-process, warm (ms; random busy sets)\n")
-    print("wall = perf_counter; cpu = this thread's CPU time (immune to other processes on a")
-    print("shared machine).  The matrix is warmed first, as the agent does when it builds a")
-    print("snapshot (placement.warm), and every request shape is asked once before timing;")
-    print("see 'first call' below for a cold matrix.\n")
-    print(
-        f"{'node':28} {'k':>3} {'ring p50':>8} {'p99':>7} {'max':>7} {'cpu p99':>7}"
-        f"   {'nics=2 p99':>10} {'alltoall p99':>12} {'pipeline p99':>12}"
-    )
     rng = random.Random(1)
-    worst: dict[int, float] = {}
+    out = []
     for name, m in nodes:
-        n = m.size
-        warm(m)  # what the agent does when it builds a snapshot (cold costs below)
-        for k in sorted({1, 2, 3, 4, 8, n // 2, n - 2} - {0}):
-            if k > n:
-                continue
-            row = {}
-            for label, req in (
-                ("ring", Request(gpus=k)),
-                ("nics", Request(gpus=k, nics=min(2, len(m.nics)))),
-                ("a2a", Request(gpus=k, pattern="alltoall")),
-                ("pipe", Request(gpus=k, pattern="pipeline")),
-            ):
-                place(m, req)
-                wall, cpu = [], []
-                for _ in range(samples):
-                    busy = rng.sample(range(n), rng.randint(0, n - k))
-                    c0 = time.thread_time_ns()
-                    t0 = time.perf_counter_ns()
-                    place(m, req, busy)
-                    wall.append((time.perf_counter_ns() - t0) / 1e6)
-                    cpu.append((time.thread_time_ns() - c0) / 1e6)
-                row[label] = (wall, cpu)
-                worst[n] = max(worst.get(n, 0.0), pct(cpu, 0.99))
-            r, rc = row["ring"]
-            print(
-                f"{name:28} {k:>3} {statistics.median(r):8.3f} {pct(r, .99):7.3f} {max(r):7.3f} {pct(rc, .99):7.3f}"
-                f"   {pct(row['nics'][0], .99):10.3f} {pct(row['a2a'][0], .99):12.3f} {pct(row['pipe'][0], .99):12.3f}"
-            )
-    print("\nworst cpu p99 over every k and pattern: " + ", ".join(f"{n} GPUs {v:.3f} ms" for n, v in sorted(worst.items())))
-    print("\nfirst call (ms): on a new matrix (builds its tables), then a new request shape on it:")
-    for name, m in nodes:
-        fresh = replace(m)  # the same value with an empty cache
-        t0 = time.perf_counter()
-        place(fresh, Request(gpus=min(4, m.size)))
-        first = 1000 * (time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        place(fresh, Request(gpus=min(3, m.size), pattern="pipeline"))
-        shape = 1000 * (time.perf_counter() - t0)
-        print(f"  {name:28} {first:8.2f} {shape:8.2f}")
+        asked = shapes(m)
+        # Nothing warmed: a new matrix for each shape, its first call builds everything.
+        cold = [(timed(replace(m), req)[0], label) for label, req in asked]
+        # After a topology change the agent builds the search tables before serving
+        # (placement.search.warm); the answers are built later, in the background.
+        fresh = replace(m)
+        warm_tables(fresh)
+        first = [(timed(fresh, req)[0], label) for label, req in asked]
+        # Steady state: tables and answers built (placement.warm), every shape asked once.
+        warm(m)
+        for _, req in asked:
+            place(m, req)
+        wall, cpu = [], []
+        for _ in range(samples * len(asked)):
+            _, req = rng.choice(asked)
+            w, c = timed(m, req, rng.sample(range(m.size), rng.randint(0, m.size - req.gpus)))
+            wall.append(w)
+            cpu.append(c)
+        out.append({"node": name, "gpus": m.size, "shapes": len(asked), "calls": len(wall),
+                    "p50": statistics.median(wall), "p99": pct(wall, 0.99), "max": max(wall), "cpu_p99": pct(cpu, 0.99),
+                    "first": first, "cold": cold})
+    return out
+
+
+def latency(samples: int, markdown: bool = False) -> None:
+    results = latency_results(samples)
+    if not markdown:
+        print("\n## Latency of place() in-process, wall time (ms)\n")
+    print("Wall time (perf_counter) of place() in this process, exact search (no deadline), random busy sets.")
+    print("Steady state: the matrix's tables and answers built as the agent builds them after a")
+    print("snapshot (placement.warm) and every request shape asked once, then random shapes")
+    print("(k by ring / ring with 2 NICs / alltoall / pipeline). First call after a topology change:")
+    print("each shape's first call on a new matrix whose search tables were built as the agent builds")
+    print("them before serving (placement.search.warm), answers not yet built. Nothing warmed: each")
+    print("shape's first call on a new matrix, no tables at all. Median over the shapes, and the worst.\n")
+    print("| node | GPUs | calls | wall p50 | wall p99 | wall max | CPU p99 | first call after a topology change: median / worst | nothing warmed: median / worst |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---|")
+    for r in results:
+        def spread(calls: list[tuple[float, str]]) -> str:
+            worst, label = max(calls)
+            return f"{statistics.median(c for c, _ in calls):.2f} / {worst:.2f} ({label})"
+
+        print(f"| {r['node']} | {r['gpus']} | {r['calls']} | {r['p50']:.3f} | {r['p99']:.3f} | {r['max']:.2f} | {r['cpu_p99']:.3f}"
+              f" | {spread(r['first'])} | {spread(r['cold'])} |")
 
 
 # --- bounded time at every node size --------------------------------------------------
@@ -317,99 +336,188 @@ def quality(max_gpus: int) -> None:
 
 # --- job-stream simulation -------------------------------------------------------------
 
+# The neutral measures, in the order printed, and which way is better.
+MEASURES = (
+    ("ring GB/s", "ring", max),
+    ("NUMA nodes", "numa", min),
+    ("SLIT dist", "slit", min),
+    ("free NVLink zone", "zone", max),
+    ("waited", "waited", min),
+)
 
-def simulate(events: int, load: float, seed: int = 7) -> None:
-    print("\n## Job stream: 1/2/4/8-GPU jobs arrive and leave (seeded); same stream for every policy\n")
-    print("Jobs smaller than the node (a whole-node job only needs an empty node, which every policy")
-    print("gives alike), sizes weighted .35/.30/.20/.15, Poisson arrivals, exponential lengths set so")
-    print(f"the offered load is {load:.0%} of the node's GPUs; a job that does not fit on arrival is")
-    print("rejected (it would go to another node) -- the same jobs for every policy, since all fit by count.")
-    print("delivered = mean ring bandwidth of multi-GPU jobs / the best the empty node offers for that k;")
-    print("clean = share of large jobs (8 GPUs, or the size of a whole NUMA node / NVLink or PCIe zone)")
-    print("placed at the empty-node best bandwidth on the fewest NUMA nodes.")
-    print("NUMA dist = mean NUMA distance spanned by multi-GPU jobs (largest SLIT entry between their")
-    print("NUMA nodes; '-' on nodes without a SLIT table: nvidia-smi matrices).")
-    print("satisf = mean topology satisfaction of multi-GPU jobs (share of the ring's links that are")
-    print("NVLink or one PCIe switch).\n")
-    print(f"{'fixture':36} {'policy':13} {'delivered':>9} {'clean large':>11} {'large jobs':>10} {'rejected':>8} {'NUMA dist':>9} {'satisf':>6}")
-    nodes = [(n, m) for n, m in corpus() if m.size >= 4] + [
+
+def sim_nodes() -> list[tuple[str, DistanceMatrix]]:
+    return [(n, m) for n, m in corpus() if m.size >= 4] + [
         ("snapshot-dgx-a100", snapshot("dgx-a100")),
         ("synthetic-nvswitch-16", nvswitch_16()),
         ("synthetic-pcie-16", pcie_16()),
     ]
-    summary = []
-    for name, m in nodes:
-        n = m.size
-        sizes = [s for s in (1, 2, 4, 8) if s < n]
-        weights = [0.35, 0.3, 0.2, 0.15][: len(sizes)]
-        zone_sizes = {len(g) for g in numa_groups(m)} | {len(z) for z in nv_zones(m)}
-        large = {s for s in sizes if s == 8 or s in zone_sizes} or {max(sizes)}
-        empty = {}
-        for k in sizes:
-            a = place(m, Request(gpus=k))
-            empty[k] = (a.bandwidth_gbps, a.objective.numa_nodes)
-        mean_size = sum(s * w for s, w in zip(sizes, weights)) / sum(weights)
-        rng = random.Random(seed)
-        stream = []
-        t = 0.0
-        for _ in range(events):
-            t += rng.expovariate(1.0)
-            k = rng.choices(sizes, weights)[0]
-            stream.append((t, k, rng.expovariate(1.0 / (load * n / mean_size))))
-        pols = policies(m)
-        results = {}
-        for pname, policy in pols.items():
-            running: list[tuple[float, tuple[int, ...]]] = []
-            ratios, clean, n_large, rejected, invalid, refused, spans, sats = [], 0, 0, 0, 0, 0, [], []
-            for arrive, k, duration in stream:
-                running = [(end, g) for end, g in running if end > arrive]
-                busy = {i for _, g in running for i in g}
-                if k in large:
-                    n_large += 1
-                got = ask(policy, k, busy) if n - len(busy) >= k else None
-                if isinstance(got, Refused):
+
+
+def job_stream(n: int, events: int, load: float, seed: int) -> list[tuple[float, int, float]]:
+    """(arrival, GPUs, duration): sizes 1/2/4/8 below the node's size, weighted
+    .35/.30/.20/.15, Poisson arrivals, exponential lengths for the offered load."""
+    sizes = [s for s in (1, 2, 4, 8) if s < n]
+    weights = [0.35, 0.3, 0.2, 0.15][: len(sizes)]
+    mean_size = sum(s * w for s, w in zip(sizes, weights)) / sum(weights)
+    rng = random.Random(seed)
+    stream, t = [], 0.0
+    for _ in range(events):
+        t += rng.expovariate(1.0)
+        k = rng.choices(sizes, weights)[0]
+        stream.append((t, k, rng.expovariate(1.0 / (load * n / mean_size))))
+    return stream
+
+
+def run_stream(m: DistanceMatrix, policy, stream, grader: Grader) -> dict:
+    """Play the stream through one policy, first come first served: a job that cannot be
+    placed when it arrives waits (and holds back those behind it) until one that leaves
+    frees enough GPUs for the policy to answer.  Graded by the neutral measures only."""
+    everyone = grader.positions(g.index for g in m.gpus)
+    running: list[tuple[float, frozenset[int]]] = []
+    queue: list[int] = []  # job numbers, oldest first
+    ring, numa, slit, zone = [], [], [], []
+    waited = invalid = refused = 0
+
+    def start_waiting(now: float) -> None:
+        nonlocal waited, invalid, refused
+        while queue:
+            arrive, k, duration = stream[queue[0]]
+            busy_pos = frozenset().union(*(g for _, g in running))
+            got = None
+            if len(everyone) - len(busy_pos) >= k:
+                busy = {m.gpus[p].index for p in busy_pos}
+                got = ask(policy, k, busy)
+                if isinstance(got, Refused):  # it cannot run on this node: the job goes elsewhere
                     refused += 1
-                    got = None
-                elif got is not None and (len(set(got)) != k or set(got) & busy):
+                    queue.pop(0)
+                    continue
+                if got is not None and (len(set(got)) != k or set(got) & busy):
                     invalid += 1  # go-gpuallocator can hand back a set holding placeholders
                     got = None
-                if not got:
-                    rejected += 1
-                    continue
-                running.append((arrive + duration, tuple(got)))
-                if k >= 2:
-                    span = numa_distance(m, got)
-                    if span is not None:
-                        spans.append(span)
-                    others = [g.index for g in m.gpus if g.index not in got]
-                    ev = place(m, Request(gpus=k), others)
-                    ratios.append(ev.bandwidth_gbps / empty[k][0])
-                    sats.append(ev.satisfaction)
-                    if k in large and ev.bandwidth_gbps >= empty[k][0] and ev.objective.numa_nodes <= empty[k][1]:
-                        clean += 1
-                elif k in large:
-                    clean += 1
-            mean = statistics.mean(ratios) if ratios else float("nan")
-            results[pname] = (mean, clean / max(1, n_large))
-            dist = f"{statistics.mean(spans):9.2f}" if spans else f"{'-':>9}"
-            sat = f"{statistics.mean(sats):6.3f}" if sats else f"{'-':>6}"
-            print(
-                f"{name:36} {pname:13} {mean:9.3f} {100 * clean / max(1, n_large):10.1f}% {n_large:10d}"
-                f" {100 * rejected / len(stream):7.1f}% {dist} {sat}"
-                + (f"  ({invalid} invalid answers)" if invalid else "")
-                + (f"  (refused {refused}: search too large)" if refused else "")
-            )
-        summary.append((name, results))
-    print("\nwhere a baseline beats ours (delivered, clean large):")
-    behind = 0
-    for name, results in summary:
-        ours = results["ours"]
-        for pname, (mean, clean) in results.items():
-            if pname != "ours" and (mean > ours[0] + 1e-9 or clean > ours[1] + 1e-9):
-                behind += 1
-                print(f"  {name:36} {pname:13} {mean - ours[0]:+.3f} {100 * (clean - ours[1]):+.1f}%")
-    if not behind:
-        print("  nowhere")
+            if not got:
+                return
+            queue.pop(0)
+            waited += now > arrive
+            chosen = grader.positions(got)
+            running.append((now + duration, chosen))
+            if k >= 2:
+                ring.append(grader.ring_gbps(chosen))
+                numa.append(grader.numa_nodes(chosen))
+                slit.append(grader.slit_distance(chosen))
+            zone.append(grader.largest_free_nvlink_zone(everyone - busy_pos - chosen))
+
+    for number, (arrive, _k, _d) in enumerate(stream):
+        while running and min(end for end, _ in running) <= arrive:
+            end = min(end for end, _ in running)
+            running = [(e, g) for e, g in running if e != end]
+            start_waiting(end)
+        queue.append(number)
+        start_waiting(arrive)
+    waited += len(queue)  # still waiting when the stream ends
+    return {
+        "ring": statistics.mean(ring) if ring else None,
+        "numa": statistics.mean(numa) if numa else None,
+        "slit": statistics.mean(slit) if slit and None not in slit else None,
+        "zone": statistics.mean(zone) if zone and None not in zone else None,
+        "waited": 100 * waited / len(stream),
+        "invalid": invalid,
+        "refused": refused,
+    }
+
+
+def beats(theirs: dict, ours: dict) -> list[str]:
+    """The measures on which ``theirs`` is strictly better than ``ours`` (none when either
+    refused jobs: their measures then cover other jobs)."""
+    out: list[str] = []
+    if theirs["refused"] or ours["refused"]:
+        return out
+    for label, key, better in MEASURES:
+        a, b = theirs[key], ours[key]
+        if a is not None and b is not None and abs(a - b) > 1e-9 and better(a, b) == a:
+            out.append(label)
+    return out
+
+
+def simulate_results(events: int, load: float, seed: int = 7) -> list[tuple[str, dict[str, dict]]]:
+    out = []
+    for name, m in sim_nodes():
+        stream = job_stream(m.size, events, load, seed)
+        grader = Grader(m)
+        out.append((name, {pname: run_stream(m, policy, stream, grader) for pname, policy in policies(m).items()}))
+    return out
+
+
+def _cell(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cells(r: dict) -> list[str]:
+    return [_cell(r["ring"], ".2f"), _cell(r["numa"], ".3f"), _cell(r["slit"], ".2f"), _cell(r["zone"], ".3f"),
+            f"{r['waited']:.1f}%"]
+
+
+def _failures(r: dict) -> str:
+    return ", ".join(f"{r[key]} {key}" for key in ("invalid", "refused") if r[key])
+
+
+SIM_NOTES = (
+    "Every policy, ours included, is graded by measures no policy's objective defines"
+    " (bench/neutral.py): ring GB/s = the set's best-ring bottleneck from the level table"
+    " (levels.expected_gbps of each pair's level); NUMA nodes = NUMA nodes its GPUs sit on;"
+    " SLIT dist = the largest SLIT distance between them ('-' without a SLIT table); all three"
+    " are means over multi-GPU jobs; free NVLink zone = the largest NVLink-connected group of"
+    " free GPUs left after each placement ('-' without NVLink); waited = share of jobs not"
+    " started on arrival (first come first served; an invalid answer makes the job wait)."
+    " A policy whose search is too large for the node refuses the job, which goes elsewhere;"
+    " its row is then not compared."
+)
+
+
+def simulate(events: int, load: float, seed: int = 7, markdown: bool = False) -> None:
+    results = simulate_results(events, load, seed)
+    setting = (f"{events} jobs of 1/2/4/8 GPUs (below the node's size) per node, Poisson arrivals,"
+               f" offered load {load:.0%} of the node's GPUs, seed {seed}; the same stream for every policy.")
+    header = ["node", "policy", *(label for label, _, _ in MEASURES), "beats ours on"]
+    if markdown:
+        print(f"Job-stream simulation: {setting} {SIM_NOTES}\n")
+        rows = [(name, pname, r, beats(r, res["ours"])) for name, res in results for pname, r in res.items()]
+        won = [row for row in rows if row[3]]
+        policy_names = [p for p in results[0][1] if p != "ours"]
+        print("| baseline | nodes where it beats ours on some measure | nodes where ours beats it on some measure | nodes not compared (it refused) |")
+        print("|---|---:|---:|---:|")
+        for pname in policy_names:
+            theirs = sum(1 for name, res in results if beats(res[pname], res["ours"]))
+            ours = sum(1 for name, res in results if beats(res["ours"], res[pname]))
+            skipped = sum(1 for name, res in results if res[pname]["refused"])
+            print(f"| {pname} | {theirs} of {len(results)} | {ours} of {len(results)} | {skipped} |")
+        print(f"\nEvery row where a baseline beats ours, beside ours on that node ({len(won)} rows):\n")
+        print("| " + " | ".join(header) + " |")
+        print("|---|---|" + "---:|" * len(MEASURES) + "---|")
+        shown = set()
+        for name, pname, r, better in won:
+            if name not in shown:
+                shown.add(name)
+                print(f"| {name} | ours | " + " | ".join(_cells(results_of(results, name)["ours"])) + " | |")
+            note = ", ".join(better) + (f" ({_failures(r)})" if _failures(r) else "")
+            print(f"| {name} | {pname} | " + " | ".join(_cells(r)) + f" | **{note}** |")
+        if not won:
+            print("| (none) |" + " |" * (len(header) - 1))
+        return
+    print("\n## Job stream, graded by neutral measures\n")
+    print(setting)
+    print(SIM_NOTES + "\n")
+    print(f"{'node':36} {'policy':13} {'ring GB/s':>9} {'NUMA nodes':>10} {'SLIT dist':>9} {'free NVLink zone':>16} {'waited':>7}  beats ours on")
+    for name, res in results:
+        for pname, r in res.items():
+            better = ", ".join(beats(r, res["ours"])) if pname != "ours" else ""
+            c = _cells(r)
+            print(f"{name:36} {pname:13} {c[0]:>9} {c[1]:>10} {c[2]:>9} {c[3]:>16} {c[4]:>7}  {better}"
+                  + (f"  ({_failures(r)})" if _failures(r) else ""))
+
+
+def results_of(results: list[tuple[str, dict[str, dict]]], name: str) -> dict[str, dict]:
+    return next(res for n, res in results if n == name)
 
 
 def pair_score_cost() -> None:
@@ -422,14 +530,19 @@ def pair_score_cost() -> None:
             print(f"  {name} k={k}: {time.perf_counter() - t0:.2f} s{note}")
 
 
+MARKDOWN_SECTIONS = ("latency", "simulate", "deadline")  # those printing a README block (bench/report.py)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore", "deadline"])
     parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--markdown", action="store_true", help="deadline: print the study as a markdown table")
+    parser.add_argument("--markdown", action="store_true", help="print --only's figures as the README's markdown block")
     args = parser.parse_args()
+    if args.markdown and args.only not in MARKDOWN_SECTIONS:
+        parser.error(f"--markdown goes with --only {' or '.join(MARKDOWN_SECTIONS)} (the README's blocks)")
     anchors = dict(corpus())
     self_check(
         next(m for n, m in anchors.items() if n.startswith("dlperf-8xV100")),
@@ -439,11 +552,11 @@ def main() -> None:
     samples = 200 if args.quick else 1000
     events = 400 if args.quick else 3000
     if args.only in (None, "latency"):
-        latency(samples)
+        latency(samples // 4, args.markdown)  # per shape: 28 shapes at 8+ GPUs
     if args.only in (None, "quality"):
         quality(8)
     if args.only in (None, "simulate"):
-        simulate(events, args.load, args.seed)
+        simulate(events, args.load, args.seed, args.markdown)
     if args.only in (None, "pairscore"):
         pair_score_cost()
     if args.only in (None, "deadline"):

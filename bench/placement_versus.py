@@ -1,17 +1,40 @@
-"""place() latency of this tree against an older revision, side by side in one process.
+"""place() latency of this tree against an older revision, side by side.
 
-    python -m bench.placement_versus --rev 2f3890b [--samples 200]
+    python -m bench.placement_versus --rev REV [--rounds 3] [--samples 200] [--quick]
 
-Both versions answer the same requests on the same busy sets, interleaved, after one
-warm-up call per request shape; times are this thread's CPU time (ms), so other load on
-a shared machine inflates them less than wall time.  It also checks the two agree on
-objective terms (1)-(3) (term 4 and the tie-break may have changed between revisions).
+REV is any commit that has the placement package (``topoagent/placement/__init__.py``;
+older revisions kept placement in one module and are refused with the commit that
+introduced the package).  The revision's files are extracted with ``git archive REV | tar
+-x`` into a temporary directory, removed afterwards.
+
+Each side is timed in a child process of its own: this script in ``--worker`` mode, run
+with cwd and PYTHONPATH set to that tree, so ``import topoagent`` (and ``bench``) is that
+tree's code; ``-P`` keeps this script's folder off sys.path.  "new" is this checkout as it
+is on disk, uncommitted edits included.  Every child builds the same nodes -- synthetic
+ones from its own ``topoagent.placement.synthetic`` and two recorded ones from the shared
+corpus through its own ``bench.placement.corpus()`` (a node the tree cannot build is left
+out and reported) -- warms each matrix as that revision's agent does (``placement.warm``
+where it exists), asks every request shape once, then answers the same seeded busy sets
+and prints JSON: per row the per-call times and each answer's comparable terms.  Before
+each row the worker freezes what it has kept so far (gc.freeze), so a full collection over
+its own growing results does not land in some timed call as a 50 ms outlier.
+
+Children alternate old/new, then new/old, for ``--rounds`` rounds, so load on a shared
+machine hits both sides alike.  Per row the table gives the median over rounds of each
+round's p50 and p99, wall time (perf_counter) as the main figure and this thread's CPU time
+(thread_time) beside it, with the ratio new/old; then the worst p99 per node size, and how
+many answers differ on the GPU set, the bandwidth or the NUMA terms (those both revisions
+have).  Rank order and the later terms (NICs, damage, tie-breaks) may legitimately change
+between revisions and are not compared.  Against HEAD itself no answer should differ and
+the ratios should sit near 1 (their spread is this machine's noise).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import gc
+import json
+import os
 import random
 import statistics
 import subprocess
@@ -19,85 +42,293 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-
-from bench.placement import corpus, pct
-from topoagent import placement as current
-from topoagent.placement import Request
-from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_16, pcie_two_socket_8
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+PACKAGE_INIT = "topoagent/placement/__init__.py"
+CORPUS = REPO.parent / "shared" / "corpus" / "nvidia-smi-topo"  # where bench.placement looks from a checkout
+
+# (label, source, name): synthetic nodes by function name, corpus nodes by file-name prefix.
+NODES = (
+    ("8: DGX-1 V100", "corpus", "dlperf-8xV100"),
+    ("8: H20 + 8 NIC", "corpus", "sglang-24966"),
+    ("8: PCIe 2 sockets", "synthetic", "pcie_two_socket_8"),
+    ("16: NVSwitch", "synthetic", "nvswitch_16"),
+    ("16: PCIe", "synthetic", "pcie_16"),
+    ("32: NV18 zones", "synthetic", "node_32"),
+)
+PATTERNS = ("ring", "nics=2", "alltoall", "pipeline")
+SAMPLES = 200
+QUICK_SAMPLES = 30
 
 
-def load_revision(rev: str):
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{rev}:topoagent/placement.py"],
-        check=True, capture_output=True, text=True,
-    ).stdout
-    path = Path(tempfile.mkdtemp()) / "placement_at_rev.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("placement_at_rev", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["placement_at_rev"] = module
-    spec.loader.exec_module(module)
-    return module
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+# --- worker: runs inside the tree under test ----------------------------------------------
+
+
+def worker(samples: int, corpus_dir: str) -> None:
+    import topoagent
+    from topoagent import placement
+
+    tree = Path.cwd().resolve()
+    loaded = Path(topoagent.__file__).resolve()
+    if tree not in loaded.parents:
+        raise SystemExit(f"worker in {tree} imported topoagent from {loaded}: PYTHONPATH did not take")
+    import topoagent.placement.synthetic as synthetic
+
+    recorded: list[tuple[str, Any]] = []
+    corpus_note = "bench.placement.corpus()"
+    try:
+        import bench.placement as bp
+
+        if hasattr(bp, "CORPUS"):
+            bp.CORPUS = Path(corpus_dir)  # an extracted tree is not beside shared/
+        recorded = bp.corpus()
+    except Exception as e:  # an old tree without it, or one whose bench cannot import
+        corpus_note = f"no corpus: {type(e).__name__}: {e}"
+    warm = getattr(placement, "warm", None)
+
+    nodes, missing = [], []
+    for label, source, name in NODES:
+        if source == "synthetic" and hasattr(synthetic, name):
+            nodes.append((label, getattr(synthetic, name)()))
+        elif source == "corpus" and any(n.startswith(name) for n, _ in recorded):
+            nodes.append((label, next(m for n, m in recorded if n.startswith(name))))
+        else:
+            missing.append(label)
+
+    rows = []
+    for label, m in nodes:
+        n = m.size
+        if warm is not None:
+            warm(m)  # what the agent of that revision does when it builds a snapshot
+        for k in sorted({1, 2, 3, 4, 8, n // 2, n - 2} - {0}):
+            if k > n:
+                continue
+            for shape in PATTERNS:
+                fields: dict[str, Any] = {"gpus": k}
+                if shape == "nics=2":
+                    fields["nics"] = min(2, len(m.nics))
+                elif shape != "ring":
+                    fields["pattern"] = shape
+                row: dict[str, Any] = {"node": label, "n": n, "k": k, "request": shape, "wall": [], "cpu": [], "answers": []}
+                rows.append(row)
+                try:
+                    req = placement.Request(**fields)
+                    placement.place(m, req)  # the shape's first call is not timed
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {e}"
+                    continue
+                rng = random.Random(f"{label}/{k}/{shape}")
+                gc.collect()
+                gc.freeze()  # what this worker has kept so far (times, answers) is no garbage collector's work in the timed calls
+                for _ in range(samples):
+                    busy = rng.sample(range(n), rng.randint(0, n - k))
+                    c0 = time.thread_time_ns()
+                    t0 = time.perf_counter_ns()
+                    answer = placement.place(m, req, busy)
+                    row["wall"].append((time.perf_counter_ns() - t0) / 1e6)
+                    row["cpu"].append((time.thread_time_ns() - c0) / 1e6)
+                    row["answers"].append(terms(answer))
+    json.dump(
+        {"topoagent": str(loaded), "warm": warm is not None, "corpus": corpus_note, "missing": missing, "rows": rows},
+        sys.stdout,
+    )
+
+
+def terms(answer: Any) -> dict[str, Any]:
+    """What two revisions' answers should agree on: GPU set, bandwidth, NUMA terms."""
+    objective = getattr(answer, "objective", None)
+    if objective is None or not hasattr(answer, "gpus"):
+        return {"kind": type(answer).__name__, "constraint": getattr(answer, "constraint", None)}
+    out = {"gpus": sorted(g.index for g in answer.gpus), "bandwidth_gbps": answer.bandwidth_gbps}
+    for name in ("numa_distance", "numa_nodes"):
+        if hasattr(objective, name):
+            out[name] = getattr(objective, name)
+    return out
+
+
+# --- parent: extract, alternate children, compare ------------------------------------------
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), *args], check=True, capture_output=True, text=True).stdout.strip()
+
+
+def check_revision(rev: str) -> str:
+    try:
+        commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"--rev {rev}: not a commit in {REPO}") from None
+    if subprocess.run(["git", "-C", str(REPO), "cat-file", "-e", f"{commit}:{PACKAGE_INIT}"], capture_output=True).returncode:
+        first = git("log", "--diff-filter=A", "--format=%h", "--", PACKAGE_INIT).splitlines()
+        since = f" (the package arrived in {first[-1]}; pick that or a later commit)" if first else ""
+        raise SystemExit(
+            f"--rev {rev}: that revision has no {PACKAGE_INIT}; placement was one module then, "
+            f"which this script cannot load{since}"
+        )
+    return commit
+
+
+def extract(commit: str, into: str) -> None:
+    archive = subprocess.Popen(["git", "-C", str(REPO), "archive", commit], stdout=subprocess.PIPE)
+    untar = subprocess.run(["tar", "-x", "-C", into], stdin=archive.stdout, capture_output=True, text=True)
+    assert archive.stdout is not None
+    archive.stdout.close()
+    if archive.wait() or untar.returncode:
+        raise SystemExit(f"extracting {commit[:12]} failed: {untar.stderr.strip()}")
+
+
+def run_child(tree: Path, samples: int) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--samples", str(samples), "--corpus", str(CORPUS)]
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"the worker in {tree} failed (exit {done.returncode}):\n{done.stderr.strip()}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def ratio(new: float, old: float) -> str:
+    return f"{new / old:5.2f}x" if old > 0 else "    -"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rev", required=True)
-    parser.add_argument("--samples", type=int, default=200)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.placement_versus",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: python -m bench.placement_versus --rev HEAD~5 --quick   (about a minute on 2 busy cores)",
+    )
+    parser.add_argument("--rev", metavar="REV", help="the older revision: a commit-ish that has topoagent/placement/ (required)")
+    parser.add_argument("--samples", type=int, metavar="N", help=f"seeded busy sets per row, per child (default {SAMPLES}; {QUICK_SAMPLES} with --quick)")
+    parser.add_argument("--rounds", type=int, default=3, metavar="R", help="old/new child pairs, alternating which side goes first (default 3)")
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_SAMPLES} busy sets per row unless --samples says otherwise")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--corpus", default=str(CORPUS), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    old = load_revision(args.rev)
-    nodes = [
-        ("8: DGX-1 V100", next(m for n, m in corpus() if n.startswith("dlperf-8xV100"))),
-        ("8: H20 + 8 NIC", next(m for n, m in corpus() if n.startswith("sglang-24966"))),
-        ("8: PCIe 2 sockets", pcie_two_socket_8()),
-        ("16: NVSwitch", nvswitch_16()),
-        ("16: PCIe", pcie_16()),
-        ("32: NV18 zones", node_32()),
-    ]
-    print(f"## place() CPU ms, {args.rev} vs this tree ({args.samples} random busy sets per row)\n")
-    print(f"{'node':18} {'k':>3} {'request':8} | {'old p50':>8} {'p99':>7} | {'new p50':>8} {'p99':>7}")
-    worst: dict[int, list[float]] = {}
-    disagree = 0
-    for name, m in nodes:
-        n = m.size
-        for k in sorted({1, 2, 3, 4, 8, n // 2, n - 2} - {0}):
-            for label, req in (
-                ("ring", Request(gpus=k)),
-                ("nics=2", Request(gpus=k, nics=min(2, len(m.nics)))),
-                ("alltoall", Request(gpus=k, pattern="alltoall")),
-                ("pipeline", Request(gpus=k, pattern="pipeline")),
-            ):
-                rng = random.Random(f"{name}/{k}/{label}")
-                old.place(m, req)
-                current.place(m, req)
-                times: dict[str, list[float]] = {"old": [], "new": []}
-                for _ in range(args.samples):
-                    busy = rng.sample(range(n), rng.randint(0, n - k))
-                    answers = {}
-                    for tag, module in (("old", old), ("new", current)):
-                        t0 = time.thread_time_ns()
-                        answers[tag] = module.place(m, req, busy)
-                        times[tag].append((time.thread_time_ns() - t0) / 1e6)
-                    a, b = answers["old"], answers["new"]
-                    terms = [
-                        (x.bandwidth_gbps, x.objective.numa_nodes, x.objective.nic_cost)
-                        if hasattr(x, "objective") else type(x).__name__
-                        for x in (a, b)
-                    ]
-                    disagree += terms[0] != terms[1]
-                o, w = times["old"], times["new"]
-                row = worst.setdefault(n, [0.0, 0.0])
-                row[0], row[1] = max(row[0], pct(o, 0.99)), max(row[1], pct(w, 0.99))
-                print(
-                    f"{name:18} {k:>3} {label:8} | {statistics.median(o):8.3f} {pct(o, .99):7.3f}"
-                    f" | {statistics.median(w):8.3f} {pct(w, .99):7.3f}"
-                )
-    print("\nworst p99 over all rows (old -> new):")
-    for n, (o, w) in sorted(worst.items()):
-        print(f"  {n:2} GPUs: {o:7.3f} -> {w:7.3f} ms")
-    print(f"answers differing on terms (1)-(3): {disagree}")
+    if args.samples is None:
+        args.samples = QUICK_SAMPLES if args.quick else SAMPLES
+    if args.worker:
+        worker(args.samples, args.corpus)
+        return
+    if not args.rev:
+        parser.error("--rev REV is required")
+    if args.samples < 1 or args.rounds < 1:
+        parser.error("--samples and --rounds must be at least 1")
+
+    commit = check_revision(args.rev)
+    dirty = " + uncommitted edits" if git("status", "--porcelain", "--untracked-files=no") else ""
+    new_name = f"this tree ({git('rev-parse', '--short', 'HEAD')}{dirty})"
+    old_name = f"{args.rev} ({commit[:9]})"
+    started = time.perf_counter()
+    runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    with tempfile.TemporaryDirectory(prefix="placement-versus-") as tmp:
+        extract(commit, tmp)
+        trees = {"old": Path(tmp), "new": REPO}
+        for r in range(args.rounds):
+            order = ("old", "new") if r % 2 == 0 else ("new", "old")
+            took = []
+            for side in order:
+                t0 = time.perf_counter()
+                runs[side].append(run_child(trees[side], args.samples))
+                took.append(f"{side} {time.perf_counter() - t0:.1f} s")
+            print(f"round {r + 1}/{args.rounds}: {', '.join(took)}", file=sys.stderr, flush=True)
+    report(runs, old_name, new_name, args, time.perf_counter() - started)
+
+
+def report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:
+    def rows_of(side: str, run: int) -> dict[tuple[str, int, str], dict[str, Any]]:
+        return {(row["node"], row["k"], row["request"]): row for row in runs[side][run]["rows"]}
+
+    old_rows = [rows_of("old", r) for r in range(args.rounds)]
+    new_rows = [rows_of("new", r) for r in range(args.rounds)]
+    keys = [key for key in new_rows[0] if key in old_rows[0]]
+    only = sorted(set(old_rows[0]) ^ set(new_rows[0]))
+
+    print(f"## place() ms: old = {old_name}, new = {new_name}")
+    print(f"{args.samples} seeded busy sets per row and side, {args.rounds} round(s) of one child per side (alternating first);")
+    print("each figure is the median over rounds of that round's p50/p99.  wall = perf_counter; cpu = thread_time.")
+    for side in ("old", "new"):
+        first = runs[side][0]
+        print(f"  {side}: placement.warm {'called' if first['warm'] else 'absent (cold tables)'}; {first['corpus']}"
+              + (f"; nodes it cannot build: {', '.join(first['missing'])}" if first["missing"] else ""))
+    print()
+    print(f"{'':32}| {'wall':^33} | {'cpu':^33}")
+    head = f"{'old p50':>7} {'p99':>6} {'new p50':>7} {'p99':>6} {'p50':>6} {'p99':>6}"
+    print(f"{'node':17} {'k':>3} {'request':10}| {head} | {head}")
+
+    def med(side_rows: list[dict[tuple[str, int, str], dict[str, Any]]], key: tuple[str, int, str], clock: str, q: float) -> float:
+        return statistics.median(pct(rows[key][clock], q) for rows in side_rows)
+
+    worst: dict[int, dict[str, float]] = {}
+    wall50, wall99, cpu50, cpu99 = [], [], [], []
+    compared = gpus_differ = bw_differ = numa_differ = differ = ties = 0
+    unstable = {"old": 0, "new": 0}
+    examples: list[str] = []
+    for key in keys:
+        o0, n0 = old_rows[0][key], new_rows[0][key]
+        if "error" in o0 or "error" in n0:
+            print(f"{key[0]:17} {key[1]:>3} {key[2]:10}| old: {o0.get('error', 'ok')}; new: {n0.get('error', 'ok')}")
+            continue
+        cells = []
+        size = worst.setdefault(o0["n"], {})
+        for clock in ("wall", "cpu"):
+            o50, o99 = med(old_rows, key, clock, 0.5), med(old_rows, key, clock, 0.99)
+            n50, n99 = med(new_rows, key, clock, 0.5), med(new_rows, key, clock, 0.99)
+            cells.append(f"{o50:7.3f} {o99:6.3f} {n50:7.3f} {n99:6.3f} {ratio(n50, o50)} {ratio(n99, o99)}")
+            size[f"{clock} old"] = max(size.get(f"{clock} old", 0.0), o99)
+            size[f"{clock} new"] = max(size.get(f"{clock} new", 0.0), n99)
+            if clock == "wall":
+                wall50.append(n50 / o50 if o50 else 1.0)
+                wall99.append(n99 / o99 if o99 else 1.0)
+            else:
+                cpu50.append(n50 / o50 if o50 else 1.0)
+                cpu99.append(n99 / o99 if o99 else 1.0)
+        print(f"{key[0]:17} {key[1]:>3} {key[2]:10}| {cells[0]} | {cells[1]}")
+        for i, (a, b) in enumerate(zip(o0["answers"], n0["answers"])):
+            compared += 1
+            g = a.get("gpus") != b.get("gpus") or a.get("kind") != b.get("kind")
+            w = a.get("bandwidth_gbps") != b.get("bandwidth_gbps")
+            u = any(a[t] != b[t] for t in ("numa_distance", "numa_nodes") if t in a and t in b)
+            gpus_differ += g
+            bw_differ += w
+            numa_differ += u
+            differ += g or w or u
+            ties += g and not (w or u)
+            if (g or w or u) and len(examples) < 5:
+                examples.append(f"  {key[0]}, k={key[1]} {key[2]}, busy set #{i}: old {a} / new {b}")
+        for side, side_rows in (("old", old_rows), ("new", new_rows)):
+            unstable[side] += sum(
+                any(rows[key]["answers"][i] != side_rows[0][key]["answers"][i] for rows in side_rows[1:])
+                for i in range(len(side_rows[0][key]["answers"]))
+            )
+
+    print("\nworst p99 over every k and request, per node size (old -> new, ms):")
+    for n, w in sorted(worst.items()):
+        print(
+            f"  {n:3} GPUs: wall {w['wall old']:7.3f} -> {w['wall new']:7.3f} ({ratio(w['wall new'], w['wall old']).strip()})"
+            f"   cpu {w['cpu old']:7.3f} -> {w['cpu new']:7.3f} ({ratio(w['cpu new'], w['cpu old']).strip()})"
+        )
+    if wall50:
+        print(
+            f"new/old over {len(wall50)} rows, median (min-max): wall p50 {statistics.median(wall50):.2f}x"
+            f" ({min(wall50):.2f}-{max(wall50):.2f}), wall p99 {statistics.median(wall99):.2f}x"
+            f" ({min(wall99):.2f}-{max(wall99):.2f}); cpu p50 {statistics.median(cpu50):.2f}x, p99 {statistics.median(cpu99):.2f}x"
+        )
+    print(
+        f"answers differing: {differ} of {compared} (GPU set {gpus_differ}, bandwidth {bw_differ},"
+        f" NUMA terms {numa_differ}; another set at equal bandwidth and NUMA terms {ties}); changed between rounds of one side: old {unstable['old']}, new {unstable['new']}"
+    )
+    for line in examples:
+        print(line)
+    if only:
+        print(f"rows on one side only: {len(only)} ({', '.join(f'{a} k={b} {c}' for a, b, c in only[:4])}{', ...' if len(only) > 4 else ''})")
+    print(f"took {took_s:.0f} s")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,9 @@ class CollectorResult(Generic[T]):
     seconds: float = 0.0
     # Problems with single files that did not stop the collector ("numa_node of X: 'abc'").
     warnings: tuple[str, ...] = ()
+    # An optional source (the fabric's neighbours): its failure is a warning, not a fault
+    # of the node's facts.
+    optional: bool = False
 
     @property
     def ok(self) -> bool:
@@ -57,7 +60,7 @@ async def off_loop(fn: Callable[..., T], *args: Any) -> T:
 
 
 async def run_collector(
-    name: str, read: Callable[[], Awaitable[tuple[Any, tuple[str, ...]]]]
+    name: str, read: Callable[[], Awaitable[tuple[Any, tuple[str, ...]]]], *, optional: bool = False
 ) -> CollectorResult[Any]:
     """Run ``read`` and turn what happens into a CollectorResult.
 
@@ -69,7 +72,7 @@ async def run_collector(
     try:
         data, warnings = await read()
     except NoData as exc:
-        return CollectorResult(name, NO_DATA, None, str(exc) or None, time.perf_counter() - started)
+        return CollectorResult(name, NO_DATA, None, str(exc) or None, time.perf_counter() - started, optional=optional)
     except (TopoagentError, OSError) as exc:  # SourceError, HostError, parsers' typed errors
-        return CollectorResult(name, ERROR, None, str(exc), time.perf_counter() - started)
-    return CollectorResult(name, OK, data, None, time.perf_counter() - started, warnings)
+        return CollectorResult(name, ERROR, None, str(exc), time.perf_counter() - started, optional=optional)
+    return CollectorResult(name, OK, data, None, time.perf_counter() - started, warnings, optional)

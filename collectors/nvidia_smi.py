@@ -625,3 +625,18 @@ async def collect(host: Host, timeout: float = 20.0) -> CollectorResult[TopoMatr
         return topo, topo.notes
 
     return await run_collector("nvidia_smi", read)
+
+
+def first_numa_node(numa_affinity: str | None) -> int | None:
+    """The NUMA node of a GPU from nvidia-smi's 'NUMA Affinity' cell.
+
+    A list such as '0,2-17' (Grace: the CPU node, then the GPU-memory nodes) starts with
+    the node whose CPUs are close; a range such as '0-7' means the driver could not narrow
+    it down, which we report as unknown.
+    """
+    if not numa_affinity:
+        return None
+    first = numa_affinity.split(",")[0]
+    if re.fullmatch(r"\d+", first):
+        return int(first)
+    return None

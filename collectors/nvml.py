@@ -10,6 +10,7 @@ is guarded because any one of them can be unsupported on a given GPU or driver.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -215,8 +216,17 @@ def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def driver_present() -> bool:
+    """Whether NVML can answer here: the NVIDIA driver's /proc entry or its control device
+    (as containers get them), or WSL's GPU device.  Asked before importing pynvml, which
+    costs a one-shot command on a node without GPUs a tenth of its start-up."""
+    return any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
+
+
 def read_live() -> dict | None:
     """Ask the NVML library; None when there is no library or no driver (no data)."""
+    if not driver_present():
+        return None
     try:
         import pynvml  # the only import of pynvml in the agent
     except ImportError:
@@ -358,6 +368,8 @@ def _affinity_to_cpulist(words: Iterable[int] | None) -> str | None:
 def read_live_activity() -> dict | None:
     """Just what each GPU is doing now (utilization, compute processes), in the
     nvml.json shape: two NVML calls per GPU, cheap enough to ask every few seconds."""
+    if not driver_present():
+        return None
     try:
         import pynvml
     except ImportError:
@@ -464,6 +476,8 @@ class LiveCounterReader:
 
     def _open(self) -> Any:
         if self._nv is None:
+            if not driver_present():
+                raise NoData(NO_NVML)
             try:
                 import pynvml
             except ImportError:

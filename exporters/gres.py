@@ -11,7 +11,10 @@ gres.conf(5), as Slurm documents it:
   core.  We map the GPU's close CPUs to cores with sysfs's CPU topology when the node has
   it, else by the assumption `collectors.cpu.assume_core_map` states (said in a comment);
   discovery's ``cpu`` collector gives the map (``NodeTopology.cpu``).
-  A GPU close to every core gets no ``Cores=``: Slurm asks not to set it then.
+  A GPU close to every core gets no ``Cores=``: Slurm asks not to set it then.  But Slurm
+  wants ``Cores=`` on all of a node's GPUs or on none (slurmctld logs "has CPUs configured
+  for only some of the records" at every registration otherwise), so when some GPUs name
+  their cores, one close to every core (or of unknown CPUs) names them all.
 - ``Links=``: one number per GPU *in PCI bus id order* (Slurm numbers devices that way):
   -1 for the GPU itself, the NVLink count to that peer, 0 for none.  Through an NVSwitch
   every pair counts the links each GPU has into the fabric (nvidia-smi's NV<n>).
@@ -84,7 +87,7 @@ def gres_lines(topology: NodeTopology) -> list[GresLine]:
         raise GresError("no GPUs found; nothing to put in gres.conf")
     cores = _core_map(topology)
     ordered = bus_order(topology.gpus)
-    lines = []
+    rows: list[tuple[GpuTopo, frozenset[int] | None, list[int]]] = []
     for gpu in ordered:
         links = []
         for peer in ordered:
@@ -101,6 +104,12 @@ def gres_lines(topology: NodeTopology) -> list[GresLine]:
                 mine = frozenset()
             if mine and mine != cores.all_cores:
                 gpu_cores = mine
+        rows.append((gpu, gpu_cores, links))
+    if cores is not None and any(gpu_cores is not None for _, gpu_cores, _ in rows):
+        # Cores= on all GPUs or on none (the module's docstring says why)
+        rows = [(gpu, cores.all_cores if gpu_cores is None else gpu_cores, links) for gpu, gpu_cores, links in rows]
+    lines = []
+    for gpu, gpu_cores, links in rows:
         minor = gpu.device_minor if gpu.device_minor is not None else gpu.index
         lines.append(GresLine(gpu.name, slurm_type(gpu.model), f"/dev/nvidia{minor}",
                               gpu_cores, tuple(links) if len(ordered) > 1 else ()))

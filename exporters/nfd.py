@@ -18,6 +18,11 @@ from topoagent.model import NodeTopology
 from topoagent.vocabulary import Severity
 
 DEFAULT_PREFIX = "topoagent.io"
+# NVIDIA topograph's node label names (its Kubernetes engine's defaults), written as well when
+# asked, so Kueue / Volcano / KAI set-ups made for topograph work unchanged.
+TOPOGRAPH_LEAF = "network.topology.nvidia.com/leaf"
+TOPOGRAPH_ACCELERATOR = "network.topology.nvidia.com/accelerator"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 # Kubernetes label syntax (k8s.io/apimachinery validation): a qualified name is an optional
 # DNS-subdomain prefix and '/', then a name of at most 63 characters; a value is at most 63
@@ -56,6 +61,21 @@ def gpu_product(model: str) -> str:
     return value if len(value) <= 63 and LABEL_VALUE.match(value) else label_value(model)
 
 
+def leaf_label_key(prefix: str = DEFAULT_PREFIX, topograph: bool = False) -> str:
+    """The label naming a node's leaf switch (its fabric position); equal values share a leaf."""
+    return TOPOGRAPH_LEAF if topograph else f"{prefix}/fabric.leaf"
+
+
+def nvlink_domain_label_key(prefix: str = DEFAULT_PREFIX, topograph: bool = False) -> str:
+    """The label naming a node's multi-node NVLink domain; equal values are NVLink neighbours."""
+    return TOPOGRAPH_ACCELERATOR if topograph else f"{prefix}/nvlink.domain"
+
+
+def nvlink_domain_value(cluster_uuid: str, clique_id: int | None) -> str:
+    """topograph's accelerator value: ``<ClusterUUID>.<CliqueID>`` (the NVLink partition)."""
+    return label_value(cluster_uuid if clique_id is None else f"{cluster_uuid}.{clique_id}")
+
+
 def nvlink_zones(topology: NodeTopology) -> list[set[str]]:
     """GPUs joined by NVLink (directly or through other GPUs/NVSwitches), largest first."""
     names = [g.name for g in topology.gpus]
@@ -78,7 +98,8 @@ def nvlink_zones(topology: NodeTopology) -> list[set[str]]:
     return sorted(zones.values(), key=len, reverse=True)
 
 
-def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[str, str]:
+def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX, topograph: bool = False) -> dict[str, str]:
+    """Label name -> value; ``topograph`` adds topograph's leaf and accelerator labels."""
     gpus, nics = topology.gpus, topology.nics
     features: dict[str, str] = {"gpu.count": str(len(gpus))}
     models = {g.model for g in gpus if g.model}
@@ -103,6 +124,15 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
         features["nvlink.cluster-uuid"] = label_value(topology.nvlink_domain.cluster_uuid)
         if topology.nvlink_domain.clique_id is not None:
             features["nvlink.clique-id"] = str(topology.nvlink_domain.clique_id)
+        features["nvlink.domain"] = nvlink_domain_value(topology.nvlink_domain.cluster_uuid, topology.nvlink_domain.clique_id)
+    fabric = topology.fabric
+    if fabric.leaf is not None:
+        # The node's place in the fabric: its leaf (or its set of rail leaves), each rail's
+        # leaf, and how many rails: a topology key for Kueue, a nodeSelector for a rail group.
+        features["fabric.leaf"] = label_value(fabric.leaf)
+        features["fabric.rails"] = str(len(fabric.rails))
+        for rail in fabric.rails:
+            features[f"fabric.rail{rail.index}.leaf"] = label_value(rail.leaf)
     nvswitches = len(topology.pci.of_kind("nvswitch")) if topology.pci else 0
     via_fabric = any(l.remote_type == "switch" and l.active for g in gpus for l in g.nvlinks)
     features["nvswitch"] = "true" if nvswitches or via_fabric else "false"
@@ -137,17 +167,23 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> dict[s
     features["findings.errors"] = str(severities.get(Severity.CRITICAL, 0))
     features["findings.warnings"] = str(severities.get(Severity.WARNING, 0))
     labelled = {f"{prefix}/{name}": value for name, value in features.items()}
+    if topograph:
+        if fabric.leaf is not None:
+            labelled[TOPOGRAPH_LEAF] = features["fabric.leaf"]
+        if "nvlink.domain" in features:
+            labelled[TOPOGRAPH_ACCELERATOR] = features["nvlink.domain"]
     for key, value in labelled.items():
         check_label(key, value)
     return labelled
 
 
-def render_nfd(topology: NodeTopology, prefix: str = DEFAULT_PREFIX) -> str:
+def render_nfd(topology: NodeTopology, prefix: str = DEFAULT_PREFIX, topograph: bool = False) -> str:
     lines = [f"# Node Feature Discovery features for {topology.hostname or 'this node'}, "
              "written by topoagent export nfd"]
-    lines += [f"{key}={value}" for key, value in nfd_features(topology, prefix).items()]
+    lines += [f"{key}={value}" for key, value in nfd_features(topology, prefix, topograph).items()]
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["DEFAULT_PREFIX", "LABEL_NAME", "LABEL_PREFIX", "LABEL_VALUE", "LabelError",
-           "check_label", "gpu_product", "label_value", "nfd_features", "nvlink_zones", "render_nfd"]
+__all__ = ["DEFAULT_PREFIX", "HOSTNAME_LABEL", "LABEL_NAME", "LABEL_PREFIX", "LABEL_VALUE", "TOPOGRAPH_ACCELERATOR", "TOPOGRAPH_LEAF",
+           "LabelError", "check_label", "gpu_product", "label_value", "leaf_label_key", "nfd_features", "nvlink_domain_label_key",
+           "nvlink_domain_value", "nvlink_zones", "render_nfd"]

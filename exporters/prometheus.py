@@ -75,6 +75,20 @@ class SnapshotCollector(Collector):
             domain.add_metric([node.nvlink_domain.cluster_uuid, _opt(node.nvlink_domain.clique_id)], {})
             yield domain
 
+        if node.fabric.neighbours:  # absent where no neighbour is known (the collectors are optional)
+            rail_of = {(n, rail.leaf): rail.index for rail in node.fabric.rails for n in (*rail.nics, *rail.interfaces)}
+            device_nic = {nic.device: nic.name for nic in node.nics if nic.device}
+            netdev_nic = {netdev: nic.name for nic in node.nics for netdev in nic.netdevs}
+            neighbour = InfoMetricFamily(
+                f"{NS}_port_neighbour",
+                "The switch at the other end of each network port, and the node's rail it makes (rail: empty for a peer that is no switch).",
+                labels=["device", "port", "interface", "switch_id", "switch_name", "switch_port", "source", "rail"])
+            for n in node.fabric.neighbours:
+                local = device_nic.get(n.device or "") or netdev_nic.get(n.interface or "") or n.interface or ""
+                neighbour.add_metric([_opt(n.device), _opt(n.port), _opt(n.interface), n.switch_id, _opt(n.switch_name), _opt(n.switch_port),
+                                      str(n.source), _opt(rail_of.get((local, n.switch_id)))], {})
+            yield neighbour
+
         level = GaugeMetricFamily(
             f"{NS}_gpu_pair_link_level",
             "Link level between two GPUs, closest first: 1 NV, 2 PIX, 3 PXB, 4 PHB, 5 NODE, 6 SYS; the level label names it as nvidia-smi does.",

@@ -48,6 +48,7 @@ from typing import NamedTuple
 from topoagent.cpulist import format_cpulist
 from topoagent.levels import (
     ACHIEVABLE_FRACTION,
+    LATENCY_US,
     NODE,
     PHB,
     PIX,
@@ -59,7 +60,7 @@ from topoagent.levels import (
     measured_degraded,
     pcie_gbps,
 )
-from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement
+from topoagent.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement
 from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.vocabulary import FindingKind, Severity
@@ -72,24 +73,9 @@ NUMA_TOLERANCE = 0.15
 PCIE_LADDER = (PIX, PXB, PHB, NODE, SYS)
 CONFIRM_ROUNDS = 2
 
-# Small-copy (4 bytes) latency per level, microseconds, as p2pBandwidthLatencyTest's
-# "P2P=Enabled Latency (P2P Writes)" matrices in shared/corpus/bandwidth/ read:
-# RTX 6000 Ada on a Threadripper PRO, PHB: 1.12-1.14 us; on a 2-socket EPYC, NODE and SYS
-# alike: 1.21-1.44 us.  The same tools' "P2P=Disabled" rows (copies staged through host
-# memory) read 10.3-14.2 us, and 13.6-15.0 us on the 2x RTX 2080 Ti without P2P: about
-# ten times more.  The corpus holds no NVLink latency matrix; NVLink copies take a copy
-# engine's fixed cost like PCIe ones, so NVLink gets the PCIe figure, rounded up.
-# A pair slower than LATENCY_FAR_FACTOR times its level's figure (6 us) copies like a
-# staged pair: a finding, since latency-bound patterns (alltoall, pipeline at small
-# messages) pay it on every message.
-LATENCY_US = {
-    LevelKind.NV: 1.5,
-    LevelKind.PIX: 1.5,
-    LevelKind.PXB: 1.5,
-    LevelKind.PHB: 1.5,
-    LevelKind.NODE: 1.5,
-    LevelKind.SYS: 1.5,
-}
+# A pair slower than LATENCY_FAR_FACTOR times its level's small-copy figure
+# (levels.LATENCY_US; 6 us) copies like a staged pair: a finding, since latency-bound
+# patterns (alltoall, pipeline at small messages) pay it on every message.
 LATENCY_FAR_FACTOR = 4.0
 
 
@@ -159,7 +145,26 @@ def overlay(
     """The matrix with fresh measurements, judged against their levels (see module doc),
     leaving out figures taken under load (``under_load``: the targets' GPU sets);
     ``previous`` is the matrix placement read before, for each pair's last verdict."""
-    return matrix.with_measurements(measurements_from_figures(matrix, without_load(figures, under_load), previous))
+    figures = without_load(figures, under_load)
+    return matrix.with_measurements(measurements_from_figures(matrix, figures, previous), latencies_from_figures(matrix, figures))
+
+
+def latencies_from_figures(matrix: DistanceMatrix, figures: Iterable[ProbeFigure]) -> dict[tuple[int, int], LatencyMeasurement]:
+    """Matrix positions -> the pair's small-copy latency (the slower direction), for
+    placement's link model (alltoall, pipeline)."""
+    out: dict[tuple[int, int], LatencyMeasurement] = {}
+    for f in figures:
+        if f.kind is not ProbeKind.LATENCY or f.median is None or f.src is None or f.dst is None:
+            continue
+        try:
+            i, j = matrix.gpu_by_index(f.src), matrix.gpu_by_index(f.dst)
+        except KeyError:
+            continue  # a device the matrix does not describe
+        key = (min(i, j), max(i, j))
+        seen = out.get(key)
+        if seen is None or f.median > seen.us:
+            out[key] = LatencyMeasurement(f.median, max(f.received_at or 0.0, seen.taken_at if seen else 0.0))
+    return out
 
 
 def apply_verdicts(matrix: DistanceMatrix, confirmed: Iterable[Finding], figures: Iterable[ProbeFigure]) -> DistanceMatrix:
@@ -283,6 +288,25 @@ def _probe_finding(
     return Finding(kind, severity, subject, message, source="probe", expected_gbps=expected_gbps, measured_gbps=measured_gbps)
 
 
+def _under_load_findings(
+    figures: list[ProbeFigure], under_load: Collection[frozenset[int]], name: dict[int, str]
+) -> list[Finding]:
+    """Say which targets' figures were not judged: why no link verdict is raised there."""
+    found = []
+    loaded = sorted({target_gpus(f) for f in figures} & set(under_load), key=sorted)
+    for gpus in loaded:
+        if not all(g in name for g in gpus):
+            continue
+        ordered = sorted(gpus)
+        subject = "-".join(name[g] for g in ordered) if len(ordered) > 1 else f"{name[ordered[0]]} host link"
+        found.append(_probe_finding(
+            FindingKind.PROBED_UNDER_LOAD, Severity.INFO, subject,
+            f"{subject}: the newest figures were taken under load (a forced round while a busy GPU shared the copies' "
+            "path): not judged, so no degraded-link or other verdict until a quiet round measures it",
+        ))
+    return found
+
+
 def findings_for(
     matrix: DistanceMatrix,
     figures: Iterable[ProbeFigure],
@@ -290,9 +314,10 @@ def findings_for(
     degraded_fraction: float = DEGRADED_FRACTION,
     under_load: Collection[frozenset[int]] = (),
 ) -> list[Finding]:
-    figures = without_load(figures, under_load)
-    found: list[Finding] = []
+    figures = list(figures)
     name = {g.index: g.name for g in matrix.gpus}
+    found = _under_load_findings(figures, under_load, name)
+    figures = without_load(figures, under_load)
 
     for (a, b), seen in sorted(unidirectional_by_pair(figures).items()):
         try:

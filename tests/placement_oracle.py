@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from itertools import combinations, permutations
 
+from topoagent.levels import LATENCY_US
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Request, evaluate_damage
+from topoagent.placement import Live, Request, evaluate_damage
 
 _EDGES: dict[int, tuple[DistanceMatrix, list]] = {}
 
@@ -26,17 +27,44 @@ def edge(matrix: DistanceMatrix, i: int, j: int):
     return hit[1][i][j]
 
 
-def pattern_key(matrix: DistanceMatrix, positions: tuple[int, ...], pattern: str):
+# One message between two ranks when a request names no size (alltoall, pipeline).
+DEFAULT_MESSAGE_BYTES = 1 << 20
+
+
+def latency_us(matrix: DistanceMatrix, i: int, j: int) -> float:
+    """Alpha: the measured small-copy latency, else the level's figure."""
+    m = matrix.measured_latency.get((min(i, j), max(i, j)))
+    return m.us if m is not None else LATENCY_US[matrix.gpu_levels[i][j].kind]
+
+
+def timed_edge(matrix: DistanceMatrix, i: int, j: int, message_bytes: int | None):
+    """A latency-bound pattern's link key: (-(alpha + size / bandwidth) us, GB/s, closeness)."""
+    gbps, closeness = edge(matrix, i, j)
+    size = message_bytes or DEFAULT_MESSAGE_BYTES
+    time_us = latency_us(matrix, i, j) + size / (1000 * gbps) if gbps > 0 else float("inf")
+    return (-time_us, gbps, closeness)
+
+
+def link_key(matrix: DistanceMatrix, pattern: str, message_bytes: int | None = None):
+    """The key links are ranked by: bandwidth for allreduce, one message's time for
+    alltoall and pipeline (latency-bound)."""
+    if pattern in ("alltoall", "pipeline"):
+        return lambda a, b: timed_edge(matrix, a, b, message_bytes)
+    return lambda a, b: edge(matrix, a, b)
+
+
+def pattern_key(matrix: DistanceMatrix, positions: tuple[int, ...], pattern: str, message_bytes: int | None = None):
     """The best achievable weakest-link key of the pattern on these GPU positions."""
     k = len(positions)
     if k < 2 or pattern == "independent":
         return None
+    key = link_key(matrix, pattern, message_bytes)
     if pattern == "alltoall":
-        return min(edge(matrix, a, b) for a, b in combinations(positions, 2))
+        return min(key(a, b) for a, b in combinations(positions, 2))
     if k == 2:
-        return edge(matrix, *positions)
+        return key(*positions)
     first, rest = positions[0], positions[1:]
-    table = [[edge(matrix, a, b) for b in range(matrix.size)] for a in range(matrix.size)]
+    table = [[key(a, b) if a != b else None for b in range(matrix.size)] for a in range(matrix.size)]
     best = None
     if pattern == "allreduce":
         orders = ((first,) + p for p in permutations(rest))
@@ -88,6 +116,26 @@ def nic_cost(matrix: DistanceMatrix, positions, wanted: int):
     return (sum(k for k, _ in chosen), sum(r for _, r in chosen))
 
 
+def live_cost(matrix: DistanceMatrix, positions, live: Live | None) -> tuple[int, int]:
+    """Term (6): (unverified GPUs, traffic steps of each GPU's least loaded nearest NIC)."""
+    if live is None:
+        return (0, 0)
+    unverified = sum(1 for p in positions if matrix.gpus[p].index in live.unverified)
+    usable = [j for j, nic in enumerate(matrix.nics) if nic.active is not False]
+    load = 0
+    for p in positions:
+        kinds = {j: _nic_kind(matrix.gpu_nic_levels[p][j]) for j in usable} if matrix.gpu_nic_levels else {}
+        if not kinds or min(kinds.values()) == 99:
+            continue
+        near = min(kinds.values())
+        line = [(matrix.nics[j].rate_gbps or 100.0) * 1e9 / 8 for j in usable]
+        load += min(
+            int(live.nic_traffic.get(matrix.nics[j].device or matrix.nics[j].name, 0.0) / (0.1 * line[usable.index(j)]))
+            for j, kind in kinds.items() if kind == near
+        )
+    return (unverified, load)
+
+
 def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
     idx = {matrix.gpus[p].index for p in positions}
     if not set(req.include) <= idx:
@@ -99,8 +147,8 @@ def satisfies(matrix: DistanceMatrix, positions, req: Request) -> bool:
     return not (req.single_numa and len({numa_key(matrix, p) for p in positions}) > 1)
 
 
-def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
-    """(pattern key, numa distance, numa, nic, damage) of the optimum, or None when
+def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None, live: Live | None = None):
+    """(pattern key, numa distance, numa, nic, damage, live) of the optimum, or None when
     nothing fits.  Unhealthy GPUs are candidates only when included."""
     if req.nics > sum(1 for nic in matrix.nics if nic.active is not False):
         return None  # more NICs than have an active port
@@ -114,19 +162,20 @@ def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None):
         if not satisfies(matrix, subset, req):
             continue
         if key_cache is not None:
-            ck = (subset, req.pattern)
+            ck = (subset, req.pattern, req.message_bytes)
             if ck not in key_cache:
-                key_cache[ck] = pattern_key(matrix, subset, req.pattern)
+                key_cache[ck] = pattern_key(matrix, subset, req.pattern, req.message_bytes)
             pk = key_cache[ck]
         else:
-            pk = pattern_key(matrix, subset, req.pattern)
+            pk = pattern_key(matrix, subset, req.pattern, req.message_bytes)
         distance = numa_distance(matrix, subset)
         numa = len({numa_key(matrix, p) for p in subset})
         nic = nic_cost(matrix, subset, req.nics)
         damage = evaluate_damage(matrix, busy, [matrix.gpus[p].index for p in subset])
-        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage)
+        cost = live_cost(matrix, subset, live)
+        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage, (-cost[0], -cost[1]))
         if best is None or key > best[0]:
-            best = (key, pk, distance, numa, nic[0], damage)
+            best = (key, pk, distance, numa, nic[0], damage, cost)
     if best is None:
         return None
     return best[1:]

@@ -193,6 +193,7 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("exports", "nfd_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("exports", "nfd_prefix"): st.sampled_from(["topoagent.io", "topoagent.feature.node.kubernetes.io", "example.org"]),
     ("exports", "nfd_expiry_s"): SECONDS,
+    ("exports", "nfd_topograph_labels"): st.booleans(),
     ("exports", "gres_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("exports", "gres_node_name"): st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True),
     ("exports", "nccl_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),

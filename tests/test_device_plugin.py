@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb, factorial
 from pathlib import Path
-from urllib.parse import parse_qs, urlparse
 
 import grpc
 import pytest
+from fake_apiserver import FakeApiServer
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
 from service_helpers import DGX_A100, Agent, make_root, start_agent
@@ -229,37 +227,6 @@ def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kub
         assert "GPU-not-on-this-node" in refused.value.details()
     finally:
         stop(agent, plugin)
-
-
-class FakeApiServer:
-    """The one API server call the plugin makes: Pending pods bound to a node."""
-
-    def __init__(self, pods: list[dict]) -> None:
-        self.pods = pods
-        self.queries: list[dict] = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                url = urlparse(self.path)
-                outer.queries.append({"path": url.path, **parse_qs(url.query)})
-                body = json.dumps({"kind": "PodList", "items": outer.pods}).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 def pod(name: str, gpus: list[str]) -> dict:

@@ -97,7 +97,7 @@ def test_declared_matrix_disagreement_is_a_finding(tmp_path: Path) -> None:
     assert str(pair.level) == "PHB" and str(pair.declared) == "PIX"
     found = [f for f in topo.findings if f.kind == "level-disagreement"]
     assert [f.subject for f in found] == ["GPU0/GPU1"]
-    assert topo.collectors[-1].status == "ok"
+    assert {c.name: c.status for c in topo.collectors}["nvidia_smi"] == "ok"
 
 
 def nvswitch_node(root: Path, gpu3_links_up: int, gpu2_in_fabric: bool = True) -> FakeNode:

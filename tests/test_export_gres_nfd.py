@@ -15,7 +15,7 @@ from hwloc_oracle import parse_hwloc_cpuset, run_lstopo
 
 from topoagent.collectors.cpu import SYSFS, assume_core_map, read_core_map
 from topoagent.commands.discover import discover_root
-from topoagent.cpulist import parse_cpulist
+from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.exporters.gres import bus_order, render_gres
 from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, gpu_product, nfd_features, render_nfd
 from topoagent.host import Host
@@ -70,6 +70,23 @@ def test_dgx_a100_gres_binds_each_gpu_pair_to_its_numa_nodes_cores():
     assert lines[0]["Cores"] == "48-63" and lines[1]["Cores"] == "48-63"
     assert lines[0]["Links"] == "-1,12,12,12,12,12,12,12"
     assert "assume SMT-2" in text  # the assumption is said, not hidden
+
+
+def gpu_close_to_every_core(name: str, index: int):
+    """A recorded node whose GPU ``index`` is local to all CPUs (as with NUMA node -1)."""
+    topology = discover_root(str(SNAPSHOTS / name))
+    gpus = list(topology.gpus)
+    gpus[index] = replace(gpus[index], cpus=format_cpulist(topology.numa.all_cpus), numa_node=None)
+    return replace(topology, gpus=tuple(gpus))
+
+
+def test_a_gpu_close_to_every_core_names_them_all_when_its_peers_name_theirs():
+    """Slurm wants Cores= on all of a node's GPUs or none (tests/test_slurm.py asks slurmctld)."""
+    lines = read_gres(render_gres(gpu_close_to_every_core("pcie-2socket", 7)))
+    assert [l["Cores"] for l in lines] == ["0-7"] * 4 + ["8-15"] * 3 + ["0-15"]
+    # one NUMA node: every GPU is close to every core, and none names them
+    lines = read_gres(render_gres(gpu_close_to_every_core("workstation-2gpu", 1)))
+    assert all("Cores" not in l for l in lines)
 
 
 def test_dgx1_hybrid_cube_mesh_links_are_asymmetric_and_symmetric_across_the_diagonal():

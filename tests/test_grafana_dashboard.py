@@ -141,7 +141,11 @@ scrape_configs:
             with urllib.request.urlopen(url, timeout=10) as reply:
                 return json.loads(reply.read())
         except urllib.error.HTTPError as e:
-            return json.loads(e.read())
+            body = e.read()
+            try:
+                return json.loads(body)
+            except ValueError:  # 503 "Service Unavailable" in plain text while it starts up
+                return {"status": "down", "error": body.decode(errors="replace")}
         except OSError:
             return {"status": "down"}
 

@@ -58,6 +58,24 @@ def test_the_scheduler_config_has_no_schema_and_points_at_the_extender_service()
     assert [r["name"] for r in extender["managedResources"]] == ["nvidia.com/gpu"]
 
 
+def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
+    (deployment,) = by_kind("Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = build_parser("extender").parse_args(container["args"])
+    (config,) = by_kind("KubeSchedulerConfiguration")
+    (extender,) = config["extenders"]
+    assert args.bind and extender["bindVerb"] == "bind" and extender["urlPrefix"].endswith(args.path_prefix)
+    assert "{address}" in args.agent_url and extender["nodeCacheCapable"] is False  # addresses come with Node objects
+    assert args.listen.endswith(":" + str(container["ports"][0]["containerPort"]))
+    (daemonset,) = by_kind("DaemonSet")
+    agent = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
+    assert build_parser("serve").parse_args(agent["args"]).token_file.startswith("/etc/topoagent/token/")
+    assert args.agent_token_file.startswith("/etc/topoagent/token/")
+    role = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-extender")
+    granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("pods/binding", "create"), ("pods", "patch"), ("pods", "get"), ("nodes", "get")} <= granted
+
+
 def pod_specs() -> list[dict]:
     return [doc["spec"]["template"]["spec"] for _, doc in DOCS if doc["kind"] in ("DaemonSet", "Deployment")]
 

@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from placement_oracle import best_keys, edge, numa_distance, numa_key, pattern_key, satisfies
+from placement_oracle import best_keys, edge, link_key, numa_distance, numa_key, pattern_key, satisfies
 
 import topoagent.placement.search as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
-from topoagent.matrix import DistanceMatrix, GpuInfo, Measurement, NicInfo
-from topoagent.placement import NoFit, Placement, Request, evaluate_damage, place
+from topoagent.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement, NicInfo
+from topoagent.placement import Live, NoFit, Placement, Request, evaluate_damage, place
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 CORPUS = SHARED / "corpus" / "nvidia-smi-topo"
@@ -58,15 +58,15 @@ def test_corpus_has_the_machines_the_issue_names():
 
 def answer_keys(matrix: DistanceMatrix, answer: Placement, cache: dict):
     pos = tuple(sorted(matrix.gpu_by_index(g.index) for g in answer.gpus))
-    ck = (pos, answer.request.pattern)
+    ck = (pos, answer.request.pattern, answer.request.message_bytes)
     if ck not in cache:
-        cache[ck] = pattern_key(matrix, pos, answer.request.pattern)
+        cache[ck] = pattern_key(matrix, pos, answer.request.pattern, answer.request.message_bytes)
     pk = cache[ck]
     return pk, len({numa_key(matrix, p) for p in pos})
 
 
-def check_answer(matrix, req, busy, answer, cache):
-    expected = best_keys(matrix, req, busy, cache)
+def check_answer(matrix, req, busy, answer, cache, live=None):
+    expected = best_keys(matrix, req, busy, cache, live)
     if expected is None:
         assert isinstance(answer, NoFit), (req, busy, answer)
         return
@@ -76,7 +76,7 @@ def check_answer(matrix, req, busy, answer, cache):
     assert len(set(pos)) == req.gpus
     assert not set(answer.indices) & set(busy)
     assert satisfies(matrix, pos, req)
-    exp_pk, exp_distance, exp_numa, exp_nic, exp_damage = expected
+    exp_pk, exp_distance, exp_numa, exp_nic, exp_damage, exp_live = expected
     got_pk, got_numa = answer_keys(matrix, answer, cache)
     assert got_pk == exp_pk, (req, busy, answer.indices)
     assert numa_distance(matrix, pos) == exp_distance, (req, busy, answer.indices)
@@ -85,17 +85,25 @@ def check_answer(matrix, req, busy, answer, cache):
     # The rank order really delivers the reported bottleneck.
     if exp_pk is not None:
         order = list(pos)
+        key = link_key(matrix, req.pattern, req.message_bytes)
         if req.pattern == "alltoall":
-            links = [edge(matrix, a, b) for a, b in combinations(order, 2)]
+            pairs = list(combinations(order, 2))
         else:
-            links = [edge(matrix, order[i], order[i + 1]) for i in range(len(order) - 1)]
+            pairs = [(order[i], order[i + 1]) for i in range(len(order) - 1)]
             if req.pattern == "allreduce" and len(order) >= 3:
-                links.append(edge(matrix, order[-1], order[0]))
-        assert min(links) == exp_pk
-        assert answer.bandwidth_gbps == round(exp_pk[0], 2)
+                pairs.append((order[-1], order[0]))
+        assert min(key(a, b) for a, b in pairs) == exp_pk
+        assert answer.bandwidth_gbps == round(min(edge(matrix, a, b)[0] for a, b in pairs), 2)
+        if req.pattern in ("alltoall", "pipeline"):  # ranked by one message's time (placement.latency)
+            assert answer.objective.link_time_us == pytest.approx(-exp_pk[0], abs=1e-3)
+        else:
+            assert answer.objective.link_time_us is None
     assert answer.objective.nic_cost == exp_nic
     assert answer.objective.damage == exp_damage
     assert evaluate_damage(matrix, busy, answer.indices) == exp_damage
+    # Term (6): live signals decide among sets equal on (1)-(5).
+    assert (answer.objective.unverified_gpus, answer.objective.nic_traffic_steps) == exp_live, (req, busy, live, answer.indices)
+    assert set(answer.unverified) == {i for i in answer.indices if live is not None and i in live.unverified}
 
 
 @pytest.mark.parametrize("name,matrix", CORPUS_MATRICES, ids=[n for n, _ in CORPUS_MATRICES])
@@ -155,6 +163,13 @@ def random_case(draw):
             for j in range(i + 1, n):
                 if draw(st.booleans()):
                     measured[(i, j)] = Measurement(draw(st.sampled_from([10.0, 20.0, 24.0, 45.0])), 0.0)
+    # Measured small-copy latencies (alltoall and pipeline are ranked by alpha + size / bandwidth).
+    latency = {}
+    if draw(st.booleans()):
+        for i in range(n):
+            for j in range(i + 1, n):
+                if draw(st.booleans()):
+                    latency[(i, j)] = LatencyMeasurement(draw(st.sampled_from([1.5, 3.0, 12.0, 40.0])), 0.0)
     matrix = DistanceMatrix(
         gpus=gpus,
         nics=tuple(
@@ -169,9 +184,16 @@ def random_case(draw):
         gpu_expected_gbps=expected,
         gpu_nic_levels=nic_levels,
         measured=measured,
+        measured_latency=latency,
         numa_distances=slit,
     )
     busy = draw(st.lists(st.integers(0, n - 1), unique=True, max_size=n - 1))
+    live = None
+    if draw(st.booleans()):  # live signals (placement.live): unverified GPUs, NIC traffic in GB/s
+        live = Live(
+            frozenset(draw(st.sets(st.integers(0, n - 1), max_size=3))),
+            {f"mlx5_{j}": draw(st.sampled_from([0.0, 2e9, 3e9, 6e9, 20e9])) for j in range(n_nics)},
+        )
     free = [i for i in range(n) if i not in busy]
     k = draw(st.integers(1, n))
     include = draw(st.lists(st.sampled_from(free), unique=True, max_size=min(2, k))) if draw(st.booleans()) else []
@@ -184,8 +206,9 @@ def random_case(draw):
         include=tuple(include),
         exclude=tuple(e for e in exclude if e is not None),
         nics=draw(st.integers(0, n_nics)),
+        message_bytes=draw(st.sampled_from([None, 4096, 1 << 16, 1 << 28])),
     )
-    return matrix, req, busy
+    return matrix, req, busy, live
 
 
 @settings(
@@ -195,8 +218,8 @@ def random_case(draw):
 )
 @given(random_case())
 def test_random_matrices_match_brute_force(search_path, case):
-    matrix, req, busy = case
-    check_answer(matrix, req, busy, place(matrix, req, busy), {})
+    matrix, req, busy, live = case
+    check_answer(matrix, req, busy, place(matrix, req, busy, live=live or Live()), {}, live)
 
 
 # --- larger nodes: branch and bound against the exhaustive table -------------------------
@@ -230,10 +253,15 @@ def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix):
             for _ in range(25):
                 busy = rng.sample(range(n), rng.randint(0, n - k))
                 req = Request(gpus=k, pattern=pattern, nics=nics, single_numa=rng.random() < 0.2)
+                # Half the time live signals: interchangeable GPUs then differ in term (6).
+                live = Live(
+                    frozenset(rng.sample(range(n), rng.randint(0, 3))),
+                    {nic.device or nic.name: rng.choice([0.0, 5e9, 30e9]) for nic in matrix.nics},
+                ) if rng.random() < 0.5 else Live()
                 placement_module.SMALL_TABLE_SETS = 10**6
-                exhaustive = place(matrix, req, busy)
+                exhaustive = place(matrix, req, busy, live=live)
                 placement_module.SMALL_TABLE_SETS = 0
-                searched = place(matrix, req, busy)
+                searched = place(matrix, req, busy, live=live)
                 assert type(searched) is type(exhaustive), (req, busy)
                 if isinstance(exhaustive, Placement):
                     assert (searched.bandwidth_gbps, searched.objective) == (
@@ -277,8 +305,12 @@ def test_snapshots_match_brute_force_with_numa_distances(name, matrix, search_pa
     rng = random.Random(name)
     indices = [g.index for g in matrix.gpus]
     cache: dict = {}
-    for _ in range(6):
+    for round_no in range(6):
         busy = rng.sample(indices, rng.randint(0, len(indices) - 1))
+        # Odd rounds with live signals: a GPU given back unverified, NICs carrying traffic.
+        live = Live(
+            frozenset(rng.sample(indices, 1)), {nic.device or nic.name: rng.choice([0.0, 4e9, 12e9]) for nic in matrix.nics}
+        ) if round_no % 2 else None
         for k in range(1, len(indices) - len(busy) + 1):
             for req in (Request(gpus=k), Request(gpus=k, pattern="alltoall"), Request(gpus=k, nics=min(2, len(matrix.nics)))):
-                check_answer(matrix, req, busy, place(matrix, req, busy), cache)
+                check_answer(matrix, req, busy, place(matrix, req, busy, live=live or Live()), cache, live)

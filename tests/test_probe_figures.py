@@ -56,13 +56,13 @@ def test_topology_shows_a_figure_without_the_workers_bookkeeping():
     shown = PROBE_FIGURE.dump(figure)
     assert list(shown) == [
         "kind", "direction", "src", "dst", "device", "numa_node", "size_bytes", "unit", "median", "p10", "p90",
-        "repetitions", "available", "received_at",
+        "repetitions", "available", "received_at", "taken_under_load",
     ]
     assert (shown["kind"], shown["src"], shown["median"], shown["device"]) == ("p2p", 0, 11.5, None)
     peer = parse_figure({"type": "result", "id": 0, "kind": "peer_access", "src": 1, "dst": 0, "available": False,
                          "backend": "cpu", "received_at": 5.0})
     assert {k: v for k, v in PROBE_FIGURE.dump(peer).items() if v is not None} == {
-        "kind": "peer_access", "src": 1, "dst": 0, "available": False, "received_at": 5.0}
+        "kind": "peer_access", "src": 1, "dst": 0, "available": False, "received_at": 5.0, "taken_under_load": False}
 
 
 @pytest.mark.parametrize(

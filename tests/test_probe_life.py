@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from schema_check import validate
 
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.discovery import discover
@@ -24,6 +25,8 @@ from topoagent.probes.plan import PlanDefaults
 from topoagent.probes.runner import ProbeRound, ProbeRunner
 from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, ScheduleConfig
 from topoagent.probes.service import ProbeService
+from topoagent.schema import topology_document
+from topoagent.served import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"
@@ -298,6 +301,18 @@ def test_a_probe_sharing_a_path_with_a_busy_gpu_waits_and_a_forced_one_is_marked
     assert "GPU0-GPU1" in degraded and "GPU0-GPU4" not in degraded
     assert (0, 4) not in {tuple(sorted((matrix.gpus[i].index, matrix.gpus[j].index))) for i, j in service.overlay(matrix).measured}
     assert "pair:0-4" not in service.book.links
+    # Why no verdict: an info finding, and /topology marks the figures.
+    loaded = [f for f in found if f.kind == "probed_under_load"]
+    assert {f.subject for f in loaded} >= {"GPU0-GPU4"} and all(f.severity == "info" for f in loaded)
+    assert "GPU0-GPU1" not in {f.subject for f in loaded}
+    assert "not judged" in next(f.message for f in loaded if f.subject == "GPU0-GPU4")
+    snapshot = Snapshot(1, two_socket, matrix, 0.0, (), {}).with_probes(
+        2, service.overlay(matrix), tuple(service.figures()), tuple(found), frozenset(service.under_load),
+    )
+    doc = topology_document(snapshot)
+    validate(doc, "Topology")
+    marked = {(f["kind"], f["src"], f["dst"]): f["taken_under_load"] for f in doc["agent"]["probe_figures"] if f["src"] is not None}
+    assert marked[("p2p", 0, 4)] is True and marked[("p2p", 0, 1)] is False
 
 
 # --- latency -----------------------------------------------------------------------------------

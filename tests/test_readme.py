@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
+import pytest
 from conftest import REPO
+
+from bench import report  # the checkout's root is on sys.path (conftest)
 
 README = (REPO / "README.md").read_text()
 
@@ -41,3 +46,60 @@ def test_the_cpu_probes_example_needs_no_root_and_its_own_port():
     assert "--state-dir .state-probes" in line
     port = re.search(r"--listen 127\.0\.0\.1:(\d+)", line)
     assert port and port.group(1) != "9477"
+
+
+# --- figures written by bench/report.py, never typed ------------------------------------
+
+
+def benchmarks_section() -> str:
+    section = README[README.index("## Benchmarks\n"):]
+    return section[: section.index("\n## ", 1)]
+
+
+def test_every_figures_block_has_a_generator_and_the_markers_balance():
+    assert report.check(README) == []
+    names = [b.name for b in report.blocks(README)]
+    assert {"discovery", "placement", "simulation", "service"} <= set(names)
+
+
+def test_the_benchmarks_section_has_no_figure_outside_a_generated_block():
+    section = benchmarks_section()
+    lines = section.splitlines(keepends=True)
+    for block in reversed(report.blocks(section)):  # drop what report.py writes
+        del lines[block.start : block.end]
+    typed = re.findall(r"\d[\d.,]*\s?(?:ms|µs|us|s|req/s|×|MiB|GiB|MB|GB/s|%)(?![\w/])", "".join(lines))
+    assert typed == [], "figures typed by hand in README's Benchmarks section"
+
+
+OUTSIDE = "# Title\r\n\ntext with trailing spaces   \n<!-- figures:service -->\nold 1 ms\n<!-- /figures:service -->\nafter\n\tend"
+
+
+def test_report_rewrites_only_the_block_and_keeps_the_rest_byte_for_byte():
+    new = report.rewrite(OUTSIDE, "service", "| new | 2 ms |\n")
+    head, tail = OUTSIDE.split("old 1 ms\n")
+    assert new == head + "| new | 2 ms |\n" + tail
+    assert report.rewrite(new, "service", "old 1 ms") == OUTSIDE  # and back
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("<!-- figures:service -->\nx\n", "figures:service is never closed"),
+    ("x\n<!-- /figures:service -->\n", "closes a block that was never opened"),
+    ("<!-- figures:service -->\n<!-- /figures:placement -->\n", "closes figures:service"),
+    ("<!-- figures:a -->\n<!-- figures:b -->\n", "opens inside figures:a"),
+    ("see <!-- figures:service --> here\n", "must be a line of its own"),
+    ("<!-- figures:service -->\n<!-- /figures:service -->\n<!-- figures:service -->\n<!-- /figures:service -->\n",
+     "a second figures:service block"),
+])
+def test_report_refuses_unbalanced_markers_naming_the_line(text: str, says: str):
+    with pytest.raises(report.MarkerError, match=re.escape(says)):
+        report.rewrite(text, "service", "new\n")
+
+
+def test_report_check_names_an_unknown_block_and_changes_nothing(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- figures:nobody -->\n1 ms\n<!-- /figures:nobody -->\n")
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "report.py"), "--check", "--readme", str(readme)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1
+    assert "figures:nobody has no generator" in done.stderr
+    assert readme.read_text() == "<!-- figures:nobody -->\n1 ms\n<!-- /figures:nobody -->\n"

@@ -43,9 +43,11 @@ def test_topology_json_etag_and_304(agent):
     pair01 = next(p for p in doc["pairs"] if (p["a"], p["b"]) == ("GPU0", "GPU1"))
     assert pair01["level"] == "NV12"
     assert doc["agent"]["stale"] is False
-    # nvidia_driver and gpudirect find nothing in the recording: absent (no_data), so still a success.
+    # nvidia_driver, gpudirect and the fabric's neighbours find nothing in the recording:
+    # absent (no_data), so still a success.
     assert {name for name, c in doc["collectors"].items() if c["status"] != "error"} == {
-        "numa", "cpu", "pci", "infiniband", "interfaces", "gpudirect", "nvml", "nvidia_driver", "nvidia_smi"}
+        "numa", "cpu", "pci", "infiniband", "interfaces", "gpudirect", "nvml", "nvidia_driver", "nvidia_smi",
+        "ib_neighbours", "lldp"}
     assert all(c["last_success_at"] >= doc["agent"]["built_at"] for c in doc["collectors"].values())
     # Every fact once: no second copy of findings or collector status under agent.
     assert set(doc["agent"]) == {"snapshot_version", "built_at", "stale", "error", "failed_at", "probe_figures"}

@@ -30,16 +30,25 @@ def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
         return facts
 
     async def scenario() -> None:
-        agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), udev_debounce_s=0.2, interval_s=3600), discover=counting)
+        # The debounce is long beside the gaps between events (0.02 s), so a loaded machine
+        # stretching one gap cannot end the burst early; the checks below poll, never race.
+        debounce = 1.0
+        agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), udev_debounce_s=debounce, interval_s=3600), discover=counting)
         await agent.start()
-        await asyncio.sleep(0.05)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 30
+        while agent.snapshot is None and loop.time() < give_up:
+            await asyncio.sleep(0.01)
         assert len(runs) == 1  # startup
-        # a NIC reset: a flurry of changes on net and infiniband
+        # a NIC reset: a flurry of changes on net and infiniband, spread over 0.6 s
         for n in range(30):
             agent.on_device_event("net" if n % 2 else "infiniband", "change", f"ibp{n}s0")
-            await asyncio.sleep(0.01)
-        assert len(runs) == 1  # still settling
-        await asyncio.sleep(0.5)
+            await asyncio.sleep(0.02)
+        assert len(runs) == 1  # still settling: each event restarted the debounce
+        give_up = loop.time() + 30
+        while (len(runs) < 2 or agent.snapshot.version < 2) and loop.time() < give_up:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(2 * debounce)  # room for a second run, if the burst wrongly made two
         assert len(runs) == 2
         assert agent.snapshot.version == 2 and not agent.snapshot.stale
         await agent.stop()

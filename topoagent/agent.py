@@ -35,10 +35,10 @@ from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
 from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
-from topoagent.placement import NoFit, Placement, Request, place, warm_answers
+from topoagent.placement import Live, NoFit, Placement, Request, place, warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.served import Snapshot, etag_of
-from topoagent.telemetry import History
+from topoagent.telemetry import History, Telemetry, nic_traffic
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
@@ -290,6 +290,7 @@ class Agent:
         self.counter_history = History()
         self._counter_reader: LiveCounterReader | None = None
         self._replayed_counters = False
+        self._nic_traffic: tuple[Telemetry | None, dict[str, float]] = (None, {})  # per read, for placement
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
         self._capacity: ServedCapacity | None = None
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
@@ -422,14 +423,15 @@ class Agent:
         matrix = node.distance_matrix()
         probe_findings: tuple[Finding, ...] = ()
         figures: tuple[ProbeFigure, ...] = ()
+        under_load: frozenset[frozenset[int]] = frozenset()
         if self.config.probes_enabled and self.probes is not None:
-            figures = tuple(self.probes.figures())
+            figures, under_load = tuple(self.probes.figures()), frozenset(self.probes.under_load)
             served = self.snapshot.matrix if self.snapshot is not None else None
             matrix, probe_findings = await asyncio.to_thread(overlay_probes, node, list(figures), served, self.probes)
         snapshot = Snapshot(
             version=self._version + 1, node=node, matrix=matrix, built_at=now, collectors=node.collectors,
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
-            telemetry=previous.telemetry if previous else None,
+            probes_under_load=under_load, telemetry=previous.telemetry if previous else None,
         ).with_health()
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         await asyncio.to_thread(warm_tables, snapshot.matrix)  # the first /place is as fast as the rest
@@ -535,11 +537,12 @@ class Agent:
         snapshot = self.snapshot
         if snapshot is None:
             return None
-        leased, running = frozenset(self.holding().holder), self.gpus_with_processes()
-        key = (snapshot.version, leased, running)
+        leased, running, live = frozenset(self.holding().holder), self.gpus_with_processes(), self.live()
+        # The counters' rates are the snapshot's (a read swaps a new version in); unverified GPUs are not.
+        key = (snapshot.version, leased, running, live.unverified)
         cached = self._capacity
         if cached is None or cached.key != key:
-            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running))
+            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running, live))
         return cached
 
     def _with_deadline(self, request: Request) -> Request:
@@ -548,11 +551,19 @@ class Agent:
             return request
         return replace(request, deadline_ms=self.config.placement_deadline_ms)
 
+    def live(self) -> Live:
+        """What placement weighs at equal merit (placement.live): GPUs a job gave back that
+        the probes have not checked since, and the traffic each NIC carries now."""
+        telemetry = self.snapshot.telemetry if self.snapshot is not None else None
+        if self._nic_traffic[0] is not telemetry:  # once per counters' read, not per request
+            self._nic_traffic = (telemetry, nic_traffic(telemetry))
+        return Live(self.unverified_gpus(), self._nic_traffic[1])
+
     def place(self, request: Request) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
         assert self.snapshot is not None
         matrix = self.snapshot.matrix
-        answer = place(matrix, self._with_deadline(request), self.busy() & {g.index for g in matrix.gpus})
+        answer = place(matrix, self._with_deadline(request), self.busy() & {g.index for g in matrix.gpus}, live=self.live())
         self.placement_requests["placed" if answer.fit else "nofit"] += 1
         return answer
 
@@ -561,10 +572,10 @@ class Agent:
         twice), durable on disk before this returns."""
         assert self.snapshot is not None and self.lease_store is not None
         matrix, store = self.snapshot.matrix, self.lease_store
-        running = self.gpus_with_processes()
+        running, live = self.gpus_with_processes(), self.live()
 
         def work() -> tuple[Answer, Lease | None, tuple[Lease, ...]]:
-            answer = store.reserve_placement(matrix, self._with_deadline(request), owner, ttl_s, running)
+            answer = store.reserve_placement(matrix, self._with_deadline(request), owner, ttl_s, running, live)
             if isinstance(answer, NoFit):
                 return answer, None, tuple(store.leases())
             lease, placement = answer
@@ -705,8 +716,8 @@ class Agent:
         self._probe_wake.set()
 
     def unverified_gpus(self) -> frozenset[int]:
-        """GPUs a job gave back and the probes have not checked since: a placement may
-        prefer the others at equal merit (placement's objective does not read it yet)."""
+        """GPUs a job gave back and the probes have not checked since: placement prefers
+        the others at equal merit (placement.live)."""
         return self.probes.unverified if self.probes is not None else frozenset()
 
     def probe_activity(self) -> dict[int, Any]:
@@ -801,7 +812,8 @@ class Agent:
                 return
             figures = tuple(self.probes.figures())
             matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.probes)
-            snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings)
+            loaded = frozenset(self.probes.under_load)
+            snapshot = based_on.with_probes(self._version + 1, matrix, figures, findings, loaded)
             await asyncio.to_thread(lambda: snapshot.body)
             await asyncio.to_thread(warm_tables, snapshot.matrix)
             if self.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it

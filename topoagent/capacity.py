@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from topoagent.levels import LevelKind
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Placement, Request, place
+from topoagent.placement import Live, Placement, Request, place
+from topoagent.placement.live import NO_LIVE
 from topoagent.vocabulary import Affinity
 
 
@@ -68,7 +69,9 @@ def free_nvlink_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple
     return sorted(zones, key=lambda z: (-len(z), z))
 
 
-def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[int]) -> Capacity:
+def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[int], live: Live = NO_LIVE) -> Capacity:
+    """``live``: what /place weighs at equal merit (placement.live), so each k's GPUs are
+    the ones /place would give now."""
     on_node = {g.index for g in matrix.gpus}
     leased_set, running_set = set(leased) & on_node, set(running) & on_node
     busy = leased_set | running_set
@@ -80,7 +83,7 @@ def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[in
     fits = []
     for k in range(1, len(matrix.gpus) + 1):
         # place() leaves out unhealthy GPUs by itself; more than the free count cannot fit.
-        answer = place(matrix, Request(gpus=k), busy) if k <= len(free) else None
+        answer = place(matrix, Request(gpus=k), busy, live=live) if k <= len(free) else None
         if isinstance(answer, Placement):
             fits.append(Fit(k, True, answer.indices, answer.score, answer.bandwidth_gbps,
                             answer.objective.numa_distance, answer.affinity, answer.satisfaction))

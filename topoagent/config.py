@@ -84,6 +84,7 @@ class Config:
     export_nfd_path: str | None = None
     export_nfd_prefix: str = "topoagent.io"
     export_nfd_expiry_s: float = 3600.0  # NFD drops the labels this long after a write
+    export_nfd_topograph_labels: bool = False  # also write topograph's leaf/accelerator labels
     export_gres_path: str | None = None
     export_gres_node_name: str | None = None
     export_nccl_path: str | None = None
@@ -219,7 +220,7 @@ def _body_limit(key: str, value: Any) -> int:
 def _absolute_path(key: str, value: Any) -> str:
     text = _str(key, value)
     if not Path(text).is_absolute():
-        raise ConfigError(f"{key}: expected an absolute path, got {text!r}")
+        raise ConfigError(f"{key}: expected an absolute path, got {_shown(text)}")
     return text
 
 
@@ -230,7 +231,7 @@ def _label_prefix(key: str, value: Any) -> str:
     try:
         check_label(f"{text}/gpu.count", "0")
     except LabelError:
-        raise ConfigError(f"{key}: {text!r} is not a valid label namespace (a DNS subdomain)") from None
+        raise ConfigError(f"{key}: {_shown(text)} is not a valid label namespace (a DNS subdomain)") from None
     return text
 
 
@@ -318,6 +319,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "nfd_path": ("export_nfd_path", _absolute_path),
         "nfd_prefix": ("export_nfd_prefix", _label_prefix),
         "nfd_expiry_s": ("export_nfd_expiry_s", _positive_seconds),
+        "nfd_topograph_labels": ("export_nfd_topograph_labels", _bool),
         "gres_path": ("export_gres_path", _absolute_path),
         "gres_node_name": ("export_gres_node_name", _node_name),
         "nccl_path": ("export_nccl_path", _absolute_path),

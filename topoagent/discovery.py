@@ -15,15 +15,32 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from topoagent.collectors import aer, cpu, gpudirect, ib_counters, infiniband, netdev, numa, nvidia_driver, nvidia_smi, nvml, pci
+from topoagent.collectors import (
+    aer,
+    cpu,
+    gpudirect,
+    ib_counters,
+    ib_neighbours,
+    infiniband,
+    lldp,
+    netdev,
+    numa,
+    nvidia_driver,
+    nvidia_smi,
+    nvml,
+    pci,
+)
 from topoagent.collectors.base import CollectorResult
 from topoagent.host import Host
 from topoagent.merge import merge
 from topoagent.model import NodeTopology
-from topoagent.telemetry import Context, CounterSource
 
 if TYPE_CHECKING:
     import asyncio
+
+    from topoagent.telemetry import Context, CounterSource
+
+    COUNTER_SOURCES: tuple[CounterSource, ...]  # built on first use, see __getattr__ below
 
 Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
 
@@ -47,6 +64,9 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("nvml", nvml.collect),
     Collector("nvidia_driver", nvidia_driver.collect),
     Collector("nvidia_smi", nvidia_smi.collect),
+    # Optional: what is at the other end of each port (the leaf switches, the rails).
+    Collector(ib_neighbours.NAME, ib_neighbours.collect, needs=("infiniband",)),
+    Collector(lldp.NAME, lldp.collect),
 )
 
 
@@ -72,12 +92,24 @@ def _nvml_counters(context: Context) -> Any:
 
 
 # Counter sources, read by the agent's telemetry loop on their own interval (not
-# discovery: see topoagent/telemetry.py).  Each is a raw read and a pure parser.
-COUNTER_SOURCES: tuple[CounterSource, ...] = (
-    CounterSource("infiniband_counters", lambda c: ib_counters.read_raw(c.host), ib_counters.parse),
-    CounterSource("pcie_aer", lambda c: aer.read_raw(c.host, _tracked_pcie(c)), aer.parse),
-    CounterSource("nvml_counters", _nvml_counters, nvml.parse_counters),
-)
+# discovery: see topoagent/telemetry.py).  Each is a raw read and a pure parser.  Built on
+# first use (module __getattr__): one-shot commands never read counters, and need not
+# import the telemetry module.
+def _counter_sources() -> tuple[CounterSource, ...]:
+    from topoagent.telemetry import CounterSource
+
+    return (
+        CounterSource("infiniband_counters", lambda c: ib_counters.read_raw(c.host), ib_counters.parse),
+        CounterSource("pcie_aer", lambda c: aer.read_raw(c.host, _tracked_pcie(c)), aer.parse),
+        CounterSource("nvml_counters", _nvml_counters, nvml.parse_counters),
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name == "COUNTER_SOURCES":
+        globals()[name] = sources = _counter_sources()
+        return sources
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_order(collectors: tuple[Collector, ...]) -> None:

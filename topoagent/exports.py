@@ -49,7 +49,7 @@ def rendered(config: Config, node: NodeTopology) -> dict[str, str]:
     if config.export_nfd_path:
         from topoagent.exporters.nfd import render_nfd
 
-        out[config.export_nfd_path] = render_nfd(node, config.export_nfd_prefix)
+        out[config.export_nfd_path] = render_nfd(node, config.export_nfd_prefix, config.export_nfd_topograph_labels)
     if config.export_gres_path:
         from topoagent.exporters.gres import render_gres
 

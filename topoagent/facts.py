@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from topoagent.vocabulary import FabricSource
+
 # PCI device kinds, from class code (and vendor for NVIDIA's own parts).
 GPU = "gpu"
 NIC = "nic"
@@ -60,7 +62,22 @@ class CpuFacts:
     core_map: CoreMap | None  # None when neither sysfs nor NUMA says which CPUs exist
 
 
+@dataclass(frozen=True, slots=True)
+class PortNeighbour:
+    """The device at the other end of one of the node's network ports: a switch (its leaf)
+    as the fabric itself says, from the subnet's management packets (InfiniBand) or LLDP."""
+
+    source: FabricSource
+    switch_id: str  # InfiniBand: its node GUID "0xec0d9a0300ec8240"; LLDP: its chassis id
+    switch_name: str | None  # InfiniBand: its node description; LLDP: its system name
+    switch_port: str | None  # InfiniBand: the port number ("17"); LLDP: its port id ("Ethernet1/5")
+    device: str | None = None  # InfiniBand: the local RDMA device "mlx5_0"
+    port: int | None = None  # InfiniBand: the local port number
+    interface: str | None = None  # LLDP: the local interface "ens1f0np0"
+    switch_kind: str = "switch"  # InfiniBand: "switch", "host" (a back-to-back cable) or "router"
+
+
 __all__ = [
     "ASSUMED_NO_SMT", "ASSUMED_SMT2", "BRIDGE", "DISPLAY", "GPU", "NIC", "NVME", "NVSWITCH",
-    "OTHER", "SYSFS", "CoreMap", "CpuFacts", "CpuModel",
+    "OTHER", "SYSFS", "CoreMap", "CpuFacts", "CpuModel", "PortNeighbour",
 ]

@@ -16,9 +16,10 @@ from topoagent.vocabulary import FindingKind, Severity, Status
 
 
 def collector_findings(results: Iterable[CollectorResult[Any]]) -> list[Finding]:
-    """A source that failed is critical: the facts it would give are missing."""
+    """A source that failed is critical: the facts it would give are missing.  An optional
+    source's failure (no permission to ask the fabric, no lldpd) is a warning."""
     return [
-        Finding(FindingKind.COLLECTOR_ERROR, Severity.CRITICAL, r.name, r.message or "failed")
+        Finding(FindingKind.COLLECTOR_ERROR, Severity.WARNING if r.optional else Severity.CRITICAL, r.name, r.message or "failed")
         for r in results
         if r.status == Status.ERROR
     ]

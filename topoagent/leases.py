@@ -55,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 from topoagent.matrix import DistanceMatrix, GpuInfo
-from topoagent.placement import NoFit, Placement, Request, place
+from topoagent.placement import Live, NoFit, Placement, Request, place
+from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS
 from topoagent.schema import lease_document
 
@@ -313,6 +314,7 @@ class LeaseStore:
         owner: str,
         ttl_s: float,
         gpus_with_processes: Iterable[int] = (),
+        live: Live = NO_LIVE,
     ) -> tuple[Lease, Placement] | NoFit:
         """Place ``request`` around what is leased or running, and lease the answer --
         one step under the lock, so two callers cannot get the same GPU."""
@@ -324,7 +326,7 @@ class LeaseStore:
             held = Holding.of(self._leases.values(), matrix.gpus).holder
             on_node = {g.index for g in matrix.gpus}
             busy = (set(held) | set(gpus_with_processes)) & on_node
-            answer = place(matrix, request, busy)
+            answer = place(matrix, request, busy, live=live)
             if isinstance(answer, NoFit):
                 return answer
             uuid_of = {g.index: g.uuid for g in matrix.gpus}

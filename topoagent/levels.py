@@ -187,6 +187,24 @@ PCIE_GT_S_TO_GEN: dict[float, int] = {2.5: 1, 5.0: 2, 8.0: 3, 16.0: 4, 32.0: 5, 
 DEFAULT_PCIE_GEN = 3
 DEFAULT_PCIE_WIDTH = 16
 
+# Small-copy (4 bytes) latency per level, microseconds, as p2pBandwidthLatencyTest's
+# "P2P=Enabled Latency (P2P Writes)" matrices in shared/corpus/bandwidth/ read:
+# RTX 6000 Ada on a Threadripper PRO, PHB: 1.12-1.14 us; on a 2-socket EPYC, NODE and SYS
+# alike: 1.21-1.44 us.  The same tools' "P2P=Disabled" rows (copies staged through host
+# memory) read 10.3-14.2 us, and 13.6-15.0 us on the 2x RTX 2080 Ti without P2P: about
+# ten times more.  The corpus holds no NVLink latency matrix; NVLink copies take a copy
+# engine's fixed cost like PCIe ones, so NVLink gets the PCIe figure, rounded up.
+# Placement's alpha-beta model (placement.latency) takes it as a link's alpha where no
+# fresh measurement says otherwise; the probes judge measured latencies against it.
+LATENCY_US = {
+    LevelKind.NV: 1.5,
+    LevelKind.PIX: 1.5,
+    LevelKind.PXB: 1.5,
+    LevelKind.PHB: 1.5,
+    LevelKind.NODE: 1.5,
+    LevelKind.SYS: 1.5,
+}
+
 # Crossing host bridges costs P2P throughput even on the same socket.  Fractions of the
 # PCIe link rate, from NVIDIA's p2pBandwidthLatencyTest on PCIe servers (see
 # shared/corpus/bandwidth: RTX 6000 Ada pairs across root ports reach ~0.8 of the

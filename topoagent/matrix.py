@@ -8,12 +8,12 @@ PCIe generation and width, NVLink generation).
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from topoagent.levels import (
+    LATENCY_US,
     SYS,
     LinkLevel,
     expected_gbps,
@@ -67,6 +67,7 @@ class NicInfo:
     netdev: str | None = None  # "ibp12s0"
     rate_gbps: float | None = None  # port rate in Gb/s, e.g. 400
     active: bool | None = None
+    rail: int | None = None  # the node's rail its leaf switch makes (topoagent.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,14 @@ class Measurement:
     degraded: bool | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class LatencyMeasurement:
+    """A measured GPU→GPU small-copy latency (microseconds, the slower direction)."""
+
+    us: float
+    taken_at: float  # Unix time
+
+
 @dataclass(frozen=True)
 class DistanceMatrix:
     gpus: tuple[GpuInfo, ...]
@@ -130,6 +139,8 @@ class DistanceMatrix:
     measured: dict[tuple[int, int], Measurement] = field(default_factory=dict)
     # Measurements older than this (seconds) no longer override the expectation.
     measurement_max_age_s: float = 24 * 3600.0
+    # (i, j) -> measured small-copy latency, i < j; fresh ones replace the level's figure.
+    measured_latency: dict[tuple[int, int], LatencyMeasurement] = field(default_factory=dict)
     # CPUs, cores and sockets for per-rank bindings; None when only nvidia-smi text is known.
     host: HostLayout | None = None
     # SLIT distances between NUMA node ids, (a, b) -> distance, both orders and a node
@@ -179,6 +190,16 @@ class DistanceMatrix:
             return expected
         return measured_gbps(expected, m.gbps, m.degraded)
 
+    def latency_us(self, a_pos: int, b_pos: int, now: float | None = None) -> float:
+        """A pair's small-copy latency, the alpha of placement's link model: measured when
+        fresh, else its level's figure (levels.LATENCY_US); 0 for a GPU with itself."""
+        if a_pos == b_pos:
+            return 0.0
+        m = self.measured_latency.get((a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos))
+        if m is not None and (now is None or now - m.taken_at <= self.measurement_max_age_s):
+            return m.us
+        return LATENCY_US.get(self.gpu_levels[a_pos][b_pos].kind, max(LATENCY_US.values()))
+
     def fresh_measurement(self, a_pos: int, b_pos: int, now: float | None = None) -> Measurement | None:
         key = (a_pos, b_pos) if a_pos < b_pos else (b_pos, a_pos)
         m = self.measured.get(key)
@@ -198,11 +219,16 @@ class DistanceMatrix:
         """The SLIT distance between two NUMA node ids; None when not known."""
         return self.numa_distances.get((a, b))
 
-    def with_measurements(self, measured: dict[tuple[int, int], Measurement]) -> DistanceMatrix:
+    def with_measurements(
+        self, measured: dict[tuple[int, int], Measurement], latency: dict[tuple[int, int], LatencyMeasurement] | None = None
+    ) -> DistanceMatrix:
         merged = dict(self.measured)
         for (i, j), m in measured.items():
             merged[(min(i, j), max(i, j))] = m
-        return replace(self, measured=merged)
+        latencies = dict(self.measured_latency)
+        for (i, j), lat in (latency or {}).items():
+            latencies[(min(i, j), max(i, j))] = lat
+        return replace(self, measured=merged, measured_latency=latencies)
 
     def gpu_by_index(self, index: int) -> int:
         """Position in ``gpus`` of the GPU with this nvidia-smi index."""
@@ -229,6 +255,8 @@ class DistanceMatrix:
         of the default.  GPU pairs whose level is unknown (both rows cut off) are refused:
         a placement on guessed levels would be a silent wrong answer.
         """
+        from topoagent.collectors.nvidia_smi import first_numa_node  # loaded already: ``topo`` is its type
+
         gpu_rows = [i for i, d in enumerate(topo.devices) if d.kind == "gpu" and d.name not in leave_out]
         nic_rows = [i for i, d in enumerate(topo.devices) if d.kind == "nic"]
         gpus = tuple(
@@ -276,23 +304,6 @@ class DistanceMatrix:
 UNKNOWN_LINK = SYS
 
 
-def unknown_link_gpus(n: int, known: Callable[[int, int], bool]) -> list[int]:
-    """The GPUs (positions) to count as having unknown links: few enough that every pair
-    among the others is known.  Greedy, most unknown pairs first, the later GPU on a
-    tie: a GPU sysfs does not show is unknown to all the others and is the one named,
-    not every GPU it has an unknown pair with."""
-    unknown_pairs = {i: {j for j in range(n) if j != i and not known(i, j)} for i in range(n)}
-    marked: list[int] = []
-    while unknown_pairs:
-        worst = max(unknown_pairs, key=lambda i: (len(unknown_pairs[i]), i))
-        if not unknown_pairs[worst]:
-            break
-        marked.append(worst)
-        for j in unknown_pairs.pop(worst):
-            unknown_pairs[j].discard(worst)
-    return sorted(marked)
-
-
 def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:
     """GPUs whose level to some other GPU is unknown (both rows cut off a pasted output).
 
@@ -307,19 +318,7 @@ def gpus_with_unknown_pairs(topo: TopoMatrix) -> tuple[str, ...]:
     )
 
 
-def first_numa_node(numa_affinity: str | None) -> int | None:
-    """The NUMA node of a GPU from nvidia-smi's 'NUMA Affinity' cell.
 
-    A list such as '0,2-17' (Grace: the CPU node, then the GPU-memory nodes) starts with
-    the node whose CPUs are close; a range such as '0-7' means the driver could not narrow
-    it down, which we report as unknown.
-    """
-    if not numa_affinity:
-        return None
-    first = numa_affinity.split(",")[0]
-    if re.fullmatch(r"\d+", first):
-        return int(first)
-    return None
 
 
 def nvlink_generation(gpus: tuple[GpuInfo, ...]) -> int | None:

@@ -18,14 +18,14 @@ from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.infiniband import Hca
 from topoagent.collectors.netdev import NetInterface
 from topoagent.collectors.numa import NumaTopology
-from topoagent.collectors.nvidia_smi import TopoMatrix
+from topoagent.collectors.nvidia_smi import TopoMatrix, first_numa_node
 from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.derive import expected_for_pair, nvlink_levels, pcie_level
-from topoagent.facts import GPU, NVSWITCH, CpuFacts
+from topoagent.fabric import build_fabric
+from topoagent.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
 from topoagent.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
 from topoagent.levels import LinkLevel, nv, nvlink_generation_for_model
-from topoagent.matrix import first_numa_node
 from topoagent.model import (
     DECLARED,
     DERIVED,
@@ -232,6 +232,10 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         interfaces=interfaces,
         nvlink_domain=_nvlink_domain(nvml),
     )
+    neighbours: tuple[PortNeighbour, ...] = (_data(results, "ib_neighbours") or ()) + (_data(results, "lldp") or ())
+    if neighbours:
+        nic_ports = [(n.name, n.device, n.netdevs) for n in node.nics]
+        node = replace(node, fabric=build_fabric(neighbours, nic_ports, [g.name for g in node.gpus], node.level))
     unknown = node.gpus_with_unknown_links()
     if not unknown:
         return node

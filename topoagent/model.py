@@ -7,8 +7,9 @@ topoagent.findings.  Exporters read this model only.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from topoagent.collectors.infiniband import IbPort
 from topoagent.collectors.netdev import NetInterface
@@ -16,16 +17,19 @@ from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
 from topoagent.collectors.pci import PciDevice, PciLink, PciTree
-from topoagent.facts import CpuFacts
+from topoagent.fabric import Fabric, Rail
+from topoagent.facts import CpuFacts, PortNeighbour
 from topoagent.levels import SELF, LinkLevel
-from topoagent.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, HostLayout, NicInfo, sockets_from_distances, unknown_link_gpus
 from topoagent.vocabulary import FindingKind, Severity, Status
+
+if TYPE_CHECKING:
+    from topoagent.matrix import DistanceMatrix, HostLayout
 
 # The fact types the model is made of, named here so exporters read them from the model
 # and never import a collector module.
 __all__ = [
-    "CollectorStatus", "CpuFacts", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
-    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "TopoDevice", "TopoMatrix",
+    "CollectorStatus", "CpuFacts", "Fabric", "Finding", "GpuTopo", "IbPort", "InterfaceTopo", "NetInterface", "NicTopo", "NodeTopology", "NumaTopology",
+    "NvLink", "NvlinkDomain", "Pair", "PciDevice", "PciLink", "PciTree", "PortNeighbour", "Rail", "TopoDevice", "TopoMatrix",
 ]
 
 DERIVED = "derived"
@@ -153,6 +157,7 @@ class NodeTopology:
     peer_memory: str | None = None
     interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
     nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
+    fabric: Fabric = field(default_factory=Fabric)  # each port's neighbour switch and the rails they make (topoagent.fabric)
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -196,7 +201,7 @@ class NodeTopology:
 
     def gpus_with_unknown_links(self) -> tuple[str, ...]:
         """The GPUs whose levels are unknown (sysfs does not show them and nvidia-smi did
-        not say), as few as leave every other pair known (see matrix.unknown_link_gpus)."""
+        not say), as few as leave every other pair known (see unknown_link_gpus)."""
         names = [g.name for g in self.gpus]
         return tuple(names[i] for i in unknown_link_gpus(len(names), lambda i, j: self.level(names[i], names[j]) is not None))
 
@@ -222,6 +227,7 @@ class NodeTopology:
     def distance_matrix(self, findings: Iterable[Finding] = ()) -> DistanceMatrix:
         """The GPU distance matrix the placement core and the exporters read; ``findings``
         (the probes') may mark more GPUs unhealthy than the node's own findings do."""
+        from topoagent.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, NicInfo  # not needed by discover alone
         unknown = set(self.gpus_with_unknown_links())
         unhealthy = self.unhealthy_gpus(findings)
         gpus = tuple(
@@ -250,6 +256,7 @@ class NodeTopology:
                 netdev=n.netdevs[0] if n.netdevs else None,
                 rate_gbps=n.rate_gbps,
                 active=n.active,
+                rail=self.fabric.rail_of_nic(n.name),
             )
             for n in self.nics
         )
@@ -287,6 +294,7 @@ class NodeTopology:
 
     def host_layout(self) -> HostLayout:
         """CPUs per NUMA node, the core map and the sockets, for per-rank bindings."""
+        from topoagent.matrix import HostLayout, sockets_from_distances
         nodes = self.numa.nodes if self.numa else ()
         ids = tuple(sorted(n.id for n in nodes))  # distances run in node-id order
         core_map = self.cpu.core_map if self.cpu else None
@@ -298,3 +306,18 @@ class NodeTopology:
         )
 
 
+def unknown_link_gpus(n: int, known: Callable[[int, int], bool]) -> list[int]:
+    """The GPUs (positions) to count as having unknown links: few enough that every pair
+    among the others is known.  Greedy, most unknown pairs first, the later GPU on a
+    tie: a GPU sysfs does not show is unknown to all the others and is the one named,
+    not every GPU it has an unknown pair with."""
+    unknown_pairs = {i: {j for j in range(n) if j != i and not known(i, j)} for i in range(n)}
+    marked: list[int] = []
+    while unknown_pairs:
+        worst = max(unknown_pairs, key=lambda i: (len(unknown_pairs[i]), i))
+        if not unknown_pairs[worst]:
+            break
+        marked.append(worst)
+        for j in unknown_pairs.pop(worst):
+            unknown_pairs[j].discard(worst)
+    return sorted(marked)

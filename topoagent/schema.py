@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
-from topoagent.vocabulary import Affinity, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
+from topoagent.vocabulary import Affinity, FabricSource, FindingKind, Pattern, ProbeKind, Severity, Status, Unit
 
 if TYPE_CHECKING:
     from topoagent.capacity import Capacity
@@ -164,8 +164,8 @@ def _hex(digits: int, attr: str) -> Field:
     return Field(nullable(STRING), get)
 
 
-def _plain_list(attr: str, items: JsonSchema) -> Field:
-    return Field(array(items), lambda value: list(getattr(value, attr)))
+def _plain_list(attr: str, items: JsonSchema, description: str | None = None) -> Field:
+    return Field(array(items), lambda value: list(getattr(value, attr)), description)
 
 
 LEVEL = {"type": "string", "pattern": PRINTED_LEVEL_PATTERN}
@@ -277,6 +277,33 @@ NVLINK_DOMAIN = Document("NvlinkDomain", {
     "gpus": _plain_list("gpus", STRING),
 }, "The multi-node NVLink domain (GB200 NVL72-class): nodes with the same cluster UUID and clique id are NVLink neighbours.")
 
+NEIGHBOUR = Document("PortNeighbour", {
+    "source": Field(one_of(FabricSource), description="infiniband: the peer's own answer to directed-route SMPs (smpquery); lldp: what the switch announced"),
+    "device": Field(nullable(STRING), description="InfiniBand: the local RDMA device (mlx5_0)"),
+    "port": Field(nullable(INTEGER), description="InfiniBand: the local port number"),
+    "interface": Field(nullable(STRING), description="LLDP: the local interface"),
+    "switch_id": Field(STRING, description="InfiniBand: the peer's node GUID; LLDP: its chassis id"),
+    "switch_name": Field(nullable(STRING), description="InfiniBand: the peer's node description; LLDP: its system name"),
+    "switch_port": Field(nullable(STRING), description="the peer's port: an InfiniBand port number, an LLDP port id (Ethernet1/5)"),
+    "switch_kind": Field(one_of(("switch", "host", "router")), description="what the peer is (host: a back-to-back cable)"),
+}, "What is at the other end of one of the node's ports.")
+
+RAIL = Document("Rail", {
+    "rail": Field(INTEGER, lambda r: r.index, "numbered in the order of the node's NICs: rail 0 is the first NIC's"),
+    "leaf": Field(STRING, description="the leaf switch's id (InfiniBand node GUID, LLDP chassis id)"),
+    "leaf_name": Field(nullable(STRING), description="its description or system name; not unique across a fabric"),
+    "nics": _plain_list("nics", STRING),
+    "interfaces": _plain_list("interfaces", STRING),
+    "gpus": _plain_list("gpus", STRING),
+}, "A leaf switch the node reaches: ports that reach different leaves are different rails; gpus are those whose closest NICs are on it.")
+
+FABRIC = Document("Fabric", {
+    "leaf": Field(nullable(STRING), lambda f: f.leaf,
+                  "the node's leaf; with several rails, rails-<hash of the set of leaves> (nodes with the same set share it); null when no neighbour is known"),
+    "rails": listed(RAIL, "rails"),
+    "neighbours": listed(NEIGHBOUR, "neighbours"),
+}, "The node's place in the cluster fabric, from the optional ib_neighbours and lldp collectors.")
+
 CPU = Document("Cpu", {
     "arch": Field(nullable(STRING), lambda c: c.model.arch if c.model else None, "as NCCL names it: x86_64, arm64, ppc64"),
     "vendor": Field(nullable(STRING), lambda c: c.model.vendor if c.model else None),
@@ -374,6 +401,7 @@ NODE = Document("Node", {
     "interfaces": Field(array(INTERFACE.ref), lambda v: [INTERFACE.dump(i) for i in v.node.interfaces], "every network interface"),
     "nvlink_domain": Field(nullable(NVLINK_DOMAIN.ref), lambda v: NVLINK_DOMAIN.dump(v.node.nvlink_domain) if v.node.nvlink_domain else None,
                            "null when NVML reports no completed GPU fabric registration"),
+    "fabric": Field(FABRIC.ref, lambda v: FABRIC.dump(v.node.fabric)),
     "pairs": Field(array(PAIR.ref), _pairs, "every unordered GPU/NIC pair once"),
     "findings": Field(array(FINDING.ref), lambda v: [FINDING.dump(f) for f in v.findings], "discovery's, the probes' and the counters'"),
     "collectors": Field({"type": "object", "additionalProperties": COLLECTOR.ref}, _collectors, "by collector name"),
@@ -396,7 +424,21 @@ PROBE_FIGURE = Document("ProbeFigure", {
     "repetitions": Field(nullable(INTEGER)),
     "available": Field(nullable(BOOLEAN), description="peer_access: P2P possible"),
     "received_at": Field(nullable(NUMBER), description="Unix time the agent read it"),
+    "taken_under_load": Field(BOOLEAN, lambda f: getattr(f, "taken_under_load", False), description=(
+        "measured in a forced round while a busy GPU shared the copies' path: neither overlaid on the matrix nor judged "
+        "(no degraded-link finding from it; a probed_under_load finding says so)")),
 }, "A probe's figure: the largest size measured, median and spread of its repetitions.")
+
+class _ServedFigure:
+    """A probe figure as /topology serves it: with whether it was taken under load."""
+
+    def __init__(self, figure: Any, taken_under_load: bool):
+        self.figure = figure
+        self.taken_under_load = taken_under_load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.figure, name)
+
 
 AGENT_STATE = Document("AgentState", {
     "snapshot_version": Field(INTEGER, lambda s: s.version, "increases with every swap"),
@@ -404,7 +446,9 @@ AGENT_STATE = Document("AgentState", {
     "stale": Field(BOOLEAN, description="the last discovery failed; the facts are older"),
     "error": Field(nullable(STRING), description="why the last discovery failed"),
     "failed_at": Field(nullable(NUMBER)),
-    "probe_figures": listed(PROBE_FIGURE, "probe_figures"),
+    "probe_figures": Field(array(PROBE_FIGURE.ref), lambda s: [
+        PROBE_FIGURE.dump(_ServedFigure(f, s.taken_under_load(f))) for f in s.probe_figures
+    ]),
 })
 
 TOPOLOGY = NODE.extended("Topology", {
@@ -507,7 +551,7 @@ REQUEST = Document("Request", {
     "nics": Field(INTEGER),
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
-    "message_bytes": Field(nullable(INTEGER), description="null: the estimate's default size"),
+    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for the estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
@@ -522,6 +566,7 @@ PLACED_GPU = Document("PlacedGpu", {
     "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, no CPU in two ranks' lists"),
     "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to"),
     "nic": Field(nullable(STRING), description="this rank's NIC: the closest with a port up, distinct ones where several are as close"),
+    "rail": Field(nullable(INTEGER), description="the rail of this rank's NIC (the node's fabric.rails); null when its leaf is unknown"),
     "numactl": _plain_list("numactl", STRING),
 })
 
@@ -549,12 +594,18 @@ PATTERN_LINK = Document("PatternLink", {
 
 OBJECTIVE = Document("Objective", {
     "bandwidth_gbps": Field(nullable(NUMBER), description="(1) the pattern's weakest link"),
+    "link_time_us": Field(nullable(NUMBER), description=(
+        "(1) for alltoall and pipeline, what they are ranked by: one message of message_bytes (default 1 MiB) over the slowest "
+        "link, small-copy latency + size / bandwidth; null for other patterns")),
     "bottleneck_level": Field(nullable(LEVEL), lambda o: level_text(o.bottleneck_level)),
     "numa_distance": Field(nullable(INTEGER), description=(
         "(2) the largest SLIT distance between the NUMA nodes spanned; null when the node has no distances")),
     "numa_nodes": Field(INTEGER, description="(3) NUMA nodes spanned"),
     "nic_cost": Field(INTEGER, description="(4) 0 when no NICs were asked for"),
     "damage": Field(INTEGER, description="(5) damage to the free zones"),
+    "unverified_gpus": Field(INTEGER, description="(6) GPUs taken that a job gave back and the probes have not checked since"),
+    "nic_traffic_steps": Field(INTEGER, description=(
+        "(6) traffic now on the GPUs' nearest NICs, summed in tenths of each port's line rate (0 without telemetry)")),
 }, "The terms of the objective for this answer, in the order they count.")
 
 PLACEMENT = Document("Placement", {
@@ -580,6 +631,8 @@ PLACEMENT = Document("Placement", {
     "proven_optimal": Field(BOOLEAN, description="false: the deadline stopped the search; this is the best set it found"),
     "bandwidth_bound_gbps": Field(nullable(NUMBER),
                                   description="when not proven: no set's pattern bandwidth exceeds this; null when proven or not bounded"),
+    "unverified": _plain_list("unverified", INTEGER, "chosen GPUs a job gave back that the probes have not checked since "
+                                                     "(taken only when no set of verified GPUs has equal merit)"),
     "launch": nested(LAUNCH, "launch"),
     "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
     "request": nested(REQUEST, "request"),
@@ -745,7 +798,7 @@ ERROR = Document("Error", {
 
 # Every document above, for the OpenAPI components.
 DOCUMENTS: tuple[Document, ...] = (
-    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, CPU, FINDING, PAIR, COLLECTOR, NODE,
+    PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, NEIGHBOUR, RAIL, FABRIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     PROBE_FIGURE, AGENT_STATE, TOPOLOGY, TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX, LEASE, ERROR,
     REQUEST, PLACED_GPU, PATTERN_LINK, OBJECTIVE, ESTIMATE, LAUNCH, PLACEMENT, NOFIT, REQUEST_ERROR_DETAIL, BATCH_ERROR,
     CAPACITY_FIT, CAPACITY,

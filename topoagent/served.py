@@ -33,6 +33,8 @@ class Snapshot:
     last_success_at: Mapping[str, float | None]  # collector name -> Unix time
     probe_figures: tuple[ProbeFigure, ...] = ()  # newest figure per measurement
     probe_findings: tuple[Finding, ...] = ()
+    # GPU sets of the probe targets whose newest figures were taken under load (not judged).
+    probes_under_load: frozenset[frozenset[int]] = frozenset()
     stale: bool = False  # the last discovery failed; these facts are older
     error: str | None = None  # why the last discovery failed
     failed_at: float | None = None
@@ -43,9 +45,21 @@ class Snapshot:
     def marked_stale(self, version: int, error: str, failed_at: float, collectors: tuple[CollectorStatus, ...]) -> Snapshot:
         return replace(self, version=version, stale=True, error=error, failed_at=failed_at, collectors=collectors, _cache={})
 
-    def with_probes(self, version: int, matrix: DistanceMatrix, figures: tuple[ProbeFigure, ...], findings: tuple[Finding, ...]) -> Snapshot:
+    def with_probes(
+        self, version: int, matrix: DistanceMatrix, figures: tuple[ProbeFigure, ...], findings: tuple[Finding, ...],
+        under_load: frozenset[frozenset[int]] | None = None,
+    ) -> Snapshot:
         """The same discovery state with new measurements overlaid."""
-        return replace(self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, _cache={}).with_health()
+        loaded = self.probes_under_load if under_load is None else under_load
+        return replace(
+            self, version=version, matrix=matrix, probe_figures=figures, probe_findings=findings, probes_under_load=loaded, _cache={},
+        ).with_health()
+
+    def taken_under_load(self, figure: ProbeFigure) -> bool:
+        """Whether this figure was taken under load (so it was not judged)."""
+        from topoagent.probes.overlay import target_gpus
+
+        return target_gpus(figure) in self.probes_under_load
 
     def with_telemetry(self, version: int, telemetry: Telemetry) -> Snapshot:
         """The same discovery state with the counters' latest read."""

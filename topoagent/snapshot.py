@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import socket
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -68,6 +67,8 @@ def write_snapshot(host: Host, out: str | os.PathLike[str], *, force: bool = Fal
             # Beside the target, then renamed: a replaced archive is never half-written.
             partial = out_path.with_name(f".{out_path.name}.partial")
             try:
+                import tarfile  # only a tarball needs it (a directory is the common case)
+
                 with tarfile.open(partial, "w:gz") as archive:
                     archive.add(root, arcname=stem)
                 os.replace(partial, out_path)

@@ -239,6 +239,25 @@ class Telemetry:
         return self._rates.get((metric, labels))
 
 
+# The IB data counters (collectors/ib_counters.py), already in bytes.
+PORT_TRAFFIC = ("infiniband_port_transmitted_bytes_total", "infiniband_port_received_bytes_total")
+
+
+def nic_traffic(telemetry: Telemetry | None) -> dict[str, float]:
+    """RDMA device -> the bytes per second its ports carry now: per port the busier
+    direction, ports summed (what placement.live weighs).  Empty before two reads."""
+    ports: dict[tuple[str, str], float] = {}
+    for r in telemetry.readings if telemetry is not None else ():
+        if r.metric in PORT_TRAFFIC and r.rate_per_s is not None:
+            labels = dict(r.labels)
+            port = (labels.get("device", "?"), labels.get("port", "?"))
+            ports[port] = max(ports.get(port, 0.0), r.rate_per_s)
+    out: dict[str, float] = {}
+    for (device, _port), per_s in ports.items():
+        out[device] = out.get(device, 0.0) + per_s
+    return out
+
+
 def served(history: History, overrides: Mapping[str, float], node: NodeTopology | None) -> Telemetry:
     readings = tuple(history.readings())
     gpus = {g.pci_address: g.name for g in node.gpus if g.pci_address} if node else {}
@@ -281,6 +300,22 @@ def recorded_samples(host: Host) -> list[Sample] | None:
         for name, why in sorted((entry.get("no_data") or {}).items()):
             samples.append(Sample(name, taken_at, None, str(why), absent=True))
     return samples
+
+
+def replayed(host: Host, node: NodeTopology | None, overrides: Mapping[str, float] | None = None) -> Telemetry | None:
+    """A recording's telemetry as the agent serves it after replaying every sample (its
+    recorded rates): what one-shot commands on a snapshot read.  None without one."""
+    from topoagent.discovery import COUNTER_SOURCES
+
+    samples = recorded_samples(host)
+    if samples is None:
+        return None
+    parsers = {s.name: s.parse for s in COUNTER_SOURCES}
+    history = History()
+    for sample in samples:
+        if sample.source in parsers:
+            history.add(sample, parsers[sample.source])
+    return served(history, overrides or {}, node)
 
 
 def sample_document(rounds: list[list[Sample]]) -> dict:

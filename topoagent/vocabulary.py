@@ -53,6 +53,7 @@ class FindingKind(enum.StrEnum):
     NUMA_AFFINITY_MISMATCH = "numa_affinity_mismatch"
     HIGH_LATENCY = "high_latency"
     LINK_DECAY = "link_decay"
+    PROBED_UNDER_LOAD = "probed_under_load"  # info: figures not judged (a busy GPU shared the path)
     # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
     IB_ERRORS_RISING = "ib-errors-rising"
     NVLINK_ERRORS_RISING = "nvlink-errors-rising"
@@ -60,6 +61,13 @@ class FindingKind(enum.StrEnum):
     GPU_XID = "gpu-xid"
     GPU_ECC_UNCORRECTED = "gpu-ecc-uncorrected"
     GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
+
+
+class FabricSource(enum.StrEnum):
+    """Who said what is at the other end of a network port."""
+
+    INFINIBAND = "infiniband"  # directed-route SMPs to the port's peer (smpquery)
+    LLDP = "lldp"  # what the switch announced, as lldpd heard it (lldpctl)
 
 
 class Pattern(enum.StrEnum):
@@ -74,6 +82,12 @@ class Pattern(enum.StrEnum):
     def shape(self) -> str:
         """The word for the links this pattern uses ('ring', 'path', 'all pairs', 'none')."""
         return {"allreduce": "ring", "alltoall": "all pairs", "pipeline": "path", "independent": "none"}[self.value]
+
+    @property
+    def latency_bound(self) -> bool:
+        """Whether its links are ranked by one message's time, not bandwidth alone
+        (many messages between pairs, often small: topoagent.placement.latency)."""
+        return self in (Pattern.ALLTOALL, Pattern.PIPELINE)
 
 
 class Affinity(enum.StrEnum):
@@ -113,3 +127,10 @@ class ProbeKind(enum.StrEnum):
 class Unit(enum.StrEnum):
     GBPS = "GB/s"  # 10^9 bytes per second, per direction
     MICROSECONDS = "us"  # per copy (latency)
+
+
+class Unanswered(enum.StrEnum):
+    """What the scheduler extender does with a node whose agent does not answer."""
+
+    FILTER = "filter"  # out, with the reason in FailedNodes: kube-scheduler picks among the others
+    PASS = "pass"  # kept, with the lowest score: the node is chosen only when no agent answered better

@@ -42,6 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         if name == "nfd":
             fmt.add_argument("--prefix", default="topoagent.io",
                              help="label namespace (default: topoagent.io)")
+            fmt.add_argument("--topograph-labels", action="store_true",
+                             help="also write NVIDIA topograph's network.topology.nvidia.com/leaf and /accelerator labels")
         fmt.set_defaults(run=run)
 
 
@@ -84,7 +86,7 @@ def _render(args: argparse.Namespace, topology: NodeTopology) -> str:
             check_label(f"{args.prefix}/gpu.count", "0")
         except LabelError:
             raise UsageError(f"--prefix {args.prefix!r} is not a valid label namespace") from None
-        return render_nfd(topology, args.prefix)
+        return render_nfd(topology, args.prefix, args.topograph_labels)
     from topoagent.exporters.svg import render_page, render_svg
 
     return render_svg(topology) if args.format == "svg" else render_page(topology)

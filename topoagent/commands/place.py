@@ -12,7 +12,8 @@ from typing import Any, BinaryIO
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Door, NoFit, Placement, RequestError, parse_request, place
+from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
+from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
 from topoagent.schema import answer_document, batch_error_document
 from topoagent.vocabulary import Affinity, Pattern
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs")
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
-    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB)")
+    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB); alltoall, pipeline: one message's size, their links are timed by (default 1 MiB)")
     parser.add_argument(
         "--measured", metavar="FILE",
         help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",
@@ -108,6 +109,18 @@ def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[
     return fields
 
 
+def recorded_live(args: argparse.Namespace) -> Live:
+    """On a recorded node, the NIC traffic its counter samples give, as the service that
+    replays them weighs it (placement.live); nothing on a live node, where one read has no
+    rate, or on nvidia-smi text."""
+    if args.from_nvidia_smi or not args.root:
+        return Live()
+    from topoagent.host import Host
+    from topoagent.telemetry import nic_traffic, replayed
+
+    return Live(nic_traffic=nic_traffic(replayed(Host(args.root), None)))
+
+
 def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ...]]:
     """The node's matrix (with --measured's figures overlaid), and GPUs left out of it
     because their levels are unknown."""
@@ -149,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch:
         if args.gpus is not None:
             raise UsageError("--batch takes requests from stdin; drop --gpus")
-        return run_batch(load_matrix(args)[0])
+        return run_batch(load_matrix(args)[0], recorded_live(args))
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
     busy = index_list("--busy", args.busy)
@@ -159,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     busy = [i for i in busy if i not in left_out]  # not candidates anyway
     try:
         request = parse_request(request_fields(args, left_out), gpu_indices={g.index for g in matrix.gpus})
-        answer = place(matrix, request, busy)
+        answer = place(matrix, request, busy, live=recorded_live(args))
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
     if args.json:
@@ -177,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
 MAX_BATCH_LINE_BYTES = 64 * 1024
 
 
-def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, Any]:
+def answer_line(matrix: DistanceMatrix, line_no: int, line: str, live: Live = NO_LIVE) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -195,7 +208,7 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str) -> dict[str, An
         request = parse_request(fields, gpu_indices=gpu_indices)
         if request.deadline_ms is None:  # a scheduler's door, like HTTP: the service's default
             request = replace(request, deadline_ms=SERVICE_DEADLINE_MS)
-        return answer_document(place(matrix, request, busy))
+        return answer_document(place(matrix, request, busy, live=live))
     except RequestError as exc:
         return batch_error_document(line_no, exc.location, exc.message)
 
@@ -217,14 +230,14 @@ def batch_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
         yield line_no, None
 
 
-def run_batch(matrix: DistanceMatrix) -> int:
+def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE) -> int:
     for line_no, line in batch_lines(sys.stdin.buffer):
         if line is None:
             answer = batch_error_document(line_no, None, f"line longer than {MAX_BATCH_LINE_BYTES} bytes")
         elif not line.strip():
             continue
         else:
-            answer = answer_line(matrix, line_no, line)
+            answer = answer_line(matrix, line_no, line, live)
         sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
         sys.stdout.flush()
     return 0
@@ -246,7 +259,7 @@ def render(answer: Placement | NoFit) -> str:
     for g in answer.gpus:
         lines.append(
             f"  rank {g.rank}: GPU{g.index}  CPUs {g.cpus or 'unknown'}  memory node {'-' if g.memory_node is None else g.memory_node}"
-            f"  NIC {g.nic or '-'} ({g.nic_level or '-'})"
+            f"  NIC {g.nic or '-'} ({g.nic_level or '-'})" + ("" if g.rail is None else f" rail {g.rail}")
         )
     env = " ".join(f"{k}={v}" for k, v in answer.env.items())
     lines.append(f"launch: {env} {' '.join(answer.numactl)} <command>".replace("  ", " "))

@@ -21,6 +21,8 @@ from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
 from topoagent.placement.explain import CLAIMS, Door, Reason, ReasonCode, render
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
+from topoagent.placement.live import NO_LIVE, Live, LiveCosts, live_costs
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
 from topoagent.placement.request import (
     REQUEST_FIELDS,
@@ -40,6 +42,7 @@ __all__ = [
     "REQUEST_FIELDS",
     "REQUEST_LIMITS",
     "Door",
+    "Live",
     "NoFit",
     "Objective",
     "PatternLink",
@@ -97,13 +100,18 @@ def place(
     busy: Iterable[int] = (),
     *,
     now: float | None = None,
+    live: Live = NO_LIVE,
 ) -> Placement | NoFit:
     """The best placement of ``request`` on this node given the ``busy`` GPU indices.
 
-    With ``request.deadline_ms`` the search stops then with the best set found so far,
-    marked ``proven_optimal=False`` with the bandwidth bound it established."""
+    ``live``: what the node does now (unverified GPUs, NIC traffic), weighed only at
+    equal merit (placement.live).  With ``request.deadline_ms`` the search stops then with
+    the best set found so far, marked ``proven_optimal=False`` with the bandwidth bound it
+    established."""
     deadline = Deadline(request.deadline_ms / 1000, request.gpus) if request.deadline_ms is not None else None
-    prep = prepare(matrix, now)
+    timed = request.pattern.latency_bound  # links ranked by one message's time (placement.latency)
+    prep = prepare(matrix, now, (request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES) if timed else None)
+    costs = live_costs(prep, live)
     pos_of = prep.pos_of
 
     def mask_of(field_name: str, indices: Iterable[int]) -> int:
@@ -137,20 +145,20 @@ def place(
     usable_nics = prep.n_nics  # a NIC with every port down is no NIC
     if request.nics > usable_nics:
         relaxed = replace(request, nics=usable_nics)
-        best = place(matrix, relaxed, busy, now=now)  # its own deadline: this one has not started
+        best = place(matrix, relaxed, busy, now=now, live=live)  # its own deadline: this one has not started
         why = Reason(ReasonCode.TOO_MANY_NICS, {"nics": request.nics, "node_nics": usable_nics})
         return NoFit(request, why, "nics", _indices(matrix, candidates), best if isinstance(best, Placement) else None)
     answer: Placement | NoFit
     if request.affinity is not Affinity.ANY:
-        answer = _place_tier(prep, request, free_all, candidates, include, deadline)
+        answer = _place_tier(prep, request, free_all, candidates, include, deadline, costs)
     else:
-        found = _search_known_first(prep, request, free_all, candidates, include, deadline)
+        found = _search_known_first(prep, request, free_all, candidates, include, deadline, costs)
         if found is None and deadline is not None and deadline.reached:
             why = Reason(ReasonCode.NONE_IN_TIME, {"deadline_ms": request.deadline_ms})
             return NoFit(request, why, "deadline_ms", _indices(matrix, candidates))
         answer = (
-            build(prep, request, found, free_all) if found is not None
-            else _diagnose(prep, request, free_all, candidates, include, deadline)
+            build(prep, request, found, free_all, costs) if found is not None
+            else _diagnose(prep, request, free_all, candidates, include, deadline, costs)
         )
     late = deadline is not None and deadline.reached
     if isinstance(answer, NoFit):
@@ -166,6 +174,9 @@ def place(
         notes.append(Reason(ReasonCode.UNHEALTHY_LEFT_OUT, {"gpus": _indices(matrix, unhealthy), "why": causes}))
     if taken & prep.links_unknown:
         notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, taken & prep.links_unknown)}))
+    if costs is not None:
+        notes += _live_reasons(matrix, costs, taken, candidates)
+        answer = replace(answer, unverified=_indices(matrix, costs.unverified & taken))
     if notes:
         answer = replace(answer, reasons=answer.reasons + tuple(notes))
     if late:
@@ -189,42 +200,62 @@ def _unclaimed(reason: Reason) -> Reason:
     return Reason(reason.code, {**reason.params, "proven": False}) if reason.code in CLAIMS else reason
 
 
+def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidates: int) -> list[Reason]:
+    """What the live signals (term 6) say about the answer: GPUs unverified or with busy
+    nearest NICs taken (no set of equal merit did without them), else passed over."""
+    reasons = []
+    if costs.unverified & taken:
+        reasons.append(Reason(ReasonCode.UNVERIFIED_TAKEN, {"gpus": _indices(matrix, costs.unverified & taken)}))
+    elif costs.unverified & candidates:
+        reasons.append(Reason(ReasonCode.UNVERIFIED_PASSED_OVER, {"gpus": _indices(matrix, costs.unverified & candidates)}))
+    loaded = sum(1 << pos for pos, steps in enumerate(costs.gpu_load) if steps) & candidates
+    if loaded & taken:
+        gbs = max(costs.gpu_gbs(pos) for pos in bits(loaded & taken))
+        reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {"gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1)}))
+    elif loaded:
+        gbs = min(costs.gpu_gbs(pos) for pos in bits(loaded))
+        reasons.append(Reason(ReasonCode.BUSY_NICS_PASSED_OVER, {"gpus": _indices(matrix, loaded), "gbs": round(gbs, 1)}))
+    return reasons
+
+
 def _search_known_first(
-    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None,
+    live: LiveCosts | None = None,
 ) -> Found | None:
     """GPUs whose links are unknown come last: the best set of GPUs with known links (and
     what ``include`` names); else every known GPU plus the fewest unknown ones; else any."""
     unknown = candidates & prep.links_unknown & ~include
     if unknown:
         known = candidates & ~unknown
-        found = Search(prep, request, free_all, known, include, deadline).run()
+        found = Search(prep, request, free_all, known, include, deadline, live).run()
         if found is not None:
             return found
         if known.bit_count() < request.gpus:
-            found = Search(prep, request, free_all, candidates, include | known, deadline).run()
+            found = Search(prep, request, free_all, candidates, include | known, deadline, live).run()
             if found is not None:
                 return found
-    return Search(prep, request, free_all, candidates, include, deadline).run()
+    return Search(prep, request, free_all, candidates, include, deadline, live).run()
 
 
 def _place_tier(
-    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None,
+    live: LiveCosts | None = None,
 ) -> Placement | NoFit:
     """``affinity`` asked: the tier's answer, else (``fallback``) the best lower tier's,
     else a no fit naming ``affinity`` with the best answer without it (placement.tiers)."""
     asked = request.affinity
     rank = list(Affinity).index  # strictest first
     for tier in (asked, *asked.fallbacks()) if request.fallback else (asked,):
-        found = search_tier(prep, request, tier, free_all, candidates, include, deadline)
+        found = search_tier(prep, request, tier, free_all, candidates, include, deadline, live)
         if found is None:
             continue
-        answer = build(prep, request, found, free_all, fell_back=tier is not asked)
+        answer = build(prep, request, found, free_all, live, fell_back=tier is not asked)
         if rank(answer.affinity) <= rank(tier):
             return answer
-    plain = Search(prep, request, free_all, candidates, include, deadline).run()
+    plain = Search(prep, request, free_all, candidates, include, deadline, live).run()
     if plain is None:
-        return _diagnose(prep, request, free_all, candidates, include, deadline)
-    best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all)
+        return _diagnose(prep, request, free_all, candidates, include, deadline, live)
+    best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all, live)
     why = Reason(ReasonCode.AFFINITY_UNREACHABLE, {"gpus": request.gpus, "affinity": asked, "met": best.affinity})
     return NoFit(request, why, "affinity", _indices(prep.matrix, candidates), best)
 
@@ -234,7 +265,8 @@ def _indices(matrix: DistanceMatrix, mask: int) -> tuple[int, ...]:
 
 
 def _diagnose(
-    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None
+    prep: Prepared, request: Request, free_all: int, candidates: int, include: int, deadline: Deadline | None = None,
+    live: LiveCosts | None = None,
 ) -> NoFit:
     """Which constraint stops the request: the first whose relaxation fits.  The
     relaxed searches keep to the request's deadline; one it stops proves nothing, and
@@ -249,10 +281,10 @@ def _diagnose(
     if request.include:
         relaxations.append(("include", replace(request, include=())))
     for name, relaxed in relaxations:
-        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline).run()
+        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline, live).run()
         if found is None:
             continue
-        best = build(prep, relaxed, found, free_all)
+        best = build(prep, relaxed, found, free_all, live)
         if name == "min_level":
             why = Reason(ReasonCode.MIN_LEVEL_UNREACHABLE, {
                 "gpus": k, "min_level": request.min_level, "best_worst": _worst_pair_level(prep, found.mask),

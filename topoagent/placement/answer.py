@@ -6,11 +6,14 @@ Answers carry typed reasons (explain.py); the JSON form renders them with field 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from topoagent.levels import LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
+from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
 from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
@@ -33,6 +36,7 @@ class PlacedGpu:
     memory_node: int | None = None
     nic: str | None = None
     numactl: tuple[str, ...] = ()
+    rail: int | None = None  # the rail of its NIC (topoagent.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +73,7 @@ class Placement:
     # and the bandwidth no set can exceed as far as the search got (None: not bounded).
     proven_optimal: bool = True
     bandwidth_bound_gbps: float | None = None
+    unverified: tuple[int, ...] = ()  # chosen GPUs not probed since a job gave them back (placement.live)
 
     fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
 
@@ -125,6 +130,7 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
             rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(nic_names[j] for j in nearest), nic_level,
             None if share is None else share.text, binding.memory_node,
             None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
+            None if binding.nic is None else prep.matrix.nics[binding.nic].rail,
         )
         if len(prep.placed_cache) >= 50_000:
             prep.placed_cache.clear()
@@ -153,9 +159,13 @@ class AnswerParts:
     ring: tuple[PatternLink, ...]  # the ring through the ranks in order, for the estimate
 
 
-def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pattern, nics: int) -> AnswerParts:
-    """The request-independent pieces for GPUs at positions ``order`` (cached)."""
-    key = (order, pattern, nics)
+def answer_parts(
+    prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pattern, nics: int, live: LiveCosts | None = None
+) -> AnswerParts:
+    """The request-independent pieces for GPUs at positions ``order`` (cached; by the
+    NICs' traffic steps too, which choose among equally near NICs)."""
+    loads = live.loads_key if live is not None else None
+    key = (order, pattern, nics, loads)
     got = prep.answer_parts.get(key)
     if got is not None:
         return got
@@ -178,15 +188,25 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     t = tables(prep)
     usable = t.usable  # a NIC with every port down: never
     nic_names = prep.nic_names
+    passed: list[tuple[int, int]] = []  # (chosen, passed over) NICs that traffic alone decided
     if nics:
         dist = []
         for j in usable:
             kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
-            dist.append((kv, -prep.nic_rate[j], j))  # closest, then fastest
-        job_nics = [j for _, _, j in sorted(dist)[:nics]]
+            dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
+        ranked = sorted(dist)
+        job_nics = [entry[-1] for entry in ranked[:nics]]
+        if loads and len(ranked) > nics:
+            # A NIC left out only for its traffic: as near and as fast as one chosen.
+            (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
+            if (kv, rate) == (kv2, rate2) and step2 > step:
+                passed.append((last, first_out))
     else:
         job_nics = usable
-    bindings = bind_ranks(prep, order, job_nics)
+    bindings, by_load = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
+    # Said only where the busier NIC stays unused: else traffic decided which rank, not which NIC.
+    used = {b.nic for b in bindings}
+    passed += [pair for pair in by_load if pair not in passed and pair[1] not in used]
     placed = [placed_gpu(prep, pos, rank_no, binding) for rank_no, (pos, binding) in enumerate(zip(order, bindings))]
     ranks_nics = [nic_names[b.nic] for b in bindings if b.nic is not None]
     # NCCL_IB_HCA names exactly the NICs the ranks use (with ``nics``: the NICs asked for).
@@ -223,6 +243,12 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
         nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
     if unnamed:
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
+    for chosen_j, over_j in passed:
+        assert live is not None  # traffic decides only with live costs
+        nic_reasons.append(Reason(ReasonCode.NIC_LESS_TRAFFIC, {
+            "chosen": nic_names[chosen_j], "over": nic_names[over_j],
+            "chosen_gbs": round(live.gbs(chosen_j), 1), "over_gbs": round(live.gbs(over_j), 1),
+        }))
     if k >= 2 and pattern is not Pattern.ALLREDUCE:
         ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
         if k >= 3:
@@ -240,8 +266,32 @@ def answer_parts(prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pat
     return parts
 
 
-def build(prep: Prepared, req: Request, found: Found, free_all: int, *, fell_back: bool = False) -> Placement:
-    parts = answer_parts(prep, found.order, found.mask, req.pattern, req.nics)
+@dataclass(frozen=True, slots=True)
+class SlowestMessage:
+    """A latency-bound pattern's weakest link as its term (1) ranks it (placement.latency)."""
+
+    time_us: float
+    alpha_us: float
+    message_bytes: int
+
+
+def _slowest_message(prep: Prepared, req: Request, weakest: PatternLink | None) -> SlowestMessage | None:
+    if weakest is None or not req.pattern.latency_bound:
+        return None
+    a, b = prep.pos_of[weakest.a_index], prep.pos_of[weakest.b_index]
+    size = req.message_bytes or LATENCY_BOUND_MESSAGE_BYTES
+    alpha = prep.alpha[a][b]
+    time_us = link_time_us(alpha, prep.bw[a][b], size)
+    if math.isinf(time_us):
+        return None  # a link of unknown bandwidth: no time to give
+    return SlowestMessage(round(time_us, 3), round(alpha, 3), size)
+
+
+def build(
+    prep: Prepared, req: Request, found: Found, free_all: int, live: LiveCosts | None = None, *, fell_back: bool = False
+) -> Placement:
+    parts = answer_parts(prep, found.order, found.mask, req.pattern, req.nics, live)
+    slowest = _slowest_message(prep, req, parts.weakest)
     mask = found.mask
     broken = tuple(
         label for z, label in prep.named_zones if (z & mask) and (z & ~mask) and not (z & ~free_all)
@@ -253,6 +303,9 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int, *, fell_bac
         numa_nodes=found.numa_nodes,
         nic_cost=found.nic_cost,
         damage=found.damage,
+        unverified_gpus=found.key[4][0],
+        nic_traffic_steps=found.key[4][1],
+        link_time_us=slowest.time_us if slowest is not None else None,
     )
     quality = parts.bandwidth or 0.0
     loss = (objective.numa_nodes - 1) + len(broken)
@@ -263,6 +316,9 @@ def build(prep: Prepared, req: Request, found: Found, free_all: int, *, fell_bac
             "shape": req.pattern.shape, "gbps": weakest.gbps, "level": weakest.level,
             "a_index": weakest.a_index, "b_index": weakest.b_index, "gpus": len(found.order),
             "held": req.include,
+            **({} if slowest is None else {
+                "time_us": slowest.time_us, "alpha_us": slowest.alpha_us, "message_bytes": slowest.message_bytes,
+            }),
         }))
     count = len(parts.numa_labels)
     if count == 1:

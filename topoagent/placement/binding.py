@@ -16,7 +16,8 @@ NICs.  A NIC whose ports are all down is never chosen nor listed (a NIC whose po
 is unknown, as from nvidia-smi text, is kept).  Each rank gets the closest NIC to its GPU
 among the job's NICs (the ``nics`` closest to the set when the request asks for some, else
 all usable ones); where several are equally close, ranks take distinct ones (ranks with
-fewer choices choose first), then the faster one, then the lower position.
+fewer choices choose first), then the faster one, then the one whose ports carry less
+traffic now (in steps of a tenth of the line rate, placement.live), then the lower position.
 
 Launchers (``Launch``), all per local rank in rank order:
 
@@ -143,8 +144,12 @@ def nearest_usable(prep: Prepared, pos: int, among: list[int]) -> tuple[int, lis
     return best, [j for j in among if kinds[j] == best]
 
 
-def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> list[RankBinding]:
-    """The binding of each rank (GPUs at positions ``order``), given the job's NICs."""
+def bind_ranks(
+    prep: Prepared, order: tuple[int, ...], job_nics: list[int], load: list[int] | None = None
+) -> tuple[list[RankBinding], list[tuple[int, int]]]:
+    """The binding of each rank (GPUs at positions ``order``), given the job's NICs and
+    each NIC's traffic now in steps (``load``; None: none); with the (chosen, passed over)
+    NIC pairs that traffic alone decided."""
     t = tables(prep)
     by_pool: dict[tuple[int, ...], list[int]] = {}
     for rank, pos in enumerate(order):
@@ -159,14 +164,20 @@ def bind_ranks(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> l
     nearest = t.nearest if job_nics is t.usable else [nearest_usable(prep, pos, job_nics) for pos in range(len(t.nearest))]
     choices = [nearest[pos][1] for pos in order]
     used = dict.fromkeys(job_nics, 0)
+    steps = load or [0] * len(prep.nic_rate)
     nic: list[int | None] = [None] * len(order)
+    by_load: list[tuple[int, int]] = []
     for rank in sorted(range(len(order)), key=lambda r: (len(choices[r]), r)):
         if choices[rank]:
-            pick = min(choices[rank], key=lambda j: (used[j], -prep.nic_rate[j], j))
+            pick = min(choices[rank], key=lambda j: (used[j], -prep.nic_rate[j], steps[j], j))
+            even = [j for j in choices[rank] if (used[j], prep.nic_rate[j]) == (used[pick], prep.nic_rate[pick])]
+            busiest = max(even, key=steps.__getitem__)
+            if steps[busiest] > steps[pick] and (pick, busiest) not in by_load:
+                by_load.append((pick, busiest))
             used[pick] += 1
             nic[rank] = pick
     gpus = prep.matrix.gpus
-    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)]
+    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)], by_load
 
 
 def rank_numactl(prep: Prepared, binding: RankBinding) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ class Door(enum.Enum):
 
 class ReasonCode(enum.StrEnum):
     # A placement.
-    BOTTLENECK = "bottleneck"  # shape, gbps, level, a_index, b_index, gpus, held
+    BOTTLENECK = "bottleneck"  # shape, gbps, level, a_index, b_index, gpus, held[, time_us, alpha_us, message_bytes]
     ONE_NUMA_NODE = "one_numa_node"  # node
     SPANS_NUMA_BEST = "spans_numa_best"  # count
     SPANS_NUMA_INCLUDED_ALONE = "spans_numa_included_alone"  # count, field, held, included_span
@@ -35,6 +35,12 @@ class ReasonCode(enum.StrEnum):
     UNHEALTHY_LEFT_OUT = "unhealthy_left_out"  # gpus (indices), why (one line per GPU)
     UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
     NOT_PROVEN = "not_proven"  # deadline_ms, bound_gbps (None: the search bounded no bandwidth)
+    # Live signals, weighed at equal merit (placement.live).
+    UNVERIFIED_TAKEN = "unverified_taken"  # gpus
+    UNVERIFIED_PASSED_OVER = "unverified_passed_over"  # gpus
+    NIC_LESS_TRAFFIC = "nic_less_traffic"  # chosen, over, chosen_gbs, over_gbs
+    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC)
+    BUSY_NICS_PASSED_OVER = "busy_nics_passed_over"  # gpus, gbs (the least)
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
     TOO_FEW_FREE = "too_few_free"  # gpus, free, size, excluded
@@ -94,7 +100,13 @@ def _proven(p: _Params) -> bool:
 def _bottleneck(p: _Params) -> str:
     held = f" holding GPUs {p.gpus('held')}" if p["held"] else ""
     claim = f"no free set of {p['gpus']}{held} does better" if _proven(p) else "the best found in time, not proven"
-    return f"{p['shape']} bottleneck {p['gbps']:g} GB/s over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']}); {claim}"
+    link = f"over {p['level']} (GPU{p['a_index']}-GPU{p['b_index']})"
+    if "time_us" in p.params:  # a latency-bound pattern: ranked by one message's time (placement.latency)
+        return (
+            f"{p['shape']}: slowest link {p['time_us']:g} us per {p['message_bytes']}-byte message {link}: "
+            f"{p['alpha_us']:g} us latency + {p['gbps']:g} GB/s; {claim}"
+        )
+    return f"{p['shape']} bottleneck {p['gbps']:g} GB/s {link}; {claim}"
 
 
 def _spans(p: _Params) -> str:
@@ -182,6 +194,24 @@ _TEMPLATES = {
         "(not proven that none exists)"
     ),
     ReasonCode.UNKNOWN_LINKS_TAKEN: _unknown_links,
+    ReasonCode.UNVERIFIED_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since): "
+        "taken because no set of verified GPUs has equal merit"
+    ),
+    ReasonCode.UNVERIFIED_PASSED_OVER: lambda p: (
+        f"verified GPUs preferred at equal merit: GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since)"
+    ),
+    ReasonCode.NIC_LESS_TRAFFIC: lambda p: (
+        f"NIC {p['chosen']} chosen over {p['over']} (equally near): {p['chosen_gbs']:g} vs {p['over_gbs']:g} GB/s of traffic now"
+    ),
+    ReasonCode.BUSY_NICS_TAKEN: lambda p: (
+        f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: "
+        "no set of equal merit has quieter NICs"
+    ),
+    ReasonCode.BUSY_NICS_PASSED_OVER: lambda p: (
+        f"GPUs with quieter NICs preferred at equal merit: the nearest NICs of GPU(s) {p.gpus('gpus')} "
+        f"carry {p['gbs']:g} GB/s or more of traffic now"
+    ),
     ReasonCode.INCLUDED_BUSY: lambda p: f"included GPU {p['index']} is busy",
     ReasonCode.TOO_FEW_FREE: _too_few,
     ReasonCode.TOO_MANY_NICS: lambda p: f"{p['nics']} NICs requested, the node has {p['node_nics']}",

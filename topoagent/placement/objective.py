@@ -23,6 +23,9 @@ Objective (lexicographic; an earlier term always wins over a later one)
    The pattern's value is the key of its weakest link: for ``allreduce`` the best ring
    (a Hamiltonian cycle through the set; bottleneck), for ``pipeline`` the best path, for
    ``alltoall`` the weakest pair.  ``independent`` jobs and single GPUs have no links.
+   The latency-bound patterns (``alltoall``, ``pipeline``) key a link by one message's
+   time first, small-copy latency + ``message_bytes`` / bandwidth (placement.latency),
+   then bandwidth and closeness: the same bottleneck search over another ranking.
 2. **Least NUMA distance** spanned: the largest SLIT distance (``numactl -H``) between
    the NUMA nodes of the chosen GPUs, a node with itself included (10 for one node, 12
    for two nodes of one socket on a DGX A100, 32 across its sockets).  0 for every set
@@ -39,7 +42,12 @@ Objective (lexicographic; an earlier term always wins over a later one)
    taking ``s`` of the zone's ``f`` free GPUs costs ``f^2 - (f-s)^2``.  Minimising it is
    best fit: take from the most used zone (this applies to k=1 too) and keep whole zones
    whole for later large jobs.
-6. **Deterministic tie-break**: leave each GPU that stays free its best link to another
+6. **Live signals at equal merit** (placement.live), passed beside ``busy`` and never
+   in the matrix: first the fewest *unverified* GPUs (a job gave them back and the probes
+   have not checked them since), then the least traffic now on the GPUs' nearest NICs
+   (each GPU counts its least loaded nearest NIC, in steps of a tenth of the port's line
+   rate, so noise does not flip answers).  Both are 0 without live signals.
+7. **Deterministic tie-break**: leave each GPU that stays free its best link to another
    free GPU (least *partner loss*: summed over the GPUs left free, how far the rank of
    each one's best free link falls).  Where zones say nothing -- on a DGX-1 hybrid cube
    mesh every NVLink graph is connected, so its only zones are the sockets -- this keeps
@@ -106,6 +114,9 @@ class Objective:
     numa_nodes: int  # (3)
     nic_cost: int  # (4), the kinds summed; 0 when no NICs were asked for
     damage: int  # (5)
+    link_time_us: float | None = None  # (1) for alltoall and pipeline: one message over the slowest link
+    unverified_gpus: int = 0  # (6), GPUs not probed since a job gave them back
+    nic_traffic_steps: int = 0  # (6), traffic now on the GPUs' nearest NICs, tenths of line rate
 
 
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:

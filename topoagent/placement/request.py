@@ -157,7 +157,9 @@ class Request:
     nics: int = 0
     affinity: Affinity = Affinity.ANY  # the tier the answer must meet (placement.tiers)
     fallback: bool = False  # settle for the best lower tier instead of no fit
-    message_bytes: int | None = None  # the all-reduce size the estimate is for; None: a default
+    # The all-reduce size the estimate is for, and for alltoall and pipeline the size of one
+    # message their links are timed by (placement.latency); None: the defaults.
+    message_bytes: int | None = None
     deadline_ms: int | None = None  # when the search stops with its best so far; None: no limit (the door's default)
 
     def __post_init__(self) -> None:
@@ -247,7 +249,9 @@ def request_json_schema() -> dict[str, Any]:
             "fallback": {"type": "boolean", "default": False,
                          "description": "When `affinity` cannot be met, answer with the best lower tier (and say which) instead of no fit."},
             "message_bytes": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["message_bytes_max"],
-                              "description": "The all-reduce message size the answer's estimate is for (default 256 MiB)."},
+                              "description": "The all-reduce size the answer's estimate is for (default 256 MiB); for alltoall "
+                                             "and pipeline also the size of one message between two ranks, which their links are "
+                                             "ranked by: small-copy latency + size / bandwidth (default 1 MiB)."},
             "deadline_ms": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["deadline_ms_max"],
                             "description": "When the search stops and answers with the best set found so far "
                                            "(`proven_optimal` false; default: the service's `[placement] deadline_ms`)."},

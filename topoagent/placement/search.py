@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from itertools import combinations, pairwise
+from itertools import accumulate, combinations, pairwise
 from math import comb
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Protocol
@@ -32,11 +32,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
+from topoagent.placement.latency import time_key
 from topoagent.placement.request import Request
 from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
     from topoagent.placement.answer import AnswerParts, PatternLink, PlacedGpu
+    from topoagent.placement.live import LiveCosts
 
 # --- per-matrix preparation (cached; independent of the request and of busy GPUs) ---------
 
@@ -148,7 +150,7 @@ FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 class Prepared:
     """Everything about a matrix the search reads, as bitmasks over GPU positions."""
 
-    def __init__(self, matrix: DistanceMatrix, now: float | None):
+    def __init__(self, matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None):
         n = matrix.size
         self.n = n
         # Weak: the matrix keeps its tables (derived_cache), and a strong link back would
@@ -156,28 +158,35 @@ class Prepared:
         # in whichever request comes after a snapshot is replaced.  Without the cycle the
         # old tables go the moment the old snapshot does.
         self.matrix: DistanceMatrix = weakref.proxy(matrix)
+        self._matrix_ref = weakref.ref(matrix)  # the matrix itself, for timed() tables (no proxy of a proxy)
+        self.now = now
         self.all_mask = (1 << n) - 1
         levels = matrix.gpu_levels
         bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
         self.bw = bw
-        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...).
-        keys = {
-            (bw[i][j], tuple(-x for x in levels[i][j].sort_key()))
-            for i in range(n)
-            for j in range(n)
-            if i != j
-        }
-        ordered = sorted(keys)
-        index_of = {key: r for r, key in enumerate(ordered)}
-        self.rank = [
+        self.alpha = [[matrix.latency_us(i, j, now) for j in range(n)] for i in range(n)]  # placement.latency
+        # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...);
+        # with ``message_bytes`` (latency-bound patterns) one message's time first (placement.latency).
+        self.message_bytes = message_bytes
+        closeness = [[tuple(-x for x in levels[i][j].sort_key()) for j in range(n)] for i in range(n)]
+        edge = [
             [
-                index_of[(bw[i][j], tuple(-x for x in levels[i][j].sort_key()))] if i != j else -1
+                (bw[i][j], closeness[i][j]) if message_bytes is None
+                else time_key(self.alpha[i][j], bw[i][j], closeness[i][j], message_bytes)
                 for j in range(n)
             ]
             for i in range(n)
         ]
+        ordered = sorted({edge[i][j] for i in range(n) for j in range(n) if i != j})
+        index_of = {key: r for r, key in enumerate(ordered)}
+        self.rank = [[index_of[edge[i][j]] if i != j else -1 for j in range(n)] for i in range(n)]
         self.n_ranks = len(ordered)
-        self.rank_gbps = [key[0] for key in ordered]  # a threshold's bandwidth, for bounds
+        # A threshold's bound on bandwidth: the widest link ranked at or below it.
+        self.rank_gbps = list(accumulate((key[0] if message_bytes is None else key[1] for key in ordered), max))
+        # Distinct (alpha, GB/s, closeness) of the links: what a message size's order is of.
+        self.edge_classes = {(self.alpha[i][j], bw[i][j], closeness[i][j]) for i in range(n) for j in range(n) if i != j}
+        self._timed: dict[tuple, Prepared] = {}
+        self.live_costs: dict[tuple, LiveCosts] = {}  # the last request's (placement.live)
         # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
         self.rank_exact = [[0] * n for _ in ordered]
         for i in range(n):
@@ -298,7 +307,28 @@ class Prepared:
             if z.bit_count() > 1
         ]
         # The parts of an answer that depend only on the chosen order (see _build).
-        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int], AnswerParts] = {}
+        self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None], AnswerParts] = {}
+
+    def timed(self, message_bytes: int) -> Prepared:
+        """The tables for a latency-bound pattern at ``message_bytes`` (placement.latency):
+        these when one message's time orders the links as bandwidth does -- every pair of a
+        bandwidth key with one alpha, in the same order, as with no latency measured --
+        else ones built for that order, shared by every size giving it."""
+        order = sorted(self.edge_classes, key=lambda c: time_key(c[0], c[1], c[2], message_bytes))
+        alphas: dict[tuple, set[float]] = {}
+        for alpha, gbps, near in self.edge_classes:
+            alphas.setdefault((gbps, near), set()).add(alpha)
+        if all(len(a) == 1 for a in alphas.values()) and [c[1:] for c in order] == sorted(alphas):
+            return self
+        signature = tuple(order)
+        got = self._timed.get(signature)
+        if got is None:
+            if len(self._timed) > 8:
+                self._timed.clear()
+            matrix = self._matrix_ref()
+            assert matrix is not None  # alive while its tables are asked for (self.matrix would be a proxy)
+            got = self._timed[signature] = Prepared(matrix, self.now, message_bytes)
+        return got
 
     def _zone_label(self, name: str, zone: int) -> str:
         """'GPUs 0,1 (one NV8 zone)' or 'GPUs 0,1 (all of NUMA node 3)': GPU indices
@@ -583,23 +613,27 @@ class Prepared:
         return None
 
 
-def prepare(matrix: DistanceMatrix, now: float | None) -> Prepared:
-    """The matrix's tables, built once per matrix and set of fresh measurements."""
-    if matrix.measured:
+def prepare(matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None) -> Prepared:
+    """The matrix's tables, built once per matrix and set of fresh measurements; with
+    ``message_bytes``, for a latency-bound pattern at that size (Prepared.timed)."""
+    fresh: frozenset = frozenset()
+    if matrix.measured or matrix.measured_latency:
         fresh = frozenset(
             key
             for key, m in matrix.measured.items()
             if now is None or now - m.taken_at <= matrix.measurement_max_age_s
+        ) | frozenset(
+            ("latency", key)
+            for key, lat in matrix.measured_latency.items()
+            if now is None or now - lat.taken_at <= matrix.measurement_max_age_s
         )
-    else:
-        fresh = frozenset()
     cache = matrix.derived_cache.setdefault("placement", {})
     prepared = cache.get(fresh)
     if prepared is None:
         if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
             cache.clear()
         prepared = cache[fresh] = Prepared(matrix, now)
-    return prepared
+    return prepared if message_bytes is None else prepared.timed(message_bytes)
 
 
 def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
@@ -628,6 +662,10 @@ def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
 
 
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
+NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
+
+# A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
+Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
 
 
 @dataclass(slots=True)
@@ -635,7 +673,7 @@ class Found:
     mask: int
     order: tuple[int, ...]
     rank: int | None
-    key: tuple[int, int, tuple[int, float], int]  # terms (2)-(5): distance, nodes, NICs, damage
+    key: Key  # terms (2)-(6): distance, nodes, NICs, damage, live
     loss: int | None = None  # partner loss, computed when a tie needs it
 
     @property
@@ -666,15 +704,17 @@ class Search:
         candidates: int,
         include: int,
         deadline: Deadline | None = None,
+        live: LiveCosts | None = None,
         steps: StepBudget | None = None,
     ):
         self.prep = prep
         self.deadline = deadline
+        self.live = live  # term (6): unverified GPUs, NIC traffic now (placement.live)
         self.ticker: Ticker | None = steps if steps is not None else deadline  # called once per step
         # The key of a set known at the threshold being searched (a cheap first answer's):
         # branches that cannot come within it are cut.  Cut only when strictly worse, so
         # the search visits every set it would visit without it (see _cut): same answer.
-        self.cutoff: tuple[int, int, tuple[int, float], int] | None = None
+        self.cutoff: Key | None = None
         # What run() leaves when the deadline stopped it: proven False, the best set found
         # at any threshold, and the best threshold not ruled out (its bandwidth bounds
         # every set's; None when links do not matter or nothing was ruled in).
@@ -842,7 +882,7 @@ class Search:
             nic = self.prep.nic_cost(mask, nics) if nics else NO_NICS
             if best is not None and nic > best.key[2]:
                 continue
-            key = (span, numa, nic, self._damage_of(mask))
+            key = (span, numa, nic, self._damage_of(mask), self._live_cost(mask))
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
@@ -858,6 +898,9 @@ class Search:
                     best = Found(mask, order, rank, key)
                     best_loss = loss
         return best
+
+    def _live_cost(self, mask: int) -> tuple[int, int]:
+        return self.live.cost(mask) if self.live else NO_LIVE_COST
 
     def _best_loss(self, best: Found) -> int:
         if best.loss is None:
@@ -947,7 +990,7 @@ class Search:
         for _, gi in holding[:FIRST_SET_NODES]:
             sub = Search(
                 prep, self.req, self.free_all, self.candidates & prep.numa_masks[gi], self.include, self.deadline,
-                StepBudget(FIRST_SET_STEPS, self.deadline),
+                self.live, StepBudget(FIRST_SET_STEPS, self.deadline),
             )
             try:
                 found = sub._search_at(r, stop_at_first=True)
@@ -970,7 +1013,9 @@ class Search:
         steps = StepBudget(FIRST_SET_STEPS, self.deadline)
         try:
             if self.include and self.req.pattern is not Pattern.ALLTOALL:
-                sub = Search(self.prep, self.req, self.free_all, pool & self.candidates, self.include, self.deadline, steps)
+                sub = Search(
+                    self.prep, self.req, self.free_all, pool & self.candidates, self.include, self.deadline, self.live, steps
+                )
                 return sub._search_at(r, stop_at_first=True)
             return self._grow(r, pool, steps)
         except StepsSpent:
@@ -1121,13 +1166,14 @@ class Search:
         )
 
     def _found(self, taken: int, order: tuple[int, ...], r: int) -> Found:
-        """``taken`` in ``order`` as the search scores a set (terms 2-5)."""
+        """``taken`` in ``order`` as the search scores a set (terms 2-6)."""
         prep = self.prep
         groups = prep.groups_of(taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        return Found(taken, order, r, (prep.numa_span(groups), groups.bit_count(), nic, self._damage_of(taken)))
+        key = (prep.numa_span(groups), groups.bit_count(), nic, self._damage_of(taken), self._live_cost(taken))
+        return Found(taken, order, r, key)
 
-    def _search_at(self, r: int | None, stop_at_first: bool, cutoff: tuple[int, int, tuple[int, float], int] | None = None) -> Found | None:
+    def _search_at(self, r: int | None, stop_at_first: bool, cutoff: Key | None = None) -> Found | None:
         prep = self.prep
         k = self.k
         pattern = self.req.pattern
@@ -1393,6 +1439,8 @@ class Search:
             return
         class_mask, zones = classes[ci]
         members = list(bits(class_mask & cand))
+        if self.live:  # a class's members differ only in term (6): the cheapest go first
+            members.sort(key=self.live.of.__getitem__)
         rest = cand & ~class_mask
         allowed = self.allowed
         top = min(len(members), rem)
@@ -1410,11 +1458,11 @@ class Search:
                 return
 
     def _cut(
-        self, taken: int, cand: int, rem: int, dmg: int, limit: tuple[int, int, tuple[int, float], int], strict: bool
+        self, taken: int, cand: int, rem: int, dmg: int, limit: Key, strict: bool
     ) -> bool:
         """Whether no completion of ``taken`` from ``cand`` can beat ``limit`` (or, strict,
         equal it): the bound, one term at a time -- later terms only matter on a tie."""
-        limit_span, limit_numa, limit_nic, limit_dmg = limit
+        limit_span, limit_numa, limit_nic, limit_dmg, limit_live = limit
         span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
         if span != limit_span:
             return span > limit_span
@@ -1425,7 +1473,11 @@ class Search:
         if nic != limit_nic:
             return nic > limit_nic
         least = dmg + self._damage_bound(taken, cand, rem)
-        return least > limit_dmg if strict else least >= limit_dmg
+        if least != limit_dmg:
+            return least > limit_dmg
+        # Term (6) only grows as GPUs are added: what is taken bounds it.
+        live = self._live_cost(taken)
+        return live > limit_live if strict else live >= limit_live
 
     def _leaf(self, taken: int, dmg: int) -> None:
         prep = self.prep
@@ -1444,7 +1496,7 @@ class Search:
             order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
         groups = prep.groups_of(taken)
         nic = prep.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg)
+        key = (prep.numa_span(groups), groups.bit_count(), nic, dmg, self._live_cost(taken))
         best = self.best
         if best is None or key < best.key:
             self.best = Found(taken, order, self.r, key)

@@ -57,6 +57,7 @@ from topoagent.vocabulary import Affinity
 
 if TYPE_CHECKING:
     from topoagent.placement.answer import PatternLink
+    from topoagent.placement.live import LiveCosts
     from topoagent.placement.request import Request
 
 DEFAULT_MESSAGE_BYTES = 256 << 20
@@ -143,19 +144,19 @@ def tier_met(prep: Prepared, mask: int, links: tuple[PatternLink, ...]) -> Affin
 
 def search_tier(
     prep: Prepared, req: Request, tier: Affinity, free_all: int, candidates: int, include: int,
-    deadline: Deadline | None = None,
+    deadline: Deadline | None = None, live: LiveCosts | None = None,
 ) -> Found | None:
     """The search for ``req`` under ``tier``'s constraints (module docstring); the caller
     checks the answer with ``tier_met``."""
     if tier is Affinity.BEST:
-        return Search(prep, replace(req, single_numa=True), free_all, candidates, include, deadline).run()
+        return Search(prep, replace(req, single_numa=True), free_all, candidates, include, deadline, live).run()
     if tier is Affinity.ANY:
-        return Search(prep, req, free_all, candidates, include, deadline).run()
+        return Search(prep, req, free_all, candidates, include, deadline, live).run()
     best: Found | None = None
     for socket in tier_tables(prep).socket_masks:
         if include & ~socket or (candidates & socket).bit_count() < req.gpus:
             continue
-        found = Search(prep, req, free_all, candidates & socket, include, deadline).run()
+        found = Search(prep, req, free_all, candidates & socket, include, deadline, live).run()
         if found is not None and (best is None or _better(found, best)):
             best = found
     return best

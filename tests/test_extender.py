@@ -1,0 +1,344 @@
+"""`topoagent extender` as kube-scheduler meets it: 8 real agents on loopback (2 each of a
+PCIe two-socket box, a DGX-1 hybrid cube mesh, a degraded HGX H100 and a DGX A100), the
+real extender child binding through a loopback API server with the `kubernetes` client.
+The calls are kube-scheduler's (k8s.io/kube-scheduler/extender/v1 documents, Go field
+names), as bench/cluster.py replays them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from service_helpers import metric_value, promtool_complaints, wait_for
+
+from bench.cluster import (
+    RESOURCE,
+    Cluster,
+    CountOnly,
+    Job,
+    Placed,
+    ThroughExtender,
+    _child_env,
+    _wait_line,
+    cluster,
+    fixtures_for,
+    job_stream,
+    replay,
+)
+from topoagent.deviceplugin.pods import ANNOTATION
+from topoagent.extender.wire import LEASE_ANNOTATION, PodError, gpus_wanted, pod_request
+
+
+@pytest.fixture(scope="module")
+def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    with cluster(fixtures_for(8), work=tmp_path_factory.mktemp("cluster")) as running:
+        yield running
+
+
+def new_pod(c: Cluster, gpus: int, annotations: dict[str, str] | None = None, name: str | None = None) -> dict:
+    pod = {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name or f"pod-{uuid.uuid4().hex[:8]}", "namespace": "team-a", "uid": str(uuid.uuid4()),
+                     "annotations": dict(annotations or {})},
+        "spec": {"containers": [{"name": "main", "resources": {"limits": {RESOURCE: str(gpus)}}}]},
+        "status": {"phase": "Pending"},
+    }
+    c.api.add_pod(pod)
+    return pod
+
+
+def args_for(c: Cluster, pod: dict, names: list[str] | None = None) -> dict:
+    return {"Pod": pod, "Nodes": {"items": c.node_objects(names)}, "NodeNames": None}
+
+
+def leases(c: Cluster) -> dict[str, list[dict]]:
+    return {n.name: n.request("GET", "/leases")[1]["leases"] for n in c.nodes}
+
+
+def test_a_stream_of_pods_binds_disjoint_gpus_in_rank_order_and_beats_count_only(c: Cluster) -> None:
+    jobs = job_stream(36, sum(n.gpus for n in c.nodes), load=0.9, seed=11)
+    ours = ThroughExtender(c)
+    checked = 0
+
+    def check(c: Cluster, running: list[Placed]) -> None:
+        nonlocal checked
+        held: dict[str, set[int]] = {}
+        for p in running:
+            mine = set(p.gpus)
+            assert not held.setdefault(p.node, set()) & mine, f"GPU handed out twice on {p.node}: {p.gpus}"
+            held[p.node] |= mine
+        newest = running[-1]
+        pod = c.api.pod(f"job-{newest.job.id}", "bench")
+        node = c.node(newest.node)
+        chosen = pod["metadata"]["annotations"][ANNOTATION].split(",")
+        assert len(chosen) == newest.job.gpus and set(chosen) <= set(node.uuid_index), "annotation names GPUs of another node"
+        # Rank order: the agent's own lease, held by the pod, lists the same GPUs in the same order.
+        lease = next(x for x in node.request("GET", "/leases")[1]["leases"] if x["id"] == pod["metadata"]["annotations"][LEASE_ANNOTATION])
+        assert lease["gpu_uuids"] == chosen
+        assert lease["owner"] == f"bench/job-{newest.job.id}/{pod['metadata']['uid']}"
+        assert pod["spec"]["nodeName"] == newest.node
+        checked += 1
+
+    mine = replay(c, ours, jobs, check)
+    assert checked == len(mine.placed) > 20
+    assert set(ours.scores_seen) <= set(range(11)) and max(ours.scores_seen) == 10
+    assert [b["node"] for b in c.api.bindings if b["namespace"] == "bench"] == [p.node for p in mine.placed]
+    assert all(not held for held in leases(c).values()), "every finished job's lease was released"
+    theirs = replay(c, CountOnly(c), jobs)
+    assert len(mine.placed) == len(theirs.placed) == len(jobs)
+    assert statistics.median(mine.ring_gbps) >= statistics.median(theirs.ring_gbps)
+    assert statistics.mean(mine.ring_gbps) > statistics.mean(theirs.ring_gbps)
+    assert all(not held for held in leases(c).values())
+
+
+def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
+    pod = new_pod(c, 2)
+    priorities = c.extender.call("prioritize", args_for(c, pod))
+    scores = {p["Host"]: p["Score"] for p in priorities}
+    assert set(scores) == {n.name for n in c.nodes} and set(scores.values()) <= set(range(11))
+    bandwidth = {}
+    for node in c.nodes:
+        status, answer = node.request("POST", "/place", {"gpus": 2})
+        assert status == 200
+        bandwidth[node.name] = answer["bandwidth_gbps"]
+    for a in c.nodes:
+        for b in c.nodes:
+            if bandwidth[a.name] > bandwidth[b.name]:
+                assert scores[a.name] > scores[b.name], (a.fixture, b.fixture, scores)
+    assert scores[max(bandwidth, key=lambda n: bandwidth[n])] == 10
+
+
+def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
+    full = c.nodes[3]
+    status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+    assert status == 200
+    try:
+        result = c.extender.call("filter", args_for(c, new_pod(c, 2)))
+        assert result["FailedNodes"] == {full.name: f"0 of {full.gpus} GPUs free; the pod needs 2"}
+        assert full.name not in {n["metadata"]["name"] for n in result["Nodes"]["items"]}
+        huge = c.extender.call("filter", args_for(c, new_pod(c, 16)))
+        assert huge["Nodes"]["items"] == [] and huge["FailedNodes"] == {}
+        assert huge["FailedAndUnresolvableNodes"] == {n.name: f"the node has {n.matrix.size} GPUs; the pod needs 16" for n in c.nodes}
+    finally:
+        assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+
+
+def test_the_pods_wishes_are_the_agents_words(c: Cluster) -> None:
+    """A node passes exactly when its own agent places the same request."""
+    wishes = {"topoagent.io/min-level": "NV12", "topoagent.io/affinity": "better", "topoagent.io/single-numa": "false"}
+    pod = new_pod(c, 4, wishes)
+    result = c.extender.call("filter", args_for(c, pod))
+    assert result["Error"] == "" and result["NodeNames"] is None
+    passed = {n["metadata"]["name"] for n in result["Nodes"]["items"]}
+    for node in c.nodes:
+        status, answer = node.request("POST", "/place", {"gpus": 4, "min_level": "NV12", "affinity": "better", "single_numa": False})
+        assert (node.name in passed) == (status == 200), (node.fixture, answer)
+        if status != 200:
+            assert result["FailedNodes"][node.name] == answer["detail"]
+    assert passed and len(passed) < len(c.nodes)
+
+
+def test_a_bad_annotation_fails_every_node_with_the_parsers_message(c: Cluster) -> None:
+    pod = new_pod(c, 2, {"topoagent.io/pattern": "ringg"})
+    result = c.extender.call("filter", args_for(c, pod))
+    said = c.nodes[0].request("POST", "/place", {"gpus": 2, "pattern": "ringg"})[1]["detail"]
+    assert said.startswith("pattern: ")
+    assert result["FailedAndUnresolvableNodes"] == {name: "topoagent.io/pattern: " + said.removeprefix("pattern: ") for name in result["FailedAndUnresolvableNodes"]}
+    assert len(result["FailedAndUnresolvableNodes"]) == len(c.nodes) and result["Nodes"]["items"] == [] and result["Error"] == ""
+    assert {p["Score"] for p in c.extender.call("prioritize", args_for(c, pod))} == {0}
+
+
+def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
+    def metrics() -> str:
+        conn = socket.create_connection((c.extender.address, c.extender.port), timeout=10)
+        conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+        conn.close()
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].endswith(b" 200 OK") and promtool_complaints(body) == []
+        return body.decode()
+
+    pod = new_pod(c, 2, {"topoagent.io/pattern": "pipeline"})
+    c.extender.call("filter", args_for(c, pod))
+    before = metrics()
+    c.extender.call("filter", args_for(c, pod))
+    c.extender.call("prioritize", args_for(c, pod))
+    after = metrics()
+
+    def grew(name: str, labels: dict[str, str] | None = None) -> float:
+        return (metric_value(after, name, labels) or 0) - (metric_value(before, name, labels) or 0)
+
+    assert grew("topoagent_extender_capacity_requests_total", {"answer": "not_modified"}) == 2 * len(c.nodes)
+    assert grew("topoagent_extender_capacity_requests_total", {"answer": "changed"}) == 0
+    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 2 * len(c.nodes)
+    assert grew("topoagent_extender_dry_runs_total", {"source": "agent"}) == 0
+    assert grew("topoagent_extender_requests_total", {"verb": "prioritize"}) == 1
+
+
+def test_names_only_when_node_cache_capable(c: Cluster) -> None:
+    pod = new_pod(c, 8)
+    known = [n.name for n in c.nodes]  # their addresses came with earlier Node objects
+    result = c.extender.call("filter", {"Pod": pod, "NodeNames": [*known, "node-never-seen"]})
+    assert result["Nodes"] is None and set(result["NodeNames"]) <= set(known) and result["NodeNames"]
+    assert "no address known" in result["FailedNodes"]["node-never-seen"]
+
+
+class Garbled(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "7")
+        self.end_headers()
+        self.wfile.write(b'{"free_')
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def silent(c: Cluster) -> Iterator[list[tuple[str, str]]]:
+    """Three nodes whose agents do not answer: one refuses connections, one accepts and
+    says nothing, one answers what is not JSON."""
+    port = c.nodes[0].port
+    base = c.nodes[0].address.rsplit(".", 1)[0]
+    hung = socket.socket()
+    hung.bind((f"{base}.201", port))
+    hung.listen(8)  # never accepted: the request is sent and nothing comes back
+    garbled = ThreadingHTTPServer((f"{base}.202", port), Garbled)
+    threading.Thread(target=garbled.serve_forever, daemon=True).start()
+    c.unanswering = [("node-refuses", f"{base}.200"), ("node-hangs", f"{base}.201"), ("node-garbles", f"{base}.202")]
+    try:
+        yield c.unanswering
+    finally:
+        c.unanswering = []
+        hung.close()
+        garbled.shutdown()
+        garbled.server_close()
+
+
+def test_an_agent_that_does_not_answer_is_filtered_out_with_the_reason(c: Cluster, silent: list) -> None:
+    pod = new_pod(c, 1)
+    result = c.extender.call("filter", args_for(c, pod))
+    assert result["Error"] == ""
+    assert "did not answer" in result["FailedNodes"]["node-refuses"]
+    assert "did not answer within 2 s" in result["FailedNodes"]["node-hangs"]
+    assert "the answer is not JSON" in result["FailedNodes"]["node-garbles"]
+    assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes}
+    # Not asked again at once: the next cycle says so instead of waiting out the timeout again.
+    again = c.extender.call("filter", args_for(c, pod))["FailedNodes"]["node-hangs"]
+    assert again.startswith("the node's agent did not answer within 2 s (") and "asked again after 10 s" in again
+
+
+def test_with_unanswered_pass_it_stays_with_the_lowest_score(c: Cluster, silent: list, tmp_path: Path) -> None:
+    port = c.nodes[0].port
+    log = tmp_path / "extender.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{port}",
+                                 "--unanswered", "pass", "--agent-timeout", "0.5"], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    try:
+        line = _wait_line(proc, "extender", log)
+        other = type(c.extender)(proc, "127.0.0.1", int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0]))
+        pod = new_pod(c, 1)
+        result = other.call("filter", args_for(c, pod))
+        assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes} | {"node-refuses", "node-hangs", "node-garbles"}
+        scores = {p["Host"]: p["Score"] for p in other.call("prioritize", args_for(c, pod))}
+        assert scores["node-refuses"] == scores["node-hangs"] == scores["node-garbles"] == 0
+        assert min(scores[n.name] for n in c.nodes) >= 1
+        assert "event=agent_unanswered" in wait_for("the log line", lambda: log.read_text() if "treated_as=pass" in log.read_text() else "", log=log.read_text)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()
+
+
+def test_a_failed_bind_releases_the_lease(c: Cluster) -> None:
+    pod = new_pod(c, 2, name="doomed")
+    c.api.fail_binding.add("doomed")
+    try:
+        best = max(c.extender.call("prioritize", args_for(c, pod)), key=lambda p: p["Score"])["Host"]
+        meta = pod["metadata"]
+        result = c.extender.call("bind", {"PodName": "doomed", "PodNamespace": "team-a", "PodUID": meta["uid"], "Node": best})
+    finally:
+        c.api.fail_binding.discard("doomed")
+    assert "HTTP 500" in result["Error"] and "etcdserver" in result["Error"]
+    assert all(not held for held in leases(c).values()), "the lease went with the failed bind"
+    assert "nodeName" not in c.api.pod("doomed", "team-a")["spec"]
+    # A pod that was replaced (another UID) is not bound either, and nothing is leased.
+    stale = c.extender.call("bind", {"PodName": "doomed", "PodNamespace": "team-a", "PodUID": "not-the-uid", "Node": best})
+    assert "it was replaced" in stale["Error"]
+    assert all(not held for held in leases(c).values())
+
+
+def test_a_retried_bind_leases_nothing_more(c: Cluster) -> None:
+    pod = new_pod(c, 4, name="twice")
+    meta = pod["metadata"]
+    best = max(c.extender.call("prioritize", args_for(c, pod)), key=lambda p: p["Score"])["Host"]
+    binding = {"PodName": "twice", "PodNamespace": "team-a", "PodUID": meta["uid"], "Node": best}
+    assert c.extender.call("bind", binding) == {"Error": ""}
+    held = [x for x in c.node(best).request("GET", "/leases")[1]["leases"] if x["owner"].startswith("team-a/twice/")]
+    assert len(held) == 1 and held[0]["id"] == c.api.pod("twice", "team-a")["metadata"]["annotations"][LEASE_ANNOTATION]
+    assert "already bound to node " + best in c.extender.call("bind", binding)["Error"]
+    assert [x["id"] for x in c.node(best).request("GET", "/leases")[1]["leases"]] == [held[0]["id"]]
+    assert c.node(best).request("DELETE", f"/leases/{held[0]['id']}", token=c.token)[0] == 200
+
+
+def test_hostile_bodies_get_400_and_the_extender_keeps_serving(c: Cluster) -> None:
+    for verb, body in (("filter", b"{not json"), ("filter", b"[]"), ("prioritize", b'{"Pod": 3, "NodeNames": []}'),
+                       ("filter", b'{"Pod": {}, "Nodes": {"items": [{"metadata": {"name": 7}}]}}'), ("bind", b'{"PodName": ""}')):
+        conn = socket.create_connection((c.extender.address, c.extender.port), timeout=10)
+        conn.sendall(b"POST /scheduler/" + verb.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+        conn.close()
+        head, _, payload = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), (verb, body, reply)
+        assert json.loads(payload)["error"] == "bad_request"
+    assert c.extender.call("filter", args_for(c, new_pod(c, 0)))["Error"] == ""
+
+
+def test_a_pods_gpu_count_and_wishes_read_like_the_agent_reads_them() -> None:
+    def pod(containers: list, init: list | None = None, annotations: dict | None = None) -> dict:
+        return {"metadata": {"annotations": annotations or {}}, "spec": {"containers": containers, "initContainers": init or []}}
+
+    def gpus(n: object, kind: str = "limits") -> dict:
+        return {"resources": {kind: {RESOURCE: n}}}
+
+    assert gpus_wanted(pod([gpus("2"), gpus("1", "requests"), {}])) == 3
+    assert gpus_wanted(pod([gpus("1")], init=[gpus("4")])) == 4  # init containers run alone, first
+    assert pod_request(pod([{}])) is None
+    assert pod_request(pod([gpus("2")], annotations={"topoagent.io/single-numa": "true", "topoagent.io/pattern": "pipeline"})) == {
+        "gpus": 2, "single_numa": True, "pattern": "pipeline"}
+    for wishes, said in (({"topoagent.io/single-numa": "yes"}, 'topoagent.io/single-numa: expected true or false, got "yes"'),
+                              ({"topoagent.io/min-level": "NVX"}, "topoagent.io/min-level: expected a GPU-to-GPU link level")):
+        with pytest.raises(PodError, match=said):
+            pod_request(pod([gpus("2")], annotations=wishes))
+    with pytest.raises(PodError, match=r"containers\[0\].resources.limits\[nvidia.com/gpu\]: expected a whole number"):
+        gpus_wanted(pod([gpus("1.5")]))
+
+
+def test_help_shows_the_scheduler_config_and_bad_flags_exit_2() -> None:
+    shown = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", "--help"], capture_output=True, text=True, timeout=60, env=_child_env())
+    assert shown.returncode == 0
+    for words in ("filterVerb: filter", "bindVerb: bind", "managedResources", "topoagent.io/min-level", "topoagent.io/gpus", "--unanswered"):
+        assert words in shown.stdout
+    for flags, said in ((["--agent-url", "http://agent:9477"], "--agent-url"), (["--bind"], "--agent-token-file"), (["--agent-timeout", "0"], "--agent-timeout")):
+        bad = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", *flags], capture_output=True, text=True, timeout=60, env=_child_env())
+        assert bad.returncode == 2 and said in bad.stderr, (flags, bad.stderr)
+
+
+def test_the_stream_is_the_same_for_every_policy() -> None:
+    assert job_stream(50, 64, 0.9, 3) == job_stream(50, 64, 0.9, 3)
+    assert {j.gpus for j in job_stream(200, 64, 0.9, 3)} == {1, 2, 4, 8}
+    assert isinstance(job_stream(1, 8, 0.5, 1)[0], Job)

@@ -1,0 +1,284 @@
+"""`topoagent cluster-topology` over 16 recorded nodes cabled as recorded fabrics: the Slurm
+and Kueue files it writes hold each node under the leaf the recorded wiring says."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from fabric_cluster import FABRIC, REPO, IbSwitch, build_node, host_port, leaves, parse_ibnetdiscover
+from service_helpers import start_agent
+from slurm_cluster import SlurmCluster, SlurmNode
+
+from topoagent.discovery import discover_sync
+from topoagent.exporters.cluster_topology import ClusterNode, hostlist, slurm_topology_yaml, switch_name
+from topoagent.exporters.nfd import nfd_features
+from topoagent.host import Host
+from topoagent.schema import node_document
+
+FAT_TREE = parse_ibnetdiscover((FABRIC / "ibnetdiscover-edr-fat-tree.txt").read_text())
+RAILS = parse_ibnetdiscover((FABRIC / "ibnetdiscover-rail-optimised-synthetic.txt").read_text())
+# Four hosts on each of the real dump's four leaves; each is the recorded DGX-1 (one HCA).
+FAT_TREE_HOSTS = ["gpu001", "gpu002", "gpu003", "node001", "gpu004", "gpu005", "gpu006", "gpu007",
+                  "gpu021", "gpu022", "gpu023", "gpu024", "node021", "node023", "node025", "node027"]
+RAIL_HOSTS = [f"h100-{n:03d}" for n in range(1, 17)]
+KUEUE_CRD = yaml.safe_load((REPO / "tests" / "data" / "kueue" / "kueue.x-k8s.io_topologies.yaml").read_text())
+
+# topology.yaml as topology.yaml(5) (Slurm 24.05+) describes it, written here from the man
+# page: Debian's slurmctld 22.05 reads topology.conf only, so it cannot load this file.
+SLURM_TOPOLOGY_YAML = {
+    "type": "array", "minItems": 1,
+    "items": {
+        "type": "object", "required": ["topology"], "additionalProperties": False,
+        "properties": {
+            "topology": {"type": "string", "minLength": 1},
+            "cluster_default": {"type": "boolean"},
+            "flat": {"type": "boolean"},
+            "tree": {"type": "object", "required": ["switches"], "additionalProperties": False, "properties": {
+                "switches": {"type": "array", "items": {
+                    "type": "object", "required": ["switch"], "additionalProperties": False,
+                    "properties": {"switch": {"type": "string"}, "children": {"type": "string"}, "nodes": {"type": "string"}}}}}},
+            "block": {"type": "object", "required": ["blocks"], "additionalProperties": False, "properties": {
+                "block_sizes": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                "blocks": {"type": "array", "items": {
+                    "type": "object", "required": ["block"], "additionalProperties": False,
+                    "properties": {"block": {"type": "string"}, "nodes": {"type": "string"}}}}}},
+        },
+        "oneOf": [{"required": ["tree"]}, {"required": ["block"]}, {"required": ["flat"]}],
+    },
+}
+
+
+def expand(expression: str) -> list[str]:
+    """Slurm's hostlist expression, expanded (written apart from the code under test)."""
+    out = []
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", expression):
+        match = re.fullmatch(r"(.*)\[(.*)\]", part)
+        if not match:
+            out.append(part)
+            continue
+        for item in match.group(2).split(","):
+            low, _, high = item.partition("-")
+            for n in range(int(low), int(high or low) + 1):
+                out.append(f"{match.group(1)}{n:0{len(low)}d}")
+    return out
+
+
+def topology_conf_switches(text: str) -> dict[str, dict[str, list[str]]]:
+    switches = {}
+    for line in text.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        fields = dict(item.split("=", 1) for item in line.split())
+        switches[fields.pop("SwitchName")] = {k: expand(v) for k, v in fields.items()}
+    return switches
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-P", "-m", "topoagent", "cluster-topology", *args],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+
+
+def write_documents(tmp_path: Path, base: str, hosts: list[str], cabling_of) -> list[str]:
+    """Build each node, discover it as `topoagent discover --json` would, save its document."""
+    paths = []
+    for host in hosts:
+        root = build_node(base, tmp_path / "nodes" / host, host, cabling_of(host))
+        with Host(root) as replay:
+            document = node_document(discover_sync(replay), timings=False)
+        path = tmp_path / f"{host}.json"
+        path.write_text(json.dumps(document))
+        paths.append(str(path))
+    return paths
+
+
+def fat_tree_cabling(host: str) -> dict[str, tuple[IbSwitch, int]]:
+    return {"mlx5_0": host_port(FAT_TREE, f"{host} HCA-1")}
+
+
+def rail_cabling(host: str) -> dict[str, tuple[IbSwitch, int]]:
+    return {f"mlx5_{k}": host_port(RAILS, f"{host} mlx5_{k}") for k in range(8)}
+
+
+def validate_kueue(text: str) -> dict:
+    topology = yaml.safe_load(text)
+    (version,) = [v for v in KUEUE_CRD["spec"]["versions"] if v["name"] == topology["apiVersion"].split("/")[1]]
+    assert topology["apiVersion"].split("/")[0] == KUEUE_CRD["spec"]["group"] and topology["kind"] == KUEUE_CRD["spec"]["names"]["kind"]
+    assert version["served"] and not version.get("deprecated")
+    jsonschema.Draft7Validator(version["schema"]["openAPIV3Schema"]).validate(topology)
+    # The CRD's CEL rules, which a JSON Schema validator does not run.
+    labels = [level["nodeLabel"] for level in topology["spec"]["levels"]]
+    assert len(set(labels)) == len(labels)
+    assert "kubernetes.io/hostname" not in labels[:-1]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", topology["metadata"]["name"])
+    return topology
+
+
+def test_a_real_two_tier_fat_tree_files_each_node_under_its_recorded_leaf(tmp_path: Path) -> None:
+    files = write_documents(tmp_path, "dgx1-v100", FAT_TREE_HOSTS, fat_tree_cabling)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = cli("--topology-files", *files, "--write", str(out))
+    assert done.returncode == 0, done.stderr
+    switches = topology_conf_switches((out / "topology.conf").read_text())
+    # Each host under the leaf the dump cables its HCA to; one top switch over the leaves,
+    # as the dump's two spines each reach all four leaves.
+    expected: dict[str, list[str]] = {}
+    for host in FAT_TREE_HOSTS:
+        leaf, _ = host_port(FAT_TREE, f"{host} HCA-1")
+        expected.setdefault(switch_name(leaf.guid), []).append(host)
+    spines = {guid for guid, s in FAT_TREE.items() if not s.hosts}
+    assert len(spines) == 2 and all(s.uplinks == spines for s in leaves(FAT_TREE).values())
+    assert {name: sorted(s["Nodes"]) for name, s in switches.items() if "Nodes" in s} == {k: sorted(v) for k, v in expected.items()}
+    assert len(expected) == 4 and sorted(switches["fabric"]["Switches"]) == sorted(expected)
+
+    tree = yaml.safe_load((out / "topology.yaml").read_text())
+    jsonschema.Draft202012Validator(SLURM_TOPOLOGY_YAML).validate(tree)
+    (fabric,) = tree
+    assert next(iter(fabric)) == "topology"  # topology.yaml(5): "Must be the first attribute"
+    yaml_leaves = {s["switch"]: sorted(expand(s["nodes"])) for s in fabric["tree"]["switches"] if "nodes" in s}
+    assert yaml_leaves == {k: sorted(v) for k, v in expected.items()}
+
+    kueue = validate_kueue((out / "kueue-topology.yaml").read_text())
+    levels = [level["nodeLabel"] for level in kueue["spec"]["levels"]]
+    assert levels == ["topoagent.io/fabric.leaf", "kubernetes.io/hostname"]
+    # The label each node carries for the leaf level (what `export nfd` writes) is the leaf
+    # of the recorded wiring: nodes Kueue sees in one domain share a leaf.
+    for host in FAT_TREE_HOSTS:
+        with Host(tmp_path / "nodes" / host) as replay:
+            labels = nfd_features(discover_sync(replay))
+        leaf, _ = host_port(FAT_TREE, f"{host} HCA-1")
+        assert labels[levels[0]] == leaf.guid
+
+
+def shown_topology(text: str) -> dict[str, tuple[str, list[str]]]:
+    """`scontrol show topology` -> switch name -> (level, its nodes expanded)."""
+    out = {}
+    for m in re.finditer(r"SwitchName=(?P<name>\S+) Level=(?P<level>\d) .*?Nodes=(?P<nodes>\S+)", text):
+        out[m["name"]] = (m["level"], sorted(expand(m["nodes"])))
+    return out
+
+
+def test_a_real_slurmctld_loads_the_fat_tree_and_says_each_leaf_holds_its_recorded_hosts(tmp_path: Path) -> None:
+    files = write_documents(tmp_path, "dgx1-v100", FAT_TREE_HOSTS, fat_tree_cabling)
+    done = cli("--topology-files", *files)
+    assert done.returncode == 0, done.stderr
+    nodes = [SlurmNode(hostlist(FAT_TREE_HOSTS), slurmd=False)]
+    with SlurmCluster(tmp_path / "slurm", nodes, topology_conf=done.stdout) as cluster:
+        shown = cluster.run("scontrol", "show", "topology").stdout
+    expected: dict[str, tuple[str, list[str]]] = {}
+    for host in FAT_TREE_HOSTS:
+        leaf, _ = host_port(FAT_TREE, f"{host} HCA-1")
+        expected.setdefault(switch_name(leaf.guid), ("0", []))[1].append(host)
+    expected = {name: (level, sorted(hosts)) for name, (level, hosts) in expected.items()}
+    expected["fabric"] = ("1", sorted(FAT_TREE_HOSTS))
+    assert shown_topology(shown) == expected, shown
+
+
+def test_a_rail_optimised_cluster_is_one_group_of_its_eight_rail_leaves(tmp_path: Path) -> None:
+    files = write_documents(tmp_path, "hgx-h100", RAIL_HOSTS, rail_cabling)
+    done = cli("--topology-files", *files)
+    assert done.returncode == 0, done.stderr
+    switches = topology_conf_switches(done.stdout)
+    (group,) = switches.values()  # every node reaches the same eight leaves: one unit, no top switch
+    assert sorted(group["Nodes"]) == RAIL_HOSTS
+    rail_leaves = sorted(switch_name(guid) for guid in leaves(RAILS))
+    assert len(rail_leaves) == 8 and f"# 8 rails, leaves: {', '.join(rail_leaves)}" in done.stdout.splitlines()
+    with SlurmCluster(tmp_path / "slurm", [SlurmNode(hostlist(RAIL_HOSTS), slurmd=False)], topology_conf=done.stdout) as cluster:
+        shown = shown_topology(cluster.run("scontrol", "show", "topology").stdout)
+    assert list(shown.values()) == [("0", RAIL_HOSTS)]
+
+    kueue = cli("--topology-files", *files, "--format", "kueue", "--topograph-labels")
+    assert kueue.returncode == 0, kueue.stderr
+    levels = [level["nodeLabel"] for level in validate_kueue(kueue.stdout)["spec"]["levels"]]
+    assert levels == ["network.topology.nvidia.com/leaf", "kubernetes.io/hostname"]
+
+
+def test_nvlink_domains_become_slurm_blocks() -> None:
+    nodes = [ClusterNode(f"gb{n:02d}", "0xaa", (("0xaa", None),), f"7a3f.{n // 4}") for n in range(8)]
+    tree, blocks = yaml.safe_load(slurm_topology_yaml(nodes))
+    jsonschema.Draft202012Validator(SLURM_TOPOLOGY_YAML).validate([tree, blocks])
+    assert blocks["block"]["block_sizes"] == [4]
+    assert [expand(b["nodes"]) for b in blocks["block"]["blocks"]] == [[f"gb{n:02d}" for n in range(4)], [f"gb{n:02d}" for n in range(4, 8)]]
+
+
+def test_hostlists_keep_padding_and_join_runs() -> None:
+    assert hostlist(["gpu003", "gpu001", "gpu002", "node7", "gpu010", "login"]) == "gpu[001-003,010],login,node7"
+    assert expand(hostlist(FAT_TREE_HOSTS)) == sorted(FAT_TREE_HOSTS)
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
+    hosts = ["gpu004", "gpu021", "node025"]
+    agents = []
+    try:
+        for host in hosts:
+            root = build_node("dgx1-v100", tmp_path / "nodes" / host, host, fat_tree_cabling(host))
+            (tmp_path / host).mkdir()
+            # The first guards reads with its token: --token-file passes it.
+            guard = "[http]\nrequire_token_for_reads = true\n" if not agents else None
+            agents.append(start_agent(tmp_path / host, root=root, config=guard, token_value="s3cret-fabric-token"))
+        dead = f"http://127.0.0.1:{closed_port()}"
+        urls = [a.url for a in agents]
+
+        unauthorised = cli("--agents", *urls)
+        assert unauthorised.returncode == 1 and f"{urls[0]}: HTTP 401" in unauthorised.stderr
+        token_file = tmp_path / "token.txt"
+        token_file.write_text("s3cret-fabric-token\n")
+
+        refused = cli("--agents", *urls, dead, "--token-file", str(token_file))
+        assert refused.returncode == 1 and refused.stdout == ""
+        assert f"topoagent cluster-topology: {dead}: " in refused.stderr and "Connection refused" in refused.stderr
+        assert "1 of 4 agents failed; nothing written" in refused.stderr
+
+        listed = tmp_path / "agents.txt"
+        listed.write_text("# the rack's agents\n" + "\n".join([*urls, dead]) + "\n")
+        partial = cli("--agents-file", str(listed), "--partial", "--token-file", str(token_file))
+        assert partial.returncode == 0 and dead in partial.stderr
+        switches = topology_conf_switches(partial.stdout)
+        assert {name: s["Nodes"] for name, s in switches.items() if "Nodes" in s} == {
+            switch_name(host_port(FAT_TREE, f"{h} HCA-1")[0].guid): [h] for h in hosts}
+    finally:
+        for agent in agents:
+            agent.stop()
+
+
+@pytest.mark.parametrize("content, says", [
+    ("not json", "not JSON"),
+    ('{"hostname": null, "fabric": {"rails": []}}', "names no hostname"),
+    ('{"hostname": "gpu001", "gpus": []}', "no fabric in the document"),
+    ('{"hostname": "bad name", "fabric": {"rails": []}}', "is not a Slurm node name"),
+])
+def test_a_bad_document_is_an_error_naming_the_file(tmp_path: Path, content: str, says: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    done = cli("--topology-files", str(bad))
+    assert done.returncode == 1 and f"{bad}" in done.stderr and says in done.stderr
+
+
+def test_text_from_an_agent_cannot_add_lines_to_topology_conf(tmp_path: Path) -> None:
+    document = {"hostname": "gpu001", "fabric": {"leaf": "0xaa\nSwitchName=evil Nodes=gpu001",
+                "rails": [{"leaf": "0xaa", "leaf_name": "sw\nSwitchName=evil Nodes=gpu001"}]}}
+    path = tmp_path / "hostile.json"
+    path.write_text(json.dumps(document))
+    done = cli("--topology-files", str(path))
+    assert done.returncode == 0, done.stderr
+    assert [line for line in done.stdout.splitlines() if not line.startswith("#")] == ["SwitchName=leaf-aa-SwitchName-evil-Nodes-gpu001 Nodes=gpu001"]
+
+
+def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:
+    files = write_documents(tmp_path, "dgx1-v100", ["gpu001"], fat_tree_cabling)
+    done = cli("--topology-files", files[0], files[0])
+    assert done.returncode == 2 and "gpu001 is reported twice" in done.stderr

@@ -1,0 +1,130 @@
+"""Latency in the objective of the latency-bound patterns (issue #19 with issue #9's
+estimate): alltoall and pipeline rank links by one message's time, alpha (small-copy
+latency: measured, else the level's calibrated figure) + size / bandwidth; allreduce stays
+bandwidth-bound.  The brute-force oracle computes the same objective
+(tests/placement_oracle.py; test_placement_exact.py runs it with measured latencies)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from placement_oracle import best_keys
+from schema_check import validate
+
+from topoagent.commands.discover import discover_root
+from topoagent.matrix import DistanceMatrix, LatencyMeasurement
+from topoagent.placement import Placement, Request, place
+from topoagent.placement.search import prepare
+from topoagent.placement.synthetic import build
+from topoagent.probes.figures import ProbeFigure, ProbeKind
+from topoagent.probes.overlay import overlay
+from topoagent.schema import answer_document
+from topoagent.vocabulary import Unit
+
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
+STAGED_US = 25.0  # a pair whose copies are staged through host memory (overlay.py's corpus: 10-15 us)
+
+
+@pytest.fixture(scope="module")
+def wide_but_slow() -> DistanceMatrix:
+    """GPUs 0 and 1 on two NVLinks (NV2, ~50 GB/s) whose small copies measure 25 us;
+    GPUs 2 and 3 under one PCIe switch (PIX, narrower) at the level's 1.5 us."""
+    levels = [
+        ["X", "NV2", "SYS", "SYS"],
+        ["NV2", "X", "SYS", "SYS"],
+        ["SYS", "SYS", "X", "PIX"],
+        ["SYS", "SYS", "PIX", "X"],
+    ]
+    m = build(levels, [0, 0, 1, 1], ["0-7", "0-7", "8-15", "8-15"], [])
+    return m.with_measurements({}, {(0, 1): LatencyMeasurement(STAGED_US, 0.0)})
+
+
+def picked(matrix: DistanceMatrix, **request) -> Placement:
+    answer = place(matrix, Request(**request))
+    assert isinstance(answer, Placement)
+    return answer
+
+
+def test_small_alltoall_messages_take_the_quick_narrow_link_allreduce_the_wide_one(wide_but_slow):
+    m = wide_but_slow
+    assert m.bandwidth(0, 1) > m.bandwidth(2, 3)  # NV2 is the wider link
+    assert set(picked(m, gpus=2).indices) == {0, 1}  # allreduce: bandwidth
+    small = picked(m, gpus=2, pattern="alltoall", message_bytes=4096)
+    assert set(small.indices) == {2, 3}
+    expected_us = 1.5 + 4096 / (1000 * m.bandwidth(2, 3))
+    assert small.objective.link_time_us == pytest.approx(expected_us, abs=1e-3)
+    assert any("us per 4096-byte message over PIX (GPU2-GPU3): 1.5 us latency" in line for line in small.explain)
+    validate(answer_document(small), "Placement")
+    # Large messages: the transfer dwarfs 25 us, and the wide link wins again.
+    assert set(picked(m, gpus=2, pattern="alltoall", message_bytes=256 << 20).indices) == {0, 1}
+    # A pipeline's sends are timed the same way.
+    assert set(picked(m, gpus=2, pattern="pipeline", message_bytes=4096).indices) == {2, 3}
+    # allreduce is not latency-bound: its answer ignores the message size.
+    assert set(picked(m, gpus=2, message_bytes=4096).indices) == {0, 1}
+
+
+def test_the_default_message_size_is_documented_and_decides(wide_but_slow):
+    """1 MiB: 25 us of latency is small beside NV2's transfer, so the wide link wins."""
+    answer = picked(wide_but_slow, gpus=2, pattern="alltoall")
+    assert set(answer.indices) == {0, 1}
+    assert any("per 1048576-byte message" in line for line in answer.explain)
+    assert answer.request.message_bytes is None
+
+
+def test_the_oracle_agrees_on_every_size(wide_but_slow):
+    for size in (64, 4096, 1 << 16, 1 << 20, 1 << 28):
+        for pattern in ("alltoall", "pipeline"):
+            for k in (2, 3):
+                req = Request(gpus=k, pattern=pattern, message_bytes=size)
+                answer = place(wide_but_slow, req)
+                expected = best_keys(wide_but_slow, req, ())
+                assert isinstance(answer, Placement) and expected is not None
+                assert answer.objective.link_time_us == pytest.approx(-expected[0][0], abs=1e-3), (size, pattern, k)
+
+
+def test_without_measured_latency_the_tables_are_the_bandwidth_ones():
+    """Every level's alpha is the calibrated 1.5 us: one message's time orders links as
+    bandwidth does, so the latency-bound patterns read the same (warm) tables and answers."""
+    for path in sorted(SNAPSHOTS.iterdir()):
+        matrix = discover_root(str(path)).distance_matrix()
+        for size in (64, 1 << 20, 1 << 30):
+            assert prepare(matrix, None, size) is prepare(matrix, None), path.name
+
+
+def test_measured_latency_reaches_the_matrix_from_probe_figures_and_the_cli(tmp_path, wide_but_slow):
+    """The probes' latency figures (the slower direction) become the pair's alpha; the
+    CLI's --measured takes a `topoagent probe --json` document the same way."""
+    plain = replace(wide_but_slow, measured_latency={})
+    figures = [
+        ProbeFigure(measurement_id=1, kind=ProbeKind.LATENCY, src=0, dst=1, unit=Unit.MICROSECONDS, median=STAGED_US, size_bytes=4, received_at=0.0),
+        ProbeFigure(measurement_id=2, kind=ProbeKind.LATENCY, src=1, dst=0, unit=Unit.MICROSECONDS, median=2.0, size_bytes=4, received_at=0.0),
+    ]
+    measured = overlay(plain, figures)
+    assert measured.latency_us(0, 1) == STAGED_US and plain.latency_us(0, 1) == 1.5
+    assert set(picked(measured, gpus=2, pattern="alltoall", message_bytes=4096).indices) == {2, 3}
+
+    a100 = SNAPSHOTS / "dgx-a100"
+    doc = {"figures": [f.to_record() for f in (
+        replace(figures[0], src=0, dst=1, received_at=None), replace(figures[1], src=1, dst=0, received_at=None),
+    )]}
+    probe_json = tmp_path / "probe.json"
+    probe_json.write_text(json.dumps(doc))
+
+    def cli(*extra: str) -> dict:
+        run = subprocess.run(
+            [sys.executable, "-m", "topoagent", "place", "--root", str(a100), "--gpus", "2", "--pattern", "alltoall",
+             "--message-bytes", "4096", "--json", *extra],
+            capture_output=True, text=True, timeout=120, check=True,
+        )
+        return json.loads(run.stdout)
+
+    # On the DGX A100 every pair is NV12: GPU0-GPU1's staged copies put that pair last.
+    assert sorted(g["index"] for g in cli()["gpus"]) == [0, 1]
+    slow = cli("--measured", str(probe_json))
+    assert sorted(g["index"] for g in slow["gpus"]) != [0, 1]
+    assert slow["objective"]["link_time_us"] < STAGED_US

@@ -1,0 +1,151 @@
+"""`topoagent extender`: the kube-scheduler extender, run once per cluster."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from topoagent.errors import UsageError
+
+if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
+    from topoagent.extender.app import Settings
+    from topoagent.extender.kube import Kube
+
+DEFAULT_LISTEN = "127.0.0.1:9480"
+DEFAULT_AGENT_URL = "http://{node}:9477"
+DEFAULT_RESOURCE = "nvidia.com/gpu"  # wire.DEFAULT_RESOURCE; spelled here so --help imports nothing heavy
+
+EPILOG = """\
+kube-scheduler's KubeSchedulerConfiguration (deploy/kubernetes/kube-scheduler-config.yaml):
+
+  extenders:
+    - urlPrefix: http://topoagent-extender.topoagent.svc:9480/scheduler
+      filterVerb: filter
+      prioritizeVerb: prioritize
+      bindVerb: bind            # only with --bind
+      weight: 5
+      nodeCacheCapable: false   # Node objects: --agent-url may use {address}
+      managedResources: [{name: nvidia.com/gpu, ignoredByScheduler: false}]
+
+Pod annotations (the agent's own words, as POST /place takes them):
+  topoagent.io/pattern: allreduce|alltoall|pipeline|independent
+  topoagent.io/affinity: best|better|any     topoagent.io/min-level: NV2, PIX, ...
+  topoagent.io/single-numa: "true"
+With --bind the chosen GPUs are written on the pod as topoagent.io/gpus (UUIDs in rank
+order, read by `topoagent device-plugin`) and the agent's lease as topoagent.io/lease.
+"""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "extender",
+        help="kube-scheduler extender: filter and score nodes by their agents' answers, bind with the GPUs chosen",
+        description=(
+            "Serve the kube-scheduler extender API (filter, prioritize and, with --bind, bind) under "
+            "--path-prefix. For each GPU pod it asks every candidate node's agent (/capacity, dry-run "
+            "/place) at most --concurrency at once, --agent-timeout each; it filters out nodes that "
+            "cannot fit (the reason per node) and scores the rest 0-10: best ring bandwidth, then "
+            "least NUMA distance, then least damage to free zones. SIGTERM stops it."
+        ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--listen", metavar="HOST:PORT", default=DEFAULT_LISTEN, help=f"address to serve on (default {DEFAULT_LISTEN})")
+    parser.add_argument("--path-prefix", metavar="PATH", default="/scheduler", help="the urlPrefix's path: verbs are served under it (default /scheduler)")
+    parser.add_argument(
+        "--agent-url", metavar="TEMPLATE", default=DEFAULT_AGENT_URL,
+        help=f"each node's agent: {{node}} is the node's name, {{address}} its InternalIP from the Node object (default {DEFAULT_AGENT_URL})",
+    )
+    parser.add_argument("--agent-token-file", metavar="FILE", help="the agents' bearer token (needed by --bind to reserve GPUs)")
+    parser.add_argument("--agent-timeout", type=float, default=2.0, metavar="SECONDS", help="how long each node's agent may take to answer (default 2)")
+    parser.add_argument("--concurrency", type=int, default=32, metavar="N", help="agents asked at once (default 32)")
+    parser.add_argument(
+        "--unanswered", choices=("filter", "pass"), default="filter",
+        help="a node whose agent does not answer: filter it out (reason in FailedNodes), or pass it with score 0 (default filter)",
+    )
+    parser.add_argument("--resource-name", default=DEFAULT_RESOURCE, metavar="NAME", help=f"the extended resource a pod's GPU count is read from (default {DEFAULT_RESOURCE})")
+    parser.add_argument("--bind", action="store_true", help="serve the bind verb: lease the GPUs on the node's agent, annotate the pod, create its Binding")
+    parser.add_argument("--lease-ttl", type=float, default=600.0, metavar="SECONDS",
+                        help="how long a bind's lease holds the GPUs, to cover the pod's start (default 600)")
+    parser.add_argument("--kube-api", metavar="URL", help="API server to bind through, as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
+    parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from topoagent.config import ConfigError, parse_listen
+
+    try:
+        listen = parse_listen("--listen", args.listen)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
+    template = args.agent_url
+    if not template.startswith(("http://", "https://")) or ("{node}" not in template and "{address}" not in template):
+        raise UsageError("--agent-url: expected an http:// or https:// URL with {node} or {address} in it")
+    if not args.agent_timeout > 0:
+        raise UsageError("--agent-timeout must be above 0")
+    if args.concurrency < 1:
+        raise UsageError("--concurrency must be at least 1")
+    if not 0 < args.lease_ttl <= 7 * 24 * 3600:
+        raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
+    if not args.path_prefix.startswith("/"):
+        raise UsageError("--path-prefix must start with /")
+    token = None
+    if args.agent_token_file:
+        try:
+            token = Path(args.agent_token_file).read_text().strip()
+        except OSError as exc:
+            raise UsageError(f"--agent-token-file: {exc.strerror}: {args.agent_token_file}") from None
+    if args.bind and token is None:
+        raise UsageError("--bind reserves GPUs on the agents: give --agent-token-file")
+
+    from topoagent.extender.app import Settings
+    from topoagent.vocabulary import Unanswered
+
+    kube = None
+    if args.bind:
+        try:
+            from topoagent.extender.kube import Kube
+
+            kube = Kube(args.kube_api, args.kubeconfig)
+        except ImportError as exc:
+            raise UsageError(f"--bind needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from None
+        except Exception as exc:  # the client's config loaders raise their own types
+            raise UsageError(f"no Kubernetes API to bind through: {exc} (give --kube-api or --kubeconfig)") from None
+    settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
+                        prefix=args.path_prefix)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube))
+
+
+async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube | None) -> int:
+    from aiohttp import web
+
+    from topoagent.extender.app import make_app
+    from topoagent.extender.nodes import Agents
+
+    agents = Agents(template, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token)
+    runner = web.AppRunner(make_app(agents, settings, kube), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    bound = runner.addresses[0][1] if runner.addresses else port
+    shown = f"[{host}]" if ":" in host else host
+    verbs = "filter, prioritize" + (", bind" if kube is not None else "")
+    print(f"topoagent extender on http://{shown}:{bound}{settings.prefix.rstrip('/')} ({verbs}); agents at {template}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    await runner.cleanup()
+    return 0

@@ -1,0 +1,14 @@
+"""`topoagent extender`: the kube-scheduler extender, once per cluster.
+
+kube-scheduler asks it (HTTP/JSON, ``k8s.io/kube-scheduler/extender/v1``) which nodes can
+take a GPU pod and how well; it asks each candidate node's agent (``/capacity``, dry-run
+``/place``) and, with ``--bind``, reserves the GPUs it chose on the node's agent, writes
+them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and binds the pod.
+
+- ``wire``: the extender API's documents, and a pod's GPU request read from its spec and
+  annotations (through the agent's own request parser);
+- ``nodes``: asking the agents (bounded fan-out, per-node timeout, ETag cache) and ranking
+  the nodes that fit;
+- ``kube``: the API server calls of a bind (the ``kubernetes`` client);
+- ``app``: the HTTP service.
+"""
