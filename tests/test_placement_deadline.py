@@ -13,7 +13,7 @@ import pytest
 import topoagent.placement.search as search_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import NoFit, Placement, Request, place
+from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.search import prepare, warm
 from topoagent.placement.synthetic import irregular_mesh, nvswitch_16
 from topoagent.schema import answer_document
@@ -117,7 +117,7 @@ def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypa
 
 CLAIMS_OF_THE_BEST = (
     "does better", "no set on fewer", "no free set meets", "cannot hold", "the best set has", "the best set meets",
-    "free GPUs meet affinity", "free GPUs are all within",
+    "free GPUs meet affinity", "free GPUs are all within", "has equal merit", "has quieter NICs",
 )
 
 
@@ -143,6 +143,21 @@ def test_no_line_claims_the_best_when_not_proven(monkeypatch, request_):
     for line in lines:
         assert not any(claim in line for claim in CLAIMS_OF_THE_BEST), line
         assert "optimal" not in line or line.startswith("not proven optimal"), line
+
+
+def test_live_lines_claim_no_set_of_equal_merit_when_not_proven(monkeypatch):
+    """Unverified GPUs (term 6) taken by a search the deadline stopped: the line says no
+    set of verified GPUs of equal merit was found in time, not that none exists."""
+    mesh = irregular_mesh(32)
+    prepare(mesh, None)
+    live = Live(unverified=frozenset(range(0, 32, 2)))
+    monkeypatch.setattr(search_module, "clock", StepClock(1.0))
+    answer = place(mesh, Request(gpus=12, deadline_ms=20), busy=[3, 17], live=live)
+    assert isinstance(answer, Placement) and answer.proven_optimal is False
+    assert answer.unverified
+    assert any("no set of verified GPUs of equal merit was found in time" in line for line in answer.explain)
+    for line in answer.explain:
+        assert not any(claim in line for claim in CLAIMS_OF_THE_BEST), line
 
 
 def corpus(name: str) -> DistanceMatrix:

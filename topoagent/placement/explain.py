@@ -90,6 +90,7 @@ class _Params:
 CLAIMS = frozenset({
     ReasonCode.BOTTLENECK, ReasonCode.SPANS_NUMA_BEST, ReasonCode.SPANS_NUMA_FORCED, ReasonCode.AFFINITY_FELL_BACK,
     ReasonCode.UNKNOWN_LINKS_TAKEN, ReasonCode.AFFINITY_UNREACHABLE, ReasonCode.MIN_LEVEL_UNREACHABLE,
+    ReasonCode.UNVERIFIED_TAKEN, ReasonCode.BUSY_NICS_TAKEN,
 })
 
 
@@ -132,6 +133,19 @@ def _unknown_links(p: _Params) -> str:
         else "no set of GPUs whose links are known was found in time"
     )
     return f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because {why}"
+
+
+def _unverified_taken(p: _Params) -> str:
+    why = (
+        "taken because no set of verified GPUs has equal merit" if _proven(p)
+        else "no set of verified GPUs of equal merit was found in time"
+    )
+    return f"GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since): {why}"
+
+
+def _busy_nics_taken(p: _Params) -> str:
+    why = "no set of equal merit has quieter NICs" if _proven(p) else "no set of equal merit with quieter NICs was found in time"
+    return f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: {why}"
 
 
 def _affinity_unreachable(p: _Params) -> str:
@@ -194,20 +208,14 @@ _TEMPLATES = {
         "(not proven that none exists)"
     ),
     ReasonCode.UNKNOWN_LINKS_TAKEN: _unknown_links,
-    ReasonCode.UNVERIFIED_TAKEN: lambda p: (
-        f"GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since): "
-        "taken because no set of verified GPUs has equal merit"
-    ),
+    ReasonCode.UNVERIFIED_TAKEN: _unverified_taken,
     ReasonCode.UNVERIFIED_PASSED_OVER: lambda p: (
         f"verified GPUs preferred at equal merit: GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since)"
     ),
     ReasonCode.NIC_LESS_TRAFFIC: lambda p: (
         f"NIC {p['chosen']} chosen over {p['over']} (equally near): {p['chosen_gbs']:g} vs {p['over_gbs']:g} GB/s of traffic now"
     ),
-    ReasonCode.BUSY_NICS_TAKEN: lambda p: (
-        f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: "
-        "no set of equal merit has quieter NICs"
-    ),
+    ReasonCode.BUSY_NICS_TAKEN: _busy_nics_taken,
     ReasonCode.BUSY_NICS_PASSED_OVER: lambda p: (
         f"GPUs with quieter NICs preferred at equal merit: the nearest NICs of GPU(s) {p.gpus('gpus')} "
         f"carry {p['gbs']:g} GB/s or more of traffic now"
