@@ -23,9 +23,7 @@ import json
 import os
 import re
 import stat
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -35,6 +33,7 @@ from topoagent.errors import TopoagentError
 
 if TYPE_CHECKING:
     import tarfile
+    import tempfile
 
 _MAX_SYMLINK_HOPS = 40
 _T = TypeVar("_T")
@@ -143,6 +142,7 @@ class Host:
 
     def _extract(self, tarball: Path) -> Path:
         import tarfile  # only recordings given as tarballs need it (6 ms of every start-up)
+        import tempfile  # likewise (3 ms: it brings random, hashlib)
 
         self._tempdir = tempfile.TemporaryDirectory(prefix="topoagent-root-")
         dest = Path(self._tempdir.name)
@@ -469,6 +469,8 @@ class Host:
         return result
 
     def _run_blocking(self, argv: list[str], timeout: float) -> CommandResult:
+        import subprocess  # 3 ms of start-up (threading, selectors, signal): only commands that run one pay it
+
         try:
             done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout, check=False)
         except FileNotFoundError:
