@@ -45,6 +45,8 @@ Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
 
 @dataclass(frozen=True, slots=True)
 class Collector:
+    """One source in the table: its name, its collect function and the sources it needs."""
+
     name: str  # the name its CollectorResult carries, the key merge reads it by
     collect: Collect  # collect(host, *results of ``needs``)
     needs: tuple[str, ...] = ()

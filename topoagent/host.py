@@ -79,6 +79,8 @@ class _LinkMoved(Exception):
 
 @dataclass(frozen=True, slots=True)
 class CommandResult:
+    """A command's answer, live or replayed from a recording: its output and exit code."""
+
     argv: tuple[str, ...]
     stdout: str
     stderr: str

@@ -75,6 +75,8 @@ def one_of(values: type[enum.Enum] | Iterable[str]) -> JsonSchema:
 
 @dataclass(frozen=True, slots=True)
 class Field:
+    """One row of a document's table: the field's JSON Schema, how to read it, what it means."""
+
     schema: JsonSchema
     get: Getter | None = None  # None: the attribute of the same name, as it is
     description: str | None = None
@@ -329,6 +331,8 @@ FINDING = Document("Finding", {
 
 @dataclass(frozen=True, slots=True)
 class _PairView:
+    """A pair as the node documents show it, with its measurement if one was taken."""
+
     pair: Pair
     measured: Measurement | None
 
@@ -348,6 +352,8 @@ PAIR = Document("Pair", {
 
 @dataclass(frozen=True, slots=True)
 class _CollectorView:
+    """A collector's status as the node documents show it, with its last success."""
+
     status: CollectorStatus
     last_success_at: float | None
     timings: bool
@@ -458,6 +464,8 @@ TOPOLOGY = NODE.extended("Topology", {
 
 @dataclass(frozen=True, slots=True)
 class _ServedView(NodeView):
+    """GET /topology's view: the node's, with the agent's snapshot."""
+
     snapshot: Snapshot | None = None
 
 
@@ -668,6 +676,8 @@ BATCH_ERROR = Document("BatchError", {
 
 @dataclass(frozen=True, slots=True)
 class BatchLineError:
+    """A `place --batch` input line that is not a valid request."""
+
     line: int
     field: str | None
     message: str
@@ -710,6 +720,8 @@ PROBE_PAIR = Document("ProbePair", {
 
 @dataclass(frozen=True, slots=True)
 class ProbePairView:
+    """A GPU pair in a probe round: its level, expectation and measurement."""
+
     a: str
     b: str
     level: LinkLevel
@@ -720,6 +732,8 @@ class ProbePairView:
 
 @dataclass(frozen=True, slots=True)
 class _RoundView:
+    """What `probe --json` shows: the round, its pairs and findings."""
+
     round: ProbeRound
     pairs: tuple[ProbePairView, ...] | None
     findings: tuple[Finding, ...]
@@ -781,6 +795,8 @@ CAPACITY = Document("Capacity", {
 
 @dataclass(frozen=True, slots=True)
 class _CapacityView:
+    """GET /capacity's view: the figures and the snapshot they are of."""
+
     snapshot_version: int
     capacity: Capacity
 
