@@ -145,7 +145,7 @@ class Host:
 
     def _extract(self, tarball: Path) -> Path:
         import tarfile  # only recordings given as tarballs need it (6 ms of every start-up)
-        import tempfile  # likewise (3 ms: it brings random, hashlib)
+        import tempfile  # likewise (1 ms: it brings random)
 
         self._tempdir = tempfile.TemporaryDirectory(prefix="topoagent-root-")
         dest = Path(self._tempdir.name)
