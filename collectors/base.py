@@ -29,6 +29,8 @@ class NoData(TopoagentError):
 
 @dataclass(frozen=True, slots=True)
 class CollectorResult(Generic[T]):
+    """What one collector saw: its status, its data (None unless ok) and how long it took."""
+
     name: str
     status: Status
     data: T | None = None

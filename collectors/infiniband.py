@@ -16,6 +16,8 @@ _STATE = re.compile(r"\s*(\d+)\s*:\s*(\S+)")
 
 @dataclass(frozen=True, slots=True)
 class IbPort:
+    """One port of an RDMA device, from /sys/class/infiniband/<dev>/ports/<n>."""
+
     number: int
     state: str | None  # "ACTIVE", "DOWN", "INIT", "ARMED"
     phys_state: str | None  # "LinkUp", "Disabled", "Polling"
@@ -36,6 +38,8 @@ class IbPort:
 
 @dataclass(frozen=True, slots=True)
 class Hca:
+    """An RDMA device (InfiniBand or RoCE) with its ports and network interfaces."""
+
     name: str  # "mlx5_0"
     pci_address: str | None
     ports: tuple[IbPort, ...]

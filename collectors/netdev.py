@@ -20,6 +20,8 @@ _MAX_MBPS = 10_000_000  # 10 Tb/s: a larger figure in ``speed`` is junk, not a l
 
 @dataclass(frozen=True, slots=True)
 class NetInterface:
+    """A network interface from /sys/class/net."""
+
     name: str  # "ens1f0"
     pci_address: str | None  # the PCI function it sits on; None for a virtual interface
     speed_mbps: int | None  # None: the kernel says -1 (no link) or the file is unreadable

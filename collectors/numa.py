@@ -25,6 +25,8 @@ _MEMTOTAL = re.compile(r"^(?:Node\s+\d+\s+)?MemTotal:\s*(\d+)\s*kB", re.MULTILIN
 
 @dataclass(frozen=True, slots=True)
 class NumaNode:
+    """One NUMA node from /sys/devices/system/node: its CPUs, memory and SLIT distances."""
+
     id: int
     cpus: frozenset[int]
     memory_bytes: int | None
@@ -42,6 +44,8 @@ class NumaNode:
 
 @dataclass(frozen=True, slots=True)
 class NumaTopology:
+    """The node's NUMA nodes, or one assumed node when the kernel exposes none."""
+
     nodes: tuple[NumaNode, ...]
     synthesized: bool = False  # True: the kernel exposes no NUMA nodes; one node assumed
 

@@ -50,6 +50,8 @@ class TopoDevice:
 
 @dataclass(frozen=True, slots=True)
 class TopoMatrix:
+    """An `nvidia-smi topo -m` matrix, parsed: its devices and the level between each two."""
+
     devices: tuple[TopoDevice, ...]
     # levels[i][j]; None where neither device's row was in the text (truncated paste).
     levels: tuple[tuple[LinkLevel | None, ...], ...]
@@ -139,6 +141,8 @@ def _is_row(tokens: list[str]) -> bool:
 
 @dataclass
 class _Row:
+    """One line of the matrix as the parser splits it, before cells become levels."""
+
     line_no: int
     text: str
     label: str

@@ -31,6 +31,8 @@ _P2P_STATUS = {0: "OK", 1: "CHIPSET_NOT_SUPPORTED", 2: "GPU_NOT_SUPPORTED",
 
 @dataclass(frozen=True, slots=True)
 class NvLink:
+    """One NVLink of a GPU as NVML reports it, with what is at its other end."""
+
     link: int
     active: bool
     version: int | None
@@ -59,6 +61,8 @@ class GpuFabric:
 
 @dataclass(frozen=True, slots=True)
 class NvmlGpu:
+    """One GPU as NVML (or its recording) reports it."""
+
     index: int
     uuid: str | None
     name: str | None
@@ -98,6 +102,8 @@ def _pids(value: Any) -> tuple[int, ...]:
 
 @dataclass(frozen=True, slots=True)
 class NvmlInfo:
+    """NVML's answer: driver versions and every GPU."""
+
     driver_version: str | None
     cuda_driver_version: int | None
     nvml_version: str | None
@@ -405,6 +411,8 @@ def _ask(call: Callable[..., Any], *args: Any) -> Any:
 
 @dataclass(frozen=True, slots=True)
 class GpuActivityReading:
+    """What one GPU runs now, as NVML says; the agent reads it between discoveries."""
+
     index: int
     utilization_percent: float | None
     processes: tuple[int, ...]  # PIDs of compute processes (0: one NVML could not name)

@@ -37,6 +37,8 @@ NVIDIA = 0x10DE
 
 @dataclass(frozen=True, slots=True)
 class PciLink:
+    """A PCIe link's speed and width, now and at most, from sysfs."""
+
     current_gts: float | None  # transfer rate, GT/s
     current_width: int | None
     max_gts: float | None
@@ -73,6 +75,8 @@ class PciLink:
 
 @dataclass(frozen=True, slots=True)
 class PciDevice:
+    """One PCI function from /sys/bus/pci/devices, with its place in the tree."""
+
     address: str  # "0000:3b:00.0", lower case
     class_code: int | None  # 0x030200
     vendor: int | None
@@ -98,6 +102,8 @@ class PciDevice:
 
 @dataclass(frozen=True, slots=True)
 class PciTree:
+    """The node's PCI functions, and the bridges on their paths, looked up by address."""
+
     devices: tuple[PciDevice, ...]
     _by_address: dict[str, PciDevice] = field(default_factory=dict, repr=False, compare=False)
 

@@ -23,6 +23,7 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.agent import Agent, ProbeRunning, ProbesOff
+from topoagent.agent_schema import answer_document, lease_document
 from topoagent.config import Config
 from topoagent.exporters.connections import ConnectionGuard
 from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
@@ -31,7 +32,6 @@ from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
-from topoagent.schema import answer_document, lease_document
 from topoagent.served import Snapshot, etag_of
 
 AGENT = web.AppKey("agent", Agent)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import topoagent
+from topoagent.agent_schema import LEASE, NOFIT, PLACEMENT, component_schemas
 from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
-from topoagent.schema import LEASE, NOFIT, PLACEMENT, component_schemas
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses

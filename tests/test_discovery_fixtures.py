@@ -324,7 +324,8 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
 
 
 # Modules a one-shot command has no use for: the event loop and TLS (a third of start-up
-# before), the HTTP stack, logging when it logs nothing, tarfile when the root is a directory.
+# before), the HTTP stack, logging when it logs nothing, tarfile when the root is a directory;
+# discover also builds no agent documents, and replaying a directory runs and unpacks nothing.
 NEVER_ONE_SHOT = {"asyncio", "ssl", "aiohttp", "prometheus_client", "torch", "psutil", "logging", "tarfile",
                   "topoagent.probes", "topoagent.served", "topoagent.agent"}
 A100 = str(SNAPSHOTS / "dgx-a100")
@@ -339,8 +340,9 @@ def _no_driver() -> set[str]:
 
 
 @pytest.mark.parametrize(("argv", "also_never", "proof"), [
-    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry"}, "topoagent.model"),
-    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry"} | _no_driver(), "topoagent.model"),
+    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry", "topoagent.agent_schema",
+                                              "subprocess", "tempfile"}, "topoagent.model"),
+    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry", "topoagent.agent_schema"} | _no_driver(), "topoagent.model"),
     (["place", "--root", A100, "--gpus", "4"], {"pynvml"}, "topoagent.placement.search"),
     (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.model"},
      "topoagent.collectors.nvidia_smi"),

@@ -165,7 +165,7 @@ def test_each_rank_of_a_placement_names_the_rail_of_its_nic(tmp_path: Path) -> N
 
 
 def answer_json(answer: object) -> dict:
-    from topoagent.schema import answer_document
+    from topoagent.agent_schema import answer_document
 
     return answer_document(answer)
 

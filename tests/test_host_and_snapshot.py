@@ -14,7 +14,7 @@ import pytest
 from conftest import SHARED
 
 from topoagent.cli import main
-from topoagent.host import CommandNotFound, Host, HostError
+from topoagent.host import CommandNotFound, CommandResult, Host, HostError
 
 
 def test_symlinks_resolve_inside_the_root(tmp_path: Path) -> None:
@@ -70,6 +70,23 @@ def test_live_commands_run_without_a_shell_and_time_out() -> None:
 
     with pytest.raises(CommandTimeout):
         asyncio.run(host.run([sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.2))
+
+
+def test_live_commands_without_an_event_loop() -> None:
+    """One-shot commands drive collectors with no event loop: the blocking path runs the
+    command, and tells a tool that is not installed from a PATH look-up (no fork)."""
+
+    def run(argv: list[str]) -> CommandResult:
+        coroutine = Host("/").run(argv)
+        try:
+            coroutine.send(None)
+        except StopIteration as done:
+            return done.value
+        raise AssertionError("Host.run waited on an event loop")
+
+    assert run([sys.executable, "-c", "print('a;b')"]).stdout == "a;b\n"
+    with pytest.raises(CommandNotFound):
+        run(["no-such-command-topoagent"])
 
 
 def _discover_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:

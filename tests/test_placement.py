@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from topoagent.agent_schema import answer_document
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_two_socket_8
-from topoagent.schema import answer_document
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,6 +16,7 @@ import pytest
 from placement_oracle import best_keys
 from schema_check import validate
 
+from topoagent.agent_schema import answer_document
 from topoagent.commands.discover import discover_root
 from topoagent.matrix import DistanceMatrix, LatencyMeasurement
 from topoagent.placement import Placement, Request, place
@@ -23,7 +24,6 @@ from topoagent.placement.search import prepare
 from topoagent.placement.synthetic import build
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import overlay
-from topoagent.schema import answer_document
 from topoagent.vocabulary import Unit
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"

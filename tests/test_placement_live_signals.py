@@ -154,7 +154,7 @@ def test_gpus_whose_nearest_nics_are_busy_come_last_among_equal_sets(a100):
 
 
 def validate_answer(answer: Placement) -> None:
-    from topoagent.schema import answer_document
+    from topoagent.agent_schema import answer_document
 
     validate(answer_document(answer), "Placement")
 

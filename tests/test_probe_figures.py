@@ -11,6 +11,7 @@ import textwrap
 
 import pytest
 
+from topoagent.agent_schema import PROBE_FIGURE
 from topoagent.probes.figures import (
     FailureKind,
     MalformedRecord,
@@ -24,7 +25,6 @@ from topoagent.probes.figures import (
 )
 from topoagent.probes.plan import build_round_plan
 from topoagent.probes.runner import run_probe_round
-from topoagent.schema import PROBE_FIGURE
 
 # A line exactly as the worker writes a one-direction P2P figure.
 P2P_LINE = {

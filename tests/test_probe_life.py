@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from schema_check import validate
 
+from topoagent.agent_schema import topology_document
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.discovery import discover
 from topoagent.host import Host
@@ -25,7 +26,6 @@ from topoagent.probes.plan import PlanDefaults
 from topoagent.probes.runner import ProbeRound, ProbeRunner
 from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, ScheduleConfig
 from topoagent.probes.service import ProbeService
-from topoagent.schema import topology_document
 from topoagent.served import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -42,7 +42,7 @@ AGENT_WITHOUT_TORCH = textwrap.dedent(
     import topoagent.cli
     from topoagent.probes.plan import build_round_plan
     from topoagent.probes.runner import run_probe_round
-    from topoagent.schema import probe_round_document
+    from topoagent.agent_schema import probe_round_document
     plan = build_round_plan("cpu", [0, 1, 2], [0, 7])
     probe_round = asyncio.run(run_probe_round(plan, timeout_s=120))
     out, err = io.StringIO(), io.StringIO()

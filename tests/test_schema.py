@@ -13,6 +13,7 @@ import pytest
 from conftest import FIXTURES
 from schema_check import validate
 
+from topoagent.agent_schema import DOCUMENTS as AGENT_DOCUMENTS
 from topoagent.cli import main
 from topoagent.discovery import discover
 from topoagent.host import Host
@@ -22,7 +23,7 @@ SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())
 
 
 def test_every_component_is_strict() -> None:
-    for document in DOCUMENTS:
+    for document in (*DOCUMENTS, *AGENT_DOCUMENTS):
         schema = document.json_schema()
         assert schema["additionalProperties"] is False
         assert set(schema["required"]) == set(schema["properties"]), document.name

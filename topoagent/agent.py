@@ -238,7 +238,7 @@ class ServedCapacity:
 
     @classmethod
     def of(cls, key: tuple, figures: Capacity) -> ServedCapacity:
-        from topoagent.schema import capacity_document
+        from topoagent.agent_schema import capacity_document
 
         body = json.dumps(capacity_document(key[0], figures), indent=1).encode()
         return cls(key, figures, body, etag_of(body))

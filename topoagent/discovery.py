@@ -16,10 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from topoagent.collectors import (
-    aer,
     cpu,
     gpudirect,
-    ib_counters,
     ib_neighbours,
     infiniband,
     lldp,
@@ -47,6 +45,8 @@ Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
 
 @dataclass(frozen=True, slots=True)
 class Collector:
+    """One source in the table: its name, its collect function and the sources it needs."""
+
     name: str  # the name its CollectorResult carries, the key merge reads it by
     collect: Collect  # collect(host, *results of ``needs``)
     needs: tuple[str, ...] = ()
@@ -94,8 +94,9 @@ def _nvml_counters(context: Context) -> Any:
 # Counter sources, read by the agent's telemetry loop on their own interval (not
 # discovery: see topoagent/telemetry.py).  Each is a raw read and a pure parser.  Built on
 # first use (module __getattr__): one-shot commands never read counters, and need not
-# import the telemetry module.
+# import the telemetry module nor the counter readers (aer, ib_counters).
 def _counter_sources() -> tuple[CounterSource, ...]:
+    from topoagent.collectors import aer, ib_counters
     from topoagent.telemetry import CounterSource
 
     return (

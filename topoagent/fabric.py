@@ -27,6 +27,8 @@ RAIL_GROUP_PREFIX = "rails-"
 
 @dataclass(frozen=True, slots=True)
 class Rail:
+    """A leaf switch the node reaches, with the NICs, interfaces and GPUs on it."""
+
     index: int  # 0 is the rail of the node's first NIC with a known leaf
     leaf: str  # the leaf switch's id: an InfiniBand node GUID or an LLDP chassis id
     leaf_name: str | None  # its description / system name (not unique: many say "SwitchIB Mellanox Technologies")
@@ -37,6 +39,8 @@ class Rail:
 
 @dataclass(frozen=True, slots=True)
 class Fabric:
+    """The node's place in the cluster fabric: its ports' neighbours, grouped into rails."""
+
     neighbours: tuple[PortNeighbour, ...] = ()
     rails: tuple[Rail, ...] = ()
 

@@ -28,6 +28,8 @@ ASSUMED_NO_SMT = "assumed-no-smt"
 
 @dataclass(frozen=True, slots=True)
 class CpuModel:
+    """What /proc/cpuinfo says the CPU is."""
+
     arch: str | None  # as NCCL names it: "x86_64", "arm64", "ppc64"
     vendor: str | None  # cpuid vendor string: "GenuineIntel", "AuthenticAMD"
     family: int | None  # cpuid family (with the extended family added, as /proc/cpuinfo prints)

@@ -54,11 +54,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from topoagent.agent_schema import lease_document
 from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS
-from topoagent.schema import lease_document
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"

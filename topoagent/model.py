@@ -52,6 +52,8 @@ class Finding:
 
 @dataclass(frozen=True, slots=True)
 class CollectorStatus:
+    """How one collector fared in a discovery run."""
+
     name: str
     status: Status
     message: str | None
@@ -61,6 +63,8 @@ class CollectorStatus:
 
 @dataclass(frozen=True, slots=True)
 class GpuTopo:
+    """One GPU as discovery merged it from NVML, sysfs and nvidia-smi."""
+
     index: int
     name: str  # "GPU3"
     uuid: str | None = None
@@ -82,6 +86,8 @@ class GpuTopo:
 
 @dataclass(frozen=True, slots=True)
 class NicTopo:
+    """One RDMA NIC, named as nvidia-smi names it, with its ports."""
+
     name: str  # "NIC0", as nvidia-smi names it
     device: str | None  # RDMA device "mlx5_0"
     pci_address: str | None = None
@@ -133,6 +139,8 @@ class NvlinkDomain:
 
 @dataclass(frozen=True, slots=True)
 class Pair:
+    """The link between two devices (GPU or NIC): its level, where the level came from, what it should carry."""
+
     a: str
     b: str
     level: LinkLevel | None
@@ -143,6 +151,8 @@ class Pair:
 
 @dataclass(frozen=True, repr=False)
 class NodeTopology:
+    """Everything discovery found on one node; every door reads this."""
+
     hostname: str | None
     numa: NumaTopology | None
     pci: PciTree | None

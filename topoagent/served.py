@@ -89,7 +89,7 @@ class Snapshot:
         return got
 
     def _json(self) -> tuple[bytes, str]:
-        from topoagent.schema import topology_document
+        from topoagent.agent_schema import topology_document
 
         body = json.dumps(topology_document(self), indent=1).encode()
         return body, etag_of(body)

@@ -9,13 +9,13 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, BinaryIO
 
+from topoagent.agent_schema import answer_document, batch_error_document
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
-from topoagent.schema import answer_document, batch_error_document
 from topoagent.vocabulary import Affinity, Pattern
 
 

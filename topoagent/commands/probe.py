@@ -14,6 +14,7 @@ import sys
 import time
 from typing import TextIO
 
+from topoagent.agent_schema import ProbePairView, probe_round_document
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
@@ -22,7 +23,6 @@ from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
 from topoagent.probes.runner import ProbeRound, run_probe_round
-from topoagent.schema import ProbePairView, probe_round_document
 
 CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
 # The largest --gpus accepted.  The biggest single hosts ship 16 GPUs (DGX-2, HGX-2; an
