@@ -168,7 +168,10 @@ FAMILIES = {
 def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS, markdown: bool = False) -> None:
     import tracemalloc
 
-    print(f"\n## Bounded time: place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms)\n")
+    if markdown:  # a README block (bench/report.py): the README has the heading
+        print(f"place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms).")
+    else:
+        print(f"\n## Bounded time: place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms)\n")
     print("k drawn from 1, 2, 4, 8, n/4, n/2 with a random busy set each.  wall = perf_counter, cpu = this")
     print("thread's CPU time (what the search itself spent; wall adds the other processes of a shared")
     print("machine).  late = answers after the deadline + 1 ms, by the wall clock and by CPU time;")
@@ -227,6 +230,8 @@ def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS, markdow
                 f" {r['cpu p50']:7.3f} {r['cpu p99']:7.3f} {r['late']:>5} {r['late cpu']:>5} {r['proven']:7.0%} {r['ratio']:>6}"
             )
     print("\nper-matrix tables at 128 GPUs (tracemalloc: after warm(), and after the requests above):")
+    if markdown:
+        print("\n| family | warm MiB | after use MiB | peak MiB |\n|---|---:|---:|---:|")
     for family, make in FAMILIES.items():
         tracemalloc.start()
         m = make(128)
@@ -238,7 +243,11 @@ def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS, markdow
             place(m, Request(gpus=k, deadline_ms=deadline_ms), rng.sample(range(128), rng.randint(0, 128 - k)))
         after_use, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        print(f"  {family:15} warm {after_warm / 2**20:6.1f} MiB   after use {(after_use - base) / 2**20:6.1f} MiB   peak {(peak - base) / 2**20:6.1f} MiB")
+        mib = [after_warm / 2**20, (after_use - base) / 2**20, (peak - base) / 2**20]
+        if markdown:
+            print(f"| {family} | {mib[0]:.1f} | {mib[1]:.1f} | {mib[2]:.1f} |")
+        else:
+            print(f"  {family:15} warm {mib[0]:6.1f} MiB   after use {mib[1]:6.1f} MiB   peak {mib[2]:6.1f} MiB")
 
 
 # --- quality against brute force -------------------------------------------------------
