@@ -141,6 +141,16 @@ NODE = LinkLevel(LevelKind.NODE)
 SYS = LinkLevel(LevelKind.SYS)
 
 
+_SHARED: dict[LinkLevel, LinkLevel] = {}
+
+
+def shared(level: LinkLevel) -> LinkLevel:
+    """The one object for this level (at most a few thousand distinct ones exist): a
+    128-GPU matrix holds 16k pair levels, which as separate objects made every full
+    garbage collection in the service longer."""
+    return _SHARED.setdefault(level, level)
+
+
 def nv(links: int) -> LinkLevel:
     return LinkLevel(LevelKind.NV, links)
 

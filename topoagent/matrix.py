@@ -21,6 +21,7 @@ from topoagent.levels import (
     measured_gbps,
     nvlink_generation_for_model,
     pcie_gbps,
+    shared,
 )
 
 if TYPE_CHECKING:
@@ -155,6 +156,7 @@ class DistanceMatrix:
     derived_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "gpu_levels", tuple(tuple(map(shared, row)) for row in self.gpu_levels))
         n = len(self.gpus)
         if len(self.gpu_levels) != n or any(len(row) != n for row in self.gpu_levels):
             raise ValueError("gpu_levels must be a square matrix over the GPUs")
