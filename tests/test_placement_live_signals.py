@@ -128,6 +128,20 @@ def test_a_busy_nic_is_passed_over_for_an_equally_near_quiet_one(a100, tmp_path)
     assert isinstance(one, Placement) and one.nics == ("mlx5_1",)
 
 
+def test_the_nic_line_quotes_each_reads_traffic_though_its_steps_are_unchanged(a100):
+    """Answers are cached by traffic steps: 20 and 21 GB/s are both 8 steps of 2.5 GB/s,
+    and the second answer must still quote its own read."""
+    lines = []
+    for gbs in (20e9, 21e9):
+        answer = place(a100, Request(gpus=1, include=[0]), live=Live(nic_traffic={"mlx5_0": gbs}))
+        assert isinstance(answer, Placement) and nics_of(answer) == {0: "mlx5_1"}
+        lines.append([line for line in answer.explain if line.startswith("NIC mlx5_1 chosen over mlx5_0")])
+    assert lines == [
+        ["NIC mlx5_1 chosen over mlx5_0 (equally near): 0 vs 20 GB/s of traffic now"],
+        ["NIC mlx5_1 chosen over mlx5_0 (equally near): 0 vs 21 GB/s of traffic now"],
+    ]
+
+
 def test_traffic_below_a_tenth_of_the_line_rate_changes_nothing(a100):
     """The recording's own rates (0.15-1.5 GB/s on 25 GB/s ports): noise, not load."""
     traffic = nic_traffic(replayed(Host(str(DGX_A100)), None))
