@@ -167,6 +167,21 @@ def test_gpus_whose_nearest_nics_are_busy_come_last_among_equal_sets(a100):
     assert any("taken although their nearest NICs carry up to 9 GB/s" in line for line in held.explain)
 
 
+def test_busy_nics_taken_for_fewer_unverified_gpus_are_not_said_to_have_no_quieter_equal(a100):
+    """Term (6) weighs unverified GPUs first: GPUs 0 and 1 (busy NICs, verified) beat an
+    equal pair whose NICs are quiet but whose GPUs are unverified.  A quieter set of equal
+    merit exists, so the line may only say none with as few unverified GPUs has one."""
+    live = Live(unverified=frozenset(range(2, 8)), nic_traffic={"mlx5_0": 15e9, "mlx5_1": 9e9})
+    answer = place(a100, Request(gpus=2), live=live)
+    quieter = place(a100, Request(gpus=2, include=[2]), live=Live(nic_traffic=live.nic_traffic))
+    assert isinstance(answer, Placement) and isinstance(quieter, Placement)
+    assert set(answer.indices) == {0, 1}
+    assert answer.objective.nic_traffic_steps > quieter.objective.nic_traffic_steps  # the quieter set of equal merit
+    assert (answer.bandwidth_gbps, answer.objective.damage) == (quieter.bandwidth_gbps, quieter.objective.damage)
+    line = next(line for line in answer.explain if "taken although their nearest NICs" in line)
+    assert line.endswith("no set of equal merit and as few unverified GPUs has quieter NICs"), line
+
+
 def validate_answer(answer: Placement) -> None:
     from topoagent.agent_schema import answer_document
 

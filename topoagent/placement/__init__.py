@@ -211,7 +211,12 @@ def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidat
     loaded = sum(1 << pos for pos, steps in enumerate(costs.gpu_load) if steps) & candidates
     if loaded & taken:
         gbs = max(costs.gpu_gbs(pos) for pos in bits(loaded & taken))
-        reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {"gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1)}))
+        # Term (6) weighs unverified GPUs before traffic: with some among the candidates, a
+        # set of equal merit may have quieter NICs and more unverified GPUs.
+        reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {
+            "gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1),
+            "unverified_first": bool(costs.unverified & candidates),
+        }))
     elif loaded:
         gbs = min(costs.gpu_gbs(pos) for pos in bits(loaded))
         reasons.append(Reason(ReasonCode.BUSY_NICS_PASSED_OVER, {"gpus": _indices(matrix, loaded), "gbs": round(gbs, 1)}))

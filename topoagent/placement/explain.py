@@ -39,7 +39,7 @@ class ReasonCode(enum.StrEnum):
     UNVERIFIED_TAKEN = "unverified_taken"  # gpus
     UNVERIFIED_PASSED_OVER = "unverified_passed_over"  # gpus
     NIC_LESS_TRAFFIC = "nic_less_traffic"  # chosen, over, chosen_gbs, over_gbs
-    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC)
+    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC), unverified_first
     BUSY_NICS_PASSED_OVER = "busy_nics_passed_over"  # gpus, gbs (the least)
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
@@ -144,7 +144,8 @@ def _unverified_taken(p: _Params) -> str:
 
 
 def _busy_nics_taken(p: _Params) -> str:
-    why = "no set of equal merit has quieter NICs" if _proven(p) else "no set of equal merit with quieter NICs was found in time"
+    merit = "equal merit and as few unverified GPUs" if p.params.get("unverified_first") else "equal merit"
+    why = f"no set of {merit} has quieter NICs" if _proven(p) else f"no set of {merit} with quieter NICs was found in time"
     return f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: {why}"
 
 
