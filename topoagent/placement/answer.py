@@ -75,7 +75,7 @@ class Placement:
     bandwidth_bound_gbps: float | None = None
     unverified: tuple[int, ...] = ()  # chosen GPUs not probed since a job gave them back (placement.live)
 
-    fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
+    fit = True  # a NoFit says False: topoagent.agent_schema.answer_document tells them apart by it
 
     @property
     def indices(self) -> tuple[int, ...]:
