@@ -126,6 +126,7 @@ def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypa
 CLAIMS_OF_THE_BEST = (
     "does better", "no set on fewer", "no free set meets", "cannot hold", "the best set has", "the best set meets",
     "free GPUs meet affinity", "free GPUs are all within", "has equal merit", "has quieter NICs",
+    "has fewer unverified GPUs",
 )
 
 

@@ -182,6 +182,23 @@ def test_busy_nics_taken_for_fewer_unverified_gpus_are_not_said_to_have_no_quiet
     assert line.endswith("no set of equal merit and as few unverified GPUs has quieter NICs"), line
 
 
+def test_gpus_the_request_names_are_said_to_be_named_not_the_best_of_equals(a100):
+    """include=[0] takes GPU0 whatever its signals: the lines say include names it, and
+    for the GPUs chosen beside it compare only the sets that hold it."""
+    alone = place(a100, Request(gpus=1, include=[0]), live=Live(unverified=frozenset({0})))
+    assert isinstance(alone, Placement) and alone.unverified == (0,)
+    assert "GPU(s) 0 unverified (a job gave them back; not probed since): taken because include names them" in alone.explain
+    busy_nic = place(a100, Request(gpus=1, include=[0]), live=Live(nic_traffic={"mlx5_0": 15e9, "mlx5_1": 9e9}))
+    assert isinstance(busy_nic, Placement)
+    assert "GPU(s) 0 taken although their nearest NICs carry up to 9 GB/s of traffic now: include names them" in busy_nic.explain
+    pair = place(a100, Request(gpus=2, include=[0]), live=Live(unverified=frozenset({0, 1})))
+    assert isinstance(pair, Placement) and set(pair.indices) == {0, 1}
+    assert any(line.endswith("taken because no set of equal merit holding GPUs 0 has fewer unverified GPUs") for line in pair.explain)
+    for answer in (alone, busy_nic, pair):
+        assert not any("no set of verified GPUs has equal merit" in line for line in answer.explain)
+        validate_answer(answer)
+
+
 def validate_answer(answer: Placement) -> None:
     from topoagent.agent_schema import answer_document
 

@@ -175,7 +175,7 @@ def place(
     if taken & prep.links_unknown:
         notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, taken & prep.links_unknown)}))
     if costs is not None:
-        notes += _live_reasons(matrix, costs, taken, candidates)
+        notes += _live_reasons(matrix, costs, taken, candidates, include)
         answer = replace(answer, unverified=_indices(matrix, costs.unverified & taken))
     if notes:
         answer = replace(answer, reasons=answer.reasons + tuple(notes))
@@ -200,12 +200,17 @@ def _unclaimed(reason: Reason) -> Reason:
     return Reason(reason.code, {**reason.params, "proven": False}) if reason.code in CLAIMS else reason
 
 
-def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidates: int) -> list[Reason]:
+def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidates: int, include: int) -> list[Reason]:
     """What the live signals (term 6) say about the answer: GPUs unverified or with busy
-    nearest NICs taken (no set of equal merit did without them), else passed over."""
+    nearest NICs taken (named by ``include``, or no set of equal merit holding what it
+    names did without them), else passed over."""
     reasons = []
+    held = {"held": _indices(matrix, include)} if include else {}
     if costs.unverified & taken:
-        reasons.append(Reason(ReasonCode.UNVERIFIED_TAKEN, {"gpus": _indices(matrix, costs.unverified & taken)}))
+        reasons.append(Reason(ReasonCode.UNVERIFIED_TAKEN, {
+            "gpus": _indices(matrix, costs.unverified & taken), "named": _indices(matrix, costs.unverified & taken & include),
+            **held,
+        }))
     elif costs.unverified & candidates:
         reasons.append(Reason(ReasonCode.UNVERIFIED_PASSED_OVER, {"gpus": _indices(matrix, costs.unverified & candidates)}))
     loaded = sum(1 << pos for pos, steps in enumerate(costs.gpu_load) if steps) & candidates
@@ -214,8 +219,8 @@ def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidat
         # Term (6) weighs unverified GPUs before traffic: with some among the candidates, a
         # set of equal merit may have quieter NICs and more unverified GPUs.
         reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {
-            "gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1),
-            "unverified_first": bool(costs.unverified & candidates),
+            "gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1), "named": _indices(matrix, loaded & taken & include),
+            "unverified_first": bool(costs.unverified & candidates), **held,
         }))
     elif loaded:
         gbs = min(costs.gpu_gbs(pos) for pos in bits(loaded))
