@@ -6,9 +6,13 @@ CLI and the lease manager are thin shells over it.
 
 The parts: ``request`` (Request and the one parser every door uses), ``objective`` (the
 terms answers are ranked by; its docstring explains the objective and why the search is
-exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound),
-``answer`` (Placement, NoFit), ``explain`` (typed reasons, rendered per door) and
-``synthetic`` (nodes of known shapes for studies, benchmarks and tests).
+exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound, the
+anytime search under a deadline), ``latency`` (one message's time over a link, which
+alltoall and pipeline rank links by), ``live`` (unverified GPUs and NIC traffic, weighed
+at equal merit), ``tiers`` (affinity tiers, satisfaction, the all-reduce estimate),
+``binding`` (each rank's CPUs, memory node and NIC), ``answer`` (Placement, NoFit),
+``explain`` (typed reasons, rendered per door) and ``synthetic`` (nodes of known shapes
+for studies, benchmarks and tests).
 """
 
 from __future__ import annotations
