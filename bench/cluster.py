@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baselines import HamiZonePolicy, first_fit
+from bench.stats import percentile
 from topoagent.deviceplugin.pods import ANNOTATION, parse_choice
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_distance, place
@@ -497,20 +498,15 @@ def replay(c: Cluster, scheduler: Scheduler, jobs: list[Job], check: Callable[[C
     return Outcome(scheduler.name, placed, len(waited), len(waiting), rings, sats, numa, cycles)
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
-
-
 def table(outcomes: list[Outcome], nodes: int, jobs: int) -> str:
     lines = [
         f"| policy ({nodes} nodes, {jobs} pods) | placed | waited | ring GB/s median | ring GB/s p10 | satisfaction | NUMA distance | cycle p50 ms | cycle p99 ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for o in outcomes:
-        cycle = (f"{1000 * statistics.median(o.cycles_s):.1f} | {1000 * pct(o.cycles_s, 0.99):.1f}" if o.cycles_s else "- | -")
+        cycle = (f"{1000 * statistics.median(o.cycles_s):.1f} | {1000 * percentile(o.cycles_s, 0.99):.1f}" if o.cycles_s else "- | -")
         lines.append(
-            f"| {o.policy} | {len(o.placed)} | {o.waited} | {statistics.median(o.ring_gbps):.1f} | {pct(o.ring_gbps, 0.10):.1f}"
+            f"| {o.policy} | {len(o.placed)} | {o.waited} | {statistics.median(o.ring_gbps):.1f} | {percentile(o.ring_gbps, 0.10):.1f}"
             f" | {statistics.mean(o.satisfaction):.3f} | {statistics.mean(o.numa):.1f} | {cycle} |"
         )
     return "\n".join(lines)

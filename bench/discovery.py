@@ -40,23 +40,32 @@ class Run:
 # A child forked from this Python process starts with its memory counted in its peak
 # (Linux keeps the pre-exec peak), so wait4 alone would give every command this process's
 # RSS as a floor.  GNU time (Debian package 'time') forks the command from a small
-# process and reports its own peak; without it the figure is an upper bound.
+# process and reports its own peak; without it the figure is an upper bound.  GNU time
+# adds its own start (about 1 ms: 8 % of lstopo's 16 ms), so the time is taken from a run
+# without it and the peak from a second run under it.
 GNU_TIME = "/usr/bin/time" if Path("/usr/bin/time").is_file() else None
 MEMORY_NOTE = "" if GNU_TIME else " (upper bound: /usr/bin/time missing, so it includes the benchmark's own memory)"
 
 
-def command(argv: list[str]) -> Run:
-    """Wall time and peak resident memory of one run of ``argv``."""
-    with tempfile.NamedTemporaryFile("r") as peak:
-        wrapped = [GNU_TIME, "-f", "%M", "-o", peak.name, *argv] if GNU_TIME else argv
-        start = time.perf_counter()
-        process = subprocess.Popen(wrapped, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
-        _, status, usage = os.wait4(process.pid, 0)
-        seconds = time.perf_counter() - start
-        process.returncode = os.waitstatus_to_exitcode(status)
-        if process.returncode != 0:
-            raise SystemExit(f"{' '.join(argv)}: exit status {process.returncode}")
-        max_rss_kib = int(peak.read().split()[-1]) if GNU_TIME else usage.ru_maxrss
+def _run(argv: list[str]) -> tuple[float, int]:
+    """Wall seconds and wait4's peak RSS (KiB) of one run of ``argv``."""
+    start = time.perf_counter()
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=CHILD_ENV)
+    _, status, usage = os.wait4(process.pid, 0)
+    seconds = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(argv)}: exit status {os.waitstatus_to_exitcode(status)}")
+    return seconds, usage.ru_maxrss
+
+
+def command(argv: list[str], memory: bool = False) -> Run:
+    """Wall time of one run of ``argv``; with ``memory``, its peak resident memory from a
+    second run under GNU time (else wait4's upper bound, see above)."""
+    seconds, max_rss_kib = _run(argv)
+    if memory and GNU_TIME:
+        with tempfile.NamedTemporaryFile("r") as peak:
+            _run([GNU_TIME, "-f", "%M", "-o", peak.name, *argv])
+            max_rss_kib = int(peak.read().split()[-1])
     return Run(seconds, max_rss_kib)
 
 
@@ -99,8 +108,8 @@ def measure(runs: int, root: str | Path) -> dict[str, float | str]:
     ours: list[Run] = []
     theirs: list[Run] = []
     for _ in range(runs):  # alternate so both see the same machine state
-        ours.append(command(TOPOAGENT))
-        theirs.append(command([lstopo, *LSTOPO_ARGS]))
+        ours.append(command(TOPOAGENT, memory=True))
+        theirs.append(command([lstopo, *LSTOPO_ARGS], memory=True))
     figures |= {
         "live_ms": median_ms(ours), "lstopo_ms": median_ms(theirs),
         "live_mib": median_mib(ours), "lstopo_mib": median_mib(theirs),

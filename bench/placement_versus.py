@@ -62,11 +62,6 @@ SAMPLES = 200
 QUICK_SAMPLES = 30
 
 
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
-
-
 # --- worker: runs inside the tree under test ----------------------------------------------
 
 
@@ -252,7 +247,8 @@ def report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, 
 
     print(f"## place() ms: old = {old_name}, new = {new_name}")
     print(f"{args.samples} seeded busy sets per row and side, {args.rounds} round(s) of one child per side (alternating first);")
-    print("each figure is the median over rounds of that round's p50/p99.  wall = perf_counter; cpu = thread_time.")
+    print("each figure is the median over rounds of that round's p50/p99.  wall = perf_counter; cpu = thread_time."
+          + ("  Below 100 samples a p99 is the slowest call." if args.samples < 100 else ""))
     for side in ("old", "new"):
         first = runs[side][0]
         print(f"  {side}: placement.warm {'called' if first['warm'] else 'absent (cold tables)'}; {first['corpus']}"
@@ -262,8 +258,10 @@ def report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, 
     head = f"{'old p50':>7} {'p99':>6} {'new p50':>7} {'p99':>6} {'p50':>6} {'p99':>6}"
     print(f"{'node':17} {'k':>3} {'request':10}| {head} | {head}")
 
+    from bench.stats import percentile  # here, not at the top: a worker imports an older tree's bench
+
     def med(side_rows: list[dict[tuple[str, int, str], dict[str, Any]]], key: tuple[str, int, str], clock: str, q: float) -> float:
-        return statistics.median(pct(rows[key][clock], q) for rows in side_rows)
+        return statistics.median(percentile(rows[key][clock], q) for rows in side_rows)
 
     worst: dict[int, dict[str, float]] = {}
     wall50, wall99, cpu50, cpu99 = [], [], [], []

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import secrets
 import shutil
@@ -47,6 +48,9 @@ def start(root: Path, tmp: Path) -> tuple[subprocess.Popen, str, str]:
         [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0",
          "--state-dir", str(tmp / "state"), "--token-file", str(tmp / "token")],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        # -P keeps the cwd off sys.path: without this the agent timed is whatever
+        # topoagent the interpreter has installed, not this checkout's.
+        env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     url = re.search(r"(http://[\d.]+:\d+)", proc.stdout.readline()).group(1)
     for _ in range(200):

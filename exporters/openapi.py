@@ -2,8 +2,8 @@
 
 It is the contract the tests hold real responses to (schemathesis checks every
 documented status and body shape).  The paths are written here; every body's schema
-comes from topoagent.schema, the module that also writes those bodies, so a field or an
-enum is written once.
+comes from topoagent.schema and topoagent.agent_schema, the modules that also write those
+bodies, so a field or an enum is written once.
 """
 
 from __future__ import annotations

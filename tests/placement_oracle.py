@@ -7,7 +7,7 @@ from itertools import combinations, permutations
 
 from topoagent.levels import LATENCY_US
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement import Live, Request, evaluate_damage
+from topoagent.placement import Live, Request
 
 _EDGES: dict[int, tuple[DistanceMatrix, list]] = {}
 
@@ -116,6 +116,53 @@ def nic_cost(matrix: DistanceMatrix, positions, wanted: int):
     return (sum(k for k, _ in chosen), sum(r for _, r in chosen))
 
 
+_ZONES: dict[int, tuple[DistanceMatrix, list]] = {}
+
+
+def zones(matrix: DistanceMatrix) -> list[frozenset[frozenset[int]]]:
+    """The node's partitions into zones, each once: the connected groups of GPUs joined by
+    links at least as close as each level that occurs, then the NUMA groups; a partition
+    into one zone or into single GPUs says nothing and is left out."""
+    hit = _ZONES.get(id(matrix))
+    if hit is None or hit[0] is not matrix:
+        hit = _ZONES[id(matrix)] = (matrix, _zones(matrix))
+    return hit[1]
+
+
+def _zones(matrix: DistanceMatrix) -> list[frozenset[frozenset[int]]]:
+    n = matrix.size
+    out: list[frozenset[frozenset[int]]] = []
+    closeness = {matrix.gpu_levels[a][b].sort_key() for a in range(n) for b in range(n) if a != b}
+    for limit in sorted(closeness):
+        groups: list[set[int]] = []
+        for v in range(n):
+            joined = [g for g in groups if any(matrix.gpu_levels[v][u].sort_key() <= limit for u in g)]
+            merged = {v}.union(*joined)
+            groups = [g for g in groups if g not in joined] + [merged]
+        partition = frozenset(frozenset(g) for g in groups)
+        if 1 < len(partition) < n and partition not in out:
+            out.append(partition)
+    by_numa: dict = {}
+    for v in range(n):
+        by_numa.setdefault(numa_key(matrix, v), set()).add(v)
+    partition = frozenset(frozenset(g) for g in by_numa.values())
+    if len(partition) > 1 and partition not in out:
+        out.append(partition)
+    return out
+
+
+def damage(matrix: DistanceMatrix, busy, positions) -> int:
+    """Term (5): over every zone, f^2 - (f - s)^2 for its f free GPUs of which s are taken."""
+    busy, taken = set(busy), set(positions)
+    free = {p for p, g in enumerate(matrix.gpus) if g.index not in busy}
+    total = 0
+    for partition in zones(matrix):
+        for zone in partition:
+            f, s = len(zone & free), len(zone & taken)
+            total += f * f - (f - s) * (f - s)
+    return total
+
+
 def live_cost(matrix: DistanceMatrix, positions, live: Live | None) -> tuple[int, int]:
     """Term (6): (unverified GPUs, traffic steps of each GPU's least loaded nearest NIC)."""
     if live is None:
@@ -171,11 +218,11 @@ def best_keys(matrix: DistanceMatrix, req: Request, busy, key_cache=None, live: 
         distance = numa_distance(matrix, subset)
         numa = len({numa_key(matrix, p) for p in subset})
         nic = nic_cost(matrix, subset, req.nics)
-        damage = evaluate_damage(matrix, busy, [matrix.gpus[p].index for p in subset])
+        cost5 = damage(matrix, busy, subset)
         cost = live_cost(matrix, subset, live)
-        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -damage, (-cost[0], -cost[1]))
+        key = ((pk is not None, pk or (0.0, ())), -distance, -numa, (-nic[0], -nic[1]), -cost5, (-cost[0], -cost[1]))
         if best is None or key > best[0]:
-            best = (key, pk, distance, numa, nic[0], damage, cost)
+            best = (key, pk, distance, numa, nic[0], cost5, cost)
     if best is None:
         return None
     return best[1:]

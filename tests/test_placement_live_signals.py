@@ -128,6 +128,20 @@ def test_a_busy_nic_is_passed_over_for_an_equally_near_quiet_one(a100, tmp_path)
     assert isinstance(one, Placement) and one.nics == ("mlx5_1",)
 
 
+def test_the_nic_line_quotes_each_reads_traffic_though_its_steps_are_unchanged(a100):
+    """Answers are cached by traffic steps: 20 and 21 GB/s are both 8 steps of 2.5 GB/s,
+    and the second answer must still quote its own read."""
+    lines = []
+    for gbs in (20e9, 21e9):
+        answer = place(a100, Request(gpus=1, include=[0]), live=Live(nic_traffic={"mlx5_0": gbs}))
+        assert isinstance(answer, Placement) and nics_of(answer) == {0: "mlx5_1"}
+        lines.append([line for line in answer.explain if line.startswith("NIC mlx5_1 chosen over mlx5_0")])
+    assert lines == [
+        ["NIC mlx5_1 chosen over mlx5_0 (equally near): 0 vs 20 GB/s of traffic now"],
+        ["NIC mlx5_1 chosen over mlx5_0 (equally near): 0 vs 21 GB/s of traffic now"],
+    ]
+
+
 def test_traffic_below_a_tenth_of_the_line_rate_changes_nothing(a100):
     """The recording's own rates (0.15-1.5 GB/s on 25 GB/s ports): noise, not load."""
     traffic = nic_traffic(replayed(Host(str(DGX_A100)), None))
@@ -151,6 +165,38 @@ def test_gpus_whose_nearest_nics_are_busy_come_last_among_equal_sets(a100):
     held = place(a100, Request(gpus=2, include=[0]), live=busy_nics)
     assert isinstance(held, Placement) and set(held.indices) == {0, 1}
     assert any("taken although their nearest NICs carry up to 9 GB/s" in line for line in held.explain)
+
+
+def test_busy_nics_taken_for_fewer_unverified_gpus_are_not_said_to_have_no_quieter_equal(a100):
+    """Term (6) weighs unverified GPUs first: GPUs 0 and 1 (busy NICs, verified) beat an
+    equal pair whose NICs are quiet but whose GPUs are unverified.  A quieter set of equal
+    merit exists, so the line may only say none with as few unverified GPUs has one."""
+    live = Live(unverified=frozenset(range(2, 8)), nic_traffic={"mlx5_0": 15e9, "mlx5_1": 9e9})
+    answer = place(a100, Request(gpus=2), live=live)
+    quieter = place(a100, Request(gpus=2, include=[2]), live=Live(nic_traffic=live.nic_traffic))
+    assert isinstance(answer, Placement) and isinstance(quieter, Placement)
+    assert set(answer.indices) == {0, 1}
+    assert answer.objective.nic_traffic_steps > quieter.objective.nic_traffic_steps  # the quieter set of equal merit
+    assert (answer.bandwidth_gbps, answer.objective.damage) == (quieter.bandwidth_gbps, quieter.objective.damage)
+    line = next(line for line in answer.explain if "taken although their nearest NICs" in line)
+    assert line.endswith("no set of equal merit and as few unverified GPUs has quieter NICs"), line
+
+
+def test_gpus_the_request_names_are_said_to_be_named_not_the_best_of_equals(a100):
+    """include=[0] takes GPU0 whatever its signals: the lines say include names it, and
+    for the GPUs chosen beside it compare only the sets that hold it."""
+    alone = place(a100, Request(gpus=1, include=[0]), live=Live(unverified=frozenset({0})))
+    assert isinstance(alone, Placement) and alone.unverified == (0,)
+    assert "GPU(s) 0 unverified (a job gave them back; not probed since): taken because include names them" in alone.explain
+    busy_nic = place(a100, Request(gpus=1, include=[0]), live=Live(nic_traffic={"mlx5_0": 15e9, "mlx5_1": 9e9}))
+    assert isinstance(busy_nic, Placement)
+    assert "GPU(s) 0 taken although their nearest NICs carry up to 9 GB/s of traffic now: include names them" in busy_nic.explain
+    pair = place(a100, Request(gpus=2, include=[0]), live=Live(unverified=frozenset({0, 1})))
+    assert isinstance(pair, Placement) and set(pair.indices) == {0, 1}
+    assert any(line.endswith("taken because no set of equal merit holding GPUs 0 has fewer unverified GPUs") for line in pair.explain)
+    for answer in (alone, busy_nic, pair):
+        assert not any("no set of verified GPUs has equal merit" in line for line in answer.explain)
+        validate_answer(answer)
 
 
 def validate_answer(answer: Placement) -> None:

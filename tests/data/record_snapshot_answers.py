@@ -1,6 +1,10 @@
 """Writes placement_answers_snapshots.json: place() on every fixtures/snapshots node, random
-busy sets, every k, pattern and 0 or 2 NICs.  Run from the checkout root at the commit
-whose answers are to be kept:  python tests/data/record_snapshot_answers.py > tests/data/placement_answers_snapshots.json
+busy sets, every k, pattern and 0 or 2 NICs.  Run at the commit whose answers are to be
+kept:  python tests/data/record_snapshot_answers.py > tests/data/placement_answers_snapshots.json
+
+It records this checkout's code: the checkout goes first on sys.path, ahead of any
+topoagent installed in the interpreter (a script's own folder, not the root, is what
+Python puts there).
 """
 
 import json
@@ -9,11 +13,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from topoagent.commands.discover import discover_root
-from topoagent.placement import Placement, Request, place
+CHECKOUT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(CHECKOUT))
 
-root = Path("fixtures/snapshots")
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+from topoagent.commands.discover import discover_root  # noqa: E402  (after the path above)
+from topoagent.placement import Placement, Request, place  # noqa: E402
+
+root = CHECKOUT / "fixtures" / "snapshots"
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=CHECKOUT, capture_output=True, text=True).stdout.strip()
 out: dict = {"commit": commit, "answers": {}}
 for path in sorted(root.iterdir()):
     m = discover_root(str(path)).distance_matrix()

@@ -6,9 +6,13 @@ CLI and the lease manager are thin shells over it.
 
 The parts: ``request`` (Request and the one parser every door uses), ``objective`` (the
 terms answers are ranked by; its docstring explains the objective and why the search is
-exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound),
-``answer`` (Placement, NoFit), ``explain`` (typed reasons, rendered per door) and
-``synthetic`` (nodes of known shapes for studies, benchmarks and tests).
+exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound, the
+anytime search under a deadline), ``latency`` (one message's time over a link, which
+alltoall and pipeline rank links by), ``live`` (unverified GPUs and NIC traffic, weighed
+at equal merit), ``tiers`` (affinity tiers, satisfaction, the all-reduce estimate),
+``binding`` (each rank's CPUs, memory node and NIC), ``answer`` (Placement, NoFit),
+``explain`` (typed reasons, rendered per door) and ``synthetic`` (nodes of known shapes
+for studies, benchmarks and tests).
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ def place(
     if taken & prep.links_unknown:
         notes.append(Reason(ReasonCode.UNKNOWN_LINKS_TAKEN, {"gpus": _indices(matrix, taken & prep.links_unknown)}))
     if costs is not None:
-        notes += _live_reasons(matrix, costs, taken, candidates)
+        notes += _live_reasons(matrix, costs, taken, candidates, include)
         answer = replace(answer, unverified=_indices(matrix, costs.unverified & taken))
     if notes:
         answer = replace(answer, reasons=answer.reasons + tuple(notes))
@@ -200,18 +204,28 @@ def _unclaimed(reason: Reason) -> Reason:
     return Reason(reason.code, {**reason.params, "proven": False}) if reason.code in CLAIMS else reason
 
 
-def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidates: int) -> list[Reason]:
+def _live_reasons(matrix: DistanceMatrix, costs: LiveCosts, taken: int, candidates: int, include: int) -> list[Reason]:
     """What the live signals (term 6) say about the answer: GPUs unverified or with busy
-    nearest NICs taken (no set of equal merit did without them), else passed over."""
+    nearest NICs taken (named by ``include``, or no set of equal merit holding what it
+    names did without them), else passed over."""
     reasons = []
+    held = {"held": _indices(matrix, include)} if include else {}
     if costs.unverified & taken:
-        reasons.append(Reason(ReasonCode.UNVERIFIED_TAKEN, {"gpus": _indices(matrix, costs.unverified & taken)}))
+        reasons.append(Reason(ReasonCode.UNVERIFIED_TAKEN, {
+            "gpus": _indices(matrix, costs.unverified & taken), "named": _indices(matrix, costs.unverified & taken & include),
+            **held,
+        }))
     elif costs.unverified & candidates:
         reasons.append(Reason(ReasonCode.UNVERIFIED_PASSED_OVER, {"gpus": _indices(matrix, costs.unverified & candidates)}))
     loaded = sum(1 << pos for pos, steps in enumerate(costs.gpu_load) if steps) & candidates
     if loaded & taken:
         gbs = max(costs.gpu_gbs(pos) for pos in bits(loaded & taken))
-        reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {"gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1)}))
+        # Term (6) weighs unverified GPUs before traffic: with some among the candidates, a
+        # set of equal merit may have quieter NICs and more unverified GPUs.
+        reasons.append(Reason(ReasonCode.BUSY_NICS_TAKEN, {
+            "gpus": _indices(matrix, loaded & taken), "gbs": round(gbs, 1), "named": _indices(matrix, loaded & taken & include),
+            "unverified_first": bool(costs.unverified & candidates), **held,
+        }))
     elif loaded:
         gbs = min(costs.gpu_gbs(pos) for pos in bits(loaded))
         reasons.append(Reason(ReasonCode.BUSY_NICS_PASSED_OVER, {"gpus": _indices(matrix, loaded), "gbs": round(gbs, 1)}))

@@ -75,7 +75,7 @@ class Placement:
     bandwidth_bound_gbps: float | None = None
     unverified: tuple[int, ...] = ()  # chosen GPUs not probed since a job gave them back (placement.live)
 
-    fit = True  # a NoFit says False: topoagent.schema.answer_document tells them apart by it
+    fit = True  # a NoFit says False: topoagent.agent_schema.answer_document tells them apart by it
 
     @property
     def indices(self) -> tuple[int, ...]:
@@ -153,6 +153,9 @@ class AnswerParts:
     env: tuple[tuple[str, str], ...]
     numactl: tuple[str, ...]
     nic_reasons: tuple[Reason, ...]  # the NICs chosen, NICs NCCL cannot be told about
+    # (chosen, passed over) NICs that traffic alone decided: build() words them with the
+    # request's own read of the traffic, which these parts (cached by steps) must not hold.
+    nic_passed: tuple[tuple[int, int], ...]
     launch: Launch
     affinity: Affinity
     satisfaction: float
@@ -243,12 +246,6 @@ def answer_parts(
         nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
     if unnamed:
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
-    for chosen_j, over_j in passed:
-        assert live is not None  # traffic decides only with live costs
-        nic_reasons.append(Reason(ReasonCode.NIC_LESS_TRAFFIC, {
-            "chosen": nic_names[chosen_j], "over": nic_names[over_j],
-            "chosen_gbs": round(live.gbs(chosen_j), 1), "over_gbs": round(live.gbs(over_j), 1),
-        }))
     if k >= 2 and pattern is not Pattern.ALLREDUCE:
         ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
         if k >= 3:
@@ -257,7 +254,7 @@ def answer_parts(
         ring = links
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(nic_reasons), launch_forms(prep, order, bindings),
+        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
         tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
     if len(prep.answer_parts) >= 50_000:
@@ -336,6 +333,12 @@ def build(
         else:
             reasons.append(Reason(ReasonCode.SPANS_NUMA_FORCED, {"count": count, "field": "include", "held": req.include}))
     reasons += parts.nic_reasons
+    for chosen_j, over_j in parts.nic_passed:
+        assert live is not None  # traffic decides only with live costs
+        reasons.append(Reason(ReasonCode.NIC_LESS_TRAFFIC, {
+            "chosen": prep.nic_names[chosen_j], "over": prep.nic_names[over_j],
+            "chosen_gbs": round(live.gbs(chosen_j), 1), "over_gbs": round(live.gbs(over_j), 1),
+        }))
     reasons.append(Reason(ReasonCode.BREAKS_ZONES, {"zones": broken}) if broken else Reason(ReasonCode.KEEPS_ZONES))
     if fell_back:
         reasons.append(Reason(ReasonCode.AFFINITY_FELL_BACK, {"asked": req.affinity, "met": parts.affinity}))

@@ -36,10 +36,10 @@ class ReasonCode(enum.StrEnum):
     UNKNOWN_LINKS_TAKEN = "unknown_links_taken"  # gpus
     NOT_PROVEN = "not_proven"  # deadline_ms, bound_gbps (None: the search bounded no bandwidth)
     # Live signals, weighed at equal merit (placement.live).
-    UNVERIFIED_TAKEN = "unverified_taken"  # gpus
+    UNVERIFIED_TAKEN = "unverified_taken"  # gpus, named (those include names), held (include; absent when empty)
     UNVERIFIED_PASSED_OVER = "unverified_passed_over"  # gpus
     NIC_LESS_TRAFFIC = "nic_less_traffic"  # chosen, over, chosen_gbs, over_gbs
-    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC)
+    BUSY_NICS_TAKEN = "busy_nics_taken"  # gpus, gbs (the most any of them has on its nearest NIC), named, unverified_first, held
     BUSY_NICS_PASSED_OVER = "busy_nics_passed_over"  # gpus, gbs (the least)
     # No fit: the ``constraint`` of a NoFit says which field cannot hold.
     INCLUDED_BUSY = "included_busy"  # index
@@ -135,16 +135,36 @@ def _unknown_links(p: _Params) -> str:
     return f"GPU(s) {p.gpus('gpus')} have unknown links (counted at no bandwidth): taken only because {why}"
 
 
+def _named(p: _Params) -> str | None:
+    """Why GPUs were taken when the request named every one of them (None: it did not)."""
+    named = p.params.get("named", ())
+    return f"{p.field_name('include')} names them" if named and set(named) == set(p["gpus"]) else None
+
+
 def _unverified_taken(p: _Params) -> str:
-    why = (
-        "taken because no set of verified GPUs has equal merit" if _proven(p)
-        else "no set of verified GPUs of equal merit was found in time"
-    )
+    held = p.params.get("held")
+    if _named(p):
+        why = f"taken because {_named(p)}"
+    elif held:  # every set holds what include names: compare only sets that hold it
+        why = (
+            f"taken because no set of equal merit holding GPUs {p.gpus('held')} has fewer unverified GPUs" if _proven(p)
+            else f"no set of equal merit holding GPUs {p.gpus('held')} with fewer unverified GPUs was found in time"
+        )
+    else:
+        why = (
+            "taken because no set of verified GPUs has equal merit" if _proven(p)
+            else "no set of verified GPUs of equal merit was found in time"
+        )
     return f"GPU(s) {p.gpus('gpus')} unverified (a job gave them back; not probed since): {why}"
 
 
 def _busy_nics_taken(p: _Params) -> str:
-    why = "no set of equal merit has quieter NICs" if _proven(p) else "no set of equal merit with quieter NICs was found in time"
+    merit = "equal merit and as few unverified GPUs" if p.params.get("unverified_first") else "equal merit"
+    if p.params.get("held"):
+        merit += f" holding GPUs {p.gpus('held')}"
+    why = _named(p) or (
+        f"no set of {merit} has quieter NICs" if _proven(p) else f"no set of {merit} with quieter NICs was found in time"
+    )
     return f"GPU(s) {p.gpus('gpus')} taken although their nearest NICs carry up to {p['gbs']:g} GB/s of traffic now: {why}"
 
 

@@ -63,7 +63,6 @@ class LiveCosts:
         self.gpu_load = [min((self.nic_load[j] for j in nearest[pos][1]), default=0) for pos in range(matrix.size)]
         # Per GPU: (unverified, load steps), the order a set's live cost sums in.
         self.of = [(self.unverified >> pos & 1, self.gpu_load[pos]) for pos in range(matrix.size)]
-        self.any = bool(self.unverified) or any(self.gpu_load)
         # The answer cache keys bindings by the loads (None: no NIC carries a step of traffic).
         self.loads_key = tuple(self.nic_load) if any(self.nic_load) else None
 

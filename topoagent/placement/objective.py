@@ -56,7 +56,8 @@ Objective (lexicographic; an earlier term always wins over a later one)
    branch and bound, to the tied sets it visits.
 
 Terms (1)-(3) are exact -- the global optimum over all k-subsets, not a heuristic --
-and so are (4) and (5) given (1)-(3).  The search never enumerates partitions:
+and so are (4), (5) and (6) given the terms before them.  The search never enumerates
+partitions:
 
 * Small nodes.  Where a node has at most ``SMALL_TABLE_SETS`` k-sets (every k on an
   8-GPU node; k near 1 or n on larger ones) the per-matrix tables hold every k-set with
@@ -73,17 +74,20 @@ and so are (4) and (5) given (1)-(3).  The search never enumerates partitions:
 * Symmetry.  GPUs whose rows are identical (same key to every other GPU, same NUMA node,
   same NIC distances when NICs matter) are interchangeable; the search picks a *count*
   from each such class instead of subsets of it (an 8-GPU NVSwitch node has two classes,
-  one per socket, when NICs do not matter).
+  one per socket, when NICs do not matter).  Members of a class differ only in (6), which
+  a GPU adds to on its own: a count of them is taken cheapest first (verified, then quiet
+  NICs), the least (6) of any subset of that size.
 * Branch and bound over classes, NUMA nodes that can hold the job first (best fit), with
   lower bounds taken one term at a time for (2) (the span of the NUMA nodes touched --
   it only grows -- or, when they cannot hold the rest, the least span with one more
   node), (3) (NUMA nodes touched plus the fewest further nodes that can hold the rest),
-  (4) (the NIC cost of everything still allowed -- it only falls as GPUs are added) and
-  (5): taking a of a zone's c remaining candidates
-  costs a(2L - a) with L its free untaken GPUs, concave in a, so the least completion has
-  every zone taken whole or not at all but one -- tried exactly when at most three zones
-  are in play, else bounded by the whole-zone rate 2L - c per GPU.  A memoised
-  Hamiltonian check runs at the leaves for sets whose links at ``t`` are not a clique.
+  (4) (the NIC cost of everything still allowed -- it only falls as GPUs are added),
+  (5): taking a of a zone's c remaining candidates costs a(2L - a) with L its free
+  untaken GPUs, concave in a, so the least completion has every zone taken whole or not
+  at all but one -- tried exactly when at most three zones are in play, else bounded by
+  the whole-zone rate 2L - c per GPU -- and (6) (what is taken: each GPU only adds to
+  it).  A memoised Hamiltonian check runs at the leaves for sets whose links at ``t`` are
+  not a clique.
 
 Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
 built once per matrix and kept in its ``derived_cache``.

@@ -12,8 +12,9 @@ Anytime, under a deadline (Search.run):
    thresholds, the highest at which a ring, path or clique grows over all candidates;
    there, a set on one NUMA node or on a pair or triple of near ones;
 3. the exact search: thresholds above that one, best first, then that one with the cheap
-   set's key as a cutoff -- branches strictly worse are cut, so the search visits every
-   set it would visit without it and the answer is the same, sooner.
+   set's key as a cutoff -- only branches strictly worse than that set are cut, and the
+   optimum is no worse than it, so every set the answer is chosen among (the optimum and
+   its equals, in the same order) is still visited and the answer is the same, sooner.
 When the deadline stops it, the answer is the best set found, not proven, and the bound is
 the best threshold not yet ruled out.  Rings and paths also cut branches that cannot be
 completed (members short of links, runs of members apart), which changes no answer.
@@ -713,7 +714,8 @@ class Search:
         self.ticker: Ticker | None = steps if steps is not None else deadline  # called once per step
         # The key of a set known at the threshold being searched (a cheap first answer's):
         # branches that cannot come within it are cut.  Cut only when strictly worse, so
-        # the search visits every set it would visit without it (see _cut): same answer.
+        # the optimum and its equals are still visited in the same order (see _cut): the
+        # same answer.  Only sets worse than the cutoff, never the answer, go unvisited.
         self.cutoff: Key | None = None
         # What run() leaves when the deadline stopped it: proven False, the best set found
         # at any threshold, and the best threshold not ruled out (its bandwidth bounds
