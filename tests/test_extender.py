@@ -342,3 +342,47 @@ def test_the_stream_is_the_same_for_every_policy() -> None:
     assert job_stream(50, 64, 0.9, 3) == job_stream(50, 64, 0.9, 3)
     assert {j.gpus for j in job_stream(200, 64, 0.9, 3)} == {1, 2, 4, 8}
     assert isinstance(job_stream(1, 8, 0.5, 1)[0], Job)
+
+
+def test_a_large_agent_answer_is_read_whole_and_a_too_large_one_refused() -> None:
+    """An answer that comes in many chunks is read to its end (one read() gives one chunk),
+    and one past the limit is the agent's failure, not the extender's memory."""
+    import asyncio
+
+    from aiohttp import web
+
+    from topoagent.extender import nodes
+
+    async def main() -> None:
+        sizes = {"big": 600_000, "huge": nodes.MAX_RESPONSE_BYTES}
+
+        async def capacity(request: web.Request) -> web.StreamResponse:
+            pad = "x" * sizes[request.match_info["node"]]
+            body = json.dumps({"gpus": 8, "free_gpus": 8, "pad": pad}).encode()
+            resp = web.StreamResponse(headers={"Content-Type": "application/json", "ETag": '"1"'})
+            await resp.prepare(request)
+            try:
+                for at in range(0, len(body), 16384):
+                    await resp.write(body[at:at + 16384])
+                    await asyncio.sleep(0)
+                await resp.write_eof()
+            except ConnectionResetError:  # the extender stopped reading "huge"
+                pass
+            return resp
+
+        app = web.Application()
+        app.router.add_get("/{node}/capacity", capacity)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}")
+        try:
+            etag, doc = await agents.capacity("big")
+            assert doc["free_gpus"] == 8 and len(doc["pad"]) == sizes["big"] and etag == '"1"'
+            with pytest.raises(nodes.Unreachable, match="larger than"):
+                await agents.capacity("huge")
+        finally:
+            await agents.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -144,8 +144,8 @@ class Agents:
     async def _get_json(self, url: str, method: str = "GET", body: Any = None, headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], Any]:
         try:
             async with self._http().request(method, url, json=body, headers=dict(headers or {})) as resp:
-                raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
-                if len(raw) > MAX_RESPONSE_BYTES:
+                raw = await _read_bounded(resp.content, MAX_RESPONSE_BYTES)
+                if raw is None:
                     raise Unreachable(f"{method} {url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
                 doc = json.loads(raw) if raw else None
                 return resp.status, resp.headers, doc
@@ -268,6 +268,18 @@ class Agents:
         except (TimeoutError, Unreachable):
             return False
         return status in (200, 404)
+
+
+async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes.  (``content.read(n)`` is no
+    bound read: it returns what has arrived, one chunk of a larger answer.)"""
+    chunks, size = [], 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _is_count(value: Any) -> bool:
