@@ -282,3 +282,54 @@ def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:
     files = write_documents(tmp_path, "dgx1-v100", ["gpu001"], fat_tree_cabling)
     done = cli("--topology-files", files[0], files[0])
     assert done.returncode == 2 and "gpu001 is reported twice" in done.stderr
+
+
+def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_traceback() -> None:
+    """Not HTTP, a port that is no number, an agent that trickles its answer a byte at a
+    time: each is one error line; the trickle meets --timeout in all, not per byte."""
+    import threading
+    import time
+
+    def serve(reply: bytes, trickle: bool) -> tuple[socket.socket, int]:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+
+        def run() -> None:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                try:
+                    conn.sendall(reply)
+                    while trickle:
+                        conn.sendall(b" ")
+                        time.sleep(0.2)
+                except OSError:
+                    pass
+
+        threading.Thread(target=run, daemon=True).start()
+        return listener, listener.getsockname()[1]
+
+    not_http, a = serve(b"SSH-2.0-OpenSSH_9.2\r\n", trickle=False)
+    trickling, b = serve(b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n", trickle=True)
+    urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "http://127.0.0.1:notaport"]
+    try:
+        started = time.monotonic()
+        done = cli("--agents", *urls, "--timeout", "1.5")
+        took = time.monotonic() - started
+    finally:
+        not_http.close()
+        trickling.close()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4 and all(line.startswith("topoagent cluster-topology: ") for line in lines), done.stderr
+    assert lines[0].startswith(f"topoagent cluster-topology: {urls[0]}: BadStatusLine: SSH-2.0")
+    assert lines[1] == f"topoagent cluster-topology: {urls[1]}: no answer within 1.5 s"
+    assert lines[2].startswith(f"topoagent cluster-topology: {urls[2]}: InvalidURL: nonnumeric port")
+    assert took < 20
+    for timeout in ("nan", "inf", "0"):
+        bad = cli("--agents", urls[0], "--timeout", timeout)
+        assert bad.returncode == 2 and "--timeout" in bad.stderr
