@@ -18,6 +18,7 @@ Pure: documents in, text out.  Reading the agents is topoagent/commands/cluster_
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -115,12 +116,22 @@ def switch_name(leaf: str) -> str:
     return "leaf-" + _SLURM_NAME_UNSAFE.sub("-", text).strip("-")
 
 
-def _leaves(nodes: Sequence[ClusterNode]) -> dict[str, list[ClusterNode]]:
+def _switches(nodes: Sequence[ClusterNode]) -> dict[str, list[ClusterNode]]:
+    """Switch name -> the nodes under it, one switch per leaf.  Leaves whose ids read as
+    one name (``a b`` and ``a-b``; ``0xAA`` and ``aa``) each get their id's hash after it:
+    two ``SwitchName=`` lines of one name would merge two leaves into one."""
     by_leaf: dict[str, list[ClusterNode]] = {}
     for node in nodes:
         if node.leaf is not None:
             by_leaf.setdefault(node.leaf, []).append(node)
-    return dict(sorted(by_leaf.items(), key=lambda kv: switch_name(kv[0])))
+    named: dict[str, list[str]] = {}
+    for leaf in by_leaf:
+        named.setdefault(switch_name(leaf), []).append(leaf)
+    out: dict[str, list[ClusterNode]] = {}
+    for name, leaves in named.items():
+        for leaf in leaves:
+            out[name if len(leaves) == 1 else f"{name}-{hashlib.sha256(leaf.encode()).hexdigest()[:8]}"] = by_leaf[leaf]
+    return dict(sorted(out.items()))
 
 
 def unplaced(nodes: Sequence[ClusterNode]) -> list[str]:
@@ -144,18 +155,18 @@ def _describe(members: Sequence[ClusterNode]) -> str:
 def slurm_topology_conf(nodes: Sequence[ClusterNode]) -> str:
     """topology.conf for TopologyPlugin=topology/tree."""
     check_unique(nodes)
-    by_leaf = _leaves(nodes)
+    switches = _switches(nodes)
     lines = ["# topology.conf for TopologyPlugin=topology/tree, written by topoagent cluster-topology",
              "# from each agent's /topology: a leaf switch per leaf (or rail group) the nodes report."]
     missing = unplaced(nodes)
     if missing:
         lines.append(f"# Not placed (their agents know no neighbour switch): {hostlist(missing)}")
-    for leaf, members in by_leaf.items():
+    for switch, members in switches.items():
         lines.append(f"# {_describe(members)}")
-        lines.append(f"SwitchName={switch_name(leaf)} Nodes={hostlist(m.name for m in members)}")
-    if len(by_leaf) > 1:
+        lines.append(f"SwitchName={switch} Nodes={hostlist(m.name for m in members)}")
+    if len(switches) > 1:
         # Listed, not compressed: a GUID's trailing digits are no host number.
-        lines.append(f"SwitchName={TOP_SWITCH} Switches={','.join(switch_name(leaf) for leaf in by_leaf)}")
+        lines.append(f"SwitchName={TOP_SWITCH} Switches={','.join(switches)}")
     return "\n".join(lines) + "\n"
 
 
@@ -177,18 +188,18 @@ def _block_sizes(blocks: Mapping[str, Sequence[ClusterNode]]) -> list[int]:
 def slurm_topology_yaml(nodes: Sequence[ClusterNode]) -> str:
     """topology.yaml (Slurm 24.05+): the tree, and NVLink domains as blocks when any node has one."""
     check_unique(nodes)
-    by_leaf = _leaves(nodes)
+    switches = _switches(nodes)
     out = ["# topology.yaml (Slurm 24.05 and later), written by topoagent cluster-topology",
            "- topology: fabric",
            "  cluster_default: true",
            "  tree:",
            "    switches:"]
-    for leaf, members in by_leaf.items():
-        out.append(f"      - switch: {switch_name(leaf)}")
+    for switch, members in switches.items():
+        out.append(f"      - switch: {switch}")
         out.append(f"        nodes: {_yaml_text(hostlist(m.name for m in members))}")
-    if len(by_leaf) > 1:
+    if len(switches) > 1:
         out.append(f"      - switch: {TOP_SWITCH}")
-        out.append(f"        children: {_yaml_text(','.join(switch_name(leaf) for leaf in by_leaf))}")
+        out.append(f"        children: {_yaml_text(','.join(switches))}")
     blocks: dict[str, list[ClusterNode]] = {}
     for node in nodes:
         if node.nvlink_domain is not None:

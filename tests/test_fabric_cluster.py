@@ -333,3 +333,21 @@ def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_trace
     for timeout in ("nan", "inf", "0"):
         bad = cli("--agents", urls[0], "--timeout", timeout)
         assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
+def test_leaves_whose_ids_read_as_one_switch_name_stay_two_switches(tmp_path: Path) -> None:
+    paths = []
+    for host, leaf in (("gpu001", "a b"), ("gpu002", "a-b"), ("gpu003", "a:b"), ("gpu004", "0xcc")):
+        path = tmp_path / f"{host}.json"
+        path.write_text(json.dumps({"hostname": host, "fabric": {"leaf": leaf, "rails": [{"leaf": leaf}]}}))
+        paths.append(str(path))
+    done = cli("--topology-files", *paths)
+    assert done.returncode == 0, done.stderr
+    switches = topology_conf_switches(done.stdout)
+    under = {name: s["Nodes"] for name, s in switches.items() if "Nodes" in s}
+    assert sorted(under.values()) == [["gpu001"], ["gpu002"], ["gpu003"], ["gpu004"]]
+    assert under["leaf-cc"] == ["gpu004"]  # a name no other leaf shares is left as it was
+    assert sorted(switches["fabric"]["Switches"]) == sorted(under)
+    written = yaml.safe_load(cli("--topology-files", *paths, "--format", "topology.yaml").stdout)
+    assert sorted(s["switch"] for s in written[0]["tree"]["switches"]) == sorted([*under, "fabric"])
+
