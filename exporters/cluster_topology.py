@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.errors import TopoagentError
-from topoagent.exporters.nfd import HOSTNAME_LABEL, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
+from topoagent.exporters.nfd import HOSTNAME_LABEL, LABEL_PREFIX, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
 
 TOP_SWITCH = "fabric"  # the switch over every leaf in topology.conf
 _SLURM_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -218,6 +218,8 @@ def slurm_topology_yaml(nodes: Sequence[ClusterNode]) -> str:
 
 def kueue_topology(nodes: Sequence[ClusterNode], name: str = "topoagent", prefix: str = "topoagent.io", topograph: bool = False) -> str:
     """A Kueue Topology (kueue.x-k8s.io/v1beta2) over the labels `topoagent export nfd` writes."""
+    if len(name) > 253 or not LABEL_PREFIX.match(name):
+        raise ClusterTopologyError(f"Kueue Topology name {name[:80]!r} is not a DNS-1123 subdomain (lower-case letters, digits, '-', '.')")
     levels = [leaf_label_key(prefix, topograph)]
     if any(n.nvlink_domain is not None for n in nodes):
         levels.append(nvlink_domain_label_key(prefix, topograph))

@@ -351,3 +351,10 @@ def test_leaves_whose_ids_read_as_one_switch_name_stay_two_switches(tmp_path: Pa
     written = yaml.safe_load(cli("--topology-files", *paths, "--format", "topology.yaml").stdout)
     assert sorted(s["switch"] for s in written[0]["tree"]["switches"]) == sorted([*under, "fabric"])
 
+
+@pytest.mark.parametrize("name", ["x\nspec: evil", "Upper", "", "a" * 254])
+def test_the_kueue_name_is_a_kubernetes_name_or_refused(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "gpu001.json"
+    path.write_text(json.dumps({"hostname": "gpu001", "fabric": {"leaf": "0xaa", "rails": [{"leaf": "0xaa"}]}}))
+    done = cli("--topology-files", str(path), "--format", "kueue", "--kueue-name", name)
+    assert done.returncode == 2 and done.stdout == "" and "--kueue-name" in done.stderr, done.stderr

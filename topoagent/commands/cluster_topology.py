@@ -175,10 +175,13 @@ def run(args: argparse.Namespace) -> int:
         texts = {
             "topology.conf": slurm_topology_conf(nodes),
             "topology.yaml": slurm_topology_yaml(nodes),
-            "kueue": kueue_topology(nodes, args.kueue_name, args.prefix, args.topograph_labels),
         }
     except ClusterTopologyError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        texts["kueue"] = kueue_topology(nodes, args.kueue_name, args.prefix, args.topograph_labels)
+    except ClusterTopologyError as exc:
+        raise UsageError(f"--kueue-name: {exc}") from None
     except LabelError as exc:
         raise UsageError(f"--prefix: {exc}") from None
     if args.write is None:
