@@ -31,7 +31,7 @@ from topoagent.placement.request import REQUEST_LIMITS, RequestError, parse_requ
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority (MinExtenderPriority is 0)
 DEFAULT_RESOURCE = "nvidia.com/gpu"
 
-# Annotation -> the request field it sets.  Values are the agent's words: "ring",
+# Annotation -> the request field it sets.  Values are the agent's words: "allreduce",
 # "best", "NV2", "true".
 WISHES = {
     "topoagent.io/pattern": "pattern",
