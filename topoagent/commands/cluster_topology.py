@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
 
 FORMATS = {
@@ -139,12 +140,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--timeout must be a positive number of seconds")
     timeout = args.timeout
     sources = list(args.topology_files) if args.topology_files else _agent_urls(args)
-    token = None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--token-file: {exc.strerror}: {args.token_file}") from None
+    token = read_client_token("--token-file", args.token_file) if args.token_file else None
 
     def read(source: str) -> Any:
         return _read_file(source) if args.topology_files else fetch_topology(source, timeout, token)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
 
 if TYPE_CHECKING:
@@ -73,12 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from exc
     if args.poll_interval <= 0:
         raise UsageError("--poll-interval must be above 0")
-    token = None
-    if args.agent_token_file:
-        try:
-            token = Path(args.agent_token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--agent-token-file: {exc.strerror}: {args.agent_token_file}") from exc
+    token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     settings = Settings(
         plugin_dir=Path(args.plugin_dir),
         resource_name=args.resource_name,

@@ -7,9 +7,9 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
 
 if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
@@ -95,12 +95,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
-    token = None
-    if args.agent_token_file:
-        try:
-            token = Path(args.agent_token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--agent-token-file: {exc.strerror}: {args.agent_token_file}") from None
+    token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     if args.bind and token is None:
         raise UsageError("--bind reserves GPUs on the agents: give --agent-token-file")
 
