@@ -17,7 +17,7 @@ from typing import Any
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, Host
-from topoagent.vocabulary import FabricSource
+from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "lldp"
 LLDPCTL = ["lldpctl", "-f", "json"]
@@ -69,15 +69,15 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     return name.strip()[:_MAX_TEXT] or None, fields
 
 
-def _kind(capabilities: Any) -> str:
+def _kind(capabilities: Any) -> PeerKind:
     """A peer that bridges or routes is a switch; one that says it does neither (a host's
     lldpd, a station) is not a leaf.  A peer that sends no capabilities counts as a switch."""
     if isinstance(capabilities, dict):
         capabilities = [capabilities]
     if not isinstance(capabilities, list) or not capabilities:
-        return "switch"
+        return PeerKind.SWITCH
     enabled = {c.get("type") for c in capabilities if isinstance(c, dict) and c.get("enabled") is True}
-    return "switch" if enabled & {"Bridge", "Router"} else "host"
+    return PeerKind.SWITCH if enabled & {"Bridge", "Router"} else PeerKind.HOST
 
 
 def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:

@@ -70,6 +70,15 @@ class FabricSource(enum.StrEnum):
     LLDP = "lldp"  # what the switch announced, as lldpd heard it (lldpctl)
 
 
+class PeerKind(enum.StrEnum):
+    """What is at the other end of a network port (a neighbour's ``switch_kind``): only a
+    switch is a leaf, and only leaves make rails (topoagent.fabric)."""
+
+    SWITCH = "switch"  # InfiniBand NodeType 2; LLDP: a peer that bridges or routes, or says nothing
+    HOST = "host"  # InfiniBand channel adapter, LLDP station: a back-to-back cable
+    ROUTER = "router"  # InfiniBand NodeType 3
+
+
 class Pattern(enum.StrEnum):
     """How a job's ranks talk, which decides which of its links matter."""
 
