@@ -331,6 +331,7 @@ def test_a_pods_gpu_count_and_wishes_read_like_the_agent_reads_them() -> None:
 def test_help_shows_the_scheduler_config_and_bad_flags_exit_2() -> None:
     shown = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", "--help"], capture_output=True, text=True, timeout=60, env=_child_env())
     assert shown.returncode == 0
+    assert max(map(len, shown.stdout.splitlines())) <= 100  # the raw formatter wraps nothing itself
     for words in ("filterVerb: filter", "bindVerb: bind", "managedResources", "topoagent.io/min-level", "topoagent.io/gpus", "--unanswered"):
         assert words in shown.stdout
     for flags, said in ((["--agent-url", "http://agent:9477"], "--agent-url"), (["--bind"], "--agent-token-file"), (["--agent-timeout", "0"], "--agent-timeout")):

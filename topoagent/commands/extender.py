@@ -45,12 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "extender",
         help="kube-scheduler extender: filter and score nodes by their agents' answers, bind with the GPUs chosen",
+        # Wrapped here: RawDescriptionHelpFormatter (for the epilog's YAML) keeps lines as written.
         description=(
-            "Serve the kube-scheduler extender API (filter, prioritize and, with --bind, bind) under "
-            "--path-prefix. For each GPU pod it asks every candidate node's agent (/capacity, dry-run "
-            "/place) at most --concurrency at once, --agent-timeout each; it filters out nodes that "
-            "cannot fit (the reason per node) and scores the rest 0-10: best ring bandwidth, then "
-            "least NUMA distance, then least damage to free zones. SIGTERM stops it."
+            "Serve the kube-scheduler extender API (filter, prioritize and, with --bind, bind)\n"
+            "under --path-prefix. For each GPU pod it asks every candidate node's agent\n"
+            "(/capacity, dry-run /place), at most --concurrency at once, --agent-timeout each;\n"
+            "it filters out nodes that cannot fit (the reason per node) and scores the rest\n"
+            "1-10: best ring bandwidth, then least NUMA distance, then least damage to free\n"
+            "zones (0: a node passed without its agent's answer). SIGTERM stops it."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
