@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import enum
 
+# The extended resource a pod asks for GPUs by: what the device plugin registers with kubelet
+# and the extender reads from a pod's limits (both take --resource-name to change it).
+GPU_RESOURCE = "nvidia.com/gpu"
+
 
 class Status(enum.StrEnum):
     """How a collector's read went (node_exporter's rule: an absent source is quiet)."""

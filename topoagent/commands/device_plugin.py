@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
+from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:
     from topoagent.deviceplugin.pods import PodSource
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 # Kept here, not imported from the plugin: registering the subcommand must not import
 # grpc (an optional extra) for `topoagent --help` or any other command.
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE = GPU_RESOURCE
 DEFAULT_AGENT_URL = "http://127.0.0.1:9477"
 
 

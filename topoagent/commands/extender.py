@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
+from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
     from topoagent.extender.app import Settings
@@ -18,7 +19,7 @@ if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kub
 
 DEFAULT_LISTEN = "127.0.0.1:9480"
 DEFAULT_AGENT_URL = "http://{node}:9477"
-DEFAULT_RESOURCE = "nvidia.com/gpu"  # wire.DEFAULT_RESOURCE; spelled here so --help imports nothing heavy
+DEFAULT_RESOURCE = GPU_RESOURCE  # vocabulary is light: --help imports neither aiohttp nor the extender
 
 EPILOG = """\
 kube-scheduler's KubeSchedulerConfiguration (deploy/kubernetes/kube-scheduler-config.yaml):

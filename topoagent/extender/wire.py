@@ -27,9 +27,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.placement.request import REQUEST_LIMITS, RequestError, parse_request, quoted
+from topoagent.vocabulary import GPU_RESOURCE
 
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority (MinExtenderPriority is 0)
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE = GPU_RESOURCE
 
 # Annotation -> the request field it sets.  Values are the agent's words: "allreduce",
 # "best", "NV2", "true".
