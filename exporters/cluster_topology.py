@@ -52,7 +52,7 @@ def node_of(document: Mapping[str, Any], where: str) -> ClusterNode:
     if not isinstance(hostname, str) or not hostname.strip():
         raise ClusterTopologyError(f"{where}: the document names no hostname")
     name = hostname.strip().split(".")[0]
-    if _SLURM_NAME_UNSAFE.search(name):
+    if not name or _SLURM_NAME_UNSAFE.search(name):  # ".lan" leaves no name before the dot
         raise ClusterTopologyError(f"{where}: hostname {hostname[:80]!r} is not a Slurm node name")
     fabric = document.get("fabric")
     if not isinstance(fabric, Mapping) or not isinstance(fabric.get("rails"), list):

@@ -260,6 +260,7 @@ def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
     ('{"hostname": null, "fabric": {"rails": []}}', "names no hostname"),
     ('{"hostname": "gpu001", "gpus": []}', "no fabric in the document"),
     ('{"hostname": "bad name", "fabric": {"rails": []}}', "is not a Slurm node name"),
+    ('{"hostname": ".lan", "fabric": {"rails": []}}', "is not a Slurm node name"),
 ])
 def test_a_bad_document_is_an_error_naming_the_file(tmp_path: Path, content: str, says: str) -> None:
     bad = tmp_path / "bad.json"
