@@ -345,9 +345,10 @@ def test_the_stream_is_the_same_for_every_policy() -> None:
     assert isinstance(job_stream(1, 8, 0.5, 1)[0], Job)
 
 
-def test_a_large_agent_answer_is_read_whole_and_a_too_large_one_refused() -> None:
+def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() -> None:
     """An answer that comes in many chunks is read to its end (one read() gives one chunk),
-    and one past the limit is the agent's failure, not the extender's memory."""
+    and one past the limit is the agent's failure, not the extender's memory; of what is
+    read, the cache keeps only the figures a verdict needs."""
     import asyncio
 
     from aiohttp import web
@@ -371,15 +372,25 @@ def test_a_large_agent_answer_is_read_whole_and_a_too_large_one_refused() -> Non
                 pass
             return resp
 
+        async def place(request: web.Request) -> web.Response:
+            return web.json_response({"gpus": [{"index": 0}, {"index": 1}], "bandwidth_gbps": 300.0, "pad": "x" * 100_000,
+                                      "objective": {"numa_distance": 10, "damage": 2, "pad": "y" * 1000}})
+
         app = web.Application()
         app.router.add_get("/{node}/capacity", capacity)
+        app.router.add_post("/{node}/place", place)
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}")
         try:
             etag, doc = await agents.capacity("big")
-            assert doc["free_gpus"] == 8 and len(doc["pad"]) == sizes["big"] and etag == '"1"'
+            assert doc == {"gpus": 8, "free_gpus": 8} and etag == '"1"'  # all the verdict reads, all that is kept
+            for _ in range(2):  # the agent's answer, then the cache's: the same few figures
+                assert await agents.dry_run("big", etag, {"gpus": 2}) == {
+                    "bandwidth_gbps": 300.0, "objective": {"numa_distance": 10, "damage": 2}}
+            assert agents.asked["dry_run_agent"] == agents.asked["dry_run_cache"] == 1
+            assert len(json.dumps([agents._capacity["big"][1], agents._answers["big"][1]])) < 300
             with pytest.raises(nodes.Unreachable, match="larger than"):
                 await agents.capacity("huge")
         finally:
