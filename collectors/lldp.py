@@ -59,7 +59,9 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     """(system name or None, the chassis' fields)."""
     if not isinstance(chassis, dict):
         raise LldpParseError(f"interface {interface[:40]!r}: chassis is not an object")
-    if "id" in chassis:  # no system name: the fields sit here
+    only = next(iter(chassis.values())) if len(chassis) == 1 else None
+    named_id = isinstance(only, dict) and "id" in only  # a switch whose system name is "id"
+    if "id" in chassis and not named_id:  # no system name: the fields sit here
         return None, chassis
     if len(chassis) != 1:
         raise LldpParseError(f"interface {interface[:40]!r}: chassis holds {len(chassis)} systems")
