@@ -326,6 +326,10 @@ def test_a_pods_gpu_count_and_wishes_read_like_the_agent_reads_them() -> None:
             pod_request(pod([gpus("2")], annotations=wishes))
     with pytest.raises(PodError, match=r"containers\[0\].resources.limits\[nvidia.com/gpu\]: expected a whole number"):
         gpus_wanted(pod([gpus("1.5")]))
+    # Not a Pod kube-scheduler would send, but a body anyone reaching the service may: an
+    # answer for the pod (every node fails with the reason), not a crash (HTTP 500).
+    with pytest.raises(PodError, match=r"spec.containers: expected a list, got int"):
+        gpus_wanted({"spec": {"containers": 5}})
 
 
 def test_help_shows_the_scheduler_config_and_bad_flags_exit_2() -> None:
