@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
 from topoagent.collectors.infiniband import Hca
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, CommandTimeout, Host, HostError
@@ -78,8 +78,7 @@ def smpquery(device: str, port: int, attribute: str) -> list[str]:
 async def ask(host: Host, argv: list[str]) -> str:
     result = await host.run(argv, timeout=COMMAND_TIMEOUT_S)
     if result.returncode != 0:
-        detail = (result.stderr.strip() or result.stdout.strip()).splitlines()
-        raise SourceError(f"{' '.join(argv)}: exit code {result.returncode}: {detail[-1][:200] if detail else 'no output'}")
+        raise command_failed(argv, result.returncode, result.stdout, result.stderr)
     return result.stdout
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, Host
 from topoagent.vocabulary import FabricSource, PeerKind
@@ -127,14 +127,12 @@ async def collect(host: Host) -> CollectorResult[tuple[PortNeighbour, ...]]:
             result = await host.run(LLDPCTL, timeout=COMMAND_TIMEOUT_S)
         except CommandNotFound:
             raise NoData("lldpctl not found (install lldpd to learn each Ethernet port's switch)") from None
-        command = " ".join(LLDPCTL)
         if result.returncode != 0:
-            detail = (result.stderr.strip() or result.stdout.strip()).splitlines()
-            raise SourceError(f"{command}: exit code {result.returncode}: {detail[-1][:200] if detail else 'no output'} (is lldpd running, and may this user open its socket?)")
+            raise command_failed(LLDPCTL, result.returncode, result.stdout, result.stderr, "is lldpd running, and may this user open its socket?")
         try:
             neighbours = parse_lldpctl_json(result.stdout)
         except LldpParseError as exc:
-            raise SourceError(f"{command}: {exc}") from None
+            raise SourceError(f"{' '.join(LLDPCTL)}: {exc}") from None
         return neighbours, ()
 
     return await run_collector(NAME, read, optional=True)
