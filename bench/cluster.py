@@ -60,8 +60,10 @@ from typing import Any
 from bench.baselines import HamiZonePolicy, first_fit
 from bench.stats import percentile
 from topoagent.deviceplugin.pods import ANNOTATION, parse_choice
+from topoagent.extender.wire import LEASE_ANNOTATION
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_distance, place
+from topoagent.vocabulary import GPU_RESOURCE
 
 ROOT = Path(__file__).resolve().parents[1]
 SNAPSHOTS = ROOT / "fixtures" / "snapshots"
@@ -71,8 +73,7 @@ from fake_apiserver import FakeApiServer  # noqa: E402  (the tests' API server d
 # NVSwitch, hybrid cube mesh, PCIe two sockets, a degraded HGX H100: node-01, node-02, ...
 MIX = ("pcie-2socket", "dgx1-v100", "degraded", "dgx-a100")
 SIZES, WEIGHTS = (1, 2, 4, 8), (0.35, 0.30, 0.20, 0.15)
-RESOURCE = "nvidia.com/gpu"
-LEASE_ANNOTATION = "topoagent.io/lease"
+RESOURCE = GPU_RESOURCE
 WAIT_S = 60.0
 
 

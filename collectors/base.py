@@ -27,6 +27,15 @@ class NoData(TopoagentError):
     """The source is simply absent on this node (no NVML, no /sys/class/infiniband)."""
 
 
+def command_failed(argv: list[str], returncode: int, stdout: str, stderr: str, hint: str = "") -> SourceError:
+    """A command that exited non-zero, named with its code and the last line it said
+    (stderr, else stdout: the diagnostic tools end with the failure, e.g. smpquery's
+    "iberror: failed: ..."); ``hint`` says what to check."""
+    lines = (stderr.strip() or stdout.strip()).splitlines()
+    said = lines[-1][:200] if lines else "no output"
+    return SourceError(f"{' '.join(argv)}: exit code {returncode}: {said}{f' ({hint})' if hint else ''}")
+
+
 @dataclass(frozen=True, slots=True)
 class CollectorResult(Generic[T]):
     """What one collector saw: its status, its data (None unless ok) and how long it took."""

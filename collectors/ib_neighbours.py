@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import re
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
 from topoagent.collectors.infiniband import Hca
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, CommandTimeout, Host, HostError
-from topoagent.vocabulary import FabricSource
+from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "ib_neighbours"
 # One SMP round trip is milliseconds; smpquery's own timeout and retries stay well under this.
@@ -27,7 +27,8 @@ _FIELD = re.compile(r"^([A-Za-z][A-Za-z0-9 ]*?):\.*(.*)$")
 _GUID = re.compile(r"0x[0-9a-fA-F]{1,16}")
 _MAX_LINES = 200  # nodeinfo is 13 lines; anything longer is not smpquery's answer
 # smpquery's NodeType words (and ibtool's numbers) -> the kinds a neighbour is.
-_NODE_TYPES = {"switch": "switch", "2": "switch", "channel adapter": "host", "1": "host", "router": "router", "3": "router"}
+_NODE_TYPES = {"switch": PeerKind.SWITCH, "2": PeerKind.SWITCH, "channel adapter": PeerKind.HOST, "1": PeerKind.HOST,
+               "router": PeerKind.ROUTER, "3": PeerKind.ROUTER}
 
 
 class SmpParseError(SourceError):
@@ -46,7 +47,7 @@ def smp_fields(text: str) -> dict[str, str]:
     return fields
 
 
-def parse_nodeinfo(text: str) -> tuple[str, str, int]:
+def parse_nodeinfo(text: str) -> tuple[str, PeerKind, int]:
     """``smpquery nodeinfo`` -> (node GUID "0x...", kind, the port the query came in by)."""
     fields = smp_fields(text)
     guid = fields.get("Guid") or fields.get("SystemGuid")
@@ -77,8 +78,7 @@ def smpquery(device: str, port: int, attribute: str) -> list[str]:
 async def ask(host: Host, argv: list[str]) -> str:
     result = await host.run(argv, timeout=COMMAND_TIMEOUT_S)
     if result.returncode != 0:
-        detail = (result.stderr.strip() or result.stdout.strip()).splitlines()
-        raise SourceError(f"{' '.join(argv)}: exit code {result.returncode}: {detail[-1][:200] if detail else 'no output'}")
+        raise command_failed(argv, result.returncode, result.stdout, result.stderr)
     return result.stdout
 
 

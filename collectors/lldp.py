@@ -14,10 +14,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, Host
-from topoagent.vocabulary import FabricSource
+from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "lldp"
 LLDPCTL = ["lldpctl", "-f", "json"]
@@ -59,7 +59,9 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     """(system name or None, the chassis' fields)."""
     if not isinstance(chassis, dict):
         raise LldpParseError(f"interface {interface[:40]!r}: chassis is not an object")
-    if "id" in chassis:  # no system name: the fields sit here
+    only = next(iter(chassis.values())) if len(chassis) == 1 else None
+    named_id = isinstance(only, dict) and "id" in only  # a switch whose system name is "id"
+    if "id" in chassis and not named_id:  # no system name: the fields sit here
         return None, chassis
     if len(chassis) != 1:
         raise LldpParseError(f"interface {interface[:40]!r}: chassis holds {len(chassis)} systems")
@@ -69,15 +71,15 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     return name.strip()[:_MAX_TEXT] or None, fields
 
 
-def _kind(capabilities: Any) -> str:
+def _kind(capabilities: Any) -> PeerKind:
     """A peer that bridges or routes is a switch; one that says it does neither (a host's
     lldpd, a station) is not a leaf.  A peer that sends no capabilities counts as a switch."""
     if isinstance(capabilities, dict):
         capabilities = [capabilities]
     if not isinstance(capabilities, list) or not capabilities:
-        return "switch"
+        return PeerKind.SWITCH
     enabled = {c.get("type") for c in capabilities if isinstance(c, dict) and c.get("enabled") is True}
-    return "switch" if enabled & {"Bridge", "Router"} else "host"
+    return PeerKind.SWITCH if enabled & {"Bridge", "Router"} else PeerKind.HOST
 
 
 def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:
@@ -125,14 +127,12 @@ async def collect(host: Host) -> CollectorResult[tuple[PortNeighbour, ...]]:
             result = await host.run(LLDPCTL, timeout=COMMAND_TIMEOUT_S)
         except CommandNotFound:
             raise NoData("lldpctl not found (install lldpd to learn each Ethernet port's switch)") from None
-        command = " ".join(LLDPCTL)
         if result.returncode != 0:
-            detail = (result.stderr.strip() or result.stdout.strip()).splitlines()
-            raise SourceError(f"{command}: exit code {result.returncode}: {detail[-1][:200] if detail else 'no output'} (is lldpd running, and may this user open its socket?)")
+            raise command_failed(LLDPCTL, result.returncode, result.stdout, result.stderr, "is lldpd running, and may this user open its socket?")
         try:
             neighbours = parse_lldpctl_json(result.stdout)
         except LldpParseError as exc:
-            raise SourceError(f"{command}: {exc}") from None
+            raise SourceError(f"{' '.join(LLDPCTL)}: {exc}") from None
         return neighbours, ()
 
     return await run_collector(NAME, read, optional=True)

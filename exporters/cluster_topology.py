@@ -18,13 +18,14 @@ Pure: documents in, text out.  Reading the agents is topoagent/commands/cluster_
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from topoagent.errors import TopoagentError
-from topoagent.exporters.nfd import HOSTNAME_LABEL, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
+from topoagent.exporters.nfd import HOSTNAME_LABEL, LABEL_PREFIX, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
 
 TOP_SWITCH = "fabric"  # the switch over every leaf in topology.conf
 _SLURM_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
@@ -51,7 +52,7 @@ def node_of(document: Mapping[str, Any], where: str) -> ClusterNode:
     if not isinstance(hostname, str) or not hostname.strip():
         raise ClusterTopologyError(f"{where}: the document names no hostname")
     name = hostname.strip().split(".")[0]
-    if _SLURM_NAME_UNSAFE.search(name):
+    if not name or _SLURM_NAME_UNSAFE.search(name):  # ".lan" leaves no name before the dot
         raise ClusterTopologyError(f"{where}: hostname {hostname[:80]!r} is not a Slurm node name")
     fabric = document.get("fabric")
     if not isinstance(fabric, Mapping) or not isinstance(fabric.get("rails"), list):
@@ -115,12 +116,22 @@ def switch_name(leaf: str) -> str:
     return "leaf-" + _SLURM_NAME_UNSAFE.sub("-", text).strip("-")
 
 
-def _leaves(nodes: Sequence[ClusterNode]) -> dict[str, list[ClusterNode]]:
+def _switches(nodes: Sequence[ClusterNode]) -> dict[str, list[ClusterNode]]:
+    """Switch name -> the nodes under it, one switch per leaf.  Leaves whose ids read as
+    one name (``a b`` and ``a-b``; ``0xAA`` and ``aa``) each get their id's hash after it:
+    two ``SwitchName=`` lines of one name would merge two leaves into one."""
     by_leaf: dict[str, list[ClusterNode]] = {}
     for node in nodes:
         if node.leaf is not None:
             by_leaf.setdefault(node.leaf, []).append(node)
-    return dict(sorted(by_leaf.items(), key=lambda kv: switch_name(kv[0])))
+    named: dict[str, list[str]] = {}
+    for leaf in by_leaf:
+        named.setdefault(switch_name(leaf), []).append(leaf)
+    out: dict[str, list[ClusterNode]] = {}
+    for name, leaves in named.items():
+        for leaf in leaves:
+            out[name if len(leaves) == 1 else f"{name}-{hashlib.sha256(leaf.encode()).hexdigest()[:8]}"] = by_leaf[leaf]
+    return dict(sorted(out.items()))
 
 
 def unplaced(nodes: Sequence[ClusterNode]) -> list[str]:
@@ -144,18 +155,18 @@ def _describe(members: Sequence[ClusterNode]) -> str:
 def slurm_topology_conf(nodes: Sequence[ClusterNode]) -> str:
     """topology.conf for TopologyPlugin=topology/tree."""
     check_unique(nodes)
-    by_leaf = _leaves(nodes)
+    switches = _switches(nodes)
     lines = ["# topology.conf for TopologyPlugin=topology/tree, written by topoagent cluster-topology",
              "# from each agent's /topology: a leaf switch per leaf (or rail group) the nodes report."]
     missing = unplaced(nodes)
     if missing:
         lines.append(f"# Not placed (their agents know no neighbour switch): {hostlist(missing)}")
-    for leaf, members in by_leaf.items():
+    for switch, members in switches.items():
         lines.append(f"# {_describe(members)}")
-        lines.append(f"SwitchName={switch_name(leaf)} Nodes={hostlist(m.name for m in members)}")
-    if len(by_leaf) > 1:
+        lines.append(f"SwitchName={switch} Nodes={hostlist(m.name for m in members)}")
+    if len(switches) > 1:
         # Listed, not compressed: a GUID's trailing digits are no host number.
-        lines.append(f"SwitchName={TOP_SWITCH} Switches={','.join(switch_name(leaf) for leaf in by_leaf)}")
+        lines.append(f"SwitchName={TOP_SWITCH} Switches={','.join(switches)}")
     return "\n".join(lines) + "\n"
 
 
@@ -177,18 +188,18 @@ def _block_sizes(blocks: Mapping[str, Sequence[ClusterNode]]) -> list[int]:
 def slurm_topology_yaml(nodes: Sequence[ClusterNode]) -> str:
     """topology.yaml (Slurm 24.05+): the tree, and NVLink domains as blocks when any node has one."""
     check_unique(nodes)
-    by_leaf = _leaves(nodes)
+    switches = _switches(nodes)
     out = ["# topology.yaml (Slurm 24.05 and later), written by topoagent cluster-topology",
            "- topology: fabric",
            "  cluster_default: true",
            "  tree:",
            "    switches:"]
-    for leaf, members in by_leaf.items():
-        out.append(f"      - switch: {switch_name(leaf)}")
+    for switch, members in switches.items():
+        out.append(f"      - switch: {switch}")
         out.append(f"        nodes: {_yaml_text(hostlist(m.name for m in members))}")
-    if len(by_leaf) > 1:
+    if len(switches) > 1:
         out.append(f"      - switch: {TOP_SWITCH}")
-        out.append(f"        children: {_yaml_text(','.join(switch_name(leaf) for leaf in by_leaf))}")
+        out.append(f"        children: {_yaml_text(','.join(switches))}")
     blocks: dict[str, list[ClusterNode]] = {}
     for node in nodes:
         if node.nvlink_domain is not None:
@@ -207,6 +218,8 @@ def slurm_topology_yaml(nodes: Sequence[ClusterNode]) -> str:
 
 def kueue_topology(nodes: Sequence[ClusterNode], name: str = "topoagent", prefix: str = "topoagent.io", topograph: bool = False) -> str:
     """A Kueue Topology (kueue.x-k8s.io/v1beta2) over the labels `topoagent export nfd` writes."""
+    if len(name) > 253 or not LABEL_PREFIX.match(name):
+        raise ClusterTopologyError(f"Kueue Topology name {name[:80]!r} is not a DNS-1123 subdomain (lower-case letters, digits, '-', '.')")
     levels = [leaf_label_key(prefix, topograph)]
     if any(n.nvlink_domain is not None for n in nodes):
         levels.append(nvlink_domain_label_key(prefix, topograph))

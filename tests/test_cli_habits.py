@@ -157,3 +157,24 @@ def test_install_files_writes_the_shipped_files_and_refuses_to_overwrite(tmp_pat
     assert (target / "topoagent.toml").read_text() == "# mine\n"
     forced = topoagent("install-files", str(target), "--force")
     assert forced.returncode == 0 and (target / "topoagent.toml").read_bytes() == (repo / "systemd/topoagent.toml").read_bytes()
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["extender", "--agent-token-file"], "--agent-token-file"),
+    (["device-plugin", "--agent-token-file"], "--agent-token-file"),
+    (["cluster-topology", "--agents", "http://127.0.0.1:1", "--token-file"], "--token-file"),
+])
+def test_a_client_token_file_that_holds_no_usable_token_is_refused_at_start(tmp_path, argv, flag):
+    """Empty (the requests would go out without a token and fail on every node), a FIFO
+    (read_text() waited for a writer forever), a line break inside (no HTTP header carries it)."""
+    import os
+
+    empty = tmp_path / "empty"
+    empty.write_text("\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    broken = tmp_path / "broken"
+    broken.write_text("first-half-of-it\nsecond-half-of-it\n")
+    for path, says in ((empty, "holds no token"), (fifo, "holds no token"), (broken, "line break")):
+        done = topoagent(*argv, str(path))
+        assert done.returncode == 2 and flag in done.stderr and says in done.stderr, (argv, path, done.stderr)

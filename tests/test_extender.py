@@ -326,11 +326,16 @@ def test_a_pods_gpu_count_and_wishes_read_like_the_agent_reads_them() -> None:
             pod_request(pod([gpus("2")], annotations=wishes))
     with pytest.raises(PodError, match=r"containers\[0\].resources.limits\[nvidia.com/gpu\]: expected a whole number"):
         gpus_wanted(pod([gpus("1.5")]))
+    # Not a Pod kube-scheduler would send, but a body anyone reaching the service may: an
+    # answer for the pod (every node fails with the reason), not a crash (HTTP 500).
+    with pytest.raises(PodError, match=r"spec.containers: expected a list, got int"):
+        gpus_wanted({"spec": {"containers": 5}})
 
 
 def test_help_shows_the_scheduler_config_and_bad_flags_exit_2() -> None:
     shown = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", "--help"], capture_output=True, text=True, timeout=60, env=_child_env())
     assert shown.returncode == 0
+    assert max(map(len, shown.stdout.splitlines())) <= 100  # the raw formatter wraps nothing itself
     for words in ("filterVerb: filter", "bindVerb: bind", "managedResources", "topoagent.io/min-level", "topoagent.io/gpus", "--unanswered"):
         assert words in shown.stdout
     for flags, said in ((["--agent-url", "http://agent:9477"], "--agent-url"), (["--bind"], "--agent-token-file"), (["--agent-timeout", "0"], "--agent-timeout")):
@@ -342,3 +347,58 @@ def test_the_stream_is_the_same_for_every_policy() -> None:
     assert job_stream(50, 64, 0.9, 3) == job_stream(50, 64, 0.9, 3)
     assert {j.gpus for j in job_stream(200, 64, 0.9, 3)} == {1, 2, 4, 8}
     assert isinstance(job_stream(1, 8, 0.5, 1)[0], Job)
+
+
+def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() -> None:
+    """An answer that comes in many chunks is read to its end (one read() gives one chunk),
+    and one past the limit is the agent's failure, not the extender's memory; of what is
+    read, the cache keeps only the figures a verdict needs."""
+    import asyncio
+
+    from aiohttp import web
+
+    from topoagent.extender import nodes
+
+    async def main() -> None:
+        sizes = {"big": 600_000, "huge": nodes.MAX_RESPONSE_BYTES}
+
+        async def capacity(request: web.Request) -> web.StreamResponse:
+            pad = "x" * sizes[request.match_info["node"]]
+            body = json.dumps({"gpus": 8, "free_gpus": 8, "pad": pad}).encode()
+            resp = web.StreamResponse(headers={"Content-Type": "application/json", "ETag": '"1"'})
+            await resp.prepare(request)
+            try:
+                for at in range(0, len(body), 16384):
+                    await resp.write(body[at:at + 16384])
+                    await asyncio.sleep(0)
+                await resp.write_eof()
+            except ConnectionResetError:  # the extender stopped reading "huge"
+                pass
+            return resp
+
+        async def place(request: web.Request) -> web.Response:
+            return web.json_response({"gpus": [{"index": 0}, {"index": 1}], "bandwidth_gbps": 300.0, "pad": "x" * 100_000,
+                                      "objective": {"numa_distance": 10, "damage": 2, "pad": "y" * 1000}})
+
+        app = web.Application()
+        app.router.add_get("/{node}/capacity", capacity)
+        app.router.add_post("/{node}/place", place)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}")
+        try:
+            etag, doc = await agents.capacity("big")
+            assert doc == {"gpus": 8, "free_gpus": 8} and etag == '"1"'  # all the verdict reads, all that is kept
+            for _ in range(2):  # the agent's answer, then the cache's: the same few figures
+                assert await agents.dry_run("big", etag, {"gpus": 2}) == {
+                    "bandwidth_gbps": 300.0, "objective": {"numa_distance": 10, "damage": 2}}
+            assert agents.asked["dry_run_agent"] == agents.asked["dry_run_cache"] == 1
+            assert len(json.dumps([agents._capacity["big"][1], agents._answers["big"][1]])) < 300
+            with pytest.raises(nodes.Unreachable, match="larger than"):
+                await agents.capacity("huge")
+        finally:
+            await agents.close()
+            await runner.cleanup()
+
+    asyncio.run(main())

@@ -57,6 +57,18 @@ def test_lldpctl_json_of_one_neighbour_and_of_several() -> None:
         ("enp20s0f0", "mgmt-r07", "swp7", "switch")]
 
 
+def test_a_switch_whose_system_name_is_id_is_read_by_its_name() -> None:
+    """Only a named chassis nests its fields one level down, so {"id": {"id": ...}} is a
+    switch called "id", not a nameless one whose id is an object of fields."""
+    fields = {"id": {"type": "mac", "value": "aa:bb:cc:00:00:01"}, "capability": [{"type": "Bridge", "enabled": True}]}
+    named = {"lldp": {"interface": {"eth0": {"chassis": {"id": fields}, "port": {"id": {"type": "ifname", "value": "swp1"}}}}}}
+    nameless = {"lldp": {"interface": {"eth0": {"chassis": fields, "port": {"id": {"type": "ifname", "value": "swp1"}}}}}}
+    (a,) = parse_lldpctl_json(json.dumps(named))
+    (b,) = parse_lldpctl_json(json.dumps(nameless))
+    assert (a.switch_id, a.switch_name, a.switch_kind) == ("aa:bb:cc:00:00:01", "id", "switch")
+    assert (b.switch_id, b.switch_name, b.switch_kind) == ("aa:bb:cc:00:00:01", None, "switch")
+
+
 @pytest.mark.parametrize("text, says", [
     ((FABRIC / "lldpctl-json0-one-neighbour.json").read_text(), "-f json0"),
     ("lldpd is not running", "not JSON"),

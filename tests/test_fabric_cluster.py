@@ -260,6 +260,7 @@ def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
     ('{"hostname": null, "fabric": {"rails": []}}', "names no hostname"),
     ('{"hostname": "gpu001", "gpus": []}', "no fabric in the document"),
     ('{"hostname": "bad name", "fabric": {"rails": []}}', "is not a Slurm node name"),
+    ('{"hostname": ".lan", "fabric": {"rails": []}}', "is not a Slurm node name"),
 ])
 def test_a_bad_document_is_an_error_naming_the_file(tmp_path: Path, content: str, says: str) -> None:
     bad = tmp_path / "bad.json"
@@ -282,3 +283,79 @@ def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:
     files = write_documents(tmp_path, "dgx1-v100", ["gpu001"], fat_tree_cabling)
     done = cli("--topology-files", files[0], files[0])
     assert done.returncode == 2 and "gpu001 is reported twice" in done.stderr
+
+
+def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_traceback() -> None:
+    """Not HTTP, a port that is no number, an agent that trickles its answer a byte at a
+    time: each is one error line; the trickle meets --timeout in all, not per byte."""
+    import threading
+    import time
+
+    def serve(reply: bytes, trickle: bool) -> tuple[socket.socket, int]:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+
+        def run() -> None:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                try:
+                    conn.sendall(reply)
+                    while trickle:
+                        conn.sendall(b" ")
+                        time.sleep(0.2)
+                except OSError:
+                    pass
+
+        threading.Thread(target=run, daemon=True).start()
+        return listener, listener.getsockname()[1]
+
+    not_http, a = serve(b"SSH-2.0-OpenSSH_9.2\r\n", trickle=False)
+    trickling, b = serve(b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n", trickle=True)
+    urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "http://127.0.0.1:notaport"]
+    try:
+        started = time.monotonic()
+        done = cli("--agents", *urls, "--timeout", "1.5")
+        took = time.monotonic() - started
+    finally:
+        not_http.close()
+        trickling.close()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 4 and all(line.startswith("topoagent cluster-topology: ") for line in lines), done.stderr
+    assert lines[0].startswith(f"topoagent cluster-topology: {urls[0]}: BadStatusLine: SSH-2.0")
+    assert lines[1] == f"topoagent cluster-topology: {urls[1]}: no answer within 1.5 s"
+    assert lines[2].startswith(f"topoagent cluster-topology: {urls[2]}: InvalidURL: nonnumeric port")
+    assert took < 20
+    for timeout in ("nan", "inf", "0"):
+        bad = cli("--agents", urls[0], "--timeout", timeout)
+        assert bad.returncode == 2 and "--timeout" in bad.stderr
+
+
+def test_leaves_whose_ids_read_as_one_switch_name_stay_two_switches(tmp_path: Path) -> None:
+    paths = []
+    for host, leaf in (("gpu001", "a b"), ("gpu002", "a-b"), ("gpu003", "a:b"), ("gpu004", "0xcc")):
+        path = tmp_path / f"{host}.json"
+        path.write_text(json.dumps({"hostname": host, "fabric": {"leaf": leaf, "rails": [{"leaf": leaf}]}}))
+        paths.append(str(path))
+    done = cli("--topology-files", *paths)
+    assert done.returncode == 0, done.stderr
+    switches = topology_conf_switches(done.stdout)
+    under = {name: s["Nodes"] for name, s in switches.items() if "Nodes" in s}
+    assert sorted(under.values()) == [["gpu001"], ["gpu002"], ["gpu003"], ["gpu004"]]
+    assert under["leaf-cc"] == ["gpu004"]  # a name no other leaf shares is left as it was
+    assert sorted(switches["fabric"]["Switches"]) == sorted(under)
+    written = yaml.safe_load(cli("--topology-files", *paths, "--format", "topology.yaml").stdout)
+    assert sorted(s["switch"] for s in written[0]["tree"]["switches"]) == sorted([*under, "fabric"])
+
+
+@pytest.mark.parametrize("name", ["x\nspec: evil", "Upper", "", "a" * 254])
+def test_the_kueue_name_is_a_kubernetes_name_or_refused(tmp_path: Path, name: str) -> None:
+    path = tmp_path / "gpu001.json"
+    path.write_text(json.dumps({"hostname": "gpu001", "fabric": {"leaf": "0xaa", "rails": [{"leaf": "0xaa"}]}}))
+    done = cli("--topology-files", str(path), "--format", "kueue", "--kueue-name", name)
+    assert done.returncode == 2 and done.stdout == "" and "--kueue-name" in done.stderr, done.stderr

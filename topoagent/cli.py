@@ -52,7 +52,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-LOG_LEVEL_HELP = "log events at this level and above to stderr (default: info for serve, warning otherwise)"
+LOG_LEVEL_HELP = "log events at this level and above to stderr (default: info for the services serve, extender and device-plugin; warning otherwise)"
 
 
 def _accept_log_level_everywhere(sub: argparse._SubParsersAction) -> None:

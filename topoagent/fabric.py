@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from topoagent.facts import PortNeighbour
 from topoagent.levels import LinkLevel
+from topoagent.vocabulary import PeerKind
 
 RAIL_GROUP_PREFIX = "rails-"
 
@@ -83,7 +84,7 @@ def build_fabric(
     # leaf id -> (its name, NICs, plain interfaces)
     leaves: dict[str, tuple[str | None, list[str], list[str]]] = {}
     for n in neighbours:
-        if n.switch_kind != "switch":
+        if n.switch_kind != PeerKind.SWITCH:
             continue
         nic = nic_of_device.get(n.device or "") or nic_of_netdev.get(n.interface or "")
         _, on_nics, on_interfaces = leaves.setdefault(n.switch_id, (n.switch_name, [], []))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topoagent.vocabulary import FabricSource
+from topoagent.vocabulary import FabricSource, PeerKind
 
 # PCI device kinds, from class code (and vendor for NVIDIA's own parts).
 GPU = "gpu"
@@ -76,7 +76,7 @@ class PortNeighbour:
     device: str | None = None  # InfiniBand: the local RDMA device "mlx5_0"
     port: int | None = None  # InfiniBand: the local port number
     interface: str | None = None  # LLDP: the local interface "ens1f0np0"
-    switch_kind: str = "switch"  # InfiniBand: "switch", "host" (a back-to-back cable) or "router"
+    switch_kind: PeerKind = PeerKind.SWITCH  # a host: a back-to-back cable; only a switch is a leaf
 
 
 __all__ = [

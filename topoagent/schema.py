@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent import __version__
 from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
 from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
-from topoagent.vocabulary import FabricSource, FindingKind, Severity, Status
+from topoagent.vocabulary import FabricSource, FindingKind, PeerKind, Severity, Status
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix
@@ -284,7 +284,7 @@ NEIGHBOUR = Document("PortNeighbour", {
     "switch_id": Field(STRING, description="InfiniBand: the peer's node GUID; LLDP: its chassis id"),
     "switch_name": Field(nullable(STRING), description="InfiniBand: the peer's node description; LLDP: its system name"),
     "switch_port": Field(nullable(STRING), description="the peer's port: an InfiniBand port number, an LLDP port id (Ethernet1/5)"),
-    "switch_kind": Field(one_of(("switch", "host", "router")), description="what the peer is (host: a back-to-back cable)"),
+    "switch_kind": Field(one_of(PeerKind), description="what the peer is (host: a back-to-back cable)"),
 }, "What is at the other end of one of the node's ports.")
 
 RAIL = Document("Rail", {

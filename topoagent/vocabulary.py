@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import enum
 
+# The extended resource a pod asks for GPUs by: what the device plugin registers with kubelet
+# and the extender reads from a pod's limits (both take --resource-name to change it).
+GPU_RESOURCE = "nvidia.com/gpu"
+
 
 class Status(enum.StrEnum):
     """How a collector's read went (node_exporter's rule: an absent source is quiet)."""
@@ -68,6 +72,15 @@ class FabricSource(enum.StrEnum):
 
     INFINIBAND = "infiniband"  # directed-route SMPs to the port's peer (smpquery)
     LLDP = "lldp"  # what the switch announced, as lldpd heard it (lldpctl)
+
+
+class PeerKind(enum.StrEnum):
+    """What is at the other end of a network port (a neighbour's ``switch_kind``): only a
+    switch is a leaf, and only leaves make rails (topoagent.fabric)."""
+
+    SWITCH = "switch"  # InfiniBand NodeType 2; LLDP: a peer that bridges or routes, or says nothing
+    HOST = "host"  # InfiniBand channel adapter, LLDP station: a back-to-back cable
+    ROUTER = "router"  # InfiniBand NodeType 3
 
 
 class Pattern(enum.StrEnum):

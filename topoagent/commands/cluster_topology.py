@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
 
 FORMATS = {
@@ -44,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="write all three files into DIR (topology.conf, topology.yaml, kueue-topology.yaml) instead")
     parser.add_argument("--partial", action="store_true",
                         help="when some agents cannot be read, still write what the others said (their errors are printed)")
-    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="per agent (default: 10)")
+    parser.add_argument("--timeout", type=float, default=10.0, metavar="SECONDS", help="how long each agent may take to answer, in all (default: 10)")
     parser.add_argument("--token-file", metavar="FILE", help="bearer token for agents that guard reads (require_token_for_reads)")
     parser.add_argument("--prefix", default="topoagent.io", help="the label namespace of the NFD labels (default: topoagent.io)")
     parser.add_argument("--topograph-labels", action="store_true",
@@ -68,7 +69,10 @@ def _agent_urls(args: argparse.Namespace) -> list[str]:
 
 
 def fetch_topology(url: str, timeout: float, token: str | None = None) -> Any:
-    """GET <url>/topology as JSON; errors say what went wrong in words."""
+    """GET <url>/topology as JSON, within ``timeout`` seconds in all; errors say what went
+    wrong in words (OSError)."""
+    import http.client
+    import time
     from urllib.error import HTTPError, URLError
     from urllib.request import Request, urlopen
 
@@ -76,22 +80,39 @@ def fetch_topology(url: str, timeout: float, token: str | None = None) -> Any:
     if not base.startswith(("http://", "https://")):
         raise OSError("not an http:// or https:// URL")
     target = base if base.endswith("/topology") else f"{base}/topology"
+    deadline = time.monotonic() + timeout
     try:
         request = Request(target, headers={"Authorization": f"Bearer {token}"} if token else {})
         with urlopen(request, timeout=timeout) as response:
-            body = response.read(MAX_DOCUMENT_BYTES + 1)
+            # read1: one receive at a time, so an agent that trickles its answer meets the
+            # deadline (the socket timeout alone bounds each receive, not the answer).
+            chunks, size = [], 0
+            while chunk := response.read1(1 << 16):
+                size += len(chunk)
+                if size > MAX_DOCUMENT_BYTES:
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunks.append(chunk)
     except HTTPError as exc:
         raise OSError(f"HTTP {exc.code} {exc.reason}") from None
     except URLError as exc:
         raise OSError(str(exc.reason)) from None
     except TimeoutError:
         raise OSError(f"no answer within {timeout:g} s") from None
-    if len(body) > MAX_DOCUMENT_BYTES:
-        raise OSError(f"answer larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+    except (http.client.HTTPException, ValueError) as exc:  # a bad URL or port; not HTTP's answer
+        raise OSError(f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}") from None  # one line
+    return _json_document(b"".join(chunks) if size <= MAX_DOCUMENT_BYTES else None, "answer is ")
+
+
+def _json_document(body: bytes | None, what: str) -> Any:
+    """``body`` as JSON; None: it passed MAX_DOCUMENT_BYTES."""
+    if body is None or len(body) > MAX_DOCUMENT_BYTES:
+        raise OSError(f"{what}larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise OSError(f"answer is not JSON: {str(exc)[:120]}") from None
+        raise OSError(f"{what}not JSON: {str(exc)[:120]}") from None
 
 
 def _read_file(path: str) -> Any:
@@ -100,12 +121,7 @@ def _read_file(path: str) -> Any:
             body = handle.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise OSError(exc.strerror or str(exc)) from None
-    if len(body) > MAX_DOCUMENT_BYTES:
-        raise OSError(f"larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        raise OSError(f"not JSON: {str(exc)[:120]}") from None
+    return _json_document(body, "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -120,16 +136,11 @@ def run(args: argparse.Namespace) -> int:
     )
     from topoagent.exporters.nfd import LabelError
 
-    if args.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    if not 0 < args.timeout < float("inf"):
+        raise UsageError("--timeout must be a positive number of seconds")
     timeout = args.timeout
     sources = list(args.topology_files) if args.topology_files else _agent_urls(args)
-    token = None
-    if args.token_file:
-        try:
-            token = Path(args.token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--token-file: {exc.strerror}: {args.token_file}") from None
+    token = read_client_token("--token-file", args.token_file) if args.token_file else None
 
     def read(source: str) -> Any:
         return _read_file(source) if args.topology_files else fetch_topology(source, timeout, token)
@@ -160,10 +171,13 @@ def run(args: argparse.Namespace) -> int:
         texts = {
             "topology.conf": slurm_topology_conf(nodes),
             "topology.yaml": slurm_topology_yaml(nodes),
-            "kueue": kueue_topology(nodes, args.kueue_name, args.prefix, args.topograph_labels),
         }
     except ClusterTopologyError as exc:
         raise UsageError(str(exc)) from None
+    try:
+        texts["kueue"] = kueue_topology(nodes, args.kueue_name, args.prefix, args.topograph_labels)
+    except ClusterTopologyError as exc:
+        raise UsageError(f"--kueue-name: {exc}") from None
     except LabelError as exc:
         raise UsageError(f"--prefix: {exc}") from None
     if args.write is None:

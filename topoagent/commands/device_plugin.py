@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
+from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:
     from topoagent.deviceplugin.pods import PodSource
@@ -19,7 +21,7 @@ if TYPE_CHECKING:
 # Kept here, not imported from the plugin: registering the subcommand must not import
 # grpc (an optional extra) for `topoagent --help` or any other command.
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE = GPU_RESOURCE
 DEFAULT_AGENT_URL = "http://127.0.0.1:9477"
 
 
@@ -73,12 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from exc
     if args.poll_interval <= 0:
         raise UsageError("--poll-interval must be above 0")
-    token = None
-    if args.agent_token_file:
-        try:
-            token = Path(args.agent_token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--agent-token-file: {exc.strerror}: {args.agent_token_file}") from exc
+    token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     settings = Settings(
         plugin_dir=Path(args.plugin_dir),
         resource_name=args.resource_name,

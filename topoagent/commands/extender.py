@@ -7,10 +7,11 @@ import asyncio
 import logging
 import signal
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
+from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
+from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
     from topoagent.extender.app import Settings
@@ -18,7 +19,7 @@ if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kub
 
 DEFAULT_LISTEN = "127.0.0.1:9480"
 DEFAULT_AGENT_URL = "http://{node}:9477"
-DEFAULT_RESOURCE = "nvidia.com/gpu"  # wire.DEFAULT_RESOURCE; spelled here so --help imports nothing heavy
+DEFAULT_RESOURCE = GPU_RESOURCE  # vocabulary is light: --help imports neither aiohttp nor the extender
 
 EPILOG = """\
 kube-scheduler's KubeSchedulerConfiguration (deploy/kubernetes/kube-scheduler-config.yaml):
@@ -45,12 +46,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "extender",
         help="kube-scheduler extender: filter and score nodes by their agents' answers, bind with the GPUs chosen",
+        # Wrapped here: RawDescriptionHelpFormatter (for the epilog's YAML) keeps lines as written.
         description=(
-            "Serve the kube-scheduler extender API (filter, prioritize and, with --bind, bind) under "
-            "--path-prefix. For each GPU pod it asks every candidate node's agent (/capacity, dry-run "
-            "/place) at most --concurrency at once, --agent-timeout each; it filters out nodes that "
-            "cannot fit (the reason per node) and scores the rest 0-10: best ring bandwidth, then "
-            "least NUMA distance, then least damage to free zones. SIGTERM stops it."
+            "Serve the kube-scheduler extender API (filter, prioritize and, with --bind, bind)\n"
+            "under --path-prefix. For each GPU pod it asks every candidate node's agent\n"
+            "(/capacity, dry-run /place), at most --concurrency at once, --agent-timeout each;\n"
+            "it filters out nodes that cannot fit (the reason per node) and scores the rest\n"
+            "1-10: best ring bandwidth, then least NUMA distance, then least damage to free\n"
+            "zones (0: a node passed without its agent's answer). SIGTERM stops it."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -95,12 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
-    token = None
-    if args.agent_token_file:
-        try:
-            token = Path(args.agent_token_file).read_text().strip()
-        except OSError as exc:
-            raise UsageError(f"--agent-token-file: {exc.strerror}: {args.agent_token_file}") from None
+    token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     if args.bind and token is None:
         raise UsageError("--bind reserves GPUs on the agents: give --agent-token-file")
 

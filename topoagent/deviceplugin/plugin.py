@@ -31,11 +31,12 @@ from topoagent.deviceplugin import api_pb2, api_pb2_grpc
 from topoagent.deviceplugin.agent_client import HEALTHY, UNHEALTHY, AgentClient, AgentError, Gpu, gpus_of
 from topoagent.deviceplugin.pods import PodSource
 from topoagent.log import log_event
+from topoagent.vocabulary import GPU_RESOURCE
 
 API_VERSION = "v1beta1"  # constants.go: Version
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE = GPU_RESOURCE
 DEFAULT_AGENT_URL = "http://127.0.0.1:9477"
 
 

@@ -61,7 +61,7 @@ class Verdict:
     reason: str = ""  # why not, when it does not fit or did not answer
     answered: bool = True
     resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
-    answer: dict[str, Any] | None = None  # the agent's dry-run placement
+    answer: dict[str, Any] | None = None  # the figures of the agent's dry-run placement that rank it (ranked())
     asked: bool = True  # False: not asked, its agent was silent a moment ago
 
     def key(self) -> tuple[float, float, float]:
@@ -69,6 +69,16 @@ class Verdict:
         answer = self.answer or {}
         objective = answer.get("objective") or {}
         return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), _number(objective.get("damage")))
+
+
+def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a /place answer that Verdict.key reads: all the cache keeps of it.  A
+    whole answer is kilobytes; kept for up to ANSWERS_PER_NODE requests on each of
+    REMEMBERED_NODES nodes, whole answers would outgrow any memory limit."""
+    objective = answer.get("objective")
+    objective = objective if isinstance(objective, dict) else {}
+    return {"bandwidth_gbps": answer.get("bandwidth_gbps"),
+            "objective": {"numa_distance": objective.get("numa_distance"), "damage": objective.get("damage")}}
 
 
 def _number(value: Any) -> float:
@@ -144,8 +154,8 @@ class Agents:
     async def _get_json(self, url: str, method: str = "GET", body: Any = None, headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], Any]:
         try:
             async with self._http().request(method, url, json=body, headers=dict(headers or {})) as resp:
-                raw = await resp.content.read(MAX_RESPONSE_BYTES + 1)
-                if len(raw) > MAX_RESPONSE_BYTES:
+                raw = await _read_bounded(resp.content, MAX_RESPONSE_BYTES)
+                if raw is None:
                     raise Unreachable(f"{method} {url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
                 doc = json.loads(raw) if raw else None
                 return resp.status, resp.headers, doc
@@ -155,7 +165,8 @@ class Agents:
             raise Unreachable(f"{method} {url}: the answer is not JSON") from None
 
     async def capacity(self, node: str) -> tuple[str, dict[str, Any]]:
-        """(ETag, /capacity document), from the cache when the agent says 304."""
+        """(ETag, the GPU counts of the node's /capacity: ``gpus``, ``free_gpus``), from the
+        cache when the agent says 304."""
         url = self.url(node) + "/capacity"
         cached = self._capacity.get(node)
         headers = {"If-None-Match": cached[0]} if cached else {}
@@ -168,11 +179,13 @@ class Agents:
             raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
         etag = resp_headers.get("ETag", "")
         self.asked["capacity_changed"] += 1
-        self._capacity.remember(node, (etag, doc))
-        return etag, doc
+        counts = {"gpus": doc["gpus"], "free_gpus": doc["free_gpus"]}  # the rest (zones, GPUs) is not read
+        self._capacity.remember(node, (etag, counts))
+        return etag, counts
 
     async def dry_run(self, node: str, etag: str, request: Mapping[str, Any]) -> dict[str, Any]:
-        """The agent's placement for ``request`` (no lease), or Refused with its reason."""
+        """The ranking figures (``ranked``) of the agent's placement for ``request`` (no lease),
+        or Refused with its reason."""
         key = json.dumps(request, sort_keys=True)
         known = self._answers.get(node)
         if known is None or known[0] != etag or not etag:
@@ -186,7 +199,7 @@ class Agents:
             return dict(got)
         self.asked["dry_run_agent"] += 1
         try:
-            answer = await self._place(node, dict(request))
+            answer = ranked(await self._place(node, dict(request)))
         except Refused as refused:
             _keep(known[1], key, refused)
             raise
@@ -268,6 +281,18 @@ class Agents:
         except (TimeoutError, Unreachable):
             return False
         return status in (200, 404)
+
+
+async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes.  (``content.read(n)`` is no
+    bound read: it returns what has arrived, one chunk of a larger answer.)"""
+    chunks, size = [], 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _is_count(value: Any) -> bool:

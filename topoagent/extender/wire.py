@@ -27,11 +27,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.placement.request import REQUEST_LIMITS, RequestError, parse_request, quoted
+from topoagent.vocabulary import GPU_RESOURCE
 
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority (MinExtenderPriority is 0)
-DEFAULT_RESOURCE = "nvidia.com/gpu"
+DEFAULT_RESOURCE = GPU_RESOURCE
 
-# Annotation -> the request field it sets.  Values are the agent's words: "ring",
+# Annotation -> the request field it sets.  Values are the agent's words: "allreduce",
 # "best", "NV2", "true".
 WISHES = {
     "topoagent.io/pattern": "pattern",
@@ -230,11 +231,18 @@ def gpus_wanted(pod: Mapping[str, Any], resource: str = DEFAULT_RESOURCE) -> int
     (init containers run one at a time, before the others)."""
     spec = _object(pod, "spec")
     total = 0
-    for n, container in enumerate(spec.get("containers") or []):
+    for n, container in enumerate(_list(spec, "containers")):
         total += _container_gpus(container, resource, f"containers[{n}]")
-    for n, container in enumerate(spec.get("initContainers") or []):
+    for n, container in enumerate(_list(spec, "initContainers")):
         total = max(total, _container_gpus(container, resource, f"initContainers[{n}]"))
     return total
+
+
+def _list(spec: Mapping[str, Any], key: str) -> list[Any]:
+    value = spec.get(key) or []
+    if not isinstance(value, list):
+        raise PodError(f"spec.{key}: expected a list, got {type(value).__name__}")
+    return value
 
 
 def _wish_value(field_name: str, text: Any) -> Any:
