@@ -170,8 +170,8 @@ def generate(name: str, quick: bool, timeout_s: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", action="append", choices=sorted(GENERATORS), metavar="NAME",
-                        help=f"regenerate this block only (repeatable): {', '.join(GENERATORS)}")
+    parser.add_argument("--only", action="extend", nargs="+", choices=sorted(GENERATORS), metavar="NAME",
+                        help=f"regenerate only these blocks (one or more, or repeated): {', '.join(GENERATORS)}")
     parser.add_argument("--quick", action="store_true", help="fewer samples: minutes instead of tens of minutes")
     parser.add_argument("--check", action="store_true", help="verify the markers; run nothing")
     parser.add_argument("--readme", type=Path, default=REPO / "README.md")
