@@ -15,16 +15,19 @@ from pathlib import Path
 import pytest
 from placement_oracle import best_keys
 from schema_check import validate
+from test_placement_deadline import StepClock, frozen_clock
 
+import topoagent.placement.search as search_module
 from topoagent.agent_schema import answer_document
 from topoagent.commands.discover import discover_root
 from topoagent.matrix import DistanceMatrix, LatencyMeasurement
-from topoagent.placement import Placement, Request, place
-from topoagent.placement.search import prepare
-from topoagent.placement.synthetic import build
+from topoagent.placement import Placement, ReasonCode, Request, place
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
+from topoagent.placement.search import Prepared, prepare, warm
+from topoagent.placement.synthetic import build, irregular_mesh, nvswitch_16
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import overlay
-from topoagent.vocabulary import Unit
+from topoagent.vocabulary import Pattern, Unit
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
 STAGED_US = 25.0  # a pair whose copies are staged through host memory (overlay.py's corpus: 10-15 us)
@@ -128,3 +131,49 @@ def test_measured_latency_reaches_the_matrix_from_probe_figures_and_the_cli(tmp_
     slow = cli("--measured", str(probe_json))
     assert sorted(g["index"] for g in slow["gpus"]) != [0, 1]
     assert slow["objective"]["link_time_us"] < STAGED_US
+
+
+def measured_node(n: int) -> DistanceMatrix:
+    """A fresh matrix (no tables yet) whose GPU0-GPU1 copies are staged: one message's time
+    orders its links unlike bandwidth, so alltoall and pipeline read tables of their own."""
+    node = nvswitch_16() if n == 16 else irregular_mesh(n)
+    return node.with_measurements({}, {(0, 1): LatencyMeasurement(STAGED_US, 0.0)})
+
+
+def test_warm_builds_the_timed_tables_so_the_first_request_builds_none(monkeypatch):
+    node = measured_node(16)
+    expected = {p: place(measured_node(16), Request(gpus=4, pattern=p)) for p in ("alltoall", "pipeline")}
+    prep = warm(node)
+    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
+    assert timed is not prep and prepare(node, None, LATENCY_BOUND_MESSAGE_BYTES) is timed  # kept in derived_cache
+    for pattern in (Pattern.ALLTOALL, Pattern.PIPELINE):
+        assert timed.small_table_if_built(pattern, 1) is not None
+        assert timed.small_table_if_built(pattern, 15) is not None
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a request built tables warm() should have")
+
+    monkeypatch.setattr(Prepared, "__init__", no_build)
+    for pattern, before in expected.items():
+        answer = place(node, Request(gpus=4, pattern=pattern))
+        assert isinstance(answer, Placement) and isinstance(before, Placement)
+        assert answer.indices == before.indices and answer.proven_optimal  # warming changes no answer
+        assert place(node, Request(gpus=15, pattern=pattern)).proven_optimal
+
+
+def test_a_request_building_timed_tables_keeps_to_its_deadline(monkeypatch):
+    """Unwarmed, 128 GPUs: the build (tens of ms) reads the clock row by row; when time
+    runs out the bandwidth-ordered tables give a valid set at once, marked not proven,
+    and nothing half-built is kept."""
+    node = measured_node(128)
+    monkeypatch.setattr(search_module, "clock", StepClock(1e-5))  # 1 ms: ~50 reads, fewer than 128 rows
+    request = Request(gpus=8, pattern="alltoall", deadline_ms=1)
+    answer = place(node, request)
+    assert isinstance(answer, Placement) and not answer.proven_optimal
+    assert len(set(answer.indices)) == 8 and answer.objective.link_time_us is not None
+    assert answer.reasons[0].code is ReasonCode.NOT_PROVEN
+    assert prepare(node, None)._timed == {}  # the stopped build left nothing
+    # With time to spare the same request builds the tables and keeps them.
+    monkeypatch.setattr(search_module, "clock", frozen_clock)
+    assert place(node, Request(gpus=2, pattern="alltoall", deadline_ms=1)).proven_optimal
+    assert prepare(node, None)._timed

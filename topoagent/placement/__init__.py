@@ -17,6 +17,7 @@ for studies, benchmarks and tests).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from dataclasses import replace
@@ -37,7 +38,7 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Deadline, Found, Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Deadline, DeadlineReached, Found, Prepared, Search, bits, numa_label, prepare
 from topoagent.placement.search import warm as warm_tables
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
@@ -83,13 +84,17 @@ def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
     what it leaves is built on first use."""
     until = time.monotonic() + budget_s
     prep = prepare(matrix, None)
+    # With measured latency reordering links, alltoall and pipeline read tables of their
+    # own (warm() builds them; search.Prepared.timed): their answers too.
+    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
     for nics in range(min(prep.n_nics, WARM_NICS) + 1):
-        for pattern, rows in prep.built_small_tables():
-            for mask, _rank, _span, _nodes, order in rows:
-                if time.monotonic() > until:
-                    return
-                if len(order) <= WARM_ANSWER_GPUS:
-                    answer_parts(prep, order, mask, pattern, nics)
+        for tables in (prep,) if timed is prep else (prep, timed):
+            for pattern, rows in tables.built_small_tables():
+                for mask, _rank, _span, _nodes, order in rows:
+                    if time.monotonic() > until:
+                        return
+                    if len(order) <= WARM_ANSWER_GPUS:
+                        answer_parts(tables, order, mask, pattern, nics)
 
 
 def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
@@ -113,8 +118,13 @@ def place(
     the best set found so far, marked ``proven_optimal=False`` with the bandwidth bound it
     established."""
     deadline = Deadline(request.deadline_ms / 1000, request.gpus) if request.deadline_ms is not None else None
-    timed = request.pattern.latency_bound  # links ranked by one message's time (placement.latency)
-    prep = prepare(matrix, now, (request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES) if timed else None)
+    prep = prepare(matrix, now)
+    if request.pattern.latency_bound:  # links ranked by one message's time (placement.latency)
+        # Tables for that order not warmed and not built in time: the bandwidth-ordered
+        # ones give a valid set at once (their search stops after its first, cheap answer,
+        # the deadline being reached), marked not proven.
+        with contextlib.suppress(DeadlineReached):
+            prep = prep.timed(request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES, deadline)
     costs = live_costs(prep, live)
     pos_of = prep.pos_of
 

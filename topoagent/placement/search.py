@@ -23,7 +23,7 @@ completed (members short of links, runs of members apart), which changes no answ
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate, combinations, pairwise
 from math import comb
@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement.latency import time_key
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, time_key
 from topoagent.placement.request import Request
 from topoagent.vocabulary import Pattern
 
@@ -110,6 +110,17 @@ class Deadline:
                 self.reached = True
                 raise DeadlineReached
 
+    def check(self) -> None:
+        """Read the clock now: for work in coarse steps (a GPU's row of a matrix's tables,
+        about 0.4 ms at 128 GPUs), where every fourth step would be too late."""
+        if self.reached or clock() >= self.at:
+            self.reached = True
+            raise DeadlineReached
+
+
+def _no_check() -> None:
+    """Deadline.check where there is no deadline (warm(), requests without one)."""
+
 
 class StepsSpent(Exception):
     """A heuristic's step budget is spent: the search it serves goes on without its set."""
@@ -151,8 +162,13 @@ FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 class Prepared:
     """Everything about a matrix the search reads, as bitmasks over GPU positions."""
 
-    def __init__(self, matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None):
+    def __init__(
+        self, matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None, deadline: Deadline | None = None
+    ):
+        """``deadline``: a request's, when it builds the tables itself (a latency order
+        warm() did not build): the build stops with DeadlineReached, and nothing is kept."""
         n = matrix.size
+        check = deadline.check if deadline is not None else _no_check
         self.n = n
         # Weak: the matrix keeps its tables (derived_cache), and a strong link back would
         # make a cycle that only Python's full collection frees -- a pause of tens of ms
@@ -163,21 +179,26 @@ class Prepared:
         self.now = now
         self.all_mask = (1 << n) - 1
         levels = matrix.gpu_levels
-        bw = [[matrix.bandwidth(i, j, now) or 0.0 for j in range(n)] for i in range(n)]
-        self.bw = bw
-        self.alpha = [[matrix.latency_us(i, j, now) for j in range(n)] for i in range(n)]  # placement.latency
         # Edge key: bandwidth first, then closeness of the level (NV18 > NV2 > PIX > PXB ...);
         # with ``message_bytes`` (latency-bound patterns) one message's time first (placement.latency).
         self.message_bytes = message_bytes
-        closeness = [[tuple(-x for x in levels[i][j].sort_key()) for j in range(n)] for i in range(n)]
-        edge = [
-            [
-                (bw[i][j], closeness[i][j]) if message_bytes is None
-                else time_key(self.alpha[i][j], bw[i][j], closeness[i][j], message_bytes)
+        bw: list[list[float]] = []
+        self.alpha: list[list[float]] = []  # placement.latency
+        closeness: list[list[tuple[int, ...]]] = []
+        edge: list[list[tuple]] = []
+        for i in range(n):  # row by row, so a request's deadline is looked at while building
+            check()
+            bw_i = [matrix.bandwidth(i, j, now) or 0.0 for j in range(n)]
+            alpha_i = [matrix.latency_us(i, j, now) for j in range(n)]
+            near_i = [tuple(-x for x in levels[i][j].sort_key()) for j in range(n)]
+            bw.append(bw_i)
+            self.alpha.append(alpha_i)
+            closeness.append(near_i)
+            edge.append([
+                (bw_i[j], near_i[j]) if message_bytes is None else time_key(alpha_i[j], bw_i[j], near_i[j], message_bytes)
                 for j in range(n)
-            ]
-            for i in range(n)
-        ]
+            ])
+        self.bw = bw
         ordered = sorted({edge[i][j] for i in range(n) for j in range(n) if i != j})
         index_of = {key: r for r, key in enumerate(ordered)}
         self.rank = [[index_of[edge[i][j]] if i != j else -1 for j in range(n)] for i in range(n)]
@@ -191,6 +212,7 @@ class Prepared:
         # Per rank, per GPU: the GPUs joined to it by a link of exactly that rank.
         self.rank_exact = [[0] * n for _ in ordered]
         for i in range(n):
+            check()
             for j in range(n):
                 if i != j:
                     self.rank_exact[self.rank[i][j]][i] |= 1 << j
@@ -257,7 +279,7 @@ class Prepared:
         seen_partitions: set[tuple[int, ...]] = set()
         distinct_levels = sorted({levels[i][j] for i in range(n) for j in range(n) if i != j})
         for level in distinct_levels:
-            zone_of = self._components_at_level(level)
+            zone_of = self._components_at_level(level, check)
             partition = tuple(sorted(set(zone_of)))
             if len(partition) in (1, n) or partition in seen_partitions:
                 continue
@@ -310,11 +332,13 @@ class Prepared:
         # The parts of an answer that depend only on the chosen order (see _build).
         self.answer_parts: dict[tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None], AnswerParts] = {}
 
-    def timed(self, message_bytes: int) -> Prepared:
+    def timed(self, message_bytes: int, deadline: Deadline | None = None) -> Prepared:
         """The tables for a latency-bound pattern at ``message_bytes`` (placement.latency):
         these when one message's time orders the links as bandwidth does -- every pair of a
         bandwidth key with one alpha, in the same order, as with no latency measured --
-        else ones built for that order, shared by every size giving it."""
+        else ones built for that order, shared by every size giving it.  warm() builds
+        them for the default size; a request building others keeps to its ``deadline``
+        (DeadlineReached: tens of ms at 128 GPUs, and nothing is kept)."""
         order = sorted(self.edge_classes, key=lambda c: time_key(c[0], c[1], c[2], message_bytes))
         alphas: dict[tuple, set[float]] = {}
         for alpha, gbps, near in self.edge_classes:
@@ -328,7 +352,7 @@ class Prepared:
                 self._timed.clear()
             matrix = self._matrix_ref()
             assert matrix is not None  # alive while its tables are asked for (self.matrix would be a proxy)
-            got = self._timed[signature] = Prepared(matrix, self.now, message_bytes)
+            got = self._timed[signature] = Prepared(matrix, self.now, message_bytes, deadline)
         return got
 
     def _zone_label(self, name: str, zone: int) -> str:
@@ -358,13 +382,13 @@ class Prepared:
             self._cpus_of[lists] = got
         return got
 
-    def _components_at_level(self, level: LinkLevel) -> list[int]:
+    def _components_at_level(self, level: LinkLevel, check: Callable[[], None]) -> list[int]:
         n = self.n
         limit = level.sort_key()
-        adj = [
-            sum(1 << j for j in range(n) if j != i and self.matrix.gpu_levels[i][j].sort_key() <= limit)
-            for i in range(n)
-        ]
+        adj = []
+        for i in range(n):
+            check()  # see __init__'s deadline
+            adj.append(sum(1 << j for j in range(n) if j != i and self.matrix.gpu_levels[i][j].sort_key() <= limit))
         zone_of = [0] * n
         for comp in connected_components(self.all_mask, adj):
             for v in bits(comp):
@@ -614,9 +638,12 @@ class Prepared:
         return None
 
 
-def prepare(matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None) -> Prepared:
+def prepare(
+    matrix: DistanceMatrix, now: float | None, message_bytes: int | None = None, deadline: Deadline | None = None
+) -> Prepared:
     """The matrix's tables, built once per matrix and set of fresh measurements; with
-    ``message_bytes``, for a latency-bound pattern at that size (Prepared.timed)."""
+    ``message_bytes``, for a latency-bound pattern at that size (Prepared.timed, whose
+    build keeps to ``deadline``: the bandwidth tables' does not, warm() builds them)."""
     fresh: frozenset = frozenset()
     if matrix.measured or matrix.measured_latency:
         fresh = frozenset(
@@ -634,29 +661,39 @@ def prepare(matrix: DistanceMatrix, now: float | None, message_bytes: int | None
         if len(cache) > 8:  # measurements aging out one by one: keep a few, not all
             cache.clear()
         prepared = cache[fresh] = Prepared(matrix, now)
-    return prepared if message_bytes is None else prepared.timed(message_bytes)
+    return prepared if message_bytes is None else prepared.timed(message_bytes, deadline)
 
 
 def warm(matrix: DistanceMatrix, budget_s: float = 2.0) -> Prepared:
     """Build the matrix's tables before any request needs them (the agent does this when
     it builds a snapshot, off its event loop): the per-matrix bitmasks, the adjacency at
-    every threshold, the classes and the small tables of k-sets.  A small table that does
-    not finish within ``budget_s`` is left for requests to build under their deadlines."""
+    every threshold, the classes and the small tables of k-sets -- and, when measured
+    latencies reorder the links for alltoall and pipeline at the default message size,
+    the same for that order (Prepared.timed), which a request would otherwise build
+    itself (tens of ms at 128 GPUs).  A small table that does not finish within
+    ``budget_s`` is left for requests to build under their deadlines."""
     prep = prepare(matrix, None)
+    deadline = Deadline(budget_s)
+    _warm_prepared(prep, tuple(Pattern), deadline)
+    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
+    if timed is not prep:
+        _warm_prepared(timed, tuple(p for p in Pattern if p.latency_bound), deadline)
+    return prep
+
+
+def _warm_prepared(prep: Prepared, patterns: tuple[Pattern, ...], deadline: Deadline) -> None:
     if prep.n_ranks <= WARM_RANKS_MAX:
         for r in range(prep.n_ranks):
             prep.adj(r)
     prep.classes(False)
     prep.classes(True)
-    deadline = Deadline(budget_s)
     try:
-        for pattern in Pattern:
+        for pattern in patterns:
             for k in range(1, prep.n + 1):
                 if prep.has_small_table(pattern, k):
                     prep.small_table(pattern, k, deadline)
     except DeadlineReached:
         pass
-    return prep
 
 
 # --- the search -----------------------------------------------------------------------
