@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from p2p_test_output import matrix_cells
 from schema_check import validate
 
 from topoagent.agent_schema import topology_document
@@ -320,17 +321,8 @@ def test_a_probe_sharing_a_path_with_a_busy_gpu_waits_and_a_forced_one_is_marked
 
 def latency_figures(name: str, heading: str) -> list[ProbeFigure]:
     """The GPU rows of a p2pBandwidthLatencyTest latency matrix, as our latency figures."""
-    block = (CORPUS / "bandwidth" / name).read_text().split(heading)[1]
-    figures = []
-    for line in block.splitlines()[2:]:
-        cells = line.split()
-        if not cells or not cells[0].isdigit():
-            break
-        src = int(cells[0])
-        for dst, value in enumerate(cells[1:]):
-            if dst != src:
-                figures.append(ProbeFigure(measurement_id=0, kind=ProbeKind.LATENCY, src=src, dst=dst, median=float(value)))
-    return figures
+    cells = matrix_cells((CORPUS / "bandwidth" / name).read_text(), heading)
+    return [ProbeFigure(measurement_id=0, kind=ProbeKind.LATENCY, src=src, dst=dst, median=us) for (src, dst), us in cells.items()]
 
 
 def corpus_matrix(name: str) -> DistanceMatrix:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from p2p_test_output import matrix_cells
 
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.matrix import DistanceMatrix
@@ -48,15 +49,8 @@ def figures_from_p2p_test(name: str) -> list[ProbeFigure]:
     for src, verdict, dst in re.findall(r"Device=(\d+) (CAN|CANNOT) Access Peer Device=(\d+)", text):
         figures.append(ProbeFigure(measurement_id=len(figures), kind=ProbeKind.PEER_ACCESS, src=int(src), dst=int(dst),
                                    available=verdict == "CAN"))
-    block = text.split("Unidirectional P2P=Enabled Bandwidth (P2P Writes) Matrix (GB/s)")[1]
-    for line in block.splitlines()[2:]:
-        cells = line.split()
-        if not cells or not cells[0].isdigit():
-            break
-        src = int(cells[0])
-        for dst, value in enumerate(cells[1:]):
-            if dst != src:
-                figures.append(p2p(src, dst, float(value), 1700000000.0))
+    cells = matrix_cells(text, "Unidirectional P2P=Enabled Bandwidth (P2P Writes) Matrix (GB/s)")
+    figures += [p2p(src, dst, gbps, 1700000000.0) for (src, dst), gbps in cells.items()]
     return figures
 
 
