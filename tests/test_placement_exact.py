@@ -229,17 +229,22 @@ def _larger_nodes():
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from topoagent.placement.synthetic import nvswitch_16, tree_node
+    from topoagent.placement.synthetic import irregular_mesh, nvswitch_16, tree_node
 
+    usual = ((3, "allreduce", 0), (4, "allreduce", 2), (4, "alltoall", 0), (5, "pipeline", 1))
+    # A sparse mesh, where rings and paths are scarce: what the search's ring and path
+    # cuts (peeling, links a member must keep) are for, up to rings of half the node.
+    sparse = ((4, "allreduce", 0), (6, "allreduce", 0), (5, "pipeline", 0), (6, "pipeline", 0))
     return [
-        ("pcie-12: 2 sockets x 3 switches x 2", tree_node(2, 3, 2)),
-        ("nv-12: 2 sockets x 2 switches x 3, NV zones of 3", tree_node(2, 2, 3, nv_zone=3, nv_links=4)),
-        ("nvswitch-16", nvswitch_16()),
+        ("pcie-12: 2 sockets x 3 switches x 2", tree_node(2, 3, 2), usual),
+        ("nv-12: 2 sockets x 2 switches x 3, NV zones of 3", tree_node(2, 2, 3, nv_zone=3, nv_links=4), usual),
+        ("nvswitch-16", nvswitch_16(), usual),
+        ("irregular-mesh-12: NVLink pairs with p = 0.3, 2 sockets", irregular_mesh(12, seed=3, socket_size=6), sparse),
     ]
 
 
-@pytest.mark.parametrize("name,matrix", _larger_nodes(), ids=[n for n, _ in _larger_nodes()])
-def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix):
+@pytest.mark.parametrize("name,matrix,shapes", _larger_nodes(), ids=[n for n, *_ in _larger_nodes()])
+def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix, shapes):
     """Up to 16 GPUs, where brute force over orders is too slow for a test: the table of
     every k-set (each with its exact best order) judges branch and bound on random busy
     sets, every term of the objective."""
@@ -249,7 +254,7 @@ def test_larger_nodes_branch_and_bound_equals_every_k_set(name, matrix):
     n = matrix.size
     saved = placement_module.SMALL_TABLE_SETS
     try:
-        for k, pattern, nics in ((3, "allreduce", 0), (4, "allreduce", 2), (4, "alltoall", 0), (5, "pipeline", 1)):
+        for k, pattern, nics in shapes:
             for _ in range(25):
                 busy = rng.sample(range(n), rng.randint(0, n - k))
                 req = Request(gpus=k, pattern=pattern, nics=nics, single_numa=rng.random() < 0.2)

@@ -60,8 +60,10 @@ def connected_components(verts: int, adjacency: list[int], start: int = 0) -> li
         comp = frontier = remaining & -remaining
         while frontier:
             reach = 0
-            for v in bits(frontier):
-                reach |= adjacency[v]
+            while frontier:  # the hot loop of the search: bits() inlined
+                low = frontier & -frontier
+                frontier ^= low
+                reach |= adjacency[low.bit_length() - 1]
             frontier = reach & verts & ~comp
             comp |= frontier
         comps.append(comp)
@@ -1442,12 +1444,7 @@ class Search:
         best = self.best
         if best is not None and self.stop_at_first:
             return
-        cutoff = self.cutoff
-        if cutoff is not None and (best is None or cutoff < best.key):
-            if self._cut(taken, cand, rem, dmg, cutoff, strict=True):
-                return
-        elif best is not None and self._cut(taken, cand, rem, dmg, best.key, strict=False):
-            return
+        forced = 0  # GPUs every ring or path completing this branch holds
         eff = self.eff
         if eff is not None and taken:
             # No ring/path at r can be completed: such a branch holds no set, so cutting it
@@ -1455,22 +1452,53 @@ class Search:
             # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
             # component of the links among them; each member has 2 ring links (a path's
             # two ends 1), those not among the taken go to the rem newcomers, 2 each.
+            need = self.need
             ends = 0 if self.req.pattern is Pattern.ALLREDUCE else 2
             reach = taken | cand
+            # A candidate with fewer than `need` links among what can still be in the
+            # set is in no ring or path of it: peel such candidates until none is left.
+            peeled = True
+            while peeled:
+                peeled = False
+                left = reach & ~taken
+                while left:
+                    low = left & -left
+                    left ^= low
+                    if (eff[low.bit_length() - 1] & reach).bit_count() < need:
+                        reach ^= low
+                        peeled = True
+            cand = reach & ~taken
+            if cand.bit_count() < rem:
+                return
             short = 0
-            for v in bits(taken):
-                if (eff[v] & reach).bit_count() < self.need:
+            left = taken
+            while left:
+                low = left & -left
+                left ^= low
+                v = low.bit_length() - 1
+                links = eff[v] & reach
+                degree = links.bit_count()
+                if degree < need:
                     return
+                if degree == need:
+                    forced |= links  # every link it has left is one it needs
                 inside = (eff[v] & taken).bit_count()
                 if inside < 2:
                     short += 2 - inside
-            if short > 2 * rem + ends:
+            forced &= ~taken
+            if short > 2 * rem + ends or forced.bit_count() > rem:
                 return
             if len(connected_components(taken, eff)) > rem + ends // 2:
                 return
             comp = connected_components(reach, eff, taken & -taken)[0]
             if taken & ~comp or comp.bit_count() < self.k:
                 return
+        cutoff = self.cutoff
+        if cutoff is not None and (best is None or cutoff < best.key):
+            if self._cut(taken, cand, rem, dmg, forced, cutoff, strict=True):
+                return
+        elif best is not None and self._cut(taken, cand, rem, dmg, forced, best.key, strict=False):
+            return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -1497,10 +1525,16 @@ class Search:
                 return
 
     def _cut(
-        self, taken: int, cand: int, rem: int, dmg: int, limit: Key, strict: bool
+        self, taken: int, cand: int, rem: int, dmg: int, forced: int, limit: Key, strict: bool
     ) -> bool:
-        """Whether no completion of ``taken`` from ``cand`` can beat ``limit`` (or, strict,
-        equal it): the bound, one term at a time -- later terms only matter on a tie."""
+        """Whether no completion of ``taken`` from ``cand`` (holding ``forced``) can beat
+        ``limit`` (or, strict, equal it): the bound, one term at a time -- later terms only
+        matter on a tie."""
+        if forced:
+            dmg += self.damage_add(taken, forced)
+            taken |= forced
+            cand &= ~forced
+            rem -= forced.bit_count()
         limit_span, limit_numa, limit_nic, limit_dmg, limit_live = limit
         span = self._distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
         if span != limit_span:
@@ -1549,8 +1583,17 @@ def _least_concave_fill(parts: list[tuple[int, int]], rem: int) -> int:
     """min sum of a_i * (rate_i + c_i - a_i) over 0 <= a_i <= c_i, sum a_i = rem, by
     trying the vertices (all zones whole or empty but one); 0 if rem cannot be met
     (the caller's other checks reject that case)."""
-    best = None
     m = len(parts)
+    if m <= 2:  # the common case (two NUMA nodes), directly: the concave cost of one
+        # zone's share is least at an end of its range
+        if m == 0:
+            return 0
+        (rate0, c0), (rate1, c1) = parts if m == 2 else (parts[0], (0, 0))
+        lo, hi = max(0, rem - c1), min(c0, rem)
+        if lo > hi:
+            return 0
+        return min(a * (rate0 + c0 - a) + (rem - a) * (rate1 + c1 - rem + a) for a in (lo, hi))
+    best = None
     for subset in range(1 << m):
         whole = 0
         cost = 0
