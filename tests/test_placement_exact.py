@@ -319,3 +319,51 @@ def test_snapshots_match_brute_force_with_numa_distances(name, matrix, search_pa
         for k in range(1, len(indices) - len(busy) + 1):
             for req in (Request(gpus=k), Request(gpus=k, pattern="alltoall"), Request(gpus=k, nics=min(2, len(matrix.nics)))):
                 check_answer(matrix, req, busy, place(matrix, req, busy, live=live or Live()), cache, live)
+
+
+# --- the graph facts the ring search relies on ------------------------------------------
+
+
+@st.composite
+def small_graph(draw):
+    """A random graph on up to 9 GPUs (adjacency bitmasks) and a subset of its GPUs."""
+    n = draw(st.integers(1, 9))
+    density = draw(st.sampled_from([0.15, 0.3, 0.5, 0.8]))
+    adjacency = [0] * n
+    for i in range(n):
+        for j in range(i + 1, n):
+            if draw(st.floats(0, 1)) < density:
+                adjacency[i] |= 1 << j
+                adjacency[j] |= 1 << i
+    verts = draw(st.integers(0, (1 << n) - 1))
+    return adjacency, verts
+
+
+def _vertices(mask: int) -> list[int]:
+    return [v for v in range(mask.bit_length()) if mask >> v & 1]
+
+
+def _biconnected(mask: int, adjacency: list[int]) -> bool:
+    """Brute force: one edge, or connected with no GPU whose removal disconnects it."""
+    vs = _vertices(mask)
+    if len(vs) == 2:
+        return bool(adjacency[vs[0]] >> vs[1] & 1)
+    connected = placement_module.connected_components
+    return len(connected(mask, adjacency)) == 1 and all(
+        len(connected(mask & ~(1 << v), adjacency)) == 1 for v in vs
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_graph())
+def test_biconnected_blocks_are_the_maximal_biconnected_sets(graph):
+    """A ring lies inside one block: the search skips candidates outside every block of k
+    or more, so the blocks must be exactly the maximal biconnected vertex sets."""
+    adjacency, verts = graph
+    expected: list[int] = []
+    for size in range(verts.bit_count(), 1, -1):
+        for combo in combinations(_vertices(verts), size):
+            mask = sum(1 << v for v in combo)
+            if not any(mask & ~bigger == 0 for bigger in expected) and _biconnected(mask, adjacency):
+                expected.append(mask)
+    assert sorted(placement_module.biconnected_blocks(verts, adjacency)) == sorted(expected)

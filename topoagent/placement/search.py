@@ -71,6 +71,49 @@ def connected_components(verts: int, adjacency: list[int], start: int = 0) -> li
     return comps
 
 
+def biconnected_blocks(verts: int, adjacency: list[int]) -> list[int]:
+    """The blocks (biconnected components, as GPU bitmasks) of the graph restricted to
+    ``verts``: every cycle lies inside one block, so a ring of k GPUs lies inside a block
+    of k or more (Tarjan's low points, depth first without recursion)."""
+    disc: dict[int, int] = {}
+    low: dict[int, int] = {}
+    blocks: list[int] = []
+    edges: list[tuple[int, int]] = []
+    for root in bits(verts):
+        if root in disc:
+            continue
+        disc[root] = low[root] = len(disc)
+        stack = [(root, -1, adjacency[root] & verts)]
+        while stack:
+            v, parent, rest = stack[-1]
+            if rest:
+                w_bit = rest & -rest
+                stack[-1] = (v, parent, rest ^ w_bit)
+                w = w_bit.bit_length() - 1
+                if w not in disc:
+                    edges.append((v, w))
+                    disc[w] = low[w] = len(disc)
+                    stack.append((w, v, adjacency[w] & verts))
+                elif w != parent and disc[w] < disc[v]:
+                    edges.append((v, w))
+                    low[v] = min(low[v], disc[w])
+                continue
+            stack.pop()
+            if not stack:
+                continue
+            u = stack[-1][0]
+            low[u] = min(low[u], low[v])
+            if low[v] >= disc[u]:  # u separates v's subtree: the edges since (u, v) are a block
+                block = 0
+                while True:
+                    a, b = edges.pop()
+                    block |= 1 << a | 1 << b
+                    if (a, b) == (u, v):
+                        break
+                blocks.append(block)
+    return blocks
+
+
 NO_NIC = 99
 
 
@@ -159,6 +202,9 @@ NIC_COST_MAX = 50_000
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Search._first_set_at): about a millisecond
 FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
+# Most links among the candidates for which a ring search first splits them into blocks
+# (linear in the links; denser sets are cliques or near them and one block anyway).
+BLOCKS_EDGES_MAX = 1500
 
 
 class Prepared:
@@ -1124,6 +1170,11 @@ class Search:
                     pool &= ~(1 << v)
                     peeled = True
         pool = sum(c for c in connected_components(pool, eff) if c.bit_count() >= k and not include & ~c)
+        if cycle and pool and sum((eff[v] & pool).bit_count() for v in bits(pool)) <= 2 * BLOCKS_EDGES_MAX:
+            blocks = [b for b in biconnected_blocks(pool, eff) if b.bit_count() >= k and not include & ~b]
+            pool = 0  # blocks share cut vertices: their union, not their sum
+            for b in blocks:
+                pool |= b
         if not pool:
             return None
         if self.req.pattern is Pattern.ALLTOALL:
@@ -1279,6 +1330,19 @@ class Search:
             assert eff is not None  # check_order is only ever set with a level
             if any((eff[v] | 1 << v) & verts != verts for v in bits(verts)):
                 self.eff = eff
+        ring = self.eff
+        if (
+            ring is not None and pattern is Pattern.ALLREDUCE
+            and sum((ring[v] & verts).bit_count() for v in bits(verts)) <= 2 * BLOCKS_EDGES_MAX
+        ):
+            # A ring lies inside one block of its links: a mesh with failed links often has
+            # no block of k, which proves at once what the search would take every set to.
+            comps = [
+                b for c in comps for b in biconnected_blocks(c, ring)
+                if b.bit_count() >= k and not (self.include & ~b)
+            ]
+            if not comps:
+                return None
         self.need = need
         self.best = None
         self.cutoff = None if stop_at_first else cutoff
