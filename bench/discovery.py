@@ -3,9 +3,11 @@
     python -m bench.discovery [--runs N] [--root SNAPSHOT] [--markdown]    (from a checkout's root)
 
 Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100)
-and on the live machine; the command comparison alternates `topoagent discover --json` and
-`lstopo-no-graphics --of xml` on the live machine so both see the same load.  Child
-processes run this checkout's topoagent (PYTHONPATH), not whichever copy is installed.
+and on the live machine; the command comparison alternates `topoagent discover --json`,
+`lstopo-no-graphics --of xml` and a floor (FLOOR: the interpreter importing the standard
+modules the design needs, nothing of ours) on the live machine so all three see the same
+load.  Child processes run this checkout's topoagent (PYTHONPATH), not whichever copy is
+installed.
 """
 
 from __future__ import annotations
@@ -89,6 +91,11 @@ def median_mib(runs: list[Run]) -> float:
 
 TOPOAGENT = [sys.executable, "-m", "topoagent", "discover", "--json"]
 LSTOPO_ARGS = ["--whole-io", "--of", "xml", "-"]
+# What any `topoagent` command pays before a line of ours runs: the interpreter and the
+# standard modules the design commits to (argparse for the CLI, dataclasses for facts,
+# json, pathlib, typing).  Our time above this is what our own code can still win back.
+FLOOR_MODULES = ("argparse", "dataclasses", "json", "pathlib", "typing")
+FLOOR = [sys.executable, "-c", f"import {', '.join(FLOOR_MODULES)}"]
 
 
 def measure(runs: int, root: str | Path) -> dict[str, float | str]:
@@ -107,16 +114,21 @@ def measure(runs: int, root: str | Path) -> dict[str, float | str]:
         return figures
     ours: list[Run] = []
     theirs: list[Run] = []
-    for _ in range(runs):  # alternate so both see the same machine state
+    floor: list[Run] = []
+    for _ in range(runs):  # alternate so all three see the same machine state
         ours.append(command(TOPOAGENT, memory=True))
         theirs.append(command([lstopo, *LSTOPO_ARGS], memory=True))
+        floor.append(command(FLOOR))
     figures |= {
         "live_ms": median_ms(ours), "lstopo_ms": median_ms(theirs),
         "live_mib": median_mib(ours), "lstopo_mib": median_mib(theirs),
+        "floor_ms": median_ms(floor),
     }
-    # Ratios pair by pair (each pair ran back to back), then their median.
+    # Ratios and differences pair by pair (each round ran back to back), then their median.
     figures["time_ratio"] = statistics.median(a.seconds / b.seconds for a, b in zip(ours, theirs))
     figures["memory_ratio"] = statistics.median(a.max_rss_kib / b.max_rss_kib for a, b in zip(ours, theirs))
+    figures["floor_ratio"] = statistics.median(a.seconds / b.seconds for a, b in zip(floor, theirs))
+    figures["above_floor_ms"] = statistics.median(a.seconds - b.seconds for a, b in zip(ours, floor)) * 1e3
     return figures
 
 
@@ -141,6 +153,10 @@ def markdown(figures: dict[str, float | str], runs: int, root: str | Path) -> li
         f"| `topoagent discover --json`, this machine | {f['live_ms']:.0f} ms | {f['live_mib']:.0f} MiB |",
         f"| `lstopo-no-graphics {' '.join(LSTOPO_ARGS)}`, this machine | {f['lstopo_ms']:.0f} ms | {f['lstopo_mib']:.0f} MiB |",
         f"| ratio, pair by pair (alternated runs) | {f['time_ratio']:.1f}× | {f['memory_ratio']:.1f}× |",
+        f"| Python + the standard modules the design needs (`{', '.join(FLOOR_MODULES)}`), imported alone"
+        f" | {f['floor_ms']:.0f} ms | |",
+        f"| its ratio to lstopo, pair by pair: the floor under any ratio of ours | {f['floor_ratio']:.1f}× | |",
+        f"| `topoagent discover --json` above that floor, pair by pair | {f['above_floor_ms']:.0f} ms | |",
     ]
     if MEMORY_NOTE:
         out += ["", "Peak memory" + MEMORY_NOTE + "."]
@@ -162,6 +178,11 @@ def lines(figures: dict[str, float | str], runs: int, root: str | Path) -> list[
             f"live: `topoagent discover --json` {f['live_ms']:.0f} ms, {f['live_mib']:.0f} MiB | "
             f"`lstopo-no-graphics --of xml` {f['lstopo_ms']:.0f} ms, {f['lstopo_mib']:.0f} MiB | "
             f"ratio {f['time_ratio']:.1f}× time, {f['memory_ratio']:.1f}× memory (medians of {runs}, alternated)"
+        )
+        out.append(
+            f"floor: Python importing {', '.join(FLOOR_MODULES)} {f['floor_ms']:.0f} ms, "
+            f"ratio {f['floor_ratio']:.1f}× to lstopo; topoagent above it {f['above_floor_ms']:.0f} ms "
+            f"(medians of {runs}, alternated with the two above)"
         )
     return out
 

@@ -326,6 +326,9 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
 # Modules a one-shot command has no use for: the event loop and TLS (a third of start-up
 # before), the HTTP stack, logging when it logs nothing, tarfile when the root is a directory;
 # discover also builds no agent documents, and replaying a directory runs and unpacks nothing.
+# shutil (with bz2, lzma, zlib) and locale stay: argparse imports them itself (every
+# add_argument makes a help formatter, which asks shutil for the terminal's width; gettext
+# asks locale), and pynvml brings shutil through ctypes.util on a node with a driver.
 NEVER_ONE_SHOT = {"asyncio", "ssl", "aiohttp", "prometheus_client", "torch", "psutil", "logging", "tarfile",
                   "topoagent.probes", "topoagent.served", "topoagent.agent"}
 A100 = str(SNAPSHOTS / "dgx-a100")
