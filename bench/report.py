@@ -47,6 +47,7 @@ GENERATORS: dict[str, Generator] = {
     "service": Generator(("bench/service.py", "--markdown"), ("--seconds", "5", "--idle-seconds", "10")),
     "deadline": Generator(("-m", "bench.placement", "--only", "deadline", "--markdown"), ("--quick",)),
     "cluster": Generator(("-m", "bench.cluster", "--markdown"), ("--quick",)),
+    "meshfloor": Generator(("-m", "bench.mesh_floor", "--markdown"), ("--requests", "6")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")

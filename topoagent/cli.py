@@ -69,13 +69,13 @@ def _accept_log_level_everywhere(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # At exit the interpreter runs full garbage collections over every object the imports
-    # made (a tenth of `discover --json`: dataclasses, enums, tables).  Freezing them first,
-    # once the command is done, leaves them to plain reference counting, which frees what
-    # needs freeing; only a reference cycle's finalizer would be skipped, and the commands
-    # close what they open with `with`.
-    atexit.register(gc.freeze)
-    if argv is None:
+    if argv is None:  # the process is this command (not a caller in Python, e.g. a test)
+        # At exit the interpreter runs full garbage collections over every object the
+        # imports made (a tenth of `discover --json`: dataclasses, enums, tables).  Freezing
+        # them first, once the command is done, leaves them to plain reference counting,
+        # which frees what needs freeing; only a reference cycle's finalizer would be
+        # skipped, and the commands close what they open with `with`.
+        atexit.register(gc.freeze)
         argv = sys.argv[1:]
     # The command comes first: build only its parser (top-level help still lists all).
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
