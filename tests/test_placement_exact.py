@@ -367,3 +367,18 @@ def test_biconnected_blocks_are_the_maximal_biconnected_sets(graph):
             if not any(mask & ~bigger == 0 for bigger in expected) and _biconnected(mask, adjacency):
                 expected.append(mask)
     assert sorted(placement_module.biconnected_blocks(verts, adjacency)) == sorted(expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(-8, 16), st.integers(1, 8)), max_size=3),
+    st.integers(1, 12),
+)
+def test_least_concave_fill_is_the_least_damage_of_any_split(parts, rem):
+    """The damage bound's exact case: the least of sum a_i * (rate_i + c_i - a_i) over every
+    way of taking rem of the zones' c_i candidates (0 when they cannot hold rem)."""
+    from itertools import product
+
+    splits = [a for a in product(*(range(c + 1) for _, c in parts)) if sum(a) == rem]
+    least = min((sum(x * (r + c - x) for x, (r, c) in zip(a, parts)) for a in splits), default=0)
+    assert placement_module._least_concave_fill(parts, rem) == least
