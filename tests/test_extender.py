@@ -6,16 +6,20 @@ names), as bench/cluster.py replays them."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
+import ssl
 import statistics
 import subprocess
 import sys
 import threading
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from service_helpers import metric_value, promtool_complaints, wait_for
@@ -336,7 +340,8 @@ def test_help_shows_the_scheduler_config_and_bad_flags_exit_2() -> None:
     shown = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", "--help"], capture_output=True, text=True, timeout=60, env=_child_env())
     assert shown.returncode == 0
     assert max(map(len, shown.stdout.splitlines())) <= 100  # the raw formatter wraps nothing itself
-    for words in ("filterVerb: filter", "bindVerb: bind", "managedResources", "topoagent.io/min-level", "topoagent.io/gpus", "--unanswered"):
+    for words in ("filterVerb: filter", "bindVerb: bind", "managedResources", "topoagent.io/min-level", "topoagent.io/gpus", "--unanswered",
+                  "enableHTTPS: true", "--tls-cert-file", "--client-ca-file", "--insecure-bind-without-client-auth"):
         assert words in shown.stdout
     for flags, said in ((["--agent-url", "http://agent:9477"], "--agent-url"), (["--bind"], "--agent-token-file"), (["--agent-timeout", "0"], "--agent-timeout")):
         bad = subprocess.run([sys.executable, "-P", "-m", "topoagent", "extender", *flags], capture_output=True, text=True, timeout=60, env=_child_env())
@@ -402,3 +407,193 @@ def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() 
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+# --- mutual TLS: only kube-scheduler's client certificate is answered ------------------------
+# Real handshakes over loopback: a throwaway CA signs the extender's certificate (127.0.0.1)
+# and kube-scheduler's; another CA signs a certificate that must be refused.
+
+
+@dataclass
+class Certs:
+    dir: Path
+    ca: Any  # trustme.CA
+    other_ca: Any
+
+    def path(self, name: str) -> str:
+        return str(self.dir / name)
+
+    def client(self, cert: str | None = None, key: str | None = None) -> ssl.SSLContext:
+        """A client trusting the extender's CA, presenting ``cert``/``key`` when given."""
+        context = ssl.create_default_context(cafile=self.path("ca.crt"))
+        if cert is not None:
+            context.load_cert_chain(self.path(cert), self.path(key or ""))
+        return context
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    trustme = pytest.importorskip("trustme")
+    where = tmp_path_factory.mktemp("certs")
+    ca, other_ca = trustme.CA(), trustme.CA()
+    ca.cert_pem.write_to_path(str(where / "ca.crt"))
+    other_ca.cert_pem.write_to_path(str(where / "other-ca.crt"))
+    for name, issuer, identities, common_name in (("server", ca, ("127.0.0.1", "localhost"), None),
+                                                  ("scheduler", ca, ("kube-scheduler.example",), "kube-scheduler"),
+                                                  ("stranger", other_ca, ("kube-scheduler.example",), "kube-scheduler")):
+        issued = issuer.issue_cert(*identities, common_name=common_name)
+        issued.cert_chain_pems[0].write_to_path(str(where / f"{name}.crt"))
+        issued.private_key_pem.write_to_path(str(where / f"{name}.key"))
+    return Certs(where, ca, other_ca)
+
+
+@dataclass
+class TLSExtender:
+    port: int
+    log: Path
+
+
+def https_call(port: int, context: ssl.SSLContext | None, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    """One request on its own connection (plain HTTP when ``context`` is None)."""
+    if context is None:
+        conn: http.client.HTTPConnection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    else:
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=context)
+    try:
+        conn.request(method, path, body=json.dumps(body) if body is not None else None, headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        raw = resp.read()
+        return resp.status, json.loads(raw) if raw and resp.headers.get_content_type() == "application/json" else raw
+    finally:
+        conn.close()
+
+
+@pytest.fixture(scope="module")
+def tls(c: Cluster, certs: Certs) -> Iterator[TLSExtender]:
+    """A second extender on the cluster's agents and API server, as extender.yaml runs it:
+    --bind behind mutual TLS."""
+    log = c.work / "extender-tls.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{c.nodes[0].port}",
+             "--agent-token-file", str(c.work / "token"), "--bind", "--kube-api", c.api.url,
+             "--tls-cert-file", certs.path("server.crt"), "--tls-key-file", certs.path("server.key"), "--client-ca-file", certs.path("ca.crt")],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    try:
+        line = _wait_line(proc, "extender with TLS", log)
+        assert f"callers need a certificate from {certs.path('ca.crt')}" in line
+        yield TLSExtender(int(line.split("https://127.0.0.1:", 1)[1].split("/", 1)[0]), log)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()
+
+
+def leases_of(c: Cluster, pod: dict) -> list[dict]:
+    owner = f"{pod['metadata']['namespace']}/{pod['metadata']['name']}/"
+    return [x for held in leases(c).values() for x in held if x["owner"].startswith(owner)]
+
+
+def test_kube_schedulers_certificate_gets_filter_prioritize_and_bind(c: Cluster, certs: Certs, tls: TLSExtender) -> None:
+    scheduler = certs.client("scheduler.crt", "scheduler.key")
+    pod = new_pod(c, 2, name="over-tls")
+    status, filtered = https_call(tls.port, scheduler, "POST", "/scheduler/filter", args_for(c, pod))
+    assert status == 200 and filtered["Error"] == "" and filtered["Nodes"]["items"]
+    status, priorities = https_call(tls.port, scheduler, "POST", "/scheduler/prioritize", args_for(c, pod))
+    assert status == 200 and max(p["Score"] for p in priorities) == 10
+    best = max(priorities, key=lambda p: p["Score"])["Host"]
+    binding = {"PodName": "over-tls", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": best}
+    status, bound = https_call(tls.port, scheduler, "POST", "/scheduler/bind", binding)
+    (held,) = leases_of(c, pod)
+    try:
+        assert (status, bound) == (200, {"Error": ""})
+        assert c.api.pod("over-tls", "team-a")["spec"]["nodeName"] == best
+        assert c.api.bindings[-1] == {"namespace": "team-a", "name": "over-tls", "uid": pod["metadata"]["uid"], "node": best}
+        # Who asked is in the log, from the verified certificate.
+        said = wait_for("the bind's caller", lambda: [x for x in tls.log.read_text().splitlines() if "event=bind_asked" in x], log=tls.log.read_text)
+        assert "pod=team-a/over-tls" in said[0] and ",CN=kube-scheduler\"" in said[0]
+        # The probes answer a client with a certificate too (kube-scheduler's own checks need none).
+        assert https_call(tls.port, scheduler, "GET", "/metrics")[0] == 200
+    finally:
+        assert c.node(best).request("DELETE", f"/leases/{held['id']}", token=c.token)[0] == 200
+
+
+def test_without_a_client_certificate_only_the_probes_answer(c: Cluster, certs: Certs, tls: TLSExtender) -> None:
+    """kubelet's HTTPS probe presents no certificate: /healthz and /readyz answer it; the
+    verbs and /metrics do not, however the path is spelt, and nothing is leased or bound."""
+    bare = certs.client()
+    pod = new_pod(c, 1, name="not-yours")
+    bindings = len(c.api.bindings)
+    assert https_call(tls.port, bare, "GET", "/healthz") == (200, {"status": "alive"})
+    assert https_call(tls.port, bare, "GET", "/readyz") == (200, {"status": "ready"})
+    binding = {"PodName": "not-yours", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": c.nodes[0].name}
+    for method, path, body in (("POST", "/scheduler/bind", binding), ("POST", "/healthz/../scheduler/bind", binding),
+                               ("POST", "/scheduler/filter", args_for(c, pod)), ("POST", "/scheduler/prioritize", args_for(c, pod)),
+                               ("GET", "/metrics", None)):
+        status, doc = https_call(tls.port, bare, method, path, body)
+        assert status == 403 and doc["error"] == "client_certificate_required", (path, status, doc)
+    assert len(c.api.bindings) == bindings and "nodeName" not in c.api.pod("not-yours", "team-a")["spec"]
+    assert leases_of(c, pod) == []
+    assert "pod=team-a/not-yours" not in tls.log.read_text()  # refused before the handler: no bind was asked
+
+
+def test_a_certificate_from_another_ca_or_plain_http_is_refused_at_the_handshake(c: Cluster, certs: Certs, tls: TLSExtender) -> None:
+    pod = new_pod(c, 1, name="stranger")
+    bindings = len(c.api.bindings)
+    binding = {"PodName": "stranger", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": c.nodes[0].name}
+    for context in (certs.client("stranger.crt", "stranger.key"), None):
+        for path in ("/scheduler/bind", "/readyz"):
+            # TLS 1.3: the client's side of the handshake may end before the server's verdict,
+            # which then arrives as an alert (SSLError) or a closed connection.
+            with pytest.raises(OSError):
+                https_call(tls.port, context, "POST" if path != "/readyz" else "GET", path, binding if path != "/readyz" else None)
+    assert len(c.api.bindings) == bindings and "nodeName" not in c.api.pod("stranger", "team-a")["spec"]
+    assert leases_of(c, pod) == []
+
+
+def test_bad_tls_start_ups_exit_2_with_one_line_naming_the_problem(certs: Certs, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("a-token\n")
+    cert, key, ca = certs.path("server.crt"), certs.path("server.key"), certs.path("ca.crt")
+    bind = ["--bind", "--agent-token-file", str(token), "--kube-api", "http://127.0.0.1:9"]
+    cases = (
+        (["--tls-cert-file", cert], "--tls-cert-file needs --tls-key-file too"),
+        (["--tls-key-file", key], "--tls-key-file needs --tls-cert-file too"),
+        (["--client-ca-file", ca], "--client-ca-file needs --tls-cert-file and --tls-key-file"),
+        (["--tls-cert-file", str(tmp_path / "gone.crt"), "--tls-key-file", key], f"--tls-cert-file {tmp_path / 'gone.crt'}: No such file or directory"),
+        (["--tls-cert-file", key, "--tls-key-file", key], f"--tls-cert-file {key}: no PEM certificate in it"),
+        (["--tls-cert-file", cert, "--tls-key-file", certs.path("scheduler.key")],
+         f"--tls-key-file {certs.path('scheduler.key')}: not the key of the certificate in --tls-cert-file {cert}"),
+        (["--tls-cert-file", cert, "--tls-key-file", key, "--client-ca-file", key], f"--client-ca-file {key}: no PEM CA certificate in it"),
+        (["--listen", "0.0.0.0:0", *bind], "--bind on 0.0.0.0:0 (not loopback) without --client-ca-file"),
+        (["--listen", "[::]:0", "--tls-cert-file", cert, "--tls-key-file", key, *bind], "--bind on [::]:0 (not loopback) without --client-ca-file"),
+    )
+    procs = [subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=_child_env()) for flags, _ in cases]
+    for proc, (flags, said) in zip(procs, cases, strict=True):
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 2 and out == "", (flags, proc.returncode, err)
+        assert err.count("\n") == 1 and err.startswith(f"topoagent extender: {said}"), (flags, err)
+
+
+def test_https_without_client_certificates_and_the_loud_insecure_bind(certs: Certs, tmp_path: Path) -> None:
+    """--insecure-bind-without-client-auth starts --bind on every address, and every start
+    says so; HTTPS without --client-ca-file answers anyone who trusts its certificate."""
+    token = tmp_path / "token"
+    token.write_text("a-token\n")
+    log = tmp_path / "extender.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "0.0.0.0:0", "--bind", "--agent-token-file", str(token),
+                                 "--kube-api", "http://127.0.0.1:9", "--insecure-bind-without-client-auth",
+                                 "--tls-cert-file", certs.path("server.crt"), "--tls-key-file", certs.path("server.key")],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    try:
+        line = _wait_line(proc, "extender", log)
+        port = int(line.split("https://0.0.0.0:", 1)[1].split("/", 1)[0])
+        assert "event=unauthenticated_callers" in log.read_text() and "--insecure-bind-without-client-auth" in log.read_text()
+        status, doc = https_call(port, certs.client(), "POST", "/scheduler/filter", {"Pod": {"spec": {"containers": []}}, "NodeNames": ["node-x"]})
+        assert status == 200 and doc["NodeNames"] == ["node-x"]
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()

@@ -54,8 +54,71 @@ def test_the_scheduler_config_has_no_schema_and_points_at_the_extender_service()
     (service,) = by_kind("Service")
     (extender,) = config["extenders"]
     port = service["spec"]["ports"][0]["port"]
-    assert extender["urlPrefix"].startswith(f"http://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/")
+    assert extender["urlPrefix"].startswith(f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/")
     assert [r["name"] for r in extender["managedResources"]] == ["nvidia.com/gpu"]
+
+
+# k8s.io/kube-scheduler/config/v1 ExtenderTLSConfig's JSON names.
+TLS_CONFIG_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
+
+
+def test_kube_scheduler_calls_the_extender_over_https_with_a_client_certificate() -> None:
+    (config,) = by_kind("KubeSchedulerConfiguration")
+    (extender,) = config["extenders"]
+    tls = extender["tlsConfig"]
+    assert extender["enableHTTPS"] is True and extender["urlPrefix"].startswith("https://")
+    assert set(tls) <= TLS_CONFIG_FIELDS and not tls.get("insecure")
+    assert {"certFile", "keyFile", "caFile"} <= set(tls)  # its certificate, and the CA of the extender's
+    # The extender's certificate names the host kube-scheduler dials (the openssl lines).
+    host = extender["urlPrefix"].split("://", 1)[1].split(":", 1)[0]
+    assert f"DNS:{host}," in (DEPLOY / "extender.yaml").read_text()
+
+
+def test_the_extender_asks_for_client_certificates_from_its_secret_and_only_kube_scheduler_reaches_it() -> None:
+    (deployment,) = by_kind("Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = build_parser("extender").parse_args(container["args"])
+    assert args.tls_cert_file and args.tls_key_file and args.client_ca_file and not args.insecure_bind_without_client_auth
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    (tls_volume,) = [name for name, path in mounts.items() if args.client_ca_file.startswith(path + "/")]
+    assert secrets[tls_volume] == "topoagent-extender-tls"
+    for path in (args.tls_cert_file, args.tls_key_file, args.client_ca_file):
+        assert path.startswith(mounts[tls_volume] + "/")
+    # kubelet's probe speaks HTTPS and presents no certificate: a path that answers without one.
+    probe = container["readinessProbe"]["httpGet"]
+    assert probe["scheme"] == "HTTPS" and probe["path"] in ("/healthz", "/readyz")
+    (policy,) = by_kind("NetworkPolicy")
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
+    assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [container["ports"][0]["containerPort"]]
+    (peer,) = rule["from"]
+    assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "kube-system"}
+    assert peer["podSelector"]["matchLabels"] == {"component": "kube-scheduler"}
+
+
+def extender_entries_shown() -> dict[str, dict]:
+    """The extenders entry as README and `topoagent extender --help` show it."""
+    from topoagent.commands.extender import EPILOG
+
+    readme = (REPO / "README.md").read_text()
+    section = readme[readme.index("### Kubernetes: `topoagent extender`"):]
+    block = section[section.index("```yaml\n") + 8:]
+    epilog = EPILOG[EPILOG.index("  extenders:"):]
+    epilog = epilog[: epilog.index("\n\n")]
+    return {"README": yaml.safe_load(block[: block.index("```")])["extenders"][0],
+            "--help": yaml.safe_load(epilog)["extenders"][0]}
+
+
+@pytest.mark.parametrize("field", ["urlPrefix", "filterVerb", "prioritizeVerb", "bindVerb", "enableHTTPS", "tlsConfig", "nodeCacheCapable"])
+def test_readme_and_help_show_the_scheduler_config_as_shipped(field: str) -> None:
+    (config,) = by_kind("KubeSchedulerConfiguration")
+    (shipped,) = config["extenders"]
+    for where, shown in extender_entries_shown().items():
+        assert shown.get(field) == shipped[field], (where, field)
 
 
 def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import logging
 import signal
 import sys
@@ -14,6 +15,8 @@ from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
+    import ssl
+
     from topoagent.extender.app import Settings
     from topoagent.extender.kube import Kube
 
@@ -25,13 +28,24 @@ EPILOG = """\
 kube-scheduler's KubeSchedulerConfiguration (deploy/kubernetes/kube-scheduler-config.yaml):
 
   extenders:
-    - urlPrefix: http://topoagent-extender.topoagent.svc:9480/scheduler
+    - urlPrefix: https://topoagent-extender.topoagent.svc:9480/scheduler
       filterVerb: filter
       prioritizeVerb: prioritize
       bindVerb: bind            # only with --bind
       weight: 5
+      enableHTTPS: true         # --tls-cert-file, --tls-key-file
+      tlsConfig:                # its client certificate, from --client-ca-file's CA
+        certFile: /etc/kubernetes/topoagent-extender/client.crt
+        keyFile: /etc/kubernetes/topoagent-extender/client.key
+        caFile: /etc/kubernetes/topoagent-extender/ca.crt   # the CA of the extender's certificate
       nodeCacheCapable: false   # Node objects: --agent-url may use {address}
       managedResources: [{name: nvidia.com/gpu, ignoredByScheduler: false}]
+
+With --client-ca-file only a caller with a certificate from that CA is answered (a bad
+certificate fails the TLS handshake; none: 403), except /healthz and /readyz, which
+kubelet's probes (httpGet, scheme: HTTPS) reach without one. --bind on an address other
+than loopback needs --client-ca-file: whoever can call bind can bind any pending pod to
+any node and lease GPUs away.
 
 Pod annotations (the agent's own words, as POST /place takes them):
   topoagent.io/pattern: allreduce|alltoall|pipeline|independent
@@ -53,7 +67,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(/capacity, dry-run /place), at most --concurrency at once, --agent-timeout each;\n"
             "it filters out nodes that cannot fit (the reason per node) and scores the rest\n"
             "1-10: best ring bandwidth, then least NUMA distance, then least damage to free\n"
-            "zones (0: a node passed without its agent's answer). SIGTERM stops it."
+            "zones (0: a node passed without its agent's answer). With --tls-cert-file and\n"
+            "--tls-key-file it serves HTTPS; with --client-ca-file it answers only callers\n"
+            "presenting a certificate from that CA (kube-scheduler's tlsConfig). SIGTERM stops it."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,7 +93,43 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="how long a bind's lease holds the GPUs, to cover the pod's start (default 600)")
     parser.add_argument("--kube-api", metavar="URL", help="API server to bind through, as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
     parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
+    tls = parser.add_argument_group("TLS (kube-scheduler's enableHTTPS and tlsConfig)")
+    tls.add_argument("--tls-cert-file", metavar="FILE", help="serve HTTPS with this PEM certificate (its chain after it), with --tls-key-file")
+    tls.add_argument("--tls-key-file", metavar="FILE", help="the certificate's PEM private key, unencrypted")
+    tls.add_argument(
+        "--client-ca-file", metavar="FILE",
+        help="answer only callers presenting a client certificate signed by this PEM CA (kube-scheduler's tlsConfig "
+             "certFile/keyFile); /healthz and /readyz answer without one, for kubelet's probes. Use a CA of its own, "
+             "not the cluster's: every certificate the CA signed may call bind",
+    )
+    tls.add_argument(
+        "--insecure-bind-without-client-auth", action="store_true",
+        help="let --bind serve on an address other than loopback without --client-ca-file: anyone reaching it can "
+             "bind any pending pod to any node and lease GPUs. Only behind another guard that authenticates callers",
+    )
     parser.set_defaults(run=run)
+
+
+def _loopback(host: str) -> bool:
+    return host == "localhost" or ipaddress.ip_address(host).is_loopback
+
+
+def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The listener's TLS from the flags, or None for plain HTTP; UsageError, one line
+    naming the flag and the file, for a combination or a file it cannot serve with."""
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        given, missing = ("--tls-cert-file", "--tls-key-file") if args.tls_cert_file else ("--tls-key-file", "--tls-cert-file")
+        raise UsageError(f"{given} needs {missing} too: HTTPS needs the certificate and its key")
+    if args.client_ca_file and not args.tls_cert_file:
+        raise UsageError("--client-ca-file needs --tls-cert-file and --tls-key-file: client certificates are checked over HTTPS only")
+    if not args.tls_cert_file:
+        return None
+    from topoagent.extender.tls import TLSFileError, server_context
+
+    try:
+        return server_context(args.tls_cert_file, args.tls_key_file, args.client_ca_file)
+    except TLSFileError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
+    tls = _tls_context(args)
+    exposed = not _loopback(listen.host)
+    if args.bind and exposed and not args.client_ca_file and not args.insecure_bind_without_client_auth:
+        raise UsageError(
+            f"--bind on {args.listen} (not loopback) without --client-ca-file lets anyone who reaches it bind any pending pod "
+            "to any node: give --client-ca-file (with --tls-cert-file, --tls-key-file), or --insecure-bind-without-client-auth"
+        )
     token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     if args.bind and token is None:
         raise UsageError("--bind reserves GPUs on the agents: give --agent-token-file")
@@ -116,12 +175,20 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the client's config loaders raise their own types
             raise UsageError(f"no Kubernetes API to bind through: {exc} (give --kube-api or --kubeconfig)") from None
     settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
-                        prefix=args.path_prefix)
+                        prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file))
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube))
+    if exposed and not args.client_ca_file:
+        from topoagent.log import log_event
+
+        # Loud on purpose: every start says so, in the log an operator reads.
+        log_event("unauthenticated_callers", logging.WARNING, listen=args.listen,
+                  answers="filter, prioritize" + (", bind (--insecure-bind-without-client-auth)" if args.bind else ""),
+                  fix="--client-ca-file")
+    return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube, tls))
 
 
-async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube | None) -> int:
+async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube | None,
+                 tls: ssl.SSLContext | None) -> int:
     from aiohttp import web
 
     from topoagent.extender.app import make_app
@@ -130,7 +197,7 @@ async def _serve(host: str, port: int, settings: Settings, template: str, args: 
     agents = Agents(template, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token)
     runner = web.AppRunner(make_app(agents, settings, kube), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.TCPSite(runner, host, port, ssl_context=tls)
     try:
         await site.start()
     except OSError as exc:
@@ -139,7 +206,9 @@ async def _serve(host: str, port: int, settings: Settings, template: str, args: 
     bound = runner.addresses[0][1] if runner.addresses else port
     shown = f"[{host}]" if ":" in host else host
     verbs = "filter, prioritize" + (", bind" if kube is not None else "")
-    print(f"topoagent extender on http://{shown}:{bound}{settings.prefix.rstrip('/')} ({verbs}); agents at {template}", flush=True)
+    scheme = "https" if tls is not None else "http"
+    callers = f"; callers need a certificate from {args.client_ca_file}" if args.client_ca_file else ""
+    print(f"topoagent extender on {scheme}://{shown}:{bound}{settings.prefix.rstrip('/')} ({verbs}{callers}); agents at {template}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,5 +10,6 @@ them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and bi
 - ``nodes``: asking the agents (bounded fan-out, per-node timeout, ETag cache) and ranking
   the nodes that fit;
 - ``kube``: the API server calls of a bind (the ``kubernetes`` client);
+- ``tls``: HTTPS, and the client certificates (kube-scheduler's) it asks callers for;
 - ``app``: the HTTP service.
 """

@@ -1,6 +1,10 @@
 """The extender's HTTP service (aiohttp): ``{prefix}/filter``, ``{prefix}/prioritize``,
 ``{prefix}/bind`` (with a Kubernetes API to bind through), ``/metrics``, ``/healthz`` and ``/readyz``.
 
+With client certificates asked for (``--client-ca-file``, see ``tls``) every path but the
+probes' answers only a caller whose certificate verified: anyone else gets 403 before
+any handler runs, so no lease or Binding can follow.
+
 kube-scheduler calls filter, then prioritize, for each pod it is configured to send (a
 pod requesting a ``managedResources`` entry), then bind for the node it chose when
 ``bindVerb`` is set.  A body that is not the extender API's document is 400 with
@@ -23,6 +27,7 @@ from topoagent.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
 from topoagent.extender.kube import Kube, KubeError
 from topoagent.extender.metrics import ExtenderCollector, render
 from topoagent.extender.nodes import Agents, Refused, Unreachable, scores
+from topoagent.extender.tls import peer_subject
 from topoagent.extender.wire import (
     DEFAULT_RESOURCE,
     LEASE_ANNOTATION,
@@ -53,6 +58,8 @@ class Settings:
     lease_ttl_s: float = 600.0
     prefix: str = "/scheduler"
     max_body_bytes: int = MAX_BODY_BYTES
+    # The listener asks for client certificates (--client-ca-file): refuse callers without one.
+    require_client_certificate: bool = False
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -83,6 +90,23 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception as exc:  # a bug: say so plainly, keep serving
         log_event("extender_handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
         return _error(500, "internal", "internal error; see the extender's log")
+
+
+def _peercert(request: web.Request) -> dict[str, Any] | None:
+    """The caller's certificate as TLS verified it; None over plain HTTP or without one."""
+    transport = request.transport
+    cert = transport.get_extra_info("peercert") if transport is not None else None
+    return cert if isinstance(cert, dict) and cert else None
+
+
+@web.middleware
+async def client_certificates(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # By the route matched, not the path as written: no spelling of a path reaches a verb.
+    if request.match_info.handler in PROBES or _peercert(request) is not None:
+        return await handler(request)
+    return _error(403, "client_certificate_required",
+                  "this extender answers only callers with a client certificate from its --client-ca-file (kube-scheduler's "
+                  "tlsConfig certFile/keyFile); /healthz and /readyz answer without one")
 
 
 async def _body(request: web.Request) -> Any:
@@ -141,6 +165,8 @@ async def bind(request: web.Request) -> web.Response:
         raise web.HTTPNotFound(text="bind is off: start the extender with --bind (and a Kubernetes API to bind through)")
     request.app[VERBS]["bind"] += 1
     args = parse_binding_args(await _body(request))
+    # Who asked, before anything is leased or bound: the audit trail of every bind.
+    log_event("bind_asked", pod=f"{args.pod_namespace}/{args.pod_name}", node=args.node, caller=peer_subject(_peercert(request)))
 
     def _bind_result(error: str = "") -> web.Response:
         request.app[BINDS]["failed" if error else "bound"] += 1
@@ -217,8 +243,12 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ready"})
 
 
+PROBES = (healthz, readyz)  # kubelet's probes: no client certificate to present
+
+
 def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> web.Application:
-    app = web.Application(middlewares=[json_errors], client_max_size=settings.max_body_bytes)
+    middlewares = [client_certificates, json_errors] if settings.require_client_certificate else [json_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[AGENTS] = agents
     app[VERBS] = {"filter": 0, "prioritize": 0, "bind": 0}
