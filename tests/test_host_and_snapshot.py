@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import os
+import socket
 import sys
 import tarfile
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from conftest import SHARED
 
 from topoagent.cli import main
-from topoagent.host import CommandNotFound, CommandResult, Host, HostError
+from topoagent.host import CommandNotFound, CommandResult, FileTooLarge, Host, HostError
 
 
 def test_symlinks_resolve_inside_the_root(tmp_path: Path) -> None:
@@ -108,6 +109,35 @@ def test_snapshot_of_this_machine_replays_to_the_same_discovery(
     replayed = _discover_json(capsys, "--root", str(out))
     assert replayed == live
     assert live["pci_devices"], "this machine has PCI devices to compare"
+    # The kernel's name, read from /proc (a sysctl file refuses one read of megabytes).
+    assert live["hostname"] == socket.gethostname()
+
+
+def test_each_recording_is_discovered_under_the_name_its_snapshot_keeps() -> None:
+    from topoagent.commands.discover import discover_root
+
+    for path in sorted((Path(__file__).resolve().parents[1] / "fixtures" / "snapshots").iterdir()):
+        recorded = json.loads((path / "snapshot.json").read_text())["hostname"]
+        assert recorded and discover_root(str(path)).hostname == recorded, path.name
+
+
+@pytest.mark.parametrize("name, kept", [
+    ("gpu-017.rack3", "gpu-017.rack3"), ("  gpu01\n", "gpu01"), ("bad name", None), ("", None),
+    ("x" * 254, None), ("evil\u0007", None), (42, None),
+])
+def test_a_recorded_hostname_is_kept_only_when_it_is_a_name(tmp_path: Path, name: object, kept: str | None) -> None:
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "snapshot.json").write_text(json.dumps({"schema": 1, "hostname": name}))
+    assert Host(tmp_path).hostname() == kept
+
+
+def test_a_node_file_is_read_whole_in_pieces_up_to_its_limit(tmp_path: Path) -> None:
+    (tmp_path / "sys").mkdir()
+    (tmp_path / "big").write_bytes(b"x" * (300 << 10))
+    host = Host(tmp_path)
+    assert host.read_bytes("/big") == b"x" * (300 << 10)
+    with pytest.raises(FileTooLarge):
+        host.read_bytes("/big", limit=(300 << 10) - 1)
 
 
 def test_snapshot_holds_only_what_discovery_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

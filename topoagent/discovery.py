@@ -149,8 +149,7 @@ async def run_collectors(
 async def discover(host: Host) -> NodeTopology:
     """Run every collector and merge what they saw into one NodeTopology."""
     results = await run_collectors(host)
-    hostname = host.read_optional("/proc/sys/kernel/hostname")
-    return merge(results, hostname=hostname or None)
+    return merge(results, hostname=host.hostname())
 
 
 def discover_sync(host: Host) -> NodeTopology:
@@ -162,8 +161,7 @@ def discover_sync(host: Host) -> NodeTopology:
     2-core box spent more time handing over the interpreter lock than reading.
     """
     results = run_collectors_sync(host)
-    hostname = host.read_optional("/proc/sys/kernel/hostname")
-    return merge(results, hostname=hostname or None)
+    return merge(results, hostname=host.hostname())
 
 
 def run_collectors_sync(

@@ -43,6 +43,7 @@ _T = TypeVar("_T")
 # file discovery reads is /proc/cpuinfo, ~1 MB on a 256-CPU x86 node (~4 KB of flags per
 # CPU), so 8 MiB fits nodes of ~2,000 CPUs and bounds what a poisoned file can cost.
 MAX_FILE_BYTES = 8 << 20
+READ_CHUNK_BYTES = 64 << 10  # one read() of a node file (see Host.read_bytes)
 # A recorded command's output: `nvidia-smi topo -m` is ~4 KB for 8 GPUs and grows with the
 # square of the devices (~100 KB at 64 GPUs + 64 NICs).
 MAX_COMMAND_BYTES = 1 << 20
@@ -312,11 +313,37 @@ class Host:
                     raise type(exc)(exc.errno, exc.strerror, path) from None
 
             fd = self._inside(path, action)
-        with open(fd, "rb") as handle:
-            data = handle.read(limit + 1)
-        if len(data) > limit:
+        # In pieces: procfs and sysfs size a read's buffer by what is asked for, and a sysctl
+        # file refuses a read of 4 MiB or more outright (ENOMEM), so one read of the whole
+        # limit would lose /proc/sys/kernel/hostname on a live node.
+        chunks: list[bytes] = []
+        size = 0
+        with open(fd, "rb", buffering=0) as handle:
+            while size <= limit:
+                chunk = handle.read(min(READ_CHUNK_BYTES, limit + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+        if size > limit:
             raise FileTooLarge(f"{path}: larger than {limit:,} bytes; not read")
-        return data
+        return b"".join(chunks)
+
+    def hostname(self) -> str | None:
+        """The node's name: the kernel's (/proc/sys/kernel/hostname, which `topoagent
+        snapshot` now records too); on a recording without that file, the name its
+        snapshot.json keeps.  None when there is none, or none that is a name (blank, over
+        253 characters, or holding spaces or control characters)."""
+        name = self.read_optional("/proc/sys/kernel/hostname")
+        if name is None and not self.live:
+            try:
+                meta = json.loads(self.read_bytes("/snapshot.json", 1 << 16))
+            except (OSError, HostError, ValueError, RecursionError):
+                meta = None
+            recorded = meta.get("hostname") if isinstance(meta, dict) else None
+            name = recorded if isinstance(recorded, str) else None
+        name = name.strip() if name else ""
+        return name if name and len(name) <= 253 and name.isprintable() and not any(c.isspace() for c in name) else None
 
     def _record_links(self, path: str) -> None:
         """Note every symlink met on the way to ``path`` (paths as the node sees them)."""

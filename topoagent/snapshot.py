@@ -6,7 +6,6 @@ import datetime as _dt
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -154,10 +153,8 @@ def _write_dir(host: Host, root: Path) -> None:
     if rec.telemetry is not None:
         (root / "telemetry.json").write_text(json.dumps(rec.telemetry, indent=1) + "\n")
     recorded_by = f"topoagent snapshot {__version__}"
-    hostname: str | None = socket.gethostname()
+    hostname = host.hostname()  # re-recorded from a recording: that node's name
     if not host.live:
-        # Re-recorded from a recording: keep the node's name, say where it came from.
-        hostname = _recorded_hostname(host)
         recorded_by += f" --root {host.description.removeprefix('recording ')}"
     meta = {
         "schema": 1,
@@ -166,12 +163,3 @@ def _write_dir(host: Host, root: Path) -> None:
         "recorded_by": recorded_by,
     }
     (root / "snapshot.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def _recorded_hostname(host: Host) -> str | None:
-    try:
-        meta = json.loads(host.read_bytes("/snapshot.json", 1 << 16))
-    except (OSError, HostError, ValueError, RecursionError):
-        return None
-    name = meta.get("hostname") if isinstance(meta, dict) else None
-    return name if isinstance(name, str) else None
