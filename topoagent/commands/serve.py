@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import ClassVar
 
+from topoagent.commands.token import warn_if_readable_by_others
 from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
 from topoagent.errors import UsageError
 
@@ -55,8 +56,11 @@ def with_credential_token(config: Config) -> Config:
 
 
 def read_token(path: str | None) -> bytes:
-    """The bearer token from its file, refused (as ssh refuses a key) when anyone but this
-    agent's user or root could have written it: whoever can write the token can reserve."""
+    """The bearer token from its file, refused (as sshd's StrictModes refuses an
+    authorized_keys file) when anyone but this agent's user or root could have written
+    it: whoever can write the token can reserve.  A token others may read is a leak too,
+    but only warned about (``warn_if_readable_by_others``): Kubernetes Secret volumes are
+    world-readable unless the manifest says otherwise."""
     if path is None:
         return b""
     try:
@@ -79,6 +83,7 @@ def read_token(path: str | None) -> bytes:
         raise ConfigError(f"token file {path}: more than 64 KiB; expected one token")
     if len(token) < 16:
         raise ConfigError(f"token file {path}: the token must be at least 16 characters")
+    warn_if_readable_by_others(path, info)
     return token
 
 

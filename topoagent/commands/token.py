@@ -3,15 +3,48 @@
 
 The agent's own side, which also refuses a token file others could write, is
 ``topoagent.commands.serve.read_token``; a client only has to send the token intact.
+Both warn (``readable_by_others``) when others could read the token: whoever reads it
+can reserve and release GPUs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import stat
 
 from topoagent.errors import UsageError
+from topoagent.log import log_event
 
 MAX_TOKEN_BYTES = 64 * 1024  # as the agent's read_token
+
+
+def readable_by_others(info: os.stat_result) -> str | None:
+    """Who besides the token's owner may read it by its mode: "anyone", "its group", or None.
+
+    A file that root owns and this process does not is read through its group bit on
+    purpose: root:GROUP 0440 as an administrator grants it, a Kubernetes Secret volume
+    under the pod's fsGroup, a systemd credential (whose ACL mask shows as the group
+    bits).  Its group bit is that grant, not a leak, as PostgreSQL accepts a root-owned
+    key of mode 0640 and not one of its own.  Only the other bit counts there."""
+    mode = info.st_mode
+    if mode & stat.S_IROTH:
+        return "anyone"
+    granted_by_root = info.st_uid == 0 and os.geteuid() != 0
+    if mode & stat.S_IRGRP and not granted_by_root:
+        return "its group"
+    return None
+
+
+def warn_if_readable_by_others(path: str, info: os.stat_result) -> None:
+    """One warning line when others may read the token at ``path`` (a leak, not refused:
+    Kubernetes mounts Secrets 0644 unless told otherwise, and refusing would stop them)."""
+    who = readable_by_others(info)
+    if who is None:
+        return
+    fix = "chmod o-r" if who == "anyone" and info.st_uid == 0 and os.geteuid() != 0 else "chmod go-r"
+    log_event("token_file_readable_by_others", logging.WARNING, file=path, mode=f"{stat.S_IMODE(info.st_mode):04o}",
+              readable_by=who, fix=f"{fix} {path}")
 
 
 def read_client_token(flag: str, path: str) -> str:
@@ -22,6 +55,7 @@ def read_client_token(flag: str, path: str) -> str:
         # O_NONBLOCK: a FIFO in the token's place reads as empty instead of hanging the start.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as handle:
+            info = os.fstat(handle.fileno())  # the file opened, not whatever the name points at by now
             raw = handle.read(MAX_TOKEN_BYTES + 1)
     except OSError as exc:
         raise UsageError(f"{flag}: {exc.strerror}: {path}") from None
@@ -32,4 +66,5 @@ def read_client_token(flag: str, path: str) -> str:
         raise UsageError(f"{flag}: {path} holds no token")
     if any(b < 0x21 or b > 0x7E for b in token):
         raise UsageError(f"{flag}: {path}: the token holds a space, a line break or a non-ASCII byte; an HTTP header cannot carry it")
+    warn_if_readable_by_others(path, info)
     return token.decode("ascii")
