@@ -188,3 +188,25 @@ def test_the_containerfile_installs_the_kubernetes_extra_and_runs_topoagent() ->
     text = (REPO / "Containerfile").read_text()
     assert ".[kubernetes]" in text
     assert 'ENTRYPOINT ["topoagent"]' in text
+
+
+def test_secret_files_are_readable_by_the_container_that_mounts_them_and_no_one_else() -> None:
+    """kubelet writes a Secret's files as root, with defaultMode (0644 when unset), and
+    with the pod's fsGroup as their group plus group read (kubernetes#57923).  A non-root
+    reader needs that group bit; nobody else should have a bit: a token or a key others
+    read is a leak (the agent, the extender and cluster-topology warn of it)."""
+    checked = 0
+    for spec in pod_specs():
+        secrets = {v["name"]: v["secret"] for v in spec["volumes"] if "secret" in v}
+        for container in spec["containers"] + spec.get("initContainers", []):
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] not in secrets:
+                    continue
+                mode = secrets[mount["name"]].get("defaultMode", 0o644)
+                assert mode & 0o227 == 0, (container["name"], mount["name"], f"{mode:04o}")  # no write, nothing for others
+                user = container.get("securityContext", {}).get("runAsUser", spec.get("securityContext", {}).get("runAsUser"))
+                assert user is not None, container["name"]
+                if user != 0:  # reads through the group: the pod's fsGroup, with the group read bit
+                    assert "fsGroup" in spec.get("securityContext", {}) and mode & 0o040, (container["name"], mount["name"])
+                checked += 1
+    assert checked >= 3  # the agent's token; the extender's token and TLS files
