@@ -105,6 +105,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         token_text = token_value or secrets.token_urlsafe(24)
         token_file = tmp / "token"
         token_file.write_text(token_text + "\n")
+        token_file.chmod(0o600)  # as the README makes it: a test agent's log stays free of the readable-token warning
         args += ["--token-file", str(token_file)]
     if config is not None:
         cfg = tmp / "topoagent.toml"
