@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import gzip
 import shutil
+import subprocess
 
 import pytest
-from conftest import FIXTURES
+from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
-from service_helpers import metric_value, promtool_complaints, start_agent
+from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent
 
 from topoagent.agent import Agent
 from topoagent.config import Config
@@ -40,9 +41,23 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None
 
 
 @pytest.mark.parametrize("snapshot", ["dgx-a100", "degraded", "pcie-2socket", "vm-1gpu"])
-def test_promtool_finds_nothing_to_complain_about(snapshot, tmp_path):
+def test_promtool_finds_nothing_but_the_dcgm_label_spelling(snapshot, tmp_path):
     text = metrics_of(snapshot, tmp_path, measured=snapshot == "dgx-a100")
     assert promtool_complaints(text.encode()) == []
+
+
+def test_promtool_says_exactly_what_the_readme_says_it_does(tmp_path):
+    """Exit 3 and one camelCase line per GPU (modelName, dcgm-exporter's), nothing else;
+    the README quotes that line in the endpoint table and beside the dcgm-exporter join."""
+    text = metrics_of("dgx-a100", tmp_path)
+    done = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
+    said = [line for line in (done.stdout + done.stderr).decode().splitlines() if line.strip()]
+    assert done.returncode == 3 and said == [ACCEPTED_LINT] * 8, (done.returncode, said)
+    assert promtool_complaints(text.replace("modelName=", "model_name=").encode()) == []  # that label alone
+    readme = " ".join((REPO / "README.md").read_text().split())
+    cell = readme.split("| `GET /metrics` |", 1)[1].split(" |", 1)[0]  # the endpoint table's row
+    assert ACCEPTED_LINT in cell and "finds nothing" not in cell, cell
+    assert readme.count(ACCEPTED_LINT) == 2 and "modelName" in readme
 
 
 def series_labels(text: str, name: str) -> list[dict[str, str]]:
