@@ -505,12 +505,15 @@ def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
     With ``live_ms`` (the agent's ``/``) the page shows the agent's state (leases, busy
     GPUs, every source's findings) and carries a few lines of script that poll ``/`` every
     ``live_ms`` with If-None-Match and swap the picture when it changed; the caller fills
-    ``data-etag=""`` (``ETAG_SLOT``) with the page's ETag.  Without it: no script at all."""
+    ``data-etag=""`` (``ETAG_SLOT``) with the page's ETag, and links the agent's /topology
+    and /metrics.  Without it (`export html`, a file opened from disk): no script and no
+    links, which would point at the file system's root instead of an agent."""
     title = f"topoagent · {topology.hostname or 'node'}"
     live = live_ms is not None
     script = _LIVE.replace("POLL_MS", str(live_ms)) if live else ""
-    note = ('<span id="live">live: polling every '
-            f'{(live_ms or 0) / 1000:g} s</span> · ') if live else ""
+    footer = ('<p style="font-size:12px;color:#57606a"><span id="live">live: polling every '
+              f'{(live_ms or 0) / 1000:g} s</span> · JSON: <a href="/topology">/topology</a> · '
+              'metrics: <a href="/metrics">/metrics</a></p>') if live else ""
     return (
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
         f"<title>{_esc(title)}</title>"
@@ -522,9 +525,7 @@ def render_page(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
         f"{f'<body {ETAG_SLOT}>' if live else '<body>'}"
         f"<h1>{_esc(title)}</h1>"
         f"{render_svg(topology, matrix, findings=findings, leased=leased, busy=busy, show_state=live or bool(leased or busy))}"
-        f"<p style=\"font-size:12px;color:#57606a\">{note}JSON: <a href=\"/topology\">/topology</a> · "
-        "metrics: <a href=\"/metrics\">/metrics</a></p>"
-        f"{script}</body></html>\n"
+        f"{footer}{script}</body></html>\n"
     )
 
 

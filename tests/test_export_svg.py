@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import sys
 import xml.etree.ElementTree as ET
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -94,5 +96,46 @@ def test_the_running_service_serves_the_picture_at_root(tmp_path):
         assert dom.returncode == 0, dom.stderr[-2000:]
         found = re.findall(r'<rect class="device (gpu|nic)" data-device="([A-Z]+\d+)"', dom.stdout)
         assert sorted(d for _, d in found) == sorted([g.name for g in topology.gpus] + [n.name for n in topology.nics])
+    finally:
+        assert agent.stop() == 0
+
+
+class Links(HTMLParser):
+    """Every address a page points at (href, src, action), as a browser reads them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.found += [value for name, value in attrs if name in ("href", "src", "action", "xlink:href") and value is not None]
+
+
+def links_in(page: str) -> list[str]:
+    parser = Links()
+    parser.feed(page)
+    return parser.found
+
+
+def test_an_exported_page_points_nowhere_a_file_cannot_reach(tmp_path):
+    """`topoagent export html -o node.html` opened from disk: `/topology` there would be the
+    file system's root, so the page carries no link (and no script) at all."""
+    out = tmp_path / "node.html"
+    done = subprocess.run([sys.executable, "-P", "-m", "topoagent", "export", "html", "--root", str(SNAPSHOTS / "dgx-a100"), "-o", str(out)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    page = out.read_text()
+    assert links_in(page) == [] and "<script" not in page
+    assert 'class="device gpu"' in page  # still the whole picture
+
+
+def test_the_served_page_links_the_agents_json_and_metrics_and_each_answers(tmp_path):
+    from service_helpers import start_agent
+
+    agent = start_agent(tmp_path)
+    try:
+        links = links_in(agent.get("/").body.decode())
+        assert sorted(links) == ["/metrics", "/topology"]
+        assert all(agent.get(link).status == 200 for link in links)
     finally:
         assert agent.stop() == 0
