@@ -16,6 +16,7 @@ from typing import ClassVar
 from topoagent.commands.token import warn_if_readable_by_others
 from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
 from topoagent.errors import UsageError
+from topoagent.smallfile import read_small_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -64,21 +65,13 @@ def read_token(path: str | None) -> bytes:
     if path is None:
         return b""
     try:
-        # O_NONBLOCK: a FIFO put in the token's place must not hang the start.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        raw, info = read_small_file(path, 64 * 1024)
     except OSError as exc:
         raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
-    try:
-        info = os.fstat(fd)  # the file opened, not whatever the name points at by now
-        problem = token_file_problem(info)
-        if problem:
-            raise ConfigError(f"token file {path}: {problem}")
-        with os.fdopen(os.dup(fd), "rb") as handle:
-            token = handle.read(64 * 1024 + 1).strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from None
-    finally:
-        os.close(fd)
+    problem = token_file_problem(info)
+    if problem:
+        raise ConfigError(f"token file {path}: {problem}")
+    token = raw.strip()
     if len(token) > 64 * 1024:
         raise ConfigError(f"token file {path}: more than 64 KiB; expected one token")
     if len(token) < 16:

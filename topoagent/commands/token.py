@@ -15,6 +15,7 @@ import stat
 
 from topoagent.errors import UsageError
 from topoagent.log import log_event
+from topoagent.smallfile import read_small_file
 
 MAX_TOKEN_BYTES = 64 * 1024  # as the agent's read_token
 
@@ -52,11 +53,7 @@ def read_client_token(flag: str, path: str) -> str:
     when the file cannot be read, holds no token, more than one token's bytes, or a
     character an HTTP header cannot carry (a line break would end the header)."""
     try:
-        # O_NONBLOCK: a FIFO in the token's place reads as empty instead of hanging the start.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as handle:
-            info = os.fstat(handle.fileno())  # the file opened, not whatever the name points at by now
-            raw = handle.read(MAX_TOKEN_BYTES + 1)
+        raw, info = read_small_file(path, MAX_TOKEN_BYTES)
     except OSError as exc:
         raise UsageError(f"{flag}: {exc.strerror}: {path}") from None
     if len(raw) > MAX_TOKEN_BYTES:

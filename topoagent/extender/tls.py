@@ -12,10 +12,11 @@ more port to guard.
 
 from __future__ import annotations
 
-import os
 import ssl
 from collections.abc import Mapping
 from typing import Any
+
+from topoagent.smallfile import read_small_file
 
 MAX_PEM_BYTES = 1 << 20  # a certificate chain or a key is a few KiB
 
@@ -47,10 +48,7 @@ def _read_pem(flag: str, path: str, marker: bytes, what: str) -> None:
     """Refuse a file that cannot be read or holds no PEM ``what``, before OpenSSL reads it
     (whose errors name neither the file nor the flag)."""
     try:
-        # O_NONBLOCK: a FIFO in the file's place reads as empty instead of hanging the start.
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        with os.fdopen(fd, "rb") as handle:
-            raw = handle.read(MAX_PEM_BYTES + 1)
+        raw, _ = read_small_file(path, MAX_PEM_BYTES)
     except OSError as exc:
         raise TLSFileError(f"{flag} {path}: {exc.strerror or exc}") from None
     if len(raw) > MAX_PEM_BYTES:
