@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TextIO
 
-from topoagent.agent_schema import ProbePairView, probe_round_document
+from topoagent.agent_schema import ProbedGpu, ProbedNode, ProbePairView, probe_round_document
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
@@ -179,6 +179,28 @@ def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings
             out.write(f"  {f.severity:<8} {f.kind}: {f.message}\n")
 
 
+def probed_node(args: argparse.Namespace, matrix: DistanceMatrix | None, probe_round: ProbeRound) -> ProbedNode:
+    """The node the figures are of: the target's GPUs (as discovered, or as the text names
+    them), or with no target the worker's devices here (the cpu backend's stand-ins are
+    no GPU); its name from the recording, else this host's when the target is this host."""
+    if matrix is not None:
+        gpus = tuple(ProbedGpu(g.index, g.uuid, g.pci_address) for g in matrix.gpus)
+    elif args.backend == "cuda":
+        devices = (probe_round.worker or {}).get("devices") or []
+        gpus = tuple(
+            ProbedGpu(d["index"], None, d.get("pci_address"))
+            for d in devices if isinstance(d, dict) and isinstance(d.get("index"), int)
+        )
+    else:
+        gpus = ()
+    hostname = matrix.host.hostname if matrix is not None and matrix.host is not None else None
+    if hostname is None and (args.root in (None, "/")) and (args.from_nvidia_smi is None or args.backend == "cuda"):
+        from topoagent.host import Host
+
+        hostname = Host("/").hostname()
+    return ProbedNode(hostname, gpus)
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()  # --timeout covers the whole round, planning included
     if args.timeout <= 0:
@@ -206,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if args.json:
-        doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings)
+        node = probed_node(args, matrix, probe_round)
+        doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings, node)
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
