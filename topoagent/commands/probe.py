@@ -22,7 +22,7 @@ from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
-from topoagent.probes.runner import ProbeRound, run_probe_round
+from topoagent.probes.runner import ProbeRound, run_probe_round, torch_missing
 
 CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
 # The largest --gpus accepted.  The biggest single hosts ship 16 GPUs (DGX-2, HGX-2; an
@@ -206,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     matrix, gpus = choose_devices(args)
+    if (missing := torch_missing()) is not None:
+        # Before any output: a round without torch would print a table of '-' rows first.
+        print(f"topoagent probe: unavailable: {missing}", file=sys.stderr)
+        return 1
     try:
         plan = build_round_plan(args.backend, gpus, numa_nodes_with_cpus())
     except PlanError as exc:
