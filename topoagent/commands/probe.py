@@ -39,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Run one round of bandwidth probes in a child process and print each figure "
             "(median and spread, GB/s per direction), the matrix with measurements "
             "overlaid, and findings (degraded links, levels the figures contradict). "
-            "The cpu backend runs the same plan on host memory, for testing without a GPU."
+            "The cpu backend runs the same plan on host memory, for testing without a GPU; "
+            f"with no --root, --from-nvidia-smi or --gpus it measures {CPU_STAND_INS} stand-in devices "
+            "(devices 0 and 1, buffers in host memory). Needs torch: pip install '.[probes]'."
         ),
     )
     source = parser.add_mutually_exclusive_group()
@@ -50,7 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="take GPUs and declared levels from `nvidia-smi topo -m` output (- for stdin)",
     )
     source.add_argument("--gpus", type=int, metavar="N", help=f"probe GPUs 0..N-1 with no declared topology (N <= {MAX_GPUS})")
-    parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="default: cuda")
+    parser.add_argument(
+        "--backend", choices=("cuda", "cpu"), default="cuda",
+        help=f"default: cuda; cpu copies host memory, and with no target probes {CPU_STAND_INS} stand-in GPUs",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
