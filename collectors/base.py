@@ -27,6 +27,15 @@ class NoData(TopoagentError):
     """The source is simply absent on this node (no NVML, no /sys/class/infiniband)."""
 
 
+def command_missing(on_node: bool, tool: str, hint: str = "") -> NoData:
+    """No answer from ``tool``: the node lacks it (live, or recorded so: ``hint`` says what
+    to install, and what for), or a recording simply holds no output of it -- then an
+    install hint would send the reader to fix the machine replaying it."""
+    if on_node:
+        return NoData(f"{tool} not found{f' ({hint})' if hint else ''}")
+    return NoData(f"the recording holds no {tool} output (not recorded on its node)")
+
+
 def command_failed(argv: list[str], returncode: int, stdout: str, stderr: str, hint: str = "") -> SourceError:
     """A command that exited non-zero, named with its code and the last line it said
     (stderr, else stdout: the diagnostic tools end with the failure, e.g. smpquery's

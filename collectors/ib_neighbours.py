@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, command_missing, run_collector
 from topoagent.collectors.infiniband import Hca
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, CommandTimeout, Host, HostError
@@ -110,8 +110,8 @@ async def collect(host: Host, infiniband: CollectorResult[tuple[Hca, ...]]) -> C
         for device, port in ports:
             try:
                 found.append(await neighbour(host, device, port))
-            except CommandNotFound:
-                raise NoData("smpquery not found (install infiniband-diags to learn each port's switch)") from None
+            except CommandNotFound as exc:
+                raise command_missing(exc.on_node, "smpquery", "install infiniband-diags to learn each port's switch") from None
             except CommandTimeout as exc:
                 raise SourceError(str(exc)) from None  # one hung query would hang the rest too
             except (SourceError, HostError) as exc:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, run_collector
+from topoagent.collectors.base import CollectorResult, SourceError, command_failed, command_missing, run_collector
 from topoagent.facts import PortNeighbour
 from topoagent.host import CommandNotFound, Host
 from topoagent.vocabulary import FabricSource, PeerKind
@@ -125,8 +125,8 @@ async def collect(host: Host) -> CollectorResult[tuple[PortNeighbour, ...]]:
     async def read() -> tuple[tuple[PortNeighbour, ...], tuple[str, ...]]:
         try:
             result = await host.run(LLDPCTL, timeout=COMMAND_TIMEOUT_S)
-        except CommandNotFound:
-            raise NoData("lldpctl not found (install lldpd to learn each Ethernet port's switch)") from None
+        except CommandNotFound as exc:
+            raise command_missing(exc.on_node, "lldpctl", "install lldpd to learn each Ethernet port's switch") from None
         if result.returncode != 0:
             raise command_failed(LLDPCTL, result.returncode, result.stdout, result.stderr, "is lldpd running, and may this user open its socket?")
         try:

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from topoagent.collectors.base import CollectorResult, NoData, SourceError, run_collector
+from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_missing, run_collector
 from topoagent.cpulist import CpuListError, parse_cpulist
 from topoagent.errors import TopoagentError
 from topoagent.host import CommandNotFound, Host
@@ -613,8 +613,8 @@ async def collect(host: Host, timeout: float = 20.0) -> CollectorResult[TopoMatr
     async def read() -> tuple[TopoMatrix, tuple[str, ...]]:
         try:
             result = await host.run(TOPO_COMMAND, timeout=timeout)
-        except CommandNotFound:
-            raise NoData("nvidia-smi not found") from None
+        except CommandNotFound as exc:
+            raise command_missing(exc.on_node, "nvidia-smi") from None
         command = " ".join(TOPO_COMMAND)
         if result.returncode != 0:
             detail = (result.stderr.strip() or result.stdout.strip()).splitlines()

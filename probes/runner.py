@@ -87,6 +87,28 @@ class ProbeRound:
         return list(best.values())
 
 
+# Said wherever probes cannot run for want of torch: the agent's install lacks the extra.
+TORCH_INSTALL_HINT = "install the probes extra: pip install '.[probes]' (from a checkout) or 'topoagent[probes]'"
+
+
+def torch_missing() -> str | None:
+    """Why the worker could not import torch, found without importing it here (the agent
+    process never does); None when it is installed or this cannot tell (the worker then
+    says).  The worker runs on this interpreter, so its search path answers; a finder
+    only an import hook knows (an editable install) is asked too."""
+    import importlib.machinery
+    import importlib.util
+
+    if importlib.machinery.PathFinder.find_spec("torch") is not None:
+        return None
+    try:
+        if importlib.util.find_spec("torch") is not None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    return f"torch is not installed in {sys.executable}: {TORCH_INSTALL_HINT}"
+
+
 def worker_command() -> list[str]:
     return [sys.executable, "-P", "-m", WORKER_MODULE]
 

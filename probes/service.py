@@ -80,6 +80,8 @@ class ProbeService:
     latest: dict[str, float] = field(default_factory=dict)  # target key -> its newest figure
     # target key -> its figure when the lease that just ended was granted.
     before_release: dict[str, float] = field(default_factory=dict)
+    # Why no round can succeed here (torch missing: runner.torch_missing), said as a finding.
+    unavailable: str | None = None
 
     async def step(
         self,
@@ -194,6 +196,8 @@ class ProbeService:
         figures = list(self.figures() if figures is None else figures)
         measured = overlay(matrix, figures, previous, self.under_load)
         found = findings_for(measured, figures, under_load=self.under_load) + self.decay_findings(matrix)
+        if self.unavailable is not None:
+            found.append(Finding(FindingKind.PROBES_UNAVAILABLE, Severity.WARNING, "probes", self.unavailable, source="probe"))
         confirmed = [
             f for f in found if f.kind in ACTED_ON and self.confirmations.get((f.kind, f.subject), 0) >= CONFIRM_ROUNDS
         ]

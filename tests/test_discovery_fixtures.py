@@ -55,6 +55,39 @@ def test_the_fixture_list_is_the_issue_list() -> None:
                           "workstation-2gpu", "vm-1gpu", "degraded"]) == ALL
 
 
+def not_recorded(tool: str) -> str:
+    return f"the recording holds no {tool} output (not recorded on its node)"
+
+
+def test_a_live_node_without_the_fabric_tools_says_what_to_install(tmp_path, monkeypatch):
+    """Live, a missing smpquery or lldpctl is a tool to install, named with its package."""
+    import asyncio
+
+    from topoagent.collectors import lldp
+    from topoagent.collectors.base import command_missing
+    from topoagent.host import Host
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: neither tool is installed
+    result = asyncio.run(lldp.collect(Host("/")))
+    assert (result.status, result.message) == ("no_data", "lldpctl not found (install lldpd to learn each Ethernet port's switch)")
+    said = str(command_missing(True, "smpquery", "install infiniband-diags to learn each port's switch"))
+    assert said == "smpquery not found (install infiniband-diags to learn each port's switch)"
+
+
+def test_a_recording_tells_a_tool_its_node_lacked_from_one_it_did_not_record(tmp_path):
+    import asyncio
+
+    from topoagent.collectors import lldp
+    from topoagent.host import Host, command_file_stem
+
+    (tmp_path / "commands").mkdir()
+    result = asyncio.run(lldp.collect(Host(tmp_path)))
+    assert (result.status, result.message) == ("no_data", not_recorded("lldpctl"))
+    (tmp_path / "commands" / f"{command_file_stem(lldp.LLDPCTL)}.missing").write_text("command not found\n")
+    result = asyncio.run(lldp.collect(Host(tmp_path)))
+    assert (result.status, result.message) == ("no_data", "lldpctl not found (install lldpd to learn each Ethernet port's switch)")
+
+
 @pytest.mark.parametrize("name", ALL)
 def test_every_collector_reads_every_fixture(name: str) -> None:
     topo = discover_at(SNAPSHOTS / name)
@@ -66,8 +99,10 @@ def test_every_collector_reads_every_fixture(name: str) -> None:
         "nvidia_driver": ("no_data", "/proc/driver/nvidia/gpus: no GPUs listed by the driver", ()),
         "gpudirect": ("no_data", "no GPUDirect peer-memory module loaded (nvidia_peermem, nv_peer_mem)", ()),
         # The fabric's neighbours are recorded only in the cluster fixtures (tests/test_fabric_cluster.py).
-        "ib_neighbours": ("no_data", NO_ACTIVE_IB_PORT.get(name, "smpquery not found (install infiniband-diags to learn each port's switch)"), ()),
-        "lldp": ("no_data", "lldpctl not found (install lldpd to learn each Ethernet port's switch)", ()),
+        # A recording says it holds no such output: an install hint would send the reader
+        # to fix the machine that replays it.
+        "ib_neighbours": ("no_data", NO_ACTIVE_IB_PORT.get(name, not_recorded("smpquery")), ()),
+        "lldp": ("no_data", not_recorded("lldpctl"), ()),
     }
     assert topo.gpus and all(g.pci_address and g.uuid for g in topo.gpus)
 

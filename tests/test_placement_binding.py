@@ -178,14 +178,42 @@ def test_torchrun_wrapper_runs_each_local_rank_under_its_own_numactl(tmp_path):
     assert out.returncode == 1 and "LOCAL_RANK=4" in out.stderr
 
 
-def test_nvidia_smi_text_alone_gives_no_rankfile_but_still_splits_cpus():
+def test_nvidia_smi_text_alone_gives_no_rankfile_and_never_splits_a_gpus_cpus():
     corpus = REPO.parent / "shared" / "corpus" / "nvidia-smi-topo"
     path = next(corpus.glob("sglang-24966-8xH20*"))
     out = cli("--gpus", "4", "--from-nvidia-smi", str(path), "--json")
     answer = json.loads(out.stdout)
     assert answer["launch"]["rankfile"] is None  # slots are core indices: no core map, no rankfile
-    lists = [parse_cpulist(g["cpus"]) for g in answer["gpus"]]
-    assert all(lists) and sum(map(len, lists)) == len(set().union(*lists))
+    assert {g["cpus"] for g in answer["gpus"]} == {"0-47,96-143"}
+
+
+H20_TEXT = REPO / "fixtures" / "nvidia-smi" / "hgx-h20-8gpu-8nic.txt"
+
+
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_nvidia_smi_text_gives_each_rank_its_gpus_whole_cpu_list(k):
+    """Which CPUs are one core's hyperthreads is unknown from nvidia-smi text: splitting
+    0-47,96-143 into 0-47 and 96-143 put two ranks on the two threads of every core."""
+    from topoagent.commands.sources import matrix_and_left_out
+    from topoagent.placement import Door
+
+    matrix, _ = matrix_and_left_out(str(H20_TEXT))
+    answer = place(matrix, Request(gpus=k))
+    assert isinstance(answer, Placement)
+    for g in answer.gpus:
+        assert g.cpus == matrix.gpus[g.index].cpus  # the GPU's own list, whole
+    assert answer.launch.srun_map_cpu is None  # one CPU per task would be the same CPU for all
+    said = [line for line in answer.explain if "whole CPU list" in line]
+    assert said and "core map" in said[0] and "a discovered node" in said[0]
+    cli_words = [r.render(Door.CLI) for r in answer.reasons if "whole CPU list" in r.render(Door.CLI)]
+    assert "--root" in cli_words[0]
+
+
+def test_recorded_node_still_splits_by_cores_with_siblings_together():
+    answer = placed("degraded", gpus=4)
+    assert [g.cpus for g in answer.gpus] == ["0-11,96-107", "12-23,108-119", "24-35,120-131", "36-47,132-143"]
+    assert not any("whole CPU list" in line for line in answer.explain)
+    assert answer.launch.srun_map_cpu == "--cpu-bind=map_cpu:0,12,24,36"
 
 
 # --- tiers ----------------------------------------------------------------------------------

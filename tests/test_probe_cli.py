@@ -103,3 +103,12 @@ def test_help_says_what_the_timeout_covers(capsys):
         main(["probe", "--help"])
     help_text = " ".join(capsys.readouterr().out.split())
     assert "limit for the whole round" in help_text and "worker start-up" in help_text
+
+
+def test_help_says_the_cpu_backend_probes_stand_ins_without_a_target(capsys):
+    """`probe --backend cpu` alone measures 2 stand-in devices: --help says so."""
+    with pytest.raises(SystemExit):
+        main(["probe", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "2 stand-in devices" in text and "2 stand-in GPUs" in text
+    assert "pip install '.[probes]'" in text

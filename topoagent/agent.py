@@ -190,7 +190,7 @@ def link_signatures(node: NodeTopology) -> dict[Any, tuple]:
 def make_probe_service(config: Config, gpus: list[int]) -> ProbeService:
     from topoagent.probes.history import BaselineBook
     from topoagent.probes.plan import DEFAULTS
-    from topoagent.probes.runner import ProbeRunner
+    from topoagent.probes.runner import ProbeRunner, torch_missing
     from topoagent.probes.schedule import ProbeSchedule, ScheduleConfig
     from topoagent.probes.service import ProbeService
 
@@ -212,7 +212,7 @@ def make_probe_service(config: Config, gpus: list[int]) -> ProbeService:
         defaults = replace(defaults, repetitions=config.probe_repetitions)
     return ProbeService(
         schedule, ProbeRunner(timeout_s=config.probe_timeout_s), backend=config.probe_backend, defaults=defaults,
-        book=BaselineBook(config.state_dir),
+        book=BaselineBook(config.state_dir), unavailable=torch_missing(),
     )
 
 
@@ -691,6 +691,8 @@ class Agent:
         self._link_signatures = links
         if self.probes is None:
             self.probes = make_probe_service(self.config, gpus)
+            if self.probes.unavailable is not None:  # said once, now, not at the first round's failure
+                log_event("probes_unavailable", logging.WARNING, backend=self.config.probe_backend, error=self.probes.unavailable)
         elif changed:
             rearmed = [t for t, sig in links.items() if old_links.get(t) != sig]
             self.probes.on_topology_change(gpus, rearmed)

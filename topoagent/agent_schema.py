@@ -323,10 +323,41 @@ class ProbePairView:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbedGpu:
+    """A GPU a probe round measured, as the node names it."""
+
+    index: int  # the nvidia-smi index
+    uuid: str | None
+    pci_address: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbedNode:
+    """Which node a probe round's figures belong to, so they are never laid over another's."""
+
+    hostname: str | None
+    gpus: tuple[ProbedGpu, ...]
+
+
+PROBED_GPU = Document("ProbedGpu", {
+    "index": Field(INTEGER, description="nvidia-smi index"),
+    "uuid": Field(nullable(STRING), description="GPU-...; null when the source does not give it (nvidia-smi topo text)"),
+    "pci_address": Field(nullable(STRING), description="0000:07:00.0; null when unknown"),
+}, "A GPU of the node a probe round was taken on.")
+
+PROBED_NODE = Document("ProbedNode", {
+    "hostname": Field(nullable(STRING), description="the node's name; null when unknown"),
+    "gpus": Field(array(PROBED_GPU.ref), lambda n: [PROBED_GPU.dump(g) for g in n.gpus],
+                  "the node's GPUs the figures name (empty: the cpu backend's stand-ins, no GPU)"),
+}, "The node a probe round was taken on: `place --measured` refuses figures from another node.")
+
+
+@dataclass(frozen=True, slots=True)
 class _RoundView:
-    """What `probe --json` shows: the round, its pairs and findings."""
+    """What `probe --json` shows: the round, its node, pairs and findings."""
 
     round: ProbeRound
+    node: ProbedNode | None
     pairs: tuple[ProbePairView, ...] | None
     findings: tuple[Finding, ...]
 
@@ -335,6 +366,8 @@ def _probe_round(result: Document, skip: Document, failure: Document) -> Documen
     return Document("ProbeRound", {
         "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda v: SCHEMA_VERSION),
         "backend": Field(STRING, lambda v: v.round.backend),
+        "node": Field(nullable(PROBED_NODE.ref), lambda v: None if v.node is None else PROBED_NODE.dump(v.node),
+                      "the node the figures were taken on (hostname, GPUs); files written before this field lack it"),
         "started_at": Field(NUMBER, lambda v: v.round.started_at, "Unix time"),
         "duration_s": Field(NUMBER, lambda v: round(v.round.duration_s, 6)),
         "worker": Field(nullable({"type": "object"}), lambda v: dict(v.round.worker) if v.round.worker else None,
@@ -350,8 +383,10 @@ def _probe_round(result: Document, skip: Document, failure: Document) -> Documen
     }, "`topoagent probe --json`: one round of measurements.")
 
 
-def probe_round_document(probe_round: ProbeRound, pairs: Iterable[ProbePairView] | None, findings: Iterable[Finding]) -> dict[str, Any]:
-    return probe_documents()[3].dump(_RoundView(probe_round, None if pairs is None else tuple(pairs), tuple(findings)))
+def probe_round_document(
+    probe_round: ProbeRound, pairs: Iterable[ProbePairView] | None, findings: Iterable[Finding], node: ProbedNode | None = None,
+) -> dict[str, Any]:
+    return probe_documents()[3].dump(_RoundView(probe_round, node, None if pairs is None else tuple(pairs), tuple(findings)))
 
 
 # --- capacity (`GET /capacity`) ----------------------------------------------------------------
@@ -414,4 +449,4 @@ DOCUMENTS: tuple[Document, ...] = (
 
 
 def component_schemas() -> dict[str, JsonSchema]:
-    return {d.name: d.json_schema() for d in (*schema.DOCUMENTS, *DOCUMENTS, PROBE_PAIR, *probe_documents())}
+    return {d.name: d.json_schema() for d in (*schema.DOCUMENTS, *DOCUMENTS, PROBE_PAIR, PROBED_GPU, PROBED_NODE, *probe_documents())}

@@ -63,7 +63,12 @@ class HostError(TopoagentError):
 
 
 class CommandNotFound(HostError):
-    """The command does not exist on this node (or was not recorded)."""
+    """The command does not exist on this node, or a recording holds no answer of it:
+    ``on_node`` says which (False: the recording is silent, the node may well have it)."""
+
+    def __init__(self, message: str, on_node: bool = True) -> None:
+        super().__init__(message)
+        self.on_node = on_node
 
 
 class CommandTimeout(HostError):
@@ -101,6 +106,7 @@ class Recording:
     symlinks: dict[str, str] = field(default_factory=dict)  # link path -> raw target
     dirs: dict[str, dict[str, str]] = field(default_factory=dict)  # dir -> name -> kind
     commands: dict[str, CommandResult] = field(default_factory=dict)
+    missing_commands: set[str] = field(default_factory=set)  # stems of commands the node lacks
     nvml: dict | None = None
     telemetry: dict | None = None  # counter samples, written as telemetry.json
 
@@ -463,10 +469,24 @@ class Host:
         if not argv:
             raise HostError("empty command")
         if not self.live:
-            replayed = self._replay_command(argv)
+            try:
+                replayed = self._replay_command(argv)
+            except CommandNotFound as exc:
+                if exc.on_node and self.recording is not None:
+                    self.recording.missing_commands.add(command_file_stem(argv))
+                raise
             if self.recording is not None:
                 self.recording.commands[command_file_stem(argv)] = replayed
             return replayed
+        try:
+            return await self._run_live(argv, timeout)
+        except CommandNotFound:
+            # Recorded too, so a replay says what the node said: not installed there.
+            if self.recording is not None:
+                self.recording.missing_commands.add(command_file_stem(argv))
+            raise
+
+    async def _run_live(self, argv: list[str], timeout: float) -> CommandResult:
         asyncio = sys.modules.get("asyncio")
         if asyncio is None or asyncio._get_running_loop() is None:
             # A one-shot command drives collectors without an event loop (see off_loop).
@@ -528,7 +548,9 @@ class Host:
         try:
             stdout = self.read_bytes(f"{stem}.out", MAX_COMMAND_BYTES)
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise CommandNotFound(f"{argv[0]}: not recorded on this node") from None
+            if self._optional_present(f"{stem}.missing"):
+                raise CommandNotFound(f"{argv[0]}: command not found on the recorded node") from None
+            raise CommandNotFound(f"{argv[0]}: not recorded on this node", on_node=False) from None
         except OSError as exc:
             raise HostError(f"{stem}.out: {exc.strerror or exc}") from None
         stderr = self._optional_recorded(f"{stem}.err", MAX_COMMAND_BYTES)
@@ -540,6 +562,13 @@ class Host:
             except ValueError:
                 raise HostError(f"{stem}.rc: exit code {rc_text[:20]!r} is not a number") from None
         return CommandResult(tuple(argv), stdout.decode("utf-8", errors="replace"), stderr, rc)
+
+    def _optional_present(self, path: str) -> bool:
+        try:
+            self.read_bytes(path, 64)
+        except (OSError, HostError):
+            return False
+        return True
 
     def _optional_recorded(self, path: str, limit: int) -> str:
         """A recorded side file (.err, .rc): empty when absent; errors name the file."""

@@ -148,6 +148,11 @@ def _write_dir(host: Host, root: Path) -> None:
                 (commands / f"{stem}.err").write_text(result.stderr)
             if result.returncode:
                 (commands / f"{stem}.rc").write_text(f"{result.returncode}\n")
+    if rec.missing_commands:
+        commands = root / "commands"
+        commands.mkdir(exist_ok=True)
+        for stem in sorted(rec.missing_commands):
+            (commands / f"{stem}.missing").write_text("command not found\n")
     if rec.nvml is not None:
         (root / "nvml.json").write_text(json.dumps(rec.nvml, indent=1) + "\n")
     if rec.telemetry is not None:

@@ -58,6 +58,7 @@ class FindingKind(enum.StrEnum):
     HIGH_LATENCY = "high_latency"
     LINK_DECAY = "link_decay"
     PROBED_UNDER_LOAD = "probed_under_load"  # info: figures not judged (a busy GPU shared the path)
+    PROBES_UNAVAILABLE = "probes_unavailable"  # warning: probes are on but the worker cannot import torch
     # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
     IB_ERRORS_RISING = "ib-errors-rising"
     NVLINK_ERRORS_RISING = "nvlink-errors-rising"

@@ -151,11 +151,61 @@ def with_measured(matrix: DistanceMatrix, path: str) -> DistanceMatrix:
     records = doc.get("figures") if isinstance(doc, dict) else None
     if not isinstance(records, list):
         raise UsageError(f"--measured: {path} has no 'figures' list (expected `topoagent probe --json` output)")
+    if (why := not_this_node(matrix, doc.get("node"), path)) is not None:
+        raise UsageError(why)
     try:
         figures = [parse_figure(r) for r in records if isinstance(r, dict)]
     except MalformedRecord as exc:
         raise UsageError(f"--measured: {path}: {exc}") from None
     return overlay(matrix, figures)
+
+
+def node_words(hostname: str | None, ids: list[str]) -> str:
+    shown = ", ".join(ids[:2]) + (", ..." if len(ids) > 2 else "")
+    name = f"node {hostname}" if hostname else "an unnamed node"
+    return f"{name} (GPUs {shown})" if ids else name
+
+
+def not_this_node(matrix: DistanceMatrix, node: Any, path: str) -> str | None:
+    """Why a probe document's figures are not this node's (None: they are, or cannot be
+    told apart -- then a warning on stderr).  GPU UUIDs decide where both sides know them
+    (a renamed host keeps its GPUs); else a PCI address or a hostname that differs refuses,
+    since twin nodes share PCI addresses and only their names tell them apart."""
+    if not isinstance(node, dict):
+        print(
+            f"topoagent place: warning: --measured: {path} does not say which node it was taken on "
+            "(written before probes recorded it); its figures are laid over this node's GPUs by index",
+            file=sys.stderr,
+        )
+        return None
+    gpus = [g for g in node.get("gpus") or () if isinstance(g, dict)]
+    probe_host = node.get("hostname") if isinstance(node.get("hostname"), str) else None
+    here_host = matrix.host.hostname if matrix.host is not None else None
+    probe_uuids = [g["uuid"] for g in gpus if isinstance(g.get("uuid"), str)]
+    probe_pcis = [g["pci_address"] for g in gpus if isinstance(g.get("pci_address"), str)]
+    here_uuids = {g.uuid for g in matrix.gpus if g.uuid}
+    here_pcis = {g.pci_address for g in matrix.gpus if g.pci_address}
+    if probe_uuids and here_uuids:
+        differs = any(u not in here_uuids for u in probe_uuids)
+        theirs, ours = probe_uuids, sorted(here_uuids)
+    else:
+        pci_differs = bool(probe_pcis and here_pcis) and any(p not in here_pcis for p in probe_pcis)
+        host_differs = bool(probe_host and here_host) and probe_host != here_host
+        if not (probe_pcis and here_pcis) and not (probe_host and here_host):
+            print(
+                f"topoagent place: warning: --measured: cannot tell whether {path} was taken on this node "
+                "(neither GPU ids nor hostnames to compare); its figures are laid over this node's GPUs by index",
+                file=sys.stderr,
+            )
+            return None
+        differs = pci_differs or host_differs
+        theirs, ours = (probe_pcis, sorted(here_pcis)) if pci_differs else ([], [])
+    if not differs:
+        return None
+    return (
+        f"--measured: {path} was taken on {node_words(probe_host, theirs)}, not on this {node_words(here_host, ours)}; "
+        "probe this node (topoagent probe --json) for figures to place by"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

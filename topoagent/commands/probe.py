@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TextIO
 
-from topoagent.agent_schema import ProbePairView, probe_round_document
+from topoagent.agent_schema import ProbedGpu, ProbedNode, ProbePairView, probe_round_document
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
 from topoagent.errors import UsageError
 from topoagent.matrix import DistanceMatrix
@@ -22,7 +22,7 @@ from topoagent.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
-from topoagent.probes.runner import ProbeRound, run_probe_round
+from topoagent.probes.runner import ProbeRound, run_probe_round, torch_missing
 
 CPU_STAND_INS = 2  # devices the CPU backend measures when no topology names any
 # The largest --gpus accepted.  The biggest single hosts ship 16 GPUs (DGX-2, HGX-2; an
@@ -39,7 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "Run one round of bandwidth probes in a child process and print each figure "
             "(median and spread, GB/s per direction), the matrix with measurements "
             "overlaid, and findings (degraded links, levels the figures contradict). "
-            "The cpu backend runs the same plan on host memory, for testing without a GPU."
+            "The cpu backend runs the same plan on host memory, for testing without a GPU; "
+            f"with no --root, --from-nvidia-smi or --gpus it measures {CPU_STAND_INS} stand-in devices "
+            "(devices 0 and 1, buffers in host memory). Needs torch: pip install '.[probes]'."
         ),
     )
     source = parser.add_mutually_exclusive_group()
@@ -50,7 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="take GPUs and declared levels from `nvidia-smi topo -m` output (- for stdin)",
     )
     source.add_argument("--gpus", type=int, metavar="N", help=f"probe GPUs 0..N-1 with no declared topology (N <= {MAX_GPUS})")
-    parser.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="default: cuda")
+    parser.add_argument(
+        "--backend", choices=("cuda", "cpu"), default="cuda",
+        help=f"default: cuda; cpu copies host memory, and with no target probes {CPU_STAND_INS} stand-in GPUs",
+    )
     parser.add_argument(
         "--timeout",
         type=float,
@@ -179,11 +184,37 @@ def render_text(probe_round: ProbeRound, matrix: DistanceMatrix | None, findings
             out.write(f"  {f.severity:<8} {f.kind}: {f.message}\n")
 
 
+def probed_node(args: argparse.Namespace, matrix: DistanceMatrix | None, probe_round: ProbeRound) -> ProbedNode:
+    """The node the figures are of: the target's GPUs (as discovered, or as the text names
+    them), or with no target the worker's devices here (the cpu backend's stand-ins are
+    no GPU); its name from the recording, else this host's when the target is this host."""
+    if matrix is not None:
+        gpus = tuple(ProbedGpu(g.index, g.uuid, g.pci_address) for g in matrix.gpus)
+    elif args.backend == "cuda":
+        devices = (probe_round.worker or {}).get("devices") or []
+        gpus = tuple(
+            ProbedGpu(d["index"], None, d.get("pci_address"))
+            for d in devices if isinstance(d, dict) and isinstance(d.get("index"), int)
+        )
+    else:
+        gpus = ()
+    hostname = matrix.host.hostname if matrix is not None and matrix.host is not None else None
+    if hostname is None and (args.root in (None, "/")) and (args.from_nvidia_smi is None or args.backend == "cuda"):
+        from topoagent.host import Host
+
+        hostname = Host("/").hostname()
+    return ProbedNode(hostname, gpus)
+
+
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()  # --timeout covers the whole round, planning included
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
     matrix, gpus = choose_devices(args)
+    if (missing := torch_missing()) is not None:
+        # Before any output: a round without torch would print a table of '-' rows first.
+        print(f"topoagent probe: unavailable: {missing}", file=sys.stderr)
+        return 1
     try:
         plan = build_round_plan(args.backend, gpus, numa_nodes_with_cpus())
     except PlanError as exc:
@@ -206,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
     if args.json:
-        doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings)
+        node = probed_node(args, matrix, probe_round)
+        doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings, node)
         json.dump(doc, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:

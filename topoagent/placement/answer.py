@@ -152,7 +152,7 @@ class AnswerParts:
     nics: tuple[str, ...]
     env: tuple[tuple[str, str], ...]
     numactl: tuple[str, ...]
-    nic_reasons: tuple[Reason, ...]  # the NICs chosen, NICs NCCL cannot be told about
+    nic_reasons: tuple[Reason, ...]  # the NICs chosen, NICs NCCL cannot be told about, CPUs left unsplit
     # (chosen, passed over) NICs that traffic alone decided: build() words them with the
     # request's own read of the traffic, which these parts (cached by steps) must not hold.
     nic_passed: tuple[tuple[int, int], ...]
@@ -206,7 +206,7 @@ def answer_parts(
                 passed.append((last, first_out))
     else:
         job_nics = usable
-    bindings, by_load = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
+    bindings, by_load, cpus_shared = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
     # Said only where the busier NIC stays unused: else traffic decided which rank, not which NIC.
     used = {b.nic for b in bindings}
     passed += [pair for pair in by_load if pair not in passed and pair[1] not in used]
@@ -246,6 +246,8 @@ def answer_parts(
         nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
     if unnamed:
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
+    if cpus_shared:
+        nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
     if k >= 2 and pattern is not Pattern.ALLREDUCE:
         ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
         if k >= 3:

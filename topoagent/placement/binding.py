@@ -6,9 +6,13 @@ the CPU list nvidia-smi gives for the GPU.  Ranks that share a pool split it wit
 overlap: the pool's cores (a core's hyperthreads together, by the node's core map), in
 order of their first CPU, are dealt out in contiguous runs, as even as can be (the first
 ranks get one core more when the count does not divide).  Without a core map (nvidia-smi
-text alone) each CPU counts as a core.  With more ranks than cores in one pool, its
-threads are dealt out instead (siblings then part: nothing else keeps ranks apart); with
-more ranks than CPUs, every rank gets the whole pool.
+text alone) the pool is not split: which CPUs are hyperthreads of one core is unknown, and
+dealing out CPU numbers would put two ranks on the threads of the same cores (a CPU list
+such as 0-47,96-143 pairs CPU n with n+96 on common x86 nodes, but nothing in the text
+says so); every rank sharing the pool gets all of it, and the answer says why
+(ReasonCode.CPUS_SHARED).  With more ranks than cores in one pool, its threads are dealt
+out instead (siblings then part: nothing else keeps ranks apart); with more ranks than
+CPUs, every rank gets the whole pool.
 
 Memory.  A rank's memory node is its GPU's NUMA node.
 
@@ -30,7 +34,7 @@ Launchers (``Launch``), all per local rank in rank order:
   map_gpu IDs are the node's GPU indices when devices are not constrained by cgroups, and
   relative to the job's GPUs when they are -- the job should then hold the whole node).
   ``srun_map_cpu`` is ``--cpu-bind=map_cpu:<one CPU per task>``: the first CPU of each
-  rank's list, for one-thread tasks.  CPU numbers are the OS's, as taskset's.
+  rank's list, for one-thread tasks (none when ranks share a list: they would share that CPU).  CPU numbers are the OS's, as taskset's.
 * ``rankfile``: Open MPI ``rank N=<host> slot=<cores>`` lines; slot lists are logical core
   indices (hwloc's Core L#, the core map's numbering), so there is none without a core map.
 """
@@ -103,6 +107,11 @@ class BindingTables:
         slots = format_cpulist({core_of[c] for c in cpus}) if core_of and all(c in core_of for c in cpus) else None
         return Share(cpus, format_cpulist(cpus), f"0x{sum(1 << c for c in cpus):x}", min(cpus), slots)
 
+    def shared_unsplit(self, pool: tuple[int, ...], ranks: int) -> bool:
+        """Whether ``ranks`` (more than one) ranks on ``pool`` all get the whole of it because
+        no core map says which of its CPUs are one core's threads."""
+        return ranks > 1 and not self.core_of
+
     def split(self, pool: tuple[int, ...], ranks: int) -> list[Share]:
         """``pool`` dealt out to ``ranks`` ranks (see the module docstring)."""
         key = (pool, ranks)
@@ -115,7 +124,7 @@ class BindingTables:
             units = sorted(cores.values(), key=min)
             if len(units) < ranks:
                 units = [[cpu] for cpu in pool]
-            if len(units) < ranks:
+            if len(units) < ranks or not self.core_of:
                 got = [self.share(frozenset(pool))] * ranks
             else:
                 size, extra = divmod(len(units), ranks)
@@ -146,10 +155,11 @@ def nearest_usable(prep: Prepared, pos: int, among: list[int]) -> tuple[int, lis
 
 def bind_ranks(
     prep: Prepared, order: tuple[int, ...], job_nics: list[int], load: list[int] | None = None
-) -> tuple[list[RankBinding], list[tuple[int, int]]]:
+) -> tuple[list[RankBinding], list[tuple[int, int]], tuple[int, ...]]:
     """The binding of each rank (GPUs at positions ``order``), given the job's NICs and
     each NIC's traffic now in steps (``load``; None: none); with the (chosen, passed over)
-    NIC pairs that traffic alone decided."""
+    NIC pairs that traffic alone decided, and the GPU indices whose ranks share their whole
+    pool unsplit for want of a core map (BindingTables.shared_unsplit)."""
     t = tables(prep)
     by_pool: dict[tuple[int, ...], list[int]] = {}
     for rank, pos in enumerate(order):
@@ -157,7 +167,10 @@ def bind_ranks(
         if pool is not None:
             by_pool.setdefault(pool, []).append(rank)
     shares: list[Share | None] = [None] * len(order)
+    unsplit: list[int] = []
     for pool, ranks in by_pool.items():
+        if t.shared_unsplit(pool, len(ranks)):
+            unsplit += ranks
         for rank, share in zip(ranks, t.split(pool, len(ranks))):
             shares[rank] = share
 
@@ -177,7 +190,8 @@ def bind_ranks(
             used[pick] += 1
             nic[rank] = pick
     gpus = prep.matrix.gpus
-    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)], by_load
+    shared = tuple(sorted(gpus[order[r]].index for r in unsplit))
+    return [RankBinding(shares[r], gpus[pos].numa_node, nic[r]) for r, pos in enumerate(order)], by_load, shared
 
 
 def rank_numactl(prep: Prepared, binding: RankBinding) -> tuple[str, ...]:
@@ -222,7 +236,8 @@ def launch_forms(prep: Prepared, order: tuple[int, ...], bindings: list[RankBind
     if all(shares):
         known = [s for s in shares if s is not None]  # all of them; spelled out for the type checker
         srun.append("--cpu-bind=mask_cpu:" + ",".join(s.mask for s in known))
-        map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
+        if len({s.first for s in known}) == len(known):  # one-thread tasks never on one CPU
+            map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
         if all(s.slots for s in known):
             rankfile = "".join(f"rank {r}={t.hostname} slot={s.slots}\n" for r, s in enumerate(known))
     srun.append("--gpu-bind=map_gpu:" + ",".join(str(gpus[pos].index) for pos in order))

@@ -29,6 +29,7 @@ class ReasonCode(enum.StrEnum):
     SPANS_NUMA_FORCED = "spans_numa_forced"  # count, field, held
     NICS_CLOSEST = "nics_closest"  # nics, names
     NCCL_HCA_LEAVES_OUT = "nccl_hca_leaves_out"  # names
+    CPUS_SHARED = "cpus_shared"  # gpus (indices whose ranks share one CPU list unsplit)
     BREAKS_ZONES = "breaks_zones"  # zones
     KEEPS_ZONES = "keeps_zones"
     AFFINITY_FELL_BACK = "affinity_fell_back"  # asked, met
@@ -215,6 +216,12 @@ _TEMPLATES = {
     ReasonCode.NCCL_HCA_LEAVES_OUT: lambda p: (
         f"NCCL_IB_HCA leaves out {', '.join(p['names'])}: their RDMA device names are unknown "
         "(e.g. nvidia-smi output without its NIC Legend)"
+    ),
+    ReasonCode.CPUS_SHARED: lambda p: (
+        f"the ranks of GPUs {p.gpus('gpus')} each get their GPU's whole CPU list: which CPUs are hyperthreads "
+        "of one core is unknown (nvidia-smi text has no core map), so splitting it could put two ranks on one core; "
+        + ("give the node (--root DIR, or run on it) to split it by cores" if p.door is Door.CLI
+           else "a discovered node splits it by cores")
     ),
     ReasonCode.BREAKS_ZONES: lambda p: "breaks whole free zones: " + "; ".join(p["zones"]),
     ReasonCode.KEEPS_ZONES: lambda p: "keeps every whole free zone whole",
