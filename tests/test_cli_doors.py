@@ -1,0 +1,70 @@
+"""What a newcomer meets at the doors: request flags beside --batch, duplicates, mistyped
+flags, exit statuses, a node without GPUs, unknown query parameters, help with examples."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import FIXTURES
+
+RUN = [sys.executable, "-P", "-m", "topoagent"]
+DGX_A100 = str(FIXTURES / "snapshots" / "dgx-a100")
+
+
+def topoagent(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run([*RUN, *args], input=stdin, capture_output=True, text=True, timeout=120)
+
+
+# --- place --batch and the request flags ---------------------------------------------------
+
+@pytest.mark.parametrize("flags, named", [
+    (["--busy", "0,1"], '--busy (give each line its "busy")'),
+    (["--gpus", "2"], '--gpus (give each line its "gpus")'),
+    (["--pattern", "alltoall", "--single-numa"], '--pattern, --single-numa (give each line its "pattern", "single_numa")'),
+    (["--message-bytes", "1024"], "--message-bytes"),
+    (["--deadline-ms", "5"], "--deadline-ms"),
+    (["--min-level", "NV", "--include", "1", "--exclude", "2", "--nics", "1", "--affinity", "best", "--fallback"],
+     "--min-level, --include, --exclude, --nics, --affinity, --fallback"),
+    (["--busy", ""], "--busy"),  # given, even if empty: not silently dropped
+])
+def test_batch_refuses_request_flags_instead_of_ignoring_them(flags, named):
+    done = topoagent("place", "--root", DGX_A100, "--batch", *flags, stdin='{"gpus": 2}\n')
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith(f"topoagent place: --batch takes requests from stdin; drop {named}"), done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_batch_lines_carry_busy_and_the_node_flags_apply():
+    done = topoagent("place", "--root", DGX_A100, "--batch", stdin='{"gpus": 2, "busy": [0, 1]}\n')
+    assert done.returncode == 0, done.stderr
+    assert not {g["index"] for g in json.loads(done.stdout)["gpus"]} & {0, 1}
+
+
+def test_busy_duplicates_are_refused_in_the_batch_lines_words():
+    flag = topoagent("place", "--root", DGX_A100, "--gpus", "4", "--busy", "0,0")
+    assert flag.returncode == 2 and flag.stdout == ""
+    assert flag.stderr == "topoagent place: --busy: GPU 0 is listed twice\n"
+    line = topoagent("place", "--root", DGX_A100, "--batch", stdin='{"gpus": 4, "busy": [0, 0]}\n')
+    error = json.loads(line.stdout)["error"]
+    assert (error["field"], error["message"]) == ("busy[1]", "GPU 0 is listed twice")
+    # The rest of --busy is judged as a line's "busy" is, too.
+    assert topoagent("place", "--root", DGX_A100, "--gpus", "4", "--busy", "9").stderr.startswith(
+        "topoagent place: --busy: GPU 9 is not on this node (GPUs: 0, 1,")
+    assert topoagent("place", "--root", DGX_A100, "--gpus", "4", "--busy", "x").stderr == (
+        'topoagent place: --busy: expected an integer, got "x"\n')
+
+
+@pytest.mark.parametrize("lines, status", [
+    (['{"gpus": 2}', '{"gpus": 4}'], 0),
+    (['{"gpus": 2}', '{"gpus": 9}'], 1),
+    (['{"gpus": 2}', '{"gpus": 9}', "not json"], 2),
+    (['{"gpus": 2, "colour": "red"}', '{"gpus": 2}'], 2),
+    ([], 0),
+], ids=["all-placed", "a-no-fit", "a-bad-line", "bad-first", "empty"])
+def test_batch_exit_status_is_the_worst_lines(lines, status):
+    done = topoagent("place", "--root", DGX_A100, "--batch", stdin="".join(line + "\n" for line in lines))
+    assert done.returncode == status, done.stderr
+    assert len(done.stdout.splitlines()) == len(lines)  # every line answered all the same
