@@ -9,6 +9,7 @@ import sys
 
 import pytest
 from conftest import FIXTURES
+from service_helpers import start_agent
 
 RUN = [sys.executable, "-P", "-m", "topoagent"]
 DGX_A100 = str(FIXTURES / "snapshots" / "dgx-a100")
@@ -68,3 +69,24 @@ def test_batch_exit_status_is_the_worst_lines(lines, status):
     done = topoagent("place", "--root", DGX_A100, "--batch", stdin="".join(line + "\n" for line in lines))
     assert done.returncode == status, done.stderr
     assert len(done.stdout.splitlines()) == len(lines)  # every line answered all the same
+
+
+# --- a node without GPUs -------------------------------------------------------------------
+
+def test_place_on_a_node_without_gpus_says_so_at_every_door(tmp_path):
+    node = tmp_path / "no-gpus"
+    (node / "sys").mkdir(parents=True)  # a recorded node where sysfs shows nothing
+    said = "1 GPUs requested; no GPUs found on this node"
+    flag = topoagent("place", "--root", str(node), "--gpus", "1")
+    assert flag.returncode == 1
+    assert flag.stdout.startswith(f"no fit (--gpus): {said}\n")
+    assert flag.stderr == f"topoagent place: no fit: {said}\n"
+    line = topoagent("place", "--root", str(node), "--batch", stdin='{"gpus": 1}\n')
+    assert line.returncode == 1 and json.loads(line.stdout)["reason"] == said
+    (tmp_path / "agent").mkdir()
+    agent = start_agent(tmp_path / "agent", root=node)
+    try:
+        reply = agent.post("/place", {"gpus": 1})
+    finally:
+        agent.stop()
+    assert reply.status == 409 and reply.json()["nofit"]["reason"] == said
