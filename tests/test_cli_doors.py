@@ -90,3 +90,42 @@ def test_place_on_a_node_without_gpus_says_so_at_every_door(tmp_path):
     finally:
         agent.stop()
     assert reply.status == 409 and reply.json()["nofit"]["reason"] == said
+
+
+# --- HTTP: unknown query parameters --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory):
+    served = start_agent(tmp_path_factory.mktemp("doors-http"), root=FIXTURES / "snapshots" / "dgx-a100")
+    yield served
+    served.stop()
+
+
+def get_paths_with_query_parameters(agent) -> dict[str, list[str]]:
+    doc = agent.get("/openapi.json").json()
+    found = {}
+    for path, item in doc["paths"].items():
+        names = [p["name"] for p in item.get("get", {}).get("parameters", []) if p["in"] == "query"]
+        if names:
+            found[path] = names
+    return found
+
+
+def test_a_mistyped_query_parameter_is_refused_by_name(agent):
+    reply = agent.get("/topology?fromat=matrix")
+    assert reply.status == 400
+    assert reply.json() == {"error": "bad_request", "detail": "fromat: unknown query parameter (known: format)"}
+    twice = agent.get("/topology?format=json&format=matrix")
+    assert twice.status == 400 and twice.json()["detail"] == "format: given twice"
+    assert agent.get("/topology?format=matrix").status == 200
+    assert agent.get("/topology").status == 200
+
+
+def test_every_get_endpoint_with_query_parameters_refuses_unknown_ones(agent):
+    """The OpenAPI document's list of parameters is the one the endpoint keeps to."""
+    found = get_paths_with_query_parameters(agent)
+    assert "/topology" in found
+    for path, names in found.items():
+        reply = agent.get(f"{path}?colour=red")
+        assert reply.status == 400, path
+        assert reply.json()["detail"] == f"colour: unknown query parameter (known: {', '.join(names)})"
