@@ -129,3 +129,74 @@ def test_every_get_endpoint_with_query_parameters_refuses_unknown_ones(agent):
         reply = agent.get(f"{path}?colour=red")
         assert reply.status == 400, path
         assert reply.json()["detail"] == f"colour: unknown query parameter (known: {', '.join(names)})"
+
+
+# --- mistyped flags, bare topoagent ---------------------------------------------------------
+
+def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_closest_flag():
+    done = topoagent("place", "--gpus", "4", "--patern", "alltoall")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("usage: topoagent place ")
+    assert done.stderr.splitlines()[-1] == (
+        "topoagent place: error: unrecognized arguments: --patern alltoall; did you mean --pattern?")
+    nested = topoagent("export", "nfd", "--prefx=x")
+    assert nested.returncode == 2 and nested.stderr.startswith("usage: topoagent export nfd ")
+    assert nested.stderr.splitlines()[-1].endswith("unrecognized arguments: --prefx=x; did you mean --prefix?")
+    two = topoagent("place", "--gpus", "4", "--patern", "alltoall", "--bsy", "1")
+    assert two.stderr.splitlines()[-1].endswith("did you mean --pattern (for --patern), --busy (for --bsy)?")
+    nothing_close = topoagent("place", "--gpus", "4", "--zzzzzz")
+    assert nothing_close.stderr.splitlines()[-1] == "topoagent place: error: unrecognized arguments: --zzzzzz"
+
+
+# What a command needs before argparse looks at unknown arguments (it reports those last).
+NEEDS = {"matrix": ["--from-nvidia-smi", "x"], "snapshot": ["out"], "install-files": ["dir"], "cluster-topology": ["--agents", "x"], "export": ["nfd"],
+         "completion": ["bash"]}
+
+
+def test_every_subcommand_reports_its_own_unknown_flags():
+    from topoagent.cli import COMMANDS
+
+    for name in COMMANDS:
+        done = topoagent(name, *NEEDS.get(name, []), "--log-levle=debug")
+        usage = "usage: topoagent " + ("export nfd" if name == "export" else name) + " "
+        assert done.returncode == 2 and done.stderr.startswith(usage), (name, done.stderr)
+        assert done.stderr.splitlines()[-1].endswith("did you mean --log-level?"), (name, done.stderr)
+        assert "Traceback" not in done.stderr
+
+
+def test_bare_topoagent_lists_the_commands_and_exits_2():
+    from topoagent.cli import COMMANDS
+
+    for argv in ([], ["--log-level", "debug"]):
+        done = topoagent(*argv)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr.startswith("usage: topoagent ")
+        assert all(name in done.stderr for name in COMMANDS)
+
+
+# --- help that helps ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", ["place", "discover", "serve"])
+def test_help_and_man_page_show_examples(command):
+    shown = topoagent(command, "--help").stdout
+    examples = shown.split("\nexamples:\n", 1)[1]
+    assert f"  topoagent {command} " in examples
+    page = topoagent("man").stdout.replace("\\-", "-")
+    section = page.split(f".SS {command}\n", 1)[1].split(".SS ", 1)[0]
+    assert ".nf\nexamples:\n" in section and f"  topoagent {command} " in section
+
+
+def test_place_help_states_the_defaults_and_the_batch_rules():
+    shown = " ".join(topoagent("place", "--help").stdout.split())  # unwrapped
+    for said in ("--busy LIST GPUs in use by others, e.g. 0,3 (default: none)", "(default 0)",
+                 "PIX, ...; default: none)", "deadline_ms defaults to 20 ms",
+                 "Request flags (--gpus, --busy, --pattern, ...) are refused with --batch",
+                 "POST /place takes no busy", "the exit status is the worst line's"):
+        assert said in shown, said
+
+
+def test_the_batch_deadline_the_help_states_is_the_one_used():
+    done = topoagent("place", "--root", DGX_A100, "--batch", stdin='{"gpus": 2}\n')
+    from topoagent.placement.request import SERVICE_DEADLINE_MS
+
+    assert json.loads(done.stdout)["request"]["deadline_ms"] == SERVICE_DEADLINE_MS == 20
