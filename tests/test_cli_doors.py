@@ -200,3 +200,17 @@ def test_the_batch_deadline_the_help_states_is_the_one_used():
     from topoagent.placement.request import SERVICE_DEADLINE_MS
 
     assert json.loads(done.stdout)["request"]["deadline_ms"] == SERVICE_DEADLINE_MS == 20
+
+
+@pytest.mark.parametrize("command", ["place", "cluster-topology"])
+def test_the_readme_synopsis_lists_every_flag_help_has(command):
+    from conftest import REPO
+
+    from topoagent.cli import build_parser
+
+    readme = (REPO / "README.md").read_text()
+    start = readme.index(f"- `topoagent {command} ")
+    synopsis = readme[start: readme.index("`", start + 3)]
+    parser = build_parser(command)._subparsers._group_actions[0].choices[command]
+    flags = {f for a in parser._actions for f in a.option_strings if f.startswith("--")} - {"--help", "--log-level"}
+    assert {f for f in flags if f not in synopsis} == set()
