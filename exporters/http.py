@@ -325,9 +325,25 @@ def _reject_constant(name: str) -> Any:
 
 # -- handlers -------------------------------------------------------------------------------
 
+def query_parameters(request: web.Request, known: tuple[str, ...]) -> dict[str, str]:
+    """The query's parameters, each known and given once, or 400 naming the one that is
+    not: `?fromat=matrix` must not quietly answer JSON, as an unknown body field is refused."""
+    for name in request.query:
+        if name not in known:
+            raise ApiError(400, "bad_request", f"{_cut(name, 60)}: unknown query parameter (known: {', '.join(known)})")
+        if len(request.query.getall(name)) > 1:
+            raise ApiError(400, "bad_request", f"{name}: given twice")
+    return dict(request.query)
+
+
+# The query parameters each GET endpoint takes (the OpenAPI document lists the same).
+TOPOLOGY_QUERY = ("format",)
+
+
 async def topology(request: web.Request) -> web.StreamResponse:
+    query = query_parameters(request, TOPOLOGY_QUERY)
     snapshot = _ready_snapshot(request.app[AGENT])
-    fmt = request.query.get("format", "json")
+    fmt = query.get("format", "json")
     if fmt == "matrix":
         return web.Response(text=snapshot.matrix_text, content_type="text/plain")
     if fmt != "json":

@@ -102,7 +102,7 @@ def openapi_document() -> dict[str, Any]:
                             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Topology"}}, "text/plain": {"schema": {"type": "string"}}},
                         },
                         "304": {"description": "Unchanged since the ETag given in If-None-Match."},
-                        "400": _err("Unknown format."),
+                        "400": _err("Unknown format, a query parameter other than format, or format given twice."),
                         **READ_ERRORS,
                         **not_ready,
                     },

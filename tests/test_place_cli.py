@@ -54,7 +54,7 @@ def test_batch_answers_in_order(monkeypatch, capsys):
         '{"gpus": 3, "single_numa": true, "nics": 1}',
     ]
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode())))
-    assert main(["place", "--batch", "--from-nvidia-smi", DGX1]) == 0
+    assert main(["place", "--batch", "--from-nvidia-smi", DGX1]) == 2  # the worst line: bad input
     answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(answers) == 7
     assert {g["index"] for g in answers[0]["gpus"]} == {1, 2}

@@ -67,7 +67,7 @@ def test_place_answers_hold_to_their_schemas(capsys: pytest.CaptureFixture[str],
     assert nofit["best_available"] is not None  # the nested placement was checked too
     lines = "\n".join(['{"gpus": 2}', '{"gpus": 2, "include": [9]}', "not json"])
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(lines.encode())))
-    assert main(["place", "--batch", "--root", root]) == 0
+    assert main(["place", "--batch", "--root", root]) == 2  # the worst line's: bad input
     fit, bad_index, not_json = (json.loads(line) for line in capsys.readouterr().out.splitlines())
     validate(fit, "Placement")
     validate(bad_index, "BatchError")

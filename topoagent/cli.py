@@ -46,7 +46,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("--log-level", choices=LEVEL_NAMES, help=LOG_LEVEL_HELP)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Not required: a bare `topoagent` is answered with this help (main), not one error line.
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         if only is None or name == only:
             importlib.import_module(module_name).register(sub)
@@ -68,6 +69,37 @@ def _accept_log_level_everywhere(sub: argparse._SubParsersAction) -> None:
                 _accept_log_level_everywhere(action)
 
 
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)command's parser that ``args`` came from (`export nfd`'s, `place`'s)."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs and subs[0].dest != argparse.SUPPRESS else None
+        if name is None or name not in subs[0].choices:
+            return parser
+        parser = subs[0].choices[name]
+
+
+def refuse_unknown(parser: argparse.ArgumentParser, unknown: list[str]) -> None:
+    """Exit 2 with the subcommand's own usage line, naming what it does not take, and the
+    closest flag it does take for each mistyped one (`--patern`: did you mean --pattern?).
+
+    argparse itself reports a subcommand's unknown arguments with the top-level usage."""
+    import difflib  # only on this error path: start-up stays light
+
+    known = [flag for action in parser._actions for flag in action.option_strings]
+    hints = []  # (the mistyped flag, the closest known one)
+    for word in unknown:
+        flag = word.split("=", 1)[0]
+        if flag.startswith("-") and (close := difflib.get_close_matches(flag, known, n=1)):
+            hints.append((flag, close[0]))
+    message = "unrecognized arguments: " + " ".join(unknown)
+    if len(hints) == 1:
+        message += f"; did you mean {hints[0][1]}?"
+    elif hints:
+        message += "; did you mean " + ", ".join(f"{good} (for {bad})" for bad, good in hints) + "?"
+    parser.error(message)
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # the process is this command (not a caller in Python, e.g. a test)
         # At exit the interpreter runs full garbage collections over every object the
@@ -79,7 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         argv = sys.argv[1:]
     # The command comes first: build only its parser (top-level help still lists all).
     parser = build_parser(argv[0] if argv and argv[0] in COMMANDS else None)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None:  # `topoagent` alone: what the commands are
+        parser.print_help(sys.stderr)
+        return 2
+    if unknown:
+        refuse_unknown(chosen_parser(parser, args), unknown)  # exits 2
     if args.log_level is not None and args.command != "serve":  # serve sets up its own (journald)
         from topoagent.log import LEVELS, log_to_stderr
 

@@ -35,6 +35,7 @@ class Command:
     options: tuple[Option, ...]
     subcommands: tuple[str, ...]
     words: tuple[str, ...] = ()  # the choices of its positional arguments (``completion bash``)
+    epilog: str = ""  # what --help prints after the options: examples, exit statuses
 
     @property
     def key(self) -> str:
@@ -71,7 +72,7 @@ def walk(parser: argparse.ArgumentParser, path: tuple[str, ...] = (ROOT,), help:
                 action.metavar if isinstance(action.metavar, str) else None, _help(action, parser)))
     usage = parser.format_usage().removeprefix("usage: ").strip()
     here = Command(path, help or parser.description or "", usage, tuple(options), tuple(n for n, _, _ in children),
-                   tuple(words))
+                   tuple(words), parser.epilog or "")
     found = [here]
     for name, sub, text in children:
         found += walk(sub, (*path, name), text)
@@ -220,10 +221,13 @@ def man_page(parser: argparse.ArgumentParser, date: datetime.date | None = None)
             lines += [".PP", "Subcommands: " + ", ".join(f"\\fB{roff(s)}\\fR" for s in command.subcommands) + "."]
         for option in command.options:
             lines += _option_item(option)
+        if command.epilog:  # laid out by hand for --help (examples, YAML): kept as written
+            lines += [".PP", ".nf", roff(command.epilog.rstrip("\n")), ".fi"]
     lines += [
         ".SH EXIT STATUS",
         "0 done; 1 nothing to do: no fit (\\fBplace\\fR), a failed probe (\\fBprobe\\fR), no GPUs on the node "
-        "(\\fBexport\\fR); 2 bad input; 130 interrupted.",
+        "(\\fBexport\\fR); 2 bad input; 130 interrupted. \\fBplace \\-\\-batch\\fR exits with its worst line's "
+        "status: 2 if any line was bad input, else 1 if any did not fit, else 0.",
         ".SH SEE ALSO",
         "The README of the topoagent project; \\fBtopoagent completion\\fR for shell completion.",
     ]

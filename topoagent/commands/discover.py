@@ -15,14 +15,25 @@ if TYPE_CHECKING:
     from topoagent.model import NodeTopology
 
 
+EPILOG = """\
+examples:
+  topoagent discover                     # this node, like nvidia-smi topo -m
+  topoagent discover --json > node.json  # all of it, each fact with its source
+  topoagent discover --root node.tar.gz  # a node recorded by topoagent snapshot
+"""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "discover",
         help="discover GPUs, NICs, the PCIe tree and NUMA of this node (or a recording)",
+        # Wrapped here: RawDescriptionHelpFormatter (for the examples) keeps lines as written.
         description=(
-            "Read sysfs, NVML and `nvidia-smi topo -m`, derive every GPU/NIC pair's link "
-            "level and report disagreements and degraded links as findings."
+            "Read sysfs, NVML and `nvidia-smi topo -m`, derive every GPU/NIC pair's link\n"
+            "level and report disagreements and degraded links as findings (on stderr)."
         ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--root", metavar="DIR|TARBALL", default="/",
                         help="a recorded node (snapshot directory or .tar.gz/.tar.bz2); default: this node")

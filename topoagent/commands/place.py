@@ -23,26 +23,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "place",
         help="choose the best GPUs of this node for a job: rank order, CPUs, NICs, env",
+        # Wrapped here: RawDescriptionHelpFormatter (for the examples) keeps lines as written.
         description=(
-            "Answer 'which k GPUs should my job get?' from a discovered node (--root) or an "
-            "`nvidia-smi topo -m` output (--from-nvidia-smi).  With --batch, read one JSON "
-            'request per line on stdin ({"gpus": 4, "busy": [0, 3], "pattern": "allreduce"}) '
-            "and print one JSON answer per line, in order; blank lines are skipped."
+            "Answer 'which k GPUs should my job get?' from a discovered node (--root) or an\n"
+            "`nvidia-smi topo -m` output (--from-nvidia-smi).\n"
+            "\n"
+            "With --batch, read one JSON request per line on stdin and print one JSON answer\n"
+            "per line, in order; blank lines are skipped. A line takes POST /place's fields\n"
+            f"(gpus, pattern, ...; deadline_ms defaults to {SERVICE_DEADLINE_MS} ms, as in the service) and\n"
+            '"busy", the GPUs in use, as --busy gives them. Request flags (--gpus, --busy,\n'
+            "--pattern, ...) are refused with --batch: each line says its own. --root,\n"
+            "--from-nvidia-smi and --measured (the node) apply to every line. POST /place\n"
+            "takes no busy: the agent knows which GPUs are busy (leases, processes)."
         ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--root", metavar="DIR", help="a recorded node (snapshot) or / (default)")
     source.add_argument("--from-nvidia-smi", metavar="FILE", help="`nvidia-smi topo -m` output, - for stdin")
     # Request flags are read as text and parsed by the same code as JSON requests
     # (topoagent.placement.request), so every door says the same about the same input.
+    # None, not "": --batch must tell a flag given from one left out.
     parser.add_argument("--gpus", metavar="K", help="how many GPUs")
-    parser.add_argument("--busy", default="", metavar="LIST", help="busy GPU indices, e.g. 0,3")
+    parser.add_argument("--busy", metavar="LIST", help="GPUs in use by others, e.g. 0,3 (default: none)")
     parser.add_argument("--pattern", choices=[p.value for p in Pattern], help="default: allreduce")
-    parser.add_argument("--min-level", metavar="LEVEL", help="every pair at least this close (NV, NV2, PIX, ...)")
+    parser.add_argument("--min-level", metavar="LEVEL", help="every pair at least this close (NV, NV2, PIX, ...; default: none)")
     parser.add_argument("--single-numa", action="store_true", help="all GPUs on one NUMA node")
-    parser.add_argument("--include", default="", metavar="LIST", help="GPUs that must be part of the answer")
-    parser.add_argument("--exclude", default="", metavar="LIST", help="GPUs that must not be")
-    parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs")
+    parser.add_argument("--include", metavar="LIST", help="GPUs that must be part of the answer (default: none)")
+    parser.add_argument("--exclude", metavar="LIST", help="GPUs that must not be (default: none)")
+    parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs (default 0)")
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
     parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB); alltoall, pipeline: one message's size, their links are timed by (default 1 MiB)")
@@ -55,8 +65,35 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"answer by then with the best set found so far, saying whether it is proven optimal (default {CLI_DEADLINE_MS})",
     )
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
-    parser.add_argument("--batch", action="store_true", help="JSON requests on stdin, JSON answers on stdout")
+    parser.add_argument(
+        "--batch", action="store_true",
+        help="JSON requests on stdin, JSON answers on stdout; exit 2 if any line was bad input, else 1 if any did not fit, else 0",
+    )
     parser.set_defaults(run=run)
+
+
+EPILOG = """\
+examples:
+  topoagent place --gpus 4                  # this node, no GPU busy
+  topoagent place --gpus 2 --busy 0,3 --pattern alltoall --root RECORDED_NODE
+  nvidia-smi topo -m > topo.txt
+  topoagent place --gpus 4 --from-nvidia-smi topo.txt --json
+  printf '%s\\n' '{"gpus": 2, "busy": [0, 1]}' '{"gpus": 4, "nics": 1}' |
+    topoagent place --batch
+
+exit status: 0 placed; 1 no fit (the reason on stderr); 2 bad input (one line
+on stderr). With --batch every line is answered on stdout and the exit status
+is the worst line's: 2 if any line was bad input, else 1 if any did not fit,
+else 0.
+"""
+
+# Request fields that --batch lines carry, by flag: given with --batch they are refused.
+BATCH_LINE_FLAGS = {
+    "gpus": "--gpus", "busy": "--busy", "pattern": "--pattern", "min_level": "--min-level",
+    "single_numa": "--single-numa", "include": "--include", "exclude": "--exclude", "nics": "--nics",
+    "affinity": "--affinity", "fallback": "--fallback", "message_bytes": "--message-bytes",
+    "deadline_ms": "--deadline-ms",
+}
 
 
 # A person at a terminal can wait longer than a scheduler's request: a second.
@@ -76,25 +113,18 @@ def flag_list(text: str) -> list[Any]:
     return [flag_value(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def index_list(option: str, text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise UsageError(f"{option}: expected GPU indices like 0,3, got {text!r}") from None
-
-
 def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[str, Any]:
     """The request the flags spell, as a JSON-like object: only the flags given."""
-    fields: dict[str, Any] = {"gpus": flag_value(args.gpus)}
+    fields: dict[str, Any] = {"gpus": flag_value(args.gpus)}  # run() saw it given
     if args.pattern is not None:
         fields["pattern"] = args.pattern
     if args.min_level is not None:
         fields["min_level"] = args.min_level
     if args.single_numa:
         fields["single_numa"] = True
-    if args.include:
+    if args.include is not None:
         fields["include"] = flag_list(args.include)
-    if args.exclude:
+    if args.exclude is not None:
         # Left-out GPUs are not candidates anyway; excluding them is fine.
         fields["exclude"] = [i for i in flag_list(args.exclude) if i not in left_out]
     if args.nics is not None:
@@ -208,19 +238,28 @@ def not_this_node(matrix: DistanceMatrix, node: Any, path: str) -> str | None:
     )
 
 
+def request_flags_given(args: argparse.Namespace) -> list[str]:
+    """The request flags on the command line (a store_true flag counts when set)."""
+    return [flag for name, flag in BATCH_LINE_FLAGS.items() if getattr(args, name) not in (None, False)]
+
+
 def run(args: argparse.Namespace) -> int:
     if args.batch:
-        if args.gpus is not None:
-            raise UsageError("--batch takes requests from stdin; drop --gpus")
+        # Each line is a whole request, busy included; a flag beside them would be
+        # silently ignored or silently merged, and neither is what a line said.
+        if given := request_flags_given(args):
+            fields = ", ".join(f'"{name}"' for name, flag in BATCH_LINE_FLAGS.items() if flag in given)
+            raise UsageError(f"--batch takes requests from stdin; drop {', '.join(given)} (give each line its {fields})")
         return run_batch(load_matrix(args)[0], recorded_live(args))
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
-    busy = index_list("--busy", args.busy)
     matrix, left_out = load_matrix(args)
-    if unusable := sorted(i for i in flag_list(args.include) if isinstance(i, int) and i in left_out):
+    if unusable := sorted(i for i in flag_list(args.include or "") if isinstance(i, int) and i in left_out):
         raise UsageError(f"--include: GPU {unusable[0]} was left out: its levels to other GPUs are unknown")
-    busy = [i for i in busy if i not in left_out]  # not candidates anyway
     try:
+        # The batch lines' own rules (each index once, on the node), so the doors agree.
+        busy = parse_gpu_indices("busy", flag_list(args.busy or ""), {g.index for g in matrix.gpus} | set(left_out))
+        busy = tuple(i for i in busy if i not in left_out)  # not candidates anyway
         request = parse_request(request_fields(args, left_out), gpu_indices={g.index for g in matrix.gpus})
         answer = place(matrix, request, busy, live=recorded_live(args))
     except RequestError as exc:
@@ -281,6 +320,9 @@ def batch_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
 
 
 def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE) -> int:
+    """Answer every line; exit as a single request would for the worst line's answer:
+    2 if any line was bad input, else 1 if any did not fit, else 0 (none: 0)."""
+    status = 0
     for line_no, line in batch_lines(sys.stdin.buffer):
         if line is None:
             answer = batch_error_document(line_no, None, f"line longer than {MAX_BATCH_LINE_BYTES} bytes")
@@ -288,9 +330,10 @@ def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE) -> int:
             continue
         else:
             answer = answer_line(matrix, line_no, line, live)
+        status = max(status, 2 if "error" in answer else 0 if answer["fit"] else 1)
         sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
         sys.stdout.flush()
-    return 0
+    return status
 
 
 def render(answer: Placement | NoFit) -> str:

@@ -18,16 +18,28 @@ from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
 from topoagent.errors import UsageError
 from topoagent.smallfile import read_small_file
 
+EPILOG = f"""\
+examples:
+  topoagent serve --config /etc/topoagent/topoagent.toml   # as systemd runs it
+  # a recorded node, on a free port it prints:
+  topoagent serve --root node.tar.gz --listen 127.0.0.1:0 --state-dir /tmp/ta
+  curl -s 'http://{DEFAULT_LISTEN}/topology?format=matrix'
+  curl -s -d '{{"gpus": 4}}' http://{DEFAULT_LISTEN}/place   # a dry run
+"""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "serve",
         help="run the agent: /topology, /place, /leases and /metrics over HTTP",
+        # Wrapped here: RawDescriptionHelpFormatter (for the examples) keeps lines as written.
         description=(
-            "Discover the node (or replay a recorded one with --root), keep the topology "
-            "current, and serve it over HTTP. Flags override the config file. SIGHUP "
+            "Discover the node (or replay a recorded one with --root), keep the topology\n"
+            "current, and serve it over HTTP. Flags override the config file. SIGHUP\n"
             "reloads the config; SIGTERM drains requests and exits 0."
         ),
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML configuration (see systemd/topoagent.toml)")
     parser.add_argument("--root", metavar="DIR|TARBALL", help='node to read: "/" (live, default) or a recorded snapshot')

@@ -197,6 +197,8 @@ def _not_proven(p: _Params) -> str:
 
 
 def _too_few(p: _Params) -> str:
+    if p["size"] == 0:  # not a matter of free GPUs: there are none at all (as export says)
+        return f"{p['gpus']} GPUs requested; no GPUs found on this node"
     return (
         f"{p['gpus']} GPUs requested, {p['free']} free"
         + (f" of {p['size']}" if p["size"] else "")
