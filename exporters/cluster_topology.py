@@ -19,6 +19,7 @@ Pure: documents in, text out.  Reading the agents is topoagent/commands/cluster_
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,8 +27,13 @@ from typing import Any
 
 from topoagent.errors import TopoagentError
 from topoagent.exporters.nfd import HOSTNAME_LABEL, LABEL_PREFIX, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
+from topoagent.schema import SCHEMA_VERSION
 
 TOP_SWITCH = "fabric"  # the switch over every leaf in topology.conf
+KNOWN_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # the documents whose fields this module reads as it does
+MAX_NODE_NAME = 63  # a DNS label: a host name up to its first dot
+MAX_ID = 1024  # a leaf or cluster id: a GUID is 18 characters, an LLDP chassis id 255 octets (765 as hex pairs)
+MAX_CLIQUE_ID = (1 << 32) - 1  # NVML's clique id is an unsigned 32-bit number
 _SLURM_NAME_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
 
@@ -45,33 +51,67 @@ class ClusterNode:
 
 
 def node_of(document: Mapping[str, Any], where: str) -> ClusterNode:
-    """The parts of a /topology (or `discover --json`) document the cluster files need."""
+    """The parts of a /topology (or `discover --json`) document the cluster files need; a
+    document of another schema version, or whose parts are not of their types, is refused."""
     if not isinstance(document, Mapping):
         raise ClusterTopologyError(f"{where}: not a topology document (a JSON object)")
+    version = document.get("schema_version")
+    if not _is_integer(version) or version not in KNOWN_SCHEMA_VERSIONS:
+        said = "no schema_version" if version is None else f"schema_version {_shown(version)}"
+        known = ", ".join(map(str, KNOWN_SCHEMA_VERSIONS))
+        raise ClusterTopologyError(f"{where}: the document has {said}; this build reads schema_version {known}")
     hostname = document.get("hostname")
     if not isinstance(hostname, str) or not hostname.strip():
         raise ClusterTopologyError(f"{where}: the document names no hostname")
     name = hostname.strip().split(".")[0]
-    if not name or _SLURM_NAME_UNSAFE.search(name):  # ".lan" leaves no name before the dot
-        raise ClusterTopologyError(f"{where}: hostname {hostname[:80]!r} is not a Slurm node name")
+    # A DNS label, as a host name's first part is: also keeps hostlist's numbers small.
+    if not name or len(name) > MAX_NODE_NAME or _SLURM_NAME_UNSAFE.search(name):  # ".lan" leaves no name before the dot
+        raise ClusterTopologyError(f"{where}: hostname {_shown(hostname)} is not a Slurm node name "
+                                   f"(letters, digits, '_', '-', '.', at most {MAX_NODE_NAME} before the first dot)")
     fabric = document.get("fabric")
     if not isinstance(fabric, Mapping) or not isinstance(fabric.get("rails"), list):
         raise ClusterTopologyError(f"{where}: no fabric in the document (an agent older than this command?)")
     leaf = fabric.get("leaf")
-    if leaf is not None and not isinstance(leaf, str):
-        raise ClusterTopologyError(f"{where}: fabric.leaf is not text")
+    if leaf is not None:
+        _check_id(leaf, "fabric.leaf", where)
     rails = []
-    for rail in fabric["rails"]:
-        if not isinstance(rail, Mapping) or not isinstance(rail.get("leaf"), str):
-            raise ClusterTopologyError(f"{where}: a rail without a leaf")
+    for k, rail in enumerate(fabric["rails"]):
+        if not isinstance(rail, Mapping) or rail.get("leaf") is None:
+            raise ClusterTopologyError(f"{where}: fabric.rails[{k}] has no leaf")
+        _check_id(rail["leaf"], f"fabric.rails[{k}].leaf", where)
         leaf_name = rail.get("leaf_name")
-        rails.append((rail["leaf"], leaf_name if isinstance(leaf_name, str) else None))
+        if leaf_name is not None and not isinstance(leaf_name, str):
+            raise ClusterTopologyError(f"{where}: fabric.rails[{k}].leaf_name is {_shown(leaf_name)}, not text")
+        rails.append((rail["leaf"], leaf_name))
     domain = document.get("nvlink_domain")
     nvlink = None
-    if isinstance(domain, Mapping) and isinstance(domain.get("cluster_uuid"), str):
+    if domain is not None:
+        if not isinstance(domain, Mapping):
+            raise ClusterTopologyError(f"{where}: nvlink_domain is {_shown(domain)}, not an object")
+        _check_id(domain.get("cluster_uuid"), "nvlink_domain.cluster_uuid", where)
         clique = domain.get("clique_id")
-        nvlink = nvlink_domain_value(domain["cluster_uuid"], clique if isinstance(clique, int) else None)
+        if clique is not None and not (_is_integer(clique) and 0 <= clique <= MAX_CLIQUE_ID):
+            raise ClusterTopologyError(f"{where}: nvlink_domain.clique_id is {_shown(clique)}, not a whole number 0..{MAX_CLIQUE_ID}")
+        nvlink = nvlink_domain_value(domain["cluster_uuid"], clique)
     return ClusterNode(name, leaf, tuple(rails), nvlink)
+
+
+def _is_integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _shown(value: Any) -> str:
+    """A value from a document, shown in an error: as JSON, cut short."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 80 else text[:79] + "…"
+
+
+def _check_id(value: Any, field: str, where: str) -> None:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID:
+        raise ClusterTopologyError(f"{where}: {field} is {_shown(value)}, not an id of 1..{MAX_ID} characters")
 
 
 def check_unique(nodes: Sequence[ClusterNode]) -> None:

@@ -39,7 +39,7 @@ from bench.cluster import (
     replay,
 )
 from topoagent.deviceplugin.pods import ANNOTATION
-from topoagent.extender.wire import LEASE_ANNOTATION, PodError, gpus_wanted, pod_request
+from topoagent.extender.wire import LEASE_ANNOTATION, PodError, PodRef, gpus_wanted, node_address, pod_ref, pod_request
 
 
 @pytest.fixture(scope="module")
@@ -310,6 +310,35 @@ def test_hostile_bodies_get_400_and_the_extender_keeps_serving(c: Cluster) -> No
         assert head.startswith(b"HTTP/1.1 400"), (verb, body, reply)
         assert json.loads(payload)["error"] == "bad_request"
     assert c.extender.call("filter", args_for(c, new_pod(c, 0)))["Error"] == ""
+
+
+def test_a_node_with_malformed_addresses_fails_alone_with_a_reason(c: Cluster) -> None:
+    """A Node whose address entries are of the wrong JSON types has no usable address: it
+    fails filtering with the reason, the other nodes are answered, never a 500."""
+    good = c.nodes[0]
+    malformed = [{"metadata": {"name": f"malformed-{k}"}, "status": {"addresses": addresses}} for k, addresses in enumerate([
+        [{"type": ["InternalIP"], "address": "1.2.3.4"}],
+        [{"type": {"x": 1}, "address": "1.2.3.4"}, {"type": "InternalIP", "address": ["1.2.3.4"]}, "InternalIP", 7],
+        {"type": "InternalIP"},
+    ])]
+    pod = new_pod(c, 1)
+    body = {"Pod": pod, "Nodes": {"items": [*c.node_objects([good.name]), *malformed]}}
+    result = c.extender.call("filter", body)
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == [good.name], result
+    assert sorted(result["FailedNodes"]) == [m["metadata"]["name"] for m in malformed]
+    assert all("no address known" in why for why in result["FailedNodes"].values()), result["FailedNodes"]
+    scores = c.extender.call("prioritize", body)
+    assert {s["Host"] for s in scores} == {good.name, *result["FailedNodes"]}
+
+
+def test_a_nodes_address_is_its_first_usable_one_by_kind() -> None:
+    assert node_address({"status": {"addresses": [
+        {"type": ["InternalIP"], "address": "9.9.9.9"}, {"type": "Hostname", "address": "gpu1"},
+        {"type": "InternalIP", "address": "not an address!"}, {"type": "InternalIP", "address": "10.0.0.1"},
+        {"type": "InternalIP", "address": "10.0.0.2"}]}}) == "10.0.0.1"
+    assert node_address({"status": {"addresses": [{"type": "Hostname", "address": "gpu1"}, None, []]}}) == "gpu1"
+    assert node_address({"status": {"addresses": [{"type": {}, "address": {}}]}}) is None
+    assert pod_ref({"metadata": {"namespace": ["x"], "name": {"a": 1}, "uid": 7}}) == PodRef("default", "", "")
 
 
 def test_a_pods_gpu_count_and_wishes_read_like_the_agent_reads_them() -> None:

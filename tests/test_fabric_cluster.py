@@ -257,20 +257,35 @@ def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("content, says", [
     ("not json", "not JSON"),
-    ('{"hostname": null, "fabric": {"rails": []}}', "names no hostname"),
-    ('{"hostname": "gpu001", "gpus": []}', "no fabric in the document"),
-    ('{"hostname": "bad name", "fabric": {"rails": []}}', "is not a Slurm node name"),
-    ('{"hostname": ".lan", "fabric": {"rails": []}}', "is not a Slurm node name"),
+    ('{"schema_version": 2, "hostname": null, "fabric": {"rails": []}}', "names no hostname"),
+    ('{"schema_version": 2, "hostname": "gpu001", "gpus": []}', "no fabric in the document"),
+    ('{"schema_version": 2, "hostname": "bad name", "fabric": {"rails": []}}', "is not a Slurm node name"),
+    ('{"schema_version": 2, "hostname": ".lan", "fabric": {"rails": []}}', "is not a Slurm node name"),
+    # Not parsed as a number (Python refuses past 4300 digits): no node name is that long.
+    ('{"schema_version": 2, "hostname": "gpu%s", "fabric": {"rails": []}}' % ("1" * 5000), "is not a Slurm node name"),
+    ('{"schema_version": 999, "hostname": "gpu001", "fabric": {"rails": []}}',
+     "the document has schema_version 999; this build reads schema_version 2"),
+    ('{"schema_version": "2", "hostname": "gpu001", "fabric": {"rails": []}}', 'schema_version "2"'),
+    ('{"hostname": "gpu001", "fabric": {"rails": []}}', "the document has no schema_version"),
+    ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"rails": []}, "nvlink_domain": {"cluster_uuid": "x", "clique_id": true}}',
+     "nvlink_domain.clique_id is true, not a whole number"),
+    ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"rails": []}, "nvlink_domain": {"cluster_uuid": 7, "clique_id": 1}}',
+     "nvlink_domain.cluster_uuid is 7"),
+    ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"rails": []}, "nvlink_domain": ["x"]}', "nvlink_domain is [\"x\"], not an object"),
+    ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"leaf": 5, "rails": []}}', "fabric.leaf is 5"),
+    ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"rails": [{"leaf": "a", "leaf_name": ["n"]}]}}',
+     "fabric.rails[0].leaf_name is [\"n\"], not text"),
 ])
 def test_a_bad_document_is_an_error_naming_the_file(tmp_path: Path, content: str, says: str) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(content)
     done = cli("--topology-files", str(bad))
-    assert done.returncode == 1 and f"{bad}" in done.stderr and says in done.stderr
+    assert done.returncode == 1 and f"{bad}" in done.stderr and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.splitlines()) == 2, done.stderr
 
 
 def test_text_from_an_agent_cannot_add_lines_to_topology_conf(tmp_path: Path) -> None:
-    document = {"hostname": "gpu001", "fabric": {"leaf": "0xaa\nSwitchName=evil Nodes=gpu001",
+    document = {"schema_version": 2, "hostname": "gpu001", "fabric": {"leaf": "0xaa\nSwitchName=evil Nodes=gpu001",
                 "rails": [{"leaf": "0xaa", "leaf_name": "sw\nSwitchName=evil Nodes=gpu001"}]}}
     path = tmp_path / "hostile.json"
     path.write_text(json.dumps(document))
@@ -340,7 +355,7 @@ def test_leaves_whose_ids_read_as_one_switch_name_stay_two_switches(tmp_path: Pa
     paths = []
     for host, leaf in (("gpu001", "a b"), ("gpu002", "a-b"), ("gpu003", "a:b"), ("gpu004", "0xcc")):
         path = tmp_path / f"{host}.json"
-        path.write_text(json.dumps({"hostname": host, "fabric": {"leaf": leaf, "rails": [{"leaf": leaf}]}}))
+        path.write_text(json.dumps({"schema_version": 2, "hostname": host, "fabric": {"leaf": leaf, "rails": [{"leaf": leaf}]}}))
         paths.append(str(path))
     done = cli("--topology-files", *paths)
     assert done.returncode == 0, done.stderr
@@ -356,6 +371,99 @@ def test_leaves_whose_ids_read_as_one_switch_name_stay_two_switches(tmp_path: Pa
 @pytest.mark.parametrize("name", ["x\nspec: evil", "Upper", "", "a" * 254])
 def test_the_kueue_name_is_a_kubernetes_name_or_refused(tmp_path: Path, name: str) -> None:
     path = tmp_path / "gpu001.json"
-    path.write_text(json.dumps({"hostname": "gpu001", "fabric": {"leaf": "0xaa", "rails": [{"leaf": "0xaa"}]}}))
+    path.write_text(json.dumps({"schema_version": 2, "hostname": "gpu001", "fabric": {"leaf": "0xaa", "rails": [{"leaf": "0xaa"}]}}))
     done = cli("--topology-files", str(path), "--format", "kueue", "--kueue-name", name)
     assert done.returncode == 2 and done.stdout == "" and "--kueue-name" in done.stderr, done.stderr
+
+
+def _one_shot_server(host: str, answer, accepted: list[str] | None = None) -> tuple[socket.socket, int]:
+    """A listener on ``host`` that answers its first connection with ``answer(conn)``;
+    ``accepted`` gets each request it was sent.  Daemon threads, closed by the caller."""
+    import threading
+
+    listener = socket.socket()
+    listener.bind((host, 0))
+    listener.listen(4)
+    listener.settimeout(30)
+
+    def run() -> None:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        with conn:
+            try:
+                request = conn.recv(65536)
+                if accepted is not None:
+                    accepted.append(request.decode(errors="replace"))
+                answer(conn)
+            except OSError:
+                pass
+
+    threading.Thread(target=run, daemon=True).start()
+    return listener, listener.getsockname()[1]
+
+
+def test_a_redirect_is_never_followed_so_the_token_stays_with_the_agent_asked(tmp_path: Path) -> None:
+    """An agent answering 302 to another host: the token would go along if the redirect
+    were followed.  It is that agent's error, on one line; the other host hears nothing."""
+    import time
+
+    token = tmp_path / "token"
+    token.write_text("s3cret-not-for-others\n")
+    token.chmod(0o600)
+    heard: list[str] = []
+    elsewhere, port_b = _one_shot_server("127.0.0.2", lambda conn: conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"), heard)
+    redirect = f"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.2:{port_b}/topology\r\nContent-Length: 0\r\n\r\n".encode()
+    redirecting, port_a = _one_shot_server("127.0.0.1", lambda conn: conn.sendall(redirect))
+    looping, port_c = _one_shot_server("127.0.0.1", lambda conn: conn.sendall(
+        b"HTTP/1.1 301 Moved Permanently\r\nLocation: /topology\r\nContent-Length: 0\r\n\r\n"))
+    urls = [f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_c}"]
+    try:
+        done = cli("--agents", *urls, "--token-file", str(token), "--timeout", "5")
+        time.sleep(0.2)  # a follower would have connected by now
+    finally:
+        for listener in (elsewhere, redirecting, looping):
+            listener.close()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert heard == [], heard
+    assert done.stderr.splitlines() == [
+        f"topoagent cluster-topology: {urls[0]}: HTTP 302 redirect to http://127.0.0.2:{port_b}/topology; not followed",
+        f"topoagent cluster-topology: {urls[1]}: HTTP 301 redirect to /topology; not followed",
+        "topoagent cluster-topology: 2 of 2 agents failed; nothing written (--partial writes what the others said)",
+    ]
+
+
+def test_timeout_bounds_the_answers_head_and_an_oversized_answer_is_refused() -> None:
+    """An agent sending one header line at a time, never ending its head, meets --timeout
+    in all (not per line); one sending more than 8 MiB is refused once it passes that."""
+    import time
+
+    def slow_head(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.1 200 OK\r\n")
+        for n in range(90):  # past any --timeout below; http.client allows 100 header lines
+            time.sleep(0.2)
+            conn.sendall(b"X-Slow-%d: x\r\n" % n)
+
+    def too_big(conn: socket.socket) -> None:
+        size = 9 << 20
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n[" % size)
+        chunk = b"{}," * 21845
+        for _ in range(size // len(chunk) + 1):
+            conn.sendall(chunk)
+
+    slow, port_a = _one_shot_server("127.0.0.1", slow_head)
+    big, port_b = _one_shot_server("127.0.0.1", too_big)
+    urls = [f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"]
+    try:
+        started = time.monotonic()
+        done = cli("--agents", *urls, "--timeout", "1.5")
+        took = time.monotonic() - started
+    finally:
+        slow.close()
+        big.close()
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"topoagent cluster-topology: {urls[0]}: no answer within 1.5 s", done.stderr
+    assert lines[1] == f"topoagent cluster-topology: {urls[1]}: answer is larger than 8 MiB", done.stderr
+    assert took < 12  # 18 s if each header line reset the clock

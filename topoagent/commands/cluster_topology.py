@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ FORMATS = {
     "kueue": "a Kueue Topology object (kueue.x-k8s.io/v1beta2) over topoagent's node labels",
 }
 FILE_NAMES = {"topology.conf": "topology.conf", "topology.yaml": "topology.yaml", "kueue": "kueue-topology.yaml"}
-MAX_DOCUMENT_BYTES = 64 << 20  # a /topology of a 16-GPU node is ~200 KB
+# A served /topology grows with the square of the node's GPUs and NICs (one pair each):
+# 155 KB for a 16-GPU, 10-NIC node, 6.8 MB for 256 GPUs (measured), so a 128-GPU node with
+# 128 NICs fits in 8 MiB.  Parsed, a document takes up to ~25 times its size; one at a time.
+MAX_DOCUMENT_BYTES = 8 << 20
 EXIT_AGENTS_FAILED = 1
 
 
@@ -68,60 +72,74 @@ def _agent_urls(args: argparse.Namespace) -> list[str]:
     return urls
 
 
-def fetch_topology(url: str, timeout: float, token: str | None = None) -> Any:
-    """GET <url>/topology as JSON, within ``timeout`` seconds in all; errors say what went
-    wrong in words (OSError)."""
+def fetch_topology(url: str, timeout: float, token: str | None = None) -> bytes | bytearray:
+    """The body of GET <url>/topology, within ``timeout`` seconds in all: connecting, the
+    answer's head and its body; errors say what went wrong in words (OSError).
+
+    Redirects are not followed: an agent's /topology never redirects, and a followed
+    redirect would carry the bearer token to whatever host the answer names."""
     import http.client
     import time
-    from urllib.error import HTTPError, URLError
-    from urllib.request import Request, urlopen
+    from urllib.parse import urlsplit
+
+    from topoagent.commands.agent_connection import AgentConnection
 
     base = url.rstrip("/")
     if not base.startswith(("http://", "https://")):
         raise OSError("not an http:// or https:// URL")
-    target = base if base.endswith("/topology") else f"{base}/topology"
+    target = urlsplit(base if base.endswith("/topology") else f"{base}/topology")
+    if "@" in target.netloc:
+        raise OSError("a user name or password in the URL is never sent; give the token with --token-file")
+    path = target.path + (f"?{target.query}" if target.query else "")
+    headers = {"Accept": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     deadline = time.monotonic() + timeout
     try:
-        request = Request(target, headers={"Authorization": f"Bearer {token}"} if token else {})
-        with urlopen(request, timeout=timeout) as response:
-            # read1: one receive at a time, so an agent that trickles its answer meets the
-            # deadline (the socket timeout alone bounds each receive, not the answer).
-            chunks, size = [], 0
+        connection = AgentConnection(target.netloc, deadline, tls=target.scheme == "https")
+        try:
+            connection.request("GET", path, headers=headers)
+            response = connection.getresponse()
+            if 300 <= response.status < 400:
+                raise OSError(f"HTTP {response.status} redirect to {response.getheader('Location') or 'nowhere'}; not followed")
+            if response.status != 200:
+                raise OSError(f"HTTP {response.status} {response.reason}")
+            body = bytearray()
             while chunk := response.read1(1 << 16):
-                size += len(chunk)
-                if size > MAX_DOCUMENT_BYTES:
-                    break
-                if time.monotonic() > deadline:
-                    raise TimeoutError
-                chunks.append(chunk)
-    except HTTPError as exc:
-        raise OSError(f"HTTP {exc.code} {exc.reason}") from None
-    except URLError as exc:
-        raise OSError(str(exc.reason)) from None
+                body += chunk
+                if len(body) > MAX_DOCUMENT_BYTES:
+                    raise OSError(f"answer is larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+        finally:
+            connection.close()
     except TimeoutError:
         raise OSError(f"no answer within {timeout:g} s") from None
     except (http.client.HTTPException, ValueError) as exc:  # a bad URL or port; not HTTP's answer
-        raise OSError(f"{type(exc).__name__}: {' '.join(str(exc).split())[:120]}") from None  # one line
-    return _json_document(b"".join(chunks) if size <= MAX_DOCUMENT_BYTES else None, "answer is ")
+        raise OSError(f"{type(exc).__name__}: {exc}") from None
+    return body
 
 
-def _json_document(body: bytes | None, what: str) -> Any:
-    """``body`` as JSON; None: it passed MAX_DOCUMENT_BYTES."""
-    if body is None or len(body) > MAX_DOCUMENT_BYTES:
-        raise OSError(f"{what}larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+def _json_document(body: bytes | bytearray, what: str) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise OSError(f"{what}not JSON: {str(exc)[:120]}") from None
 
 
-def _read_file(path: str) -> Any:
+def _read_file(path: str) -> bytes:
     try:
         with open(path, "rb") as handle:
             body = handle.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         raise OSError(exc.strerror or str(exc)) from None
-    return _json_document(body, "")
+    if len(body) > MAX_DOCUMENT_BYTES:
+        raise OSError(f"larger than {MAX_DOCUMENT_BYTES >> 20} MiB")
+    return body
+
+
+def one_line(text: str, limit: int = 300) -> str:
+    """An error as one line: text from an agent (a reason, a Location) may hold line breaks."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,20 +160,29 @@ def run(args: argparse.Namespace) -> int:
     sources = list(args.topology_files) if args.topology_files else _agent_urls(args)
     token = read_client_token("--token-file", args.token_file) if args.token_file else None
 
-    def read(source: str) -> Any:
-        return _read_file(source) if args.topology_files else fetch_topology(source, timeout, token)
+    # Only one document is parsed and held at a time, and only what the cluster files need
+    # is kept of it (node_of): a parsed document takes ~25 times its JSON's size, so
+    # documents held together would grow with the agents asked at once.
+    parsing = threading.Lock()
+
+    def read(source: str) -> ClusterNode | str:
+        try:
+            body = _read_file(source) if args.topology_files else fetch_topology(source, timeout, token)
+            with parsing:
+                return node_of(_json_document(body, "" if args.topology_files else "answer is "), source)
+        except OSError as exc:
+            return one_line(f"{source}: {str(exc) or type(exc).__name__}")
+        except ClusterTopologyError as exc:
+            return one_line(str(exc))
 
     nodes: list[ClusterNode] = []
     failures: list[str] = []
     with ThreadPoolExecutor(max_workers=min(16, len(sources))) as pool:
-        for source, outcome in zip(sources, pool.map(_attempt(read), sources)):
+        for outcome in pool.map(read, sources):
             if isinstance(outcome, str):
-                failures.append(f"{source}: {outcome}")
-                continue
-            try:
-                nodes.append(node_of(outcome, source))
-            except ClusterTopologyError as exc:
-                failures.append(str(exc))
+                failures.append(outcome)
+            else:
+                nodes.append(outcome)
     for line in failures:
         print(f"topoagent cluster-topology: {line}", file=sys.stderr)
     if failures and not args.partial:
@@ -192,11 +219,3 @@ def run(args: argparse.Namespace) -> int:
         _write(text, str(directory / FILE_NAMES[key]))
     return 0
 
-
-def _attempt(read: Any) -> Any:
-    def attempt(source: str) -> Any:
-        try:
-            return read(source)
-        except OSError as exc:
-            return str(exc) or type(exc).__name__
-    return attempt

@@ -121,11 +121,15 @@ def node_address(node: Mapping[str, Any]) -> str | None:
     addresses = status.get("addresses") if isinstance(status, dict) else None
     if not isinstance(addresses, list):
         return None
-    by_type = {a.get("type"): a.get("address") for a in addresses if isinstance(a, dict)}
+    # Entries of another shape (a type that is no string, an address that is none) are
+    # skipped: one malformed Node must cost that node its address, never the whole call.
+    usable = [(a["type"], a["address"]) for a in addresses
+              if isinstance(a, dict) and isinstance(a.get("type"), str) and isinstance(a.get("address"), str)
+              and usable_host(a["address"])]
     for kind in ("InternalIP", "ExternalIP", "Hostname"):
-        value = by_type.get(kind)
-        if isinstance(value, str) and usable_host(value):
-            return value
+        for type_, address in usable:  # the first of a kind, as kubelet lists its primary first
+            if type_ == kind:
+                return address
     return None
 
 
@@ -202,7 +206,12 @@ class PodRef:
 
 def pod_ref(pod: Mapping[str, Any]) -> PodRef:
     meta = _object(pod, "metadata")
-    return PodRef(str(meta.get("namespace") or "default"), str(meta.get("name") or ""), str(meta.get("uid") or ""))
+
+    def text(key: str, default: str = "") -> str:  # a value of another type is no name: not str()'d into a lease owner
+        value = meta.get(key)
+        return value if isinstance(value, str) and value else default
+
+    return PodRef(text("namespace", "default"), text("name"), text("uid"))
 
 
 def _quantity(value: Any, where: str) -> int:
