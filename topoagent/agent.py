@@ -299,6 +299,7 @@ class Agent:
         self._capacity: ServedCapacity | None = None  # the latest computed, of whatever key
         self._capacity_stale: ServedCapacity | None = None  # the same, marked stale (built once)
         self._capacity_task: asyncio.Task | None = None  # computing until the figures are current
+        self._stopping = asyncio.Event()  # set when the agent starts to stop
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
         self.exports = Exports()
         self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
@@ -336,6 +337,7 @@ class Agent:
             self._udev_close = start_udev_watch(self.on_device_event)
 
     async def stop(self) -> None:
+        self.begin_stop()
         if self._udev_close:
             self._udev_close()
         if self._debounce:
@@ -572,8 +574,18 @@ class Agent:
         task = self._capacity_task
         if task is None or task.done():
             task = self._capacity_task = asyncio.create_task(self._compute_capacity(), name="capacity")
-        await asyncio.wait({task}, timeout=self.capacity_wait_s())  # a request given up does not cancel it
+        # A request given up does not cancel the computation; a stopping agent ends the
+        # wait at once, so SIGTERM's drain never waits for figures.
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopping}, timeout=self.capacity_wait_s(), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
         return self.capacity()
+
+    def begin_stop(self) -> None:
+        """SIGTERM: requests waiting for capacity figures answer now (drain starts)."""
+        self._stopping.set()
 
     async def _compute_capacity(self) -> None:
         """Compute the figures until they are of the current key (a lease granted during a
@@ -586,6 +598,7 @@ class Agent:
             assert snapshot is not None
             matrix, (_, leased, running, _) = snapshot.matrix, key
             live, budget = self.live(), self.config.placement_capacity_budget_ms
+            started = time.monotonic()
             try:
                 self._capacity = await run_in_daemon_thread(
                     lambda: ServedCapacity.of(key, capacity(matrix, leased, running, live, budget_ms=budget)))
@@ -594,6 +607,9 @@ class Agent:
             except Exception as exc:  # a bug: the latest figures stay served; say it and stop
                 log_event("capacity_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
                 return
+            fits = self._capacity.capacity.fits
+            log_event("capacity_computed", logging.DEBUG, snapshot_version=key[0], gpus=len(fits),
+                      not_proven=sum(not f.proven_optimal for f in fits), seconds=f"{time.monotonic() - started:.3f}")
 
     def _with_deadline(self, request: Request) -> Request:
         """The request with the service's deadline when it names none."""
