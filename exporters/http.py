@@ -358,8 +358,10 @@ async def topology(request: web.Request) -> web.StreamResponse:
 async def capacity(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     _ready_snapshot(agent)
-    served = agent.capacity()
-    assert served is not None  # a snapshot is loaded
+    served = await agent.current_capacity()  # computed off the loop; waits a bounded time
+    if served is None:  # the first figures took longer than the wait: they are still coming
+        raise ApiError(503, "capacity_pending", "the capacity figures are still being computed; ask again shortly",
+                       headers={"Retry-After": "1"})
     headers = {"ETag": served.etag, "Cache-Control": "no-cache"}
     if _not_modified(request, served.etag):
         return web.Response(status=304, headers=headers)
@@ -463,6 +465,9 @@ def accepts_gzip(accept_encoding: str) -> bool:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    agent = request.app[AGENT]
+    if agent.snapshot is not None:
+        await agent.current_capacity()  # bounded: past its wait the page carries the latest figures, marked stale
     page = request.app[METRICS].render()
     headers = {"Content-Type": "text/plain; version=0.0.4; charset=utf-8", "Vary": "Accept-Encoding"}
     # Prometheus asks for gzip; a big node's page shrinks about tenfold.

@@ -113,10 +113,11 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "What this node can take now: free GPUs, the largest free NVLink zone, fragmentation, and for each k whether k GPUs fit and how well.",
                     "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
                     "responses": {
-                        "200": {**_json("The figures for the current snapshot and busy GPUs.", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
+                        "200": {**_json("The figures for the current snapshot and busy GPUs (or, with `stale` true, the latest computed while "
+                                        "the current ones still were: see README).", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
                         "304": {"description": "Unchanged since the ETag given in If-None-Match."},
                         **READ_ERRORS,
-                        **not_ready,
+                        "503": _err("No topology loaded yet, or the first capacity figures are still being computed (`capacity_pending`, `Retry-After`)."),
                     },
                 }
             },

@@ -335,11 +335,15 @@ class RuntimeCollector(Collector):
         yield from self._probes(now)
 
     def _capacity(self) -> Iterator[Metric]:
-        """GET /capacity's figures (cached per snapshot and busy set), for cluster views."""
+        """GET /capacity's figures (cached per snapshot and busy set), for cluster views: the
+        latest computed (the /metrics handler waits a bounded time for current ones first)."""
         served = self.agent.capacity()
         if served is None:
             return
         figures = served.capacity
+        stale = GaugeMetricFamily(f"{NS}_capacity_stale", "1 when the capacity figures are of an earlier snapshot or busy set: the current ones were still being computed.")
+        stale.add_metric([], 1.0 if served.stale else 0.0)
+        yield stale
         free = GaugeMetricFamily(f"{NS}_capacity_free_gpus", "GPUs free now: not leased, running no process, without a critical finding.")
         free.add_metric([], len(figures.free))
         zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink among themselves.")

@@ -198,6 +198,7 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("exports", "gres_node_name"): st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True),
     ("exports", "nccl_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("placement", "deadline_ms"): st.integers(1, 60000),
+    ("placement", "capacity_budget_ms"): st.integers(1, 60000),
     ("telemetry", "enabled"): st.booleans(),
     ("telemetry", "interval_s"): SECONDS,
     ("telemetry", "timeout_s"): SECONDS,

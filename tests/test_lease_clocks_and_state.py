@@ -14,7 +14,7 @@ import pytest
 from test_leases import Clock, fake_store
 
 from topoagent import leases as leases_module
-from topoagent.leases import MAX_STATE_BYTES, TTL_MAX_S, LeaseConflict, LeaseStore
+from topoagent.leases import MAX_STATE_BYTES, TTL_MAX_S, LeaseConflict, LeaseStore, StateUnusable
 
 HOUR, DAY = 3600.0, 86400.0
 
@@ -186,10 +186,44 @@ def test_a_full_disk_refuses_the_lease_and_loses_nothing(tmp_path, monkeypatch):
 
 
 def test_an_unreadable_state_file_is_an_error_not_corruption(tmp_path):
-    (tmp_path / "leases.json").mkdir()  # reads and writes of the file both fail (EISDIR)
+    (tmp_path / "leases.json").symlink_to("leases.json")  # every open of the file fails (ELOOP)
     store = fake_store(tmp_path, Clock())  # starts
     with pytest.raises(OSError):
         store.leases()
     with pytest.raises(OSError):
         store.reserve("job", [0], ttl_s=60)
-    assert store.recovered_from is None and (tmp_path / "leases.json").is_dir()  # nothing moved aside
+    assert store.recovered_from is None and (tmp_path / "leases.json").is_symlink()  # nothing moved aside
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_state_file_that_is_no_regular_file_is_moved_aside_as_corrupt(tmp_path, kind):
+    path = tmp_path / "leases.json"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)  # a FIFO used to hang open()
+    store = fake_store(tmp_path, Clock())
+    assert store.recovered_from is not None and "not a regular file" in (store.recovery_error or "")
+    assert store.recovered_from.is_dir() if kind == "directory" else store.recovered_from.is_fifo()
+    assert store.leases() == [] and store.reserve("job", [0], ttl_s=60).gpus == (0,)  # works again
+    assert path.is_file()
+
+
+def test_a_state_file_that_cannot_be_moved_aside_refuses_to_work(tmp_path, monkeypatch):
+    (tmp_path / "leases.json").mkdir()
+    real_replace = leases_module.os.replace
+
+    def refuse(src, dst):
+        if str(src).endswith("leases.json"):
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(leases_module.os, "replace", refuse)
+    with pytest.raises(StateUnusable, match="a directory, not a regular file, and it cannot be moved aside"):
+        fake_store(tmp_path, Clock())
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_lock_file_that_is_no_regular_file_is_refused_not_waited_on(tmp_path, kind):
+    path = tmp_path / "leases.lock"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    with pytest.raises(StateUnusable, match=f"a {kind.replace('fifo', 'FIFO')}, not a regular file") as refused:
+        fake_store(tmp_path, Clock())
+    assert refused.value.filename == str(path)  # serve's one line names it

@@ -2,8 +2,9 @@
 under it (issue 14, class 6), and its background loops under failures (class 1, in part).
 
 Disk errors are made for real without root's immunity to permissions: the state file is
-replaced by a directory, so every read and every rename onto it fails (EISDIR) -- the
-sweeper sees what a read-only or full disk gives it: an OSError on each try.
+replaced by a symbolic link to itself, so every open of it fails (ELOOP) -- the sweeper
+sees what a read-only or full disk gives it: an OSError on each try.  (A directory or a
+FIFO in its place is no disk error: it is moved aside as corrupt, tested below.)
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import logging
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from service_helpers import DGX_A100, start_agent, wait_for
+from service_helpers import DGX_A100, metric_value, start_agent, wait_for
 
 from topoagent import agent as agent_module
 from topoagent.agent import Agent as Runtime
@@ -53,6 +56,42 @@ def test_serve_starts_on_a_hostile_state_file_and_says_it_recovered(tmp_path, na
 
 
 
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_serve_moves_aside_a_state_file_that_is_no_regular_file(tmp_path, kind):
+    """A directory used to leave the agent with no leases, nothing said, and every
+    reservation a 500; a FIFO hung it in open() before it listened."""
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state / "leases.json"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    agent = start_agent(tmp_path, state_dir=state)
+    try:
+        doc = agent.get("/leases").json()
+        recovered = doc["recovered_from_corrupt_state"]
+        assert "not a regular file" in recovered["error"] and Path(recovered["moved_to"]).exists()
+        assert sum("event=leases_corrupt" in line for line in agent.log().splitlines()) == 1
+        assert metric_value(agent.get("/metrics").body.decode(), "topoagent_leases_recovered_from_corrupt_state") == 1
+        granted = agent.post("/place", {"gpus": 2, "reserve": {"owner": "job", "ttl_s": 60}}, token=agent.token)
+        assert granted.status == 200, granted.body
+        assert path.is_file()
+    finally:
+        assert agent.stop() == 0
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_serve_refuses_a_lock_file_that_is_no_regular_file_with_one_line(tmp_path, kind):
+    state = tmp_path / "state"
+    state.mkdir()
+    lock = state / "leases.lock"
+    lock.mkdir() if kind == "directory" else os.mkfifo(lock)
+    args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(DGX_A100), "--listen", "127.0.0.1:0", "--state-dir", str(state)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)  # a FIFO must not hang it
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    said = [line for line in done.stderr.splitlines() if "cannot start" in line]
+    assert len(said) == 1 and str(lock) in said[0] and "not a regular file" in said[0], done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
     agent = start_agent(tmp_path, config="[leases]\nsweep_s = 0.1\n")
     state_file = agent.state_dir / "leases.json"
@@ -63,9 +102,9 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
     try:
         held = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-a", "ttl_s": 3600}}, token=agent.token).json()["lease"]
         state_file.rename(state_file.with_name("kept"))
-        state_file.mkdir()  # from now on every read and write of the book fails
+        state_file.symlink_to(state_file.name)  # from now on every read of the book fails (ELOOP)
         wait_for("the sweeps failing", failed_lines, agent)
-        assert "loop=lease_sweep" in failed_lines()[0] and "IsADirectoryError" in failed_lines()[0]
+        assert "loop=lease_sweep" in failed_lines()[0] and "Too many levels of symbolic links" in failed_lines()[0]
         refused = agent.post("/place", {"gpus": 1, "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
         assert refused.status != 200  # nothing is acknowledged that is not on disk
         # It keeps answering while the sweeper fails (and retries, once a second) for 3 s.
@@ -75,7 +114,7 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
             assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]  # served as it was
             time.sleep(0.1)
 
-        state_file.rmdir()
+        state_file.unlink()
         state_file.with_name("kept").rename(state_file)
         recovered = wait_for("the sweeper recovered", lambda: re.search(r"event=loop_recovered loop=lease_sweep failures=(\d+)", agent.log()), agent)
         assert len(failed_lines()) < int(recovered.group(1))  # not a line per try

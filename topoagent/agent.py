@@ -231,17 +231,21 @@ Answer = Placement | NoFit
 class ServedCapacity:
     """One computed /capacity: the figures, their JSON and its ETag."""
 
-    key: tuple  # (snapshot version, leased GPUs, GPUs running processes)
+    key: tuple  # (snapshot version, leased GPUs, GPUs running processes, unverified GPUs)
     capacity: Capacity
     body: bytes
     etag: str
+    stale: bool = False  # served while the figures of the current key were still being computed
 
     @classmethod
-    def of(cls, key: tuple, figures: Capacity) -> ServedCapacity:
+    def of(cls, key: tuple, figures: Capacity, stale: bool = False) -> ServedCapacity:
         from topoagent.agent_schema import capacity_document
 
-        body = json.dumps(capacity_document(key[0], figures), indent=1).encode()
-        return cls(key, figures, body, etag_of(body))
+        body = json.dumps(capacity_document(key[0], figures, stale), indent=1).encode()
+        return cls(key, figures, body, etag_of(body), stale)
+
+    def as_stale(self) -> ServedCapacity:
+        return self if self.stale else ServedCapacity.of(self.key, self.capacity, stale=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +296,10 @@ class Agent:
         self._replayed_counters = False
         self._nic_traffic: tuple[Telemetry | None, dict[str, float]] = (None, {})  # per read, for placement
         self._counter_reads: dict[str, asyncio.Future] = {}  # source -> its last read, maybe still running
-        self._capacity: ServedCapacity | None = None
+        self._capacity: ServedCapacity | None = None  # the latest computed, of whatever key
+        self._capacity_stale: ServedCapacity | None = None  # the same, marked stale (built once)
+        self._capacity_task: asyncio.Task | None = None  # computing until the figures are current
+        self._stopping = asyncio.Event()  # set when the agent starts to stop
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
         self.exports = Exports()
         self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
@@ -330,11 +337,12 @@ class Agent:
             self._udev_close = start_udev_watch(self.on_device_event)
 
     async def stop(self) -> None:
+        self.begin_stop()
         if self._udev_close:
             self._udev_close()
         if self._debounce:
             self._debounce.cancel()
-        pending = {t for t in [*self._tasks, self._refresh_task] if t and not t.done()}
+        pending = {t for t in [*self._tasks, self._refresh_task, self._capacity_task] if t and not t.done()}
         # Cancel until they finish: on Python 3.11 asyncio.wait_for can swallow a
         # cancellation that races its own timeout (a probe worker timing out as SIGTERM
         # arrives), and the loop then carries on.  Bounded, so SIGTERM always exits.
@@ -531,19 +539,77 @@ class Agent:
         """Leased GPUs and GPUs running processes: placement keeps off both."""
         return frozenset(self.holding().holder) | self.gpus_with_processes()
 
-    def capacity(self) -> ServedCapacity | None:
-        """GET /capacity and the capacity metrics: computed once per (snapshot, busy
-        set), so scrapes and polling schedulers cost a dictionary lookup."""
+    def capacity_key(self) -> tuple | None:
+        """What the capacity figures depend on; None before the first snapshot."""
         snapshot = self.snapshot
         if snapshot is None:
             return None
-        leased, running, live = frozenset(self.holding().holder), self.gpus_with_processes(), self.live()
         # The counters' rates are the snapshot's (a read swaps a new version in); unverified GPUs are not.
-        key = (snapshot.version, leased, running, live.unverified)
-        cached = self._capacity
-        if cached is None or cached.key != key:
-            cached = self._capacity = ServedCapacity.of(key, capacity(snapshot.matrix, leased, running, live))
-        return cached
+        return (snapshot.version, frozenset(self.holding().holder), self.gpus_with_processes(), self.live().unverified)
+
+    def capacity(self) -> ServedCapacity | None:
+        """The latest capacity figures computed, current or not (``stale`` says which);
+        None before the first.  Never computes: see ``current_capacity``."""
+        served = self._capacity
+        if served is None or served.key == self.capacity_key():
+            return served
+        if self._capacity_stale is None or self._capacity_stale.key != served.key:
+            self._capacity_stale = served.as_stale()
+        return self._capacity_stale
+
+    def capacity_wait_s(self) -> float:
+        """How long a request waits for current figures: one computation already under
+        way for an older key, then its own, each keeping to the budget, and a margin."""
+        return 2 * self.config.placement_capacity_budget_ms / 1000 + 0.25
+
+    async def current_capacity(self) -> ServedCapacity | None:
+        """GET /capacity and /metrics: the figures of the current (snapshot, busy set),
+        computed once per key in a daemon thread, off the event loop, under the
+        ``[placement] capacity_budget_ms`` budget; requests arriving meanwhile share that
+        computation.  Past ``capacity_wait_s`` the latest figures are served marked stale
+        (None when there are none yet); the computation goes on for the next request."""
+        served = self._capacity
+        if served is not None and served.key == self.capacity_key():
+            return served
+        task = self._capacity_task
+        if task is None or task.done():
+            task = self._capacity_task = asyncio.create_task(self._compute_capacity(), name="capacity")
+        # A request given up does not cancel the computation; a stopping agent ends the
+        # wait at once, so SIGTERM's drain never waits for figures.
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({task, stopping}, timeout=self.capacity_wait_s(), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+        return self.capacity()
+
+    def begin_stop(self) -> None:
+        """SIGTERM: requests waiting for capacity figures answer now (drain starts)."""
+        self._stopping.set()
+
+    async def _compute_capacity(self) -> None:
+        """Compute the figures until they are of the current key (a lease granted during a
+        computation makes one more); one computation at a time, whoever asks."""
+        while (key := self.capacity_key()) is not None:
+            served = self._capacity
+            if served is not None and served.key == key:
+                return
+            snapshot = self.snapshot
+            assert snapshot is not None
+            matrix, (_, leased, running, _) = snapshot.matrix, key
+            live, budget = self.live(), self.config.placement_capacity_budget_ms
+            started = time.monotonic()
+            try:
+                self._capacity = await run_in_daemon_thread(
+                    lambda: ServedCapacity.of(key, capacity(matrix, leased, running, live, budget_ms=budget)))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug: the latest figures stay served; say it and stop
+                log_event("capacity_failed", logging.ERROR, error=f"{type(exc).__name__}: {exc}")
+                return
+            fits = self._capacity.capacity.fits
+            log_event("capacity_computed", logging.DEBUG, snapshot_version=key[0], gpus=len(fits),
+                      not_proven=sum(not f.proven_optimal for f in fits), seconds=f"{time.monotonic() - started:.3f}")
 
     def _with_deadline(self, request: Request) -> Request:
         """The request with the service's deadline when it names none."""

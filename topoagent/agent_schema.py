@@ -400,6 +400,8 @@ CAPACITY_FIT = Document("CapacityFit", {
     "numa_distance": Field(nullable(INTEGER), description="its largest SLIT distance between the NUMA nodes spanned"),
     "affinity": Field(nullable(one_of(Affinity)), description="the strictest tier it meets"),
     "satisfaction": Field(nullable({"type": "number", "minimum": 0, "maximum": 1}), description="share of its ring's links that are local"),
+    "proven_optimal": Field(BOOLEAN, description="false when the capacity budget (`[placement] capacity_budget_ms`) stopped this k's search: "
+                            "the best set found in time, as /place marks it; with `fits` false, none was found in time (no proof that none fits)"),
 }, "The best placement for k GPUs now.")
 
 CAPACITY = Document("Capacity", {
@@ -417,6 +419,9 @@ CAPACITY = Document("Capacity", {
     "fragmentation": Field({"type": "number", "minimum": 0, "maximum": 1}, lambda v: v.capacity.fragmentation,
                            "1 - largest_free_zone_gpus / free_gpus (0 when nothing is free)"),
     "fits": Field(array(CAPACITY_FIT.ref), lambda v: [CAPACITY_FIT.dump(f) for f in v.capacity.fits], "k = 1 .. gpus"),
+    "stale": Field(BOOLEAN, lambda v: v.stale,
+                   "true when these are the figures of an earlier snapshot or busy set: the current ones were still being computed "
+                   "when this answer's wait ran out (README: GET /capacity)"),
 }, "What this node can take now, for cluster schedulers (`GET /capacity`).")
 
 
@@ -426,10 +431,11 @@ class _CapacityView:
 
     snapshot_version: int
     capacity: Capacity
+    stale: bool = False
 
 
-def capacity_document(snapshot_version: int, capacity: Capacity) -> dict[str, Any]:
-    return CAPACITY.dump(_CapacityView(snapshot_version, capacity))
+def capacity_document(snapshot_version: int, capacity: Capacity, stale: bool = False) -> dict[str, Any]:
+    return CAPACITY.dump(_CapacityView(snapshot_version, capacity, stale))
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -11,16 +11,25 @@ NVLink paths that stay within the free GPUs (a GPU with no free NVLink peer is a
 one).  *Fragmentation* = 1 - largest free zone / free GPUs: 0 when every free GPU is in
 one NVLink zone (or none is free), towards 1 as the free GPUs scatter across zones.  A
 node without NVLink scores 1 - 1/free: its GPUs can only talk over PCIe.
+
+*Budget*: with ``budget_ms`` the searches for all k together keep to about that much wall
+time (each k's search gets what is left divided by the k still to search, at least 1 ms,
+so time a small k does not need goes to the larger ones); a k whose search the deadline
+stopped carries ``proven_optimal=False``, as /place says it.  The placement core answers
+such a search with its first cheap set, so the whole stays bounded whatever the node's
+size.  Without a budget every search is exact (no deadline): for tests and the CLI.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from topoagent.levels import LevelKind
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
+from topoagent.placement.explain import ReasonCode
 from topoagent.placement.live import NO_LIVE
 from topoagent.vocabulary import Affinity
 
@@ -37,6 +46,9 @@ class Fit:
     numa_distance: int | None
     affinity: Affinity | None  # the strictest tier the answer meets
     satisfaction: float | None
+    # False when the budget stopped the search: the best set found in time (or, with
+    # ``fits`` False, none found in time -- not a proof that none fits).
+    proven_optimal: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +81,12 @@ def free_nvlink_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple
     return sorted(zones, key=lambda z: (-len(z), z))
 
 
-def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[int], live: Live = NO_LIVE) -> Capacity:
+def capacity(
+    matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[int], live: Live = NO_LIVE, budget_ms: int | None = None,
+) -> Capacity:
     """``live``: what /place weighs at equal merit (placement.live), so each k's GPUs are
-    the ones /place would give now."""
+    the ones /place would give now.  ``budget_ms``: the wall time all k's searches share
+    (see the module docstring); None searches exactly, without a deadline."""
     on_node = {g.index for g in matrix.gpus}
     leased_set, running_set = set(leased) & on_node, set(running) & on_node
     busy = leased_set | running_set
@@ -81,14 +96,23 @@ def capacity(matrix: DistanceMatrix, leased: Iterable[int], running: Iterable[in
     largest = zones[0] if zones else ()
     fragmentation = 1 - len(largest) / len(free) if free else 0.0
     fits = []
+    ends_at = None if budget_ms is None else time.monotonic() + budget_ms / 1000
     for k in range(1, len(matrix.gpus) + 1):
         # place() leaves out unhealthy GPUs by itself; more than the free count cannot fit.
-        answer = place(matrix, Request(gpus=k), busy, live=live) if k <= len(free) else None
+        if k > len(free):
+            fits.append(Fit(k, False, (), None, None, None, None, None))
+            continue
+        deadline_ms = None
+        if ends_at is not None:
+            left_ms = (ends_at - time.monotonic()) * 1000
+            deadline_ms = max(1, int(left_ms / (len(free) - k + 1)))
+        answer = place(matrix, Request(gpus=k, deadline_ms=deadline_ms), busy, live=live)
         if isinstance(answer, Placement):
             fits.append(Fit(k, True, answer.indices, answer.score, answer.bandwidth_gbps,
-                            answer.objective.numa_distance, answer.affinity, answer.satisfaction))
-        else:
-            fits.append(Fit(k, False, (), None, None, None, None, None))
+                            answer.objective.numa_distance, answer.affinity, answer.satisfaction, answer.proven_optimal))
+        else:  # with a deadline: none found in time (none_in_time) proves nothing
+            proven = answer.why.code is not ReasonCode.NONE_IN_TIME
+            fits.append(Fit(k, False, (), None, None, None, None, None, proven))
     return Capacity(
         len(matrix.gpus), free, tuple(sorted(leased_set)), tuple(sorted(running_set - leased_set)),
         tuple(sorted(unhealthy - busy)), largest, round(fragmentation, 6), tuple(fits),

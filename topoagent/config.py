@@ -20,6 +20,11 @@ from topoagent.telemetry import THRESHOLD_KEYS
 
 THRESHOLD_PREFIX = "threshold:"
 
+# GET /capacity's searches share this much wall time: with the wait for one computation
+# already under way (twice this plus a quarter second) it stays under the extender's
+# default --agent-timeout of 2 s.
+CAPACITY_BUDGET_MS = 500
+
 # Loopback only by default: reads are open there.  9477 is this agent's fixed port so
 # Prometheus' `instance` label stays stable across restarts (see README, "Port").
 DEFAULT_PORT = 9477
@@ -90,6 +95,8 @@ class Config:
     export_nccl_path: str | None = None
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
+    # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/capacity.py)
+    placement_capacity_budget_ms: int = CAPACITY_BUDGET_MS
 
     @property
     def live(self) -> bool:
@@ -326,6 +333,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
     },
     "placement": {
         "deadline_ms": ("placement_deadline_ms", _deadline_ms),
+        "capacity_budget_ms": ("placement_capacity_budget_ms", _deadline_ms),
     },
 }
 

@@ -40,12 +40,14 @@ the store never crashes on it and never silently pretends it was empty.  An I/O 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import math
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -102,6 +104,24 @@ class LeaseConflict(LeaseError):
 
 class StateCorrupt(ValueError):
     """The state file's contents cannot be trusted (the message says why)."""
+
+
+class StateUnusable(OSError):
+    """A state file that is no regular file (a directory, a FIFO, a device) and cannot be
+    moved aside: the store cannot work until someone removes it.  An OSError, so the
+    service refuses to start with the one line its ``str()`` gives."""
+
+    def __init__(self, path: Path, problem: str):
+        super().__init__(errno.EINVAL, problem, str(path))
+
+
+def file_kind(mode: int) -> str | None:
+    """What a non-regular file is, in words; None for a regular file."""
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +204,8 @@ class LeaseStore:
         try:
             with self._locked():
                 pass  # loads (and moves aside a corrupt file) once, at start
+        except StateUnusable:
+            raise  # no disk error: nothing will make it work but removing the file
         except OSError:
             pass  # a disk error is no reason not to start: every call re-reads, and raises it
 
@@ -193,11 +215,16 @@ class LeaseStore:
     def _locked(self) -> Iterator[None]:
         with self._lock:
             lock_path = self.state_dir / LOCK_FILE
+            # Without blocking: a FIFO put in the lock's place must not hang the agent in open().
+            flags = os.O_NONBLOCK | os.O_CLOEXEC
             try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | flags, 0o600)
             except OSError:
-                fd = os.open(lock_path, os.O_RDONLY)  # a read-only directory: reading still works
+                fd = os.open(lock_path, os.O_RDONLY | flags)  # a read-only directory: reading still works
             try:
+                kind = file_kind(os.fstat(fd).st_mode)
+                if kind is not None:  # flock on it would lock nothing another agent shares reliably
+                    raise StateUnusable(lock_path, f"{kind}, not a regular file; remove it (the agent creates the lock file)")
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 self._leases = self._load()
                 yield
@@ -206,15 +233,34 @@ class LeaseStore:
 
     def _load(self) -> dict[str, Lease]:
         try:
-            with open(self.path, "rb") as handle:
-                raw = handle.read(MAX_STATE_BYTES + 1)
+            # Without blocking: a FIFO in the file's place must not hang the agent in open().
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             return {}
         try:
+            kind = file_kind(os.fstat(fd).st_mode)
+        except OSError:
+            os.close(fd)
+            raise
+        if kind is not None:
+            os.close(fd)  # fdopen() refuses a directory: never hand it one
+            raw = b""
+        else:
+            with os.fdopen(fd, "rb") as handle:
+                raw = handle.read(MAX_STATE_BYTES + 1)
+        try:
+            if kind is not None:  # a directory, a FIFO: no leases can be read from it; as corrupt
+                raise StateCorrupt(f"{kind}, not a regular file")
             leases, self._unsaved = self._parse(raw)
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             aside = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time() * 1000)}")
-            os.replace(self.path, aside)
+            try:
+                os.replace(self.path, aside)
+            except OSError as moving:
+                if kind is None:
+                    raise  # a disk error: the next call tries again
+                raise StateUnusable(self.path, f"{kind}, not a regular file, and it cannot be moved aside "
+                                    f"({moving.strerror or moving}); remove it") from None
             _fsync_dir(self.state_dir)
             self.recovered_from = aside
             # Not logged here: the service writes one structured line (event=leases_corrupt).

@@ -269,6 +269,7 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
     log_event("draining", timeout_s=config.drain_timeout_s)
+    agent.begin_stop()  # requests waiting for capacity figures answer now
     listener.close()  # no new connections; those open are drained by the runner
     await runner.cleanup()  # closes idle connections, waits for in-flight requests, stops the agent
     log_event("stopped")
