@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from topoagent.collectors.base import NoData, run_collector
 from topoagent.collectors.lldp import LldpParseError, parse_lldpctl_json
 from topoagent.discovery import COLLECTORS, Collector, run_collectors, run_collectors_sync
 from topoagent.findings import collector_findings
-from topoagent.host import Host
+from topoagent.host import Host, HostError
 from topoagent.vocabulary import Severity, Status
 
 CLI_TIMEOUT_S = 60
@@ -100,3 +102,54 @@ def test_a_collector_that_raises_a_type_error_gets_an_error_status(driver):
     assert "TypeError: a bug before run_collector" in (bug.message or "")
     severity = {f.subject: f.severity for f in collector_findings(results.values())}
     assert severity == {"lldp": Severity.WARNING, "pci_again": Severity.CRITICAL}
+
+
+# --- a symlink thousands of components deep ---------------------------------------------------
+
+DEEP = 1900  # "./" components: a 3,800-byte target, legal under PATH_MAX
+
+
+def deepen_a_link(root: Path, name: str = "mlx5_2") -> Path:
+    """Rewrite a sysfs link to the same place by way of DEEP ``./`` components."""
+    link = root / "sys/class/infiniband" / name
+    target = os.readlink(link)
+    link.unlink()
+    os.symlink("./" * DEEP + target, link)
+    return link
+
+
+def test_a_link_thousands_of_components_deep_resolves_without_recursion(tmp_path):
+    root = make_root(tmp_path)
+    deepen_a_link(root)
+    with Host(root) as host:
+        assert host.realpath("/sys/class/infiniband/mlx5_2").endswith("/infiniband/mlx5_2")
+        assert host.read_optional("/sys/class/infiniband/mlx5_2/ports/1/state") is not None
+
+
+def test_links_deeper_than_any_path_are_refused_as_too_deep(tmp_path):
+    root = tmp_path / "root"
+    (root / "sys").mkdir(parents=True)
+    (root / "sys/file").write_text("x\n")
+    # Three links of 2,000 components each: every one legal, together past any real path.
+    os.symlink("./" * 2000 + "file", root / "sys/c")
+    os.symlink("./" * 2000 + "c", root / "sys/b")
+    os.symlink("./" * 2000 + "b", root / "sys/a")
+    with Host(root) as host:
+        assert host.read_optional("/sys/c") == "x"
+        with pytest.raises(HostError, match="path too deep"):
+            host.realpath("/sys/a")
+        assert host.read_optional("/sys/a") is None and not host.exists("/sys/a")
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_discover_reads_a_recording_with_a_deep_link(tmp_path, packed):
+    root = make_root(tmp_path)
+    deepen_a_link(root)
+    given: Path = root
+    if packed:
+        given = tmp_path / "deep.tar.gz"
+        with tarfile.open(given, "w:gz") as archive:
+            archive.add(root, arcname="deep")
+    node = discover_json(given)
+    assert len(node["gpus"]) == 8
+    assert "mlx5_2" in [n["device"] for n in node["nics"]]

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     import tempfile
 
 _MAX_SYMLINK_HOPS = 40
+# Components one resolution may walk, link targets included: PATH_MAX (4096) allows ~2,048
+# in one path or link; a sysfs path has ~15.
+_MAX_PATH_COMPONENTS = 4096
 _T = TypeVar("_T")
 
 # How much one read may bring in.  sysfs attributes are at most a page (4 KB); the largest
@@ -189,33 +192,64 @@ class Host:
         """Where a node path that needs no further resolving lies on this machine."""
         return self.root / str(node_path).lstrip("/") if not self.live else node_path
 
-    def _resolve(self, path: str, hops: int = 0) -> str:
-        """Resolve inside the root: the parent first (cached), then the last component.
+    def _resolve(self, path: str) -> str:
+        """Resolve inside the root, one component at a time, without recursion.
 
-        Plain strings and a cache per directory: discovery resolves thousands of sysfs
-        paths ten components deep, mostly in the same few hundred directories.
+        A loop with a stack of components still to walk, not a call per component: a link
+        whose target is thousands of components long (``./././…``, legal up to PATH_MAX)
+        must cost a loop, not Python's recursion limit.  Plain strings and a cache keyed
+        by every prefix of the path asked for: discovery resolves thousands of sysfs paths
+        ten components deep, mostly in the same few hundred directories, so the walk starts
+        at the nearest resolved ancestor.  At most _MAX_SYMLINK_HOPS links are followed and
+        _MAX_PATH_COMPONENTS components walked (as the kernel's own limits, ELOOP and
+        PATH_MAX, bound its walk); past either the path is unreadable (HostError).
         """
         cached = self._resolved.get(path)
         if cached is not None:
             return cached
-        if hops > _MAX_SYMLINK_HOPS:
-            raise HostError(f"{path}: too many levels of symbolic links")
-        parent, _, name = path.rstrip("/").rpartition("/")
-        base = self._resolve(parent, hops) if parent else "/"
-        prefix = "" if base == "/" else base
-        if name in ("", "."):
-            result = base
-        elif name == "..":
-            result = base.rsplit("/", 1)[0] or "/"
-        else:
-            target = self._link_target(f"{prefix}/{name}")
-            if target is None:
-                result = f"{prefix}/{name}"
+        # (component, the prefix of ``path`` it completes, to cache; None inside a link's target)
+        pending: list[tuple[str, str | None]] = []
+        head = path.rstrip("/")
+        current = "/"
+        while head:
+            found = self._resolved.get(head)
+            if found is not None:
+                current = found
+                break
+            parent, _, name = head.rpartition("/")
+            pending.append((name, head))
+            if len(pending) > _MAX_PATH_COMPONENTS:
+                raise HostError(f"{path[:100]}...: path too deep (more than {_MAX_PATH_COMPONENTS:,} components)")
+            head = parent
+        hops = walked = 0
+        while pending:
+            name, key = pending.pop()
+            walked += 1
+            if walked > _MAX_PATH_COMPONENTS:
+                raise HostError(f"{path[:100]}: path too deep (more than {_MAX_PATH_COMPONENTS:,} components)")
+            prefix = "" if current == "/" else current
+            if name in ("", "."):
+                pass
+            elif name == "..":
+                current = current.rsplit("/", 1)[0] or "/"
             else:
-                joined = target if target.startswith("/") else f"{prefix}/{target}"
-                result = self._resolve(joined, hops + 1)
-        self._resolved[path] = result
-        return result
+                target = self._link_target(f"{prefix}/{name}")
+                if target is None:
+                    current = f"{prefix}/{name}"
+                else:
+                    hops += 1
+                    if hops > _MAX_SYMLINK_HOPS:
+                        raise HostError(f"{path[:100]}: too many levels of symbolic links")
+                    if key is not None:  # cache this prefix once its link's target is walked
+                        pending.append(("", key))
+                        key = None
+                    if target.startswith("/"):
+                        current = "/"
+                    pending.extend((part, None) for part in reversed(target.split("/")))
+            if key is not None:
+                self._resolved[key] = current
+        self._resolved[path] = current
+        return current
 
     def _link_target(self, node_path: str) -> str | None:
         """The target of a symlink in the recording; None when it is not one (or missing)."""
