@@ -24,7 +24,7 @@ from topoagent.collectors.base import NoData, run_collector
 from topoagent.collectors.lldp import LldpParseError, parse_lldpctl_json
 from topoagent.discovery import COLLECTORS, Collector, run_collectors, run_collectors_sync
 from topoagent.findings import collector_findings
-from topoagent.host import Host, HostError
+from topoagent.host import Host, HostError, NotAFile
 from topoagent.vocabulary import Severity, Status
 
 CLI_TIMEOUT_S = 60
@@ -153,3 +153,63 @@ def test_discover_reads_a_recording_with_a_deep_link(tmp_path, packed):
     node = discover_json(given)
     assert len(node["gpus"]) == 8
     assert "mlx5_2" in [n["device"] for n in node["nics"]]
+
+
+# --- a FIFO where a file should be -------------------------------------------------------------
+
+IB_RATE = "sys/class/infiniband/mlx5_0/ports/1/rate"
+
+
+def fifo_in_place_of(root: Path, relative: str) -> Path:
+    path = (root / relative).resolve()  # the file itself, not the sysfs link above it
+    path.unlink(missing_ok=True)
+    os.mkfifo(path)
+    return path
+
+
+def test_the_host_refuses_a_fifo_without_waiting_for_a_writer(tmp_path):
+    root = make_root(tmp_path)
+    fifo_in_place_of(root, IB_RATE)
+    with Host(root) as host:
+        with pytest.raises(NotAFile, match="not a regular file \\(a FIFO\\)"):
+            host.read_bytes("/" + IB_RATE)
+        assert host.read_optional("/" + IB_RATE) is None
+    fifo = tmp_path / "live-fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(NotAFile):  # the live node is read the same way
+        Host("/").read_bytes(str(fifo))
+    with pytest.raises(IsADirectoryError):
+        Host("/").read_bytes(str(tmp_path))
+
+
+def test_discover_finishes_with_fifos_for_a_sysfs_file(tmp_path):
+    root = make_root(tmp_path)
+    fifo_in_place_of(root, IB_RATE)
+    node = discover_json(root)
+    assert node["collectors"]["infiniband"]["status"] == "ok"
+    port = next(n for n in node["nics"] if n["device"] == "mlx5_0")["ports"][0]
+    assert port["rate_gbps"] is None  # unreadable: unknown, not a number
+    assert len(node["gpus"]) == 8
+
+
+@pytest.mark.parametrize(("recorded", "collector"), [("commands/nvidia-smi_topo_-m.out", "nvidia_smi"), ("nvml.json", "nvml")])
+def test_discover_finishes_with_a_fifo_for_a_recorded_answer(tmp_path, recorded, collector):
+    root = make_root(tmp_path)
+    fifo_in_place_of(root, recorded)
+    node = discover_json(root)
+    assert node["collectors"][collector]["status"] == "error"
+    assert "not a regular file (a FIFO)" in node["collectors"][collector]["message"]
+
+
+@pytest.mark.parametrize("counters", ["fifo", '{"samples": [[1]]}', "{not json"])
+def test_unreadable_recorded_counters_do_not_stop_a_one_shot_command(tmp_path, counters):
+    root = make_root(tmp_path)
+    if counters == "fifo":
+        fifo_in_place_of(root, "telemetry.json")
+        fifo_in_place_of(root, "snapshot.json")
+    else:
+        (root / "telemetry.json").write_text(counters)
+    assert run_cli("discover", "--root", str(root)).returncode == 0
+    placed = run_cli("place", "--root", str(root), "--gpus", "2")
+    assert placed.returncode == 0, placed.stderr[-2000:]
+    assert "telemetry.json: " in placed.stderr and "placing without NIC traffic" in placed.stderr

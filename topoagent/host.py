@@ -77,6 +77,10 @@ class FileTooLarge(HostError):
     """A file (or recorded output) is larger than a node's would be; it was not read."""
 
 
+class NotAFile(HostError):
+    """A FIFO, socket or device where a file should be: unreadable, and never waited on."""
+
+
 class _LinkMoved(Exception):
     """A symlink appeared where the cached resolution had none: resolve again."""
 
@@ -332,21 +336,36 @@ class Host:
     def read_bytes(self, path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         """The one way anything is read from a node: inside the root, at most ``limit`` bytes.
 
-        Raises FileNotFoundError / OSError like open() does, FileTooLarge past the limit.
+        Raises FileNotFoundError / OSError like open() does, FileTooLarge past the limit,
+        NotAFile for a FIFO, socket or device in a file's place.
         """
+        # O_NONBLOCK: opening a FIFO for reading waits for a writer, and reading it waits
+        # for data; a recording (or a planted FIFO) must not hang a one-shot command.
+        # Only regular files are read (sysfs and procfs attributes are), checked on the
+        # open descriptor so the check and the read see the same file.
         if self.live:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         else:
 
             def action(dir_fd: int, name: str) -> int:
                 try:
-                    return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                    return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                 except OSError as exc:
                     if exc.errno == errno.ELOOP:
                         raise _LinkMoved from None
                     raise type(exc)(exc.errno, exc.strerror, path) from None
 
             fd = self._inside(path, action)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if not stat.S_ISREG(mode):
+                raise NotAFile(f"{path}: not a regular file ({_file_kind(mode)}); not read")
+            os.set_blocking(fd, True)  # a regular file reads as before; O_NONBLOCK was for the open
+        except BaseException:
+            os.close(fd)
+            raise
         # In pieces: procfs and sysfs size a read's buffer by what is asked for, and a sysctl
         # file refuses a read of 4 MiB or more outright (ENOMEM), so one read of the whole
         # limit would lose /proc/sys/kernel/hostname on a live node.
@@ -628,6 +647,17 @@ def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
             raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
         if total > MAX_TARBALL_BYTES:
             raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in the words of ls -l's type letters."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"
 
 
 def _kind(entry: os.DirEntry) -> str:
