@@ -213,3 +213,97 @@ def test_unreadable_recorded_counters_do_not_stop_a_one_shot_command(tmp_path, c
     placed = run_cli("place", "--root", str(root), "--gpus", "2")
     assert placed.returncode == 0, placed.stderr[-2000:]
     assert "telemetry.json: " in placed.stderr and "placing without NIC traffic" in placed.stderr
+
+
+# --- GPUs listed twice, or two GPUs with one identity ------------------------------------------
+
+
+def edit_nvml(root: Path, edit: Any) -> None:
+    path = root / "nvml.json"
+    document = json.loads(path.read_text())
+    edit(document["gpus"])
+    path.write_text(json.dumps(document))
+
+
+def _append_gpu0_as_8(gpus: list[dict]) -> None:
+    gpus.append({**gpus[0], "index": 8})
+
+
+def _gpu1_takes_gpu0s_uuid(gpus: list[dict]) -> None:
+    gpus[1]["uuid"] = gpus[0]["uuid"]
+
+
+def _gpu1_takes_index_0(gpus: list[dict]) -> None:
+    gpus[1]["index"] = 0
+
+
+def _gpu0_elsewhere_first(gpus: list[dict]) -> None:
+    """A first GPU0 sysfs does not show, then the real one under the same index."""
+    gpus.insert(0, {**gpus[0], "uuid": "GPU-00000000-0000-0000-0000-000000000000", "pci_bus_id": "0000:99:00.0"})
+
+
+@pytest.mark.parametrize(("edit", "severity", "subject"), [
+    (_append_gpu0_as_8, "warning", "GPU8"),
+    (_gpu1_takes_gpu0s_uuid, "critical", "GPU1"),
+    (_gpu1_takes_index_0, "critical", "GPU0"),
+])
+def test_a_gpu_nvml_lists_twice_is_kept_once_and_named(tmp_path, edit, severity, subject):
+    root = make_root(tmp_path)
+    edit_nvml(root, edit)
+    node = discover_json(root)
+    gpus = node["gpus"]
+    assert len(gpus) == 8
+    uuids = [g["uuid"] for g in gpus if g["uuid"]]
+    assert len(uuids) == len(set(uuids))
+    addresses = [g["address"] for g in gpus if g["address"]]
+    assert len(addresses) == len(set(addresses))
+    assert len({g["index"] for g in gpus}) == 8
+    found = [f for f in node["findings"] if f["kind"] == "duplicate-gpu"]
+    assert [(f["severity"], f["subject"]) for f in found] == [(severity, subject)]
+    assert "dropped this entry" in found[0]["message"] and "kept GPU0" in found[0]["message"]
+
+
+def test_placement_on_a_doubled_gpu_list_never_hands_one_gpu_out_twice(tmp_path):
+    root = make_root(tmp_path)
+    edit_nvml(root, _append_gpu0_as_8)
+    nine = run_cli("place", "--root", str(root), "--gpus", "9")
+    assert nine.returncode != 0 and "8 free of 8" in nine.stderr
+    eight = run_cli("place", "--root", str(root), "--include", "0,8", "--gpus", "2")
+    assert eight.returncode != 0 and "GPU 8 is not on this node" in eight.stderr
+    gres = run_cli("export", "gres", "--root", str(root))
+    assert gres.returncode == 0 and len([line for line in gres.stdout.splitlines() if line.startswith("Name=")]) == 8
+
+
+def test_two_gpus_with_one_uuid_are_never_placed_together(tmp_path):
+    root = make_root(tmp_path)
+    edit_nvml(root, _gpu1_takes_gpu0s_uuid)
+    every = run_cli("place", "--root", str(root), "--gpus", "8")
+    assert every.returncode != 0  # the GPU whose UUID was another's is kept off
+    placed = run_cli("place", "--root", str(root), "--gpus", "7", "--json")
+    assert placed.returncode == 0, placed.stderr
+    uuids = [g["uuid"] for g in json.loads(placed.stdout)["gpus"]]
+    assert None not in uuids and len(set(uuids)) == 7
+
+
+def test_of_two_gpus_with_one_index_the_one_sysfs_shows_is_kept(tmp_path):
+    root = make_root(tmp_path)
+    edit_nvml(root, _gpu0_elsewhere_first)
+    node = discover_json(root)
+    assert next(g for g in node["gpus"] if g["name"] == "GPU0")["address"] == "0000:07:00.0"
+    (finding,) = [f for f in node["findings"] if f["kind"] == "duplicate-gpu"]
+    assert "0000:99:00.0" in finding["message"] and "the one sysfs shows" in finding["message"]
+
+
+def test_numa_nodes_nvml_and_sysfs_disagree_on_are_a_finding_and_sysfs_wins(tmp_path):
+    root = make_root(tmp_path)
+
+    def elsewhere(gpus: list[dict]) -> None:
+        assert gpus[0]["numa_node"] == 3
+        gpus[0]["numa_node"] = 0
+
+    edit_nvml(root, elsewhere)
+    node = discover_json(root)
+    assert next(g for g in node["gpus"] if g["name"] == "GPU0")["numa_node"] == 3
+    (finding,) = [f for f in node["findings"] if f["kind"] == "numa-disagreement"]
+    assert finding["severity"] == "warning" and finding["subject"] == "GPU0"
+    assert "NUMA node 0 but sysfs says 3" in finding["message"]
