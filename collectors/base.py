@@ -84,9 +84,11 @@ async def run_collector(
 ) -> CollectorResult[Any]:
     """Run ``read`` and turn what happens into a CollectorResult.
 
-    Only the errors a read means to raise become an ``error`` result: the project's own
-    (a source that cannot be read, a parse error naming its file) and the OS's.  Anything
-    else is a bug and is left to surface rather than be reported as a damaged file.
+    The errors a read means to raise (the project's own: a source that cannot be read, a
+    parse error naming its file; and the OS's) become an ``error`` result with their
+    message.  Anything else is a bug met on odd input (a parser that trusted a JSON
+    field's type): it becomes an ``error`` result too, named as such (``crashed``), so one
+    source's bug never stops discovery; the traceback goes to the debug log.
     """
     started = time.perf_counter()
     try:
@@ -95,4 +97,24 @@ async def run_collector(
         return CollectorResult(name, NO_DATA, None, str(exc) or None, time.perf_counter() - started, optional=optional)
     except (TopoagentError, OSError) as exc:  # SourceError, HostError, parsers' typed errors
         return CollectorResult(name, ERROR, None, str(exc), time.perf_counter() - started, optional=optional)
+    except Exception as exc:
+        return crashed(name, exc, time.perf_counter() - started, optional=optional)
     return CollectorResult(name, OK, data, None, time.perf_counter() - started, warnings, optional)
+
+
+def crashed(name: str, exc: Exception, seconds: float = 0.0, *, optional: bool = False) -> CollectorResult[Any]:
+    """The ``error`` result of a collector that raised what no read means to raise (a bug).
+
+    The message names the exception's type, so the finding says "a bug", not "a damaged
+    file"; the traceback is logged at debug level (``--log-level debug``) for the report.
+    """
+    import logging
+    import traceback
+
+    from topoagent.log import log_event
+
+    said = str(exc).splitlines()[0][:200] if str(exc) else ""
+    message = f"collector crashed ({type(exc).__name__}{f': {said}' if said else ''}); this is a topoagent bug, please report it"
+    log_event("collector_crashed", logging.DEBUG, collector=name, error=type(exc).__name__,
+              traceback="".join(traceback.format_exception(exc)))
+    return CollectorResult(name, ERROR, None, message, seconds, optional=optional)

@@ -71,14 +71,20 @@ def _chassis(chassis: Any, interface: str) -> tuple[str | None, dict]:
     return name.strip()[:_MAX_TEXT] or None, fields
 
 
-def _kind(capabilities: Any) -> PeerKind:
+def _kind(capabilities: Any, interface: str) -> PeerKind:
     """A peer that bridges or routes is a switch; one that says it does neither (a host's
     lldpd, a station) is not a leaf.  A peer that sends no capabilities counts as a switch."""
     if isinstance(capabilities, dict):
         capabilities = [capabilities]
     if not isinstance(capabilities, list) or not capabilities:
         return PeerKind.SWITCH
-    enabled = {c.get("type") for c in capabilities if isinstance(c, dict) and c.get("enabled") is True}
+    enabled: set[str] = set()
+    for c in capabilities:
+        if isinstance(c, dict) and c.get("enabled") is True:
+            kind = c.get("type")
+            if not isinstance(kind, str):  # lldpd names a capability in text, never [...] or {...}
+                raise LldpParseError(f"{interface[:40]}: capability type: expected text, found {type(kind).__name__}")
+            enabled.add(kind)
     return PeerKind.SWITCH if enabled & {"Bridge", "Router"} else PeerKind.HOST
 
 
@@ -117,7 +123,7 @@ def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:
         # by its MAC is better told by its description.
         switch_port = port_text if port_type in ("ifname", "local", None) else (description or port_text)
         found.append(PortNeighbour(FabricSource.LLDP, chassis_id.lower(), name, switch_port, interface=interface[:_MAX_TEXT],
-                                   switch_kind=_kind(chassis.get("capability"))))
+                                   switch_kind=_kind(chassis.get("capability"), interface)))
     return tuple(found)
 
 

@@ -21,11 +21,25 @@ DGX_A100 = FIXTURES / "snapshots" / "dgx-a100"
 TOPO_RECORDING = "commands/nvidia-smi_topo_-m.out"
 
 
-def wedge(root: Path) -> Path:
-    """Make a sysfs file of the recorded node block forever when read, like a hung device."""
-    path = root / "sys" / "devices" / "system" / "node" / "node0" / "cpulist"
-    path.unlink()
-    os.mkfifo(path)
+# An agent started with this environment reads through tests/wedge_hook: a file that
+# holds WEDGE never returns from its read.  (A FIFO did that once; the Host now refuses
+# FIFOs, as a one-shot command must not hang on one.)
+WEDGE_HOOK = Path(__file__).resolve().parent / "wedge_hook"
+WEDGE = b"topoagent-test: this read never returns\n"
+
+
+def wedge_env() -> dict[str, str]:
+    """The environment for a child agent whose wedged files (see wedge) hang their reads."""
+    path = os.pathsep.join(filter(None, [str(WEDGE_HOOK), os.environ.get("PYTHONPATH")]))
+    return {"PYTHONPATH": path, "TOPOAGENT_TEST_WEDGE": "1"}
+
+
+def wedge(root: Path, path: Path | None = None) -> Path:
+    """Make a file of the recorded node (a sysfs file by default) block forever when an
+    agent started with wedge_env() reads it, like a hung device."""
+    path = path or root / "sys" / "devices" / "system" / "node" / "node0" / "cpulist"
+    path.unlink(missing_ok=True)
+    path.write_bytes(WEDGE)
     return path
 
 
@@ -113,7 +127,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         args += ["--config", str(cfg)]
     args += extra or []
     log_path = tmp / f"agent-{time.monotonic_ns()}.log"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **(env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **wedge_env(), **(env or {})}
     # The child keeps its own copy of the descriptor; ours is closed once it is handed over.
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=None if nofile is None else lambda: _limit_files(nofile))

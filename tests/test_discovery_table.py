@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -83,7 +84,10 @@ def test_collectors_run_concurrently_and_get_what_they_need() -> None:
     assert results["c"].data == "saw a-data"
 
 
-def test_a_collector_reports_its_typed_errors_and_lets_bugs_surface() -> None:
+def test_a_collector_reports_its_typed_errors_and_names_its_bugs_as_bugs(caplog) -> None:
+    """A bug met on odd input stops only its own collector, but is never passed off as a
+    damaged file: its message names the exception and says it is a bug, and the
+    traceback is in the debug log."""
     async def damaged() -> tuple[Any, tuple[str, ...]]:
         raise SourceError("/sys/x: 'abc' is not a number")
 
@@ -92,8 +96,17 @@ def test_a_collector_reports_its_typed_errors_and_lets_bugs_surface() -> None:
 
     result = asyncio.run(run_collector("x", damaged))
     assert (result.status, result.message) == (Status.ERROR, "/sys/x: 'abc' is not a number")
-    with pytest.raises(ValueError):
-        asyncio.run(run_collector("x", bug))
+    logger = logging.getLogger("topoagent")  # a CLI test may have stopped it propagating
+    logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="topoagent"):
+            crashed = asyncio.run(run_collector("x", bug))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert crashed.status == Status.ERROR
+    assert crashed.message is not None and crashed.message.startswith("collector crashed (ValueError: invalid literal")
+    assert "topoagent bug" in crashed.message
+    assert "event=collector_crashed collector=x error=ValueError" in caplog.text and "int(\\\"abc\\\")" in caplog.text
     assert issubclass(SourceError, TopoagentError)
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
 
 import pytest
-from service_helpers import DGX_A100, TOPO_RECORDING, Agent, make_root, metric_value, start_agent, wedge
+from service_helpers import DGX_A100, TOPO_RECORDING, Agent, make_root, metric_value, start_agent, wedge, wedge_env
 
 GPUS = list(range(8))  # the recorded DGX A100
 
@@ -344,7 +345,7 @@ def test_readyz_is_503_until_a_topology_loads(tmp_path):
     config = tmp_path / "t.toml"
     config.write_text("[discovery]\ntimeout_s = 30\n")
     args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(tmp_path / "s"), "--config", str(config)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, **wedge_env()})
     try:
         line = proc.stdout.readline()
         port = int(line.rsplit(":", 1)[1])

@@ -7,7 +7,6 @@ counters rise between them) through a real `topoagent serve` child, and the pure
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, REPO
-from service_helpers import metric_value, promtool_complaints, start_agent
+from service_helpers import metric_value, promtool_complaints, start_agent, wedge
 
 from topoagent.collectors import aer, ib_counters
 from topoagent.exporters.prometheus import TELEMETRY_METRICS
@@ -188,7 +187,7 @@ def test_a_hung_source_times_out_alone_and_metrics_still_answer(tmp_path):
     (root / "telemetry.json").unlink()  # read the recorded sysfs, as live
     counters = (root / "sys/class/infiniband/mlx5_0").resolve() / "ports" / "1" / "counters"
     counters.mkdir(parents=True)
-    os.mkfifo(counters / "symbol_error")  # a read that never returns, like a wedged device
+    wedge(root, counters / "symbol_error")  # a read that never returns, like a wedged device
     agent = start_agent(tmp_path, root=root, config=FAST + "timeout_s = 0.5\n")
     try:
         text = scrape_with_telemetry(agent)

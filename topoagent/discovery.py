@@ -6,7 +6,8 @@ and one line here; ``merge`` decides what its facts become in the model.
 
 Collectors run concurrently; one that ``needs`` others waits for their results and gets
 them, in the order it names them, after ``host`` (PCI needs NUMA's CPUs to place devices
-whose numa_node is -1).  A collector never raises: a failure is its result's status.
+whose numa_node is -1).  A collector never raises: a failure is its result's status, and
+a collector that raises anyway (a bug) gets an ``error`` status of its own (base.crashed).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from topoagent.collectors import (
     nvml,
     pci,
 )
-from topoagent.collectors.base import CollectorResult
+from topoagent.collectors.base import CollectorResult, crashed
 from topoagent.host import Host
 from topoagent.merge import merge
 from topoagent.model import NodeTopology
@@ -50,6 +51,7 @@ class Collector:
     name: str  # the name its CollectorResult carries, the key merge reads it by
     collect: Collect  # collect(host, *results of ``needs``)
     needs: tuple[str, ...] = ()
+    optional: bool = False  # its failure is a warning (as its collect() says to run_collector)
 
 
 # In the order the node's collector statuses are reported; a collector comes after
@@ -65,8 +67,8 @@ COLLECTORS: tuple[Collector, ...] = (
     Collector("nvidia_driver", nvidia_driver.collect),
     Collector("nvidia_smi", nvidia_smi.collect),
     # Optional: what is at the other end of each port (the leaf switches, the rails).
-    Collector(ib_neighbours.NAME, ib_neighbours.collect, needs=("infiniband",)),
-    Collector(lldp.NAME, lldp.collect),
+    Collector(ib_neighbours.NAME, ib_neighbours.collect, needs=("infiniband",), optional=True),
+    Collector(lldp.NAME, lldp.collect, optional=True),
 )
 
 
@@ -138,7 +140,10 @@ async def run_collectors(
 
     async def run(entry: Collector) -> CollectorResult[Any]:
         needed = [await tasks[name] for name in entry.needs]
-        return await entry.collect(host, *needed)
+        try:
+            return await entry.collect(host, *needed)
+        except Exception as exc:  # raised outside run_collector's read: still this source's failure alone
+            return crashed(entry.name, exc, optional=entry.optional)
 
     for entry in collectors:
         tasks[entry.name] = asyncio.ensure_future(run(entry))
@@ -170,7 +175,10 @@ def run_collectors_sync(
     """``run_collectors`` one collector at a time; the table lists needs before their users."""
     results: dict[str, CollectorResult[Any]] = {}
     for entry in collectors:
-        results[entry.name] = finish(entry.collect(host, *[results[name] for name in entry.needs]))
+        try:
+            results[entry.name] = finish(entry.collect(host, *[results[name] for name in entry.needs]))
+        except Exception as exc:  # as run_collectors: one source's bug never stops discovery
+            results[entry.name] = crashed(entry.name, exc, optional=entry.optional)
     return results
 
 

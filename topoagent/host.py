@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     import tempfile
 
 _MAX_SYMLINK_HOPS = 40
+# Components one resolution may walk, link targets included: PATH_MAX (4096) allows ~2,048
+# in one path or link; a sysfs path has ~15.
+_MAX_PATH_COMPONENTS = 4096
 _T = TypeVar("_T")
 
 # How much one read may bring in.  sysfs attributes are at most a page (4 KB); the largest
@@ -77,6 +80,10 @@ class CommandTimeout(HostError):
 
 class FileTooLarge(HostError):
     """A file (or recorded output) is larger than a node's would be; it was not read."""
+
+
+class NotAFile(HostError):
+    """A FIFO, socket or device where a file should be: unreadable, and never waited on."""
 
 
 class _LinkMoved(Exception):
@@ -195,33 +202,64 @@ class Host:
         """Where a node path that needs no further resolving lies on this machine."""
         return self.root / str(node_path).lstrip("/") if not self.live else node_path
 
-    def _resolve(self, path: str, hops: int = 0) -> str:
-        """Resolve inside the root: the parent first (cached), then the last component.
+    def _resolve(self, path: str) -> str:
+        """Resolve inside the root, one component at a time, without recursion.
 
-        Plain strings and a cache per directory: discovery resolves thousands of sysfs
-        paths ten components deep, mostly in the same few hundred directories.
+        A loop with a stack of components still to walk, not a call per component: a link
+        whose target is thousands of components long (``./././…``, legal up to PATH_MAX)
+        must cost a loop, not Python's recursion limit.  Plain strings and a cache keyed
+        by every prefix of the path asked for: discovery resolves thousands of sysfs paths
+        ten components deep, mostly in the same few hundred directories, so the walk starts
+        at the nearest resolved ancestor.  At most _MAX_SYMLINK_HOPS links are followed and
+        _MAX_PATH_COMPONENTS components walked (as the kernel's own limits, ELOOP and
+        PATH_MAX, bound its walk); past either the path is unreadable (HostError).
         """
         cached = self._resolved.get(path)
         if cached is not None:
             return cached
-        if hops > _MAX_SYMLINK_HOPS:
-            raise HostError(f"{path}: too many levels of symbolic links")
-        parent, _, name = path.rstrip("/").rpartition("/")
-        base = self._resolve(parent, hops) if parent else "/"
-        prefix = "" if base == "/" else base
-        if name in ("", "."):
-            result = base
-        elif name == "..":
-            result = base.rsplit("/", 1)[0] or "/"
-        else:
-            target = self._link_target(f"{prefix}/{name}")
-            if target is None:
-                result = f"{prefix}/{name}"
+        # (component, the prefix of ``path`` it completes, to cache; None inside a link's target)
+        pending: list[tuple[str, str | None]] = []
+        head = path.rstrip("/")
+        current = "/"
+        while head:
+            found = self._resolved.get(head)
+            if found is not None:
+                current = found
+                break
+            parent, _, name = head.rpartition("/")
+            pending.append((name, head))
+            if len(pending) > _MAX_PATH_COMPONENTS:
+                raise HostError(f"{path[:100]}...: path too deep (more than {_MAX_PATH_COMPONENTS:,} components)")
+            head = parent
+        hops = walked = 0
+        while pending:
+            name, key = pending.pop()
+            walked += 1
+            if walked > _MAX_PATH_COMPONENTS:
+                raise HostError(f"{path[:100]}: path too deep (more than {_MAX_PATH_COMPONENTS:,} components)")
+            prefix = "" if current == "/" else current
+            if name in ("", "."):
+                pass
+            elif name == "..":
+                current = current.rsplit("/", 1)[0] or "/"
             else:
-                joined = target if target.startswith("/") else f"{prefix}/{target}"
-                result = self._resolve(joined, hops + 1)
-        self._resolved[path] = result
-        return result
+                target = self._link_target(f"{prefix}/{name}")
+                if target is None:
+                    current = f"{prefix}/{name}"
+                else:
+                    hops += 1
+                    if hops > _MAX_SYMLINK_HOPS:
+                        raise HostError(f"{path[:100]}: too many levels of symbolic links")
+                    if key is not None:  # cache this prefix once its link's target is walked
+                        pending.append(("", key))
+                        key = None
+                    if target.startswith("/"):
+                        current = "/"
+                    pending.extend((part, None) for part in reversed(target.split("/")))
+            if key is not None:
+                self._resolved[key] = current
+        self._resolved[path] = current
+        return current
 
     def _link_target(self, node_path: str) -> str | None:
         """The target of a symlink in the recording; None when it is not one (or missing)."""
@@ -304,21 +342,36 @@ class Host:
     def read_bytes(self, path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         """The one way anything is read from a node: inside the root, at most ``limit`` bytes.
 
-        Raises FileNotFoundError / OSError like open() does, FileTooLarge past the limit.
+        Raises FileNotFoundError / OSError like open() does, FileTooLarge past the limit,
+        NotAFile for a FIFO, socket or device in a file's place.
         """
+        # O_NONBLOCK: opening a FIFO for reading waits for a writer, and reading it waits
+        # for data; a recording (or a planted FIFO) must not hang a one-shot command.
+        # Only regular files are read (sysfs and procfs attributes are), checked on the
+        # open descriptor so the check and the read see the same file.
         if self.live:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         else:
 
             def action(dir_fd: int, name: str) -> int:
                 try:
-                    return os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                    return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
                 except OSError as exc:
                     if exc.errno == errno.ELOOP:
                         raise _LinkMoved from None
                     raise type(exc)(exc.errno, exc.strerror, path) from None
 
             fd = self._inside(path, action)
+        try:
+            mode = os.fstat(fd).st_mode
+            if stat.S_ISDIR(mode):
+                raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
+            if not stat.S_ISREG(mode):
+                raise NotAFile(f"{path}: not a regular file ({_file_kind(mode)}); not read")
+            os.set_blocking(fd, True)  # a regular file reads as before; O_NONBLOCK was for the open
+        except BaseException:
+            os.close(fd)
+            raise
         # In pieces: procfs and sysfs size a read's buffer by what is asked for, and a sysctl
         # file refuses a read of 4 MiB or more outright (ENOMEM), so one read of the whole
         # limit would lose /proc/sys/kernel/hostname on a live node.
@@ -623,6 +676,17 @@ def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
             raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
         if total > MAX_TARBALL_BYTES:
             raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
+
+
+def _file_kind(mode: int) -> str:
+    """What a non-regular file is, in the words of ls -l's type letters."""
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    return "not a file"
 
 
 def _kind(entry: os.DirEntry) -> str:

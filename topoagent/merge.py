@@ -5,6 +5,18 @@ NUMA and NVML's NVLink state, and the level *declared* by `nvidia-smi topo -m`. 
 derived level is kept (it comes from the hardware's own description); a disagreement is a
 finding, never a silent pick.  Where we cannot derive (a GPU sysfs does not show, NVLink
 state unknown without NVML) the declared level is used and the pair says so in ``source``.
+
+The same holds for each GPU's own facts:
+
+- A GPU NVML lists twice, or two GPUs sharing a UUID, a PCI address or an index (a
+  damaged recording, a driver in trouble), would be handed out twice: leases are keyed by
+  UUID, and jobs name GPUs by index.  One of each clashing set is kept -- the first whose
+  PCI address sysfs shows, else the first NVML lists -- the others are dropped, and a
+  ``duplicate-gpu`` finding names each one dropped: a warning when it was the same GPU
+  listed twice (UUID and address alike), critical when identities conflict, so placement
+  keeps off any GPU that still goes by the dropped entry's name.
+- NUMA node: sysfs's ``numa_node`` wins over NVML's (the kernel placed the device; NVML
+  reports what it reads from there), and a difference is a ``numa-disagreement`` finding.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from topoagent.collectors.infiniband import Hca
 from topoagent.collectors.netdev import NetInterface
 from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoMatrix, first_numa_node
-from topoagent.collectors.nvml import NvmlInfo
+from topoagent.collectors.nvml import NvmlGpu, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.derive import expected_for_pair, nvlink_levels, pcie_level
 from topoagent.fabric import build_fabric
@@ -65,6 +77,9 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
     cpu: CpuFacts | None = _data(results, "cpu")
     minors: dict[str, int] = _data(results, "nvidia_driver") or {}
     findings: list[Finding] = collector_findings(results.values())
+    if nvml is not None:
+        nvml, dropped = _unique_gpus(nvml, tree)
+        findings.extend(dropped)
 
     def node_cpus(node: int | None) -> str | None:
         if numa is None or node is None:
@@ -79,7 +94,14 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
     if nvml is not None:
         for g in nvml.gpus:
             dev = tree.get(g.pci_address) if tree and g.pci_address else None
-            numa_node = g.numa_node if g.numa_node is not None else (dev.numa_node if dev else None)
+            sysfs_numa = dev.numa_node if dev is not None else None
+            numa_node = sysfs_numa if sysfs_numa is not None else g.numa_node
+            if sysfs_numa is not None and g.numa_node is not None and g.numa_node != sysfs_numa:
+                findings.append(Finding(
+                    FindingKind.NUMA_DISAGREEMENT, Severity.WARNING, f"GPU{g.index}",
+                    f"NVML places {g.pci_address} on NUMA node {g.numa_node} but sysfs says {sysfs_numa}; "
+                    f"using sysfs's (the kernel's) node {sysfs_numa}",
+                ))
             gpus.append(
                 GpuTopo(
                     index=g.index,
@@ -245,6 +267,38 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
                 "did not say); placement takes it only after every GPU whose links are known")
         for name in unknown
     ))
+
+
+def _unique_gpus(nvml: NvmlInfo, tree: PciTree | None) -> tuple[NvmlInfo, list[Finding]]:
+    """NVML's GPUs with no UUID, PCI address or index twice (see the module's note on
+    which is kept), and a finding for each one dropped."""
+    def shown(g: NvmlGpu) -> bool:
+        return tree is not None and g.pci_address is not None and tree.get(g.pci_address) is not None
+
+    order = sorted(range(len(nvml.gpus)), key=lambda i: (not shown(nvml.gpus[i]), i))
+    kept: dict[int, NvmlGpu] = {}
+    holders: dict[tuple[str, object], NvmlGpu] = {}  # ("uuid", value) ... -> the GPU kept with it
+    findings: list[Finding] = []
+    for i in order:
+        g = nvml.gpus[i]
+        identity = [("UUID", g.uuid), ("PCI address", (g.pci_address or "").lower() or None), ("index", g.index)]
+        clashes = [(what, value, holders[(what, value)]) for what, value in identity if value is not None and (what, value) in holders]
+        if not clashes:
+            kept[i] = g
+            holders.update(((what, value), g) for what, value in identity if value is not None)
+            continue
+        other = clashes[0][2]
+        same_gpu = g.uuid is not None and g.uuid == other.uuid and g.pci_address == other.pci_address
+        shared = " and ".join(what for what, _, _ in clashes)
+        findings.append(Finding(
+            FindingKind.DUPLICATE_GPU, Severity.WARNING if same_gpu else Severity.CRITICAL, f"GPU{g.index}",
+            f"NVML lists GPU{g.index} ({g.pci_address or 'no PCI address'}, {g.uuid or 'no UUID'}) with the same "
+            f"{shared} as GPU{other.index} ({other.pci_address or 'no PCI address'}): "
+            f"{'the same GPU twice' if same_gpu else 'two GPUs cannot share one'}; kept "
+            f"GPU{other.index} ({'the one sysfs shows' if shown(other) and not shown(g) else 'listed first'}), dropped this entry",
+        ))
+    gpus = tuple(kept[i] for i in sorted(kept))
+    return (nvml if len(gpus) == len(nvml.gpus) else replace(nvml, gpus=gpus)), findings
 
 
 def _interfaces(

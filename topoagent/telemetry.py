@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from topoagent.host import HostError
 from topoagent.model import CollectorStatus, Finding
 from topoagent.vocabulary import FindingKind, Severity, Status
 
@@ -287,18 +288,23 @@ def recorded_samples(host: Host) -> list[Sample] | None:
     """A recording's telemetry.json as samples, in order; None when it has none."""
     if host.live or not host.exists(TELEMETRY_FILE):
         return None
-    document = json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
+    try:
+        document = json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
+        samples: list[Sample] = []
+        for entry in document.get("samples", []):
+            taken_at = float(entry["monotonic_s"])
+            for name, raw in sorted((entry.get("sources") or {}).items()):
+                samples.append(Sample(name, taken_at, raw))
+            for name, error in sorted((entry.get("errors") or {}).items()):
+                samples.append(Sample(name, taken_at, None, str(error)))
+            for name, why in sorted((entry.get("no_data") or {}).items()):
+                samples.append(Sample(name, taken_at, None, str(why), absent=True))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+        # A FIFO, a truncated file, a list where an object goes: the recording's fault,
+        # said as such (a one-shot command prints it; the agent's loop counts it).
+        raise HostError(f"{TELEMETRY_FILE.lstrip('/')}: unreadable counter recording: {type(exc).__name__}: {str(exc)[:200]}") from None
     if host.recording is not None:
         host.recording.telemetry = document  # re-recording a recording keeps its samples
-    samples: list[Sample] = []
-    for entry in document.get("samples", []):
-        taken_at = float(entry["monotonic_s"])
-        for name, raw in sorted((entry.get("sources") or {}).items()):
-            samples.append(Sample(name, taken_at, raw))
-        for name, error in sorted((entry.get("errors") or {}).items()):
-            samples.append(Sample(name, taken_at, None, str(error)))
-        for name, why in sorted((entry.get("no_data") or {}).items()):
-            samples.append(Sample(name, taken_at, None, str(why), absent=True))
     return samples
 
 

@@ -49,6 +49,8 @@ class FindingKind(enum.StrEnum):
     PCIE_SLOW = "pcie-slow"
     IB_PORT_DOWN = "ib-port-down"
     LINKS_UNKNOWN = "links-unknown"
+    DUPLICATE_GPU = "duplicate-gpu"  # a source lists one GPU twice, or two GPUs with one identity
+    NUMA_DISAGREEMENT = "numa-disagreement"  # NVML and sysfs place a device on different NUMA nodes
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"

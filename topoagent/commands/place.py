@@ -145,10 +145,14 @@ def recorded_live(args: argparse.Namespace) -> Live:
     rate, or on nvidia-smi text."""
     if args.from_nvidia_smi or not args.root:
         return Live()
-    from topoagent.host import Host
+    from topoagent.host import Host, HostError
     from topoagent.telemetry import nic_traffic, replayed
 
-    return Live(nic_traffic=nic_traffic(replayed(Host(args.root), None)))
+    try:
+        return Live(nic_traffic=nic_traffic(replayed(Host(args.root), None)))
+    except HostError as exc:  # the recording's counters, not its topology: place without them
+        print(f"topoagent place: warning: {exc}; placing without NIC traffic", file=sys.stderr)
+        return Live()
 
 
 def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ...]]:

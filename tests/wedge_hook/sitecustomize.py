@@ -1,0 +1,28 @@
+"""Test-only: a node file whose read never returns, like a hung device's sysfs attribute.
+
+The Host refuses FIFOs (they hung one-shot commands), and no regular file blocks a read,
+so the agents the tests start (tests/service_helpers.py puts this folder on their
+PYTHONPATH with TOPOAGENT_TEST_WEDGE=1) read through this hook: a file that holds
+exactly WEDGE blocks its reader forever, as a wedged device would.
+"""
+
+from __future__ import annotations
+
+import os
+
+WEDGE = b"topoagent-test: this read never returns\n"
+
+if os.environ.get("TOPOAGENT_TEST_WEDGE") == "1":
+    import threading
+
+    from topoagent import host as _host
+
+    _read_bytes = _host.Host.read_bytes
+
+    def _wedged_read_bytes(self: _host.Host, path: str, limit: int = _host.MAX_FILE_BYTES) -> bytes:
+        data = _read_bytes(self, path, limit)
+        if data == WEDGE:
+            threading.Event().wait()
+        return data
+
+    _host.Host.read_bytes = _wedged_read_bytes  # type: ignore[method-assign]
