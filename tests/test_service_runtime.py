@@ -22,6 +22,15 @@ def facts():
         return asyncio.run(discover_in_child(host))
 
 
+
+async def first_snapshot(agent: Agent) -> None:
+    """Wait for the agent's first discovery (at most 30 s): a loaded machine takes longer
+    than any fixed pause, and a fixed pause is what made these tests flaky."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 30
+    while agent.snapshot is None and loop.time() < give_up:
+        await asyncio.sleep(0.01)
+
 def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
     runs: list[float] = []
 
@@ -72,7 +81,7 @@ def test_a_source_lost_keeps_the_old_facts_and_says_why(tmp_path, facts):
     async def scenario() -> None:
         agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), interval_s=3600), discover=scripted)
         await agent.start()
-        await asyncio.sleep(0.05)
+        await first_snapshot(agent)
         first = agent.snapshot
         assert not first.stale
         await agent.request_refresh("test")
@@ -120,7 +129,7 @@ def test_a_changed_topology_tells_the_probe_schedule_to_probe_soon(tmp_path, fac
                         probes_enabled=True, probe_backend="cpu", probe_startup_delay_s=3600)
         agent = Agent(config, discover=scripted)
         await agent.start()
-        await asyncio.sleep(0.05)
+        await first_snapshot(agent)
         schedule = agent.probes.schedule
         assert len(schedule.states) == 28 + 8  # every pair, every GPU
         assert schedule.next_wakeup() - schedule.clock() > 3000  # start-up delay
