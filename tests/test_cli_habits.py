@@ -175,6 +175,6 @@ def test_a_client_token_file_that_holds_no_usable_token_is_refused_at_start(tmp_
     os.mkfifo(fifo)
     broken = tmp_path / "broken"
     broken.write_text("first-half-of-it\nsecond-half-of-it\n")
-    for path, says in ((empty, "holds no token"), (fifo, "holds no token"), (broken, "line break")):
+    for path, says in ((empty, "holds no token"), (fifo, "not a regular file (a FIFO)"), (broken, "line break")):
         done = topoagent(*argv, str(path))
         assert done.returncode == 2 and flag in done.stderr and says in done.stderr, (argv, path, done.stderr)

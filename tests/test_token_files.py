@@ -178,3 +178,21 @@ def test_group_read_on_a_file_root_owns_is_how_root_grants_it(tmp_path: Path, mo
     assert readable_by_others(everyone.stat()) == "anyone"
     os.chown(group_only, 12345, 12345)  # a file another user owns: its group bit is that user's doing
     assert readable_by_others(group_only.stat()) == "its group"
+
+
+def test_a_small_file_that_is_no_regular_file_is_refused_and_leaks_no_descriptor(tmp_path):
+    """A FIFO a writer holds open (a read would return no bytes, not end of file), or a
+    directory, in a token's or certificate's place: refused with what it is, no descriptor kept."""
+    from topoagent.smallfile import read_small_file
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    writer = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+    try:
+        before = len(os.listdir("/proc/self/fd"))
+        for path, kind in ((fifo, "a FIFO"), (tmp_path, "a directory")):
+            with pytest.raises(OSError, match=rf"not a regular file \({kind}\)"):
+                read_small_file(str(path), 1024)
+        assert len(os.listdir("/proc/self/fd")) == before
+    finally:
+        os.close(writer)

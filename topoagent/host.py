@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
+from topoagent.smallfile import file_kind
 
 if TYPE_CHECKING:
     import tarfile
@@ -367,7 +368,7 @@ class Host:
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             if not stat.S_ISREG(mode):
-                raise NotAFile(f"{path}: not a regular file ({_file_kind(mode)}); not read")
+                raise NotAFile(f"{path}: not a regular file ({file_kind(mode)}); not read")
             os.set_blocking(fd, True)  # a regular file reads as before; O_NONBLOCK was for the open
         except BaseException:
             os.close(fd)
@@ -676,17 +677,6 @@ def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
             raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
         if total > MAX_TARBALL_BYTES:
             raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
-
-
-def _file_kind(mode: int) -> str:
-    """What a non-regular file is, in the words of ls -l's type letters."""
-    if stat.S_ISFIFO(mode):
-        return "a FIFO"
-    if stat.S_ISSOCK(mode):
-        return "a socket"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "a device"
-    return "not a file"
 
 
 def _kind(entry: os.DirEntry) -> str:

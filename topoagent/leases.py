@@ -47,7 +47,6 @@ import math
 import os
 import re
 import secrets
-import stat
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -61,6 +60,7 @@ from topoagent.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS
+from topoagent.smallfile import file_kind
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -113,15 +113,6 @@ class StateUnusable(OSError):
 
     def __init__(self, path: Path, problem: str):
         super().__init__(errno.EINVAL, problem, str(path))
-
-
-def file_kind(mode: int) -> str | None:
-    """What a non-regular file is, in words; None for a regular file."""
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 @dataclass(frozen=True, slots=True)
