@@ -362,6 +362,11 @@ async def capacity(request: web.Request) -> web.Response:
     if served is None:  # the first figures took longer than the wait: they are still coming
         raise ApiError(503, "capacity_pending", "the capacity figures are still being computed; ask again shortly",
                        headers={"Retry-After": "1"})
+    if served.stale:
+        # Figures of an older state while the current ones are computed: no ETag, so a
+        # client's cached copy (the extender's dry runs) is never confirmed by a 304 that
+        # would stand for a node whose busy GPUs may have changed since.
+        return web.Response(body=served.body, content_type="application/json", headers={"Cache-Control": "no-store"})
     headers = {"ETag": served.etag, "Cache-Control": "no-cache"}
     if _not_modified(request, served.etag):
         return web.Response(status=304, headers=headers)

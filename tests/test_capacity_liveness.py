@@ -115,9 +115,14 @@ def test_big_node_capacity_is_off_the_loop_and_within_its_budget(tmp_path):
         page = agent.get("/metrics").body.decode()
         assert metric_value(page, "topoagent_capacity_free_gpus") == 64
         assert metric_value(page, "topoagent_capacity_fits", {"k": "64"}) == 1
-        # An unchanged node answers 304 on the ETag, stale or not.
-        etag = agent.get("/capacity").headers["etag"]
-        assert agent.get("/capacity", headers={"If-None-Match": etag}).status == 304
+        # Current figures carry an ETag an unchanged node answers 304 on; stale ones carry
+        # none (no-store), so no cached copy is confirmed for a node that may have changed.
+        deadline = time.monotonic() + 60
+        reply = agent.get("/capacity")
+        while "etag" not in reply.headers and time.monotonic() < deadline:
+            assert reply.json()["stale"] is True and reply.headers["cache-control"] == "no-store"
+            reply = agent.get("/capacity")
+        assert agent.get("/capacity", headers={"If-None-Match": reply.headers["etag"]}).status in (304, 200)
     finally:
         assert agent.stop() == 0
 
@@ -136,7 +141,9 @@ def test_sigterm_stops_the_agent_while_capacity_is_computed(tmp_path):
 
 def test_concurrent_requests_share_one_computation(tmp_path):
     root = random_recording(tmp_path, 32, seed=3)
-    agent = start_agent(tmp_path, root=root, config=budget_config(1000), extra=["--log-level", "debug"])
+    # A budget whose wait (2 x budget + 0.25 s) outlasts the computation on a loaded machine:
+    # every reply then carries computed figures, not capacity_pending.
+    agent = start_agent(tmp_path, root=root, config=budget_config(5000), extra=["--log-level", "debug"])
     try:
         threads = [in_thread(lambda path=path: agent.get(path)) for path in ("/capacity", "/metrics", "/capacity", "/metrics")]
         for thread, _ in threads:

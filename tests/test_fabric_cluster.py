@@ -456,14 +456,13 @@ def test_timeout_bounds_the_answers_head_and_an_oversized_answer_is_refused() ->
     big, port_b = _one_shot_server("127.0.0.1", too_big)
     urls = [f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_b}"]
     try:
-        started = time.monotonic()
         done = cli("--agents", *urls, "--timeout", "1.5")
-        took = time.monotonic() - started
     finally:
         slow.close()
         big.close()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     lines = done.stderr.splitlines()
+    # The line says the deadline fired: were each header line to reset the clock, the
+    # agent's 90 lines would end with its connection closing, and another error.
     assert lines[0] == f"topoagent cluster-topology: {urls[0]}: no answer within 1.5 s", done.stderr
     assert lines[1] == f"topoagent cluster-topology: {urls[1]}: answer is larger than 8 MiB", done.stderr
-    assert took < 12  # 18 s if each header line reset the clock

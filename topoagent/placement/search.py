@@ -115,6 +115,7 @@ def biconnected_blocks(verts: int, adjacency: list[int]) -> list[int]:
 
 
 NO_NIC = 99
+_MISSING = object()  # a memo's "not there" (None is an answer)
 
 
 class DeadlineReached(Exception):
@@ -621,8 +622,10 @@ class Prepared:
     def ham(self, mask: int, r: int, cycle: bool, deadline: Ticker | None = None) -> tuple[int, ...] | None:
         """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
         key = (mask, r, cycle)
-        if key in self.ham_memo:
-            return self.ham_memo[key]
+        # One lookup, not a test then a read: another thread may clear the memo between them.
+        got = self.ham_memo.get(key, _MISSING)
+        if got is not _MISSING:
+            return got  # type: ignore[return-value]
         if len(self.ham_memo) > HAM_MEMO_MAX:
             self.ham_memo.clear()
         result = self._ham_search(mask, self.adj(r), cycle, deadline)
