@@ -106,6 +106,21 @@ def test_gpus_with_unknown_levels_are_left_out_and_named(capsys):
     assert "--include: GPU 7 was left out" in capsys.readouterr().err
 
 
+def test_a_batch_line_names_left_out_gpus_as_the_flags_do(capsys, monkeypatch):
+    """--batch and the flags share one rule for GPUs the text left out: busy or excluded is
+    fine (they are no candidates anyway), included is refused in the same words."""
+    lines = ['{"gpus": 2, "exclude": [6, 7]}', '{"gpus": 2, "busy": [7, 0]}', '{"gpus": 2, "include": [7]}']
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("\n".join(lines).encode() + b"\n")))
+    assert main(["place", "--batch", "--from-nvidia-smi", VLLM_FRAGMENT]) == 2  # the worst line: bad input
+    answers = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main(["place", "--gpus", "2", "--exclude", "6,7", "--from-nvidia-smi", VLLM_FRAGMENT, "--json"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert [g["index"] for g in answers[0]["gpus"]] == [g["index"] for g in alone["gpus"]]
+    assert main(["place", "--gpus", "2", "--busy", "7,0", "--from-nvidia-smi", VLLM_FRAGMENT, "--json"]) == 0
+    assert [g["index"] for g in answers[1]["gpus"]] == [g["index"] for g in json.loads(capsys.readouterr().out)["gpus"]]
+    assert "GPU 7 was left out: its levels to other GPUs are unknown" in json.dumps(answers[2])
+
+
 def test_explain_names_gpus_and_numa_nodes_unambiguously(capsys):
     """'NUMA node {0,1}' read like NUMA ids; the zones now list GPUs, then what they share."""
     argv = ["place", "--gpus", "2", "--include", "0,4", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]

@@ -113,7 +113,7 @@ def flag_list(text: str) -> list[Any]:
     return [flag_value(part.strip()) for part in text.split(",") if part.strip()]
 
 
-def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[str, Any]:
+def request_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The request the flags spell, as a JSON-like object: only the flags given."""
     fields: dict[str, Any] = {"gpus": flag_value(args.gpus)}  # run() saw it given
     if args.pattern is not None:
@@ -125,8 +125,7 @@ def request_fields(args: argparse.Namespace, left_out: tuple[int, ...]) -> dict[
     if args.include is not None:
         fields["include"] = flag_list(args.include)
     if args.exclude is not None:
-        # Left-out GPUs are not candidates anyway; excluding them is fine.
-        fields["exclude"] = [i for i in flag_list(args.exclude) if i not in left_out]
+        fields["exclude"] = flag_list(args.exclude)
     if args.nics is not None:
         fields["nics"] = flag_value(args.nics)
     if args.affinity is not None:
@@ -247,6 +246,25 @@ def request_flags_given(args: argparse.Namespace) -> list[str]:
     return [flag for name, flag in BATCH_LINE_FLAGS.items() if getattr(args, name) not in (None, False)]
 
 
+def left_out_rules(
+    fields: dict[str, Any], busy: Any, on_node: set[int], left_out: tuple[int, ...]
+) -> tuple[dict[str, Any], tuple[int, ...]]:
+    """A request's fields and busy GPUs where nvidia-smi's text left some GPUs out (their
+    levels unknown): such a GPU may be named busy or excluded -- it is no candidate anyway
+    -- but not included.  The same rules for the flags and for each line of --batch."""
+    def left(i: Any) -> bool:
+        return type(i) is int and i in left_out
+
+    include = fields.get("include")
+    if isinstance(include, list) and (named := [i for i in include if left(i)]):
+        raise RequestError("include", f"GPU {named[0]} was left out: its levels to other GPUs are unknown")
+    exclude = fields.get("exclude")
+    if isinstance(exclude, list) and any(left(i) for i in exclude):
+        fields = {**fields, "exclude": [i for i in exclude if not left(i)]}
+    parsed = parse_gpu_indices("busy", busy, on_node | set(left_out))
+    return fields, tuple(i for i in parsed if i not in left_out)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.batch:
         # Each line is a whole request, busy included; a flag beside them would be
@@ -254,17 +272,16 @@ def run(args: argparse.Namespace) -> int:
         if given := request_flags_given(args):
             fields = ", ".join(f'"{name}"' for name, flag in BATCH_LINE_FLAGS.items() if flag in given)
             raise UsageError(f"--batch takes requests from stdin; drop {', '.join(given)} (give each line its {fields})")
-        return run_batch(load_matrix(args)[0], recorded_live(args))
+        matrix, left_out = load_matrix(args)
+        return run_batch(matrix, recorded_live(args), left_out)
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
     matrix, left_out = load_matrix(args)
-    if unusable := sorted(i for i in flag_list(args.include or "") if isinstance(i, int) and i in left_out):
-        raise UsageError(f"--include: GPU {unusable[0]} was left out: its levels to other GPUs are unknown")
+    on_node = {g.index for g in matrix.gpus}
     try:
         # The batch lines' own rules (each index once, on the node), so the doors agree.
-        busy = parse_gpu_indices("busy", flag_list(args.busy or ""), {g.index for g in matrix.gpus} | set(left_out))
-        busy = tuple(i for i in busy if i not in left_out)  # not candidates anyway
-        request = parse_request(request_fields(args, left_out), gpu_indices={g.index for g in matrix.gpus})
+        asked, busy = left_out_rules(request_fields(args), flag_list(args.busy or ""), on_node, left_out)
+        request = parse_request(asked, gpu_indices=on_node)
         answer = place(matrix, request, busy, live=recorded_live(args))
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
@@ -283,7 +300,9 @@ def run(args: argparse.Namespace) -> int:
 MAX_BATCH_LINE_BYTES = 64 * 1024
 
 
-def answer_line(matrix: DistanceMatrix, line_no: int, line: str, live: Live = NO_LIVE) -> dict[str, Any]:
+def answer_line(
+    matrix: DistanceMatrix, line_no: int, line: str, live: Live = NO_LIVE, left_out: tuple[int, ...] = ()
+) -> dict[str, Any]:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -296,8 +315,9 @@ def answer_line(matrix: DistanceMatrix, line_no: int, line: str, live: Live = NO
         if not isinstance(obj, dict):
             raise RequestError("request", "expected a JSON object")
         fields = dict(obj)
+        busy_named = fields.pop("busy", [])
         gpu_indices = {g.index for g in matrix.gpus}
-        busy = parse_gpu_indices("busy", fields.pop("busy", []), gpu_indices)
+        fields, busy = left_out_rules(fields, busy_named, gpu_indices, left_out)
         request = parse_request(fields, gpu_indices=gpu_indices)
         if request.deadline_ms is None:  # a scheduler's door, like HTTP: the service's default
             request = replace(request, deadline_ms=SERVICE_DEADLINE_MS)
@@ -323,7 +343,7 @@ def batch_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
         yield line_no, None
 
 
-def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE) -> int:
+def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE, left_out: tuple[int, ...] = ()) -> int:
     """Answer every line; exit as a single request would for the worst line's answer:
     2 if any line was bad input, else 1 if any did not fit, else 0 (none: 0)."""
     status = 0
@@ -333,7 +353,7 @@ def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE) -> int:
         elif not line.strip():
             continue
         else:
-            answer = answer_line(matrix, line_no, line, live)
+            answer = answer_line(matrix, line_no, line, live, left_out)
         status = max(status, 2 if "error" in answer else 0 if answer["fit"] else 1)
         sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
         sys.stdout.flush()
