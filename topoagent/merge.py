@@ -288,7 +288,10 @@ def _unique_gpus(nvml: NvmlInfo, tree: PciTree | None) -> tuple[NvmlInfo, list[F
             holders.update(((what, value), g) for what, value in identity if value is not None)
             continue
         other = clashes[0][2]
-        same_gpu = g.uuid is not None and g.uuid == other.uuid and g.pci_address == other.pci_address
+        same_gpu = (
+            g.uuid is not None and g.uuid == other.uuid
+            and (g.pci_address or "").lower() == (other.pci_address or "").lower()
+        )
         shared = " and ".join(what for what, _, _ in clashes)
         findings.append(Finding(
             FindingKind.DUPLICATE_GPU, Severity.WARNING if same_gpu else Severity.CRITICAL, f"GPU{g.index}",

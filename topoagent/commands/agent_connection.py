@@ -4,7 +4,8 @@ answer's head and its body) within one deadline.
 A socket timeout alone bounds each receive, not the exchange: an agent that sends one
 header line a second would hold its reader as long as it liked.  Here every receive waits
 at most for the time left, so the deadline holds however the answer trickles in, and no
-thread is left blocked past it.
+thread is left blocked past it.  Only the name look-up (getaddrinfo) is not bounded: an
+address given as an IP needs none.
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ class BindingTables:
         slots = format_cpulist({core_of[c] for c in cpus}) if core_of and all(c in core_of for c in cpus) else None
         return Share(cpus, format_cpulist(cpus), f"0x{sum(1 << c for c in cpus):x}", min(cpus), slots)
 
-    def shared_unsplit(self, pool: tuple[int, ...], ranks: int) -> bool:
-        """Whether ``ranks`` (more than one) ranks on ``pool`` all get the whole of it because
+    def shared_unsplit(self, ranks: int) -> bool:
+        """Whether ``ranks`` (more than one) ranks on one pool all get the whole of it because
         no core map says which of its CPUs are one core's threads."""
         return ranks > 1 and not self.core_of
 
@@ -169,7 +169,7 @@ def bind_ranks(
     shares: list[Share | None] = [None] * len(order)
     unsplit: list[int] = []
     for pool, ranks in by_pool.items():
-        if t.shared_unsplit(pool, len(ranks)):
+        if t.shared_unsplit(len(ranks)):
             unsplit += ranks
         for rank, share in zip(ranks, t.split(pool, len(ranks))):
             shares[rank] = share
