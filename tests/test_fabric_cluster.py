@@ -303,34 +303,16 @@ def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:
 def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_traceback() -> None:
     """Not HTTP, a port that is no number, an agent that trickles its answer a byte at a
     time: each is one error line; the trickle meets --timeout in all, not per byte."""
-    import threading
     import time
 
-    def serve(reply: bytes, trickle: bool) -> tuple[socket.socket, int]:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(4)
+    def trickle(conn: socket.socket) -> None:
+        conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n")
+        while True:  # a byte at a time, until the reader goes (an OSError ends it)
+            conn.sendall(b" ")
+            time.sleep(0.2)
 
-        def run() -> None:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                try:
-                    conn.sendall(reply)
-                    while trickle:
-                        conn.sendall(b" ")
-                        time.sleep(0.2)
-                except OSError:
-                    pass
-
-        threading.Thread(target=run, daemon=True).start()
-        return listener, listener.getsockname()[1]
-
-    not_http, a = serve(b"SSH-2.0-OpenSSH_9.2\r\n", trickle=False)
-    trickling, b = serve(b"HTTP/1.0 200 OK\r\nContent-Length: 100000\r\n\r\n", trickle=True)
+    not_http, a = _one_shot_server("127.0.0.1", lambda conn: conn.sendall(b"SSH-2.0-OpenSSH_9.2\r\n"))
+    trickling, b = _one_shot_server("127.0.0.1", trickle)
     urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "http://127.0.0.1:notaport"]
     try:
         started = time.monotonic()
