@@ -168,7 +168,7 @@ def test_group_read_on_a_file_root_owns_is_how_root_grants_it(tmp_path: Path, mo
     """A non-root agent reading root's file through its group (a Secret under fsGroup,
     root:GROUP 0440, a systemd credential's ACL mask): not a leak.  Its other bit still is."""
     if os.geteuid() != 0:
-        pytest.skip("a root-owned token file needs root to make (CI runs as root)")
+        pytest.skip(reason="a root-owned token file needs root to make (CI runs as root)")
     group_only, everyone = token_file(tmp_path, 0o440), tmp_path / "everyone"
     everyone.write_text(TOKEN)
     everyone.chmod(0o444)
