@@ -100,13 +100,14 @@ def open_root(root: str) -> Host:
         raise RootError(f"--root {exc}") from None
 
 
-def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+def run_in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     """Run blocking work where a hang cannot hold the process hostage.
 
     asyncio.to_thread's pool threads are joined at exit, so one read stuck on a dead
     device would stop the agent from ever exiting; a daemon thread is simply abandoned.
     (Discovery does not run here: a thread cannot be stopped, so it runs in a child
-    process that a timeout kills; see topoagent.discovery_process.)
+    process that a timeout kills; see topoagent.discovery_process.)  ``name`` names the
+    thread in stack dumps.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
@@ -123,7 +124,7 @@ def run_in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
         with contextlib.suppress(RuntimeError):  # the agent stopped while this run was stuck
             loop.call_soon_threadsafe(settle, *result)
 
-    threading.Thread(target=work, name="topoagent-discovery", daemon=True).start()
+    threading.Thread(target=work, name=f"topoagent-{name}", daemon=True).start()
     return future
 
 
@@ -601,7 +602,7 @@ class Agent:
             started = time.monotonic()
             try:
                 self._capacity = await run_in_daemon_thread(
-                    lambda: ServedCapacity.of(key, capacity(matrix, leased, running, live, budget_ms=budget)))
+                    lambda: ServedCapacity.of(key, capacity(matrix, leased, running, live, budget_ms=budget)), "capacity")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug: the latest figures stay served; say it and stop
@@ -685,7 +686,7 @@ class Agent:
         if host is None:
             return
         try:
-            readings = await asyncio.wait_for(run_in_daemon_thread(lambda: read_activity(host)), self.config.timeout_s)
+            readings = await asyncio.wait_for(run_in_daemon_thread(lambda: read_activity(host), "activity"), self.config.timeout_s)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # NVML hung or failed: busy stays as last seen
@@ -726,7 +727,7 @@ class Agent:
                 if stuck is not None and not stuck.done():
                     # A read that hung is abandoned, not killed: never start a second beside it.
                     return Sample(source.name, time.monotonic(), None, "the previous read has not returned")
-                read = self._counter_reads[source.name] = run_in_daemon_thread(lambda: read_live(source, context))
+                read = self._counter_reads[source.name] = run_in_daemon_thread(lambda: read_live(source, context), "counters")
                 try:
                     return await asyncio.wait_for(asyncio.shield(read), timeout)
                 except TimeoutError:
