@@ -17,11 +17,11 @@ from fabric_cluster import FABRIC, REPO, IbSwitch, build_node, host_port, leaves
 from service_helpers import start_agent
 from slurm_cluster import SlurmCluster, SlurmNode
 
-from topoagent.discovery import discover_sync
+from topoagent.documents.schema import node_document
 from topoagent.exporters.cluster_topology import ClusterNode, hostlist, slurm_topology_yaml, switch_name
 from topoagent.exporters.nfd import nfd_features
-from topoagent.host import Host
-from topoagent.schema import node_document
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
 
 FAT_TREE = parse_ibnetdiscover((FABRIC / "ibnetdiscover-edr-fat-tree.txt").read_text())
 RAILS = parse_ibnetdiscover((FABRIC / "ibnetdiscover-rail-optimised-synthetic.txt").read_text())

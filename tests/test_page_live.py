@@ -188,8 +188,8 @@ def test_page_shows_probe_findings_and_measured_fabric_bandwidth():
     measurement labels each GPU's drop into the fabric (there are no pair edges there)."""
     import time
 
-    from topoagent.matrix import Measurement
-    from topoagent.model import Finding
+    from topoagent.node.matrix import Measurement
+    from topoagent.node.model import Finding
     from topoagent.vocabulary import FindingKind, Severity
 
     topology = discover_root(str(SNAPSHOTS / "hgx-h100"))

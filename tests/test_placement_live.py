@@ -16,9 +16,9 @@ from topoagent.agent import Agent
 from topoagent.cli import main
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
-from topoagent.host import Host
-from topoagent.levels import ACHIEVABLE_FRACTION
-from topoagent.matrix import DistanceMatrix, Measurement
+from topoagent.node.host import Host
+from topoagent.node.levels import ACHIEVABLE_FRACTION
+from topoagent.node.matrix import DistanceMatrix, Measurement
 from topoagent.placement import Placement, Request, place
 from topoagent.placement.synthetic import build
 from topoagent.probes.figures import ProbeFigure, ProbeKind

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, BinaryIO
 
-from topoagent.agent_schema import answer_document, batch_error_document
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
+from topoagent.documents.agent import answer_document, batch_error_document
 from topoagent.errors import UsageError
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
@@ -144,7 +144,7 @@ def recorded_live(args: argparse.Namespace) -> Live:
     rate, or on nvidia-smi text."""
     if args.from_nvidia_smi or not args.root:
         return Live()
-    from topoagent.host import Host, HostError
+    from topoagent.node.host import Host, HostError
     from topoagent.telemetry import nic_traffic, replayed
 
     try:

@@ -30,9 +30,9 @@ from topoagent.collectors import (
     pci,
 )
 from topoagent.collectors.base import CollectorResult, crashed
-from topoagent.host import Host
-from topoagent.merge import merge
-from topoagent.model import NodeTopology
+from topoagent.node.host import Host
+from topoagent.node.merge import merge
+from topoagent.node.model import NodeTopology
 
 if TYPE_CHECKING:
     import asyncio

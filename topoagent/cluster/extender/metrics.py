@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from topoagent.extender.nodes import Agents
+from topoagent.cluster.extender.nodes import Agents
 
 NS = "topoagent_extender"
 

@@ -1,6 +1,6 @@
 """Merge what the collectors saw into one NodeTopology, and derive every pair's level.
 
-Two witnesses per pair: the level *derived* (topoagent.derive) from the sysfs PCIe tree,
+Two witnesses per pair: the level *derived* (topoagent.node.derive) from the sysfs PCIe tree,
 NUMA and NVML's NVLink state, and the level *declared* by `nvidia-smi topo -m`.  The
 derived level is kept (it comes from the hardware's own description); a disagreement is a
 finding, never a silent pick.  Where we cannot derive (a GPU sysfs does not show, NVLink
@@ -33,12 +33,12 @@ from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoMatrix, first_numa_node
 from topoagent.collectors.nvml import NvmlGpu, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
-from topoagent.derive import expected_for_pair, nvlink_levels, pcie_level
-from topoagent.fabric import build_fabric
-from topoagent.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
-from topoagent.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
-from topoagent.levels import LinkLevel, nv, nvlink_generation_for_model
-from topoagent.model import (
+from topoagent.node.derive import expected_for_pair, nvlink_levels, pcie_level
+from topoagent.node.fabric import build_fabric
+from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
+from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
+from topoagent.node.levels import LinkLevel, nv, nvlink_generation_for_model
+from topoagent.node.model import (
     DECLARED,
     DERIVED,
     CollectorStatus,

@@ -31,9 +31,9 @@ from typing import Any
 
 import aiohttp
 
-from topoagent.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
+from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
 from topoagent.leases import LEASE_ID
-from topoagent.placement.request import cut
+from topoagent.text import cut
 
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a 1024-GPU node's /capacity is well below this
 REMEMBERED_NODES = 20_000  # node addresses and cached answers kept, least recently used out

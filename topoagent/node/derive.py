@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
-from topoagent.facts import BRIDGE, GPU
-from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps
-from topoagent.model import GpuTopo, NicTopo
+from topoagent.node.facts import BRIDGE, GPU
+from topoagent.node.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps
+from topoagent.node.model import GpuTopo, NicTopo
 
 
 def shared_bridges(a: PciDevice, b: PciDevice) -> int:

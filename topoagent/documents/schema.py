@@ -3,10 +3,10 @@
 One table per document: each row names a JSON field, gives its JSON Schema and says how
 to read it from the typed value.  ``Document.dump`` writes the JSON from the table and
 ``Document.json_schema`` writes the schema from the same table, so a field, an enum (taken
-from topoagent.vocabulary) or the level grammar (topoagent.levels) is written once; the
+from topoagent.vocabulary) or the level grammar (topoagent.node.levels) is written once; the
 OpenAPI document (exporters/openapi.py) is assembled from these schemas.  This module
 holds the machinery and the node's documents (`discover --json`, `matrix --json`);
-topoagent.agent_schema holds what the agent adds (served topology, leases, placement
+topoagent.documents.agent holds what the agent adds (served topology, leases, placement
 answers, capacity, probe rounds, errors), so a one-shot discover never builds those.  Every
 document's schema is strict (every field required, no others), and the suite validates
 real output from every door against it, so the two cannot drift.
@@ -30,14 +30,14 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from topoagent import __version__
-from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
-from topoagent.levels import PRINTED_LEVEL_PATTERN, LinkLevel
+from topoagent.node.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS
+from topoagent.node.levels import PRINTED_LEVEL_PATTERN, LinkLevel
 from topoagent.vocabulary import FabricSource, FindingKind, PeerKind, Severity, Status
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvidia_smi import TopoMatrix
-    from topoagent.matrix import Measurement
-    from topoagent.model import CollectorStatus, Finding, NodeTopology, Pair
+    from topoagent.node.matrix import Measurement
+    from topoagent.node.model import CollectorStatus, Finding, NodeTopology, Pair
 
 SCHEMA_VERSION = 2
 
@@ -437,7 +437,7 @@ TOPO_PAIR = Document("TopoPair", {
 
 
 def _expected(level: LinkLevel | None) -> float | None:
-    from topoagent.levels import expected_gbps
+    from topoagent.node.levels import expected_gbps
 
     return None if level is None else expected_gbps(level)
 
@@ -454,7 +454,7 @@ TOPO_MATRIX = Document("TopoMatrix", {
 def topo_matrix_document(matrix: TopoMatrix) -> dict[str, Any]:
     return TOPO_MATRIX.dump(matrix)
 
-# Every document above, for the OpenAPI components (topoagent.agent_schema has the agent's).
+# Every document above, for the OpenAPI components (topoagent.documents.agent has the agent's).
 DOCUMENTS: tuple[Document, ...] = (
     PCIE_LINK, NUMA_NODE, PCI_DEVICE, NVLINK, GPU, IB_PORT, NIC, INTERFACE, NVLINK_DOMAIN, NEIGHBOUR, RAIL, FABRIC, CPU, FINDING, PAIR, COLLECTOR, NODE,
     TOPO_DEVICE, TOPO_PAIR, TOPO_MATRIX,

@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from topoagent import __version__
-from topoagent.host import Host, HostError
-from topoagent.model import NodeTopology
+from topoagent.node.host import Host, HostError
+from topoagent.node.model import NodeTopology
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz")
 # Archive names a user may reach for that we do not write: refused rather than
@@ -84,7 +84,7 @@ def record_counters(host: Host, node: NodeTopology, samples: int = 2, pause_s: f
     """Read every counter source ``samples`` times, ``pause_s`` apart, into the recording
     (telemetry.json), so a replay reproduces the rates; a recording keeps its own."""
     from topoagent.collectors.nvml import LiveCounterReader
-    from topoagent.discovery import COUNTER_SOURCES
+    from topoagent.node.discovery import COUNTER_SOURCES
     from topoagent.telemetry import Context, read_live, recorded_samples, sample_document
 
     assert host.recording is not None

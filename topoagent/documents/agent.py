@@ -1,7 +1,7 @@
 """The documents the agent adds to the node's: the served topology, leases, placement
 answers, capacity, probe rounds and errors.
 
-Built from the table machinery in topoagent.schema, like the node's documents, and kept
+Built from the table machinery in topoagent.documents.schema, like the node's documents, and kept
 in a module of their own so that `discover` and `matrix`, which print only the node's, do
 not build these tables at start-up.  ``component_schemas`` gathers every document of
 both modules for the OpenAPI document.
@@ -14,9 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from topoagent import schema
-from topoagent.levels import LinkLevel
-from topoagent.schema import (
+from topoagent.documents import schema
+from topoagent.documents.schema import (
     BOOLEAN,
     FINDING,
     INTEGER,
@@ -38,13 +37,14 @@ from topoagent.schema import (
     one_of,
     plain_list,
 )
+from topoagent.node.levels import LinkLevel
 from topoagent.vocabulary import Affinity, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
     from topoagent.capacity import Capacity
     from topoagent.leases import Lease
-    from topoagent.matrix import DistanceMatrix, Measurement
-    from topoagent.model import Finding
+    from topoagent.node.matrix import DistanceMatrix, Measurement
+    from topoagent.node.model import Finding
     from topoagent.placement import NoFit, Placement
     from topoagent.probes.runner import ProbeRound
     from topoagent.served import Snapshot

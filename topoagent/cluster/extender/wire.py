@@ -26,7 +26,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from topoagent.placement.request import REQUEST_LIMITS, RequestError, parse_request, quoted
+from topoagent.placement.request import REQUEST_LIMITS, RequestError, parse_request
+from topoagent.text import quoted
 from topoagent.vocabulary import GPU_RESOURCE
 
 MAX_EXTENDER_PRIORITY = 10  # extenderv1.MaxExtenderPriority (MinExtenderPriority is 0)

@@ -12,7 +12,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from topoagent.levels import (
+from topoagent.node.levels import (
     LATENCY_US,
     SYS,
     LinkLevel,
@@ -68,7 +68,7 @@ class NicInfo:
     netdev: str | None = None  # "ibp12s0"
     rate_gbps: float | None = None  # port rate in Gb/s, e.g. 400
     active: bool | None = None
-    rail: int | None = None  # the node's rail its leaf switch makes (topoagent.fabric); None: unknown
+    rail: int | None = None  # the node's rail its leaf switch makes (topoagent.node.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)

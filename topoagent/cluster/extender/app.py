@@ -23,12 +23,12 @@ from typing import Any
 
 from aiohttp import web
 
-from topoagent.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
-from topoagent.extender.kube import Kube, KubeError
-from topoagent.extender.metrics import ExtenderCollector, render
-from topoagent.extender.nodes import Agents, Refused, Unreachable, scores
-from topoagent.extender.tls import peer_subject
-from topoagent.extender.wire import (
+from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
+from topoagent.cluster.extender.kube import Kube, KubeError
+from topoagent.cluster.extender.metrics import ExtenderCollector, render
+from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, scores
+from topoagent.cluster.extender.tls import peer_subject
+from topoagent.cluster.extender.wire import (
     DEFAULT_RESOURCE,
     LEASE_ANNOTATION,
     ExtenderArgs,
@@ -45,7 +45,7 @@ from topoagent.extender.wire import (
 )
 from topoagent.leases import OWNER_MAX_LEN
 from topoagent.log import log_event
-from topoagent.placement.request import cut
+from topoagent.text import cut
 from topoagent.vocabulary import Unanswered
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a NodeList of a few thousand full Node objects

@@ -13,7 +13,7 @@ import asyncio
 import json
 from typing import Any
 
-from topoagent.placement.request import cut
+from topoagent.text import cut
 
 
 class KubeError(Exception):

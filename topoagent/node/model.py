@@ -1,8 +1,8 @@
 """The node model: the one typed NodeTopology discovery builds and every door reads.
 
-Discovery (topoagent.discovery) runs the collectors; topoagent.merge turns their facts
-into a NodeTopology, deriving levels with topoagent.derive and findings with
-topoagent.findings.  Exporters read this model only.
+Discovery (topoagent.node.discovery) runs the collectors; topoagent.node.merge turns their facts
+into a NodeTopology, deriving levels with topoagent.node.derive and findings with
+topoagent.node.findings.  Exporters read this model only.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix
 from topoagent.collectors.nvml import NvLink
 from topoagent.collectors.pci import PciDevice, PciLink, PciTree
-from topoagent.fabric import Fabric, Rail
-from topoagent.facts import CpuFacts, PortNeighbour
-from topoagent.levels import SELF, LinkLevel
+from topoagent.node.fabric import Fabric, Rail
+from topoagent.node.facts import CpuFacts, PortNeighbour
+from topoagent.node.levels import SELF, LinkLevel
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
-    from topoagent.matrix import DistanceMatrix, HostLayout
+    from topoagent.node.matrix import DistanceMatrix, HostLayout
 
 # The fact types the model is made of, named here so exporters read them from the model
 # and never import a collector module.
@@ -167,7 +167,7 @@ class NodeTopology:
     peer_memory: str | None = None
     interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
     nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
-    fabric: Fabric = field(default_factory=Fabric)  # each port's neighbour switch and the rails they make (topoagent.fabric)
+    fabric: Fabric = field(default_factory=Fabric)  # each port's neighbour switch and the rails they make (topoagent.node.fabric)
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:
@@ -237,7 +237,7 @@ class NodeTopology:
     def distance_matrix(self, findings: Iterable[Finding] = ()) -> DistanceMatrix:
         """The GPU distance matrix the placement core and the exporters read; ``findings``
         (the probes') may mark more GPUs unhealthy than the node's own findings do."""
-        from topoagent.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, NicInfo  # not needed by discover alone
+        from topoagent.node.matrix import UNKNOWN_LINK, DistanceMatrix, GpuInfo, NicInfo  # not needed by discover alone
         unknown = set(self.gpus_with_unknown_links())
         unhealthy = self.unhealthy_gpus(findings)
         gpus = tuple(
@@ -304,7 +304,7 @@ class NodeTopology:
 
     def host_layout(self) -> HostLayout:
         """CPUs per NUMA node, the core map and the sockets, for per-rank bindings."""
-        from topoagent.matrix import HostLayout, sockets_from_distances
+        from topoagent.node.matrix import HostLayout, sockets_from_distances
         nodes = self.numa.nodes if self.numa else ()
         ids = tuple(sorted(n.id for n in nodes))  # distances run in node-id order
         core_map = self.cpu.core_map if self.cpu else None

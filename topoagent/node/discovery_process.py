@@ -6,7 +6,7 @@ abandoned, and it keeps its memory and its place in the thread count for good.  
 process is killed and reaped instead, and its memory is capped by the kernel, so the
 agent's own size does not depend on what the node (or a recording) holds.
 
-Run as ``python -m topoagent.discovery_process ROOT``: it discovers ROOT and writes the
+Run as ``python -m topoagent.node.discovery_process ROOT``: it discovers ROOT and writes the
 pickled NodeTopology on stdout, or one line ``Type: message`` on stderr and exits 1.
 """
 
@@ -18,8 +18,8 @@ import resource
 import sys
 
 from topoagent.errors import TopoagentError
-from topoagent.host import Host
-from topoagent.model import NodeTopology
+from topoagent.node.host import Host
+from topoagent.node.model import NodeTopology
 
 # The child's data limit (heap, anonymous maps and thread stacks; RLIMIT_DATA).  A
 # discovery of the 16-GPU DGX-2 recording peaks at 26 MB RSS; a gigabyte leaves room for
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> int:
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_LIMIT_BYTES, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-    from topoagent.discovery import discover
+    from topoagent.node.discovery import discover
 
     try:
         with Host(argv[0]) as host:

@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from topoagent.facts import PortNeighbour
-from topoagent.levels import LinkLevel
+from topoagent.node.facts import PortNeighbour
+from topoagent.node.levels import LinkLevel
 from topoagent.vocabulary import PeerKind
 
 RAIL_GROUP_PREFIX = "rails-"

@@ -9,9 +9,9 @@ from typing import Any
 from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
-from topoagent.derive import faces_down
-from topoagent.facts import BRIDGE, GPU
-from topoagent.model import Finding, NicTopo
+from topoagent.node.derive import faces_down
+from topoagent.node.facts import BRIDGE, GPU
+from topoagent.node.model import Finding, NicTopo
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 

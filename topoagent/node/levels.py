@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import total_ordering
 
 from topoagent.errors import TopoagentError
+from topoagent.text import shown
 
 
 class LevelKind(enum.IntEnum):
@@ -70,10 +71,6 @@ GPU_PAIR_LEVEL_PATTERN = (
 PRINTED_LEVEL_PATTERN = "^(?:X|NV[1-9][0-9]{0,2}|" + "|".join(k.name for k in LevelKind if k not in (LevelKind.SELF, LevelKind.NV)) + ")$"
 
 
-def _cut(text: str, limit: int = 24) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[: limit - 1] + "…"
-
 
 @total_ordering
 @dataclass(frozen=True, slots=True)
@@ -101,7 +98,7 @@ class LinkLevel:
             if not digits:
                 raise LevelError(f"{text!r}: NV needs at least one link")
             if len(digits) > len(str(MAX_NVLINKS)):
-                raise LevelError(f"{_cut(text)}: an NV link count is at most {MAX_NVLINKS}")
+                raise LevelError(f"{shown(text, 24)}: an NV link count is at most {MAX_NVLINKS}")
             return cls(LevelKind.NV, int(digits))
         try:
             kind = LevelKind[token]
@@ -159,7 +156,7 @@ def parse_gpu_pair_level(text: str) -> LinkLevel:
     # re compiles the pattern on the first request and keeps it: compiling it on import
     # would cost every command that parses no request (discover) a third of a millisecond.
     if not re.fullmatch(GPU_PAIR_LEVEL_PATTERN, text):
-        raise LevelError(f"{_cut(text, 40)} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
+        raise LevelError(f"{shown(text, 40)} is not a GPU-to-GPU link level ({GPU_PAIR_LEVEL_HELP})")
     if text.upper() == "NV":
         return nv(1)  # "any NVLink"
     return LinkLevel.parse(text)  # the grammar is a subset of what parse reads

@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from topoagent.deviceplugin import api_pb2, api_pb2_grpc
-from topoagent.deviceplugin.agent_client import HEALTHY, UNHEALTHY, AgentClient, AgentError, Gpu, gpus_of
-from topoagent.deviceplugin.pods import PodSource
+from topoagent.cluster.deviceplugin import api_pb2, api_pb2_grpc
+from topoagent.cluster.deviceplugin.agent_client import HEALTHY, UNHEALTHY, AgentClient, AgentError, Gpu, gpus_of
+from topoagent.cluster.deviceplugin.pods import PodSource
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from topoagent.errors import TopoagentError
+from topoagent.text import shown
 
 
 class CpuListError(TopoagentError, ValueError):  # ValueError: older callers catch that
@@ -53,15 +54,11 @@ def _number(text: str, chunk: str) -> int:
     # isdigit first: int() would take '+1' and '1_0'; the length check keeps a 5,000-digit
     # "CPU number" from reaching int() at all.
     if not (text.isascii() and text.isdigit()):
-        raise CpuListError(f"cpulist {_short(chunk)}: {_short(text)} is not a CPU number")
+        raise CpuListError(f"cpulist {shown(chunk)}: {shown(text)} is not a CPU number")
     if len(text) > len(str(MAX_CPUS)) or int(text) >= MAX_CPUS:
-        raise CpuListError(f"cpulist {_short(chunk)}: CPU {_short(text)} is not below {MAX_CPUS:,}")
+        raise CpuListError(f"cpulist {shown(chunk)}: CPU {shown(text)} is not below {MAX_CPUS:,}")
     return int(text)
 
-
-def _short(text: str, limit: int = 40) -> str:
-    """A quoted piece of a bad file, cut so a huge one cannot flood a message."""
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
 
 
 def parse_cpumask(text: str) -> frozenset[int]:
@@ -73,7 +70,7 @@ def parse_cpumask(text: str) -> frozenset[int]:
     for word in words:
         word = word.strip()
         if len(word) > 8 or not all(c in "0123456789abcdefABCDEF" for c in word):
-            raise CpuListError(f"cpumask word {_short(word)} is not a 32-bit hexadecimal word")
+            raise CpuListError(f"cpumask word {shown(word)} is not a 32-bit hexadecimal word")
         value = (value << 32) | int(word or "0", 16)
     return frozenset(i for i in range(value.bit_length()) if value >> i & 1)
 
