@@ -207,13 +207,9 @@ class Served:
             raise AssertionError(f"topoagent serve exited {code}:\n{self.log()}")
 
 
-def _counters_replayed(agent: Served) -> bool:
+def _counters_replayed(agent: Served, discovery: set[str]) -> bool:
     """Whether the counter sources have reported: /metrics names collectors that
     discovery (GET /topology's `collectors`) does not."""
-    status, body = agent.request("GET", "/topology")
-    if status != 200:
-        return False
-    discovery = set(json.loads(body)["collectors"])
     _, metrics = agent.request("GET", "/metrics")
     reported = set(re.findall(r'^topoagent_collector_success\{collector="([^"]+)"\}', metrics.decode(), re.M))
     return bool(reported - discovery)
@@ -225,7 +221,8 @@ def served_outputs(node: str) -> dict[str, str]:
         agent = Served(node, Path(work))
         try:
             agent.wait_for("GET /readyz 200", lambda: agent.request("GET", "/readyz")[0] == 200)
-            agent.wait_for("the recorded counters served", lambda: _counters_replayed(agent))
+            discovery = set(json.loads(agent.request("GET", "/topology")[1])["collectors"])
+            agent.wait_for("the recorded counters served", lambda: _counters_replayed(agent, discovery))
             agent.wait_for("GET /capacity 200", lambda: agent.request("GET", "/capacity")[0] == 200)
             status, topology = agent.request("GET", "/topology")
             assert status == 200, topology
