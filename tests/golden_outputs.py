@@ -4,8 +4,9 @@ Each node's ``expected/`` folder holds what a real ``topoagent serve --root <nod
 over loopback (node_exporter's ``e2e-output.txt`` habit, hwloc's ``.output`` files):
 
 - ``topology.json``  ``GET /topology``, the bytes as served.  (``topoagent discover --json``
-  prints the same document less the ``agent`` part and with every collector's
-  ``last_success_at`` null: the served one is what schedulers read, so it is kept.)
+  prints the same document less what the agent adds -- its ``agent`` part, each collector's
+  ``last_success_at``, the recorded counters' findings: the served one is what schedulers
+  read, so it is kept.)
 - ``place.json``     each request of ``place_requests`` posted to ``POST /place`` (dry runs),
   with the status and answer: ``[{"name", "request", "status", "answer"}, ...]``.  The
   answers are re-indented one key a line so that a changed answer reads as a short diff;

@@ -6,8 +6,11 @@ also says what is normalised and how to rewrite the files)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import golden_outputs
@@ -54,6 +57,23 @@ def test_nothing_of_the_machine_running_the_test_leaks_in(served):
         assert set(re.findall(r'Hostname="([^"]*)"', files["metrics.txt"])) == {recorded}
         for name, text in files.items():
             assert str(golden_outputs.REPO) not in text and "golden-" not in text, f"{node}/{name} names a local path"
+
+
+@pytest.mark.parametrize("node", ["dgx-a100", "degraded"])
+def test_discover_json_prints_the_served_document_less_what_the_agent_adds(node):
+    """What fixtures/README.md says of `topoagent discover --json`: the agent adds its own
+    part, when each collector last succeeded, and the recorded counters' findings."""
+    done = subprocess.run([sys.executable, "-P", "-m", "topoagent", "discover", "--json", "--root", str(SNAPSHOTS / node)],
+                          capture_output=True, text=True, timeout=120, env=os.environ)
+    assert done.returncode == 0, done.stderr
+    printed = json.loads(done.stdout)
+    served = json.loads((SNAPSHOTS / node / "expected" / "topology.json").read_text())
+    assert served.pop("agent")["stale"] is False
+    served["findings"] = [f for f in served["findings"] if f["source"] != "telemetry"]
+    for doc in (printed, served):
+        for collector in doc["collectors"].values():
+            collector["seconds"] = collector["last_success_at"] = None
+    assert printed == served
 
 
 def test_served_answers_agree_with_the_placement_core_on_a_free_node():
