@@ -185,7 +185,8 @@ class Served:
         finally:
             conn.close()
 
-    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    def wait_for(self, what: str, check: Callable[[], bool], timeout: float = 120.0) -> None:
+        # Generous: eight agents start at once, on CI's two cores beside other tests.
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if check():
