@@ -12,12 +12,13 @@ from typing import Any
 
 import topoagent
 from topoagent.agent_schema import LEASE, NOFIT, PLACEMENT, component_schemas
-from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S
+from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S, TTL_MIN_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses
     "owner_max_len": OWNER_MAX_LEN,  # the lease store's own: it grants nothing it would refuse to load
+    "ttl_min_s": TTL_MIN_S,
     "ttl_max_s": TTL_MAX_S,
 }
 
@@ -56,7 +57,7 @@ PLACE_REQUEST = {
             "description": "Hold the answer as a lease (needs the bearer token).",
             "properties": {
                 "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"], "pattern": "^[^\\x00-\\x1f\\x7f]*[^\\s\\x00-\\x1f\\x7f][^\\x00-\\x1f\\x7f]*$"},
-                "ttl_s": {"type": "number", "exclusiveMinimum": 0, "maximum": PLACE_LIMITS["ttl_max_s"]},
+                "ttl_s": {"type": "number", "minimum": PLACE_LIMITS["ttl_min_s"], "maximum": PLACE_LIMITS["ttl_max_s"]},
             },
         },
     },
