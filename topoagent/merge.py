@@ -36,7 +36,7 @@ from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.derive import expected_for_pair, nvlink_levels, pcie_level
 from topoagent.fabric import build_fabric
 from topoagent.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
-from topoagent.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
+from topoagent.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings, unleasable_findings
 from topoagent.levels import LinkLevel, nv, nvlink_generation_for_model
 from topoagent.model import (
     DECLARED,
@@ -194,6 +194,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
     # --- health of PCIe links and IB ports
     findings.extend(pcie_findings(tree, gpu_pci, nic_pci))
     findings.extend(ib_findings(nics))
+    findings.extend(unleasable_findings(gpus))  # a GPU the lease store cannot name
 
     # --- pairs
     names = [g.name for g in gpus] + [n.name for n in nics]
