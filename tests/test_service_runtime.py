@@ -11,8 +11,8 @@ from service_helpers import DGX_A100, start_agent
 
 from topoagent.agent import Agent
 from topoagent.config import Config
-from topoagent.discovery_process import discover_in_child
-from topoagent.host import Host
+from topoagent.node.discovery_process import discover_in_child
+from topoagent.node.host import Host
 from topoagent.vocabulary import Status
 
 

@@ -28,13 +28,13 @@ from typing import TYPE_CHECKING, Any
 
 from topoagent.capacity import Capacity, capacity
 from topoagent.config import Config
-from topoagent.discovery_process import DiscoveryFailed, discover_in_child
 from topoagent.exports import Exports, node_with_all_findings
-from topoagent.host import Host, HostError
 from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import CollectorStatus, Finding, NodeTopology
+from topoagent.node.discovery_process import DiscoveryFailed, discover_in_child
+from topoagent.node.host import Host, HostError
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import Live, NoFit, Placement, Request, place, warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.served import Snapshot, etag_of
@@ -106,7 +106,7 @@ def run_in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     asyncio.to_thread's pool threads are joined at exit, so one read stuck on a dead
     device would stop the agent from ever exiting; a daemon thread is simply abandoned.
     (Discovery does not run here: a thread cannot be stopped, so it runs in a child
-    process that a timeout kills; see topoagent.discovery_process.)  ``name`` names the
+    process that a timeout kills; see topoagent.node.discovery_process.)  ``name`` names the
     thread in stack dumps.
     """
     loop = asyncio.get_running_loop()
@@ -240,7 +240,7 @@ class ServedCapacity:
 
     @classmethod
     def of(cls, key: tuple, figures: Capacity, stale: bool = False) -> ServedCapacity:
-        from topoagent.agent_schema import capacity_document
+        from topoagent.documents.agent import capacity_document
 
         body = json.dumps(capacity_document(key[0], figures, stale), indent=1).encode()
         return cls(key, figures, body, etag_of(body), stale)
@@ -704,7 +704,7 @@ class Agent:
         the samples into the history and serve the new rates and findings.  A recorded node
         gives all its recorded samples at the first read, then nothing new."""
         from topoagent.collectors.nvml import LiveCounterReader
-        from topoagent.discovery import COUNTER_SOURCES
+        from topoagent.node.discovery import COUNTER_SOURCES
         from topoagent.telemetry import Context, Sample, read_live, recorded_samples, served
 
         host, snapshot = self.host, self.snapshot

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from topoagent.config import Config
-from topoagent.model import NodeTopology
+from topoagent.node.model import NodeTopology
 
 
 class ExportFailed(Exception):

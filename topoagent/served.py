@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import CollectorStatus, Finding, NodeTopology
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
 from topoagent.telemetry import Telemetry
 
@@ -89,7 +89,7 @@ class Snapshot:
         return got
 
     def _json(self) -> tuple[bytes, str]:
-        from topoagent.agent_schema import topology_document
+        from topoagent.documents.agent import topology_document
 
         body = json.dumps(topology_document(self), indent=1).encode()
         return body, etag_of(body)
