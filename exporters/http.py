@@ -253,8 +253,9 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
 
 
 def _state_unavailable(agent: Agent, exc: OSError) -> ApiError:
-    """A state directory that fails under a change (read-only, full, gone): 503, no log
-    line per request -- the lease sweeper reports the fault, once a minute at most."""
+    """A state directory that fails under a change (read-only, full, gone): 503 naming it,
+    and no log line per request (a caller in a retry loop would flood the log); the lease
+    sweeper logs a directory it cannot read, once a minute at most."""
     assert agent.lease_store is not None
     return ApiError(503, "state_unavailable", state_unwritable(agent.lease_store, exc), headers={"Retry-After": "5"})
 
