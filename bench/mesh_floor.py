@@ -57,7 +57,7 @@ def ring_oracle(original):
             cycle = self.req.pattern is Pattern.ALLREDUCE
             members = list(search.bits(cand))
             if not any(
-                self.prep.ham(taken | sum(1 << v for v in extra), self.r, cycle) is not None
+                search.rings(self.prep).ham(taken | sum(1 << v for v in extra), self.r, cycle) is not None
                 for extra in combinations(members, rem)
             ):
                 return None

@@ -25,7 +25,10 @@ from dataclasses import replace
 from topoagent.levels import LinkLevel
 from topoagent.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
+from topoagent.placement.anytime import Anytime
+from topoagent.placement.deadline import Deadline, DeadlineReached
 from topoagent.placement.explain import CLAIMS, Door, Reason, ReasonCode, render
+from topoagent.placement.ksets import built_small_tables
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.live import NO_LIVE, Live, LiveCosts, live_costs
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
@@ -38,8 +41,9 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Deadline, DeadlineReached, Found, Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Found
 from topoagent.placement.search import warm as warm_tables
+from topoagent.placement.tables import Prepared, bits, numa_label, prepare, timed
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
 
@@ -85,11 +89,11 @@ def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
     until = time.monotonic() + budget_s
     prep = prepare(matrix, None)
     # With measured latency reordering links, alltoall and pipeline read tables of their
-    # own (warm() builds them; search.Prepared.timed): their answers too.
-    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
+    # own (warm() builds them; tables.timed): their answers too.
+    latency_ordered = timed(prep, LATENCY_BOUND_MESSAGE_BYTES)
     for nics in range(min(prep.n_nics, WARM_NICS) + 1):
-        for tables in (prep,) if timed is prep else (prep, timed):
-            for pattern, rows in tables.built_small_tables():
+        for tables in (prep,) if latency_ordered is prep else (prep, latency_ordered):
+            for pattern, rows in built_small_tables(tables):
                 for mask, _rank, _span, _nodes, order in rows:
                     if time.monotonic() > until:
                         return
@@ -124,7 +128,7 @@ def place(
         # ones give a valid set at once (their search stops after its first, cheap answer,
         # the deadline being reached), marked not proven.
         with contextlib.suppress(DeadlineReached):
-            prep = prep.timed(request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES, deadline)
+            prep = timed(prep, request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES, deadline)
     costs = live_costs(prep, live)
     pos_of = prep.pos_of
 
@@ -251,14 +255,14 @@ def _search_known_first(
     unknown = candidates & prep.links_unknown & ~include
     if unknown:
         known = candidates & ~unknown
-        found = Search(prep, request, free_all, known, include, deadline, live).run()
+        found = Anytime(prep, request, free_all, known, include, deadline, live).run()
         if found is not None:
             return found
         if known.bit_count() < request.gpus:
-            found = Search(prep, request, free_all, candidates, include | known, deadline, live).run()
+            found = Anytime(prep, request, free_all, candidates, include | known, deadline, live).run()
             if found is not None:
                 return found
-    return Search(prep, request, free_all, candidates, include, deadline, live).run()
+    return Anytime(prep, request, free_all, candidates, include, deadline, live).run()
 
 
 def _place_tier(
@@ -276,7 +280,7 @@ def _place_tier(
         answer = build(prep, request, found, free_all, live, fell_back=tier is not asked)
         if rank(answer.affinity) <= rank(tier):
             return answer
-    plain = Search(prep, request, free_all, candidates, include, deadline, live).run()
+    plain = Anytime(prep, request, free_all, candidates, include, deadline, live).run()
     if plain is None:
         return _diagnose(prep, request, free_all, candidates, include, deadline, live)
     best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all, live)
@@ -305,7 +309,7 @@ def _diagnose(
     if request.include:
         relaxations.append(("include", replace(request, include=())))
     for name, relaxed in relaxations:
-        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline, live).run()
+        found = Anytime(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline, live).run()
         if found is None:
             continue
         best = build(prep, relaxed, found, free_all, live)

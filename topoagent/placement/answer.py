@@ -7,8 +7,11 @@ Answers carry typed reasons (explain.py); the JSON form renders them with field 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from topoagent.cpulist import format_cpulist
 from topoagent.levels import LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
@@ -16,7 +19,8 @@ from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_u
 from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
-from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
+from topoagent.placement.search import Found
+from topoagent.placement.tables import NO_NIC, Prepared, bits, numa_label
 from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met
 from topoagent.vocabulary import Affinity, Pattern
 
@@ -102,11 +106,69 @@ class NoFit:
         return self.why.render(Door.JSON)
 
 
+class PlacedKey(NamedTuple):
+    pos: int
+    rank_no: int
+    cpus: str | None  # the rank's CPU share
+    nic: int | None  # the rank's NIC
+
+
+class PartsKey(NamedTuple):
+    order: tuple[int, ...]
+    pattern: Pattern
+    nics: int
+    loads: tuple[int, ...] | None  # per NIC, its traffic in steps (None: none)
+
+
+class AnswerMemo:
+    """Per tables: the pieces of answers built so far (they hold no reference to the tables)."""
+
+    __slots__ = ("cpus", "links", "parts", "placed")
+
+    def __init__(self) -> None:
+        self.links: dict[tuple[int, int], PatternLink] = {}
+        self.placed: dict[PlacedKey, PlacedGpu] = {}
+        self.parts: dict[PartsKey, AnswerParts] = {}
+        self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
+
+
+_MEMOS: weakref.WeakKeyDictionary[Prepared, AnswerMemo] = weakref.WeakKeyDictionary()
+
+
+def _memo(prep: Prepared) -> AnswerMemo:
+    got = _MEMOS.get(prep)
+    if got is None:
+        got = _MEMOS.setdefault(prep, AnswerMemo())
+    return got
+
+
+def built_answer_parts(prep: Prepared) -> dict[PartsKey, AnswerParts]:
+    """A copy of the answer pieces built so far for these tables (what warm_answers builds)."""
+    return dict(_memo(prep).parts)
+
+
+def cpus_of(prep: Prepared, mask: int) -> str | None:
+    """The CPU list close to these GPUs (None when any GPU's is unknown)."""
+    # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
+    lists = 0
+    for v in bits(mask):
+        lists |= prep.cpu_list_bit[v]
+    memo = _memo(prep).cpus
+    got = memo.get(lists, "")
+    if got == "":
+        sets = [prep.gpu_cpus[v] for v in bits(mask)]
+        known = [c for c in sets if c is not None]
+        got = None if len(known) < len(sets) else format_cpulist(set().union(*known))
+        memo[lists] = got
+    return got
+
+
 def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
-    got = prep.links_cache.get((a_pos, b_pos))
+    memo = _memo(prep).links
+    got = memo.get((a_pos, b_pos))
     if got is None:
         m = prep.matrix
-        got = prep.links_cache[(a_pos, b_pos)] = PatternLink(
+        got = memo[(a_pos, b_pos)] = PatternLink(
             m.gpus[a_pos].index, m.gpus[b_pos].index, m.gpu_levels[a_pos][b_pos], round(prep.bw[a_pos][b_pos], 2)
         )
     return got
@@ -116,8 +178,9 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
     """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
     closest NICs that have a port up and the rank's own binding (cached)."""
     share = binding.share
-    key = (pos, rank_no, None if share is None else share.text, binding.nic)
-    got = prep.placed_cache.get(key)
+    key = PlacedKey(pos, rank_no, None if share is None else share.text, binding.nic)
+    memo = _memo(prep).placed
+    got = memo.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
         best_kind, closest = tables(prep).nearest[pos]
@@ -132,9 +195,9 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
             None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
             None if binding.nic is None else prep.matrix.nics[binding.nic].rail,
         )
-        if len(prep.placed_cache) >= 50_000:
-            prep.placed_cache.clear()
-        prep.placed_cache[key] = got
+        if len(memo) >= 50_000:
+            memo.clear()
+        memo[key] = got
     return got
 
 
@@ -168,8 +231,9 @@ def answer_parts(
     """The request-independent pieces for GPUs at positions ``order`` (cached; by the
     NICs' traffic steps too, which choose among equally near NICs)."""
     loads = live.loads_key if live is not None else None
-    key = (order, pattern, nics, loads)
-    got = prep.answer_parts.get(key)
+    key = PartsKey(order, pattern, nics, loads)
+    memo = _memo(prep).parts
+    got = memo.get(key)
     if got is not None:
         return got
     k = len(order)
@@ -217,7 +281,7 @@ def answer_parts(
 
     numa_groups = sorted({prep.numa_of[pos] for pos in order})
     numa_labels = tuple(numa_label(prep, gi) for gi in numa_groups)
-    cpus = prep.cpus_of(mask)
+    cpus = cpus_of(prep, mask)
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
         nodes = ",".join(str(x) for x in numa_labels)
         numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
@@ -259,9 +323,9 @@ def answer_parts(
         tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
         tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
-    if len(prep.answer_parts) >= 50_000:
-        prep.answer_parts.clear()
-    prep.answer_parts[key] = parts
+    if len(memo) >= 50_000:
+        memo.clear()
+    memo[key] = parts
     return parts
 
 
