@@ -60,3 +60,30 @@ def test_the_core_imports_no_rendering():
     graph = imports()
     for module in CORE:
         assert not graph[module] & ABOVE_CORE, (module, graph[module] & ABOVE_CORE)
+
+
+def test_what_modules_keep_per_tables_goes_with_the_matrix():
+    """Each module keeps its memo beside the tables, not on them: when a snapshot's
+    matrix goes, its tables and every memo kept for them go at once (no cycle left for
+    the garbage collector to find later)."""
+    import weakref
+
+    from topoagent.placement import Live, Placement, Request, place, warm
+    from topoagent.placement.answer import _memo as answer_memo
+    from topoagent.placement.bounds import terms
+    from topoagent.placement.rings import rings
+    from topoagent.placement.synthetic import pcie_two_socket_8
+    from topoagent.placement.tables import prepare
+
+    memos = (answer_memo, terms, rings)
+    before = [len(memo) for memo in memos]
+    matrix = pcie_two_socket_8()
+    warm(matrix)
+    answer = place(matrix, Request(gpus=4, nics=1), busy=[1], live=Live(unverified=frozenset({0})))
+    assert isinstance(answer, Placement)
+    prep = prepare(matrix, None)
+    assert all(memo.peek(prep) is not None for memo in memos)
+    tables = weakref.ref(prep)
+    del matrix, prep
+    assert tables() is None
+    assert [len(memo) for memo in memos] == before

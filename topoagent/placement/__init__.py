@@ -4,15 +4,27 @@
 a Request and the set of busy GPU indices, and returns a value.  The HTTP endpoint, the
 CLI and the lease manager are thin shells over it.
 
-The parts: ``request`` (Request and the one parser every door uses), ``objective`` (the
-terms answers are ranked by; its docstring explains the objective and why the search is
-exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound, the
-anytime search under a deadline), ``latency`` (one message's time over a link, which
-alltoall and pipeline rank links by), ``live`` (unverified GPUs and NIC traffic, weighed
-at equal merit), ``tiers`` (affinity tiers, satisfaction, the all-reduce estimate),
-``binding`` (each rank's CPUs, memory node and NIC), ``answer`` (Placement, NoFit),
-``explain`` (typed reasons, rendered per door) and ``synthetic`` (nodes of known shapes
-for studies, benchmarks and tests).
+The parts, in layers (a module imports from its own layer or those below, never in a circle;
+tests/test_placement_layers.py checks it):
+
+1. ``request`` (Request and the one parser every door uses), ``latency`` (one message's
+   time over a link, which alltoall and pipeline rank links by), ``explain`` (typed
+   reasons, rendered per door), ``deadline`` (the clock a search keeps to);
+2. ``tables`` (a matrix's frozen per-position tables, and PerTables, the memo each module
+   keeps beside them);
+3. ``rings`` (adjacency per threshold, blocks, Hamiltonian rings and paths), ``bounds``
+   (terms 2-5 and their bounds), ``ksets`` (every k-set of small nodes), ``live``
+   (unverified GPUs and NIC traffic, weighed at equal merit);
+4. the core: ``search`` (the branch and bound at one threshold) and ``anytime`` (the
+   search over thresholds under a deadline), which return the choice -- GPUs in rank
+   order and the objective's terms;
+5. above the core: ``objective`` (the terms answers are ranked by; its docstring explains
+   the objective and why the search is exact), ``tiers`` (affinity tiers, satisfaction,
+   the all-reduce estimate), ``binding`` (each rank's CPUs, memory node and NIC),
+   ``answer`` (Placement, NoFit: the choice rendered, with launch forms and reasons);
+6. this module: ``place`` and ``warm``.
+
+``synthetic`` makes nodes of known shapes for studies, benchmarks and tests.
 """
 
 from __future__ import annotations

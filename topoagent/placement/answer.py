@@ -7,7 +7,6 @@ Answers carry typed reasons (explain.py); the JSON form renders them with field 
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -20,7 +19,7 @@ from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
 from topoagent.placement.search import Found
-from topoagent.placement.tables import NO_NIC, Prepared, bits, numa_label
+from topoagent.placement.tables import NO_NIC, PerTables, Prepared, bits, numa_label
 from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met
 from topoagent.vocabulary import Affinity, Pattern
 
@@ -106,11 +105,8 @@ class NoFit:
         return self.why.render(Door.JSON)
 
 
-class PlacedKey(NamedTuple):
-    pos: int
-    rank_no: int
-    cpus: str | None  # the rank's CPU share
-    nic: int | None  # the rank's NIC
+# (GPU position, rank, the rank's CPU share, its NIC): a plain tuple, one per rank built.
+PlacedKey = tuple[int, int, str | None, int | None]
 
 
 class PartsKey(NamedTuple):
@@ -132,14 +128,7 @@ class AnswerMemo:
         self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
 
 
-_MEMOS: weakref.WeakKeyDictionary[Prepared, AnswerMemo] = weakref.WeakKeyDictionary()
-
-
-def _memo(prep: Prepared) -> AnswerMemo:
-    got = _MEMOS.get(prep)
-    if got is None:
-        got = _MEMOS.setdefault(prep, AnswerMemo())
-    return got
+_memo: PerTables[AnswerMemo] = PerTables(lambda _prep: AnswerMemo())
 
 
 def built_answer_parts(prep: Prepared) -> dict[PartsKey, AnswerParts]:
@@ -178,7 +167,7 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
     """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
     closest NICs that have a port up and the rank's own binding (cached)."""
     share = binding.share
-    key = PlacedKey(pos, rank_no, None if share is None else share.text, binding.nic)
+    key: PlacedKey = (pos, rank_no, None if share is None else share.text, binding.nic)
     memo = _memo(prep).placed
     got = memo.get(key)
     if got is None:

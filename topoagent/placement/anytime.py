@@ -18,7 +18,6 @@ the best threshold not yet ruled out.  On nodes with a small table of k-sets
 
 from __future__ import annotations
 
-import weakref
 from itertools import combinations, pairwise
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -27,7 +26,7 @@ from topoagent.placement.ksets import has_small_table, small_table, small_table_
 from topoagent.placement.request import Request
 from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks
 from topoagent.placement.search import Found, Search
-from topoagent.placement.tables import Prepared, bits, connected_components
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
 from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
@@ -45,7 +44,7 @@ class IdleKey(NamedTuple):
 
 
 # Per tables: whether any k GPUs of the idle node carry a pattern at a threshold.
-_IDLE_FEASIBLE: weakref.WeakKeyDictionary[Prepared, dict[IdleKey, bool]] = weakref.WeakKeyDictionary()
+_IDLE_FEASIBLE: PerTables[dict[IdleKey, bool]] = PerTables(lambda _prep: {})
 
 
 class Anytime:
@@ -213,9 +212,7 @@ class Anytime:
         would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
         """
         key = IdleKey(self.req.pattern, self.k, r)
-        memo = _IDLE_FEASIBLE.get(self.prep)
-        if memo is None:
-            memo = _IDLE_FEASIBLE.setdefault(self.prep, {})
+        memo = _IDLE_FEASIBLE(self.prep)
         got = memo.get(key)
         if got is None:
             idle = Search(

@@ -7,9 +7,7 @@ See placement.objective for the terms and why bounding them keeps the search exa
 
 from __future__ import annotations
 
-import weakref
-
-from topoagent.placement.tables import NO_NIC, Prepared, bits
+from topoagent.placement.tables import NO_NIC, PerTables, Prepared, bits
 
 NIC_COST_MAX = 50_000  # past this the memo starts again empty, costing time, never answers
 
@@ -17,7 +15,7 @@ NIC_COST_MAX = 50_000  # past this the memo starts again empty, costing time, ne
 class Terms:
     """Per tables: term (2) per set of NUMA groups, term (4) per set of GPUs and NICs asked.
 
-    Holds the tables' arrays, never the tables themselves (a memo keyed weakly by them
+    Holds the tables' arrays, never the tables themselves (a memo kept per tables
     must not keep them alive)."""
 
     __slots__ = ("_nic_cost", "_span", "nic_rate", "nic_steps", "nic_usable", "numa_dist")
@@ -72,24 +70,16 @@ class Terms:
         return sum(kv for kv, _ in chosen), sum(rate for _, rate in chosen)
 
 
-_TERMS: weakref.WeakKeyDictionary[Prepared, Terms] = weakref.WeakKeyDictionary()
-
-
-def terms(prep: Prepared) -> Terms:
-    """The term memo of these tables."""
-    got = _TERMS.get(prep)
-    if got is None:
-        got = _TERMS.setdefault(prep, Terms(prep))
-    return got
+terms: PerTables[Terms] = PerTables(Terms)  # terms(prep): the term memo of these tables
 
 
 class Bounds:
     """One search's damage (term 5, measured against the GPUs not busy) and the least
     terms (2), (3) and (5) can be once a partial set is completed."""
 
-    def __init__(self, prep: Prepared, free_all: int):
+    def __init__(self, prep: Prepared, free_all: int, memo: Terms | None = None):
         self.prep = prep
-        self.terms = terms(prep)
+        self.terms = memo if memo is not None else terms(prep)
         self.free_all = free_all
         self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
         self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)

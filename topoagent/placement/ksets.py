@@ -3,12 +3,11 @@ count and order, best first -- only where there are at most SMALL_TABLE_SETS of 
 (8-GPU nodes, and k near 1 or n elsewhere).  A query then scans the table (Search.scan)
 instead of searching, which on such nodes is several times faster.
 
-The tables are kept here per ``Prepared`` (a WeakKeyDictionary: they go when it goes).
+The tables are kept here per ``Prepared`` (tables.PerTables: they go when it goes).
 """
 
 from __future__ import annotations
 
-import weakref
 from itertools import combinations
 from math import comb
 from typing import NamedTuple
@@ -16,7 +15,7 @@ from typing import NamedTuple
 from topoagent.placement.bounds import terms
 from topoagent.placement.deadline import Ticker
 from topoagent.placement.rings import rings
-from topoagent.placement.tables import Prepared
+from topoagent.placement.tables import PerTables, Prepared
 from topoagent.vocabulary import Pattern
 
 SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a table of them
@@ -30,14 +29,7 @@ class TableKey(NamedTuple):
     k: int
 
 
-_TABLES: weakref.WeakKeyDictionary[Prepared, dict[TableKey, list[Row]]] = weakref.WeakKeyDictionary()
-
-
-def _tables_of(prep: Prepared) -> dict[TableKey, list[Row]]:
-    got = _TABLES.get(prep)
-    if got is None:
-        got = _TABLES.setdefault(prep, {})
-    return got
+_tables_of: PerTables[dict[TableKey, list[Row]]] = PerTables(lambda _prep: {})
 
 
 def has_small_table(prep: Prepared, k: int) -> bool:

@@ -16,12 +16,11 @@ more); a NIC's is its ports' summed.  A port of unknown rate is stepped as a 100
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from topoagent.placement.tables import Prepared
+from topoagent.placement.tables import PerTables, Prepared
 
 LOAD_STEP = 0.10  # of the port's line rate
 UNKNOWN_RATE_GBPS = 100.0  # Gb/s, for stepping a port whose rate is not known
@@ -89,7 +88,7 @@ class LiveKey(NamedTuple):
 
 
 # Per tables: the last request's live costs (holding arrays of the tables, never the tables).
-_LAST: weakref.WeakKeyDictionary[Prepared, dict[LiveKey, LiveCosts]] = weakref.WeakKeyDictionary()
+_LAST: PerTables[dict[LiveKey, LiveCosts]] = PerTables(lambda _prep: {})
 
 
 def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
@@ -103,9 +102,7 @@ def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
     if not unverified and not any(nic_load):
         return None
     key = LiveKey(unverified, tuple(nic_load))
-    last = _LAST.get(prep)
-    if last is None:
-        last = _LAST.setdefault(prep, {})
+    last = _LAST(prep)
     got = last.get(key)
     if got is None or got.live.nic_traffic is not live.nic_traffic:  # the reasons quote this read's GB/s
         last.clear()

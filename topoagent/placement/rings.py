@@ -3,17 +3,14 @@ components) a ring must lie in, and the Hamiltonian ring/path search that orders
 GPUs so every consecutive link meets a threshold.
 
 What is derived per tables (adjacency, rings found) is kept here, in a ``Rings`` per
-``Prepared`` (a WeakKeyDictionary: it goes when the tables go).
+``Prepared`` (tables.PerTables: it goes when the tables go).
 """
 
 from __future__ import annotations
 
-import weakref
-from typing import NamedTuple
-
 from topoagent.levels import LinkLevel
 from topoagent.placement.deadline import Ticker
-from topoagent.placement.tables import Prepared, bits, connected_components
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
 
 HAM_MEMO_MAX = 50_000  # past this the memo starts again empty, costing time, never answers
 # Most links among the candidates for which a ring search first splits them into blocks
@@ -66,16 +63,15 @@ def biconnected_blocks(verts: int, adjacency: list[int]) -> list[int]:
 
 
 
-class HamKey(NamedTuple):
-    mask: int  # the GPUs to order
-    r: int  # the threshold every consecutive link meets
-    cycle: bool  # a ring (closing last -> first), else a path
+# (the GPUs to order, the threshold every consecutive link meets, a ring or else a path):
+# a plain tuple, built once per leaf of a ring search.
+HamKey = tuple[int, int, bool]
 
 
 class Rings:
     """Per tables: the GPUs joined at each threshold and level, and the orders found.
 
-    Holds the tables' arrays, never the tables themselves (a memo keyed weakly by them
+    Holds the tables' arrays, never the tables themselves (a memo kept per tables
     must not keep them alive)."""
 
     __slots__ = ("_adj", "_ham", "_level_adj", "hier_pos", "levels", "n", "rank")
@@ -117,7 +113,7 @@ class Rings:
 
     def ham(self, mask: int, r: int, cycle: bool, deadline: Ticker | None = None) -> tuple[int, ...] | None:
         """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
-        key = HamKey(mask, r, cycle)
+        key: HamKey = (mask, r, cycle)
         # One lookup, not a test then a read: another thread may clear the memo between them.
         got = self._ham.get(key, _MISSING)
         if got is not _MISSING:
@@ -193,12 +189,4 @@ class Rings:
 
 
 
-_RINGS: weakref.WeakKeyDictionary[Prepared, Rings] = weakref.WeakKeyDictionary()
-
-
-def rings(prep: Prepared) -> Rings:
-    """The adjacency and ring memo of these tables."""
-    got = _RINGS.get(prep)
-    if got is None:
-        got = _RINGS.setdefault(prep, Rings(prep))
-    return got
+rings: PerTables[Rings] = PerTables(Rings)  # rings(prep): the adjacency and ring memo of these tables

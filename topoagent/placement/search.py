@@ -11,7 +11,6 @@ of members apart), which changes no answer.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,7 @@ from topoagent.placement.ksets import Row, has_small_table, small_table
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.request import Request
 from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks, rings
-from topoagent.placement.tables import Prepared, bits, connected_components, prepare, timed
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components, prepare, timed
 from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
@@ -103,14 +102,12 @@ def _classes_of(prep: Prepared, with_nics: bool) -> list[GpuClass]:
     return with_zones
 
 
-_CLASSES: weakref.WeakKeyDictionary[Prepared, dict[bool, list[GpuClass]]] = weakref.WeakKeyDictionary()
+_CLASSES: PerTables[dict[bool, list[GpuClass]]] = PerTables(lambda _prep: {})
 
 
 def classes(prep: Prepared, with_nics: bool) -> list[GpuClass]:
     """The classes of these tables (kept per tables; see _classes_of)."""
-    memo = _CLASSES.get(prep)
-    if memo is None:
-        memo = _CLASSES.setdefault(prep, {})
+    memo = _CLASSES(prep)
     got = memo.get(with_nics)
     if got is None:
         got = memo[with_nics] = _classes_of(prep, with_nics)
@@ -170,7 +167,7 @@ class Search:
         self.prep = prep
         self.rings = rings(prep)
         self.terms = terms(prep)
-        self.bounds = Bounds(prep, free_all)  # damage against ``free_all``: the GPUs not busy
+        self.bounds = Bounds(prep, free_all, self.terms)  # damage against ``free_all``: the GPUs not busy
         self.deadline = deadline
         self.live = live  # term (6): unverified GPUs, NIC traffic now (placement.live)
         self.ticker: Ticker | None = steps if steps is not None else deadline  # called once per step

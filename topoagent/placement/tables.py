@@ -2,7 +2,7 @@
 (rows of the DistanceMatrix, bits of a mask), built once per matrix and set of fresh
 measurements, never written after (``Prepared`` is frozen).  What is derived lazily from
 them (adjacency per threshold, rings, classes, NUMA spans, NIC costs, answers) is kept
-by the module that derives it, in a memo keyed by the tables (a WeakKeyDictionary), so
+by the module that derives it, in a memo kept per tables (PerTables, below), so
 it goes when they go.
 
 nvidia-smi indices appear only where a request or an answer is read or written.
@@ -14,7 +14,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Any, NamedTuple
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.levels import LinkLevel
@@ -58,7 +58,7 @@ EdgeClass = tuple[float, float, tuple[int, ...]]
 NumaKey = tuple[str, Any]
 
 
-@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+@dataclass(frozen=True, slots=True, eq=False, repr=False, weakref_slot=True)
 class Prepared:
     """Everything about a matrix the search reads, as bitmasks over GPU positions.
 
@@ -368,6 +368,41 @@ def _zone_label(matrix: DistanceMatrix, numa_keys: list[NumaKey], numa_of: list[
     return f"{gpus} (all of one NUMA node)"
 
 
+# --- what modules keep per tables ---------------------------------------------------------
+
+T = TypeVar("T")
+
+
+class PerTables(Generic[T]):
+    """A memo a module keeps per tables: ``memo(prep)`` is the value ``make(prep)`` made
+    the first time these tables asked, dropped when they go.  Keyed by the tables'
+    identity, cleared by a finalizer: a WeakKeyDictionary makes a weak reference at each
+    look-up, microseconds that a request paid several times over.  A value must not
+    hold the tables themselves (they would never go)."""
+
+    __slots__ = ("_by_id", "_make")
+
+    def __init__(self, make: Callable[[Prepared], T]):
+        self._make = make
+        self._by_id: dict[int, T] = {}
+
+    def __call__(self, prep: Prepared) -> T:
+        key = id(prep)
+        got = self._by_id.get(key)
+        if got is None:
+            got = self._by_id.setdefault(key, self._make(prep))  # two threads: one value kept
+            weakref.finalize(prep, self._by_id.pop, key, None).atexit = False
+        return got
+
+    def peek(self, prep: Prepared) -> T | None:
+        """The value kept for these tables, without making one."""
+        return self._by_id.get(id(prep))
+
+    def __len__(self) -> int:
+        """How many tables have a value kept."""
+        return len(self._by_id)
+
+
 # --- which tables a request reads -----------------------------------------------------------
 
 
@@ -404,7 +439,7 @@ class TimedKey(NamedTuple):
 
 
 # Per bandwidth-ordered tables: the tables built for each latency order asked.
-_TIMED: weakref.WeakKeyDictionary[Prepared, dict[TimedKey, Prepared]] = weakref.WeakKeyDictionary()
+_TIMED: PerTables[dict[TimedKey, Prepared]] = PerTables(lambda _prep: {})
 
 
 def timed(prep: Prepared, message_bytes: int, deadline: Deadline | None = None) -> Prepared:
@@ -421,9 +456,7 @@ def timed(prep: Prepared, message_bytes: int, deadline: Deadline | None = None) 
     if all(len(a) == 1 for a in alphas.values()) and [c[1:] for c in order] == sorted(alphas):
         return prep
     key = TimedKey(tuple(order))
-    memo = _TIMED.get(prep)
-    if memo is None:
-        memo = _TIMED.setdefault(prep, {})
+    memo = _TIMED(prep)
     got = memo.get(key)
     if got is None:
         if len(memo) > 8:
@@ -436,4 +469,4 @@ def timed(prep: Prepared, message_bytes: int, deadline: Deadline | None = None) 
 
 def timed_tables_built(prep: Prepared) -> int:
     """How many latency-ordered tables are kept beside ``prep`` (tests read it)."""
-    return len(_TIMED.get(prep, {}))
+    return len(_TIMED.peek(prep) or {})
