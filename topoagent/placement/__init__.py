@@ -197,7 +197,20 @@ def place(
         assert deadline is not None
         shown = answer.best_available
         return replace(answer, why=_unclaimed(answer.why), best_available=shown and _not_proven(shown, deadline, request))
-    taken = sum(1 << pos_of[i] for i in answer.indices)
+    answer = _noted(prep, answer, unhealthy, candidates, include, costs)
+    if late:
+        assert deadline is not None
+        answer = _not_proven(answer, deadline, request)
+    return answer
+
+
+def _noted(
+    prep: Prepared, answer: Placement, unhealthy: int, candidates: int, include: int, costs: LiveCosts | None
+) -> Placement:
+    """``answer`` with what the node's state says about it: unhealthy GPUs left out, GPUs
+    of unknown links taken, and the live signals (term 6)."""
+    matrix = prep.matrix
+    taken = sum(1 << prep.pos_of[i] for i in answer.indices)
     notes = []
     if unhealthy:
         causes = tuple(f"GPU{g.index}: {g.unhealthy}" for g in (matrix.gpus[v] for v in bits(unhealthy)))
@@ -209,9 +222,6 @@ def place(
         answer = replace(answer, unverified=_indices(matrix, costs.unverified & taken))
     if notes:
         answer = replace(answer, reasons=answer.reasons + tuple(notes))
-    if late:
-        assert deadline is not None
-        answer = _not_proven(answer, deadline, request)
     return answer
 
 

@@ -226,14 +226,7 @@ def answer_parts(
     if got is not None:
         return got
     k = len(order)
-    links: list[PatternLink] = []
-    if k >= 2 and pattern is not Pattern.INDEPENDENT:
-        if pattern is Pattern.ALLTOALL:
-            links = [pattern_link(prep, a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
-        else:
-            links = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
-            if pattern is Pattern.ALLREDUCE and k >= 3:
-                links.append(pattern_link(prep, order[-1], order[0]))
+    links = _pattern_links(prep, order, pattern)
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
     weakest = None
@@ -241,24 +234,8 @@ def answer_parts(
         pos_of = prep.pos_of
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
 
-    t = tables(prep)
-    usable = t.usable  # a NIC with every port down: never
     nic_names = prep.nic_names
-    passed: list[tuple[int, int]] = []  # (chosen, passed over) NICs that traffic alone decided
-    if nics:
-        dist = []
-        for j in usable:
-            kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
-            dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
-        ranked = sorted(dist)
-        job_nics = [entry[-1] for entry in ranked[:nics]]
-        if loads and len(ranked) > nics:
-            # A NIC left out only for its traffic: as near and as fast as one chosen.
-            (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
-            if (kv, rate) == (kv2, rate2) and step2 > step:
-                passed.append((last, first_out))
-    else:
-        job_nics = usable
+    job_nics, passed = _job_nics(prep, mask, nics, loads)
     bindings, by_load, cpus_shared = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
     # Said only where the busier NIC stays unused: else traffic decided which rank, not which NIC.
     used = {b.nic for b in bindings}
@@ -271,29 +248,9 @@ def answer_parts(
     numa_groups = sorted({prep.numa_of[pos] for pos in order})
     numa_labels = tuple(numa_label(prep, gi) for gi in numa_groups)
     cpus = cpus_of(prep, mask)
-    if numa_labels and all(isinstance(x, int) for x in numa_labels):
-        nodes = ",".join(str(x) for x in numa_labels)
-        numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
-    elif cpus:
-        numactl = ("numactl", f"--physcpubind={cpus}")
-    else:
-        numactl = ()
-    env = [
-        # nvidia-smi indices equal CUDA's only in PCI bus order.
-        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
-        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
-    ]
-    hcas = [name for name in chosen if name not in prep.nics_without_device]
+    numactl = _job_numactl(numa_labels, cpus)
+    env = _env(prep, order, placed, chosen)
     unnamed = [name for name in chosen if name in prep.nics_without_device]
-    if hcas:
-        env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
-    else:
-        # No RDMA NIC serves the ranks: NCCL falls back to sockets; name the plain
-        # interfaces nearest their GPUs ('=': exact names, eth1 is not eth10).
-        sockets = dict.fromkeys(i for pos in order for i in prep.matrix.gpus[pos].socket_interfaces)
-        if sockets:
-            env.append(("NCCL_SOCKET_IFNAME", "=" + ",".join(sockets)))
-
     nic_reasons = []
     if nics:
         nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
@@ -301,12 +258,9 @@ def answer_parts(
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
     if cpus_shared:
         nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    if k >= 2 and pattern is not Pattern.ALLREDUCE:
-        ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
-        if k >= 3:
-            ring.append(pattern_link(prep, order[-1], order[0]))
-    else:
-        ring = links
+    # The ring through the ranks in order, for the estimate: the pattern's own links for
+    # all-reduce (and one GPU), else the ring the ranks would form.
+    ring = _pattern_links(prep, order, Pattern.ALLREDUCE) if k >= 2 and pattern is not Pattern.ALLREDUCE else links
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
         tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
@@ -316,6 +270,73 @@ def answer_parts(
         memo.clear()
     memo[key] = parts
     return parts
+
+
+def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> list[PatternLink]:
+    """The links ``pattern`` uses between the GPUs at positions ``order``, in rank order."""
+    k = len(order)
+    links: list[PatternLink] = []
+    if k >= 2 and pattern is not Pattern.INDEPENDENT:
+        if pattern is Pattern.ALLTOALL:
+            links = [pattern_link(prep, a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+        else:
+            links = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
+            if pattern is Pattern.ALLREDUCE and k >= 3:
+                links.append(pattern_link(prep, order[-1], order[0]))
+    return links
+
+
+def _job_nics(
+    prep: Prepared, mask: int, nics: int, loads: tuple[int, ...] | None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The NICs the job gets (``nics`` asked: the closest to the GPUs ``mask``, fastest,
+    least traffic; else every usable one), and the (chosen, passed over) pair that
+    traffic alone decided."""
+    usable = tables(prep).usable  # a NIC with every port down: never
+    passed: list[tuple[int, int]] = []
+    if not nics:
+        return usable, passed
+    dist = []
+    for j in usable:
+        kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
+        dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
+    ranked = sorted(dist)
+    job_nics = [entry[-1] for entry in ranked[:nics]]
+    if loads and len(ranked) > nics:
+        # A NIC left out only for its traffic: as near and as fast as one chosen.
+        (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
+        if (kv, rate) == (kv2, rate2) and step2 > step:
+            passed.append((last, first_out))
+    return job_nics, passed
+
+
+def _job_numactl(numa_labels: tuple[int | str, ...], cpus: str | None) -> tuple[str, ...]:
+    """The job's numactl command: its NUMA nodes, else its CPUs, else none."""
+    if numa_labels and all(isinstance(x, int) for x in numa_labels):
+        nodes = ",".join(str(x) for x in numa_labels)
+        return ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
+    if cpus:
+        return ("numactl", f"--physcpubind={cpus}")
+    return ()
+
+
+def _env(prep: Prepared, order: tuple[int, ...], placed: list[PlacedGpu], chosen: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The job's environment: its GPUs for CUDA, its NICs (or plain interfaces) for NCCL."""
+    env = [
+        # nvidia-smi indices equal CUDA's only in PCI bus order.
+        ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
+        ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
+    ]
+    hcas = [name for name in chosen if name not in prep.nics_without_device]
+    if hcas:
+        env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
+    else:
+        # No RDMA NIC serves the ranks: NCCL falls back to sockets; name the plain
+        # interfaces nearest their GPUs ('=': exact names, eth1 is not eth10).
+        sockets = dict.fromkeys(i for pos in order for i in prep.matrix.gpus[pos].socket_interfaces)
+        if sockets:
+            env.append(("NCCL_SOCKET_IFNAME", "=" + ",".join(sockets)))
+    return env
 
 
 @dataclass(frozen=True, slots=True)

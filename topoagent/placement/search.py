@@ -437,54 +437,11 @@ class Search:
         if best is not None and self.stop_at_first:
             return
         forced = 0  # GPUs every ring or path completing this branch holds
-        eff = self.eff
-        if eff is not None and taken:
-            # No ring/path at r can be completed: such a branch holds no set, so cutting it
-            # changes no answer.  In a ring, the members taken lie in runs between the rem
-            # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
-            # component of the links among them; each member has 2 ring links (a path's
-            # two ends 1), those not among the taken go to the rem newcomers, 2 each.
-            need = self.need
-            ends = 0 if self.req.pattern is Pattern.ALLREDUCE else 2
-            reach = taken | cand
-            # A candidate with fewer than `need` links among what can still be in the
-            # set is in no ring or path of it: peel such candidates until none is left.
-            peeled = True
-            while peeled:
-                peeled = False
-                left = reach & ~taken
-                while left:
-                    low = left & -left
-                    left ^= low
-                    if (eff[low.bit_length() - 1] & reach).bit_count() < need:
-                        reach ^= low
-                        peeled = True
-            cand = reach & ~taken
-            if cand.bit_count() < rem:
+        if self.eff is not None and taken:
+            completable = self._ring_completable(taken, cand, rem)
+            if completable is None:
                 return
-            short = 0
-            left = taken
-            while left:
-                low = left & -left
-                left ^= low
-                v = low.bit_length() - 1
-                links = eff[v] & reach
-                degree = links.bit_count()
-                if degree < need:
-                    return
-                if degree == need:
-                    forced |= links  # every link it has left is one it needs
-                inside = (eff[v] & taken).bit_count()
-                if inside < 2:
-                    short += 2 - inside
-            forced &= ~taken
-            if short > 2 * rem + ends or forced.bit_count() > rem:
-                return
-            if len(connected_components(taken, eff)) > rem + ends // 2:
-                return
-            comp = connected_components(reach, eff, taken & -taken)[0]
-            if taken & ~comp or comp.bit_count() < self.k:
-                return
+            cand, forced = completable
         cutoff = self.cutoff
         if cutoff is not None and (best is None or cutoff < best.key):
             if self._cut(taken, cand, rem, dmg, forced, cutoff, strict=True):
@@ -515,6 +472,60 @@ class Search:
             self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
             if self.best is not None and self.stop_at_first:
                 return
+
+    def _ring_completable(self, taken: int, cand: int, rem: int) -> tuple[int, int] | None:
+        """The candidates that can still complete a ring or path at r through ``taken``
+        and the GPUs every such completion holds; None when none can."""
+        # No ring/path at r can be completed: such a branch holds no set, so cutting it
+        # changes no answer.  In a ring, the members taken lie in runs between the rem
+        # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
+        # component of the links among them; each member has 2 ring links (a path's
+        # two ends 1), those not among the taken go to the rem newcomers, 2 each.
+        eff = self.eff
+        assert eff is not None  # _branch asks only when rings are checked
+        need = self.need
+        ends = 0 if self.req.pattern is Pattern.ALLREDUCE else 2
+        forced = 0
+        reach = taken | cand
+        # A candidate with fewer than `need` links among what can still be in the
+        # set is in no ring or path of it: peel such candidates until none is left.
+        peeled = True
+        while peeled:
+            peeled = False
+            left = reach & ~taken
+            while left:
+                low = left & -left
+                left ^= low
+                if (eff[low.bit_length() - 1] & reach).bit_count() < need:
+                    reach ^= low
+                    peeled = True
+        cand = reach & ~taken
+        if cand.bit_count() < rem:
+            return None
+        short = 0
+        left = taken
+        while left:
+            low = left & -left
+            left ^= low
+            v = low.bit_length() - 1
+            links = eff[v] & reach
+            degree = links.bit_count()
+            if degree < need:
+                return None
+            if degree == need:
+                forced |= links  # every link it has left is one it needs
+            inside = (eff[v] & taken).bit_count()
+            if inside < 2:
+                short += 2 - inside
+        forced &= ~taken
+        if short > 2 * rem + ends or forced.bit_count() > rem:
+            return None
+        if len(connected_components(taken, eff)) > rem + ends // 2:
+            return None
+        comp = connected_components(reach, eff, taken & -taken)[0]
+        if taken & ~comp or comp.bit_count() < self.k:
+            return None
+        return cand, forced
 
     def _cut(
         self, taken: int, cand: int, rem: int, dmg: int, forced: int, limit: Key, strict: bool
