@@ -69,13 +69,13 @@ def test_what_modules_keep_per_tables_goes_with_the_matrix():
     import weakref
 
     from topoagent.placement import Live, Placement, Request, place, warm
-    from topoagent.placement.answer import _memo as answer_memo
-    from topoagent.placement.bounds import terms
-    from topoagent.placement.rings import rings
+    from topoagent.placement.answer import ANSWERS
+    from topoagent.placement.bounds import TERMS
+    from topoagent.placement.rings import RINGS
     from topoagent.placement.synthetic import pcie_two_socket_8
     from topoagent.placement.tables import prepare
 
-    memos = (answer_memo, terms, rings)
+    memos = (ANSWERS, TERMS, RINGS)
     before = [len(memo) for memo in memos]
     matrix = pcie_two_socket_8()
     warm(matrix)

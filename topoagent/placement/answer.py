@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from topoagent.cpulist import format_cpulist
 from topoagent.levels import LinkLevel
@@ -109,11 +108,8 @@ class NoFit:
 PlacedKey = tuple[int, int, str | None, int | None]
 
 
-class PartsKey(NamedTuple):
-    order: tuple[int, ...]
-    pattern: Pattern
-    nics: int
-    loads: tuple[int, ...] | None  # per NIC, its traffic in steps (None: none)
+# (GPU positions in rank order, pattern, NICs asked, per NIC its traffic in steps or None).
+PartsKey = tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None]
 
 
 class AnswerMemo:
@@ -128,7 +124,8 @@ class AnswerMemo:
         self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
 
 
-_memo: PerTables[AnswerMemo] = PerTables(lambda _prep: AnswerMemo())
+ANSWERS: PerTables[AnswerMemo] = PerTables(lambda _prep: AnswerMemo())
+_memo = ANSWERS.of
 
 
 def built_answer_parts(prep: Prepared) -> dict[PartsKey, AnswerParts]:
@@ -220,7 +217,7 @@ def answer_parts(
     """The request-independent pieces for GPUs at positions ``order`` (cached; by the
     NICs' traffic steps too, which choose among equally near NICs)."""
     loads = live.loads_key if live is not None else None
-    key = PartsKey(order, pattern, nics, loads)
+    key: PartsKey = (order, pattern, nics, loads)
     memo = _memo(prep).parts
     got = memo.get(key)
     if got is not None:

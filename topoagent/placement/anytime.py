@@ -19,7 +19,7 @@ the best threshold not yet ruled out.  On nodes with a small table of k-sets
 from __future__ import annotations
 
 from itertools import combinations, pairwise
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 from topoagent.placement.deadline import Deadline, DeadlineReached, StepBudget, StepsSpent
 from topoagent.placement.ksets import has_small_table, small_table, small_table_if_built
@@ -37,14 +37,11 @@ FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 
 
-class IdleKey(NamedTuple):
-    pattern: Pattern
-    k: int
-    r: int  # threshold
+IdleKey = tuple[Pattern, int, int]  # (pattern, k, threshold)
 
 
 # Per tables: whether any k GPUs of the idle node carry a pattern at a threshold.
-_IDLE_FEASIBLE: PerTables[dict[IdleKey, bool]] = PerTables(lambda _prep: {})
+_idle_feasible = PerTables[dict[IdleKey, bool]](lambda _prep: {}).of
 
 
 class Anytime:
@@ -211,8 +208,8 @@ class Anytime:
         node reaches is skipped at once (remembered per matrix): without this the search
         would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
         """
-        key = IdleKey(self.req.pattern, self.k, r)
-        memo = _IDLE_FEASIBLE(self.prep)
+        key: IdleKey = (self.req.pattern, self.k, r)
+        memo = _idle_feasible(self.prep)
         got = memo.get(key)
         if got is None:
             idle = Search(

@@ -70,7 +70,8 @@ class Terms:
         return sum(kv for kv, _ in chosen), sum(rate for _, rate in chosen)
 
 
-terms: PerTables[Terms] = PerTables(Terms)  # terms(prep): the term memo of these tables
+TERMS: PerTables[Terms] = PerTables(Terms)
+terms = TERMS.of  # terms(prep): the term memo of these tables
 
 
 class Bounds:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from itertools import combinations
 from math import comb
-from typing import NamedTuple
 
 from topoagent.placement.bounds import terms
 from topoagent.placement.deadline import Ticker
@@ -24,12 +23,12 @@ SMALL_TABLE_SETS = 128  # most k-sets a node may have for place() to scan a tabl
 Row = tuple[int, int, int, int, tuple[int, ...]]
 
 
-class TableKey(NamedTuple):
-    pattern: Pattern
-    k: int
+# (pattern, k): a plain tuple, as every key built per request (a NamedTuple takes a
+# Python call to build).
+TableKey = tuple[Pattern, int]
 
 
-_tables_of: PerTables[dict[TableKey, list[Row]]] = PerTables(lambda _prep: {})
+_tables_of = PerTables[dict[TableKey, list[Row]]](lambda _prep: {}).of
 
 
 def has_small_table(prep: Prepared, k: int) -> bool:
@@ -37,12 +36,12 @@ def has_small_table(prep: Prepared, k: int) -> bool:
 
 
 def small_table_if_built(prep: Prepared, pattern: Pattern, k: int) -> list[Row] | None:
-    return _tables_of(prep).get(TableKey(pattern, k))
+    return _tables_of(prep).get((pattern, k))
 
 
 def built_small_tables(prep: Prepared) -> list[tuple[Pattern, list[Row]]]:
     """(pattern, rows) of every small table built so far."""
-    return [(key.pattern, rows) for key, rows in list(_tables_of(prep).items())]
+    return [(pattern, rows) for (pattern, _k), rows in list(_tables_of(prep).items())]
 
 
 def small_table(prep: Prepared, pattern: Pattern, k: int, deadline: Ticker | None = None) -> list[Row] | None:
@@ -51,7 +50,7 @@ def small_table(prep: Prepared, pattern: Pattern, k: int, deadline: Ticker | Non
     stops is not kept."""
     if comb(prep.n, k) > SMALL_TABLE_SETS:
         return None
-    key = TableKey(pattern, k)
+    key: TableKey = (pattern, k)
     built = _tables_of(prep)
     if key in built:
         return built[key]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from topoagent.placement.tables import PerTables, Prepared
 
@@ -82,13 +81,11 @@ class LiveCosts:
         return min((self.gbs(j) for j in self.nearest[pos][1] if self.nic_load[j] == self.gpu_load[pos]), default=0.0)
 
 
-class LiveKey(NamedTuple):
-    unverified: frozenset[int]  # nvidia-smi indices of the node's GPUs
-    nic_load: tuple[int, ...]  # per NIC, its traffic in steps
+LiveKey = tuple[frozenset[int], tuple[int, ...]]  # (unverified GPU indices, per NIC its traffic in steps)
 
 
 # Per tables: the last request's live costs (holding arrays of the tables, never the tables).
-_LAST: PerTables[dict[LiveKey, LiveCosts]] = PerTables(lambda _prep: {})
+_last = PerTables[dict[LiveKey, LiveCosts]](lambda _prep: {}).of
 
 
 def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
@@ -101,8 +98,8 @@ def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
     unverified = frozenset(live.unverified & prep.pos_of.keys())
     if not unverified and not any(nic_load):
         return None
-    key = LiveKey(unverified, tuple(nic_load))
-    last = _LAST(prep)
+    key: LiveKey = (unverified, tuple(nic_load))
+    last = _last(prep)
     got = last.get(key)
     if got is None or got.live.nic_traffic is not live.nic_traffic:  # the reasons quote this read's GB/s
         last.clear()

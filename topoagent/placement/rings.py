@@ -189,4 +189,5 @@ class Rings:
 
 
 
-rings: PerTables[Rings] = PerTables(Rings)  # rings(prep): the adjacency and ring memo of these tables
+RINGS: PerTables[Rings] = PerTables(Rings)
+rings = RINGS.of  # rings(prep): the adjacency and ring memo of these tables

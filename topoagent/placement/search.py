@@ -102,12 +102,12 @@ def _classes_of(prep: Prepared, with_nics: bool) -> list[GpuClass]:
     return with_zones
 
 
-_CLASSES: PerTables[dict[bool, list[GpuClass]]] = PerTables(lambda _prep: {})
+_classes_kept = PerTables[dict[bool, list[GpuClass]]](lambda _prep: {}).of
 
 
 def classes(prep: Prepared, with_nics: bool) -> list[GpuClass]:
     """The classes of these tables (kept per tables; see _classes_of)."""
-    memo = _CLASSES(prep)
+    memo = _classes_kept(prep)
     got = memo.get(with_nics)
     if got is None:
         got = memo[with_nics] = _classes_of(prep, with_nics)
