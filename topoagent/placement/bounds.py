@@ -78,9 +78,9 @@ class Bounds:
     """One search's damage (term 5, measured against the GPUs not busy) and the least
     terms (2), (3) and (5) can be once a partial set is completed."""
 
-    def __init__(self, prep: Prepared, free_all: int, memo: Terms | None = None):
+    def __init__(self, prep: Prepared, free_all: int):
         self.prep = prep
-        self.terms = memo if memo is not None else terms(prep)
+        self.terms = terms(prep)
         self.free_all = free_all
         self.zone_free_count: dict[int, int] = {}  # zone mask -> its free GPUs
         self.zone_f2: list[tuple[int, int]] | None = None  # (zone, 2 x its free GPUs)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from topoagent.matrix import DistanceMatrix
-from topoagent.placement.bounds import Bounds, least_concave_fill, terms
+from topoagent.placement.bounds import Bounds
 from topoagent.placement.deadline import Deadline, DeadlineReached, StepBudget, Ticker
 from topoagent.placement.ksets import Row, has_small_table, small_table
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
@@ -27,7 +27,7 @@ from topoagent.vocabulary import Pattern
 if TYPE_CHECKING:
     from topoagent.placement.live import LiveCosts
 
-__all__ = ["Found", "Key", "Search", "classes", "least_concave_fill", "warm"]
+__all__ = ["Found", "Key", "Search", "classes", "warm"]
 
 WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
@@ -150,8 +150,11 @@ def _warm_prepared(prep: Prepared, patterns: tuple[Pattern, ...], deadline: Dead
 # --- the branch and bound ------------------------------------------------------------
 
 
-class Search:
-    """Branch and bound over interchangeable-GPU classes at one bandwidth threshold."""
+class Search(Bounds):
+    """Branch and bound over interchangeable-GPU classes at one bandwidth threshold.
+
+    A Bounds (placement.bounds) for the GPUs not busy: one object per search, not two
+    (a request makes several searches, each cheap tries included)."""
 
     def __init__(
         self,
@@ -164,10 +167,8 @@ class Search:
         live: LiveCosts | None = None,
         steps: StepBudget | None = None,
     ):
-        self.prep = prep
+        super().__init__(prep, free_all)  # damage against ``free_all``: the GPUs not busy
         self.rings = rings(prep)
-        self.terms = terms(prep)
-        self.bounds = Bounds(prep, free_all, self.terms)  # damage against ``free_all``: the GPUs not busy
         self.deadline = deadline
         self.live = live  # term (6): unverified GPUs, NIC traffic now (placement.live)
         self.ticker: Ticker | None = steps if steps is not None else deadline  # called once per step
@@ -180,7 +181,6 @@ class Search:
         self.req = req
         self.k = req.gpus
         self.nics = req.nics
-        self.free_all = free_all  # not busy: what damage is measured against
         self.candidates = candidates  # not busy, not excluded
         self.include = include
         self.h_adj = self.rings.level_adj(req.min_level) if req.min_level else None
@@ -208,7 +208,7 @@ class Search:
             nic = self.terms.nic_cost(mask, nics) if nics else NO_NICS
             if best is not None and nic > best.key[2]:
                 continue
-            key = (span, numa, nic, self.bounds.damage_of(mask), self._live_cost(mask))
+            key = (span, numa, nic, self.damage_of(mask), self._live_cost(mask))
             if best is None or key < best.key:
                 best = Found(mask, order, rank, key)
                 best_loss = None
@@ -276,7 +276,7 @@ class Search:
         prep = self.prep
         groups = prep.groups_of(taken)
         nic = self.terms.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        key = (self.terms.numa_span(groups), groups.bit_count(), nic, self.bounds.damage_of(taken), self._live_cost(taken))
+        key = (self.terms.numa_span(groups), groups.bit_count(), nic, self.damage_of(taken), self._live_cost(taken))
         return Found(taken, order, r, key)
 
     def search_at(self, r: int | None, stop_at_first: bool, cutoff: Key | None = None) -> Found | None:
@@ -394,7 +394,7 @@ class Search:
             if not ok:
                 continue
             self.classes = self._ordered_classes(classes_all, cand, k - start.bit_count())
-            dmg = self.bounds.damage_add(0, start)
+            dmg = self.damage_add(0, start)
             self._branch(0, start, k - start.bit_count(), cand, dmg)
             if self.best is not None and stop_at_first:
                 break
@@ -419,11 +419,6 @@ class Search:
             numa_of = prep.numa_of
             ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
         return ordered
-
-    def _damage_bound(self, taken: int, cand: int, rem: int) -> int:
-        """Least damage of completing ``taken`` (placement.bounds; a method, so a study can
-        put a tighter bound in its place: bench/mesh_floor.py)."""
-        return self.bounds.damage_bound(taken, cand, rem)
 
     def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
         if self.ticker is not None:
@@ -468,7 +463,7 @@ class Search:
             for v in members[:c]:
                 pick |= 1 << v
                 nxt &= allowed[v]
-            added = self.bounds.class_damage(zones, taken, c) if c else 0
+            added = self.class_damage(zones, taken, c) if c else 0
             self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
             if self.best is not None and self.stop_at_first:
                 return
@@ -534,21 +529,21 @@ class Search:
         ``limit`` (or, strict, equal it): the bound, one term at a time -- later terms only
         matter on a tie."""
         if forced:
-            dmg += self.bounds.damage_add(taken, forced)
+            dmg += self.damage_add(taken, forced)
             taken |= forced
             cand &= ~forced
             rem -= forced.bit_count()
         limit_span, limit_numa, limit_nic, limit_dmg, limit_live = limit
-        span = self.bounds.distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
+        span = self.distance_bound(taken, cand, rem) if self.prep.numa_dist is not None else 0
         if span != limit_span:
             return span > limit_span
-        numa = self.bounds.numa_bound(taken, cand, rem)
+        numa = self.numa_bound(taken, cand, rem)
         if numa != limit_numa:
             return numa > limit_numa
         nic = self.terms.nic_cost(taken | cand, self.nics) if self.nics else NO_NICS
         if nic != limit_nic:
             return nic > limit_nic
-        least = dmg + self._damage_bound(taken, cand, rem)
+        least = dmg + self.damage_bound(taken, cand, rem)
         if least != limit_dmg:
             return least > limit_dmg
         # Term (6) only grows as GPUs are added: what is taken bounds it.
