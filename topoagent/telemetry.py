@@ -33,10 +33,10 @@ from topoagent.collectors.counters import (
     Labels,
     Series,
 )
-from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, THRESHOLDS
+from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, STUCK, THRESHOLDS
 from topoagent.node.host import HostError
 from topoagent.node.model import CollectorStatus, Finding
-from topoagent.vocabulary import Status
+from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
     from topoagent.node.host import Host
@@ -169,6 +169,40 @@ def findings_from(readings: Iterable[Reading], overrides: Mapping[str, float], g
     return tuple(found)
 
 
+def stuck_findings(readings: Iterable[Reading], gpu_by_address: Mapping[str, str]) -> tuple[Finding, ...]:
+    """A warning per counter that cannot move (the sources' ``stuck`` rules): one at its
+    maximum counts nothing more (its rate reads 0 however busy the port), one frozen while
+    its witness rises has stopped counting.  Either way its rates mislead."""
+    latest = {(r.metric, r.labels): r for r in readings}
+    counter_of = {rule.family.name: rule.counter for rule in STUCK}  # a witness named as sysfs names it
+    found: list[Finding] = []
+    for rule in STUCK:
+        for reading in latest.values():
+            if reading.metric != rule.family.name:
+                continue
+            subject = _subject(reading, gpu_by_address)
+            top = rule.saturated_at(reading.value)
+            if top is not None:
+                bits = 32 if top == 2**32 - 1 else 64
+                found.append(Finding(
+                    FindingKind.COUNTER_STUCK, Severity.WARNING, subject,
+                    f"{rule.counter} is saturated at {top} (2^{bits}-1): it counts no more, so its rate reads 0 whatever "
+                    f"the port carries; clear it (perfquery -R) to count again",
+                    source="telemetry",
+                ))
+                continue
+            witness = latest.get((rule.witness.name, reading.labels)) if rule.witness is not None else None
+            if reading.rate_per_s == 0 and witness is not None and witness.rate_per_s:
+                found.append(Finding(
+                    FindingKind.COUNTER_STUCK, Severity.WARNING, subject,
+                    f"{rule.counter} is frozen at {reading.value / rule.factor:.0f} while "
+                    f"{counter_of.get(witness.metric, witness.metric)} rises at "
+                    f"{witness.rate_per_s:.3g}/s: the counter no longer counts",
+                    source="telemetry", rate_per_s=0.0,
+                ))
+    return tuple(found)
+
+
 @dataclass(frozen=True, slots=True)
 class Telemetry:
     """What the telemetry loop serves: read once per interval, rendered by /metrics."""
@@ -209,7 +243,7 @@ def served(history: History, overrides: Mapping[str, float], node: NodeTopology 
     readings = tuple(history.readings())
     gpus = {g.pci_address: g.name for g in node.gpus if g.pci_address} if node else {}
     return Telemetry(time.time(), readings, tuple(history.statuses[k] for k in sorted(history.statuses)),
-                     findings_from(readings, overrides, gpus))
+                     findings_from(readings, overrides, gpus) + stuck_findings(readings, gpus))
 
 
 # --- reading: live, or from a recording ------------------------------------------------

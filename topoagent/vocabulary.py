@@ -52,6 +52,10 @@ class FindingKind(enum.StrEnum):
     DUPLICATE_GPU = "duplicate-gpu"  # a source lists one GPU twice, or two GPUs with one identity
     NUMA_DISAGREEMENT = "numa-disagreement"  # NVML and sysfs place a device on different NUMA nodes
     GPU_UNLEASABLE = "gpu-unleasable"  # its identity (UUID, index) cannot be stored in a lease: never leased
+    # A witness the node's answers rest on is missing (topoagent/node/findings.py).
+    GPU_STACK_MISSING = "gpu-stack-missing"  # GPUs on the PCI bus, but neither NVML nor nvidia-smi answers
+    NO_GPUS = "no-gpus"  # a GPU node that shows no GPU at all
+    GPUDIRECT_MISSING = "gpudirect-missing"  # RDMA NICs and GPUs, no peer-memory module loaded
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"
@@ -69,6 +73,7 @@ class FindingKind(enum.StrEnum):
     GPU_XID = "gpu-xid"
     GPU_ECC_UNCORRECTED = "gpu-ecc-uncorrected"
     GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
+    COUNTER_STUCK = "counter-stuck"  # a counter saturated, or frozen while its port carries traffic
 
 
 class FabricSource(enum.StrEnum):
