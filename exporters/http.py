@@ -31,6 +31,7 @@ from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.leases import LeaseError, quarantine_report, state_unwritable
 from topoagent.log import log_event
+from topoagent.node.findings import placement_blockers
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.served import Snapshot, etag_of
 from topoagent.text import cut
@@ -379,6 +380,7 @@ async def place(request: web.Request) -> web.Response:
             raise ApiError(400, "bad_request", 'reserve: null; leave it out for a dry run or give {"owner": ..., "ttl_s": ...}')
         require_token(request)  # before anything is said about the request
     snapshot = _ready_snapshot(agent)
+    _ready_for_placement(snapshot)
     try:
         req, reserve = parse_place_request(doc, {g.index for g in snapshot.matrix.gpus})
     except ApiError:
@@ -495,8 +497,24 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
+def _ready_for_placement(snapshot: Snapshot) -> None:
+    """503 ``not_ready_for_placement`` while a finding makes every answer untrustworthy
+    (``placement_blockers``: GPUs no witness can see): which findings, and why."""
+    blockers = placement_blockers(snapshot.findings)
+    if blockers:
+        raise ApiError(
+            503, "not_ready_for_placement", "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
+            {"snapshot_version": snapshot.version, "stale": snapshot.stale,
+             "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
+                          for f in blockers]},
+        )
+
+
 async def readyz(request: web.Request) -> web.Response:
+    """Ready for placement: a topology is loaded and no finding makes its answers
+    untrustworthy; /healthz alone says the process lives."""
     snapshot = _ready_snapshot(request.app[AGENT])
+    _ready_for_placement(snapshot)
     return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
 
 

@@ -74,6 +74,23 @@ NO_FIT_ERROR = {
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
 
+# GET /readyz's 503 once a topology is loaded: the findings that make answers untrustworthy.
+NOT_READY_FOR_PLACEMENT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail", "snapshot_version", "stale", "findings"],
+    "properties": {
+        "error": {"type": "string", "enum": ["not_ready_for_placement"]},
+        "detail": {"type": "string"},
+        "snapshot_version": {"type": "integer"},
+        "stale": {"type": "boolean"},
+        "findings": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["kind", "severity", "subject", "message"],
+            "properties": {k: {"type": "string"} for k in ("kind", "severity", "subject", "message")},
+        }},
+    },
+}
+
 
 def openapi_document() -> dict[str, Any]:
     not_ready = {"503": _err("No topology loaded yet.")}
@@ -143,8 +160,11 @@ def openapi_document() -> dict[str, Any]:
                         **MUTATE_ERRORS,
                         "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
                         "413": _err("Body larger than the limit."),
-                        "503": {**not_ready["503"], "description": "No topology loaded yet (`not_ready`), or, with `reserve`, "
-                                + state_unavailable["description"], "headers": state_unavailable["headers"]},
+                        "503": {"description": "No topology loaded yet (`not_ready`); a critical finding makes every answer "
+                                "untrustworthy (`not_ready_for_placement`, as GET /readyz says); or, with `reserve`, "
+                                + state_unavailable["description"], "headers": state_unavailable["headers"],
+                                "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"},
+                                                                                      NOT_READY_FOR_PLACEMENT]}}}},
                     },
                 }
             },
@@ -242,8 +262,16 @@ def openapi_document() -> dict[str, Any]:
             "/healthz": {"get": {"summary": "The process is alive.", "responses": {"200": {"description": "Alive.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},
             "/readyz": {
                 "get": {
-                    "summary": "A topology is loaded.",
-                    "responses": {"200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}}, **not_ready, **HOST_ERRORS},
+                    "summary": "Ready for placement: a topology is loaded and no finding makes its answers untrustworthy.",
+                    "responses": {
+                        "200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}},
+                        "503": {
+                            "description": "No topology loaded yet (`not_ready`), or one is loaded but a critical finding "
+                                           "makes placement answers untrustworthy (`not_ready_for_placement`: which, and why).",
+                            "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"}, NOT_READY_FOR_PLACEMENT]}}},
+                        },
+                        **HOST_ERRORS,
+                    },
                 }
             },
             "/openapi.json": {"get": {"summary": "This document.", "responses": {"200": {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},

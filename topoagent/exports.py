@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from topoagent.config import Config
+from topoagent.node.findings import placement_blockers
 from topoagent.node.model import NodeTopology
 
 
@@ -40,9 +41,23 @@ def expiry_line(expires_at: float) -> str:
     return f"# +expiry-time={stamp}\n"
 
 
+# The formats that state every GPU pair's link (NVLink counts): NCCL and Slurm would take
+# a link no witness classified for "no NVLink", so they are not written while one is.
+STATE_LINKS = frozenset({"nccl-xml", "gres"})
+
+
+def held_back(fmt: str, topology: NodeTopology) -> str | None:
+    """Why ``fmt`` is not written for this node (a finding that leaves its links unseen), or None."""
+    blockers = placement_blockers(topology.findings)
+    if fmt in STATE_LINKS and blockers:
+        return f"{blockers[0].kind}: {blockers[0].message}"
+    return None
+
+
 def rendered(config: Config, node: NodeTopology) -> dict[str, str]:
     """Configured path -> the export's text for ``node`` (empty when it has no GPUs,
-    where `topoagent export` writes nothing too)."""
+    where `topoagent export` writes nothing too; no gres.conf or NCCL file while a finding
+    leaves the GPUs' links unseen, see ``held_back``)."""
     if not node.gpus:
         return {}
     out = {}
@@ -50,11 +65,11 @@ def rendered(config: Config, node: NodeTopology) -> dict[str, str]:
         from topoagent.exporters.nfd import render_nfd
 
         out[config.export_nfd_path] = render_nfd(node, config.export_nfd_prefix, config.export_nfd_topograph_labels)
-    if config.export_gres_path:
+    if config.export_gres_path and not held_back("gres", node):  # the last one written stays
         from topoagent.exporters.gres import render_gres
 
         out[config.export_gres_path] = render_gres(node, config.export_gres_node_name)
-    if config.export_nccl_path:
+    if config.export_nccl_path and not held_back("nccl-xml", node):
         from topoagent.exporters.nccl_xml import render_nccl_xml
 
         out[config.export_nccl_path] = render_nccl_xml(node)

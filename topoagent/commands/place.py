@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, BinaryIO
 
-from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
+from topoagent.commands.sources import matrix_and_left_out
 from topoagent.documents.agent import answer_document, batch_error_document
-from topoagent.errors import UsageError
+from topoagent.errors import TopoagentError, UsageError
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.live import NO_LIVE
@@ -165,10 +165,27 @@ def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ..
             raise UsageError("--batch reads requests from stdin; give the matrix as a file")
         matrix, left_out = matrix_and_left_out(args.from_nvidia_smi)
     else:
-        matrix, left_out = matrix_from_root(args.root or "/"), ()
+        matrix, left_out = ready_matrix(args.root or "/"), ()
     if args.measured:
         matrix = with_measured(matrix, args.measured)
     return matrix, left_out
+
+
+class NotReadyForPlacement(TopoagentError):
+    """The node shows a finding that leaves every answer untrustworthy (GET /readyz's 503)."""
+
+
+def ready_matrix(root: str) -> DistanceMatrix:
+    """The node's matrix, or NotReadyForPlacement naming what it cannot see (a GPU stack
+    that does not answer, no GPU at all): an answer would be a guess."""
+    from topoagent.commands.discover import discover_root
+    from topoagent.node.findings import placement_blockers
+
+    node = discover_root(root)
+    blockers = placement_blockers(node.findings)
+    if blockers:
+        raise NotReadyForPlacement("; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers))
+    return node.distance_matrix()
 
 
 def with_measured(matrix: DistanceMatrix, path: str) -> DistanceMatrix:
@@ -276,6 +293,14 @@ def left_out_rules(
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except NotReadyForPlacement as exc:
+        print(f"topoagent place: not ready for placement: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.batch:
         # Each line is a whole request, busy included; a flag beside them would be
         # silently ignored or silently merged, and neither is what a line said.
