@@ -497,16 +497,17 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
-def _ready_for_placement(snapshot: Snapshot) -> None:
+def _ready_for_placement(snapshot: Snapshot, *, say_snapshot: bool = False) -> None:
     """503 ``not_ready_for_placement`` while a finding makes every answer untrustworthy
-    (``placement_blockers``: GPUs no witness can see): which findings, and why."""
+    (``placement_blockers``: GPUs no witness can see): which findings, and why; /readyz
+    names the snapshot too (``say_snapshot``), as its 200 does."""
     blockers = placement_blockers(snapshot.findings)
     if blockers:
+        said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if say_snapshot else {}
         raise ApiError(
             503, "not_ready_for_placement", "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
-            {"snapshot_version": snapshot.version, "stale": snapshot.stale,
-             "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
-                          for f in blockers]},
+            {**said, "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
+                                  for f in blockers]},
         )
 
 
@@ -514,7 +515,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready for placement: a topology is loaded and no finding makes its answers
     untrustworthy; /healthz alone says the process lives."""
     snapshot = _ready_snapshot(request.app[AGENT])
-    _ready_for_placement(snapshot)
+    _ready_for_placement(snapshot, say_snapshot=True)
     return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
 
 

@@ -74,11 +74,12 @@ NO_FIT_ERROR = {
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
 
-# GET /readyz's 503 once a topology is loaded: the findings that make answers untrustworthy.
+# GET /readyz's and POST /place's 503 once a topology is loaded: the findings that make
+# answers untrustworthy.
 NOT_READY_FOR_PLACEMENT = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["error", "detail", "snapshot_version", "stale", "findings"],
+    "required": ["error", "detail", "findings"],  # GET /readyz adds snapshot_version and stale
     "properties": {
         "error": {"type": "string", "enum": ["not_ready_for_placement"]},
         "detail": {"type": "string"},
