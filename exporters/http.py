@@ -31,7 +31,7 @@ from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.leases import LeaseError, quarantine_report, state_unwritable
 from topoagent.log import log_event
-from topoagent.node.findings import placement_blockers
+from topoagent.node.findings import placement_blockers, placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.served import Snapshot, etag_of
 from topoagent.text import cut
@@ -497,13 +497,14 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
-def _ready_for_placement(snapshot: Snapshot, *, say_snapshot: bool = False) -> None:
+def _ready_for_placement(snapshot: Snapshot, *, readyz: bool = False) -> None:
     """503 ``not_ready_for_placement`` while a finding makes every answer untrustworthy
-    (``placement_blockers``: GPUs no witness can see): which findings, and why; /readyz
-    names the snapshot too (``say_snapshot``), as its 200 does."""
-    blockers = placement_blockers(snapshot.findings)
+    (``placement_blockers``: GPUs no witness can see): which findings, and why.  /readyz
+    names the snapshot too, as its 200 does; /place leaves ``no-gpus`` to the core's own
+    answer (``placement_refusals``)."""
+    blockers = placement_blockers(snapshot.findings) if readyz else placement_refusals(snapshot.findings)
     if blockers:
-        said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if say_snapshot else {}
+        said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if readyz else {}
         raise ApiError(
             503, "not_ready_for_placement", "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
             {**said, "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
@@ -515,7 +516,7 @@ async def readyz(request: web.Request) -> web.Response:
     """Ready for placement: a topology is loaded and no finding makes its answers
     untrustworthy; /healthz alone says the process lives."""
     snapshot = _ready_snapshot(request.app[AGENT])
-    _ready_for_placement(snapshot, say_snapshot=True)
+    _ready_for_placement(snapshot, readyz=True)
     return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
 
 

@@ -55,7 +55,8 @@ def copy_fixture(name: str, dest: Path, *, without_commands: bool = False) -> Pa
 
 def test_the_fixture_list_is_the_issue_list() -> None:
     assert sorted(["dgx-a100", "dgx1-v100", "hgx-h100", "dgx2", "pcie-2socket",
-                          "workstation-2gpu", "vm-1gpu", "degraded"]) == ALL
+                          "workstation-2gpu", "vm-1gpu", "degraded",
+                          "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect"]) == ALL
 
 
 def not_recorded(tool: str) -> str:

@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from topoagent.config import Config
-from topoagent.node.findings import placement_blockers
+from topoagent.node.findings import held_back
 from topoagent.node.model import NodeTopology
 
 
@@ -39,19 +39,6 @@ def expiry_line(expires_at: float) -> str:
     """NFD's directive: the features below it are dropped after this time (RFC 3339)."""
     stamp = datetime.fromtimestamp(expires_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     return f"# +expiry-time={stamp}\n"
-
-
-# The formats that state every GPU pair's link (NVLink counts): NCCL and Slurm would take
-# a link no witness classified for "no NVLink", so they are not written while one is.
-STATE_LINKS = frozenset({"nccl-xml", "gres"})
-
-
-def held_back(fmt: str, topology: NodeTopology) -> str | None:
-    """Why ``fmt`` is not written for this node (a finding that leaves its links unseen), or None."""
-    blockers = placement_blockers(topology.findings)
-    if fmt in STATE_LINKS and blockers:
-        return f"{blockers[0].kind}: {blockers[0].message}"
-    return None
 
 
 def rendered(config: Config, node: NodeTopology) -> dict[str, str]:

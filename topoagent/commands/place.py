@@ -176,13 +176,13 @@ class NotReadyForPlacement(TopoagentError):
 
 
 def ready_matrix(root: str) -> DistanceMatrix:
-    """The node's matrix, or NotReadyForPlacement naming what it cannot see (a GPU stack
-    that does not answer, no GPU at all): an answer would be a guess."""
+    """The node's matrix, or NotReadyForPlacement naming what it cannot see (GPUs a stack
+    that does not answer leaves unknown): an answer would be a guess."""
     from topoagent.commands.discover import discover_root
-    from topoagent.node.findings import placement_blockers
+    from topoagent.node.findings import placement_refusals
 
     node = discover_root(root)
-    blockers = placement_blockers(node.findings)
+    blockers = placement_refusals(node.findings)
     if blockers:
         raise NotReadyForPlacement("; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers))
     return node.distance_matrix()

@@ -12,7 +12,7 @@ from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
 from topoagent.node.facts import BRIDGE, GPU, PeerMemory
-from topoagent.node.model import Finding, GpuTopo, NicTopo
+from topoagent.node.model import Finding, GpuTopo, NicTopo, NodeTopology
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 
@@ -199,3 +199,23 @@ def placement_blockers(findings: Iterable[Finding]) -> tuple[Finding, ...]:
     """The findings that make the node's answers untrustworthy, in the order given (the
     readiness rule, pure: the HTTP door and the exports call it)."""
     return tuple(f for f in findings if f.severity is Severity.CRITICAL and f.kind in PLACEMENT_BLOCKERS)
+
+
+def placement_refusals(findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    """The blockers the placement doors (POST /place, ``place``) refuse a request for: all
+    but ``no-gpus``, where the core's own answer already says it ("no GPUs found on this
+    node", a request that cannot fit) the same way at every door."""
+    return tuple(f for f in placement_blockers(findings) if f.kind is not FindingKind.NO_GPUS)
+
+
+# The formats that state every GPU pair's link (NVLink counts): NCCL and Slurm would take
+# a link no witness classified for "no NVLink", so they are not written while one is.
+STATE_LINKS = frozenset({"nccl-xml", "gres"})
+
+
+def held_back(fmt: str, topology: NodeTopology) -> str | None:
+    """Why ``fmt`` is not written for this node (a finding that leaves its links unseen), or None."""
+    blockers = placement_blockers(topology.findings)
+    if fmt in STATE_LINKS and blockers:
+        return f"{blockers[0].kind}: {blockers[0].message}"
+    return None
