@@ -337,3 +337,38 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
             poll("the second lease released", lambda: leases_of(agent, second["owner"]) == [], diagnose=diagnose)
     finally:
         agent.stop()
+
+
+def test_a_job_whose_gpus_are_leased_to_someone_else_does_not_run(tmp_path):
+    """The prolog's exit 1: slurmd drains the node and the job never starts its tasks."""
+    topology = discover_root(str(SNAPSHOTS / "dgx-a100"))
+    gres = render_gres(topology)
+    agent_dir = tmp_path / "agent_files"
+    agent_dir.mkdir()
+    agent = start_agent(agent_dir)
+    try:
+        reply = agent.post("/place", {"gpus": 8, "reserve": {"owner": "inference-svc", "ttl_s": 600}}, token=agent.token)
+        assert reply.status == 200
+        conf = write_wrappers(tmp_path / "scripts", agent.url, agent_dir / "token", tmp_path / "jobs")
+        node = SlurmNode("dgx-a100", hardware=DGX_A100_HARDWARE, hwloc_synthetic=synthetic_cpus(topology, DGX_A100_SOCKETS),
+                         gres="gpu:nvidia_a100-sxm4-40gb:8", devices=gres_device_files(gres))
+        with SlurmCluster(tmp_path / "slurm", [node], gres_conf=gres, extra_conf=conf) as cluster:
+            ran = tmp_path / "ran"
+            done = cluster.run("srun", "--gres=gpu:2", "touch", str(ran), check=False, timeout=120)
+            assert done.returncode != 0 and "Prolog failure" in done.stderr and not ran.exists(), done.stderr
+            # slurmd logs the prolog's one line and drains the node until an admin looks
+            assert "leased to inference-svc" in cluster.log("slurmd")
+            assert cluster.node_state("dgx-a100") in ("drained", "draining")
+            assert [lease["owner"] for lease in agent.get("/leases").json()["leases"]] == ["inference-svc"]
+    finally:
+        agent.stop()
+
+
+def test_a_task_prolog_that_cannot_place_says_why_in_the_tasks_output(tmp_path):
+    """Slurm ends a task whose TaskProlog fails and drops the prolog's stderr: the reason goes
+    to the task's output as a `print` line of the protocol."""
+    step = {"SLURM_JOB_ID": "12", "SLURM_STEP_GPUS": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    done = slurm_verb("task-prolog", f"http://127.0.0.1:{_closed_port()}", tmp_path, step, "--timeout", "1")
+    assert done.returncode == 1
+    (line,) = done.stdout.splitlines()
+    assert line.startswith("print topoagent slurm task-prolog: agent unreachable: ") and line[len("print "):] == done.stderr.strip()

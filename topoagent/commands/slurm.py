@@ -84,7 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.timeout <= 3600:
         raise UsageError("--timeout: expected seconds above 0, at most 3600")
-    where = f"topoagent slurm {args.verb}"
     try:
         if args.verb == "prolog":
             return prolog(args)
@@ -92,22 +91,33 @@ def run(args: argparse.Namespace) -> int:
             return epilog(args)
         return task_prolog(args)
     except SlurmJobError as exc:
-        print(f"{where}: {exc}", file=sys.stderr)
-        return 2
+        return _fail(args, str(exc), 2)
     except AgentRefused as exc:
-        print(f"{where}: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, str(exc), 1)
     except AgentDown as exc:
         if args.if_agent_down == "allow":
-            print(f"{where}: agent unreachable, going on (--if-agent-down allow): {exc}", file=sys.stderr)
+            _say(args, f"agent unreachable, going on (--if-agent-down allow): {exc}")
             return 0
-        print(f"{where}: agent unreachable: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, f"agent unreachable: {exc}", 1)
     except TopoagentError as exc:
         if isinstance(exc, UsageError):
             raise
-        print(f"{where}: {exc}", file=sys.stderr)
-        return 1
+        return _fail(args, str(exc), 1)
+
+
+def _say(args: argparse.Namespace, message: str, to_task: bool = True) -> None:
+    """One line on stderr, which slurmd logs for the prolog and epilog.  A task prolog's
+    stderr reaches no one: it says the line on stdout too, as a ``print`` line, which
+    Slurm writes to the task's output."""
+    line = " ".join(f"topoagent slurm {args.verb}: {message}".split())  # one line, whatever the agent said
+    print(line, file=sys.stderr)
+    if args.verb == "task-prolog" and to_task:
+        print(f"print {line}")
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    _say(args, message)
+    return code
 
 
 def _env(name: str) -> str | None:
@@ -223,8 +233,8 @@ def prolog(args: argparse.Namespace) -> int:
     # A requeued job runs its prolog again under the same id: what it held before is its own.
     _release_owned(agent, owner)
     ranks, answer = _placement(agent, found[1], {"owner": owner, "ttl_s": _ttl(args)})
-    lease = answer.get("lease") if isinstance(answer.get("lease"), dict) else {}
-    lease_id = lease.get("id") if isinstance(lease.get("id"), str) else None
+    lease = answer.get("lease")
+    lease_id = lease.get("id") if isinstance(lease, dict) and isinstance(lease.get("id"), str) else None
     if lease_id is None:
         raise AgentRefused("POST /place: granted, but the answer holds no lease")
     try:
@@ -288,8 +298,8 @@ def task_prolog(args: argparse.Namespace) -> int:
         lease = None
     cuda_of = cuda_numbering(step_gpus, _env("CUDA_VISIBLE_DEVICES"))
     if cuda_of is None:
-        print("topoagent slurm task-prolog: Slurm bound this task to some of the step's GPUs itself "
-              "(--gpus-per-task, --gpu-bind): its environment is left as Slurm set it", file=sys.stderr)
+        _say(args, "Slurm bound this task to some of the step's GPUs itself (--gpus-per-task, --gpu-bind): "
+                   "its environment is left as Slurm set it", to_task=False)
         return 0
     tasks = tasks_on_node(_env("SLURM_STEP_TASKS_PER_NODE") or "1", _whole_env("SLURM_NODEID"))
     mine, bound = split_ranks(ranks, tasks, _whole_env("SLURM_LOCALID"))
