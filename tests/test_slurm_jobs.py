@@ -372,3 +372,35 @@ def test_a_task_prolog_that_cannot_place_says_why_in_the_tasks_output(tmp_path):
     assert done.returncode == 1
     (line,) = done.stdout.splitlines()
     assert line.startswith("print topoagent slurm task-prolog: agent unreachable: ") and line[len("print "):] == done.stderr.strip()
+
+
+
+def test_a_batch_jobs_script_is_bound_and_cancelling_it_releases_its_lease(tmp_path):
+    """The batch script runs as the job's one task (the task prolog runs for it too); scancel
+    ends it (no task of it exits on its own) and its epilog still releases the lease."""
+    topology = discover_root(str(SNAPSHOTS / "dgx-a100"))
+    gres = render_gres(topology)
+    agent_dir = tmp_path / "agent_files"
+    agent_dir.mkdir()
+    agent = start_agent(agent_dir)
+    try:
+        conf = write_wrappers(tmp_path / "scripts", agent.url, agent_dir / "token", tmp_path / "jobs")
+        node = SlurmNode("dgx-a100", hardware=DGX_A100_HARDWARE, hwloc_synthetic=synthetic_cpus(topology, DGX_A100_SOCKETS),
+                         gres="gpu:nvidia_a100-sxm4-40gb:8", devices=gres_device_files(gres))
+        with SlurmCluster(tmp_path / "slurm", [node], gres_conf=gres, extra_conf=conf) as cluster:
+            diagnose = lambda: cluster.log("slurmctld")[-2000:] + cluster.log("slurmd")[-2000:]  # noqa: E731
+            told = tmp_path / "batch.env"
+            # exec: a child of the killed script would be orphaned to the harness's slurmd, PID 1 of its
+            # namespace, which reaps no one; its zombie would keep the job COMPLETING and the epilog unrun.
+            job = cluster.run("sbatch", "--parsable", "--gres=gpu:2", "--output=/dev/null", "--wrap", f"env > {told}.part; mv {told}.part {told}; exec sleep 600").stdout.strip()
+            owner = f"slurm-job-{job}"
+            (lease,) = poll(f"job {job}'s lease", lambda: leases_of(agent, owner), diagnose=diagnose)
+            # The batch script is the job's one task on the node: both GPUs in rank order, and a mask per rank for its srun.
+            env = read_env(poll("the batch script's environment", told.exists, diagnose=diagnose) and told)
+            assert env["TOPOAGENT_GPUS"] == ",".join(map(str, lease["gpus"])) == env["CUDA_VISIBLE_DEVICES"], env
+            assert re.fullmatch(r"mask_cpu:0x[0-9a-f]+,0x[0-9a-f]+", env["TOPOAGENT_CPU_BIND"]) and env["TOPOAGENT_LEASE"] == lease["id"]
+            cluster.run("scancel", job)
+            poll(f"job {job}'s lease released after scancel", lambda: leases_of(agent, owner) == [], diagnose=diagnose)
+            assert cluster.wait_job(job) == "CANCELLED"
+    finally:
+        agent.stop()
