@@ -404,3 +404,14 @@ def test_a_batch_jobs_script_is_bound_and_cancelling_it_releases_its_lease(tmp_p
             assert cluster.wait_job(job) == "CANCELLED"
     finally:
         agent.stop()
+
+
+def test_a_requeued_job_holds_only_its_new_gpus_until_its_end(agent, tmp_path):
+    """The same job id allocated again (requeue) after a prolog whose epilog never ran."""
+    assert slurm_verb("prolog", agent.url, tmp_path, {"SLURM_JOB_ID": "30", "SLURM_JOB_GPUS": "0,1"}).returncode == 0
+    end = int(time.time()) + 3600
+    again = slurm_verb("prolog", agent.url, tmp_path, {"SLURM_JOB_ID": "30", "SLURM_JOB_GPUS": "1,2", "SLURM_JOB_END_TIME": str(end)})
+    assert again.returncode == 0, again.stderr
+    (lease,) = leases_of(agent, "slurm-job-30")
+    assert sorted(lease["gpus"]) == [1, 2]
+    assert end + 600 - 30 <= lease["expires_at"] <= end + 600 + 30  # the job's end and the grace, not --ttl's 7 days

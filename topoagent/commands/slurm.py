@@ -162,8 +162,8 @@ def _agent(args: argparse.Namespace, token_needed: bool) -> AgentHttp:
 
 
 def _ttl(args: argparse.Namespace) -> float:
-    """The job's end time when Slurm puts it in the prolog's environment (newer Slurm
-    releases do; 22.05 does not), else --ttl; never above the agent's maximum."""
+    """Until the job's end (and a grace) when the prolog's environment has
+    SLURM_JOB_END_TIME (22.05's has not), else --ttl; never above the agent's maximum."""
     from topoagent.leases import TTL_MAX_S
 
     ttl = args.ttl
