@@ -1,8 +1,9 @@
 """Slurm jobs on the node's agent: what the prolog leases, what the task prolog exports.
 
-Pure parts (Slurm's GPU ids to the agent's indices, a job's record, the task prolog's
-``export`` lines) and the one HTTP client the ``topoagent slurm`` verbs share.  Like the
-rest of ``topoagent.cluster`` this speaks to the agent only over HTTP and its documents.
+The pure parts of ``topoagent slurm``: Slurm's GPU ids to the agent's indices, a job's
+ranks read from the agent's documents, the task prolog's ``export`` lines.  The command
+(topoagent/commands/slurm.py) does the HTTP; like the rest of ``topoagent.cluster`` this
+knows the agent only through its documents.
 
 Slurm's GPU ids (``SLURM_JOB_GPUS``, ``SLURM_STEP_GPUS``) are gres indices: the position
 of the GPU among the node's gres.conf lines.  ``topoagent export gres`` writes those lines
@@ -14,21 +15,16 @@ hand in another order breaks that assumption (the README says so).
 
 from __future__ import annotations
 
-import http.client
-import json
 import re
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from topoagent.errors import TopoagentError
 from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.text import cut
 
 OWNER_PREFIX = "slurm-job-"
-MAX_ANSWER_BYTES = 32 << 20  # a 1024-GPU node's /topology is a few MB
 # NIC and interface names as the kernel and rdma-core allow them, nothing a line of the
 # task prolog's protocol could be broken by (a newline would add an export of its own).
 NIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}$")
@@ -256,84 +252,8 @@ def export_lines(env: Sequence[tuple[str, str]]) -> str:
     return "".join(f"export {name}={value}\n" for name, value in env)
 
 
-# -- HTTP ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class Answer:
-    status: int
-    body: Any  # the JSON document, or None
-    text: str  # the error's detail, for messages
-
-
-class AgentHttp:
-    """Requests to one agent within one deadline: a refused connection, 503 (not ready,
-    disk) and 429 (rate limit) are tried again until then; other answers are returned."""
-
-    def __init__(self, url: str, token: str | None, deadline: float):
-        target = urlsplit(url.rstrip("/"))
-        if target.scheme not in ("http", "https") or not target.netloc or "@" in target.netloc:
-            raise SlurmJobError(f"--agent {cut(url, 60)!r}: expected http://HOST:PORT or https://HOST:PORT, without a user name")
-        self.netloc, self.base, self.tls = target.netloc, target.path, target.scheme == "https"
-        self.token, self.deadline = token, deadline
-
-    def request(self, method: str, path: str, body: Any = None) -> Answer:
-        from topoagent.commands.agent_connection import AgentConnection
-
-        what = f"{method} {path}"
-        pause = 0.05
-        while True:
-            failure: str
-            try:
-                connection = AgentConnection(self.netloc, self.deadline, tls=self.tls)
-                try:
-                    headers = {"Accept": "application/json"}
-                    if self.token:
-                        headers["Authorization"] = f"Bearer {self.token}"
-                    data = None
-                    if body is not None:
-                        data = json.dumps(body).encode()
-                        headers["Content-Type"] = "application/json"
-                    connection.request(method, self.base + path, body=data, headers=headers)
-                    response = connection.getresponse()
-                    raw = response.read(MAX_ANSWER_BYTES + 1)
-                    retry_after = response.getheader("Retry-After")
-                finally:
-                    connection.close()
-            except TimeoutError:
-                raise AgentDown(f"{what}: no answer from {self.netloc} in time") from None
-            except (OSError, http.client.HTTPException) as exc:
-                failure = f"{what}: {self.netloc}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or type(exc).__name__}"
-            else:
-                if len(raw) > MAX_ANSWER_BYTES:
-                    raise AgentRefused(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB")
-                doc: Any = None
-                try:
-                    doc = json.loads(raw) if raw else None
-                except ValueError:
-                    doc = None
-                detail = doc.get("detail") or doc.get("error") if isinstance(doc, dict) else None
-                text = cut(str(detail) if detail else raw.decode("utf-8", "replace").strip() or response.reason, 300)
-                if response.status not in (429, 503):
-                    return Answer(response.status, doc, text)
-                failure = f"{what}: HTTP {response.status}: {text}"
-                if retry_after and retry_after.isdigit():
-                    pause = max(pause, float(retry_after))
-            if time.monotonic() + pause >= self.deadline:
-                if "HTTP 429" in failure:
-                    raise AgentRefused(failure, 429)
-                raise AgentDown(failure)
-            time.sleep(pause)  # the agent restarting, or its rate limit: try again until the deadline
-            pause = min(pause * 2, 1.0)
-
-    def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
-        answer = self.request(method, path, body)
-        if answer.status not in ok:
-            raise AgentRefused(f"{method} {path}: HTTP {answer.status}: {answer.text}", answer.status)
-        return answer.body
-
-
 __all__ = [
-    "OWNER_PREFIX", "AgentDown", "AgentHttp", "AgentRefused", "RankBinding", "SlurmJobError", "agent_indices",
+    "OWNER_PREFIX", "AgentDown", "AgentRefused", "RankBinding", "SlurmJobError", "agent_indices",
     "cuda_numbering", "export_lines", "gres_order", "nic_ports", "owner_of", "parse_gpu_ids", "ranks_from_document",
     "ranks_of", "split_ranks", "task_exports", "tasks_on_node",
 ]

@@ -12,13 +12,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from topoagent.errors import TopoagentError
 
 if TYPE_CHECKING:
-    from topoagent.cluster.slurm import AgentHttp, RankBinding
+    from topoagent.cluster.slurm import RankBinding
 
 DEFAULT_AGENT = "http://127.0.0.1:9477"
 DEFAULT_TOKEN_FILE = "/etc/topoagent/token"  # where systemd/topoagent.toml and the unit keep it
@@ -26,6 +27,7 @@ DEFAULT_STATE_DIR = "/run/topoagent/slurm"  # tmpfs: a record does not outlive t
 DEFAULT_TTL_S = 7 * 24 * 3600  # the agent's ceiling; the epilog ends the lease, the TTL only bounds a lost one
 END_TIME_GRACE_S = 600  # past the job's end: time for Slurm's kill and the epilog
 MAX_RECORD_BYTES = 4 << 20
+MAX_ANSWER_BYTES = 32 << 20  # a 1024-GPU node's /topology is a few MB
 
 VERBS = {
     "prolog": "Prolog=: lease exactly the GPUs Slurm allocated to the job (owner slurm-job-<id>)",
@@ -147,8 +149,92 @@ def _record_path(args: argparse.Namespace, job_id: str) -> Path:
     return Path(args.state_dir) / f"job-{job_id}.json"
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    status: int
+    body: Any  # the JSON document, or None
+    text: str  # the error's detail, for messages
+
+
+class AgentHttp:
+    """Requests to one agent within one deadline: a refused connection, 503 (not ready,
+    disk) and 429 (rate limit) are tried again until then; other answers are returned."""
+
+    def __init__(self, url: str, token: str | None, deadline: float):
+        from urllib.parse import urlsplit
+
+        from topoagent.cluster.slurm import SlurmJobError
+        from topoagent.text import cut
+
+        target = urlsplit(url.rstrip("/"))
+        if target.scheme not in ("http", "https") or not target.netloc or "@" in target.netloc:
+            raise SlurmJobError(f"--agent {cut(url, 60)!r}: expected http://HOST:PORT or https://HOST:PORT, without a user name")
+        self.netloc, self.base, self.tls = target.netloc, target.path, target.scheme == "https"
+        self.token, self.deadline = token, deadline
+
+    def request(self, method: str, path: str, body: Any = None) -> Answer:
+        import http.client
+
+        from topoagent.cluster.slurm import AgentDown, AgentRefused
+        from topoagent.commands.agent_connection import AgentConnection
+        from topoagent.text import cut
+
+        what = f"{method} {path}"
+        pause = 0.05
+        while True:
+            failure, limited = "", False
+            try:
+                connection = AgentConnection(self.netloc, self.deadline, tls=self.tls)
+                try:
+                    headers = {"Accept": "application/json"}
+                    if self.token:
+                        headers["Authorization"] = f"Bearer {self.token}"
+                    data = None
+                    if body is not None:
+                        data = json.dumps(body).encode()
+                        headers["Content-Type"] = "application/json"
+                    connection.request(method, self.base + path, body=data, headers=headers)
+                    response = connection.getresponse()
+                    raw = response.read(MAX_ANSWER_BYTES + 1)
+                    retry_after = response.getheader("Retry-After")
+                finally:
+                    connection.close()
+            except TimeoutError:
+                raise AgentDown(f"{what}: no answer from {self.netloc} in time") from None
+            except (OSError, http.client.HTTPException) as exc:
+                failure = f"{what}: {self.netloc}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or type(exc).__name__}"
+            else:
+                if len(raw) > MAX_ANSWER_BYTES:
+                    raise AgentRefused(f"{what}: answer larger than {MAX_ANSWER_BYTES >> 20} MiB")
+                doc: Any = None
+                try:
+                    doc = json.loads(raw) if raw else None
+                except ValueError:
+                    doc = None
+                detail = doc.get("detail") or doc.get("error") if isinstance(doc, dict) else None
+                text = cut(str(detail) if detail else raw.decode("utf-8", "replace").strip() or response.reason, 300)
+                if response.status not in (429, 503):
+                    return Answer(response.status, doc, text)
+                failure, limited = f"{what}: HTTP {response.status}: {text}", response.status == 429
+                if retry_after and retry_after.isdigit():
+                    pause = max(pause, float(retry_after))
+            if time.monotonic() + pause >= self.deadline:
+                if limited:  # the agent is there and said no, however politely
+                    raise AgentRefused(failure, 429)
+                raise AgentDown(failure)
+            time.sleep(pause)  # the agent restarting, or its rate limit: try again until the deadline
+            pause = min(pause * 2, 1.0)
+
+    def json(self, method: str, path: str, body: Any = None, ok: tuple[int, ...] = (200,)) -> Any:
+        from topoagent.cluster.slurm import AgentRefused
+
+        answer = self.request(method, path, body)
+        if answer.status not in ok:
+            raise AgentRefused(f"{method} {path}: HTTP {answer.status}: {answer.text}", answer.status)
+        return answer.body
+
+
 def _agent(args: argparse.Namespace, token_needed: bool) -> AgentHttp:
-    from topoagent.cluster.slurm import AgentHttp
     from topoagent.commands.token import read_client_token
     from topoagent.errors import UsageError
 
@@ -164,7 +250,7 @@ def _agent(args: argparse.Namespace, token_needed: bool) -> AgentHttp:
 def _ttl(args: argparse.Namespace) -> float:
     """Until the job's end (and a grace) when the prolog's environment has
     SLURM_JOB_END_TIME (22.05's has not), else --ttl; never above the agent's maximum."""
-    from topoagent.leases import TTL_MAX_S
+    from topoagent.documents.lease import TTL_MAX_S
 
     ttl = args.ttl
     end = _env("SLURM_JOB_END_TIME")
