@@ -136,7 +136,10 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     assert args.agent_token_file.startswith("/etc/topoagent/token/")
     role = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-extender")
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
-    assert {("pods/binding", "create"), ("pods", "patch"), ("pods", "get"), ("nodes", "get")} <= granted
+    # The pod watch (a lease ends with its pod) lists and watches; annotations go in the Binding.
+    assert {("pods/binding", "create"), ("pods", "get"), ("pods", "list"), ("pods", "watch"), ("nodes", "get")} <= granted
+    assert ("pods", "patch") not in granted
+    assert args.pod_resync > 0
 
 
 def pod_specs() -> list[dict]:
