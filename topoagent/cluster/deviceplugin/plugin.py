@@ -10,7 +10,14 @@ serve and register again.
 Devices are GPUs by UUID (what the NVIDIA container toolkit reads in
 ``NVIDIA_VISIBLE_DEVICES``).  Health is the agent's findings, polled with ETag; a GPU
 the agent stops seeing stays listed as Unhealthy, so kubelet stops offering it instead of
-forgetting it (it was allocated to pods that may still run).
+forgetting it (it was allocated to pods that may still run).  An answer the poller cannot
+use (not JSON, not a topology) is logged and the last list stands; polling goes on.
+
+Inputs are checked before anything reaches kubelet: a request with a device twice, or a
+size outside 1..offered, is refused (INVALID_ARGUMENT); the agent's placement is used only
+when it names distinct offered devices, the must-haves among them, as many as asked (else
+the index-order fallback); the extender's annotation only when the agent's lease backs it
+(``pods``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,8 +36,18 @@ import grpc
 import grpc.aio
 
 from topoagent.cluster.deviceplugin import api_pb2, api_pb2_grpc
-from topoagent.cluster.deviceplugin.agent_client import HEALTHY, UNHEALTHY, AgentClient, AgentError, Gpu, gpus_of
-from topoagent.cluster.deviceplugin.pods import PodSource
+from topoagent.cluster.deviceplugin.agent_client import (
+    HEALTHY,
+    UNHEALTHY,
+    AgentAnswerError,
+    AgentClient,
+    AgentError,
+    Gpu,
+    gpus_of,
+    placed_uuids,
+)
+from topoagent.cluster.deviceplugin.pods import Choice, PodSource
+from topoagent.cluster.podwatch import owner_pod_uid
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE
 
@@ -95,6 +113,40 @@ class Devices:
         return api_pb2.ListAndWatchResponse(devices=devices)
 
 
+class RequestRefused(ValueError):
+    """kubelet's request cannot be answered as asked: INVALID_ARGUMENT with this message."""
+
+
+def check_preferred(available: Sequence[str], must: Sequence[str], size: int) -> None:
+    """RequestRefused naming what is wrong with a preferred-allocation request."""
+    for name, ids in (("available_deviceIDs", available), ("must_include_deviceIDs", must)):
+        twice = _repeated(ids)
+        if twice is not None:
+            raise RequestRefused(f"{name}: device {twice[:80]} twice")
+    if not 1 <= size <= len(available):
+        raise RequestRefused(f"allocation_size {size}: expected 1 to {len(available)} (the devices offered)")
+    missing = [d for d in must if d not in set(available)]
+    if missing:
+        raise RequestRefused(f"must_include_deviceIDs: {missing[0][:80]} is not among the devices offered")
+    if len(must) > size:
+        raise RequestRefused(f"must_include_deviceIDs: {len(must)} devices, more than allocation_size {size}")
+
+
+def fits(chosen: Sequence[str], available: Sequence[str], must: Sequence[str], size: int) -> bool:
+    """Whether ``chosen`` answers the request: ``size`` distinct offered devices, the must-haves among them."""
+    picked = set(chosen)
+    return len(chosen) == size == len(picked) and picked <= set(available) and set(must) <= picked
+
+
+def _repeated(ids: Sequence[str]) -> str | None:
+    seen: set[str] = set()
+    for d in ids:
+        if d in seen:
+            return d
+        seen.add(d)
+    return None
+
+
 def fallback_choice(available: Sequence[str], must: Sequence[str], size: int, devices: dict[str, Gpu]) -> list[str]:
     """When the agent cannot answer: what kubelet must have, then the rest in index order."""
     rest = sorted((d for d in available if d not in must), key=lambda d: devices[d].index if d in devices else 1 << 30)
@@ -122,18 +174,47 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest, context: Any) -> api_pb2.PreferredAllocationResponse:
         answers = []
         for want in request.container_requests:
-            ids = await self.preferred(list(want.available_deviceIDs), list(want.must_include_deviceIDs), want.allocation_size)
-            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+            available, must, size = list(want.available_deviceIDs), list(want.must_include_deviceIDs), want.allocation_size
+            try:
+                check_preferred(available, must, size)
+            except RequestRefused as exc:
+                log_event("preferred_allocation_refused", logging.WARNING, error=str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=await self.preferred(available, must, size)))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
+
+    async def verified_choices(self) -> list[Choice]:
+        """The pending pods' annotated choices that the agent's leases back: lease
+        ``topoagent.io/lease`` held for this pod's UID on exactly the annotated GPUs."""
+        if self.pods is None:
+            return []
+        choices = await self.pods.choices()
+        if not choices:
+            return []
+        try:
+            leases = {x.get("id"): x for x in await self.agent.leases()}
+        except AgentError as exc:
+            log_event("annotations_unchecked", logging.WARNING, error=str(exc), used="none")
+            return []
+        out = []
+        for choice in choices:
+            lease = leases.get(choice.lease)
+            uuids = lease.get("gpu_uuids") if lease is not None else None
+            if lease is not None and owner_pod_uid(lease.get("owner")) == choice.uid and isinstance(uuids, list) and sorted(map(str, uuids)) == sorted(choice.gpus):
+                out.append(choice)
+            else:
+                log_event("annotation_ignored", logging.WARNING, pod=f"{choice.namespace}/{choice.name}", lease=choice.lease[:64],
+                          reason="the agent holds no such lease for this pod on these GPUs")
+        return out
 
     async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
         devices = self.devices.by_uuid
-        if self.pods is not None:
-            chosen = await self.pods.chosen_fitting(available, must, size)
-            if chosen is not None:
-                log_event("preferred_allocation", source="extender", devices=",".join(chosen))
-                return chosen
-        if any(d not in devices for d in available) or size <= 0:
+        fitting = {c.gpus for c in await self.verified_choices() if fits(c.gpus, available, must, size)}
+        if len({frozenset(c) for c in fitting}) == 1:  # one pod it can be; two alike: the agent answers
+            chosen = list(next(iter(fitting)))
+            log_event("preferred_allocation", source="extender", devices=",".join(chosen))
+            return chosen
+        if any(d not in devices for d in available):
             return fallback_choice(available, must, size, devices)
         offered = set(available)
         body = {
@@ -149,18 +230,24 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             answer = None
         if answer is None:
             return fallback_choice(available, must, size, devices)
-        chosen = [g["uuid"] for g in answer["gpus"]]
-        log_event("preferred_allocation", source="agent", devices=",".join(chosen))
-        return chosen
+        placed = placed_uuids(answer)
+        if placed is None or not fits(placed, available, must, size):
+            # Not what was asked (a device twice, one not offered, another count): never to kubelet.
+            log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed or [])[:400], size=size)
+            return fallback_choice(available, must, size, devices)
+        log_event("preferred_allocation", source="agent", devices=",".join(placed))
+        return placed
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Any) -> api_pb2.AllocateResponse:
         answers = []
         for want in request.container_requests:
             ids = list(want.devices_ids)
             unknown = [d for d in ids if d not in self.devices.by_uuid]
-            if unknown:
-                # kubelet fails the pod's start with this message; nothing is half-allocated.
-                message = f"unknown device {unknown[0]}: not one of this node's GPUs"
+            twice = _repeated(ids)
+            # kubelet fails the pod's start with this message; nothing is half-allocated.
+            message = ("no devices asked" if not ids else f"device {twice[:80]} asked twice" if twice is not None
+                       else f"unknown device {unknown[0][:80]}: not one of this node's GPUs" if unknown else "")
+            if message:
                 log_event("allocate_refused", logging.WARNING, error=message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
             answers.append(api_pb2.ContainerAllocateResponse(envs=await self.container_env(ids)))
@@ -172,9 +259,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         ``CUDA_VISIBLE_DEVICES`` by UUID too: the runtime renumbers the container's GPUs by
         PCI bus order, so only UUIDs keep CUDA device 0 the rank-0 GPU."""
         devices = self.devices.by_uuid
-        order = ids
+        order: list[str] = ids
         env: dict[str, str] = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        chosen = await self.pods.chosen_exactly(ids) if self.pods is not None else None
+        chosen = next((list(c.gpus) for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
         if chosen is not None:
             order = chosen  # the extender's rank order
         body: dict[str, Any] = {"gpus": len(ids), "include": sorted(devices[d].index for d in ids)}
@@ -183,12 +270,18 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         except AgentError as exc:
             log_event("allocate_order_failed", logging.WARNING, error=str(exc))
             answer = None
-        if answer is not None:
+        placed = placed_uuids(answer) if answer is not None else None
+        if placed is not None and sorted(placed) != sorted(ids):
+            log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed)[:400], asked=",".join(ids))
+            placed = None
+        if answer is not None and placed is None:
+            answer = None  # another set than kubelet allocated: neither its order nor its NICs
+        if answer is not None and placed is not None:
             if chosen is None:
-                order = [g["uuid"] for g in answer["gpus"]]
+                order = placed
             by_uuid = {g["uuid"]: g for g in answer["gpus"]}
             # One NIC per rank, the nearest to that rank's GPU, in rank order.
-            nics = _unique(by_uuid[u]["nearest_nics"][0] for u in order if by_uuid.get(u, {}).get("nearest_nics"))
+            nics = _unique(n for n in (_nearest_nic(by_uuid[u]) for u in order) if n is not None)
             if nics:
                 env["NCCL_IB_HCA"] = "=" + ",".join(nics)
         else:
@@ -204,6 +297,16 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
 
 def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
+
+
+NIC_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _nearest_nic(gpu: dict[str, Any]) -> str | None:
+    """The GPU's nearest NIC as the agent names it, when it names one as an interface can be named."""
+    nics = gpu.get("nearest_nics")
+    first = nics[0] if isinstance(nics, list) and nics else None
+    return first if isinstance(first, str) and NIC_NAME.fullmatch(first) else None
 
 
 class DevicePlugin:
@@ -233,21 +336,31 @@ class DevicePlugin:
             await self._sleep(0.2)
 
     async def poll_agent(self) -> None:
+        """Forever: nothing the agent answers ends it (a GPU that turns critical later must
+        still reach kubelet).  Each new problem is logged once; the last list stands."""
         etag: str | None = None
-        failing = False
+        problem: tuple[str, str] | None = None
         while True:
+            now: tuple[str, str] | None = None
             try:
-                etag, doc = await self.agent.topology(etag)
-                if failing:
-                    log_event("agent_reachable", url=self.settings.agent_url)
-                failing = False
+                seen, doc = await self.agent.topology(etag)
                 if doc is not None:
                     await self.devices.update(gpus_of(doc))
+                etag = seen
+            except AgentAnswerError as exc:
+                now = ("agent_answer_refused", str(exc))
             except AgentError as exc:
                 # The last list stands: a restarting agent must not make kubelet evict pods.
-                if not failing:
-                    log_event("agent_unreachable", logging.WARNING, url=self.settings.agent_url, error=str(exc))
-                failing = True
+                now = ("agent_unreachable", str(exc))
+            except Exception as exc:  # a document no check foresaw: say so, keep polling
+                now = ("agent_answer_refused", f"{type(exc).__name__}: {exc}"[:300])
+            if now is not None:
+                etag = None  # ask for the whole document again next time
+                if now != problem:
+                    log_event(now[0], logging.WARNING, url=self.settings.agent_url, error=now[1], kept="the last device list")
+            elif problem is not None:
+                log_event("agent_reachable", url=self.settings.agent_url)
+            problem = now
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def serve_and_register_forever(self) -> None:
