@@ -7,6 +7,7 @@ import http.client
 import json
 import random
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -301,6 +302,83 @@ def test_an_annotation_counts_only_with_the_agents_lease_for_that_pod(tmp_path: 
     finally:
         stop(agent, plugin)
         api.close()
+
+
+def gpu_pod(name: str, gpus: int, namespace: str = "team-b", annotations: dict | None = None, uid: str | None = None) -> dict:
+    return {"metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()), "annotations": annotations or {}},
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            "status": {"phase": "Pending"}}
+
+
+def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    api = FakeApiServer()
+    agent = start_agent(tmp_path)
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
+                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "2"])
+    held = lambda: agent.get("/leases").json()["leases"]  # noqa: E731
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        train = gpu_pod("train", 2)
+        api.add_pod(train)
+        uid = train["metadata"]["uid"]
+        ids = preferred(kubelet, uuids, [], 2)
+        allocate(kubelet, ids)
+        (lease,) = held()
+        assert lease["owner"] == f"team-b/train/{uid}" and sorted(lease["gpu_uuids"]) == sorted(ids)
+        # An out-of-band caller of the agent now sees them taken.
+        assert agent.get("/capacity").json()["free_gpus"] == 6
+        taken = [g["index"] for g in agent.get("/topology").json()["gpus"] if g["uuid"] in ids]
+        assert agent.post("/place", {"gpus": 2, "include": taken}).status == 409
+        t0 = time.monotonic()
+        api.delete_pod("train", "team-b")
+        wait_for("the deleted pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
+        print(f"device plugin: deleted pod -> lease released in {time.monotonic() - t0:.2f} s")
+        assert agent.get("/capacity").json()["free_gpus"] == 8
+        # Two pods that could be the one kubelet allocates for: none is guessed.
+        api.add_pod(gpu_pod("one", 1))
+        api.add_pod(gpu_pod("other", 1))
+        allocate(kubelet, [uuids[0]])
+        assert held() == [] and "kubelet does not say which" in plugin.log()
+        api.delete_pod("one", "team-b")
+        api.delete_pod("other", "team-b")
+        # The extender's lease already holds a pod's GPUs: no second one; it ends with the pod too.
+        extender_uid = str(uuid.uuid4())
+        extender_lease = lease_for(agent, [4, 5], f"team-b/bound/{extender_uid}")
+        api.add_pod(gpu_pod("bound", 2, uid=extender_uid, annotations={"topoagent.io/gpus": f"{uuids[5]},{uuids[4]}", "topoagent.io/lease": extender_lease}))
+        allocate(kubelet, [uuids[4], uuids[5]])
+        assert [x["id"] for x in held()] == [extender_lease] and "by=extender" in plugin.log()
+        api.set_phase("bound", "Succeeded", "team-b")
+        wait_for("the finished pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            agent.stop()
+            api.close()
+
+
+def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """Pods deleted while no watch ran (the plugin restarting): the resync finds their leases."""
+    api = FakeApiServer()
+    agent = start_agent(tmp_path)
+    gone = lease_for(agent, [0, 1], f"team-b/gone/{uuid.uuid4()}")
+    alive = gpu_pod("alive", 2)
+    api.add_pod(alive)
+    kept = lease_for(agent, [2, 3], f"team-b/alive/{alive['metadata']['uid']}")
+    by_hand = lease_for(agent, [6], "someone-by-hand")
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
+                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "1"])
+    ids = lambda: {x["id"] for x in agent.get("/leases").json()["leases"]}  # noqa: E731
+    try:
+        wait_for("the gone pod's lease swept", lambda: gone not in ids(), timeout=10, log=plugin.log)
+        assert {kept, by_hand} <= ids()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            agent.stop()
+            api.close()
 
 
 class LyingAgent:

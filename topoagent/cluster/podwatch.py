@@ -2,7 +2,7 @@
 agent lease of a pod that ended (``Succeeded``, ``Failed``) or was deleted.
 
 Whoever took a lease for a pod runs one: the extender for the leases of its binds (the
-pod carries ``topoagent.io/lease`` and ``spec.nodeName``).  Releasing is
+pod carries ``topoagent.io/lease`` and ``spec.nodeName``), the device plugin for its node's.  Releasing is
 ``DELETE /leases/{id}`` on the node's agent, through the ``Keeper`` given; a release
 that fails (agent away) is retried at every resync until the agent says the lease is gone.
 
@@ -12,9 +12,13 @@ list again.  A stream the API server closes early, a 410 Gone or an unreadable e
 start the next list at once (at most one a second): no event is lost for long, and the
 list repairs anything missed.  Each list also sweeps the agents: a lease whose owner
 names a pod (``namespace/name/uid``, the extender's owner form) and whose pod is not in
-the list, or has finished, is released.  The agents' leases are read *before* the list
-starts, so a lease granted to a pod that exists was granted before the list, and the pod
-is in it unless it is gone: no live pod's lease is swept.
+two lists in a row, or has finished, is released.  The agents' leases are read *before*
+each list starts, so a lease seen at one resync was granted to a pod that existed before
+the next list began: that list has the pod unless it is gone, even when the watch sees
+one node's pods only (the device plugin's) and the pod was being bound there.
+
+Whoever leases for a pod without writing it on the pod (the device plugin at Allocate)
+calls ``track``: its lease is then released with the pod like an annotated one.
 
 Memory: per pod with a lease, one small record (at most ``max_tracked``); per resync, the
 owners of the leases read; per watch event, one pod object, at most ``max_event_bytes``.
@@ -125,10 +129,17 @@ class PodWatch:
         self.tracked: dict[str, Held] = {}  # pod UID -> its lease
         self.unreleased: dict[str, Held] = {}  # lease id -> lease whose release failed; retried each resync
         self.nodes: dict[str, None] = {}  # nodes whose agents are swept (insertion-ordered, bounded)
+        self.suspects: dict[tuple[str, str], str] = {}  # (node, lease id) -> pod UID: not live at the last resync
         self.released = 0
         self.resyncs = 0
         self._opened: list[Any] = []
         self._stopping = threading.Event()
+
+    def track(self, held: Held) -> None:
+        """A lease taken for a pod that does not carry it (the device plugin's at Allocate):
+        released when the pod ends, like an annotated one."""
+        self.tracked[held.uid] = held
+        self.note_node(held.node)
 
     def note_node(self, node: str) -> None:
         """A node that may hold pods' leases (the extender's bind calls it)."""
@@ -181,28 +192,18 @@ class PodWatch:
             if held is not None:
                 await self._release(held, "deleted" if kind == "DELETED" else _text(_object(pod, "status"), "phase"))
             return
-        if held is None:
-            self.tracked.pop(uid, None)
-            return
-        before = self.tracked.get(uid)
-        if before is not None and before.lease != held.lease:
-            await self._release(before, "replaced by lease " + held.lease)
-        if before is None and len(self.tracked) >= self.max_tracked:
-            log_event("pod_watch_full", logging.WARNING, who=self.who, tracked=len(self.tracked), pod=str(held))
-            return  # the resync's sweep still ends its lease with the pod
-        self.tracked[uid] = held
-        self.note_node(held.node)
+        if held is not None:
+            await self._follow(held)
 
     async def _release(self, held: Held, reason: str) -> None:
         if await self.keeper.release(held.node, held.lease):
             self.unreleased.pop(held.lease, None)
             self.released += 1
             log_event("lease_released", who=self.who, pod=str(held), uid=held.uid, node=held.node, lease=held.lease, reason=reason)
-        else:
-            if held.lease not in self.unreleased and len(self.unreleased) < self.max_tracked:
-                log_event("lease_release_failed", logging.WARNING, who=self.who, pod=str(held), node=held.node, lease=held.lease,
-                          reason=reason, retry="at the next resync")
-            self.unreleased[held.lease] = held
+        elif held.lease not in self.unreleased and len(self.unreleased) < self.max_tracked:
+            log_event("lease_release_failed", logging.WARNING, who=self.who, pod=str(held), node=held.node, lease=held.lease,
+                      reason=reason, retry="at the next resync")
+            self.unreleased[held.lease] = held  # past max_tracked: the sweep still finds it, its pod gone
 
     # -- list, sweep, watch -----------------------------------------------------------------
 
@@ -213,19 +214,44 @@ class PodWatch:
             await self._release(held, "retry")
         # Leases first, then the list: see the module docstring.
         owned = await self._pod_owned_leases()
-        version, live, seen = await asyncio.to_thread(self._list_all)
-        before = self.tracked
-        self.tracked = {}
-        for pod in seen:  # annotated pods and the pods that own a lease, as they are now
-            await self.observe("FINISHED" if finished(pod) else "ADDED", pod)
+        interesting = {uid for _, _, uid in owned} | set(self.tracked)
+        version, live, annotated, ended = await asyncio.to_thread(self._list_all, interesting)
+        before, self.tracked = self.tracked, {}
+        for held in ended:
+            await self._release(held, "ended")
+        for held in annotated.values():
+            await self._follow(held)
         for uid, held in before.items():
-            if uid not in live and uid not in self.tracked:
+            if uid in self.tracked or held.lease in {h.lease for h in ended}:
+                continue
+            if uid in live:  # still running; a lease not on its annotations (the device plugin's own)
+                self.tracked[uid] = held
+            else:
                 await self._release(held, "pod gone")
-        handled = {h.lease for h in before.values()} | {h.lease for h in self.tracked.values()}
+        # A pod-owned lease whose pod is not live, twice in a row: the second list started
+        # after the first read of the leases, so even a watch narrowed to one node's pods
+        # (a pod being bound there now is not yet in it) cannot sweep a live pod's lease.
+        handled = {h.lease for h in before.values()} | {h.lease for h in self.tracked.values()} | {h.lease for h in ended}
+        suspects: dict[tuple[str, str], str] = {}
         for node, lease_id, uid in owned:
-            if uid not in live and lease_id not in handled:
+            if uid in live or lease_id in handled:
+                continue
+            if (node, lease_id) in self.suspects:
                 await self._release(Held("", f"uid {uid}", uid, node, lease_id), "its pod no longer exists")
+            elif len(suspects) < self.max_tracked:
+                suspects[(node, lease_id)] = uid
+        self.suspects = suspects
         return version
+
+    async def _follow(self, held: Held) -> None:
+        before = self.tracked.get(held.uid)
+        if before is not None and before.lease != held.lease:
+            await self._release(before, "replaced by lease " + held.lease)
+        if before is None and len(self.tracked) >= self.max_tracked:
+            log_event("pod_watch_full", logging.WARNING, who=self.who, tracked=len(self.tracked), pod=str(held))
+            return  # the resync's sweep still ends its lease with the pod
+        self.tracked[held.uid] = held
+        self.note_node(held.node)
 
     async def _pod_owned_leases(self) -> list[tuple[str, str, str]]:
         out = []
@@ -237,26 +263,32 @@ class PodWatch:
                     out.append((node, lease_id, uid))
         return out
 
-    def _list_all(self) -> tuple[str, set[str], list[dict[str, Any]]]:
-        """(resourceVersion, UIDs of the pods that exist and have not finished, the pods
-        that carry a lease annotation).  Only UIDs are kept of the others."""
+    def _list_all(self, interesting: set[str]) -> tuple[str, set[str], dict[str, Held], list[Held]]:
+        """(resourceVersion, the UIDs of ``interesting`` whose pods exist and have not
+        finished, the leases of live annotated pods, those of finished ones).  Nothing else
+        of the list is kept: memory grows with the leases, not with the cluster's pods."""
         token: str | None = None
         live: set[str] = set()
-        seen: list[dict[str, Any]] = []
+        annotated: dict[str, Held] = {}
+        ended: list[Held] = []
         while True:
             page = self.api.list_pods_page(LIST_PAGE, token, self.field_selector)
             for pod in page["items"]:
                 if not isinstance(pod, dict):
                     continue
-                uid = pod_uid(pod)
-                if uid and not finished(pod):
+                uid, held, done = pod_uid(pod), held_lease(pod), finished(pod)
+                if uid in interesting and not done:
                     live.add(uid)
-                if held_lease(pod) is not None or (finished(pod) and uid in self.tracked):
-                    seen.append(pod)
+                if held is not None and done:
+                    ended.append(held)
+                elif done and uid in self.tracked:
+                    ended.append(self.tracked[uid])
+                elif held is not None:
+                    annotated[uid] = held
             meta = _object(page, "metadata")
             token = _text(meta, "continue") or None
             if token is None:
-                return _text(meta, "resourceVersion"), live, seen
+                return _text(meta, "resourceVersion"), live, annotated, ended
 
     async def watch(self, version: str) -> None:
         """Events from ``version`` on, until the stream ends (resync_s at the latest)."""

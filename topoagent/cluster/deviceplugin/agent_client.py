@@ -7,6 +7,7 @@ agent's nvidia-smi indices.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 import aiohttp
 
 from topoagent.vocabulary import Severity
+
+LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # what the agent hands out (its /leases/{id} path)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -126,6 +129,26 @@ class AgentClient:
         if not isinstance(held, list):
             raise AgentError("GET /leases: not a list of leases")
         return [x for x in held if isinstance(x, dict)]
+
+    async def reserve(self, indices: list[int], owner: str, ttl_s: float) -> dict[str, Any] | None:
+        """A lease on exactly these GPUs (the lease document), or None when the agent
+        holds some of them already (409)."""
+        body = {"gpus": len(indices), "include": indices, "reserve": {"owner": owner, "ttl_s": ttl_s}}
+        answer = await self.place(body)
+        lease = answer.get("lease") if answer is not None else None
+        if answer is not None and not (isinstance(lease, dict) and isinstance(lease.get("id"), str)):
+            raise AgentAnswerError("POST /place: a reserve answered without its lease")
+        return lease
+
+    async def release(self, lease_id: str) -> bool:
+        """Whether the lease is gone now (released, or already ended)."""
+        if not LEASE_ID.fullmatch(lease_id):
+            return False  # not an id the agent hands out: never put into a URL
+        try:
+            async with self._http().delete(f"{self.url}/leases/{lease_id}") as resp:
+                return resp.status in (200, 404)
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def place(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
         """The agent's placement for a dry-run request, or None when nothing fits (409)."""

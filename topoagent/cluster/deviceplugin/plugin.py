@@ -46,12 +46,14 @@ from topoagent.cluster.deviceplugin.agent_client import (
     gpus_of,
     placed_uuids,
 )
-from topoagent.cluster.deviceplugin.pods import Choice, PodSource
-from topoagent.cluster.podwatch import owner_pod_uid
+from topoagent.cluster.deviceplugin.pods import Choice, PodSource, container_counts
+from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
+from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE
 
 API_VERSION = "v1beta1"  # constants.go: Version
+OWNER_MAX_LEN = 128  # the agent's longest lease owner (its reserve.owner limit)
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_RESOURCE = GPU_RESOURCE
@@ -67,6 +69,7 @@ class Settings:
     agent_token: str | None = None
     poll_interval_s: float = 5.0  # how soon a finding reaches kubelet; one cheap 304 per poll
     watch_interval_s: float = 1.0  # how soon a kubelet restart is noticed
+    lease_ttl_s: float = 86400.0  # a lease taken at Allocate; the pod watch ends it with the pod
 
     @property
     def kubelet_socket(self) -> Path:
@@ -153,11 +156,38 @@ def fallback_choice(available: Sequence[str], must: Sequence[str], size: int, de
     return [*must, *rest][:size]
 
 
+@dataclass(frozen=True)
+class Leasing:
+    """Leases taken at Allocate, for the pod being allocated, ended by the pod watch."""
+
+    watch: PodWatch
+    node: str
+    ttl_s: float
+    resource: str
+
+
+class LocalAgent:
+    """The pod watch's view of this node's agent (the watch's ``Keeper``)."""
+
+    def __init__(self, agent: AgentClient) -> None:
+        self.agent = agent
+
+    async def release(self, node: str, lease_id: str) -> bool:
+        return await self.agent.release(lease_id)
+
+    async def leases(self, node: str) -> list[dict[str, Any]] | None:
+        try:
+            return await self.agent.leases()
+        except AgentError:
+            return None
+
+
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None):
+    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None, leasing: Leasing | None = None):
         self.devices = devices
         self.agent = agent
         self.pods = pods
+        self.leasing = leasing
 
     async def GetDevicePluginOptions(self, request: api_pb2.Empty, context: Any) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -251,7 +281,60 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 log_event("allocate_refused", logging.WARNING, error=message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
             answers.append(api_pb2.ContainerAllocateResponse(envs=await self.container_env(ids)))
+            await self.lease_allocation(ids)
         return api_pb2.AllocateResponse(container_responses=answers)
+
+    async def lease_allocation(self, ids: list[str]) -> None:
+        """Lease what kubelet allocated, for the pod it is for, so that callers of the agent
+        see these GPUs taken while the pod lives.
+
+        kubelet does not say which pod: it is the pod whose extender lease holds exactly
+        these GPUs (nothing more to lease), else the one Pending pod on this node with a
+        container asking this many GPUs and fewer leased than it asks.  When none or
+        several are, nothing is leased, and the log says why."""
+        leasing, pods = self.leasing, self.pods
+        if leasing is None or pods is None:
+            return
+        devices = ",".join(ids)
+        covering = next((c for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
+        if covering is not None:
+            leasing.watch.track(Held(covering.namespace, covering.name, covering.uid, leasing.node, covering.lease))
+            log_event("allocation_leased", pod=f"{covering.namespace}/{covering.name}", lease=covering.lease, by="extender", devices=devices)
+            return
+        try:
+            held: dict[str, int] = {}
+            for known in await self.agent.leases():
+                uid, uuids = owner_pod_uid(known.get("owner")), known.get("gpu_uuids")
+                if uid is not None and isinstance(uuids, list):
+                    held[uid] = held.get(uid, 0) + len(uuids)
+        except AgentError as exc:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=str(exc))
+            return
+        candidates = []
+        for pod in await pods.pending():
+            ref = pod_ref(pod)
+            try:
+                wanted = gpus_wanted(pod, leasing.resource)
+            except PodError:
+                continue
+            if ref.uid and len(ids) in container_counts(pod, leasing.resource) and held.get(ref.uid, 0) < wanted:
+                candidates.append(ref)
+        if len(candidates) != 1:
+            why = (f"no Pending pod on this node asks for {len(ids)} GPUs" if not candidates
+                   else f"{len(candidates)} Pending pods on this node ask for {len(ids)} GPUs; kubelet does not say which")
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=why)
+            return
+        ref = candidates[0]
+        try:
+            lease = await self.agent.reserve(sorted(self.devices.by_uuid[d].index for d in ids), ref.owner(OWNER_MAX_LEN), leasing.ttl_s)
+        except AgentError as exc:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason=str(exc))
+            return
+        if lease is None:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason="the agent holds some of these GPUs for another owner")
+            return
+        leasing.watch.track(Held(ref.namespace, ref.name, ref.uid, leasing.node, lease["id"]))
+        log_event("allocation_leased", pod=str(ref), lease=lease["id"], by="device-plugin", devices=devices)
 
     async def container_env(self, ids: list[str]) -> dict[str, str]:
         """The container's environment, GPUs in rank order.
@@ -312,21 +395,36 @@ def _nearest_nic(gpu: dict[str, Any]) -> str | None:
 class DevicePlugin:
     """Serve, register, keep the device list current, and start over when kubelet does."""
 
-    def __init__(self, settings: Settings, pods: PodSource | None = None):
+    def __init__(self, settings: Settings, pods: PodSource | None = None, kube: PodApi | None = None, node: str | None = None,
+                 pod_resync_s: float = 60.0):
+        """With ``kube`` (and the agent's token): lease what kubelet allocates, and watch this
+        ``node``'s pods to release the leases when they end."""
         self.settings = settings
         self.agent = AgentClient(settings.agent_url, settings.agent_token)
         self.devices = Devices()
-        self.service = DevicePluginService(self.devices, self.agent, pods)
+        self.watch: PodWatch | None = None
+        leasing = None
+        if kube is not None and node and pods is not None:
+            self.watch = PodWatch(kube, LocalAgent(self.agent), resync_s=pod_resync_s, field_selector=f"spec.nodeName={node}",
+                                  who="device-plugin")
+            self.watch.note_node(node)  # its agent is swept from the first resync
+            leasing = Leasing(self.watch, node, settings.lease_ttl_s, settings.resource_name)
+        self.service = DevicePluginService(self.devices, self.agent, pods, leasing)
         self.server: grpc.aio.Server | None = None
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
         poller = asyncio.create_task(self.poll_agent())
+        watcher = asyncio.create_task(self.watch.run()) if self.watch is not None else None
         try:
             await self.wait_for_devices()
             await self.serve_and_register_forever()
         finally:
             poller.cancel()
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             await self.stop_server()
             await self.agent.close()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,10 @@ class PodSource:
 
     async def choices(self) -> list[Choice]:
         """The annotated choices of this node's Pending pods; [] when they cannot be read."""
+        return [c for c in map(pod_choice, await self.pending()) if c is not None]
+
+    async def pending(self) -> list[dict[str, Any]]:
+        """This node's Pending pods; [] when they cannot be read."""
         headers = {}
         if self.token_file is not None:
             # Read each time: projected service account tokens are rotated on disk.
@@ -93,4 +98,26 @@ class PodSource:
         if not isinstance(pods, list):
             log_event("pods_unreadable", logging.WARNING, api=self.api_url, error="not a PodList")
             return []
-        return [c for c in map(pod_choice, pods) if c is not None]
+        return [pod for pod in pods if isinstance(pod, dict)]
+
+
+def container_counts(pod: Mapping[str, Any], resource: str) -> list[int]:
+    """How many of ``resource`` each container and init container asks for (limits, else
+    requests), those that ask; what cannot be read counts as nothing."""
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, dict) else {}
+    out = []
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for container in containers if isinstance(containers, list) else []:
+            resources = container.get("resources") if isinstance(container, dict) else None
+            for kind in ("limits", "requests"):
+                table = resources.get(kind) if isinstance(resources, dict) else None
+                if isinstance(table, dict) and resource in table:
+                    value = table[resource]
+                    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 6:
+                        out.append(int(value))
+                    elif isinstance(value, int) and not isinstance(value, bool):
+                        out.append(value)
+                    break
+    return [n for n in out if n > 0]
