@@ -270,23 +270,24 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> we
     app[BINDS] = {"bound": 0, "failed": 0}
     if kube is not None:
         app[KUBE] = kube
-        if settings.pod_resync_s > 0:
-            app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
-
-            async def pod_watch_lifetime(app: web.Application) -> AsyncIterator[None]:
-                task = asyncio.create_task(watch.run())
-                yield
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-
-            app.cleanup_ctx.append(pod_watch_lifetime)
 
     async def session_lifetime(app: web.Application) -> AsyncIterator[None]:
         yield
         await agents.close()
 
     app.cleanup_ctx.append(session_lifetime)
+    if kube is not None and settings.pod_resync_s > 0:
+        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
+
+        async def pod_watch_lifetime(app: web.Application) -> AsyncIterator[None]:
+            # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
+            task = asyncio.create_task(watch.run())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(pod_watch_lifetime)
     prefix = settings.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", filter_nodes)
     app.router.add_post(f"{prefix}/prioritize", prioritize)
