@@ -17,7 +17,7 @@ cluster pieces make, and no more:
 Every change gives the pod a new ``metadata.resourceVersion`` and a watch event;
 ``delete_pod`` and ``set_phase`` play the pod's end.
 
-Errors are ``Status`` objects.  ``fail_binding`` names pods whose binding fails (500);
+Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503.  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -76,6 +76,7 @@ class FakeApiServer:
         self.patches: list[tuple[str, str, str]] = []  # (namespace/name, content type, body)
         self.fail_binding: set[str] = set()
         self.binding_delay_s = 0.0
+        self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -94,6 +95,8 @@ class FakeApiServer:
             def do_GET(self) -> None:
                 url = urlparse(self.path)
                 query = parse_qs(url.query)
+                if url.path == "/api/v1/pods" and outer.pods_unavailable:
+                    return self._send(503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request"))
                 if url.path == "/api/v1/pods" and query.get("watch", [""])[0] in ("true", "1"):
                     return self._watch(query)
                 with outer.lock:

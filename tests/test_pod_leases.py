@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +125,53 @@ def test_the_watch_outlives_the_api_server_closing_it(c: Cluster) -> None:
     wait_for("a new watch", lambda: c.api.watches > watches, timeout=10)
     c.api.delete_pod("w4-reconnect", "gpu")
     gone_within(c, "the lease released through the new watch", lambda: not leases_of(c, pod["metadata"]["uid"]))
+
+
+def test_a_pod_deleted_while_the_api_server_was_away_is_found_at_the_next_list(c: Cluster) -> None:
+    pod = recorded_pod(c, "w4-outage")
+    schedule(c, pod)
+    log = c.work / "extender.log"
+    c.api.pods_unavailable = True
+    try:
+        c.api.close_watches()
+        wait_for("the watch to notice", lambda: "event=pod_watch_failed" in log.read_text(), timeout=10, log=log.read_text)
+        c.api.delete_pod("w4-outage", "gpu")  # no watch open: this event is never delivered
+        assert leases_of(c, pod["metadata"]["uid"])
+    finally:
+        c.api.pods_unavailable = False
+    # The list after the outage (the retry pause doubles from 1 s) no longer has the pod.
+    wait_for("the lease released after the outage", lambda: not leases_of(c, pod["metadata"]["uid"]), timeout=15, log=log.read_text)
+    assert "event=pod_watch_recovered" in log.read_text()
+
+
+def test_one_watch_event_is_read_within_a_bound() -> None:
+    """An event larger than the bound ends the watch with KubeError (the caller lists
+    again) instead of growing a buffer without end."""
+    from topoagent.cluster.extender.kube import Kube, KubeError
+
+    class Stream(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            small = json.dumps({"type": "ADDED", "object": {"metadata": {"uid": "a"}}}).encode() + b"\n"
+            self.wfile.write(small)
+            self.wfile.write(b'{"type": "ADDED", "object": {"metadata": {"name": "' + b"x" * 300_000)  # no end of line
+            self.wfile.flush()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stream)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        events = Kube(f"http://127.0.0.1:{server.server_address[1]}").watch_pods("1", 5, 64 * 1024, [])
+        assert next(iter(events))["object"]["metadata"]["uid"] == "a"
+        with pytest.raises(KubeError, match="larger than 65536 bytes"):
+            next(iter(events))
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_lease_whose_pod_is_gone_is_swept_and_others_are_kept(c: Cluster) -> None:
