@@ -313,6 +313,12 @@ class RuntimeCollector(Collector):
         )
         recovered.add_metric([], 1.0 if store is not None and store.recovered_from is not None else 0.0)
         yield recovered
+        quarantined = GaugeMetricFamily(
+            f"{NS}_leases_quarantined",
+            "Lease state entries refused on loading and kept aside in leases.quarantine.json (the GPUs they named stay held).",
+        )
+        quarantined.add_metric([], float(len(store.quarantined)) if store is not None else 0.0)
+        yield quarantined
         busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
         leased_set = set(holding.holder)
         running = agent.gpus_with_processes()

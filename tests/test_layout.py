@@ -124,7 +124,8 @@ def test_no_import_cycle() -> None:
 # the request grammar the agents' documents share (a /place request is parsed one way).
 CLUSTER_MAY_IMPORT = {
     "topoagent.vocabulary", "topoagent.log", "topoagent.text", "topoagent.smallfile", "topoagent.errors",
-    "topoagent.placement.request", "topoagent.documents", "topoagent.documents.leases",
+    "topoagent.placement.request", "topoagent.documents", "topoagent.documents.lease",
+    "topoagent.node.cpulist",  # the documents' CPU lists (cpus: "0-3,8"), one reading for all
 }
 
 

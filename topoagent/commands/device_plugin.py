@@ -96,8 +96,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from exc
     if args.poll_interval <= 0:
         raise UsageError("--poll-interval must be above 0")
-    if not 0 < args.lease_ttl <= 7 * 24 * 3600:
-        raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
+    from topoagent.documents.lease import TTL_MAX_S, TTL_MIN_S, ttl_problem
+
+    if ttl_problem(args.lease_ttl):  # the agent's own rule: it would refuse every lease
+        raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
     if not (args.pod_resync == 0 or 1 <= args.pod_resync <= 24 * 3600):
         raise UsageError("--pod-resync must be 0 (no pod watch) or between 1 and 86400 seconds")
     token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None

@@ -36,7 +36,7 @@ from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.node.derive import expected_for_pair, nvlink_levels, pcie_level
 from topoagent.node.fabric import build_fabric
 from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
-from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
+from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings, unleasable_findings
 from topoagent.node.levels import LinkLevel, nv, nvlink_generation_for_model
 from topoagent.node.model import (
     DECLARED,
@@ -131,6 +131,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
     nv_counts = _nvlinks(facts, findings)
     findings.extend(pcie_findings(facts.tree, gpu_pci, nic_pci))
     findings.extend(ib_findings(nics))
+    findings.extend(unleasable_findings(gpus))  # a GPU the lease store cannot name
     pairs = _pairs(facts, gpus, nics, {**gpu_pci, **nic_pci}, nv_counts, declared_nic_name, findings)
 
     interfaces = _interfaces(facts.interfaces, facts.hcas, facts.tree, gpu_pci)

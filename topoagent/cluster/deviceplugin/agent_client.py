@@ -7,16 +7,14 @@ agent's nvidia-smi indices.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from topoagent.documents.lease import LEASE_ID
 from topoagent.vocabulary import Severity
-
-LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")  # what the agent hands out (its /leases/{id} path)
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"

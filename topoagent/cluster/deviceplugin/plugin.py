@@ -49,11 +49,11 @@ from topoagent.cluster.deviceplugin.agent_client import (
 from topoagent.cluster.deviceplugin.pods import Choice, PodSource, container_counts
 from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
 from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
+from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE
 
 API_VERSION = "v1beta1"  # constants.go: Version
-OWNER_MAX_LEN = 128  # the agent's longest lease owner (its reserve.owner limit)
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_RESOURCE = GPU_RESOURCE
