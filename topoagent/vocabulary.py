@@ -13,6 +13,8 @@ import enum
 # The extended resource a pod asks for GPUs by: what the device plugin registers with kubelet
 # and the extender reads from a pod's limits (both take --resource-name to change it).
 GPU_RESOURCE = "nvidia.com/gpu"
+# The highest GPU index a request or a lease may name: far above any node's GPU count.
+GPU_INDEX_MAX = 1023
 
 
 class Status(enum.StrEnum):

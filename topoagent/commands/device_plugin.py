@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
+from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
@@ -49,9 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node's name, for the pod annotation look-up (default $NODE_NAME)")
     parser.add_argument(
-        "--lease-ttl", type=float, default=86400.0, metavar="SECONDS",
+        "--lease-ttl", type=float, default=float(TTL_MAX_S), metavar="SECONDS",
         help="with --agent-token-file and a Kubernetes API: lease what kubelet allocates, for the pod it is for, this long "
-             "at most (default 86400); the lease is released when the pod ends or is deleted",
+             f"at most (default {TTL_MAX_S}, a week); the lease is released when the pod ends or is deleted",
     )
     parser.add_argument(
         "--pod-resync", type=float, default=60.0, metavar="SECONDS",

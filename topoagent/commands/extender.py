@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
+from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
@@ -91,8 +92,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--resource-name", default=DEFAULT_RESOURCE, metavar="NAME", help=f"the extended resource a pod's GPU count is read from (default {DEFAULT_RESOURCE})")
     parser.add_argument("--bind", action="store_true", help="serve the bind verb: lease the GPUs on the node's agent, annotate the pod, create its Binding")
-    parser.add_argument("--lease-ttl", type=float, default=600.0, metavar="SECONDS",
-                        help="how long a bind's lease holds the GPUs, to cover the pod's start (default 600)")
+    parser.add_argument("--lease-ttl", type=float, default=float(TTL_MAX_S), metavar="SECONDS",
+                        help=f"how long a bind's lease holds the GPUs at most (default {TTL_MAX_S}, a week: the pod watch "
+                             "releases it when the pod ends, so a running job never loses its GPUs to the TTL)")
     parser.add_argument(
         "--pod-resync", type=float, default=60.0, metavar="SECONDS",
         help="with --bind: watch the pods and release a pod's lease when it ends or is deleted; list them again and sweep "
