@@ -22,7 +22,6 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
-from topoagent.agent import Agent, ProbeRunning, ProbesOff
 from topoagent.agent_schema import answer_document, lease_document
 from topoagent.config import Config
 from topoagent.exporters.connections import ConnectionGuard
@@ -32,7 +31,8 @@ from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
-from topoagent.served import Snapshot, etag_of
+from topoagent.service.agent import Agent, ProbeRunning, ProbesOff
+from topoagent.service.served import Snapshot, etag_of
 
 AGENT = web.AppKey("agent", Agent)
 

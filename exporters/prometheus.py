@@ -23,13 +23,13 @@ from prometheus_client.registry import Collector
 
 import topoagent
 from topoagent.probes.figures import ProbeKind
-from topoagent.served import Snapshot
+from topoagent.service.served import Snapshot
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
-    from topoagent.agent import Agent
     from topoagent.exporters.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
+    from topoagent.service.agent import Agent
 
 NS = "topoagent"
 GB = 1e9  # the matrix speaks GB/s (10^9 bytes/s); Prometheus wants bytes/s

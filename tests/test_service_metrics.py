@@ -12,10 +12,10 @@ from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.matrix import Measurement
+from topoagent.service.agent import Agent
 
 SNAPSHOTS = FIXTURES / "snapshots"
 

@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from service_helpers import DGX_A100, metric_value, start_agent, wait_for
 
-from topoagent import agent as agent_module
-from topoagent.agent import Agent as Runtime
-from topoagent.agent import LoopHealth
 from topoagent.config import Config
 from topoagent.leases import MAX_STATE_BYTES
+from topoagent.service import agent as agent_module
+from topoagent.service.agent import Agent as Runtime
+from topoagent.service.agent import LoopHealth
 
 HOSTILE = {
     "nested": b'{"schema": 1, "leases": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",

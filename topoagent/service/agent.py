@@ -5,7 +5,7 @@ demand.  A run that hangs is cut off by its timeout; a run that fails leaves the
 good snapshot in place, marked stale, with the error recorded.  Snapshots are immutable
 and swapped by one assignment, so readers never lock.
 
-It serves discovery's typed NodeTopology as it is (topoagent/served.py's Snapshot adds
+It serves discovery's typed NodeTopology as it is (topoagent/service/served.py's Snapshot adds
 the agent's own state: measurements, findings of probes and counters, staleness); the
 few functions in the section below are the only places that combine discovery, probes,
 placement and leases.
@@ -26,10 +26,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from topoagent.capacity import Capacity, capacity
 from topoagent.config import Config
 from topoagent.discovery_process import DiscoveryFailed, discover_in_child
-from topoagent.exports import Exports, node_with_all_findings
 from topoagent.host import Host, HostError
 from topoagent.leases import Holding, Lease, LeaseStore
 from topoagent.log import log_event
@@ -37,7 +35,9 @@ from topoagent.matrix import DistanceMatrix
 from topoagent.model import CollectorStatus, Finding, NodeTopology
 from topoagent.placement import Live, NoFit, Placement, Request, place, warm_answers
 from topoagent.placement.search import warm as warm_tables
-from topoagent.served import Snapshot, etag_of
+from topoagent.service.capacity import Capacity, capacity
+from topoagent.service.exports import Exports, node_with_all_findings
+from topoagent.service.served import Snapshot, etag_of
 from topoagent.telemetry import History, Telemetry, nic_traffic
 from topoagent.vocabulary import Status
 
