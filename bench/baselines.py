@@ -39,8 +39,8 @@ import random
 from collections.abc import Iterator
 from itertools import combinations
 
-from topoagent.levels import LevelKind
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LevelKind
+from topoagent.node.matrix import DistanceMatrix
 
 PCIE_SCORE = {  # go-gpuallocator's P2P link scores by nvidia-smi level (SameBoard 60 has no level)
     LevelKind.PIX: 50,

@@ -59,9 +59,9 @@ from typing import Any
 
 from bench.baselines import HamiZonePolicy, first_fit
 from bench.stats import percentile
-from topoagent.deviceplugin.pods import ANNOTATION, parse_choice
-from topoagent.extender.wire import LEASE_ANNOTATION
-from topoagent.matrix import DistanceMatrix
+from topoagent.cluster.deviceplugin.pods import ANNOTATION, parse_choice
+from topoagent.cluster.extender.wire import LEASE_ANNOTATION
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_distance, place
 from topoagent.vocabulary import GPU_RESOURCE
 

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from topoagent.discovery import discover_sync
-from topoagent.host import Host
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
 
 REPO = Path(__file__).resolve().parents[1]
 

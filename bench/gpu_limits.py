@@ -7,7 +7,7 @@ PROBE_JSON: the output of `topoagent probe --json`; GPU_CSV: `nvidia-smi
 --format=csv,noheader,nounits`.  Limits: PCIe generation x width (the GPU's maximum link;
 the current one is shown too, since idle links train down to save power), the declared
 level's rate for GPU pairs (NVLink links x rate, or PCIe), HBM bandwidth from the model.
-Stdlib and topoagent.levels only.
+Stdlib and topoagent.node.levels only.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import csv
 import json
 import sys
 
-from topoagent.levels import pcie_gbps
+from topoagent.node.levels import pcie_gbps
 
 # Memory bandwidth, GB/s, from NVIDIA's data sheets (SXM parts unless named).
 HBM_GBPS = (

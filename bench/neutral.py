@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from functools import cache
 
-from topoagent.levels import LevelKind, expected_gbps
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LevelKind, expected_gbps
+from topoagent.node.matrix import DistanceMatrix
 
 
 class Grader:

@@ -14,7 +14,7 @@ import statistics
 import time
 
 from topoagent.collectors.nvidia_smi import TopoDevice, TopoMatrix, parse_topo_matrix, render_topo_matrix
-from topoagent.levels import LevelKind, LinkLevel
+from topoagent.node.levels import LevelKind, LinkLevel
 
 
 def dgx2_like() -> TopoMatrix:

@@ -30,7 +30,7 @@ from bench.baselines import (
 from bench.neutral import Grader
 from bench.stats import percentile
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, numa_groups, place, warm
 from topoagent.placement.request import SERVICE_DEADLINE_MS
 from topoagent.placement.search import warm as warm_tables

@@ -26,8 +26,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from topoagent.discovery import COUNTER_SOURCES, discover_sync  # noqa: E402
-from topoagent.host import Host  # noqa: E402
+from topoagent.node.discovery import COUNTER_SOURCES, discover_sync  # noqa: E402
+from topoagent.node.host import Host  # noqa: E402
 from topoagent.telemetry import Context, History, read_live, served  # noqa: E402
 
 DGX = REPO / "fixtures" / "snapshots" / "dgx-a100"

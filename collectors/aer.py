@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from topoagent.collectors.base import NoData
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 SEVERITIES = {"aer_dev_correctable": "correctable", "aer_dev_nonfatal": "nonfatal", "aer_dev_fatal": "fatal"}

@@ -14,9 +14,9 @@ import re
 
 from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.numa import NumaTopology
-from topoagent.cpulist import CpuListError, parse_cpulist
-from topoagent.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS, CoreMap, CpuFacts, CpuModel
-from topoagent.host import Host
+from topoagent.node.cpulist import CpuListError, parse_cpulist
+from topoagent.node.facts import ASSUMED_NO_SMT, ASSUMED_SMT2, SYSFS, CoreMap, CpuFacts, CpuModel
+from topoagent.node.host import Host
 
 CPU_DIR = "/sys/devices/system/cpu"
 _CPU_NAME = re.compile(r"cpu(\d+)")

@@ -9,7 +9,7 @@ call on the HCA can tell (no file says so).  So a found module is a fact we can 
 from __future__ import annotations
 
 from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 # The files NCCL tests, in its order, and the module each one means.
 PEER_MEMORY_FILES = (

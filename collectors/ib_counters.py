@@ -9,7 +9,7 @@ gathers the files' text (what a recording keeps); ``parse`` turns it into series
 from __future__ import annotations
 
 from topoagent.collectors.base import NoData
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 IB_CLASS = "/sys/class/infiniband"
 # The counters/ files that are traffic, not errors: (exported metric, multiplier).

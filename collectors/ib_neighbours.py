@@ -16,8 +16,8 @@ import re
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_failed, command_missing, run_collector
 from topoagent.collectors.infiniband import Hca
-from topoagent.facts import PortNeighbour
-from topoagent.host import CommandNotFound, CommandTimeout, Host, HostError
+from topoagent.node.facts import PortNeighbour
+from topoagent.node.host import CommandNotFound, CommandTimeout, Host, HostError
 from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "ib_neighbours"

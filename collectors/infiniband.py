@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.pci import _PCI_ADDRESS, normalize_address
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 IB_CLASS = "/sys/class/infiniband"
 _RATE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*Gb/sec(?:\s*\((.*)\))?")

@@ -15,8 +15,8 @@ import json
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult, SourceError, command_failed, command_missing, run_collector
-from topoagent.facts import PortNeighbour
-from topoagent.host import CommandNotFound, Host
+from topoagent.node.facts import PortNeighbour
+from topoagent.node.host import CommandNotFound, Host
 from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "lldp"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.pci import _PCI_ADDRESS, normalize_address
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 NET_CLASS = "/sys/class/net"
 _MAX_MBPS = 10_000_000  # 10 Tb/s: a larger figure in ``speed`` is junk, not a link

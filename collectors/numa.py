@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, replace
 
 from topoagent.collectors.base import CollectorResult, SourceError, off_loop, run_collector
-from topoagent.cpulist import MAX_CPUS, CpuListError, format_cpulist, parse_cpulist, parse_cpumask
-from topoagent.host import Host, HostError
+from topoagent.node.cpulist import MAX_CPUS, CpuListError, format_cpulist, parse_cpulist, parse_cpumask
+from topoagent.node.host import Host, HostError
 
 NODE_DIR = "/sys/devices/system/node"
 # Linux's MAX_NUMNODES (NODES_SHIFT is at most 10); more node directories than that is a

@@ -11,7 +11,7 @@ import re
 
 from topoagent.collectors.base import CollectorResult, NoData, off_loop, run_collector
 from topoagent.collectors.pci import PciParseError, normalize_address
-from topoagent.host import Host
+from topoagent.node.host import Host
 
 GPUS_DIR = "/proc/driver/nvidia/gpus"
 _MINOR = re.compile(r"^Device Minor:\s*(\d+)", re.MULTILINE)

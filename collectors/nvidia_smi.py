@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, command_missing, run_collector
-from topoagent.cpulist import CpuListError, parse_cpulist
 from topoagent.errors import TopoagentError
-from topoagent.host import CommandNotFound, Host
-from topoagent.levels import LevelError, LevelKind, LinkLevel
+from topoagent.node.cpulist import CpuListError, parse_cpulist
+from topoagent.node.host import CommandNotFound, Host
+from topoagent.node.levels import LevelError, LevelKind, LinkLevel
 
 
 class TopoParseError(TopoagentError, ValueError):  # ValueError: callers that parse corpora catch it

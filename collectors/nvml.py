@@ -17,8 +17,8 @@ from typing import Any
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
 from topoagent.collectors.pci import PciParseError, normalize_address
-from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
-from topoagent.host import Host
+from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
+from topoagent.node.host import Host
 
 # Same words live and replayed, so a snapshot replays to the same output.
 NO_NVML = "NVML not available on this node"

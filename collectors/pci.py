@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
 from topoagent.collectors.numa import NumaTopology
-from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist, parse_cpumask
 from topoagent.errors import TopoagentError
-from topoagent.facts import BRIDGE, DISPLAY, GPU, NIC, NVME, NVSWITCH, OTHER
-from topoagent.host import Host, HostError
-from topoagent.levels import PCIE_GT_S_TO_GEN, pcie_gbps
+from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist, parse_cpumask
+from topoagent.node.facts import BRIDGE, DISPLAY, GPU, NIC, NVME, NVSWITCH, OTHER
+from topoagent.node.host import Host, HostError
+from topoagent.node.levels import PCIE_GT_S_TO_GEN, pcie_gbps
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 # A GPU node lists a few hundred PCI functions, a few thousand with SR-IOV virtual

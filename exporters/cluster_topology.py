@@ -25,9 +25,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from topoagent.documents.schema import SCHEMA_VERSION
 from topoagent.errors import TopoagentError
 from topoagent.exporters.nfd import HOSTNAME_LABEL, LABEL_PREFIX, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
-from topoagent.schema import SCHEMA_VERSION
 
 TOP_SWITCH = "fabric"  # the switch over every leaf in topology.conf
 KNOWN_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # the documents whose fields this module reads as it does

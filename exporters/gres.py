@@ -27,10 +27,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from topoagent.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.errors import TopoagentError
-from topoagent.facts import ASSUMED_SMT2, CoreMap
-from topoagent.model import GpuTopo, NodeTopology
+from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
+from topoagent.node.facts import ASSUMED_SMT2, CoreMap
+from topoagent.node.model import GpuTopo, NodeTopology
 
 
 class GresError(TopoagentError):

@@ -23,8 +23,8 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
-from topoagent.agent_schema import answer_document, lease_document
 from topoagent.config import Config
+from topoagent.documents.agent import answer_document, lease_document
 from topoagent.exporters.connections import ConnectionGuard
 from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
@@ -34,6 +34,7 @@ from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.service.interface import ProbeRunning, ProbesOff, Service
 from topoagent.service.served import Served, Snapshot, etag_of
+from topoagent.text import cut
 
 AGENT = web.AppKey("agent", Service)
 
@@ -197,7 +198,7 @@ async def host_check(request: web.Request, handler: Handler) -> web.StreamRespon
     header = request.headers.get("Host")
     if not hosts.allows(header):
         request.app[REFUSED]["misdirected_host"] += 1
-        shown = _cut(json.dumps(header), 80)  # json: control characters and stray bytes escaped
+        shown = cut(json.dumps(header), 80)  # json: control characters and stray bytes escaped
         raise ApiError(421, "misdirected_request", f"Host {shown} is not a name this agent answers to; add it to [http] allowed_hosts")
     return await handler(request)
 
@@ -219,10 +220,6 @@ def _ready_snapshot(served: Served) -> Snapshot:
 
 
 # -- request validation -------------------------------------------------------------------
-
-def _cut(text: str, limit: int) -> str:
-    """A value quoted in an error message, cut to `limit` characters and marked so."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[str, Any] | None]:
@@ -301,13 +298,13 @@ async def read_json(request: web.Request) -> Any:
     except DuplicateKey as exc:
         raise ApiError(400, "bad_request", f"{exc.key}: given twice") from None
     except (ValueError, RecursionError) as exc:
-        raise ApiError(400, "bad_request", f"body: not valid JSON: {_cut(str(exc), 120)}") from None
+        raise ApiError(400, "bad_request", f"body: not valid JSON: {cut(str(exc), 120)}") from None
 
 
 class DuplicateKey(ValueError):
     def __init__(self, key: str) -> None:
         super().__init__(key)
-        self.key = _cut(json.dumps(key), 60)
+        self.key = cut(json.dumps(key), 60)
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -331,7 +328,7 @@ def query_parameters(request: web.Request, known: tuple[str, ...]) -> dict[str, 
     not: `?fromat=matrix` must not quietly answer JSON, as an unknown body field is refused."""
     for name in request.query:
         if name not in known:
-            raise ApiError(400, "bad_request", f"{_cut(name, 60)}: unknown query parameter (known: {', '.join(known)})")
+            raise ApiError(400, "bad_request", f"{cut(name, 60)}: unknown query parameter (known: {', '.join(known)})")
         if len(request.query.getall(name)) > 1:
             raise ApiError(400, "bad_request", f"{name}: given twice")
     return dict(request.query)
@@ -411,7 +408,7 @@ def _why_busy(served: Served, req: Request) -> str:
     parts = []
     for gpu in req.include:
         if gpu in leased:
-            parts.append(f"GPU {gpu} is leased to {_cut(leased[gpu].owner, 40)} until lease {leased[gpu].id} ends")
+            parts.append(f"GPU {gpu} is leased to {cut(leased[gpu].owner, 40)} until lease {leased[gpu].id} ends")
         elif gpu in running:
             parts.append(f"GPU {gpu} is running processes")
     if not parts and leased:
@@ -451,7 +448,7 @@ async def refresh(request: web.Request) -> web.Response:
         if not isinstance(doc, dict):
             raise ApiError(400, "bad_request", "body: expected a JSON object (or no body)")
         if doc:
-            raise ApiError(400, "bad_request", f"unknown field(s): {_cut(', '.join(sorted(doc)), 120)}; /refresh takes none")
+            raise ApiError(400, "bad_request", f"unknown field(s): {cut(', '.join(sorted(doc)), 120)}; /refresh takes none")
     agent = request.app[AGENT]
     await agent.request_refresh("request")
     snapshot = _ready_snapshot(agent.served())

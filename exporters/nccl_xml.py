@@ -38,8 +38,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 
 from topoagent.errors import TopoagentError
-from topoagent.facts import NVSWITCH
-from topoagent.model import GpuTopo, NicTopo, NodeTopology, PciDevice
+from topoagent.node.facts import NVSWITCH
+from topoagent.node.model import GpuTopo, NicTopo, NodeTopology, PciDevice
 
 NVSWITCH_CLASS = "0x068000"
 GPU_CLASS = "0x030200"

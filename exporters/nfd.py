@@ -13,8 +13,8 @@ import re
 from collections import Counter
 
 from topoagent.errors import TopoagentError
-from topoagent.levels import LevelKind
-from topoagent.model import NodeTopology
+from topoagent.node.levels import LevelKind
+from topoagent.node.model import NodeTopology
 from topoagent.vocabulary import Severity
 
 DEFAULT_PREFIX = "topoagent.io"

@@ -2,7 +2,7 @@
 
 It is the contract the tests hold real responses to (schemathesis checks every
 documented status and body shape).  The paths are written here; every body's schema
-comes from topoagent.schema and topoagent.agent_schema, the modules that also write those
+comes from topoagent.documents.schema and topoagent.documents.agent, the modules that also write those
 bodies, so a field or an enum is written once.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import topoagent
-from topoagent.agent_schema import LEASE, NOFIT, PLACEMENT, component_schemas
+from topoagent.documents.agent import LEASE, NOFIT, PLACEMENT, component_schemas
 from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
 

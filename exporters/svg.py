@@ -27,8 +27,8 @@ import re
 import time
 from dataclasses import dataclass, field
 
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import Finding, GpuTopo, NicTopo, NodeTopology
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import Finding, GpuTopo, NicTopo, NodeTopology
 
 GPU_W, GPU_H = 92, 64
 NIC_W, NIC_H = 92, 50

@@ -5,7 +5,7 @@ directions) into ``DistanceMatrix.measured``, so ``matrix.bandwidth(i, j)`` — 
 placement ranks by — returns the measurement while it is fresh.
 
 ``findings_for`` compares figures with what the declared level promises, as
-``topoagent.model.Finding`` values (``source="probe"``, expected and measured GB/s):
+``topoagent.node.model.Finding`` values (``source="probe"``, expected and measured GB/s):
 
 - ``degraded_link``: a pair measures below ``degraded_fraction`` of what its level
   achieves (an NVLink down, a link trained at x4);
@@ -32,7 +32,7 @@ contradiction demotes the pair's level to the one its copies deliver (zones and 
 read ``gpu_levels``), keeping the declared level in ``DistanceMatrix.declared_levels``.
 
 Levels promise hardware rates; copies achieve less: ``ACHIEVABLE_FRACTION`` (kept in
-topoagent.levels, with its sources) is what a level's copies reach.  Placement reads a
+topoagent.node.levels, with its sources) is what a level's copies reach.  Placement reads a
 measurement against that, within a tolerance band and with hysteresis
 (``levels.measured_gbps``): ``overlay`` records each pair's verdict given the one it had
 in the previous matrix, so a figure inside the band never flips a pair either way.
@@ -45,8 +45,8 @@ from collections.abc import Collection, Iterable
 from dataclasses import replace
 from typing import NamedTuple
 
-from topoagent.cpulist import format_cpulist
-from topoagent.levels import (
+from topoagent.node.cpulist import format_cpulist
+from topoagent.node.levels import (
     ACHIEVABLE_FRACTION,
     LATENCY_US,
     NODE,
@@ -60,8 +60,8 @@ from topoagent.levels import (
     measured_degraded,
     pcie_gbps,
 )
-from topoagent.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement
-from topoagent.model import Finding
+from topoagent.node.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement
+from topoagent.node.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.vocabulary import FindingKind, Severity
 

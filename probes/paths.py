@@ -10,7 +10,7 @@ A path is a set of *segments*, each a link more than one device may use:
 - ``socket-link:<socket>``: the socket interconnect, on the side of that socket.
 
 A **pair** on NVLink crosses none of them (its copies stay on NVLink).  A pair on PCIe
-crosses, like ``topoagent.derive.path_devices``, the links above each device and bridge
+crosses, like ``topoagent.node.derive.path_devices``, the links above each device and bridge
 below the deepest bridge the two share; the host bridge unless they share a switch
 below it (both host bridges when their root complexes differ); and the socket link of
 both sockets when their NUMA nodes sit on different sockets.  A **GPU alone** (its host
@@ -26,8 +26,8 @@ busy GPU's footprint would read congestion as a degraded link.
 from __future__ import annotations
 
 from topoagent.collectors.pci import PciDevice, PciTree
-from topoagent.derive import shared_bridges
-from topoagent.model import NodeTopology
+from topoagent.node.derive import shared_bridges
+from topoagent.node.model import NodeTopology
 from topoagent.probes.schedule import ProbeTarget, targets_for
 
 

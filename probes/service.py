@@ -27,8 +27,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from topoagent.log import log_event
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import Finding
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
 from topoagent.probes.history import BaselineBook
 from topoagent.probes.overlay import CONFIRM_ROUNDS, apply_verdicts, findings_for, overlay

@@ -75,7 +75,7 @@ from collections.abc import Callable, Iterator, Set
 from pathlib import Path
 from typing import Any, TypedDict
 
-from topoagent.cpulist import parse_cpulist
+from topoagent.node.cpulist import parse_cpulist
 from topoagent.probes.figures import (
     FailureKind,
     ProbeFigure,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from topoagent.collectors.ib_neighbours import smpquery
-from topoagent.host import command_file_stem
+from topoagent.node.host import command_file_stem
 
 REPO = Path(__file__).resolve().parents[1]
 FABRIC = REPO / "fixtures" / "fabric"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import grpc
 
-from topoagent.deviceplugin import api_pb2, api_pb2_grpc
+from topoagent.cluster.deviceplugin import api_pb2, api_pb2_grpc
 
 WAIT_S = 20.0
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from itertools import combinations, permutations
 
-from topoagent.levels import LATENCY_US
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LATENCY_US
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Request
 
 _EDGES: dict[int, tuple[DistanceMatrix, list]] = {}

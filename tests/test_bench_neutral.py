@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from bench.neutral import Grader
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.levels import LinkLevel, expected_gbps
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LinkLevel, expected_gbps
+from topoagent.node.matrix import DistanceMatrix
 
 # A ring of NVLink pairs 0-1-2-3-0 (NV2), the diagonals across sockets (SYS).
 RING_NODE = (

@@ -178,3 +178,20 @@ def test_a_client_token_file_that_holds_no_usable_token_is_refused_at_start(tmp_
     for path, says in ((empty, "holds no token"), (fifo, "not a regular file (a FIFO)"), (broken, "line break")):
         done = topoagent(*argv, str(path))
         assert done.returncode == 2 and flag in done.stderr and says in done.stderr, (argv, path, done.stderr)
+
+
+@pytest.mark.parametrize("args", [
+    ("place", "--gpus", "9", "--root", str(SNAPSHOTS / "dgx-a100")),  # no fit: its own status is 1
+    ("place", "--gpus", "2", "--root", str(SNAPSHOTS / "dgx-a100")),  # placed: its own status is 0
+    ("matrix", "--from-nvidia-smi", str(FIXTURES / "nvidia-smi" / "hgx-h20-8gpu-8nic.txt")),
+])
+def test_a_reader_that_leaves_early_never_turns_the_exit_into_success(args: tuple[str, ...]) -> None:
+    """`topoagent place … | head`: the reader closes before the answer is whole, so the
+    command cannot say whether it placed; it exits 141 as a shell's SIGPIPE'd writer does,
+    quietly, and never 0 (which called a request that did not fit a success)."""
+    child = subprocess.Popen([*RUN, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert child.stdout is not None and child.stderr is not None
+    child.stdout.close()  # the reader is gone before the command writes its first byte
+    err = child.stderr.read()
+    assert child.wait(timeout=120) == 141
+    assert b"Traceback" not in err

@@ -16,9 +16,9 @@ from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
 from service_helpers import DGX_A100, Agent, make_root, start_agent
 
-from topoagent.deviceplugin import api_pb2
-from topoagent.discovery import discover
-from topoagent.host import Host
+from topoagent.cluster.deviceplugin import api_pb2
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
 from topoagent.placement import Request
 
 SNAPSHOTS = DGX_A100.parent

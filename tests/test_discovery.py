@@ -7,9 +7,9 @@ from pathlib import Path
 
 from fakenode import FakeNode, nvml_gpu
 
-from topoagent.discovery import discover
-from topoagent.host import Host
-from topoagent.schema import node_document
+from topoagent.documents.schema import node_document
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
 
 GPU_CLASS, IB_CLASS, NVSWITCH_CLASS = 0x030200, 0x020700, 0x068000
 

@@ -15,9 +15,9 @@ import pytest
 
 from topoagent.cli import main
 from topoagent.collectors.nvidia_smi import TopoMatrix, parse_topo_matrix
-from topoagent.discovery import discover
-from topoagent.host import Host
-from topoagent.model import NodeTopology
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
+from topoagent.node.model import NodeTopology
 
 REPO = Path(__file__).resolve().parents[1]
 SNAPSHOTS = REPO / "fixtures" / "snapshots"
@@ -65,7 +65,7 @@ def test_a_live_node_without_the_fabric_tools_says_what_to_install(tmp_path, mon
 
     from topoagent.collectors import lldp
     from topoagent.collectors.base import command_missing
-    from topoagent.host import Host
+    from topoagent.node.host import Host
 
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty PATH: neither tool is installed
     result = asyncio.run(lldp.collect(Host("/")))
@@ -78,7 +78,7 @@ def test_a_recording_tells_a_tool_its_node_lacked_from_one_it_did_not_record(tmp
     import asyncio
 
     from topoagent.collectors import lldp
-    from topoagent.host import Host, command_file_stem
+    from topoagent.node.host import Host, command_file_stem
 
     (tmp_path / "commands").mkdir()
     result = asyncio.run(lldp.collect(Host(tmp_path)))
@@ -378,14 +378,14 @@ def _no_driver() -> set[str]:
 
 
 @pytest.mark.parametrize(("argv", "also_never", "proof"), [
-    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry", "topoagent.agent_schema",
-                                              "subprocess", "tempfile"}, "topoagent.model"),
-    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry", "topoagent.agent_schema"} | _no_driver(), "topoagent.model"),
+    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent",
+                                              "subprocess", "tempfile"}, "topoagent.node.model"),
+    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent"} | _no_driver(), "topoagent.node.model"),
     (["place", "--root", A100, "--gpus", "4"], {"pynvml"}, "topoagent.placement.search"),
-    (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.model"},
+    (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.node.model"},
      "topoagent.collectors.nvidia_smi"),
-    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.telemetry"}, "topoagent.model"),
-    (["snapshot", "recorded"], _no_driver(), "topoagent.snapshot"),
+    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.telemetry"}, "topoagent.node.model"),
+    (["snapshot", "recorded"], _no_driver(), "topoagent.node.recording"),
 ])
 def test_one_shot_commands_import_only_what_they_use(
     tmp_path: Path, argv: list[str], also_never: set[str], proof: str
@@ -416,9 +416,9 @@ def test_cli_offers_the_log_levels_the_logger_knows() -> None:
 def test_one_shot_discovery_matches_the_services() -> None:
     import asyncio
 
-    from topoagent.discovery import discover, discover_sync
-    from topoagent.host import Host
-    from topoagent.schema import node_document
+    from topoagent.documents.schema import node_document
+    from topoagent.node.discovery import discover, discover_sync
+    from topoagent.node.host import Host
 
     with Host(A100) as host:
         one_shot = node_document(discover_sync(host))

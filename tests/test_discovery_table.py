@@ -16,10 +16,10 @@ from conftest import FIXTURES
 from topoagent.cli import main
 from topoagent.collectors.base import CollectorResult, SourceError, run_collector
 from topoagent.commands.discover import discover_root
-from topoagent.discovery import COLLECTORS, Collector, check_order, run_collectors
 from topoagent.errors import TopoagentError
 from topoagent.exporters.gres import render_gres
-from topoagent.host import Host
+from topoagent.node.discovery import COLLECTORS, Collector, check_order, run_collectors
+from topoagent.node.host import Host
 from topoagent.vocabulary import Status
 
 SNAPSHOTS = FIXTURES / "snapshots"
@@ -40,7 +40,7 @@ def imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize("path", sorted(EXPORTERS.glob("*.py")), ids=lambda p: p.name)
 def test_exporters_import_no_collector_and_no_host(path: Path) -> None:
     banned = [m for m in imported_modules(path)
-              if m.startswith(("topoagent.collectors", "topoagent.host"))]
+              if m.startswith(("topoagent.collectors", "topoagent.node.host"))]
     assert banned == []
 
 

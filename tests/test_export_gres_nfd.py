@@ -15,10 +15,10 @@ from hwloc_oracle import parse_hwloc_cpuset, run_lstopo
 
 from topoagent.collectors.cpu import SYSFS, assume_core_map, read_core_map
 from topoagent.commands.discover import discover_root
-from topoagent.cpulist import format_cpulist, parse_cpulist
 from topoagent.exporters.gres import bus_order, render_gres
 from topoagent.exporters.nfd import LABEL_NAME, LABEL_PREFIX, LABEL_VALUE, gpu_product, nfd_features, render_nfd
-from topoagent.host import Host
+from topoagent.node.cpulist import format_cpulist, parse_cpulist
+from topoagent.node.host import Host
 
 SNAPSHOTS = FIXTURES / "snapshots"
 ALL = sorted(p.name for p in SNAPSHOTS.iterdir())

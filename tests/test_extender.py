@@ -38,8 +38,8 @@ from bench.cluster import (
     job_stream,
     replay,
 )
-from topoagent.deviceplugin.pods import ANNOTATION
-from topoagent.extender.wire import LEASE_ANNOTATION, PodError, PodRef, gpus_wanted, node_address, pod_ref, pod_request
+from topoagent.cluster.deviceplugin.pods import ANNOTATION
+from topoagent.cluster.extender.wire import LEASE_ANNOTATION, PodError, PodRef, gpus_wanted, node_address, pod_ref, pod_request
 
 
 @pytest.fixture(scope="module")
@@ -391,7 +391,7 @@ def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() 
 
     from aiohttp import web
 
-    from topoagent.extender import nodes
+    from topoagent.cluster.extender import nodes
 
     async def main() -> None:
         sizes = {"big": 600_000, "huge": nodes.MAX_RESPONSE_BYTES}

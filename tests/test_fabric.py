@@ -14,13 +14,13 @@ from service_helpers import promtool_complaints
 
 from topoagent.collectors.ib_neighbours import parse_nodedesc, parse_nodeinfo, smpquery
 from topoagent.collectors.lldp import LLDPCTL, LldpParseError, parse_lldpctl_json
-from topoagent.discovery import discover_sync
+from topoagent.documents.schema import node_document
 from topoagent.exporters.nfd import nfd_features
-from topoagent.host import Host
-from topoagent.model import NodeTopology
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
+from topoagent.node.model import NodeTopology
 from topoagent.placement import place
 from topoagent.placement.request import parse_request
-from topoagent.schema import node_document
 
 FAT_TREE = parse_ibnetdiscover((FABRIC / "ibnetdiscover-edr-fat-tree.txt").read_text())
 RAILS = parse_ibnetdiscover((FABRIC / "ibnetdiscover-rail-optimised-synthetic.txt").read_text())
@@ -177,7 +177,7 @@ def test_each_rank_of_a_placement_names_the_rail_of_its_nic(tmp_path: Path) -> N
 
 
 def answer_json(answer: object) -> dict:
-    from topoagent.agent_schema import answer_document
+    from topoagent.documents.agent import answer_document
 
     return answer_document(answer)
 

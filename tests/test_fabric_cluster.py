@@ -17,11 +17,11 @@ from fabric_cluster import FABRIC, REPO, IbSwitch, build_node, host_port, leaves
 from service_helpers import start_agent
 from slurm_cluster import SlurmCluster, SlurmNode
 
-from topoagent.discovery import discover_sync
+from topoagent.documents.schema import node_document
 from topoagent.exporters.cluster_topology import ClusterNode, hostlist, slurm_topology_yaml, switch_name
 from topoagent.exporters.nfd import nfd_features
-from topoagent.host import Host
-from topoagent.schema import node_document
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
 
 FAT_TREE = parse_ibnetdiscover((FABRIC / "ibnetdiscover-edr-fat-tree.txt").read_text())
 RAILS = parse_ibnetdiscover((FABRIC / "ibnetdiscover-rail-optimised-synthetic.txt").read_text())
@@ -448,3 +448,26 @@ def test_timeout_bounds_the_answers_head_and_an_oversized_answer_is_refused() ->
     # agent's 90 lines would end with its connection closing, and another error.
     assert lines[0] == f"topoagent cluster-topology: {urls[0]}: no answer within 1.5 s", done.stderr
     assert lines[1] == f"topoagent cluster-topology: {urls[1]}: answer is larger than 8 MiB", done.stderr
+
+
+def test_nodes_without_a_switch_are_never_written_as_a_success(tmp_path: Path) -> None:
+    """A tree missing nodes would be scheduled by as if whole: nodes whose agents know no
+    switch fail the run unless --partial says to leave them out, and a tree of no node at all
+    fails even then."""
+    placed = write_documents(tmp_path, "dgx1-v100", ["gpu001"], fat_tree_cabling)
+    lone = tmp_path / "lone.json"
+    lone.write_text(json.dumps({"schema_version": 2, "hostname": "gpu002", "fabric": {"rails": []}}))
+    out = tmp_path / "out"
+    out.mkdir()
+
+    alone = cli("--topology-files", str(lone), "--write", str(out))
+    assert alone.returncode == 1 and "none of the 1 nodes reported a switch" in alone.stderr, alone.stderr
+    assert list(out.iterdir()) == []
+    mixed = cli("--topology-files", placed[0], str(lone), "--write", str(out))
+    assert mixed.returncode == 1 and "gpu002: its agent knows no neighbour switch" in mixed.stderr, mixed.stderr
+    assert list(out.iterdir()) == []
+    partial = cli("--topology-files", placed[0], str(lone), "--partial")
+    assert partial.returncode == 0 and "1 of 2 nodes written, 1 left out" in partial.stderr, partial.stderr
+    assert [s["Nodes"] for s in topology_conf_switches(partial.stdout).values()] == [["gpu001"]]
+    still_nothing = cli("--topology-files", str(lone), "--partial")
+    assert still_nothing.returncode == 1 and still_nothing.stdout == ""

@@ -15,7 +15,7 @@ import pytest
 from conftest import SHARED
 
 from topoagent.cli import main
-from topoagent.host import CommandNotFound, CommandResult, FileTooLarge, Host, HostError
+from topoagent.node.host import CommandNotFound, CommandResult, FileTooLarge, Host, HostError
 
 
 def test_symlinks_resolve_inside_the_root(tmp_path: Path) -> None:
@@ -67,7 +67,7 @@ def test_live_commands_run_without_a_shell_and_time_out() -> None:
     assert result.stdout == "a;b\n"
     with pytest.raises(CommandNotFound):
         asyncio.run(host.run(["no-such-command-topoagent"]))
-    from topoagent.host import CommandTimeout
+    from topoagent.node.host import CommandTimeout
 
     with pytest.raises(CommandTimeout):
         asyncio.run(host.run([sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.2))

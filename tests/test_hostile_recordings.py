@@ -22,9 +22,9 @@ from service_helpers import DGX_A100, make_root
 
 from topoagent.collectors.base import NoData, run_collector
 from topoagent.collectors.lldp import LldpParseError, parse_lldpctl_json
-from topoagent.discovery import COLLECTORS, Collector, run_collectors, run_collectors_sync
-from topoagent.findings import collector_findings
-from topoagent.host import Host, HostError, NotAFile
+from topoagent.node.discovery import COLLECTORS, Collector, run_collectors, run_collectors_sync
+from topoagent.node.findings import collector_findings
+from topoagent.node.host import Host, HostError, NotAFile
 from topoagent.vocabulary import Severity, Status
 
 CLI_TIMEOUT_S = 60

@@ -23,10 +23,10 @@ import pytest
 from fakenode import FakeNode
 from service_helpers import TOPO_RECORDING, Agent, make_root, start_agent, wedge
 
-from topoagent import host as host_module
 from topoagent.collectors.numa import read_numa
-from topoagent.cpulist import MAX_CPUS, CpuListError, parse_cpulist, parse_cpumask
-from topoagent.host import Host, HostError
+from topoagent.node import host as host_module
+from topoagent.node.cpulist import MAX_CPUS, CpuListError, parse_cpulist, parse_cpumask
+from topoagent.node.host import Host, HostError
 
 NODE0 = "sys/devices/system/node/node0"
 SECRET = "s3cret-root:$6$not-for-your-eyes"

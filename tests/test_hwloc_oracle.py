@@ -14,10 +14,10 @@ import pytest
 from conftest import SHARED
 from hwloc_oracle import read_view, run_lstopo
 
-from topoagent.cpulist import parse_cpulist
-from topoagent.discovery import discover
-from topoagent.host import Host
-from topoagent.schema import node_document
+from topoagent.documents.schema import node_document
+from topoagent.node.cpulist import parse_cpulist
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
 
 RECORDINGS = sorted((SHARED / "hwloc" / "linux").glob("*.tar.bz2"))
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from fakenode import FakeNode
 
 from topoagent.collectors.netdev import parse_speed
-from topoagent.discovery import discover_sync
-from topoagent.host import Host
+from topoagent.documents.schema import node_document
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
 from topoagent.placement import Placement, Request, place
-from topoagent.schema import node_document
 
 
 def plain_netdev(node: FakeNode, name: str, pci_path: str, speed: str = "25000", state: str = "up") -> None:

@@ -10,11 +10,11 @@ import pytest
 from service_helpers import DGX_A100, metric_value
 
 from topoagent.config import Config
-from topoagent.discovery import discover
 from topoagent.exporters.prometheus import MetricsPage
-from topoagent.host import Host
 from topoagent.leases import LeaseStore
-from topoagent.model import NodeTopology
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
+from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Request
 from topoagent.service.agent import Agent
 

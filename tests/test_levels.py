@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from topoagent.levels import (
+from topoagent.node.levels import (
     LevelError,
     LevelKind,
     LinkLevel,

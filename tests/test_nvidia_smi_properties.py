@@ -17,7 +17,7 @@ from topoagent.collectors.nvidia_smi import (
     parse_topo_matrix,
     render_topo_matrix,
 )
-from topoagent.levels import LevelKind, LinkLevel
+from topoagent.node.levels import LevelKind, LinkLevel
 
 PCIE_LEVELS = [LinkLevel(k) for k in (LevelKind.PIX, LevelKind.PXB, LevelKind.PHB, LevelKind.NODE, LevelKind.SYS)]
 cpulists = st.one_of(

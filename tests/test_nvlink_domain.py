@@ -13,11 +13,11 @@ from schema_check import validate
 
 from topoagent.collectors.base import SourceError
 from topoagent.collectors.nvml import _fabric_answer, parse_nvml
-from topoagent.discovery import discover_sync
+from topoagent.documents.schema import node_document
 from topoagent.exporters.nfd import nfd_features
 from topoagent.exporters.prometheus import SnapshotCollector
-from topoagent.host import Host
-from topoagent.schema import node_document
+from topoagent.node.discovery import discover_sync
+from topoagent.node.host import Host
 from topoagent.service.served import Snapshot
 
 TRAY = FIXTURES / "nvml" / "gb200-nvl72-tray.json"

@@ -6,8 +6,9 @@ the screenshots (kept under test-artifacts/page-*.png for a person to look at) a
 compared pixel by pixel.  Each page is compared structurally instead, in the browser that
 rendered it: every GPU and NIC name present and inside the 1366 px window at full size (no
 shrinking), no two pieces of text overlapping, no finding badge over a name, and the text
-the picture shows equal to a golden list committed under tests/golden/ (a changed label, a
-lost device or a stray finding fails; font hinting across machines does not).
+the picture shows equal to a golden list committed beside the recording, in
+fixtures/snapshots/<node>/expected/page-text.json (a changed label, a lost device or a stray
+finding fails; font hinting across machines does not).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import asyncio
 import json
 import os
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 from browser import Browser
@@ -28,7 +28,6 @@ from topoagent.exporters.svg import render_page, render_svg
 
 SNAPSHOTS = FIXTURES / "snapshots"
 ARTIFACTS = REPO / "test-artifacts"
-GOLDEN = Path(__file__).parent / "golden"
 ALL = sorted(p.name for p in SNAPSHOTS.iterdir())
 SVG_NS = "{http://www.w3.org/2000/svg}"
 
@@ -68,7 +67,7 @@ def check_layout(layout: dict, devices: list[str], width: int = 1366) -> None:
 
 
 def golden_texts(name: str, texts: list[str]) -> None:
-    path = GOLDEN / f"page-{name}.json"
+    path = SNAPSHOTS / name / "expected" / "page-text.json"
     if os.environ.get("TOPOAGENT_WRITE_GOLDEN"):
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(texts, indent=0, ensure_ascii=False) + "\n")
@@ -188,8 +187,8 @@ def test_page_shows_probe_findings_and_measured_fabric_bandwidth():
     measurement labels each GPU's drop into the fabric (there are no pair edges there)."""
     import time
 
-    from topoagent.matrix import Measurement
-    from topoagent.model import Finding
+    from topoagent.node.matrix import Measurement
+    from topoagent.node.model import Finding
     from topoagent.vocabulary import FindingKind, Severity
 
     topology = discover_root(str(SNAPSHOTS / "hgx-h100"))

@@ -30,7 +30,7 @@ from topoagent.collectors.base import SourceError
 from topoagent.collectors.nvidia_smi import MAX_TOPO_DEVICES, TopoParseError, parse_topo_matrix
 from topoagent.collectors.nvml import parse_nvml
 from topoagent.collectors.pci import PciParseError
-from topoagent.cpulist import MAX_CPUS, CpuListError, parse_cpulist, parse_cpumask
+from topoagent.node.cpulist import MAX_CPUS, CpuListError, parse_cpulist, parse_cpumask
 
 # Each child may map this much: Python and topoagent need ~100 MB; the 10k-column file
 # took 2.3 GB before the bounds.

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from topoagent.agent_schema import answer_document
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.matrix import DistanceMatrix, GpuInfo
+from topoagent.documents.agent import answer_document
+from topoagent.node.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import NoFit, Placement, Request, RequestError, place
 from topoagent.placement.synthetic import node_32, nvswitch_16, pcie_two_socket_8
 

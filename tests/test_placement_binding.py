@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from topoagent.commands.discover import discover_root
-from topoagent.cpulist import parse_cpulist
-from topoagent.levels import LevelKind
-from topoagent.matrix import SAME_SOCKET_DISTANCE
-from topoagent.model import NodeTopology
+from topoagent.node.cpulist import parse_cpulist
+from topoagent.node.levels import LevelKind
+from topoagent.node.matrix import SAME_SOCKET_DISTANCE
+from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Placement, Request, place
 from topoagent.vocabulary import Affinity
 

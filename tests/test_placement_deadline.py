@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import topoagent.placement.search as search_module
-from topoagent.agent_schema import answer_document
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.matrix import DistanceMatrix
+from topoagent.documents.agent import answer_document
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.search import prepare, warm
 from topoagent.placement.synthetic import irregular_mesh, nvswitch_16

@@ -14,8 +14,8 @@ from placement_oracle import best_keys, edge, link_key, numa_distance, numa_key,
 
 import topoagent.placement.search as placement_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
-from topoagent.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement, NicInfo
+from topoagent.node.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
+from topoagent.node.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement, NicInfo
 from topoagent.placement import Live, NoFit, Placement, Request, evaluate_damage, place
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"

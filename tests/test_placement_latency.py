@@ -18,9 +18,9 @@ from schema_check import validate
 from test_placement_deadline import StepClock, frozen_clock
 
 import topoagent.placement.search as search_module
-from topoagent.agent_schema import answer_document
 from topoagent.commands.discover import discover_root
-from topoagent.matrix import DistanceMatrix, LatencyMeasurement
+from topoagent.documents.agent import answer_document
+from topoagent.node.matrix import DistanceMatrix, LatencyMeasurement
 from topoagent.placement import Placement, ReasonCode, Request, place
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.search import Prepared, prepare, warm

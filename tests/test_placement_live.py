@@ -15,9 +15,9 @@ from service_helpers import DGX_A100
 from topoagent.cli import main
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
-from topoagent.host import Host
-from topoagent.levels import ACHIEVABLE_FRACTION
-from topoagent.matrix import DistanceMatrix, Measurement
+from topoagent.node.host import Host
+from topoagent.node.levels import ACHIEVABLE_FRACTION
+from topoagent.node.matrix import DistanceMatrix, Measurement
 from topoagent.placement import Placement, Request, place
 from topoagent.placement.synthetic import build
 from topoagent.probes.figures import ProbeFigure, ProbeKind
@@ -221,6 +221,20 @@ def test_place_measured_takes_probe_json(tmp_path, capsys, h100):
     path.write_text("{}")
     assert main(["place", "--gpus", "2", "--root", root, "--measured", str(path)]) == 2
     assert "--measured" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, says", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deep"),
+    (None, "not a regular file"),  # /dev/zero: endless, read without a cap it took 1.9 GB
+    (" " * (64 * 1024 * 1024 + 1), "larger than 64 MiB"),
+])
+def test_place_measured_refuses_what_is_no_probe_document_without_a_traceback(tmp_path, capsys, content, says):
+    path = "/dev/zero" if content is None else str(tmp_path / "hostile.json")
+    if content is not None:
+        Path(path).write_text(content)
+    assert main(["place", "--gpus", "2", "--root", str(SNAPSHOTS / "hgx-h100"), "--measured", path]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "--measured" in err and len(err.splitlines()) == 1, err
 
 
 # --- 6. unknown links -------------------------------------------------------------------

@@ -20,8 +20,8 @@ from test_probe_life import service_for
 
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
-from topoagent.host import Host
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.host import Host
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
 from topoagent.service.agent import Agent
 from topoagent.telemetry import nic_traffic, replayed
@@ -200,7 +200,7 @@ def test_gpus_the_request_names_are_said_to_be_named_not_the_best_of_equals(a100
 
 
 def validate_answer(answer: Placement) -> None:
-    from topoagent.agent_schema import answer_document
+    from topoagent.documents.agent import answer_document
 
     validate(answer_document(answer), "Placement")
 

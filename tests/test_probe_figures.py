@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from topoagent.agent_schema import PROBE_FIGURE
+from topoagent.documents.agent import PROBE_FIGURE
 from topoagent.probes.figures import (
     FailureKind,
     MalformedRecord,

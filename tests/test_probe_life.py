@@ -13,12 +13,12 @@ import pytest
 from p2p_test_output import matrix_cells
 from schema_check import validate
 
-from topoagent.agent_schema import topology_document
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.discovery import discover
-from topoagent.host import Host
-from topoagent.levels import PHB, PIX
-from topoagent.matrix import DistanceMatrix
+from topoagent.documents.agent import topology_document
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
+from topoagent.node.levels import PHB, PIX
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.history import STATE_FILE, BaselineBook
 from topoagent.probes.overlay import findings_for

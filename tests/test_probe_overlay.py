@@ -12,10 +12,10 @@ import pytest
 from p2p_test_output import matrix_cells
 
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
-from topoagent.matrix import DistanceMatrix
+from topoagent.documents.schema import FINDING
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import findings_for, overlay
-from topoagent.schema import FINDING
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 TOPO = SHARED / "corpus/nvidia-smi-topo"

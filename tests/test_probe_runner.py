@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from schema_check import validate
 
-from topoagent.levels import ACHIEVABLE_FRACTION
+from topoagent.node.levels import ACHIEVABLE_FRACTION
 from topoagent.probes.plan import (
     PlanError,
     build_round_plan,
@@ -42,7 +42,7 @@ AGENT_WITHOUT_TORCH = textwrap.dedent(
     import topoagent.cli
     from topoagent.probes.plan import build_round_plan
     from topoagent.probes.runner import run_probe_round
-    from topoagent.agent_schema import probe_round_document
+    from topoagent.documents.agent import probe_round_document
     plan = build_round_plan("cpu", [0, 1, 2], [0, 7])
     probe_round = asyncio.run(run_probe_round(plan, timeout_s=120))
     out, err = io.StringIO(), io.StringIO()

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from service_helpers import DGX_A100, start_agent
 
-from topoagent.schema import SCHEMA_VERSION
+from topoagent.documents.schema import SCHEMA_VERSION
 from topoagent.vocabulary import Pattern
 
 REQUESTS = 150

@@ -13,11 +13,11 @@ import pytest
 from conftest import FIXTURES
 from schema_check import validate
 
-from topoagent.agent_schema import DOCUMENTS as AGENT_DOCUMENTS
 from topoagent.cli import main
-from topoagent.discovery import discover
-from topoagent.host import Host
-from topoagent.schema import DOCUMENTS, SCHEMA_VERSION, node_document
+from topoagent.documents.agent import DOCUMENTS as AGENT_DOCUMENTS
+from topoagent.documents.schema import DOCUMENTS, SCHEMA_VERSION, node_document
+from topoagent.node.discovery import discover
+from topoagent.node.host import Host
 
 SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())
 

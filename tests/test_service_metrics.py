@@ -14,7 +14,7 @@ from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, st
 
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
-from topoagent.matrix import Measurement
+from topoagent.node.matrix import Measurement
 from topoagent.placement import Request
 from topoagent.service.agent import Agent
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from service_helpers import CPU_PROBES, make_root, metric_value, promtool_complaints, start_agent, wait_for
 
-from topoagent.levels import ACHIEVABLE_FRACTION
+from topoagent.node.levels import ACHIEVABLE_FRACTION
 
 PROBES = CPU_PROBES
 WAIT_S = 90  # bound on waiting for probes; a target takes ~2 s on a loaded 2-core box

@@ -10,8 +10,8 @@ import pytest
 from service_helpers import DGX_A100, start_agent
 
 from topoagent.config import Config
-from topoagent.discovery_process import discover_in_child
-from topoagent.host import Host
+from topoagent.node.discovery_process import discover_in_child
+from topoagent.node.host import Host
 from topoagent.service.agent import Agent
 from topoagent.vocabulary import Status
 

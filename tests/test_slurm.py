@@ -19,7 +19,7 @@ from test_export_gres_nfd import gpu_close_to_every_core
 
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.gres import render_gres
-from topoagent.model import NodeTopology
+from topoagent.node.model import NodeTopology
 
 SNAPSHOTS = FIXTURES / "snapshots"
 ALL = sorted(p.name for p in SNAPSHOTS.iterdir())

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import gc
 import importlib
+import os
 import sys
 
 from topoagent import __version__
@@ -14,6 +15,7 @@ from topoagent.errors import UsageError
 # topoagent.log's LEVELS by name, spelled here so that a command that never logs does not
 # import logging (a tenth of `discover`'s start-up); a test holds the two equal.
 LEVEL_NAMES = ("debug", "info", "warning", "error")
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, what a shell reports for a writer whose reader left
 
 # Subcommand name -> module under topoagent.commands.  Each module defines
 # `register(subparsers)` and a `run(args) -> int` it sets as the parser's default.
@@ -129,9 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # `topoagent ... | head`: the reader left; not an error worth a traceback.
-        sys.stderr.close()
-        return 0
+        # `topoagent ... | head`: the reader left before the answer was whole, so the
+        # command's own status is unknown: exit as a shell's command killed by SIGPIPE does
+        # (128 + 13), never 0, which would call a refused request a success.  Point stdout
+        # at /dev/null so the interpreter's last flush cannot fail again with a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
 
 
 if __name__ == "__main__":

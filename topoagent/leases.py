@@ -55,8 +55,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from topoagent.agent_schema import lease_document
-from topoagent.matrix import DistanceMatrix, GpuInfo
+from topoagent.documents.agent import lease_document
+from topoagent.node.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS

@@ -2,7 +2,7 @@
 the rates support.
 
 Counters are not topology, so they are not discovery: the agent's telemetry loop asks
-each counter source (``topoagent.discovery.COUNTER_SOURCES``) every ``[telemetry]
+each counter source (``topoagent.node.discovery.COUNTER_SOURCES``) every ``[telemetry]
 interval_s``, each in its own thread with its own timeout, so one slow or failing
 source never holds up the others.  What the loop keeps is a ``History``: the last two
 values of every series with the monotonic time of their sample.  The served value is a
@@ -21,14 +21,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from topoagent.host import HostError
-from topoagent.model import CollectorStatus, Finding
+from topoagent.node.host import HostError
+from topoagent.node.model import CollectorStatus, Finding
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import LiveCounterReader
-    from topoagent.host import Host
-    from topoagent.model import NodeTopology
+    from topoagent.node.host import Host
+    from topoagent.node.model import NodeTopology
 
 Labels = tuple[tuple[str, str], ...]
 Series = tuple[str, Labels, float]  # (metric without the topoagent_ prefix, labels, value)
@@ -311,7 +311,7 @@ def recorded_samples(host: Host) -> list[Sample] | None:
 def replayed(host: Host, node: NodeTopology | None, overrides: Mapping[str, float] | None = None) -> Telemetry | None:
     """A recording's telemetry as the agent serves it after replaying every sample (its
     recorded rates): what one-shot commands on a snapshot read.  None without one."""
-    from topoagent.discovery import COUNTER_SOURCES
+    from topoagent.node.discovery import COUNTER_SOURCES
 
     samples = recorded_samples(host)
     if samples is None:

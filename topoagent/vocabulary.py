@@ -79,7 +79,7 @@ class FabricSource(enum.StrEnum):
 
 class PeerKind(enum.StrEnum):
     """What is at the other end of a network port (a neighbour's ``switch_kind``): only a
-    switch is a leaf, and only leaves make rails (topoagent.fabric)."""
+    switch is a leaf, and only leaves make rails (topoagent.node.fabric)."""
 
     SWITCH = "switch"  # InfiniBand NodeType 2; LLDP: a peer that bridges or routes, or says nothing
     HOST = "host"  # InfiniBand channel adapter, LLDP station: a back-to-back cable

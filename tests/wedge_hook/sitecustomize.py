@@ -15,7 +15,7 @@ WEDGE = b"topoagent-test: this read never returns\n"
 if os.environ.get("TOPOAGENT_TEST_WEDGE") == "1":
     import threading
 
-    from topoagent import host as _host
+    from topoagent.node import host as _host
 
     _read_bytes = _host.Host.read_bytes
 

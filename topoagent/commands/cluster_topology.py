@@ -192,8 +192,22 @@ def run(args: argparse.Namespace) -> int:
     if not nodes:
         print("topoagent cluster-topology: no agent answered; nothing written", file=sys.stderr)
         return EXIT_AGENTS_FAILED
-    for name in unplaced(nodes):
+    left_out = unplaced(nodes)
+    for name in left_out:
         print(f"topoagent cluster-topology: {name}: its agent knows no neighbour switch; left out of the tree", file=sys.stderr)
+    # A tree without a node in it, or one missing nodes nobody asked to leave out, would be
+    # written as a success and scheduled by: refuse it, as an agent that failed is refused.
+    if len(left_out) == len(nodes):
+        print(f"topoagent cluster-topology: none of the {len(nodes)} nodes reported a switch; nothing written", file=sys.stderr)
+        return EXIT_AGENTS_FAILED
+    if left_out and not args.partial:
+        print(f"topoagent cluster-topology: {len(left_out)} of {len(nodes)} nodes left out of the tree; nothing written "
+              "(--partial writes the others)", file=sys.stderr)
+        return EXIT_AGENTS_FAILED
+    if left_out or failures:
+        missing = len(left_out) + len(failures)
+        print(f"topoagent cluster-topology: --partial: {len(sources) - missing} of {len(sources)} nodes written, "
+              f"{missing} left out", file=sys.stderr)
     try:
         texts = {
             "topology.conf": slurm_topology_conf(nodes),

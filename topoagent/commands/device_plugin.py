@@ -16,7 +16,7 @@ from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:
-    from topoagent.deviceplugin.pods import PodSource
+    from topoagent.cluster.deviceplugin.pods import PodSource
 
 # Kept here, not imported from the plugin: registering the subcommand must not import
 # grpc (an optional extra) for `topoagent --help` or any other command.
@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _pod_source(args: argparse.Namespace) -> PodSource | None:
-    from topoagent.deviceplugin.pods import SERVICE_ACCOUNT, PodSource
+    from topoagent.cluster.deviceplugin.pods import SERVICE_ACCOUNT, PodSource
 
     url = args.kube_api
     token_file = ca_file = None
@@ -70,7 +70,7 @@ def _pod_source(args: argparse.Namespace) -> PodSource | None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        from topoagent.deviceplugin.plugin import DevicePlugin, Settings
+        from topoagent.cluster.deviceplugin.plugin import DevicePlugin, Settings
     except ImportError as exc:
         raise UsageError(f"needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from exc
     if args.poll_interval <= 0:

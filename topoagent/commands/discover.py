@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING
 
 from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.errors import UsageError
-from topoagent.host import Host, HostError
+from topoagent.node.host import Host, HostError
 
 if TYPE_CHECKING:
-    from topoagent.model import NodeTopology
+    from topoagent.node.model import NodeTopology
 
 
 EPILOG = """\
@@ -58,7 +58,7 @@ def open_host(root: str) -> Host:
 
 def discover_root(root: str) -> NodeTopology:
     """Discover a live or recorded node for a one-shot command (discover, place, probe)."""
-    from topoagent.discovery import discover_sync
+    from topoagent.node.discovery import discover_sync
 
     with open_host(root) as host:
         return discover_sync(host)
@@ -67,7 +67,7 @@ def discover_root(root: str) -> NodeTopology:
 def run(args: argparse.Namespace) -> int:
     topology = discover_root(args.root)
     if args.json:
-        from topoagent.schema import node_document
+        from topoagent.documents.schema import node_document
 
         json.dump(node_document(topology), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from topoagent.errors import UsageError
 
 if TYPE_CHECKING:
-    from topoagent.model import NodeTopology
+    from topoagent.node.model import NodeTopology
 
 FORMATS = {
     "nccl-xml": "NCCL topology file for NCCL_TOPO_FILE",

@@ -17,8 +17,8 @@ from topoagent.vocabulary import GPU_RESOURCE
 if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kubernetes client
     import ssl
 
-    from topoagent.extender.app import Settings
-    from topoagent.extender.kube import Kube
+    from topoagent.cluster.extender.app import Settings
+    from topoagent.cluster.extender.kube import Kube
 
 DEFAULT_LISTEN = "127.0.0.1:9480"
 DEFAULT_AGENT_URL = "http://{node}:9477"
@@ -124,7 +124,7 @@ def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
         raise UsageError("--client-ca-file needs --tls-cert-file and --tls-key-file: client certificates are checked over HTTPS only")
     if not args.tls_cert_file:
         return None
-    from topoagent.extender.tls import TLSFileError, server_context
+    from topoagent.cluster.extender.tls import TLSFileError, server_context
 
     try:
         return server_context(args.tls_cert_file, args.tls_key_file, args.client_ca_file)
@@ -161,13 +161,13 @@ def run(args: argparse.Namespace) -> int:
     if args.bind and token is None:
         raise UsageError("--bind reserves GPUs on the agents: give --agent-token-file")
 
-    from topoagent.extender.app import Settings
+    from topoagent.cluster.extender.app import Settings
     from topoagent.vocabulary import Unanswered
 
     kube = None
     if args.bind:
         try:
-            from topoagent.extender.kube import Kube
+            from topoagent.cluster.extender.kube import Kube
 
             kube = Kube(args.kube_api, args.kubeconfig)
         except ImportError as exc:
@@ -191,8 +191,8 @@ async def _serve(host: str, port: int, settings: Settings, template: str, args: 
                  tls: ssl.SSLContext | None) -> int:
     from aiohttp import web
 
-    from topoagent.extender.app import make_app
-    from topoagent.extender.nodes import Agents
+    from topoagent.cluster.extender.app import make_app
+    from topoagent.cluster.extender.nodes import Agents
 
     agents = Agents(template, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token)
     runner = web.AppRunner(make_app(agents, settings, kube), access_log=None)

@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     topo = read_topo_matrix(args.from_nvidia_smi)
     if args.json:
-        from topoagent.schema import topo_matrix_document
+        from topoagent.documents.schema import topo_matrix_document
 
         json.dump(topo_matrix_document(topo), sys.stdout, indent=1)
         sys.stdout.write("\n")

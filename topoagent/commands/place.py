@@ -9,13 +9,14 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, BinaryIO
 
-from topoagent.agent_schema import answer_document, batch_error_document
 from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
+from topoagent.documents.agent import answer_document, batch_error_document
 from topoagent.errors import UsageError
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
+from topoagent.text import cut
 from topoagent.vocabulary import Affinity, Pattern
 
 
@@ -98,6 +99,8 @@ BATCH_LINE_FLAGS = {
 
 # A person at a terminal can wait longer than a scheduler's request: a second.
 CLI_DEADLINE_MS = 1000
+# A probe of a 256-GPU node (every ordered pair, both directions) is about 30 MB of JSON.
+MAX_MEASURED_BYTES = 64 * 1024 * 1024
 
 
 def flag_value(text: str) -> Any:
@@ -144,7 +147,7 @@ def recorded_live(args: argparse.Namespace) -> Live:
     rate, or on nvidia-smi text."""
     if args.from_nvidia_smi or not args.root:
         return Live()
-    from topoagent.host import Host, HostError
+    from topoagent.node.host import Host, HostError
     from topoagent.telemetry import nic_traffic, replayed
 
     try:
@@ -173,14 +176,21 @@ def with_measured(matrix: DistanceMatrix, path: str) -> DistanceMatrix:
     as the service judges its own (levels.measured_gbps)."""
     from topoagent.probes.figures import MalformedRecord, parse_figure
     from topoagent.probes.overlay import overlay
+    from topoagent.smallfile import read_small_file
 
     try:
-        with open(path, encoding="utf-8") as handle:
-            doc = json.load(handle)
+        raw, _ = read_small_file(path, MAX_MEASURED_BYTES)
     except OSError as exc:
-        raise UsageError(f"--measured: cannot read {path}: {exc.strerror}") from None
+        raise UsageError(f"--measured: cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_MEASURED_BYTES:
+        raise UsageError(f"--measured: {path} is larger than {MAX_MEASURED_BYTES >> 20} MiB; "
+                         "a probe of a 256-GPU node is about 30 MB")
+    try:
+        doc = json.loads(raw)
     except ValueError as exc:
-        raise UsageError(f"--measured: {path} is not JSON: {exc}") from None
+        raise UsageError(f"--measured: {path} is not JSON: {cut(str(exc), 120)}") from None
+    except RecursionError:
+        raise UsageError(f"--measured: {path} is nested too deep to be a probe document") from None
     records = doc.get("figures") if isinstance(doc, dict) else None
     if not isinstance(records, list):
         raise UsageError(f"--measured: {path} has no 'figures' list (expected `topoagent probe --json` output)")

@@ -14,11 +14,11 @@ import sys
 import time
 from typing import TextIO
 
-from topoagent.agent_schema import ProbedGpu, ProbedNode, ProbePairView, probe_round_document
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
+from topoagent.documents.agent import ProbedGpu, ProbedNode, ProbePairView, probe_round_document
 from topoagent.errors import UsageError
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import Finding
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import Finding
 from topoagent.probes.figures import ProbeFigure, ProbeKind, ProbeSkip
 from topoagent.probes.overlay import findings_for, overlay
 from topoagent.probes.plan import PlanError, build_round_plan, expected_result_count, numa_nodes_with_cpus
@@ -200,7 +200,7 @@ def probed_node(args: argparse.Namespace, matrix: DistanceMatrix | None, probe_r
         gpus = ()
     hostname = matrix.host.hostname if matrix is not None and matrix.host is not None else None
     if hostname is None and (args.root in (None, "/")) and (args.from_nvidia_smi is None or args.backend == "cuda"):
-        from topoagent.host import Host
+        from topoagent.node.host import Host
 
         hostname = Host("/").hostname()
     return ProbedNode(hostname, gpus)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from topoagent.errors import UsageError
-from topoagent.host import Host, HostError
+from topoagent.node.host import Host, HostError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.discovery import discover_sync
-    from topoagent.snapshot import check_snapshot_target, record_counters, write_snapshot
+    from topoagent.node.discovery import discover_sync
+    from topoagent.node.recording import check_snapshot_target, record_counters, write_snapshot
 
     try:
         check_snapshot_target(args.out, force=args.force)  # before minutes of discovery

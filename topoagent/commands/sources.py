@@ -11,7 +11,7 @@ from topoagent.collectors.nvidia_smi import (
     parse_topo_matrix,
 )
 from topoagent.errors import UsageError
-from topoagent.matrix import DistanceMatrix, gpus_with_unknown_pairs
+from topoagent.node.matrix import DistanceMatrix, gpus_with_unknown_pairs
 
 
 def read_topo_matrix(path: str) -> TopoMatrix:

@@ -22,8 +22,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
-from topoagent.levels import LinkLevel
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LinkLevel
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
 from topoagent.placement.explain import CLAIMS, Door, Reason, ReasonCode, render
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES

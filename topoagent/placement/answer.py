@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from topoagent.levels import LinkLevel
+from topoagent.node.levels import LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
@@ -36,7 +36,7 @@ class PlacedGpu:
     memory_node: int | None = None
     nic: str | None = None
     numactl: tuple[str, ...] = ()
-    rail: int | None = None  # the rail of its NIC (topoagent.fabric); None: unknown
+    rail: int | None = None  # the rail of its NIC (topoagent.node.fabric); None: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,7 @@ class Placement:
     bandwidth_bound_gbps: float | None = None
     unverified: tuple[int, ...] = ()  # chosen GPUs not probed since a job gave them back (placement.live)
 
-    fit = True  # a NoFit says False: topoagent.agent_schema.answer_document tells them apart by it
+    fit = True  # a NoFit says False: topoagent.documents.agent.answer_document tells them apart by it
 
     @property
     def indices(self) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from topoagent.cpulist import format_cpulist, parse_cpulist
+from topoagent.node.cpulist import format_cpulist, parse_cpulist
 from topoagent.placement.search import NO_NIC, Prepared
 
 

@@ -9,7 +9,7 @@ the objective (placement.objective) ranks links by the time of one message of
     time_us = alpha_us + message_bytes / (1000 * gbps)
 
 ``alpha_us`` is the pair's small-copy latency: the probes' fresh measurement (the slower
-direction), else its level's figure (``topoagent.levels.LATENCY_US``, calibrated on
+direction), else its level's figure (``topoagent.node.levels.LATENCY_US``, calibrated on
 p2pBandwidthLatencyTest's matrices); ``gbps`` is the figure the bandwidth-bound patterns
 rank by (the level's expectation, or what a degraded pair achieves).  The pattern's value
 is its slowest link (every pair for ``alltoall``, the path for ``pipeline``), so the

@@ -102,8 +102,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from topoagent.levels import LinkLevel
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LinkLevel
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.request import Request
 from topoagent.placement.search import Search, bits, prepare
 

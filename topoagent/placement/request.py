@@ -14,13 +14,12 @@ the published schema accept what the parser refuses.
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from topoagent.errors import TopoagentError
-from topoagent.levels import (
+from topoagent.node.levels import (
     GPU_PAIR_LEVEL_HELP,
     GPU_PAIR_LEVEL_PATTERN,
     LevelError,
@@ -28,6 +27,7 @@ from topoagent.levels import (
     LinkLevel,
     parse_gpu_pair_level,
 )
+from topoagent.text import cut, quoted
 from topoagent.vocabulary import Affinity, Pattern
 
 REQUEST_FIELDS = (
@@ -61,19 +61,6 @@ class RequestError(TopoagentError, ValueError):
         """``include[1]`` for a list entry, else the field name: what JSON doors report."""
         return self.field if self.item is None else f"{self.field}[{self.item}]"
 
-
-def cut(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, marked with an ellipsis when cut."""
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
-
-def quoted(value: Any, limit: int = 40) -> str:
-    """A value as JSON (as the client sent it), cut to ``limit`` characters."""
-    try:
-        text = json.dumps(value)
-    except (TypeError, ValueError):
-        text = repr(value)
-    return cut(text, limit)
 
 
 def _whole_number(field_name: str, value: Any, low: int, high: int, item: int | None = None) -> int:

@@ -30,9 +30,9 @@ from math import comb
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Protocol
 
-from topoagent.cpulist import format_cpulist, parse_cpulist
-from topoagent.levels import LinkLevel
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.cpulist import format_cpulist, parse_cpulist
+from topoagent.node.levels import LinkLevel
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, time_key
 from topoagent.placement.request import Request
 from topoagent.vocabulary import Pattern

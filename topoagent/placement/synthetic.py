@@ -3,8 +3,8 @@ nvidia-smi would print them."""
 
 from __future__ import annotations
 
-from topoagent.levels import LinkLevel, expected_gbps
-from topoagent.matrix import DistanceMatrix, GpuInfo, NicInfo
+from topoagent.node.levels import LinkLevel, expected_gbps
+from topoagent.node.matrix import DistanceMatrix, GpuInfo, NicInfo
 
 
 def socket_distances(sockets: int) -> dict[tuple[int, int], int]:

@@ -7,7 +7,7 @@ Tiers (a request's ``affinity``), strictest first
   one NUMA node.
 * ``better``: no link of the pattern crosses the socket interconnect (none at ``SYS``) and
   every GPU is on one socket.  Sockets are NUMA nodes closer than
-  ``topoagent.matrix.SAME_SOCKET_DISTANCE`` in the SLIT table, joined; without a table
+  ``topoagent.node.matrix.SAME_SOCKET_DISTANCE`` in the SLIT table, joined; without a table
   (nvidia-smi text) each NUMA node is taken as a socket.
 * ``any``: whatever fits.
 A job without links (one GPU, ``independent``) meets the link parts of every tier.
@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from topoagent.levels import LevelKind, LinkLevel
+from topoagent.node.levels import LevelKind, LinkLevel
 from topoagent.placement.search import Deadline, Found, Prepared, Search, bits
 from topoagent.vocabulary import Affinity
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from topoagent.config import Config
-from topoagent.host import Host
 from topoagent.log import log_event
-from topoagent.model import NodeTopology
+from topoagent.node.host import Host
+from topoagent.node.model import NodeTopology
 from topoagent.service.loop import run_in_daemon_thread
 from topoagent.service.served import Board
 

@@ -18,10 +18,10 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
-from topoagent.discovery_process import discover_in_child
-from topoagent.host import Host, HostError
 from topoagent.leases import Holding, Lease
 from topoagent.log import log_event
+from topoagent.node.discovery_process import discover_in_child
+from topoagent.node.host import Host, HostError
 from topoagent.placement import Live, Request, place
 from topoagent.service.activity_loop import ActivityLoop
 from topoagent.service.capacity_loop import CapacityLoop

@@ -26,8 +26,8 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from topoagent.levels import LevelKind
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.levels import LevelKind
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
 from topoagent.placement.explain import ReasonCode
 from topoagent.placement.live import NO_LIVE

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
-from topoagent.host import Host
+from topoagent.node.host import Host
 from topoagent.service.loop import run_in_daemon_thread
 from topoagent.service.served import Board
 from topoagent.telemetry import History
@@ -33,7 +33,7 @@ class CounterLoop:
         the samples into the history and serve the new rates and findings.  A recorded node
         gives all its recorded samples at the first read, then nothing new."""
         from topoagent.collectors.nvml import LiveCounterReader
-        from topoagent.discovery import COUNTER_SOURCES
+        from topoagent.node.discovery import COUNTER_SOURCES
         from topoagent.telemetry import Context, Sample, read_live, recorded_samples, served
 
         host, snapshot = self.host(), self.board.served.snapshot

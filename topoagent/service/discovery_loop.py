@@ -13,10 +13,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from topoagent.config import Config
-from topoagent.discovery_process import DiscoveryFailed
-from topoagent.host import Host
 from topoagent.log import log_event
-from topoagent.model import CollectorStatus, NodeTopology
+from topoagent.node.discovery_process import DiscoveryFailed
+from topoagent.node.host import Host
+from topoagent.node.model import CollectorStatus, NodeTopology
 from topoagent.placement import warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.service.activity_loop import ActivityLoop

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from topoagent.config import Config
 from topoagent.log import log_event
-from topoagent.model import NodeTopology
+from topoagent.node.model import NodeTopology
 from topoagent.service.served import Board
 
 # How often the agent looks for a new snapshot to write the files from.

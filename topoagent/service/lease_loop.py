@@ -11,7 +11,7 @@ from pathlib import Path
 
 from topoagent.leases import Lease, LeaseStore
 from topoagent.log import log_event
-from topoagent.matrix import DistanceMatrix
+from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, NoFit, Placement, Request
 from topoagent.service.loop import LoopHealth
 from topoagent.service.served import Board, LeaseRecovery

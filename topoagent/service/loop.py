@@ -78,7 +78,7 @@ def run_in_daemon_thread(fn: Callable[[], Any], name: str) -> asyncio.Future:
     asyncio.to_thread's pool threads are joined at exit, so one read stuck on a dead
     device would stop the agent from ever exiting; a daemon thread is simply abandoned.
     (Discovery does not run here: a thread cannot be stopped, so it runs in a child
-    process that a timeout kills; see topoagent.discovery_process.)  ``name`` names the
+    process that a timeout kills; see topoagent.node.discovery_process.)  ``name`` names the
     thread in stack dumps.
     """
     loop = asyncio.get_running_loop()

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 from topoagent.config import Config
 from topoagent.leases import Holding, Lease
 from topoagent.log import log_event
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import Finding, NodeTopology
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import Finding, NodeTopology
 from topoagent.placement.search import warm as warm_tables
 from topoagent.service.served import Board, ProbeState, Snapshot
 

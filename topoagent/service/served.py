@@ -20,8 +20,8 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from topoagent.leases import Holding, Lease, boot_clock
-from topoagent.matrix import DistanceMatrix
-from topoagent.model import CollectorStatus, Finding, NodeTopology
+from topoagent.node.matrix import DistanceMatrix
+from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
 from topoagent.telemetry import Telemetry
 
@@ -97,7 +97,7 @@ class Snapshot:
         return got
 
     def _json(self) -> tuple[bytes, str]:
-        from topoagent.agent_schema import topology_document
+        from topoagent.documents.agent import topology_document
 
         body = json.dumps(topology_document(self), indent=1).encode()
         return body, etag_of(body)
@@ -135,7 +135,7 @@ class ServedCapacity:
 
     @classmethod
     def of(cls, key: tuple, figures: Capacity, stale: bool = False) -> ServedCapacity:
-        from topoagent.agent_schema import capacity_document
+        from topoagent.documents.agent import capacity_document
 
         body = json.dumps(capacity_document(key[0], figures, stale), indent=1).encode()
         return cls(key, figures, body, etag_of(body), stale)

@@ -1,0 +1,271 @@
+"""The extender's HTTP service (aiohttp): ``{prefix}/filter``, ``{prefix}/prioritize``,
+``{prefix}/bind`` (with a Kubernetes API to bind through), ``/metrics``, ``/healthz`` and ``/readyz``.
+
+With client certificates asked for (``--client-ca-file``, see ``tls``) every path but the
+probes' answers only a caller whose certificate verified: anyone else gets 403 before
+any handler runs, so no lease or Binding can follow.
+
+kube-scheduler calls filter, then prioritize, for each pod it is configured to send (a
+pod requesting a ``managedResources`` entry), then bind for the node it chose when
+``bindVerb`` is set.  A body that is not the extender API's document is 400 with
+``{"error", "detail"}``; everything about a pod or a node is answered inside the API's own
+documents (``FailedNodes``, ``Score`` 0, ``Error`` of a bind), so one slow or broken agent
+never fails a scheduling cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
+from topoagent.cluster.extender.kube import Kube, KubeError
+from topoagent.cluster.extender.metrics import ExtenderCollector, render
+from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, scores
+from topoagent.cluster.extender.tls import peer_subject
+from topoagent.cluster.extender.wire import (
+    DEFAULT_RESOURCE,
+    LEASE_ANNOTATION,
+    ExtenderArgs,
+    PodError,
+    PodRef,
+    WireError,
+    filter_result,
+    host_priorities,
+    node_address,
+    parse_binding_args,
+    parse_extender_args,
+    pod_ref,
+    pod_request,
+)
+from topoagent.leases import OWNER_MAX_LEN
+from topoagent.log import log_event
+from topoagent.text import cut
+from topoagent.vocabulary import Unanswered
+
+MAX_BODY_BYTES = 64 * 1024 * 1024  # a NodeList of a few thousand full Node objects
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    resource: str = DEFAULT_RESOURCE
+    unanswered: Unanswered = Unanswered.FILTER
+    lease_ttl_s: float = 600.0
+    prefix: str = "/scheduler"
+    max_body_bytes: int = MAX_BODY_BYTES
+    # The listener asks for client certificates (--client-ca-file): refuse callers without one.
+    require_client_certificate: bool = False
+
+
+SETTINGS = web.AppKey("settings", Settings)
+VERBS: web.AppKey[dict[str, int]] = web.AppKey("verbs")  # verb -> calls, for /metrics
+BINDS: web.AppKey[dict[str, int]] = web.AppKey("binds")  # result -> binds
+AGENTS = web.AppKey("agents", Agents)
+KUBE = web.AppKey("kube", Kube)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _error(status: int, error: str, detail: str) -> web.Response:
+    return web.json_response({"error": error, "detail": detail}, status=status)
+
+
+@web.middleware
+async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except WireError as exc:
+        return _error(400, "bad_request", str(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, "http_error", exc.text or exc.reason)
+    except ConnectionResetError:
+        raise
+    except Exception as exc:  # a bug: say so plainly, keep serving
+        log_event("extender_handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
+        return _error(500, "internal", "internal error; see the extender's log")
+
+
+def _peercert(request: web.Request) -> dict[str, Any] | None:
+    """The caller's certificate as TLS verified it; None over plain HTTP or without one."""
+    transport = request.transport
+    cert = transport.get_extra_info("peercert") if transport is not None else None
+    return cert if isinstance(cert, dict) and cert else None
+
+
+@web.middleware
+async def client_certificates(request: web.Request, handler: Handler) -> web.StreamResponse:
+    # By the route matched, not the path as written: no spelling of a path reaches a verb.
+    if request.match_info.handler in PROBES or _peercert(request) is not None:
+        return await handler(request)
+    return _error(403, "client_certificate_required",
+                  "this extender answers only callers with a client certificate from its --client-ca-file (kube-scheduler's "
+                  "tlsConfig certFile/keyFile); /healthz and /readyz answer without one")
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()  # 413 past client_max_size
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"body: not valid JSON: {cut(str(exc), 120)}") from None
+
+
+def _wanted(settings: Settings, args: ExtenderArgs) -> tuple[dict[str, Any] | None, str | None]:
+    """(request, None), or (None, why) when the pod asks for something no node can give."""
+    try:
+        return pod_request(args.pod, settings.resource), None
+    except PodError as exc:
+        return None, str(exc)
+
+
+async def filter_nodes(request: web.Request) -> web.Response:
+    settings, agents = request.app[SETTINGS], request.app[AGENTS]
+    request.app[VERBS]["filter"] += 1
+    args = parse_extender_args(await _body(request))
+    wanted, problem = _wanted(settings, args)
+    names = [c.name for c in args.candidates]
+    if problem is not None:
+        return web.json_response(filter_result(args, [], {}, {name: problem for name in names}))
+    if wanted is None:  # no GPU asked: nothing for us to say against any node
+        return web.json_response(filter_result(args, names, {}, {}))
+    passed, failed, unresolvable = [], {}, {}
+    for verdict in await agents.verdicts(args.candidates, wanted):
+        if verdict.fits or (not verdict.answered and settings.unanswered is Unanswered.PASS):
+            passed.append(verdict.node)
+        elif verdict.resolvable:
+            failed[verdict.node] = verdict.reason
+        else:
+            unresolvable[verdict.node] = verdict.reason
+        if not verdict.answered and verdict.asked:  # once per silence, not once per pod
+            log_event("agent_unanswered", logging.WARNING, node=verdict.node, reason=verdict.reason, treated_as=settings.unanswered)
+    return web.json_response(filter_result(args, passed, failed, unresolvable))
+
+
+async def prioritize(request: web.Request) -> web.Response:
+    settings, agents = request.app[SETTINGS], request.app[AGENTS]
+    request.app[VERBS]["prioritize"] += 1
+    args = parse_extender_args(await _body(request))
+    wanted, _ = _wanted(settings, args)
+    if wanted is None:
+        return web.json_response(host_priorities({c.name: 0 for c in args.candidates}))
+    return web.json_response(host_priorities(scores(await agents.verdicts(args.candidates, wanted))))
+
+
+async def bind(request: web.Request) -> web.Response:
+    settings, agents = request.app[SETTINGS], request.app[AGENTS]
+    kube = request.app.get(KUBE)
+    if kube is None:
+        raise web.HTTPNotFound(text="bind is off: start the extender with --bind (and a Kubernetes API to bind through)")
+    request.app[VERBS]["bind"] += 1
+    args = parse_binding_args(await _body(request))
+    # Who asked, before anything is leased or bound: the audit trail of every bind.
+    log_event("bind_asked", pod=f"{args.pod_namespace}/{args.pod_name}", node=args.node, caller=peer_subject(_peercert(request)))
+
+    def _bind_result(error: str = "") -> web.Response:
+        request.app[BINDS]["failed" if error else "bound"] += 1
+        return web.json_response({"Error": error})
+
+    pod_name = f"{args.pod_namespace}/{args.pod_name}"
+    try:
+        pod = await kube.pod(args.pod_namespace, args.pod_name)
+        ref = pod_ref(pod)
+        if ref.uid != args.pod_uid:
+            return _bind_result(f"pod {pod_name} has UID {ref.uid}, not {args.pod_uid}: it was replaced")
+        spec = pod.get("spec")
+        bound_to = spec.get("nodeName") if isinstance(spec, dict) else None
+        if bound_to:  # a retried bind that went through: lease nothing more
+            return _bind_result(f"pod {pod_name} is already bound to node {bound_to}")
+        try:
+            wanted = pod_request(pod, settings.resource)
+        except PodError as exc:
+            return _bind_result(f"pod {pod_name}: {exc}")
+        if wanted is not None and "{address}" in agents.url_template and args.node not in agents.addresses:
+            address = node_address(await kube.node(args.node))
+            if address is not None:
+                agents.addresses.remember(args.node, address)
+        if wanted is None:
+            await kube.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            return _bind_result()
+        return _bind_result(await _reserve_and_bind(request.app, ref, args.node, wanted))
+    except KubeError as exc:
+        log_event("bind_failed", logging.WARNING, pod=pod_name, node=args.node, error=str(exc))
+        return _bind_result(str(exc))
+
+
+async def _reserve_and_bind(app: web.Application, ref: PodRef, node: str, wanted: dict[str, Any]) -> str:
+    """Lease the GPUs, write them on the pod, bind it; '' or what went wrong (the lease
+    released again when anything after it failed)."""
+    settings, agents, kube = app[SETTINGS], app[AGENTS], app[KUBE]
+    try:
+        answer = await agents.reserve(node, wanted, ref.owner(OWNER_MAX_LEN), settings.lease_ttl_s)
+    except Refused as refused:
+        return f"node {node} cannot take pod {ref}: {refused.reason}"
+    except Unreachable as exc:
+        if settings.unanswered is Unanswered.PASS:
+            # As configured: the node passes without its agent, so it binds without GPUs
+            # chosen (the device plugin then asks the node's agent itself).
+            log_event("bound_without_agent", logging.WARNING, pod=str(ref), node=node, reason=str(exc))
+            await kube.bind(ref.namespace, ref.name, ref.uid, node)
+            return ""
+        return f"node {node}: {exc}"
+    lease_id = answer["lease"]["id"]
+    uuids = [g["uuid"] for g in answer["gpus"] if isinstance(g, dict) and isinstance(g.get("uuid"), str) and g["uuid"]]
+    try:
+        if len(uuids) != wanted["gpus"] or len(uuids) != len(answer["gpus"]):
+            raise KubeError(f"node {node}'s agent does not name every GPU by UUID; the device plugin could not be told")
+        await kube.annotate(ref.namespace, ref.name, {GPUS_ANNOTATION: ",".join(uuids), LEASE_ANNOTATION: lease_id})
+        await kube.bind(ref.namespace, ref.name, ref.uid, node)
+    except KubeError as exc:
+        released = await agents.release(node, lease_id)
+        log_event("bind_failed", logging.WARNING, pod=str(ref), node=node, error=str(exc), lease=lease_id, released=released)
+        return str(exc) if released else f"{exc} (and lease {lease_id} could not be released; it ends in {settings.lease_ttl_s:g} s)"
+    log_event("bound", pod=str(ref), node=node, gpus=",".join(uuids), lease=lease_id)
+    return ""
+
+
+async def metrics(request: web.Request) -> web.Response:
+    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS]))
+    return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ready"})
+
+
+PROBES = (healthz, readyz)  # kubelet's probes: no client certificate to present
+
+
+def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> web.Application:
+    middlewares = [client_certificates, json_errors] if settings.require_client_certificate else [json_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
+    app[SETTINGS] = settings
+    app[AGENTS] = agents
+    app[VERBS] = {"filter": 0, "prioritize": 0, "bind": 0}
+    app[BINDS] = {"bound": 0, "failed": 0}
+    if kube is not None:
+        app[KUBE] = kube
+
+    async def session_lifetime(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await agents.close()
+
+    app.cleanup_ctx.append(session_lifetime)
+    prefix = settings.prefix.rstrip("/")
+    app.router.add_post(f"{prefix}/filter", filter_nodes)
+    app.router.add_post(f"{prefix}/prioritize", prioritize)
+    app.router.add_post(f"{prefix}/bind", bind)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app

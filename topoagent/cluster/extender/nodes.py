@@ -1,0 +1,305 @@
+"""Asking the candidate nodes' agents, and ranking the nodes that fit.
+
+For each node: ``GET /capacity`` (with ``If-None-Match``: an unchanged node answers 304
+and costs nothing), then, when enough GPUs are free, a dry-run ``POST /place`` with the
+pod's request.  The answer is kept with the capacity ETag it was given under: while the
+node's ETag stays the same (same snapshot, same leased and busy GPUs) the same request
+gets the same answer, so filter and prioritize of one pod, and pods alike, ask once.
+
+At most ``concurrency`` agents are asked at once; each node has ``timeout_s`` for its
+answers.  A node whose agent does not answer in time, refuses the connection or answers
+something that is not its document is *unanswered*: the caller treats it as configured
+(``Unanswered``), never as a failed scheduling cycle; it is not asked again for
+``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
+
+Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
+agent delivers for the pod, then the least NUMA distance, then the least damage to the
+node's free zones (best fit: take from the fullest node, keep empty zones whole for
+large jobs) -- the placement core's own order, across nodes.  The best key scores 10,
+each next distinct key one less, down to 1; an unanswered node passed on scores 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
+from topoagent.leases import LEASE_ID
+from topoagent.text import cut
+
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a 1024-GPU node's /capacity is well below this
+REMEMBERED_NODES = 20_000  # node addresses and cached answers kept, least recently used out
+ANSWERS_PER_NODE = 32
+
+
+class Unreachable(Exception):
+    """The node's agent did not answer (in time, or with its document)."""
+
+
+class Refused(Exception):
+    """The agent answered, and the answer is no (409 no fit, 4xx): ``reason`` says why."""
+
+    def __init__(self, reason: str, status: int) -> None:
+        super().__init__(reason)
+        self.reason, self.status = reason, status
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """One node, for one pod."""
+
+    node: str
+    fits: bool
+    reason: str = ""  # why not, when it does not fit or did not answer
+    answered: bool = True
+    resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
+    answer: dict[str, Any] | None = None  # the figures of the agent's dry-run placement that rank it (ranked())
+    asked: bool = True  # False: not asked, its agent was silent a moment ago
+
+    def key(self) -> tuple[float, float, float]:
+        """Smaller is better: the placement core's order across nodes."""
+        answer = self.answer or {}
+        objective = answer.get("objective") or {}
+        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), _number(objective.get("damage")))
+
+
+def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
+    """The parts of a /place answer that Verdict.key reads: all the cache keeps of it.  A
+    whole answer is kilobytes; kept for up to ANSWERS_PER_NODE requests on each of
+    REMEMBERED_NODES nodes, whole answers would outgrow any memory limit."""
+    objective = answer.get("objective")
+    objective = objective if isinstance(objective, dict) else {}
+    return {"bandwidth_gbps": answer.get("bandwidth_gbps"),
+            "objective": {"numa_distance": objective.get("numa_distance"), "damage": objective.get("damage")}}
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def scores(verdicts: Iterable[Verdict]) -> dict[str, int]:
+    """Every node's score: 10 for the best key among those that fit, one less for each
+    next distinct key (at least 1); 0 for nodes that do not fit or did not answer."""
+    verdicts = list(verdicts)
+    keys = sorted({v.key() for v in verdicts if v.fits})
+    rank = {key: n for n, key in enumerate(keys)}
+    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key()]) if v.fits else 0 for v in verdicts}
+
+
+class _Remembered(OrderedDict[str, Any]):
+    def remember(self, key: str, value: Any) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        while len(self) > REMEMBERED_NODES:
+            self.popitem(last=False)
+
+
+class Agents:
+    """The agents of the cluster's nodes, reached by ``url_template`` (``{node}``: the node's
+    name; ``{address}``: its address from the Node object kube-scheduler sent)."""
+
+    def __init__(self, url_template: str, *, timeout_s: float = 2.0, concurrency: int = 32, token: str | None = None,
+                 quiet_s: float = 10.0) -> None:
+        self.url_template = url_template
+        self.timeout_s = timeout_s
+        self.quiet_s = quiet_s
+        # Sent with every request: an agent may guard reads too (require_token_for_reads).
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._gate = asyncio.Semaphore(concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self.addresses = _Remembered()  # node -> address, from Node objects seen
+        self._capacity = _Remembered()  # node -> (etag, capacity document)
+        self._answers = _Remembered()  # node -> (etag, {request key: answer or Refused})
+        self._silent = _Remembered()  # node -> (monotonic time, reason) of its agent's last silence
+        # For /metrics: how often each agent endpoint was asked, and how often the cache answered.
+        self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0}
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            # The per-node deadline is the caller's (asyncio.timeout); connections are pooled.
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                                  connector=aiohttp.TCPConnector(limit=0, limit_per_host=4))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def url(self, node: str) -> str:
+        """The node's agent, or Unreachable naming what is missing."""
+        if not NODE_NAME.fullmatch(node):
+            raise Unreachable(f"node name {cut(json.dumps(node), 60)} is not a DNS-1123 name; not put into a URL")
+        url = self.url_template.replace("{node}", node)
+        if "{address}" in url:
+            address = self.addresses.get(node)
+            if address is None:
+                raise Unreachable("no address known for this node (the agent URL needs {address}: set nodeCacheCapable: false)")
+            url = url.replace("{address}", f"[{address}]" if ":" in address else address)
+        return url.rstrip("/")
+
+    def learn(self, candidates: Iterable[Candidate]) -> None:
+        for c in candidates:
+            if c.address is not None:
+                self.addresses.remember(c.name, c.address)
+
+    async def _get_json(self, url: str, method: str = "GET", body: Any = None, headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], Any]:
+        try:
+            async with self._http().request(method, url, json=body, headers=dict(headers or {})) as resp:
+                raw = await _read_bounded(resp.content, MAX_RESPONSE_BYTES)
+                if raw is None:
+                    raise Unreachable(f"{method} {url}: answer larger than {MAX_RESPONSE_BYTES} bytes")
+                doc = json.loads(raw) if raw else None
+                return resp.status, resp.headers, doc
+        except (aiohttp.ClientError, OSError) as exc:
+            raise Unreachable(f"{method} {url}: {cut(str(exc) or type(exc).__name__, 160)}") from None
+        except (ValueError, RecursionError):
+            raise Unreachable(f"{method} {url}: the answer is not JSON") from None
+
+    async def capacity(self, node: str) -> tuple[str, dict[str, Any]]:
+        """(ETag, the GPU counts of the node's /capacity: ``gpus``, ``free_gpus``), from the
+        cache when the agent says 304."""
+        url = self.url(node) + "/capacity"
+        cached = self._capacity.get(node)
+        headers = {"If-None-Match": cached[0]} if cached else {}
+        status, resp_headers, doc = await self._get_json(url, headers={**self._auth, **headers})
+        if status == 304 and cached:
+            self.asked["capacity_not_modified"] += 1
+            self._capacity.move_to_end(node)
+            return cached[0], cached[1]
+        if status != 200 or not isinstance(doc, dict) or not _is_count(doc.get("free_gpus")) or not _is_count(doc.get("gpus")):
+            raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
+        etag = resp_headers.get("ETag", "")
+        self.asked["capacity_changed"] += 1
+        counts = {"gpus": doc["gpus"], "free_gpus": doc["free_gpus"]}  # the rest (zones, GPUs) is not read
+        self._capacity.remember(node, (etag, counts))
+        return etag, counts
+
+    async def dry_run(self, node: str, etag: str, request: Mapping[str, Any]) -> dict[str, Any]:
+        """The ranking figures (``ranked``) of the agent's placement for ``request`` (no lease),
+        or Refused with its reason."""
+        key = json.dumps(request, sort_keys=True)
+        known = self._answers.get(node)
+        if known is None or known[0] != etag or not etag:
+            known = (etag, dict[str, Any]())
+            self._answers.remember(node, known)
+        if key in known[1]:
+            self.asked["dry_run_cache"] += 1
+            got = known[1][key]
+            if isinstance(got, Refused):
+                raise got
+            return dict(got)
+        self.asked["dry_run_agent"] += 1
+        try:
+            answer = ranked(await self._place(node, dict(request)))
+        except Refused as refused:
+            _keep(known[1], key, refused)
+            raise
+        _keep(known[1], key, answer)
+        return answer
+
+    async def _place(self, node: str, body: dict[str, Any]) -> dict[str, Any]:
+        url = self.url(node) + "/place"
+        status, _, doc = await self._get_json(url, "POST", body, self._auth)
+        if status == 200 and isinstance(doc, dict) and isinstance(doc.get("gpus"), list):
+            return doc
+        if 400 <= status < 500 and isinstance(doc, dict) and isinstance(doc.get("detail"), str):
+            raise Refused(cut(doc["detail"], 300), status)
+        raise Unreachable(f"POST {url}: HTTP {status}, not a placement")
+
+    async def verdict(self, candidate: Candidate, request: Mapping[str, Any]) -> Verdict:
+        name = candidate.name
+        silent = self._silent.get(name)
+        if silent is not None and time.monotonic() - silent[0] < self.quiet_s:
+            # Asked again only after quiet_s: a dead agent must not cost every cycle its timeout.
+            self.asked["unanswered"] += 1
+            ago = time.monotonic() - silent[0]
+            return Verdict(name, False, f"{silent[1]} ({ago:.0f} s ago; asked again after {self.quiet_s:g} s)", answered=False, asked=False)
+        verdict = await self._ask(name, request)
+        if verdict.answered:
+            self._silent.pop(name, None)
+        else:
+            self._silent.remember(name, (time.monotonic(), verdict.reason))
+        return verdict
+
+    async def _ask(self, name: str, request: Mapping[str, Any]) -> Verdict:
+        async with self._gate:
+            try:
+                async with asyncio.timeout(self.timeout_s):
+                    etag, capacity = await self.capacity(name)
+                    wanted, free, total = request["gpus"], capacity["free_gpus"], capacity["gpus"]
+                    if wanted > total:
+                        return Verdict(name, False, f"the node has {total} GPUs; the pod needs {wanted}", resolvable=False)
+                    if wanted > free:
+                        return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
+                    answer = await self.dry_run(name, etag, request)
+            except TimeoutError:
+                self.asked["unanswered"] += 1
+                return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
+            except Unreachable as exc:
+                self.asked["unanswered"] += 1
+                return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
+            except Refused as refused:
+                return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
+        return Verdict(name, True, answer=answer)
+
+    async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any]) -> list[Verdict]:
+        candidates = list(candidates)
+        self.learn(candidates)
+        return list(await asyncio.gather(*(self.verdict(c, request) for c in candidates)))
+
+    # -- bind: reserve and release -------------------------------------------------------
+
+    async def reserve(self, node: str, request: Mapping[str, Any], owner: str, ttl_s: float) -> dict[str, Any]:
+        """The agent's placement with its ``lease``; Refused (no fit, no token) or Unreachable."""
+        body = {**request, "reserve": {"owner": owner, "ttl_s": ttl_s}}
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                answer = await self._place(node, body)
+        except TimeoutError:
+            raise Unreachable(f"the node's agent did not answer within {self.timeout_s:g} s") from None
+        lease = answer.get("lease")
+        if not isinstance(lease, dict) or not isinstance(lease.get("id"), str):
+            raise Unreachable("the agent's answer holds no lease")
+        return answer
+
+    async def release(self, node: str, lease_id: str) -> bool:
+        """Whether the lease is gone now (released, or already ended)."""
+        if not LEASE_ID.fullmatch(lease_id):
+            return False  # not an id the agent hands out: never put into a URL
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                status, _, _ = await self._get_json(f"{self.url(node)}/leases/{lease_id}", "DELETE", headers=self._auth)
+        except (TimeoutError, Unreachable):
+            return False
+        return status in (200, 404)
+
+
+async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body, or None once it passes ``limit`` bytes.  (``content.read(n)`` is no
+    bound read: it returns what has arrived, one chunk of a larger answer.)"""
+    chunks, size = [], 0
+    async for chunk in content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _keep(answers: dict[str, Any], key: str, value: Any) -> None:
+    answers[key] = value
+    while len(answers) > ANSWERS_PER_NODE:
+        answers.pop(next(iter(answers)))

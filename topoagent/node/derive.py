@@ -1,0 +1,156 @@
+"""Link levels derived from the hardware's own description (pure functions).
+
+Levels follow nvidia-smi's words:
+  NV<n>  n bonded NVLinks between the two GPUs; through an NVSwitch fabric, every pair
+         of GPUs in the fabric gets NV<links per GPU> (the fewer of the two, when a link
+         is down on one side);
+  PIX    at most one PCIe switch between them (one bridge level on each side at most);
+  PXB    several bridges, without crossing the host bridge;
+  PHB    through the host bridge (same root complex);
+  NODE   different root complexes of one NUMA node;
+  SYS    across NUMA nodes (the socket interconnect).
+"""
+
+from __future__ import annotations
+
+from topoagent.collectors.nvml import NvmlInfo
+from topoagent.collectors.pci import PciDevice, PciTree
+from topoagent.node.facts import BRIDGE, GPU
+from topoagent.node.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps
+from topoagent.node.model import GpuTopo, NicTopo
+
+
+def shared_bridges(a: PciDevice, b: PciDevice) -> int:
+    """How many bridges, from the root complex down, two devices have in common (0 under
+    different root complexes): a transfer between them does not cross those."""
+    common = 0
+    if a.root_complex is not None and a.root_complex == b.root_complex:
+        for x, y in zip(a.bridges, b.bridges):
+            if x != y:
+                break
+            common += 1
+    return common
+
+
+def pcie_level(a: PciDevice, b: PciDevice) -> LinkLevel:
+    """The PCIe level between two devices, from their bridge chains and NUMA nodes."""
+    if a.root_complex is None or b.root_complex is None or a.root_complex != b.root_complex:
+        return NODE if a.numa_node == b.numa_node else SYS
+    common = shared_bridges(a, b)
+    if common == 0:
+        return PHB
+    below_a, below_b = len(a.bridges) - common, len(b.bridges) - common
+    if below_a <= 1 and below_b <= 1:
+        return PIX
+    return PXB
+
+
+def path_devices(a: PciDevice, b: PciDevice, tree: PciTree) -> list[PciDevice]:
+    """The endpoints and the bridges whose links a transfer between them crosses."""
+    common = shared_bridges(a, b)
+    # Below a common switch, the shared upstream link is not crossed; keep the ports below.
+    addresses = list(a.bridges[common:]) + list(b.bridges[common:])
+    found = [d for d in (tree.get(x) for x in addresses) if d is not None]
+    return [a, b] + found
+
+
+def link_gbps(device: PciDevice) -> float | None:
+    """Bandwidth of the link above a device as it runs now.
+
+    GPUs drop their link speed at idle to save power (and the port above follows), so
+    for GPUs and bridges we count the width now and the speed the link can train to; a
+    narrower link is a real fault, a slower one at idle is not.
+    """
+    if device.link is None:
+        return None
+    return device.link.gbps(assume_max_speed=device.kind in (GPU, BRIDGE))
+
+
+def narrowest(devices: list[PciDevice]) -> tuple[int | None, int | None]:
+    """(generation, width) of the slowest link among these devices."""
+    best: tuple[float, int | None, int | None] | None = None
+    for d in devices:
+        rate = link_gbps(d)
+        if rate is None or d.link is None:
+            continue
+        gen = d.link.max_gen if d.kind in (GPU, BRIDGE) else d.link.current_gen
+        if best is None or rate < best[0]:
+            best = (rate, gen, d.link.current_width)
+    return (best[1], best[2]) if best else (None, None)
+
+
+def nvlink_levels(nvml: NvmlInfo, nvswitch_addresses: set[str]) -> tuple[dict[tuple[int, int], int], set[int], dict[int, int]]:
+    """(index pair -> active links between them, GPUs in a switch fabric, links per GPU)."""
+    by_address = {g.pci_address: g.index for g in nvml.gpus if g.pci_address}
+    direct: dict[tuple[int, int], int] = {}
+    to_switch: dict[int, int] = {}
+    for g in nvml.gpus:
+        for link in g.nvlinks:
+            if not link.active:
+                continue
+            remote = link.remote_pci_address
+            kind = link.remote_type
+            if kind is None and remote is not None:
+                kind = "gpu" if remote in by_address else "switch" if remote in nvswitch_addresses else None
+            if kind == "gpu" and remote in by_address and by_address[remote] != g.index:
+                key = (g.index, by_address[remote])
+                direct[key] = direct.get(key, 0) + 1
+            elif kind == "switch":
+                to_switch[g.index] = to_switch.get(g.index, 0) + 1
+    counts: dict[tuple[int, int], int] = {}
+    for (i, j), links in direct.items():
+        # Each side reports the link; trust the larger count if a side lost one report.
+        key = (min(i, j), max(i, j))
+        counts[key] = max(counts.get(key, 0), links)
+    fabric = {i for i, n in to_switch.items() if n > 0}
+    for i in fabric:
+        for j in fabric:
+            if i < j and (i, j) not in counts:
+                counts[(i, j)] = min(to_switch[i], to_switch[j])
+    return counts, fabric, to_switch
+
+
+
+def expected_for_pair(
+    level: LinkLevel | None,
+    a: str,
+    b: str,
+    gpus: dict[str, GpuTopo],
+    nics: dict[str, NicTopo],
+    pci_of: dict[str, PciDevice],
+    tree: PciTree | None,
+) -> float | None:
+    if level is None:
+        return None
+    generation = None
+    if a in gpus and b in gpus:
+        gens = {gpus[a].nvlink_generation, gpus[b].nvlink_generation}
+        generation = gens.pop() if len(gens) == 1 else None
+    gen = width = None
+    if not level.is_nvlink and a in pci_of and b in pci_of and tree is not None:
+        gen, width = narrowest(path_devices(pci_of[a], pci_of[b], tree))
+    value = expected_gbps(level, nvlink_generation=generation, pcie_gen=gen, pcie_width=width)
+    for name in (a, b):
+        nic = nics.get(name)
+        if nic is not None and nic.ports and value is not None:
+            if not nic.active:
+                return 0.0
+            if nic.rate_gbps:
+                value = round(min(value, nic.rate_gbps / 8), 2)
+    return value
+
+
+def faces_down(device: PciDevice) -> bool:
+    """Whether a bridge is a downstream-facing port (root port or switch downstream port).
+
+    sysfs gives each device one link status: a root port or a switch's downstream port
+    shows the link *below* it, every other device (endpoint, switch upstream port) the
+    link *above* it.  The port type lives in config space, which we do not read; along a
+    chain of bridges the kinds alternate from the root port down (root port, upstream,
+    downstream, upstream, ...), so the depth tells them apart.
+    """
+    return _is_bridge(device) and device.depth % 2 == 0
+
+
+def _is_bridge(device: PciDevice) -> bool:
+    return device.kind == BRIDGE
