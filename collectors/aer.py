@@ -10,13 +10,37 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from topoagent.collectors.base import NoData
+from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Threshold, label_is
 from topoagent.node.host import Host
+from topoagent.vocabulary import FindingKind, Severity
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 SEVERITIES = {"aer_dev_correctable": "correctable", "aer_dev_nonfatal": "nonfatal", "aer_dev_fatal": "fatal"}
 
 Raw = dict[str, str]  # "0000:07:00.0/aer_dev_fatal" -> the file's text
-Series = tuple[str, tuple[tuple[str, str], ...], float]
+
+ERRORS = Family("pcie_aer_errors_total", "PCIe AER errors a tracked device (GPU, NIC, bridge above them) reported, by severity.",
+                COUNTER, ("device", "severity"))
+FAMILIES = (ERRORS,)
+THRESHOLDS = (
+    Threshold("aer_nonfatal_per_s", ERRORS, label_is("severity", "nonfatal"), 0.0,
+              FindingKind.PCIE_AER_ERRORS, Severity.WARNING, "PCIe AER non-fatal errors"),
+    Threshold("aer_fatal_per_s", ERRORS, label_is("severity", "fatal"), 0.0,
+              FindingKind.PCIE_AER_ERRORS, Severity.CRITICAL, "PCIe AER fatal errors"),
+)
+
+
+def tracked_pcie(context: Context) -> list[str]:
+    """The PCIe devices whose AER counters we read: GPUs, NICs, and the bridges above them."""
+    node = context.node
+    if node is None:
+        return []
+    addresses = [g.pci_address for g in node.gpus if g.pci_address] + [n.pci_address for n in node.nics if n.pci_address]
+    if node.pci is not None:
+        for address in list(addresses):
+            device = node.pci.get(address)
+            addresses.extend(device.bridges if device else ())
+    return addresses
 
 
 def read_raw(host: Host, addresses: Iterable[str]) -> Raw:
@@ -52,5 +76,12 @@ def parse(raw: Raw) -> list[Series]:
         address, _, name = key.partition("/")
         total = parse_total(text)
         if total is not None and name in SEVERITIES:
-            series.append(("pcie_aer_errors_total", (("device", address), ("severity", SEVERITIES[name])), float(total)))
+            series.append((ERRORS.name, (("device", address), ("severity", SEVERITIES[name])), float(total)))
     return series
+
+
+def read(context: Context) -> Raw:
+    return read_raw(context.host, tracked_pcie(context))
+
+
+SOURCE = CounterSource("pcie_aer", read, parse, FAMILIES, THRESHOLDS)

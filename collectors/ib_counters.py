@@ -9,16 +9,32 @@ gathers the files' text (what a recording keeps); ``parse`` turns it into series
 from __future__ import annotations
 
 from topoagent.collectors.base import NoData
+from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Threshold, label_is
 from topoagent.node.host import Host
+from topoagent.vocabulary import FindingKind, Severity
 
 IB_CLASS = "/sys/class/infiniband"
-# The counters/ files that are traffic, not errors: (exported metric, multiplier).
+_PORT = ("device", "port")
+TRANSMITTED_BYTES = Family("infiniband_port_transmitted_bytes_total", "Bytes an InfiniBand/RoCE port sent (sysfs port_xmit_data x 4).",
+                           COUNTER, _PORT, "bytes")
+RECEIVED_BYTES = Family("infiniband_port_received_bytes_total", "Bytes an InfiniBand/RoCE port received (sysfs port_rcv_data x 4).",
+                        COUNTER, _PORT, "bytes")
+TRANSMITTED_PACKETS = Family("infiniband_port_transmitted_packets_total", "Packets an InfiniBand/RoCE port sent.", COUNTER, _PORT)
+RECEIVED_PACKETS = Family("infiniband_port_received_packets_total", "Packets an InfiniBand/RoCE port received.", COUNTER, _PORT)
+TRANSMIT_WAIT = Family("infiniband_port_transmit_wait_total",
+                       "Ticks a port had data to send but no credits (port_xmit_wait): congestion.", COUNTER, _PORT)
+ERRORS = Family("infiniband_port_errors_total",
+                "Error counters of an InfiniBand/RoCE port; counter is the sysfs name (counters/ and hw_counters/).",
+                COUNTER, (*_PORT, "counter"))
+FAMILIES = (TRANSMITTED_BYTES, RECEIVED_BYTES, TRANSMITTED_PACKETS, RECEIVED_PACKETS, TRANSMIT_WAIT, ERRORS)
+
+# The counters/ files that are traffic, not errors: (their family, multiplier).
 TRAFFIC = {
-    "port_xmit_data": ("infiniband_port_transmitted_bytes_total", 4),  # 4-byte words
-    "port_rcv_data": ("infiniband_port_received_bytes_total", 4),
-    "port_xmit_packets": ("infiniband_port_transmitted_packets_total", 1),
-    "port_rcv_packets": ("infiniband_port_received_packets_total", 1),
-    "port_xmit_wait": ("infiniband_port_transmit_wait_total", 1),
+    "port_xmit_data": (TRANSMITTED_BYTES, 4),  # 4-byte words
+    "port_rcv_data": (RECEIVED_BYTES, 4),
+    "port_xmit_packets": (TRANSMITTED_PACKETS, 1),
+    "port_rcv_packets": (RECEIVED_PACKETS, 1),
+    "port_xmit_wait": (TRANSMIT_WAIT, 1),
 }
 # Counters that count neither traffic nor errors (multicast/unicast packet splits).
 NOT_ERRORS = frozenset({
@@ -34,7 +50,17 @@ HW_ERRORS = frozenset({
 })
 
 Raw = dict[str, str]  # "mlx5_0/1/counters/symbol_error" -> the file's text
-Series = tuple[str, tuple[tuple[str, str], ...], float]  # (metric, labels, value)
+
+THRESHOLDS = (
+    Threshold("symbol_error_per_s", ERRORS, label_is("counter", "symbol_error"), 0.01,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "symbol errors"),
+    Threshold("link_error_recovery_per_s", ERRORS, label_is("counter", "link_error_recovery"), 0.0,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "link error recoveries"),
+    Threshold("link_downed_per_s", ERRORS, label_is("counter", "link_downed"), 0.0,
+              FindingKind.IB_ERRORS_RISING, Severity.CRITICAL, "link downed events (the port flaps)"),
+    Threshold("port_rcv_errors_per_s", ERRORS, label_is("counter", "port_rcv_errors"), 0.1,
+              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "receive errors"),
+)
 
 
 def read_raw(host: Host) -> Raw:
@@ -68,8 +94,15 @@ def parse(raw: Raw) -> list[Series]:
             continue
         labels = (("device", device), ("port", port))
         if folder == "counters" and name in TRAFFIC:
-            metric, factor = TRAFFIC[name]
-            series.append((metric, labels, float(value * factor)))
+            family, factor = TRAFFIC[name]
+            series.append((family.name, labels, float(value * factor)))
         elif (folder == "counters" and name not in NOT_ERRORS) or (folder == "hw_counters" and name in HW_ERRORS):
-            series.append(("infiniband_port_errors_total", (*labels, ("counter", name)), float(value)))
+            series.append((ERRORS.name, (*labels, ("counter", name)), float(value)))
     return series
+
+
+def read(context: Context) -> Raw:
+    return read_raw(context.host)
+
+
+SOURCE = CounterSource("infiniband_counters", read, parse, FAMILIES, THRESHOLDS)

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult, NoData, SourceError, off_loop, run_collector
+from topoagent.collectors.counters import COUNTER, GAUGE, Context, CounterSource, Family, Series, Threshold, label_is
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.node.host import Host
+from topoagent.vocabulary import FindingKind, Severity
 
 # Same words live and replayed, so a snapshot replays to the same output.
 NO_NVML = "NVML not available on this node"
@@ -468,8 +470,48 @@ THROTTLE_REASONS = {
     0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
     0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting",
 }
+# Xids NVIDIA's Xid catalogue says need action (reset the GPU, drain the node, call
+# support): 48 DBE, 63/64 row remapping, 74 NVLink error, 79 fallen off the bus, 92 high
+# single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
+ACTIONABLE_XIDS = frozenset({"48", "63", "64", "74", "79", "92", "94", "95", "119", "120"})
 
-Series = tuple[str, tuple[tuple[str, str], ...], float]
+# The families the counters fill, in the order /metrics lists them within each subsystem.
+_GPU, _LINK = ("gpu",), ("gpu", "link")
+NVLINK_TRANSMITTED = Family("nvlink_transmitted_bytes_total", "Data bytes a GPU sent over an NVLink (NVML throughput counter).",
+                            COUNTER, _LINK, "bytes")
+NVLINK_RECEIVED = Family("nvlink_received_bytes_total", "Data bytes a GPU received over an NVLink.", COUNTER, _LINK, "bytes")
+NVLINK_ERRORS = Family("nvlink_errors_total", "NVLink error counters: crc_flit, crc_data, replay, recovery.", COUNTER, (*_LINK, "counter"))
+PCIE_REPLAYS = Family("pcie_replays_total", "PCIe replays of a GPU's link (NVML).", COUNTER, _GPU)
+PCIE_TRANSMITTED = Family("pcie_transmitted_bytes_total", "Bytes a GPU sent over PCIe (NVML; Hopper and later).", COUNTER, _GPU, "bytes")
+PCIE_RECEIVED = Family("pcie_received_bytes_total", "Bytes a GPU received over PCIe (NVML; Hopper and later).", COUNTER, _GPU, "bytes")
+TEMPERATURE = Family("gpu_temperature_celsius", "GPU core temperature.", GAUGE, _GPU, "celsius")
+POWER = Family("gpu_power_watts", "GPU power draw.", GAUGE, _GPU, "watts")
+POWER_LIMIT = Family("gpu_power_limit_watts", "GPU enforced power limit.", GAUGE, _GPU, "watts")
+MEMORY_USED = Family("gpu_memory_used_bytes", "GPU memory in use.", GAUGE, _GPU, "bytes")
+ECC_ERRORS = Family("gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), corrected or uncorrected.",
+                    COUNTER, (*_GPU, "type"))
+RETIRED_PAGES_PENDING = Family("gpu_retired_pages_pending", "1 when retired pages wait for a GPU reset (pre-Ampere page retirement).",
+                               GAUGE, _GPU)
+REMAPPED_ROWS = Family("gpu_remapped_rows",
+                       "Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.",
+                       GAUGE, (*_GPU, "state"))
+THROTTLE_REASON = Family("gpu_clock_throttle_reason", "1 when the reason currently holds the GPU's clocks down.", GAUGE, (*_GPU, "reason"))
+XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid.", COUNTER, (*_GPU, "xid"),
+                    from_zero=True)  # NVIDIA keeps no Xid counter: LiveCounterReader counts them
+FAMILIES = (NVLINK_TRANSMITTED, NVLINK_RECEIVED, NVLINK_ERRORS, PCIE_REPLAYS, PCIE_TRANSMITTED, PCIE_RECEIVED,
+            TEMPERATURE, POWER, POWER_LIMIT, MEMORY_USED, ECC_ERRORS, RETIRED_PAGES_PENDING, REMAPPED_ROWS, THROTTLE_REASON, XID_ERRORS)
+THRESHOLDS = (
+    Threshold("nvlink_replay_per_s", NVLINK_ERRORS, label_is("counter", "replay"), 0.0,
+              FindingKind.NVLINK_ERRORS_RISING, Severity.WARNING, "NVLink replays"),
+    Threshold("nvlink_recovery_per_s", NVLINK_ERRORS, label_is("counter", "recovery"), 0.0,
+              FindingKind.NVLINK_ERRORS_RISING, Severity.CRITICAL, "NVLink recoveries"),
+    Threshold("xid_per_s", XID_ERRORS, {"xid": ACTIONABLE_XIDS}, 0.0,
+              FindingKind.GPU_XID, Severity.CRITICAL, "Xid events that need action"),
+    Threshold("ecc_uncorrected_per_s", ECC_ERRORS, label_is("type", "uncorrected"), 0.0,
+              FindingKind.GPU_ECC_UNCORRECTED, Severity.CRITICAL, "uncorrectable ECC errors"),
+    Threshold("remapped_rows_failure", REMAPPED_ROWS, label_is("state", "failure"), 0.0,
+              FindingKind.GPU_ROW_REMAP_FAILED, Severity.CRITICAL, "row remapping failure (the GPU needs service)"),
+)
 
 
 class LiveCounterReader:
@@ -597,35 +639,45 @@ def parse_counters(data: dict) -> list[Series]:
         gpu = (("gpu", str(raw["index"])),)
         c = raw.get("counters") or {}
 
-        def put(metric: str, value: Any, labels: tuple[tuple[str, str], ...] = gpu) -> None:
+        def put(family: Family, value: Any, labels: tuple[tuple[str, str], ...] = gpu) -> None:
             number = _number(value)
             if number is not None:
-                out.append((metric, labels, number))
+                out.append((family.name, labels, number))
 
-        put("gpu_temperature_celsius", c.get("temperature_c"))
-        put("gpu_power_watts", c.get("power_w"))
-        put("gpu_power_limit_watts", c.get("power_limit_w"))
-        put("gpu_memory_used_bytes", c.get("memory_used_bytes"))
-        put("gpu_ecc_errors_total", c.get("ecc_corrected_total"), (*gpu, ("type", "corrected")))
-        put("gpu_ecc_errors_total", c.get("ecc_uncorrected_total"), (*gpu, ("type", "uncorrected")))
-        put("gpu_retired_pages_pending", c.get("retired_pages_pending"))
+        put(TEMPERATURE, c.get("temperature_c"))
+        put(POWER, c.get("power_w"))
+        put(POWER_LIMIT, c.get("power_limit_w"))
+        put(MEMORY_USED, c.get("memory_used_bytes"))
+        put(ECC_ERRORS, c.get("ecc_corrected_total"), (*gpu, ("type", "corrected")))
+        put(ECC_ERRORS, c.get("ecc_uncorrected_total"), (*gpu, ("type", "uncorrected")))
+        put(RETIRED_PAGES_PENDING, c.get("retired_pages_pending"))
         for state, value in sorted((c.get("remapped_rows") or {}).items()):
-            put("gpu_remapped_rows", value, (*gpu, ("state", state)))
+            put(REMAPPED_ROWS, value, (*gpu, ("state", state)))
         reasons = c.get("throttle_reasons")
         if isinstance(reasons, int) and not isinstance(reasons, bool):
             for bit, reason in THROTTLE_REASONS.items():
-                put("gpu_clock_throttle_reason", 1 if reasons & bit else 0, (*gpu, ("reason", reason)))
-        put("pcie_replays_total", c.get("pcie_replays_total"))
-        put("pcie_transmitted_bytes_total", c.get("pcie_tx_bytes_total"))
-        put("pcie_received_bytes_total", c.get("pcie_rx_bytes_total"))
+                put(THROTTLE_REASON, 1 if reasons & bit else 0, (*gpu, ("reason", reason)))
+        put(PCIE_REPLAYS, c.get("pcie_replays_total"))
+        put(PCIE_TRANSMITTED, c.get("pcie_tx_bytes_total"))
+        put(PCIE_RECEIVED, c.get("pcie_rx_bytes_total"))
         for xid, count in sorted((c.get("xid_errors") or {}).items(), key=lambda kv: int(kv[0])):
-            put("gpu_xid_errors_total", count, (*gpu, ("xid", str(xid))))
+            put(XID_ERRORS, count, (*gpu, ("xid", str(xid))))
         for link in raw.get("nvlinks") or []:
             if not isinstance(link, dict) or not isinstance(link.get("link"), int):
                 raise SourceError(f"nvml counters: gpu {raw['index']}: every nvlink needs an integer 'link'")
             at = (*gpu, ("link", str(link["link"])))
-            put("nvlink_transmitted_bytes_total", link.get("tx_bytes_total"), at)
-            put("nvlink_received_bytes_total", link.get("rx_bytes_total"), at)
+            put(NVLINK_TRANSMITTED, link.get("tx_bytes_total"), at)
+            put(NVLINK_RECEIVED, link.get("rx_bytes_total"), at)
             for name, value in sorted((link.get("errors") or {}).items()):
-                put("nvlink_errors_total", value, (*at, ("counter", name)))
+                put(NVLINK_ERRORS, value, (*at, ("counter", name)))
     return out
+
+
+def read_counters(context: Context) -> Any:
+    """One live read of every GPU's counters; a recording replays its telemetry.json instead."""
+    if context.host.live:
+        return context.nvml.read()
+    raise NoData(NO_NVML + " (this recording has no telemetry.json)")
+
+
+COUNTERS = CounterSource("nvml_counters", read_counters, parse_counters, FAMILIES, THRESHOLDS)

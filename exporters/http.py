@@ -14,8 +14,6 @@ import hmac
 import ipaddress
 import json
 import logging
-import math
-import re
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -25,14 +23,16 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.config import Config
 from topoagent.documents.agent import answer_document, lease_document
+from topoagent.documents.lease import owner_problem, ttl_problem
 from topoagent.exporters.connections import ConnectionGuard
-from topoagent.exporters.openapi import PLACE_LIMITS, openapi_document
+from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
+from topoagent.leases import LeaseError
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
-from topoagent.service.interface import ProbeRunning, ProbesOff, Service
+from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
 from topoagent.service.served import Served, Snapshot, etag_of
 from topoagent.text import cut
 
@@ -239,26 +239,26 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[s
     return req, reserve
 
 
-CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f]")  # would forge lines in logs
-
-
 def _parse_reserve(reserve: Any) -> dict[str, Any]:
     if not isinstance(reserve, dict):
         raise ApiError(400, "bad_request", 'reserve: expected {"owner": ..., "ttl_s": ...}')
     unknown = sorted(set(reserve) - {"owner", "ttl_s"})
     if unknown:
         raise ApiError(400, "bad_request", f"reserve: unknown field(s): {', '.join(unknown)}")
-    owner = reserve.get("owner")
-    if not isinstance(owner, str) or not 1 <= len(owner) <= PLACE_LIMITS["owner_max_len"]:
-        raise ApiError(400, "bad_request", f"reserve.owner: expected a string of 1 to {PLACE_LIMITS['owner_max_len']} characters")
-    if CONTROL_CHARS.search(owner) or not owner.strip():
-        raise ApiError(400, "bad_request", "reserve.owner: must name someone, without control characters")
-    ttl = reserve.get("ttl_s")
-    if isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not math.isfinite(ttl):
-        raise ApiError(400, "bad_request", "reserve.ttl_s: expected a number of seconds")
-    if not 0 < ttl <= PLACE_LIMITS["ttl_max_s"]:
-        raise ApiError(400, "bad_request", f"reserve.ttl_s: must be > 0 and at most {PLACE_LIMITS['ttl_max_s']}, got {ttl}")
+    # The lease store's own rules: it grants nothing it would refuse to load.
+    owner, ttl = reserve.get("owner"), reserve.get("ttl_s")
+    for name, problem in (("owner", owner_problem(owner)), ("ttl_s", ttl_problem(ttl))):
+        if problem:
+            raise ApiError(400, "bad_request", f"reserve.{name}: {problem}")
+    assert isinstance(ttl, (int, float))  # ttl_problem said so
     return {"owner": owner, "ttl_s": float(ttl)}
+
+
+def _state_unavailable(exc: StateUnavailable) -> ApiError:
+    """A state directory that fails under a change (read-only, full, gone): 503 naming it,
+    and no log line per request (a caller in a retry loop would flood the log); the lease
+    sweeper logs a directory it cannot read, once a minute at most."""
+    return ApiError(503, "state_unavailable", str(exc), headers={"Retry-After": "5"})
 
 
 def _too_large(request: web.Request) -> ApiError | None:
@@ -388,7 +388,12 @@ async def place(request: web.Request) -> web.Response:
         answer = agent.place(req)
         lease = None
     else:
-        answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
+        try:
+            answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
+        except LeaseError as exc:  # the store's last check refused what it would not load back
+            raise ApiError(400, "bad_request", f"reserve: {exc}") from None
+        except StateUnavailable as exc:
+            raise _state_unavailable(exc) from None
     if isinstance(answer, NoFit):
         detail = f"{answer.constraint}: {answer.reason}"
         why = _why_busy(agent.served(), req)
@@ -430,12 +435,20 @@ async def list_leases(request: web.Request) -> web.Response:
     if recovery is not None:
         # Leases granted before this start may be lost: say so where schedulers look.
         body["recovered_from_corrupt_state"] = {"file": recovery.file, "moved_to": recovery.moved_to, "error": recovery.error}
+    quarantine = served.lease_quarantine
+    if quarantine is not None and quarantine.entries:
+        # Entries the store refused on loading; the GPUs they named are held (see README, Leases).
+        body["quarantined"] = {"file": quarantine.file, "entries": list(quarantine.entries)}
     return web.json_response(body)
 
 
 async def delete_lease(request: web.Request) -> web.Response:
     require_token(request)
-    lease = await request.app[AGENT].release(request.match_info["lease_id"])
+    agent = request.app[AGENT]
+    try:
+        lease = await agent.release(request.match_info["lease_id"])
+    except StateUnavailable as exc:
+        raise _state_unavailable(exc) from None
     if lease is None:
         raise ApiError(404, "not_found", "no such lease (released, expired or never granted)")
     return web.json_response(lease_document(lease))

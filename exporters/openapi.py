@@ -12,12 +12,13 @@ from typing import Any
 
 import topoagent
 from topoagent.documents.agent import LEASE, NOFIT, PLACEMENT, component_schemas
-from topoagent.leases import OWNER_MAX_LEN, TTL_MAX_S
+from topoagent.documents.lease import OWNER_MAX_LEN, TTL_MAX_S, TTL_MIN_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses
     "owner_max_len": OWNER_MAX_LEN,  # the lease store's own: it grants nothing it would refuse to load
+    "ttl_min_s": TTL_MIN_S,
     "ttl_max_s": TTL_MAX_S,
 }
 
@@ -56,7 +57,7 @@ PLACE_REQUEST = {
             "description": "Hold the answer as a lease (needs the bearer token).",
             "properties": {
                 "owner": {"type": "string", "minLength": 1, "maxLength": PLACE_LIMITS["owner_max_len"], "pattern": "^[^\\x00-\\x1f\\x7f]*[^\\s\\x00-\\x1f\\x7f][^\\x00-\\x1f\\x7f]*$"},
-                "ttl_s": {"type": "number", "exclusiveMinimum": 0, "maximum": PLACE_LIMITS["ttl_max_s"]},
+                "ttl_s": {"type": "number", "minimum": PLACE_LIMITS["ttl_min_s"], "maximum": PLACE_LIMITS["ttl_max_s"]},
             },
         },
     },
@@ -76,6 +77,10 @@ NO_FIT_ERROR = {
 
 def openapi_document() -> dict[str, Any]:
     not_ready = {"503": _err("No topology loaded yet.")}
+    state_unavailable = {
+        **_err("`state_unavailable`: the lease state directory (named in `detail`) cannot be written; nothing was changed."),
+        "headers": {"Retry-After": {"description": "Seconds to wait.", "schema": {"type": "integer", "minimum": 1}}},
+    }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -138,7 +143,8 @@ def openapi_document() -> dict[str, Any]:
                         **MUTATE_ERRORS,
                         "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
                         "413": _err("Body larger than the limit."),
-                        **not_ready,
+                        "503": {**not_ready["503"], "description": "No topology loaded yet (`not_ready`), or, with `reserve`, "
+                                + state_unavailable["description"], "headers": state_unavailable["headers"]},
                     },
                 }
             },
@@ -157,6 +163,15 @@ def openapi_document() -> dict[str, Any]:
                                     "description": "Present only when the state file was unreadable at start-up: it was moved aside and the agent started with no leases.",
                                     "properties": {"file": {"type": "string"}, "moved_to": {"type": "string"}, "error": {"type": ["string", "null"]}},
                                 },
+                                "quarantined": {
+                                    "type": "object",
+                                    "required": ["file", "entries"],
+                                    "description": "Present only when the state file had entries the agent refused: each is kept in `file`, and the GPUs it named stay held by the lease `held_by` (owner topoagent-quarantine).",
+                                    "properties": {"file": {"type": "string"}, "entries": {"type": "array", "items": {"type": "object", "properties": {
+                                        "quarantined_at": {"type": ["number", "null"]}, "error": {"type": ["string", "null"]},
+                                        "held_by": {"type": ["string", "null"]}, "gpus": {"type": ["array", "null"], "items": {"type": "integer"}},
+                                    }}}},
+                                },
                             }}}},
                         },
                         **READ_ERRORS,
@@ -169,7 +184,7 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "Release a lease.",
                     "parameters": [{"name": "lease_id", "in": "path", "required": True, "schema": {"type": "string"}}],
                     "security": [{"bearer": []}],
-                    "responses": {"200": _json("The released lease.", "Lease"), **MUTATE_ERRORS, "404": _err("No such lease.")},
+                    "responses": {"200": _json("The released lease.", "Lease"), **MUTATE_ERRORS, "404": _err("No such lease."), "503": state_unavailable},
                 }
             },
             "/refresh": {

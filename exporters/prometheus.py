@@ -14,6 +14,7 @@ Names follow the Prometheus conventions: one `topoagent_` namespace, base units
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 import topoagent
+from topoagent.log import log_event
 from topoagent.probes.figures import ProbeKind
 from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import Status
@@ -212,46 +214,32 @@ class SnapshotCollector(Collector):
         yield from (stale, built, gpus)
 
 
-# The telemetry loop's series (topoagent/telemetry.py): name -> (help, label names).
-# Names ending in _total are counters (Prometheus computes their rates); the rest gauges.
-TELEMETRY_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "infiniband_port_transmitted_bytes_total": ("Bytes an InfiniBand/RoCE port sent (sysfs port_xmit_data x 4).", ("device", "port")),
-    "infiniband_port_received_bytes_total": ("Bytes an InfiniBand/RoCE port received (sysfs port_rcv_data x 4).", ("device", "port")),
-    "infiniband_port_transmitted_packets_total": ("Packets an InfiniBand/RoCE port sent.", ("device", "port")),
-    "infiniband_port_received_packets_total": ("Packets an InfiniBand/RoCE port received.", ("device", "port")),
-    "infiniband_port_transmit_wait_total": ("Ticks a port had data to send but no credits (port_xmit_wait): congestion.", ("device", "port")),
-    "infiniband_port_errors_total": ("Error counters of an InfiniBand/RoCE port; counter is the sysfs name (counters/ and hw_counters/).", ("device", "port", "counter")),
-    "nvlink_transmitted_bytes_total": ("Data bytes a GPU sent over an NVLink (NVML throughput counter).", ("gpu", "link")),
-    "nvlink_received_bytes_total": ("Data bytes a GPU received over an NVLink.", ("gpu", "link")),
-    "nvlink_errors_total": ("NVLink error counters: crc_flit, crc_data, replay, recovery.", ("gpu", "link", "counter")),
-    "pcie_replays_total": ("PCIe replays of a GPU's link (NVML).", ("gpu",)),
-    "pcie_transmitted_bytes_total": ("Bytes a GPU sent over PCIe (NVML; Hopper and later).", ("gpu",)),
-    "pcie_received_bytes_total": ("Bytes a GPU received over PCIe (NVML; Hopper and later).", ("gpu",)),
-    "pcie_aer_errors_total": ("PCIe AER errors a tracked device (GPU, NIC, bridge above them) reported, by severity.", ("device", "severity")),
-    "gpu_temperature_celsius": ("GPU core temperature.", ("gpu",)),
-    "gpu_power_watts": ("GPU power draw.", ("gpu",)),
-    "gpu_power_limit_watts": ("GPU enforced power limit.", ("gpu",)),
-    "gpu_memory_used_bytes": ("GPU memory in use.", ("gpu",)),
-    "gpu_ecc_errors_total": ("ECC errors since the driver loaded (volatile), corrected or uncorrected.", ("gpu", "type")),
-    "gpu_retired_pages_pending": ("1 when retired pages wait for a GPU reset (pre-Ampere page retirement).", ("gpu",)),
-    "gpu_remapped_rows": ("Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.", ("gpu", "state")),
-    "gpu_clock_throttle_reason": ("1 when the reason currently holds the GPU's clocks down.", ("gpu", "reason")),
-    "gpu_xid_errors_total": ("Xid events NVML reported since the agent started, by Xid.", ("gpu", "xid")),
-}
-
-
 def telemetry_families(snapshot: Snapshot) -> Iterator[Metric]:
-    """The counters' and health gauges' latest values, one family per TELEMETRY_METRICS row."""
+    """The counters' and health gauges' latest values, one family per family the counter
+    sources declare (the served telemetry carries the declarations).  A series of a family
+    no source declares, or with other labels than its family's, is a parser's bug: logged
+    and counted (``telemetry_undeclared_series``), never dropped unsaid nor a failed scrape."""
     telemetry = snapshot.telemetry
-    families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {}
-    for name, (text, labels) in TELEMETRY_METRICS.items():
-        kind = CounterMetricFamily if name.endswith("_total") else GaugeMetricFamily
-        families[name] = kind(f"{NS}_{name}", text, labels=list(labels))
+    families: dict[str, tuple[tuple[str, ...], GaugeMetricFamily | CounterMetricFamily]] = {}
+    for declared in telemetry.families if telemetry else ():
+        kind = CounterMetricFamily if declared.type == "counter" else GaugeMetricFamily
+        families[declared.name] = (declared.labels, kind(f"{NS}_{declared.name}", declared.help, labels=list(declared.labels)))
+    undeclared: dict[str, int] = {}
     for reading in telemetry.readings if telemetry else ():
-        family = families.get(reading.metric)
-        if family is not None:
-            family.add_metric([v for _, v in reading.labels], reading.value)
-    yield from (f for f in families.values() if f.samples)
+        labels, family = families.get(reading.metric, ((), None))
+        if family is None or tuple(k for k, _ in reading.labels) != labels:
+            undeclared[reading.metric] = undeclared.get(reading.metric, 0) + 1
+            continue
+        family.add_metric([v for _, v in reading.labels], reading.value)
+    yield from (f for _, f in families.values() if f.samples)
+    if undeclared:
+        errors = GaugeMetricFamily(f"{NS}_telemetry_undeclared_series",
+                                   "Series a counter source emitted of a family no source declares, or with other labels: a topoagent bug; not exported.",
+                                   labels=["metric"])
+        for metric, count in sorted(undeclared.items()):
+            log_event("metric_family_undeclared", logging.ERROR, metric=metric, series=count)
+            errors.add_metric([metric], count)
+        yield errors
 
 
 def _probe_figures(figures: Iterable[ProbeFigure]) -> Iterator[Metric]:
@@ -325,6 +313,12 @@ class RuntimeCollector(Collector):
         )
         recovered.add_metric([], 1.0 if served.lease_recovery is not None else 0.0)
         yield recovered
+        quarantined = GaugeMetricFamily(
+            f"{NS}_leases_quarantined",
+            "Lease state entries refused on loading and kept aside in leases.quarantine.json (the GPUs they named stay held).",
+        )
+        quarantined.add_metric([], float(len(served.lease_quarantine.entries)) if served.lease_quarantine is not None else 0.0)
+        yield quarantined
         busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
         leased_set = set(holding.holder)
         running = served.running

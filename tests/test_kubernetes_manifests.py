@@ -14,10 +14,10 @@ from topoagent.cli import build_parser
 DEPLOY = REPO / "deploy" / "kubernetes"
 # The newest Kubernetes the installed kubernetes-validate has schemas for.
 KUBERNETES_VERSION = kubernetes_validate.utils.latest_version()
-# kube-scheduler's own config file is not an API server object: kubernetes-validate
-# ships no schema for it (checked below, so we hear when it does), so it is held to the
-# objects it names instead.
-NOT_AN_API_OBJECT = {"KubeSchedulerConfiguration"}
+# kube-scheduler's own config file and kustomize's are not API server objects: kubernetes-validate
+# ships no schema for them (checked below, so we hear when it does), so they are held to the
+# objects they name instead (the kustomization in test_kubernetes_node_selection.py).
+NOT_AN_API_OBJECT = {"KubeSchedulerConfiguration", "Kustomization"}
 
 
 def documents() -> list[tuple[str, dict]]:
@@ -147,8 +147,10 @@ def test_the_node_pod_runs_agent_and_device_plugin_with_commands_that_exist() ->
     (daemonset,) = by_kind("DaemonSet")
     spec = daemonset["spec"]["template"]["spec"]
     containers = {c["name"]: c for c in spec["containers"] + spec["initContainers"]}
-    assert set(containers) == {"agent", "device-plugin", "nfd-features"}
+    assert set(containers) == {"agent", "device-plugin", "nfd-features", "state-dir"}
     for container in containers.values():
+        if "command" in container:  # not topoagent: held to its job in the state-dir test
+            continue
         args = container["args"]
         # The real parser accepts every argument list the pod runs.
         parsed = build_parser(args[0]).parse_args(args)
@@ -165,7 +167,7 @@ def test_host_paths_are_read_only_except_where_the_pod_must_write() -> None:
     spec = daemonset["spec"]["template"]["spec"]
     host = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert set(host.values()) >= {"/sys", "/var/lib/kubelet/device-plugins", "/etc/kubernetes/node-feature-discovery/features.d"}
-    written = {"/var/lib/kubelet/device-plugins", "/etc/kubernetes/node-feature-discovery/features.d"}
+    written = {"/var/lib/kubelet/device-plugins", "/etc/kubernetes/node-feature-discovery/features.d", "/var/lib/topoagent"}
     for container in spec["containers"] + spec["initContainers"]:
         for mount in container.get("volumeMounts", []):
             if mount["name"] in host and host[mount["name"]] not in written:
@@ -173,6 +175,31 @@ def test_host_paths_are_read_only_except_where_the_pod_must_write() -> None:
         security = container["securityContext"]
         assert security["allowPrivilegeEscalation"] is False and security["capabilities"]["drop"] == ["ALL"]
         assert security["readOnlyRootFilesystem"] is True
+
+
+def test_the_agents_state_dir_is_on_the_node_and_the_agent_can_write_it() -> None:
+    """Leases must outlive the pod: an emptyDir is wiped with it, and every GPU its leases
+    held would be handed out again.  kubelet makes the host directory root's, 0755, so
+    something the pod runs first must give it to the agent's user or group."""
+    (daemonset,) = by_kind("DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    (agent,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    state_dir = agent["args"][agent["args"].index("--state-dir") + 1]
+    (mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == state_dir]
+    assert not mount.get("readOnly")
+    volume = volumes[mount["name"]]
+    assert "emptyDir" not in volume
+    assert volume["hostPath"] == {"path": "/var/lib/topoagent", "type": "DirectoryOrCreate"}
+    # The init container that hands the directory over: it runs (it is Python the image
+    # has) and, with no capability, can only give it to a group the pod puts it in.
+    (init,) = [c for c in spec["initContainers"] if any(m["name"] == mount["name"] for m in c.get("volumeMounts", []))]
+    assert init["command"][:2] == ["python", "-c"] and state_dir in init["command"][2]
+    compile(init["command"][2], "state-dir", "exec")
+    group = spec["securityContext"]["fsGroup"]
+    assert f"os.chown('{state_dir}', -1, {group})" in init["command"][2] and "0o2770" in init["command"][2]
+    assert agent["securityContext"]["runAsUser"] == group  # and the image's group is the same (Containerfile)
+    assert f"USER {group}:{group}" in (REPO / "Containerfile").read_text()
 
 
 def test_every_container_uses_the_one_image_and_has_a_memory_limit() -> None:
@@ -184,10 +211,11 @@ def test_every_container_uses_the_one_image_and_has_a_memory_limit() -> None:
     assert len(images) == 1
 
 
-def test_the_containerfile_installs_the_kubernetes_extra_and_runs_topoagent() -> None:
+def test_the_containerfile_installs_the_kubernetes_extra_from_wheels_alone_and_runs_topoagent() -> None:
     text = (REPO / "Containerfile").read_text()
-    assert ".[kubernetes]" in text
-    assert 'ENTRYPOINT ["topoagent"]' in text
+    # tests/test_image.py builds and runs it; this holds what the manifests rely on.
+    assert "pip install --no-cache-dir --no-index --find-links /wheels 'topoagent[kubernetes]'" in text
+    assert 'ENTRYPOINT ["topoagent"]' in text and "USER 65534:65534" in text
 
 
 def test_secret_files_are_readable_by_the_container_that_mounts_them_and_no_one_else() -> None:

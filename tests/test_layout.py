@@ -124,7 +124,7 @@ def test_no_import_cycle() -> None:
 # the request grammar the agents' documents share (a /place request is parsed one way).
 CLUSTER_MAY_IMPORT = {
     "topoagent.vocabulary", "topoagent.log", "topoagent.text", "topoagent.smallfile", "topoagent.errors",
-    "topoagent.placement.request", "topoagent.documents", "topoagent.documents.leases",
+    "topoagent.placement.request", "topoagent.documents", "topoagent.documents.lease",
 }
 
 

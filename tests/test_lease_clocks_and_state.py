@@ -14,7 +14,8 @@ import pytest
 from test_leases import Clock, fake_store
 
 from topoagent import leases as leases_module
-from topoagent.leases import MAX_STATE_BYTES, TTL_MAX_S, LeaseConflict, LeaseStore, StateUnusable
+from topoagent.documents.lease import TTL_MAX_S
+from topoagent.leases import MAX_STATE_BYTES, LeaseConflict, LeaseStore, StateUnusable
 
 HOUR, DAY = 3600.0, 86400.0
 
@@ -120,25 +121,13 @@ def _state(**lease_fields: object) -> bytes:
     return json.dumps({"schema": 1, "leases": [lease]}).encode()
 
 
+# What is not a JSON document of our schema at all: disk corruption, the file is moved aside.
 HOSTILE = {
     "nested": b'{"schema": 1, "leases": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
     "Infinity": _state(expires_at=float("inf")),  # json.dumps writes Infinity
     "NaN": _state(created_at=float("nan")),
-    "1e999": _state().replace(str(NOW + 50).encode(), b"1e999"),
-    "huge integer": _state().replace(str(NOW + 50).encode(), b"1" + b"0" * 400),
     "oversized": _state() + b" " * MAX_STATE_BYTES,
-    "ttl over the maximum": _state(expires_at=NOW + TTL_MAX_S + 60),
-    "expires before created": _state(expires_at=NOW - 20),
-    "negative GPU": _state(gpus=[-1]),
-    "boolean GPU": _state(gpus=[True]),
-    "no GPUs": _state(gpus=[]),
-    "owner with a newline": _state(owner="job\nevent=forged"),
-    "id with a slash": _state(id="../x"),
-    "deadline Infinity": _state(deadline_boottime_s=float("inf")),
-    "GPU in two leases": json.dumps({"schema": 1, "leases": [
-        {"id": "a", "owner": "x", "gpus": [0, 1], "created_at": NOW, "expires_at": NOW + 60},
-        {"id": "b", "owner": "y", "gpus": [1], "created_at": NOW, "expires_at": NOW + 60},
-    ]}).encode(),
+    "leases not a list": b'{"schema": 1, "leases": {"id": "abc123"}}',
 }
 
 
@@ -154,13 +143,104 @@ def test_a_hostile_state_file_is_moved_aside_and_the_store_goes_on(tmp_path, nam
     assert [le.gpus for le in store.leases()] == [(0,)]
 
 
+GOOD = {"id": "good1", "owner": "victim", "gpus": [5], "gpu_uuids": ["GPU-5"], "created_at": NOW - 10, "expires_at": NOW + 3600}
+
+
+def _entry(**fields: object) -> dict:
+    return {"id": "abc123", "owner": "job", "gpus": [0], "created_at": NOW - 10, "expires_at": NOW + 50, **fields}
+
+
+# One bad entry among good ones: (the entry, the GPUs still held for it, for how long).
+BAD_ENTRIES = {
+    "1e999": ('{"id": "abc123", "owner": "job", "gpus": [0], "created_at": 1, "expires_at": 1e999}', (0,), TTL_MAX_S),
+    "huge integer": ('{"id": "abc123", "owner": "job", "gpus": [0], "created_at": 1, "expires_at": 1' + "0" * 400 + "}", (0,), TTL_MAX_S),
+    "ttl over the maximum": (_entry(expires_at=NOW + TTL_MAX_S + 60), (0,), TTL_MAX_S),
+    "ttl under the minimum": (_entry(created_at=NOW - 0.25, expires_at=NOW + 0.25), (0,), 1.0),  # held at least 1 s
+    "ttl below float resolution": (_entry(created_at=NOW, expires_at=NOW + 1e-9), (), None),  # ends now, by its word
+    "expires before created": (_entry(expires_at=NOW - 20), (), None),  # ended by its own word
+    "negative GPU": (_entry(gpus=[-1]), (), None),
+    "boolean GPU": (_entry(gpus=[True]), (), None),
+    "no GPUs": (_entry(gpus=[]), (), None),
+    "one GPU of two legible": (_entry(gpus=[0, "1"]), (0,), 50.0),
+    "owner with a newline": (_entry(owner="job\nevent=forged"), (0,), 50.0),
+    "owner with a lone surrogate": (_entry(owner="\ud800"), (0,), 50.0),
+    "owner with U+2028": (_entry(owner="a\u2028b"), (0,), 50.0),
+    "owner with U+202E": (_entry(owner="a\u202eb"), (0,), 50.0),
+    "UUID of 200 characters": (_entry(gpu_uuids=["G" * 200]), (0,), 50.0),  # held by index
+    "id with a slash": (_entry(id="../x"), (0,), 50.0),
+    "deadline Infinity": (json.dumps(_entry(deadline_boottime_s=0)).replace('"deadline_boottime_s": 0', '"deadline_boottime_s": 1e999'), (0,), 50.0),
+    "id listed twice": (dict(GOOD, gpus=[0], gpu_uuids=["GPU-0"]), (0,), 3600.0),
+    "GPU in an earlier lease": (_entry(gpus=[5, 6], gpu_uuids=["GPU-5", "GPU-6"]), (6,), 50.0),
+}
+
+
+@pytest.mark.parametrize("name", BAD_ENTRIES)
+def test_one_bad_entry_costs_one_entry_and_its_gpus_stay_held(tmp_path, name):
+    bad, held, ttl = BAD_ENTRIES[name]
+    bad_text = bad if isinstance(bad, str) else json.dumps(bad)
+    (tmp_path / "leases.json").write_text(f'{{"schema": 1, "leases": [{json.dumps(GOOD)}, {bad_text}]}}')
+    clock = Clock(t=NOW)
+    store = fake_store(tmp_path, clock)
+    assert store.recovered_from is None  # nothing moved aside
+    listed = {le.id: le for le in store.leases()}
+    assert listed.pop("good1").gpus == (5,)  # the good lease is kept as it was
+    holds = list(listed.values())
+    if held:
+        (hold,) = holds
+        assert hold.owner == "topoagent-quarantine" and hold.gpus == held
+        assert hold.deadline - clock.monotonic() == pytest.approx(ttl)
+        with pytest.raises(LeaseConflict):
+            store.reserve("next", list(held), ttl_s=60)  # fail-closed: not handed out again
+    else:
+        assert holds == []
+    (record,) = store.quarantined
+    assert record["held_by"] == (holds[0].id if held else None) and record["error"]
+    kept = json.loads((tmp_path / "leases.quarantine.json").read_text())["entries"]
+    assert len(kept) == 1 and kept[0]["error"] == record["error"]
+    assert kept[0]["entry"] == json.loads(bad_text) if "entry" in kept[0] else kept[0]["entry_text"].startswith('{"id": "abc123"')
+    # Written back without the entry: the next load quarantines nothing more.
+    again = fake_store(tmp_path, clock)
+    assert sorted(le.id for le in again.leases()) == sorted(le.id for le in store.leases())
+    assert len(again.quarantined) == 1
+    assert store.reserve("next", [7], ttl_s=60).gpus == (7,)  # and the store keeps working
+
+
+def test_a_quarantine_hold_is_released_like_any_lease(tmp_path):
+    (tmp_path / "leases.json").write_text(json.dumps({"schema": 1, "leases": [GOOD, _entry(owner="\x85")]}))
+    store = fake_store(tmp_path, Clock(t=NOW))
+    (hold,) = [le for le in store.leases() if le.owner == "topoagent-quarantine"]
+    assert store.release(hold.id)
+    assert store.reserve("next", [0], ttl_s=60).gpus == (0,)
+
+
+def test_stale_temporary_files_are_removed_at_start(tmp_path):
+    store = fake_store(tmp_path, Clock(t=NOW))
+    store.reserve("job", [0], ttl_s=60)
+    for name in (".leases.json.4242.139.tmp", ".leases.quarantine.json.4242.139.tmp"):
+        (tmp_path / name).write_text('{"schema": 1, "lea')  # a writer killed mid-write
+    (tmp_path / "other.tmp").write_text("not ours")
+    again = fake_store(tmp_path, Clock(t=NOW))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["leases.json", "leases.lock", "other.tmp"]
+    assert [le.gpus for le in again.leases()] == [(0,)]
+
+
+BAD_GRANTS = [
+    ("job", [0], TTL_MAX_S + 1), ("job", [0], 1e-9), ("job", [0], 5e-324), ("job", [0], 0.5), ("job", [0], 10**400),
+    ("job", [0], float("nan")), ("job\n", [0], 60), ("x" * 129, [0], 60), ("\ud800", [0], 60), ("a\u2028b", [0], 60),
+    ("a\x85b", [0], 60), ("a\u202eb", [0], 60), ("  ", [0], 60), ("job", [1024], 60), ("job", [], 60),
+]
+
+
 def test_the_store_grants_nothing_it_would_refuse_to_load(tmp_path):
     store = fake_store(tmp_path, Clock(t=NOW))
-    for owner, gpus, ttl in [("job", [0], TTL_MAX_S + 1), ("job\n", [0], 60), ("x" * 129, [0], 60), ("job", [1024], 60), ("job", [], 60)]:
+    for owner, gpus, ttl in BAD_GRANTS:
         with pytest.raises(leases_module.LeaseError):
             store.reserve(owner, gpus, ttl_s=ttl)
     lease = store.reserve("x" * 128, [1023], ttl_s=TTL_MAX_S)
-    assert [le.id for le in fake_store(tmp_path, Clock(t=NOW)).leases()] == [lease.id]
+    short = store.reserve("Zoë Ω-job", [0], ttl_s=leases_module.TTL_MIN_S)
+    reloaded = fake_store(tmp_path, Clock(t=NOW))
+    assert sorted(le.id for le in reloaded.leases()) == sorted([lease.id, short.id])
+    assert reloaded.quarantined == [] and reloaded.recovered_from is None
 
 
 # --- class 6: disk errors are not corruption --------------------------------------------

@@ -65,7 +65,9 @@ def test_a_lease_whose_gpu_left_the_node_blocks_nothing_and_is_listed_as_orphane
         agent = Agent(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s"), interval_s=3600, udev=False), discover=scripted)
         await agent.start()
         try:
-            await asyncio.sleep(0.05)
+            async with asyncio.timeout(20):  # the first discovery, however long a loaded machine takes
+                while agent.snapshot is None:
+                    await asyncio.sleep(0.01)
             _, lease = await agent.reserve(Request(gpus=1, include=(7,)), "job-7", 600)
             assert lease is not None
             await agent.request_refresh("test")  # GPU 7 is gone
@@ -80,3 +82,21 @@ def test_a_lease_whose_gpu_left_the_node_blocks_nothing_and_is_listed_as_orphane
     assert placed == 7 and reserved  # every remaining GPU is free for dry runs and leases
     assert len(orphaned) == 1
     assert metric_value(metrics, "topoagent_leases_orphaned") == 1
+
+
+@pytest.mark.parametrize("uuid", ["GPU-" + "a" * 200, "GPU-\x07bell", "GPU-a\u2028b"])
+def test_a_gpu_whose_uuid_cannot_be_stored_is_never_leased_and_wipes_nothing(tmp_path, node, uuid):
+    """Such a UUID used to be leased, then refused by the loader: the whole file was moved aside."""
+    store = LeaseStore(tmp_path)
+    victim = store.reserve_placement(node.distance_matrix(), Request(gpus=1, include=(0,)), "victim", 600)
+    assert not isinstance(victim, NoFit)
+    bad = replace(node, gpus=tuple(replace(g, uuid=uuid) if g.index == 3 else g for g in node.gpus))
+    named = store.reserve_placement(bad.distance_matrix(), Request(gpus=1, include=(3,)), "job", 600)
+    assert isinstance(named, NoFit)
+    rest = store.reserve_placement(bad.distance_matrix(), Request(gpus=7), "job", 600)
+    assert isinstance(rest, NoFit)  # 8 GPUs, one leased, one unleasable: 6 left
+    six = store.reserve_placement(bad.distance_matrix(), Request(gpus=6), "job", 600)
+    assert not isinstance(six, NoFit) and 3 not in six[0].gpus
+    again = LeaseStore(tmp_path)
+    assert again.recovered_from is None and again.quarantined == []
+    assert {le.id for le in again.leases()} == {victim[0].id, six[0].id}

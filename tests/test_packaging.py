@@ -109,6 +109,29 @@ def test_the_wheel_carries_licence_types_deployment_files_and_honest_metadata(wh
     assert any(url.startswith("Homepage, ") for url in metadata.get_all("Project-URL"))
 
 
+def test_the_wheel_publishes_extras_only_for_what_it_ships(wheel):
+    """An extra is a promise to users of the wheel: torch for its probe worker, gRPC and the
+    Kubernetes client for its device plugin and extender.  Test and benchmark tools serve
+    tests/ and bench/, which the wheel does not carry: they are requirements files."""
+    import zipfile
+    from email.parser import Parser
+
+    wheel = zipfile.ZipFile(wheel)
+    (metadata_name,) = [n for n in wheel.namelist() if n.endswith(".dist-info/METADATA")]
+    metadata = Parser().parsestr(wheel.read(metadata_name).decode())
+    assert sorted(metadata.get_all("Provides-Extra")) == ["kubernetes", "probes"]
+    assert not any(n.startswith(("tests/", "bench/")) for n in wheel.namelist())
+    required = " ".join(metadata.get_all("Requires-Dist"))
+    for tool in ("pytest", "hypothesis", "ruff", "mypy", "psutil", "trustme", "kubernetes-validate"):
+        assert tool not in required, tool
+    # ...and scripts/test installs them from the file that lists them.
+    script = (REPO / "scripts" / "test").read_text()
+    assert "-r requirements/test.txt" in script and "'torch==2.13.0'" in script
+    listed = {line.split("#")[0].strip() for line in (REPO / "requirements" / "test.txt").read_text().splitlines()} - {""}
+    assert {"pytest", "hypothesis", "ruff", "mypy", "kubernetes-validate", "trustme", "grpcio-tools"} <= listed
+    assert "psutil>=5.6" in (REPO / "requirements" / "bench.txt").read_text().split()
+
+
 def test_the_wheel_installed_in_a_fresh_venv_serves_a_recorded_node_and_installs_its_files(wheel, tmp_path):
     import http.client
     import json

@@ -20,9 +20,9 @@ def exported_metric_names() -> set[str]:
     families = re.findall(r'(Gauge|Counter|Info)MetricFamily\(\s*f"\{NS\}_([a-z_]+)"', source)
     assert len(families) == source.count("MetricFamily(")  # the pattern missed none
     suffix = {"Gauge": "", "Counter": "_total", "Info": "_info"}
-    from topoagent.exporters.prometheus import TELEMETRY_METRICS  # families built from one table
+    from topoagent.collectors.registry import FAMILIES  # the counter sources' own declarations
 
-    return {name + suffix[kind] for kind, name in families} | set(TELEMETRY_METRICS)
+    return {name + suffix[kind] for kind, name in families} | {family.name for family in FAMILIES}
 
 
 def test_readme_lists_exactly_the_exported_metrics():

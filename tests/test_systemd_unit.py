@@ -55,3 +55,38 @@ def test_unit_runs_what_the_issue_asks():
         "ExecReload=/bin/kill -HUP $MAINPID", "LoadCredential=token:/etc/topoagent/token",
     ):
         assert line in text, line
+
+
+
+def test_the_units_group_opens_a_group_only_node_inside_a_private_user_namespace():
+    """The unit's promise under PrivateUsers=yes: systemd sets SupplementaryGroups= first,
+    then makes the user namespace, and the kernel still grants the group's access to a
+    0660 node of that group.  The same two steps here: setpriv sets uid and groups, unshare
+    makes a namespace that maps only the uid and gid (as PrivateUsers= does)."""
+    import grp
+    import os
+    import tempfile
+
+    (group,) = re.findall(r"^SupplementaryGroups=(\S+)$", UNIT.read_text(), re.M)
+    gid = grp.getgrnam(group).gr_gid
+    for tool in ("setpriv", "unshare"):
+        assert shutil.which(tool), f"{tool} not found: install Debian's util-linux"
+    assert os.geteuid() == 0, "needs root to take on another uid"
+
+    def read_as_nobody(node: Path, *groups: int) -> subprocess.CompletedProcess:
+        become = ["setpriv", "--reuid=65534", "--regid=65534", f"--groups={','.join(map(str, groups))}" if groups else "--clear-groups"]
+        namespace = ["unshare", "--user", "--map-user=65534", "--map-group=65534"]
+        return subprocess.run([*become, *namespace, "sh", "-c", f"id -G; cat {node}"], capture_output=True, text=True, timeout=60)
+
+    # Under /tmp itself: pytest's tmp_path lies under 0700 folders the other uid cannot cross.
+    with tempfile.TemporaryDirectory(dir="/tmp") as folder:
+        Path(folder).chmod(0o755)
+        node = Path(folder) / "nvidiactl"
+        node.write_text("opened\n")
+        os.chown(node, 0, gid)
+        node.chmod(0o660)
+        inside = read_as_nobody(node, gid)
+        denied = read_as_nobody(node)
+    assert inside.returncode == 0 and inside.stdout.endswith("opened\n"), inside.stderr
+    assert str(gid) not in inside.stdout.split("\n")[0].split()  # unmapped: it reads as nogroup there...
+    assert denied.returncode != 0 and "Permission denied" in denied.stderr  # ...yet it is what opens the node

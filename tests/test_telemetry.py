@@ -18,7 +18,7 @@ from conftest import FIXTURES, REPO
 from service_helpers import metric_value, promtool_complaints, start_agent, wedge
 
 from topoagent.collectors import aer, ib_counters
-from topoagent.exporters.prometheus import TELEMETRY_METRICS
+from topoagent.collectors.registry import FAMILIES
 from topoagent.telemetry import THRESHOLDS, History, Sample, rate
 
 SNAPSHOTS = FIXTURES / "snapshots"
@@ -91,8 +91,8 @@ def test_every_telemetry_family_is_served_with_the_recorded_values(tmp_path):
         text = scrape_with_telemetry(agent)
     finally:
         agent.stop()
-    for name in TELEMETRY_METRICS:
-        assert f"\ntopoagent_{name}{{" in text, name
+    for family in FAMILIES:
+        assert f"\ntopoagent_{family.name}{{" in text, family.name
     last = samples_of(SNAPSHOTS / "degraded")[1]["sources"]
     words = int(last["infiniband_counters"]["mlx5_2/1/counters/port_xmit_data"])
     assert metric_value(text, "topoagent_infiniband_port_transmitted_bytes_total", {"device": "mlx5_2", "port": "1"}) == 4 * words

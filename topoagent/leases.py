@@ -28,13 +28,38 @@ So, on loading the file (at start-up and under the lock before every change):
 
 Such a change (a step seen, a reboot) is written back with the next change or sweep.
 
-A state file that cannot be read -- not JSON, nested too deep, larger than
-``MAX_STATE_BYTES``, a non-finite number, a field of the wrong type or out of range, a
-GPU in two leases -- is moved aside (``leases.json.corrupt-<ms>``) with the reason
-recorded in ``LeaseStore.recovered_from`` and ``recovery_error`` (the owner logs it);
-the store never crashes on it and never silently pretends it was empty.  An I/O error
-(a read-only or full disk, no descriptors left) is not corruption: the call raises
-``OSError``, nothing is moved, and the next call tries again.
+**What a lease may be** is one set of rules (``lease_problem`` and the field rules it
+calls), used when a lease is granted and again when it is loaded: the store never writes
+a lease it would refuse to read back.  A TTL is from ``TTL_MIN_S`` to ``TTL_MAX_S``
+seconds; an owner is printable text (``str.isprintable``: no control, format, separator
+or surrogate code points) of at most ``OWNER_MAX_LEN`` characters; a GPU UUID is the same
+kind of text, at most ``UUID_MAX_LEN`` long.  A GPU whose identity from the node breaks
+these rules (``gpu_id_problem``) is never leased: discovery says so with a critical
+``gpu-unleasable`` finding.
+
+**One bad entry costs one entry.**  A state file whose whole cannot be read -- not JSON,
+nested too deep, larger than ``MAX_STATE_BYTES``, a non-finite constant (``NaN``,
+``Infinity``), not an object of our schema -- is moved aside (``leases.json.corrupt-<ms>``)
+with the reason recorded in ``LeaseStore.recovered_from`` and ``recovery_error`` (the
+owner logs it): that is disk corruption, not one bad input.  An *entry* that breaks a rule
+(a field of the wrong type or out of range, an id listed twice, a GPU already in an earlier
+lease) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
+file with the reason, logged (``event=lease_quarantined``), listed in ``GET /leases`` under
+``quarantined`` and counted by ``topoagent_leases_quarantined``; every other lease is kept.
+
+Fail-closed: the GPUs a quarantined entry names that can still be read (indices in range,
+with their UUIDs where those are valid) and that no valid lease holds stay held, by a lease
+of owner ``topoagent-quarantine`` that replaces the entry: until the entry's own
+``expires_at`` where that is a readable time (nothing is held when it has passed), else for
+``TTL_MAX_S``.  An operator who knows the GPUs are free releases it with ``DELETE
+/leases/{id}`` like any lease.  So no input to the file frees a GPU another job may hold.
+
+The store never crashes on a bad file and never silently pretends it was empty.  An I/O
+error (a read-only or full disk, no descriptors left) is not corruption: the call raises
+``OSError``, nothing is moved, and the next call tries again (the service answers 503
+naming the state directory).  Temporary files a killed writer left
+(``.leases.json.<pid>.<tid>.tmp``) are removed at start, under the lock, when no writer
+can be using one.
 """
 
 from __future__ import annotations
@@ -43,9 +68,9 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import math
 import os
-import re
 import secrets
 import threading
 import time
@@ -56,6 +81,16 @@ from pathlib import Path
 from typing import Any
 
 from topoagent.documents.agent import lease_document
+from topoagent.documents.lease import (
+    LEASE_ID,
+    TTL_MAX_S,
+    TTL_MIN_S,
+    gpu_id_problem,
+    gpus_problem,
+    lease_problem,
+    uuid_problem,
+)
+from topoagent.log import log_event
 from topoagent.node.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
@@ -64,14 +99,15 @@ from topoagent.smallfile import file_kind
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
+QUARANTINE_FILE = "leases.quarantine.json"  # entries the loader refused, beside the state file
+QUARANTINE_OWNER = "topoagent-quarantine"  # holds the GPUs a refused entry named (fail-closed)
+QUARANTINE_KEEP = 100  # newest records kept in the quarantine file
+QUARANTINE_ENTRY_MAX_CHARS = 64 * 1024  # a refused entry larger than this is kept as text, cut
+TEMP_FILES = ".leases.*.tmp"  # what _write_atomically leaves behind when killed mid-write
 SCHEMA = 1  # boot_id and deadline_boottime_s were added beside it: older agents ignore them
 
-# What a lease may be: the store grants nothing it would refuse to load.
-TTL_MAX_S = 7 * 24 * 3600
-OWNER_MAX_LEN = 128
-UUID_MAX_LEN = 128  # NVML's are 40 characters (GPU-8-4-4-4-12)
-LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
-CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# What loading forgives of a persisted TTL: a float's rounding at Unix-time scale (~2e-7 s).
+TTL_SLACK_S = 1e-3
 # Every GPU of the largest node leased one by one, owners at their longest, is ~300 KB.
 MAX_STATE_BYTES = 4 * 1024 * 1024
 # The wall clock and the boot clock drift apart slowly (NTP slews at most 0.5 ms/s); a
@@ -192,9 +228,16 @@ class LeaseStore:
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
         self._unsaved = False  # loading applied a clock step or a reboot: write it back
+        self.quarantine_path = self.state_dir / QUARANTINE_FILE
+        # What the quarantine file holds (newest last), for /leases and /metrics to report.
+        self.quarantined: list[dict[str, Any]] = self._read_quarantine()
         try:
             with self._locked():
-                pass  # loads (and moves aside a corrupt file) once, at start
+                # Under the lock no writer is between its temporary file and the rename:
+                # any temporary file left is a killed writer's, and nobody's to finish.
+                for stale in self.state_dir.glob(TEMP_FILES):
+                    with contextlib.suppress(OSError):
+                        stale.unlink()
         except StateUnusable:
             raise  # no disk error: nothing will make it work but removing the file
         except OSError:
@@ -242,7 +285,7 @@ class LeaseStore:
         try:
             if kind is not None:  # a directory, a FIFO: no leases can be read from it; as corrupt
                 raise StateCorrupt(f"{kind}, not a regular file")
-            leases, self._unsaved = self._parse(raw)
+            leases, self._unsaved, refused = self._parse(raw)
         except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as exc:
             aside = self.path.with_name(f"{STATE_FILE}.corrupt-{int(time.time() * 1000)}")
             try:
@@ -257,11 +300,14 @@ class LeaseStore:
             # Not logged here: the service writes one structured line (event=leases_corrupt).
             self.recovery_error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
             return {}
+        if refused:
+            self._quarantine(leases, refused)
         return leases
 
-    def _parse(self, raw: bytes) -> tuple[dict[str, Lease], bool]:
+    def _parse(self, raw: bytes) -> tuple[dict[str, Lease], bool, list[tuple[Any, str]]]:
         """The leases in ``raw`` with their deadlines on our boot clock (the rule is in
-        the module docstring), and whether a clock step or a reboot changed any."""
+        the module docstring), whether a clock step or a reboot changed any, and the
+        entries refused (each with why)."""
         if len(raw) > MAX_STATE_BYTES:
             raise StateCorrupt(f"larger than {MAX_STATE_BYTES} bytes")
         data = json.loads(raw, parse_constant=_refuse_constant)
@@ -274,9 +320,15 @@ class LeaseStore:
         wall, mono = self.clock(), self.monotonic()
         leases: dict[str, Lease] = {}
         holders: dict[str, str] = {}
+        refused: list[tuple[Any, str]] = []
         changed = False
         for n, item in enumerate(items):
-            lease, persisted = _lease_from_json(item, n)
+            try:
+                lease, persisted = _lease_from_json(item, n)
+                _claim(lease, n, leases, holders)
+            except (StateCorrupt, KeyError, TypeError, OverflowError) as exc:
+                refused.append((item, " ".join(str(exc).split())[:500]))
+                continue
             # Same boot: the persisted deadline.  Another boot: what the wall clock says is left.
             deadline = persisted if same_boot and persisted is not None else mono + (lease.expires_at - wall)
             deadline = min(deadline, mono + lease.ttl_s)  # never longer than its TTL from now
@@ -286,37 +338,74 @@ class LeaseStore:
                 lease = replace(lease, created_at=lease.created_at + step, expires_at=lease.expires_at + step)
             lease = replace(lease, deadline=deadline)
             changed |= stepped or not same_boot or deadline != persisted
-            if lease.id in leases:
-                raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
-            # A GPU is held once: by UUID where known (an orphaned lease may keep an index
-            # that a new GPU has since taken), else by index.
-            for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus)):
-                key = uuid or f"index {gpu}"
-                if key in holders:
-                    raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[key]}")
-                holders[key] = lease.id
             leases[lease.id] = lease
-        return leases, changed
+        return leases, changed, refused
+
+    def _quarantine(self, leases: dict[str, Lease], refused: list[tuple[Any, str]]) -> None:
+        """Set each refused entry aside in the quarantine file and hold the GPUs it still
+        names legibly (the module docstring says how long), then write the state file
+        without it.  The quarantine file is written first: a crash between the two
+        quarantines the entry again, never loses it.  A disk error raises, changing nothing."""
+        wall, mono = self.clock(), self.monotonic()
+        holders = {uuid or f"index {gpu}": lease.id for lease in leases.values()
+                   for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus))}
+        records = []
+        for item, reason in refused:
+            gpus = [(g, u) for g, u in _readable_gpus(item) if (u or f"index {g}") not in holders]
+            hold = None
+            left = _readable_number(item, "expires_at")
+            ttl = TTL_MAX_S if left is None else min(left - wall, TTL_MAX_S)
+            if gpus and ttl > 0:
+                ttl = max(ttl, TTL_MIN_S)
+                hold = Lease(secrets.token_hex(8), QUARANTINE_OWNER, tuple(g for g, _ in gpus), wall, wall + ttl,
+                             mono + ttl, None, tuple(u for _, u in gpus) if any(u for _, u in gpus) else ())
+                leases[hold.id] = hold
+                holders.update({u or f"index {g}": hold.id for g, u in gpus})
+            try:
+                entry_text = json.dumps(item, allow_nan=False)
+                whole = len(entry_text) <= QUARANTINE_ENTRY_MAX_CHARS
+            except ValueError:  # 1e999 was read as inf: kept as text, so the file stays JSON
+                entry_text, whole = json.dumps(item), False
+            records.append({
+                "quarantined_at": wall,
+                "error": reason,
+                "held_by": hold.id if hold else None,
+                "gpus": list(hold.gpus) if hold else [],
+                # The entry as it was; as text (cut to a bound) where it is too large or not JSON.
+                **({"entry": item} if whole else {"entry_text": entry_text[:QUARANTINE_ENTRY_MAX_CHARS]}),
+            })
+        kept = (self._read_quarantine() + records)[-QUARANTINE_KEEP:]
+        _write_atomically(self.quarantine_path, {"schema": SCHEMA, "entries": kept})
+        self.quarantined = kept
+        self._leases = leases
+        self._save()
+        for record in records:
+            log_event("lease_quarantined", logging.ERROR, file=self.quarantine_path, error=record["error"],
+                      held_by=record["held_by"] or "none", gpus=",".join(map(str, record["gpus"])) or "none")
+
+    def _read_quarantine(self) -> list[dict[str, Any]]:
+        """The quarantine file's records; none when it is absent or unreadable (it is a
+        report: the GPUs its entries named are held in the state file itself)."""
+        try:
+            with open(self.quarantine_path, "rb") as handle:
+                data = json.loads(handle.read(MAX_STATE_BYTES * 2), parse_constant=_refuse_constant)
+        except (OSError, ValueError, RecursionError):
+            return []
+        entries = data.get("entries") if isinstance(data, dict) else None
+        return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
     def _save(self) -> None:
         data = {
             "schema": SCHEMA,
             "boot_id": self.boot_id,
-            "leases": [{**lease_document(lease), "deadline_boottime_s": lease.deadline} for lease in self._leases.values()],
+            "leases": [self._document(lease) for lease in self._leases.values()],
         }
-        tmp = self.path.with_name(f".{STATE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            with open(tmp, "w", encoding="utf-8") as handle:
-                json.dump(data, handle)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.replace(tmp, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                tmp.unlink()  # a full disk: do not leave half a file to fill it further
-            raise
-        _fsync_dir(self.state_dir)
+        _write_atomically(self.path, data)
         self._unsaved = False
+
+    @staticmethod
+    def _document(lease: Lease) -> dict[str, Any]:
+        return {**lease_document(lease), "deadline_boottime_s": lease.deadline}
 
     def _expire(self, now: float) -> bool:
         gone = [lid for lid, lease in self._leases.items() if lease.deadline <= now]
@@ -362,11 +451,13 @@ class LeaseStore:
             # neither does a process on a GPU the node no longer shows.
             held = Holding.of(self._leases.values(), matrix.gpus).holder
             on_node = {g.index for g in matrix.gpus}
-            busy = (set(held) | set(gpus_with_processes)) & on_node
+            # A GPU whose identity cannot be stored is never leased (discovery's gpu-unleasable finding).
+            unleasable = {g.index for g in matrix.gpus if gpu_id_problem(g.index, g.uuid)}
+            busy = ((set(held) | set(gpus_with_processes)) & on_node) | unleasable
             answer = place(matrix, request, busy, live=live)
             if isinstance(answer, NoFit):
                 return answer
-            uuid_of = {g.index: g.uuid for g in matrix.gpus}
+            uuid_of = {g.index: g.uuid or None for g in matrix.gpus}  # "" is no UUID
             uuids = tuple(uuid_of.get(i) for i in answer.indices)
             return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids, held), answer
 
@@ -403,7 +494,7 @@ class LeaseStore:
     ) -> Lease:
         """``held``: who holds which GPU index now (by UUID), when the caller knows the node;
         else the leases' own indices."""
-        problem = _gpus_problem(gpus)
+        problem = gpus_problem(gpus)
         if problem:
             raise LeaseError(problem)
         wall, mono = self.clock(), self.monotonic()
@@ -414,37 +505,22 @@ class LeaseStore:
             holder = taken[clash[0]]
             raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
         lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction, uuids)
+        try:  # the loader's own rules, on exactly what will be written and read back
+            _lease_from_json(json.loads(json.dumps(self._document(lease))), 0)
+        except StateCorrupt as exc:
+            raise LeaseError(str(exc).removeprefix("leases[0]: ")) from None
         self._leases[lease.id] = lease
         self._save()  # durable before anyone hears of it
         return lease
 
 
-# --- what a lease may be: checked when granted and again when loaded ---------------------------
+# --- what a lease may be (the rules: topoagent.documents.lease) ------------------------------
 
 
 def _check(owner: str, ttl_s: float) -> None:
-    problem = _owner_problem(owner)
+    problem = lease_problem(owner, [0], ttl_s)  # the GPUs are checked when granted
     if problem:
         raise LeaseError(problem)
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= TTL_MAX_S:
-        raise LeaseError(f"ttl must be a number of seconds above 0 and at most {TTL_MAX_S}, got {ttl_s!r}")
-
-
-def _owner_problem(owner: object) -> str | None:
-    if not isinstance(owner, str) or not owner.strip() or len(owner) > OWNER_MAX_LEN or CONTROL.search(owner):
-        return f"owner must be a non-empty string of at most {OWNER_MAX_LEN} characters, without control characters"
-    return None
-
-
-def _gpus_problem(gpus: object) -> str | None:
-    top = REQUEST_LIMITS["gpu_index_max"]
-    if not isinstance(gpus, (list, tuple)) or not gpus:
-        return "gpus must be a non-empty list of GPU indices"
-    if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= top for g in gpus):
-        return f"gpus must be GPU indices from 0 to {top}"
-    if len(set(gpus)) != len(gpus):
-        return "a GPU is listed twice"
-    return None
 
 
 def _lease_from_json(obj: object, n: int) -> tuple[Lease, float | None]:
@@ -456,25 +532,38 @@ def _lease_from_json(obj: object, n: int) -> tuple[Lease, float | None]:
     lid = obj.get("id")
     if not isinstance(lid, str) or not LEASE_ID.fullmatch(lid):
         raise StateCorrupt(f"{where}.id: expected 1 to 64 letters, digits, '-' or '_'")
-    problem = _owner_problem(obj.get("owner")) or _gpus_problem(obj.get("gpus"))
+    created, expires = _finite(obj, "created_at", where), _finite(obj, "expires_at", where)
+    # The TTL as persisted carries a float's rounding at Unix-time scale: the rule is
+    # applied to it brought back within that rounding of the limits.
+    span = expires - created
+    if TTL_MIN_S - TTL_SLACK_S <= span <= TTL_MAX_S + TTL_SLACK_S:
+        span = min(max(span, TTL_MIN_S), TTL_MAX_S)
+    uuids = obj.get("gpu_uuids", [])  # absent in files of older agents
+    problem = lease_problem(obj.get("owner"), obj.get("gpus"), span, uuids)
     if problem:
         raise StateCorrupt(f"{where}: {problem}")
-    created, expires = _finite(obj, "created_at", where), _finite(obj, "expires_at", where)
-    # A TTL at the limit may come back a little over it: a float's rounding at Unix-time scale.
-    if not 0 < expires - created <= TTL_MAX_S + 1e-3:
-        raise StateCorrupt(f"{where}: expires_at - created_at must be above 0 and at most {TTL_MAX_S} s")
     deadline = _finite(obj, "deadline_boottime_s", where) if "deadline_boottime_s" in obj else None
     satisfaction = obj.get("satisfaction")
     if satisfaction is not None:  # absent in files of older agents
         satisfaction = _finite(obj, "satisfaction", where)
         if not 0 <= satisfaction <= 1:
             raise StateCorrupt(f"{where}.satisfaction: expected a share from 0 to 1")
-    uuids = obj.get("gpu_uuids", [])  # absent in files of older agents
-    if not isinstance(uuids, list) or (uuids and len(uuids) != len(obj["gpus"])) or not all(
-        u is None or (isinstance(u, str) and 0 < len(u) <= UUID_MAX_LEN and not CONTROL.search(u)) for u in uuids
-    ):
-        raise StateCorrupt(f"{where}.gpu_uuids: expected one UUID (or null) per GPU")
     return Lease(lid, obj["owner"], tuple(obj["gpus"]), created, expires, math.nan, satisfaction, tuple(uuids)), deadline
+
+
+def _readable_gpus(obj: object) -> list[tuple[int, str | None]]:
+    """The GPUs a refused entry still names legibly: each index in range, with its UUID
+    where that is valid (else held by index).  Fail-closed: what can be read is held."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("gpus"), list):
+        return []
+    uuids = obj.get("gpu_uuids")
+    uuids = uuids if isinstance(uuids, list) else []
+    found: list[tuple[int, str | None]] = []
+    for n, gpu in enumerate(obj["gpus"][: REQUEST_LIMITS["gpu_index_max"] + 1]):
+        if gpus_problem([gpu]) is None:
+            uuid = uuids[n] if n < len(uuids) else None
+            found.append((gpu, uuid if uuid and uuid_problem(uuid) is None else None))
+    return found
 
 
 def _finite(obj: dict[str, Any], key: str, where: str) -> float:
@@ -486,6 +575,57 @@ def _finite(obj: dict[str, Any], key: str, where: str) -> float:
     if not math.isfinite(number):
         raise StateCorrupt(f"{where}.{key}: expected a finite number, got {str(value)[:40]}")
     return number
+
+
+def _readable_number(obj: object, key: str) -> float | None:
+    """``obj[key]`` as a finite number, or None where that cannot be read."""
+    if not isinstance(obj, dict):
+        return None
+    try:
+        return _finite(obj, key, "")
+    except StateCorrupt:
+        return None
+
+
+def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], holders: dict[str, str]) -> None:
+    """Refuse a lease listed twice or holding a GPU an earlier one holds; else note its GPUs.
+    A GPU is held once: by UUID where known (an orphaned lease may keep an index that a new
+    GPU has since taken), else by index."""
+    if lease.id in leases:
+        raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
+    keys = [uuid or f"index {gpu}" for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus))]
+    for gpu, key in zip(lease.gpus, keys):
+        if key in holders:
+            raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[key]}")
+    holders.update(dict.fromkeys(keys, lease.id))
+
+
+def _write_atomically(path: Path, data: object) -> None:
+    """``data`` as JSON at ``path``, whole or not at all, synced before this returns."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(data, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a full disk: do not leave half a file to fill it further
+        raise
+    _fsync_dir(path.parent)
+
+
+def state_unwritable(store: LeaseStore, exc: OSError) -> str:
+    """What a caller is told when the state directory fails under a change."""
+    return (f"the lease state directory {store.state_dir} cannot be written or read "
+            f"({exc.strerror or exc}); nothing was changed, retry later")
+
+
+def quarantine_report(store: LeaseStore) -> list[dict[str, Any]]:
+    """The quarantine file's records as the service reports them: the refused entry
+    itself stays in the file (it may be large, and it is what was refused)."""
+    return [{key: record.get(key) for key in ("quarantined_at", "error", "held_by", "gpus")} for record in store.quarantined]
 
 
 def _refuse_constant(name: str) -> float:

@@ -34,7 +34,10 @@ def event_line(event: str, **fields: Any) -> str:
     parts = [f"event={event}"]
     for key, value in fields.items():
         text = str(value)
-        if not text or any(c in text for c in ' "=') or CONTROL.search(text):
+        # Not printable (controls, NEL, U+2028, bidi overrides, lone surrogates): quoted,
+        # and json.dumps escapes every non-ASCII character, so the line stays one line that
+        # says what it holds.
+        if not text or any(c in text for c in ' "=') or not text.isprintable():
             text = json.dumps(text)
         parts.append(f"{key}={text}")
     return " ".join(parts)

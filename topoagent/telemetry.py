@@ -2,8 +2,8 @@
 the rates support.
 
 Counters are not topology, so they are not discovery: the agent's telemetry loop asks
-each counter source (``topoagent.node.discovery.COUNTER_SOURCES``) every ``[telemetry]
-interval_s``, each in its own thread with its own timeout, so one slow or failing
+each counter source (``topoagent.collectors.registry.COUNTER_SOURCES``) every
+``[telemetry] interval_s``, each in its own thread with its own timeout, so one slow or failing
 source never holds up the others.  What the loop keeps is a ``History``: the last two
 values of every series with the monotonic time of their sample.  The served value is a
 ``Telemetry`` (latest values, rates, how each source fared, findings); ``/metrics``
@@ -11,6 +11,9 @@ renders only that, never NVML or sysfs.
 
 A recorded node replays its ``telemetry.json`` (docs/snapshot-format.md): every
 recorded sample, with its recorded times, so a replay reproduces the recorded rates.
+
+The thresholds are the sources' own (each counter module declares its families and
+thresholds beside its reads); this module names no metric.
 """
 
 from __future__ import annotations
@@ -21,44 +24,31 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from topoagent.collectors import ib_counters
+from topoagent.collectors.counters import (
+    GAUGE,
+    Context,  # where the agent and snapshot take it from
+    CounterSource,
+    Family,
+    Labels,
+    Series,
+)
+from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, THRESHOLDS
 from topoagent.node.host import HostError
 from topoagent.node.model import CollectorStatus, Finding
-from topoagent.vocabulary import FindingKind, Severity, Status
+from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
-    from topoagent.collectors.nvml import LiveCounterReader
     from topoagent.node.host import Host
     from topoagent.node.model import NodeTopology
 
-Labels = tuple[tuple[str, str], ...]
-Series = tuple[str, Labels, float]  # (metric without the topoagent_ prefix, labels, value)
 Key = tuple[str, Labels]
 
 TELEMETRY_FILE = "/telemetry.json"
 MAX_TELEMETRY_BYTES = 16 << 20
-# Counters NVIDIA does not keep, we do: the agent counts Xid events since it started, so
-# a series that appears later started at zero (its first event is a rise).
-COUNTED_FROM_ZERO = frozenset({"gpu_xid_errors_total"})
-# Xids NVIDIA's Xid catalogue says need action (reset the GPU, drain the node, call
-# support): 48 DBE, 63/64 row remapping, 74 NVLink error, 79 fallen off the bus, 92 high
-# single-bit ECC rate, 94/95 contained/uncontained ECC, 119/120 GSP errors.
-ACTIONABLE_XIDS = frozenset({"48", "63", "64", "74", "79", "92", "94", "95", "119", "120"})
-
-
-@dataclass(frozen=True, slots=True)
-class Context:
-    """What a counter source may read: the node (which devices we track) and NVML."""
-
-    host: Host
-    node: NodeTopology | None
-    nvml: LiveCounterReader
-
-
-@dataclass(frozen=True, slots=True)
-class CounterSource:
-    name: str  # its collector_success label
-    read: Callable[[Context], Any]  # live: the source's raw answer (JSON-able), blocking
-    parse: Callable[[Any], list[Series]]  # raw answer -> series (pure)
+# Counters NVIDIA does not keep, we do (Xid events since the agent started): a series
+# that appears later started at zero (its first event is a rise).
+COUNTED_FROM_ZERO = frozenset(f.name for f in FAMILIES if f.from_zero)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,54 +130,9 @@ class History:
 # --- findings ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Threshold:
-    """A rule: a series of ``metric`` whose labels match, rising faster than ``per_s``
-    (or, for a gauge, above it), raises a finding of ``kind`` and ``severity``."""
-
-    key: str  # its [telemetry] config key
-    metric: str
-    match: Mapping[str, frozenset[str]]  # label -> values it must have
-    per_s: float  # default; 0 means any rise
-    kind: FindingKind
-    severity: Severity
-    what: str
-
-    def matches(self, reading: Reading) -> bool:
-        labels = dict(reading.labels)
-        return reading.metric == self.metric and all(labels.get(k) in v for k, v in self.match.items())
-
-
-def _is(label: str, *values: str) -> Mapping[str, frozenset[str]]:
-    return {label: frozenset(values)}
-
-
-# The one table of thresholds (README "Telemetry"; each key settable in [telemetry]).
-# Critical: placement avoids the GPU or link (issue #9's health flag).
-THRESHOLDS: tuple[Threshold, ...] = (
-    Threshold("symbol_error_per_s", "infiniband_port_errors_total", _is("counter", "symbol_error"), 0.01,
-              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "symbol errors"),
-    Threshold("link_error_recovery_per_s", "infiniband_port_errors_total", _is("counter", "link_error_recovery"), 0.0,
-              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "link error recoveries"),
-    Threshold("link_downed_per_s", "infiniband_port_errors_total", _is("counter", "link_downed"), 0.0,
-              FindingKind.IB_ERRORS_RISING, Severity.CRITICAL, "link downed events (the port flaps)"),
-    Threshold("port_rcv_errors_per_s", "infiniband_port_errors_total", _is("counter", "port_rcv_errors"), 0.1,
-              FindingKind.IB_ERRORS_RISING, Severity.WARNING, "receive errors"),
-    Threshold("nvlink_replay_per_s", "nvlink_errors_total", _is("counter", "replay"), 0.0,
-              FindingKind.NVLINK_ERRORS_RISING, Severity.WARNING, "NVLink replays"),
-    Threshold("nvlink_recovery_per_s", "nvlink_errors_total", _is("counter", "recovery"), 0.0,
-              FindingKind.NVLINK_ERRORS_RISING, Severity.CRITICAL, "NVLink recoveries"),
-    Threshold("aer_nonfatal_per_s", "pcie_aer_errors_total", _is("severity", "nonfatal"), 0.0,
-              FindingKind.PCIE_AER_ERRORS, Severity.WARNING, "PCIe AER non-fatal errors"),
-    Threshold("aer_fatal_per_s", "pcie_aer_errors_total", _is("severity", "fatal"), 0.0,
-              FindingKind.PCIE_AER_ERRORS, Severity.CRITICAL, "PCIe AER fatal errors"),
-    Threshold("xid_per_s", "gpu_xid_errors_total", {"xid": ACTIONABLE_XIDS}, 0.0,
-              FindingKind.GPU_XID, Severity.CRITICAL, "Xid events that need action"),
-    Threshold("ecc_uncorrected_per_s", "gpu_ecc_errors_total", _is("type", "uncorrected"), 0.0,
-              FindingKind.GPU_ECC_UNCORRECTED, Severity.CRITICAL, "uncorrectable ECC errors"),
-    Threshold("remapped_rows_failure", "gpu_remapped_rows", _is("state", "failure"), 0.0,
-              FindingKind.GPU_ROW_REMAP_FAILED, Severity.CRITICAL, "row remapping failure (the GPU needs service)"),
-)
+# The one list of thresholds, gathered from the sources that declare them (README
+# "Telemetry"; each key settable in [telemetry]).  Critical: placement avoids the GPU or
+# link (issue #9's health flag).
 THRESHOLD_KEYS = tuple(t.key for t in THRESHOLDS)
 
 
@@ -209,9 +154,9 @@ def findings_from(readings: Iterable[Reading], overrides: Mapping[str, float], g
     for rule in THRESHOLDS:
         limit = overrides.get(rule.key, rule.per_s)
         for reading in readings:
-            if not rule.matches(reading):
+            if not rule.matches(reading.metric, reading.labels):
                 continue
-            gauge = not rule.metric.endswith("_total")
+            gauge = rule.family.type == GAUGE
             figure = reading.value if gauge else reading.rate_per_s
             if figure is None or figure <= limit:
                 continue
@@ -232,6 +177,7 @@ class Telemetry:
     readings: tuple[Reading, ...]
     sources: tuple[CollectorStatus, ...]
     findings: tuple[Finding, ...] = ()
+    families: tuple[Family, ...] = FAMILIES  # what the readings are of, as the sources declare them
     _rates: dict[Key, float | None] = field(default_factory=dict, repr=False, compare=False)
 
     def rate_of(self, metric: str, labels: Labels) -> float | None:
@@ -240,8 +186,8 @@ class Telemetry:
         return self._rates.get((metric, labels))
 
 
-# The IB data counters (collectors/ib_counters.py), already in bytes.
-PORT_TRAFFIC = ("infiniband_port_transmitted_bytes_total", "infiniband_port_received_bytes_total")
+# The IB data counters, already in bytes.
+PORT_TRAFFIC = (ib_counters.TRANSMITTED_BYTES.name, ib_counters.RECEIVED_BYTES.name)
 
 
 def nic_traffic(telemetry: Telemetry | None) -> dict[str, float]:
@@ -311,8 +257,6 @@ def recorded_samples(host: Host) -> list[Sample] | None:
 def replayed(host: Host, node: NodeTopology | None, overrides: Mapping[str, float] | None = None) -> Telemetry | None:
     """A recording's telemetry as the agent serves it after replaying every sample (its
     recorded rates): what one-shot commands on a snapshot read.  None without one."""
-    from topoagent.node.discovery import COUNTER_SOURCES
-
     samples = recorded_samples(host)
     if samples is None:
         return None

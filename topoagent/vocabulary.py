@@ -51,6 +51,7 @@ class FindingKind(enum.StrEnum):
     LINKS_UNKNOWN = "links-unknown"
     DUPLICATE_GPU = "duplicate-gpu"  # a source lists one GPU twice, or two GPUs with one identity
     NUMA_DISAGREEMENT = "numa-disagreement"  # NVML and sysfs place a device on different NUMA nodes
+    GPU_UNLEASABLE = "gpu-unleasable"  # its identity (UUID, index) cannot be stored in a lease: never leased
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"

@@ -134,6 +134,7 @@ def _tls_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 def run(args: argparse.Namespace) -> int:
     from topoagent.config import ConfigError, parse_listen
+    from topoagent.documents.lease import TTL_MAX_S, TTL_MIN_S, ttl_problem
 
     try:
         listen = parse_listen("--listen", args.listen)
@@ -146,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--agent-timeout must be above 0")
     if args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
-    if not 0 < args.lease_ttl <= 7 * 24 * 3600:
-        raise UsageError("--lease-ttl must be above 0 and at most a week (604800)")
+    if ttl_problem(args.lease_ttl):  # the agents' own rule: they would refuse every bind's lease
+        raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
     tls = _tls_context(args)

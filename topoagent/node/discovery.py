@@ -1,8 +1,9 @@
-"""Discovery: run every collector listed here and merge their facts into a NodeTopology.
+"""Discovery: run every collector of the table and merge their facts into a NodeTopology.
 
-``COLLECTORS`` is the one list of sources (node_exporter's registerCollector idea).  Adding
-a source is one new module under ``collectors/`` with an async ``collect(host, *needed)``
-and one line here; ``merge`` decides what its facts become in the model.
+The table of sources is ``topoagent.collectors.registry.SOURCES``, one list for
+discovery's collectors and the telemetry loop's counter sources (node_exporter's
+registerCollector idea): adding a source is one new module under ``collectors/`` and one
+line there; ``merge`` decides what a collector's facts become in the model.
 
 Collectors run concurrently; one that ``needs`` others waits for their results and gets
 them, in the order it names them, after ``host`` (PCI needs NUMA's CPUs to place devices
@@ -12,122 +13,14 @@ a collector that raises anyway (a bug) gets an ``error`` status of its own (base
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from typing import Any
 
-from topoagent.collectors import (
-    cpu,
-    gpudirect,
-    ib_neighbours,
-    infiniband,
-    lldp,
-    netdev,
-    numa,
-    nvidia_driver,
-    nvidia_smi,
-    nvml,
-    pci,
-)
 from topoagent.collectors.base import CollectorResult, crashed
+from topoagent.collectors.registry import COLLECTORS, COUNTER_SOURCES, Collector, check_order
 from topoagent.node.host import Host
 from topoagent.node.merge import merge
 from topoagent.node.model import NodeTopology
-
-if TYPE_CHECKING:
-    import asyncio
-
-    from topoagent.telemetry import Context, CounterSource
-
-    COUNTER_SOURCES: tuple[CounterSource, ...]  # built on first use, see __getattr__ below
-
-Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
-
-
-@dataclass(frozen=True, slots=True)
-class Collector:
-    """One source in the table: its name, its collect function and the sources it needs."""
-
-    name: str  # the name its CollectorResult carries, the key merge reads it by
-    collect: Collect  # collect(host, *results of ``needs``)
-    needs: tuple[str, ...] = ()
-    optional: bool = False  # its failure is a warning (as its collect() says to run_collector)
-
-
-# In the order the node's collector statuses are reported; a collector comes after
-# those it needs.
-COLLECTORS: tuple[Collector, ...] = (
-    Collector("numa", numa.collect),
-    Collector("cpu", cpu.collect, needs=("numa",)),
-    Collector("pci", pci.collect, needs=("numa",)),
-    Collector("infiniband", infiniband.collect),
-    Collector("interfaces", netdev.collect),
-    Collector("gpudirect", gpudirect.collect),
-    Collector("nvml", nvml.collect),
-    Collector("nvidia_driver", nvidia_driver.collect),
-    Collector("nvidia_smi", nvidia_smi.collect),
-    # Optional: what is at the other end of each port (the leaf switches, the rails).
-    Collector(ib_neighbours.NAME, ib_neighbours.collect, needs=("infiniband",), optional=True),
-    Collector(lldp.NAME, lldp.collect, optional=True),
-)
-
-
-def _tracked_pcie(context: Context) -> list[str]:
-    """The PCIe devices whose AER counters we read: GPUs, NICs, and the bridges above them."""
-    node = context.node
-    if node is None:
-        return []
-    addresses = [g.pci_address for g in node.gpus if g.pci_address] + [n.pci_address for n in node.nics if n.pci_address]
-    if node.pci is not None:
-        for address in list(addresses):
-            device = node.pci.get(address)
-            addresses.extend(device.bridges if device else ())
-    return addresses
-
-
-def _nvml_counters(context: Context) -> Any:
-    if context.host.live:
-        return context.nvml.read()
-    from topoagent.collectors.base import NoData
-
-    raise NoData(nvml.NO_NVML + " (this recording has no telemetry.json)")
-
-
-# Counter sources, read by the agent's telemetry loop on their own interval (not
-# discovery: see topoagent/telemetry.py).  Each is a raw read and a pure parser.  Built on
-# first use (module __getattr__): one-shot commands never read counters, and need not
-# import the telemetry module nor the counter readers (aer, ib_counters).
-def _counter_sources() -> tuple[CounterSource, ...]:
-    from topoagent.collectors import aer, ib_counters
-    from topoagent.telemetry import CounterSource
-
-    return (
-        CounterSource("infiniband_counters", lambda c: ib_counters.read_raw(c.host), ib_counters.parse),
-        CounterSource("pcie_aer", lambda c: aer.read_raw(c.host, _tracked_pcie(c)), aer.parse),
-        CounterSource("nvml_counters", _nvml_counters, nvml.parse_counters),
-    )
-
-
-def __getattr__(name: str) -> Any:
-    if name == "COUNTER_SOURCES":
-        globals()[name] = sources = _counter_sources()
-        return sources
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def check_order(collectors: tuple[Collector, ...]) -> None:
-    """Refuse a table where a collector needs one that is missing or listed after it."""
-    seen: set[str] = set()
-    for entry in collectors:
-        missing = [name for name in entry.needs if name not in seen]
-        if missing:
-            raise ValueError(f"collector {entry.name} needs {', '.join(missing)}, not listed before it")
-        if entry.name in seen:
-            raise ValueError(f"collector {entry.name} is listed twice")
-        seen.add(entry.name)
-
-
-check_order(COLLECTORS)
 
 
 async def run_collectors(

@@ -9,9 +9,10 @@ from typing import Any
 from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
+from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
 from topoagent.node.facts import BRIDGE, GPU
-from topoagent.node.model import Finding, NicTopo
+from topoagent.node.model import Finding, GpuTopo, NicTopo
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 
@@ -109,6 +110,18 @@ def pcie_findings(
             ))
         if seen_here:
             seen.add(key)
+    return found
+
+
+def unleasable_findings(gpus: Iterable[GpuTopo]) -> list[Finding]:
+    """A GPU the lease store cannot name (a UUID too long or not printable text, an index
+    out of range) is never leased: critical, so placement keeps off it too.  The rule is
+    the store's own (``topoagent.documents.lease.gpu_id_problem``)."""
+    found = []
+    for g in gpus:
+        problem = gpu_id_problem(g.index, g.uuid)
+        if problem:
+            found.append(Finding(FindingKind.GPU_UNLEASABLE, Severity.CRITICAL, g.name, f"GPU cannot be leased: {problem}"))
     return found
 
 

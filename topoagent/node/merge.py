@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult
@@ -36,7 +36,7 @@ from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.node.derive import expected_for_pair, nvlink_levels, pcie_level
 from topoagent.node.fabric import build_fabric
 from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
-from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings
+from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings, unleasable_findings
 from topoagent.node.levels import LinkLevel, nv, nvlink_generation_for_model
 from topoagent.node.model import (
     DECLARED,
@@ -67,161 +67,211 @@ def _data(results: Mapping[str, CollectorResult[Any]], name: str) -> Any:
     return result.data if result is not None and result.ok else None
 
 
-def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = None) -> NodeTopology:
-    """One NodeTopology from the collectors' results, by collector name (any may be missing)."""
-    numa: NumaTopology | None = _data(results, "numa")
-    tree: PciTree | None = _data(results, "pci")
-    hcas: tuple[Hca, ...] = _data(results, "infiniband") or ()
-    nvml: NvmlInfo | None = _data(results, "nvml")
-    declared: TopoMatrix | None = _data(results, "nvidia_smi")
-    cpu: CpuFacts | None = _data(results, "cpu")
-    minors: dict[str, int] = _data(results, "nvidia_driver") or {}
-    findings: list[Finding] = collector_findings(results.values())
-    if nvml is not None:
-        nvml, dropped = _unique_gpus(nvml, tree)
-        findings.extend(dropped)
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What the sources saw, by what it is: the one place results are read by source name."""
 
-    def node_cpus(node: int | None) -> str | None:
-        if numa is None or node is None:
+    numa: NumaTopology | None
+    tree: PciTree | None
+    hcas: tuple[Hca, ...]
+    nvml: NvmlInfo | None
+    declared: TopoMatrix | None  # nvidia-smi's matrix
+    cpu: CpuFacts | None
+    minors: dict[str, int]  # the driver's minor numbers by PCI address
+    interfaces: tuple[NetInterface, ...]
+    peer_memory: Any
+    neighbours: tuple[PortNeighbour, ...]  # every source of port neighbours, in table order
+
+    @staticmethod
+    def of(results: Mapping[str, CollectorResult[Any]]) -> _Facts:
+        return _Facts(
+            numa=_data(results, "numa"), tree=_data(results, "pci"), hcas=_data(results, "infiniband") or (),
+            nvml=_data(results, "nvml"), declared=_data(results, "nvidia_smi"), cpu=_data(results, "cpu"),
+            minors=_data(results, "nvidia_driver") or {}, interfaces=_data(results, "interfaces") or (),
+            peer_memory=_data(results, "gpudirect"),
+            neighbours=(_data(results, "ib_neighbours") or ()) + (_data(results, "lldp") or ()),
+        )
+
+    def device(self, address: str | None) -> PciDevice | None:
+        """The PCI function a bus id names, where sysfs shows it."""
+        return self.tree.get(address) if self.tree is not None and address else None
+
+    def node_cpus(self, node: int | None) -> str | None:
+        if self.numa is None or node is None:
             return None
-        n = numa.node(node)
+        n = self.numa.node(node)
         return n.cpulist if n and n.cpus else None
 
-    # --- GPUs: NVML's indices when we have them, else PCI bus order like nvidia-smi.
-    pci_gpus = list(tree.of_kind(GPU)) if tree else []
-    gpus: list[GpuTopo] = []
-    gpu_pci: dict[str, PciDevice] = {}
-    if nvml is not None:
-        for g in nvml.gpus:
-            dev = tree.get(g.pci_address) if tree and g.pci_address else None
-            sysfs_numa = dev.numa_node if dev is not None else None
-            numa_node = sysfs_numa if sysfs_numa is not None else g.numa_node
-            if sysfs_numa is not None and g.numa_node is not None and g.numa_node != sysfs_numa:
-                findings.append(Finding(
-                    FindingKind.NUMA_DISAGREEMENT, Severity.WARNING, f"GPU{g.index}",
-                    f"NVML places {g.pci_address} on NUMA node {g.numa_node} but sysfs says {sysfs_numa}; "
-                    f"using sysfs's (the kernel's) node {sysfs_numa}",
-                ))
-            gpus.append(
-                GpuTopo(
-                    index=g.index,
-                    name=f"GPU{g.index}",
-                    uuid=g.uuid,
-                    model=g.name,
-                    pci_address=g.pci_address,
-                    numa_node=numa_node,
-                    cpus=g.cpu_affinity or (dev.local_cpulist if dev else None) or node_cpus(numa_node),
-                    memory_bytes=g.memory_total_bytes,
-                    link=dev.link if dev else None,
-                    nvlink_generation=nvlink_generation_for_model(g.name)
-                    or max((l.version or 0 for l in g.nvlinks), default=0)
-                    or None,
-                    nvlinks=g.nvlinks,
-                    utilization_percent=g.utilization_percent,
-                    processes=g.processes,
-                )
-            )
-            if dev is not None:
-                gpu_pci[f"GPU{g.index}"] = dev
-    else:
-        for index, dev in enumerate(pci_gpus):
-            gpus.append(
-                GpuTopo(
-                    index=index,
-                    name=f"GPU{index}",
-                    pci_address=dev.address,
-                    numa_node=dev.numa_node,
-                    cpus=dev.local_cpulist or node_cpus(dev.numa_node),
-                    link=dev.link,
-                )
-            )
-            gpu_pci[f"GPU{index}"] = dev
-    if declared is not None:
-        known = {g.name for g in gpus}
-        for d in declared.gpus:
-            if d.name not in known:
-                gpus.append(GpuTopo(index=int(d.name[3:]), name=d.name, cpus=d.cpu_affinity,
-                                    numa_node=first_numa_node(d.numa_affinity)))
-                if tree is not None:
-                    findings.append(Finding(FindingKind.GPU_NOT_IN_SYSFS, Severity.WARNING, d.name,
-                                            "nvidia-smi lists this GPU but sysfs/NVML do not show it"))
-    gpus.sort(key=lambda g: g.index)
-    # The driver's minor numbers (what /dev/nvidiaN gres.conf names), by PCI address.
-    gpus = [replace(g, device_minor=minors.get(g.pci_address or "")) for g in gpus]
 
-    # --- NICs: RDMA devices in name order, named NIC<k> as nvidia-smi's legend does.
+# A device of the node with the PCI function its bus id names (None: sysfs does not show it).
+Attached = tuple[GpuTopo, PciDevice | None]
+
+
+def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = None) -> NodeTopology:
+    """One NodeTopology from the collectors' results, by collector name (any may be missing).
+
+    Passes, each its own function: the devices, each attached to the PCI function its bus
+    id names (GPUs, NICs); their links (NVLink, link health); then every pair's level, from
+    the attached functions alone; then what hangs off them (interfaces, the fabric)."""
+    facts = _Facts.of(results)
+    findings: list[Finding] = collector_findings(results.values())
+    if facts.nvml is not None:
+        nvml, dropped = _unique_gpus(facts.nvml, facts.tree)
+        findings.extend(dropped)
+        facts = replace(facts, nvml=nvml)
+
+    attached = _nvml_gpus(facts, findings) if facts.nvml is not None else _sysfs_gpus(facts)
+    gpu_pci = {gpu.name: dev for gpu, dev in attached if dev is not None}
+    gpus = [gpu for gpu, _ in attached] + _declared_only_gpus(facts, {gpu.name for gpu, _ in attached}, findings)
+    gpus.sort(key=lambda g: g.index)
+    gpus = [replace(g, device_minor=facts.minors.get(g.pci_address or "")) for g in gpus]
+    nics, nic_pci = _nics(facts)
+    declared_nic_name = _declared_nics(facts, nics)
+
+    nv_counts = _nvlinks(facts, findings)
+    findings.extend(pcie_findings(facts.tree, gpu_pci, nic_pci))
+    findings.extend(ib_findings(nics))
+    findings.extend(unleasable_findings(gpus))  # a GPU the lease store cannot name
+    pairs = _pairs(facts, gpus, nics, {**gpu_pci, **nic_pci}, nv_counts, declared_nic_name, findings)
+
+    interfaces = _interfaces(facts.interfaces, facts.hcas, facts.tree, gpu_pci)
+    socket_of = _socket_interfaces(interfaces, facts.tree, gpu_pci)
+    gpus = [replace(g, socket_interfaces=socket_of.get(g.name, ())) for g in gpus]
+    node = NodeTopology(
+        hostname=hostname,
+        numa=facts.numa,
+        pci=facts.tree,
+        gpus=tuple(gpus),
+        nics=tuple(nics),
+        pairs=tuple(pairs),
+        findings=tuple(findings),
+        collectors=tuple(_status(r) for r in results.values()),
+        declared=facts.declared,
+        cpu=facts.cpu,
+        peer_memory=facts.peer_memory,
+        interfaces=interfaces,
+        nvlink_domain=_nvlink_domain(facts.nvml),
+    )
+    return _with_unknown_links(_with_fabric(node, facts.neighbours))
+
+
+def _nvml_gpus(facts: _Facts, findings: list[Finding]) -> list[Attached]:
+    """NVML's GPUs by its indices, each with the PCI function of its bus id; where NVML and
+    sysfs place it on different NUMA nodes, sysfs wins and a finding says so."""
+    assert facts.nvml is not None
+    out: list[Attached] = []
+    for g in facts.nvml.gpus:
+        dev = facts.device(g.pci_address)
+        sysfs_numa = dev.numa_node if dev is not None else None
+        numa_node = sysfs_numa if sysfs_numa is not None else g.numa_node
+        if sysfs_numa is not None and g.numa_node is not None and g.numa_node != sysfs_numa:
+            findings.append(Finding(
+                FindingKind.NUMA_DISAGREEMENT, Severity.WARNING, f"GPU{g.index}",
+                f"NVML places {g.pci_address} on NUMA node {g.numa_node} but sysfs says {sysfs_numa}; "
+                f"using sysfs's (the kernel's) node {sysfs_numa}",
+            ))
+        gpu = GpuTopo(
+            index=g.index,
+            name=f"GPU{g.index}",
+            uuid=g.uuid,
+            model=g.name,
+            pci_address=g.pci_address,
+            numa_node=numa_node,
+            cpus=g.cpu_affinity or (dev.local_cpulist if dev else None) or facts.node_cpus(numa_node),
+            memory_bytes=g.memory_total_bytes,
+            link=dev.link if dev else None,
+            nvlink_generation=nvlink_generation_for_model(g.name)
+            or max((l.version or 0 for l in g.nvlinks), default=0)
+            or None,
+            nvlinks=g.nvlinks,
+            utilization_percent=g.utilization_percent,
+            processes=g.processes,
+        )
+        out.append((gpu, dev))
+    return out
+
+
+def _sysfs_gpus(facts: _Facts) -> list[Attached]:
+    """Without NVML: the GPUs sysfs shows, in PCI bus order like nvidia-smi."""
+    devices = facts.tree.of_kind(GPU) if facts.tree else ()
+    return [(GpuTopo(index=index, name=f"GPU{index}", pci_address=dev.address, numa_node=dev.numa_node,
+                     cpus=dev.local_cpulist or facts.node_cpus(dev.numa_node), link=dev.link), dev)
+            for index, dev in enumerate(devices)]
+
+
+def _declared_only_gpus(facts: _Facts, known: set[str], findings: list[Finding]) -> list[GpuTopo]:
+    """GPUs nvidia-smi lists that neither NVML nor sysfs shows (a finding where sysfs was read)."""
+    out: list[GpuTopo] = []
+    for d in facts.declared.gpus if facts.declared is not None else ():
+        if d.name in known:
+            continue
+        out.append(GpuTopo(index=int(d.name[3:]), name=d.name, cpus=d.cpu_affinity, numa_node=first_numa_node(d.numa_affinity)))
+        if facts.tree is not None:
+            findings.append(Finding(FindingKind.GPU_NOT_IN_SYSFS, Severity.WARNING, d.name,
+                                    "nvidia-smi lists this GPU but sysfs/NVML do not show it"))
+    return out
+
+
+def _nics(facts: _Facts) -> tuple[list[NicTopo], dict[str, PciDevice]]:
+    """RDMA devices in name order, named NIC<k> as nvidia-smi's legend does, and the PCI
+    function of each one's bus id."""
     nics: list[NicTopo] = []
     nic_pci: dict[str, PciDevice] = {}
-    for k, hca in enumerate(sorted(hcas, key=lambda h: _natural(h.name))):
-        dev = tree.get(hca.pci_address) if tree and hca.pci_address else None
-        nics.append(
-            NicTopo(
-                name=f"NIC{k}",
-                device=hca.name,
-                pci_address=hca.pci_address,
-                numa_node=dev.numa_node if dev else None,
-                netdevs=hca.netdevs,
-                ports=hca.ports,
-                link=dev.link if dev else None,
-                node_guid=hca.node_guid,
-            )
-        )
+    for k, hca in enumerate(sorted(facts.hcas, key=lambda h: _natural(h.name))):
+        dev = facts.device(hca.pci_address)
+        nics.append(NicTopo(name=f"NIC{k}", device=hca.name, pci_address=hca.pci_address, numa_node=dev.numa_node if dev else None,
+                            netdevs=hca.netdevs, ports=hca.ports, link=dev.link if dev else None, node_guid=hca.node_guid))
         if dev is not None:
-            nic_pci[f"NIC{k}"] = dev
-    declared_nic_name: dict[str, str] = {}  # declared matrix name -> our name
-    if declared is not None:
-        ours = {n.device: n.name for n in nics}
-        for d in declared.nics:
-            if d.device in ours:
-                declared_nic_name[d.name] = ours[d.device]
-            else:
-                name = f"NIC{len(nics)}"
-                nics.append(NicTopo(name=name, device=d.device))
-                declared_nic_name[d.name] = name
+            nic_pci[nics[-1].name] = dev
+    return nics, nic_pci
 
-    # --- NVLink
-    nv_counts: dict[tuple[int, int], int] = {}
-    if nvml is not None:
-        switches = {d.address for d in tree.of_kind(NVSWITCH)} if tree else set()
-        nv_counts, fabric, per_gpu = nvlink_levels(nvml, switches)
-        findings.extend(nvlink_findings(nvml, fabric, per_gpu))
-    elif declared is not None and any(
-        lvl is not None and lvl.is_nvlink for row in declared.levels for lvl in row
-    ):
+
+def _declared_nics(facts: _Facts, nics: list[NicTopo]) -> dict[str, str]:
+    """nvidia-smi's NIC names -> ours, matched by RDMA device; a NIC only it lists is added."""
+    declared_nic_name: dict[str, str] = {}
+    if facts.declared is None:
+        return declared_nic_name
+    ours = {n.device: n.name for n in nics}
+    for d in facts.declared.nics:
+        if d.device in ours:
+            declared_nic_name[d.name] = ours[d.device]
+        else:
+            name = f"NIC{len(nics)}"
+            nics.append(NicTopo(name=name, device=d.device))
+            declared_nic_name[d.name] = name
+    return declared_nic_name
+
+
+def _nvlinks(facts: _Facts, findings: list[Finding]) -> dict[tuple[int, int], int]:
+    """NVLinks between GPU indices (from NVML); where only nvidia-smi speaks of NVLink, a
+    finding says its levels stand alone."""
+    if facts.nvml is not None:
+        switches = {d.address for d in facts.tree.of_kind(NVSWITCH)} if facts.tree else set()
+        nv_counts, fabric, per_gpu = nvlink_levels(facts.nvml, switches)
+        findings.extend(nvlink_findings(facts.nvml, fabric, per_gpu))
+        return nv_counts
+    declared = facts.declared
+    if declared is not None and any(lvl is not None and lvl.is_nvlink for row in declared.levels for lvl in row):
         findings.append(Finding(FindingKind.NVLINK_UNKNOWN, Severity.INFO, "nvml",
                                 "NVML gave no NVLink state; NVLink levels are nvidia-smi's alone"))
+    return {}
 
-    # --- health of PCIe links and IB ports
-    findings.extend(pcie_findings(tree, gpu_pci, nic_pci))
-    findings.extend(ib_findings(nics))
 
-    # --- pairs
+def _pairs(
+    facts: _Facts, gpus: list[GpuTopo], nics: list[NicTopo], pci_of: dict[str, PciDevice],
+    nv_counts: dict[tuple[int, int], int], declared_nic_name: dict[str, str], findings: list[Finding],
+) -> list[Pair]:
+    """Every pair of devices with its level: derived (NVLink, else the PCIe path between the
+    functions attached to them) where we can, else nvidia-smi's; a disagreement is a finding."""
     names = [g.name for g in gpus] + [n.name for n in nics]
     gpu_by_name = {g.name: g for g in gpus}
     nic_by_name = {n.name: n for n in nics}
     ours_to_declared = {v: k for k, v in declared_nic_name.items()}
-    pci_of = {**gpu_pci, **nic_pci}
     pairs: list[Pair] = []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            declared_level = None
-            if declared is not None:
-                da, db = ours_to_declared.get(a, a), ours_to_declared.get(b, b)
-                try:
-                    declared_level = declared.level(da, db)
-                except KeyError:
-                    declared_level = None
-            derived: LinkLevel | None = None
-            ga, gb = gpu_by_name.get(a), gpu_by_name.get(b)
-            if ga and gb and nvml is not None:
-                links = nv_counts.get((min(ga.index, gb.index), max(ga.index, gb.index)), 0)
-                if links:
-                    derived = nv(links)
-            nvlink_unknown = ga is not None and gb is not None and nvml is None
-            if derived is None and a in pci_of and b in pci_of:
-                derived = pcie_level(pci_of[a], pci_of[b])
-                if nvlink_unknown and declared_level is not None and declared_level.is_nvlink:
-                    derived = None  # we cannot see NVLink; do not call the driver wrong
+            declared_level = _declared_level(facts.declared, ours_to_declared.get(a, a), ours_to_declared.get(b, b))
+            derived = _derived_level(facts, gpu_by_name.get(a), gpu_by_name.get(b), pci_of.get(a), pci_of.get(b), nv_counts, declared_level)
             level: LinkLevel | None
             if derived is not None:
                 level, source = derived, DERIVED
@@ -232,32 +282,47 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
                     ))
             else:
                 level, source = declared_level, DECLARED
-            expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, tree)
+            expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, facts.tree)
             pairs.append(Pair(a, b, level, source, declared_level, expected))
+    return pairs
 
-    interfaces = _interfaces(_data(results, "interfaces") or (), hcas, tree, gpu_pci)
-    socket_of = _socket_interfaces(interfaces, tree, gpu_pci)
-    gpus = [replace(g, socket_interfaces=socket_of.get(g.name, ())) for g in gpus]
 
-    node = NodeTopology(
-        hostname=hostname,
-        numa=numa,
-        pci=tree,
-        gpus=tuple(gpus),
-        nics=tuple(nics),
-        pairs=tuple(pairs),
-        findings=tuple(findings),
-        collectors=tuple(_status(r) for r in results.values()),
-        declared=declared,
-        cpu=cpu,
-        peer_memory=_data(results, "gpudirect"),
-        interfaces=interfaces,
-        nvlink_domain=_nvlink_domain(nvml),
-    )
-    neighbours: tuple[PortNeighbour, ...] = (_data(results, "ib_neighbours") or ()) + (_data(results, "lldp") or ())
-    if neighbours:
-        nic_ports = [(n.name, n.device, n.netdevs) for n in node.nics]
-        node = replace(node, fabric=build_fabric(neighbours, nic_ports, [g.name for g in node.gpus], node.level))
+def _declared_level(declared: TopoMatrix | None, a: str, b: str) -> LinkLevel | None:
+    if declared is None:
+        return None
+    try:
+        return declared.level(a, b)
+    except KeyError:
+        return None
+
+
+def _derived_level(
+    facts: _Facts, ga: GpuTopo | None, gb: GpuTopo | None, da: PciDevice | None, db: PciDevice | None,
+    nv_counts: dict[tuple[int, int], int], declared_level: LinkLevel | None,
+) -> LinkLevel | None:
+    """NVLink between two GPUs, else the PCIe level between the two functions; None where
+    we cannot see (no NVML while nvidia-smi declares NVLink: we do not call the driver wrong)."""
+    if ga and gb and facts.nvml is not None:
+        links = nv_counts.get((min(ga.index, gb.index), max(ga.index, gb.index)), 0)
+        if links:
+            return nv(links)
+    if da is None or db is None:
+        return None
+    nvlink_unknown = ga is not None and gb is not None and facts.nvml is None
+    if nvlink_unknown and declared_level is not None and declared_level.is_nvlink:
+        return None
+    return pcie_level(da, db)
+
+
+def _with_fabric(node: NodeTopology, neighbours: tuple[PortNeighbour, ...]) -> NodeTopology:
+    """The rails the ports' neighbours make, where any neighbour is known."""
+    if not neighbours:
+        return node
+    nic_ports = [(n.name, n.device, n.netdevs) for n in node.nics]
+    return replace(node, fabric=build_fabric(neighbours, nic_ports, [g.name for g in node.gpus], node.level))
+
+
+def _with_unknown_links(node: NodeTopology) -> NodeTopology:
     unknown = node.gpus_with_unknown_links()
     if not unknown:
         return node

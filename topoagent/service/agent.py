@@ -28,7 +28,7 @@ from topoagent.service.capacity_loop import CapacityLoop
 from topoagent.service.counter_loop import CounterLoop
 from topoagent.service.discovery_loop import Discover, DiscoveryLoop, start_udev_watch
 from topoagent.service.exports import EXPORT_CHECK_S, ExportsLoop
-from topoagent.service.lease_loop import Answer, LeaseLoop
+from topoagent.service.lease_loop import Answer, LeaseLoop, StateUnavailable
 from topoagent.service.loop import LoopHealth, keep_running
 from topoagent.service.probe_loop import ProbeLoop
 from topoagent.service.served import Board, Served, ServedCapacity, Snapshot, counted
@@ -230,11 +230,22 @@ class Agent:
         twice), durable on disk before this returns."""
         served = self.board.served
         assert served.snapshot is not None
-        answer, lease = await self.leases.reserve(served.snapshot.matrix, self._with_deadline(request), owner, ttl_s, served.running, self.live())
-        self._count("reserved" if lease else "nofit")
-        if lease:
-            await self.probe_loop.lease_granted(lease)
+        try:
+            answer, lease = await self.leases.reserve(
+                served.snapshot.matrix, self._with_deadline(request), owner, ttl_s, served.running, self.live())
+            self._count("reserved" if lease else "nofit")
+            if lease:
+                await self.probe_loop.lease_granted(lease)
+        except StateUnavailable:
+            raise
+        except OSError as exc:  # the state directory failed under the change: nothing was granted
+            raise self.leases.unavailable(exc) from exc
         return answer, lease
 
     async def release(self, lease_id: str) -> Lease | None:
-        return await self.leases.release(lease_id)
+        try:
+            return await self.leases.release(lease_id)
+        except StateUnavailable:
+            raise
+        except OSError as exc:
+            raise self.leases.unavailable(exc) from exc

@@ -10,10 +10,11 @@ from typing import Any, Protocol
 from topoagent.config import Config
 from topoagent.leases import Lease
 from topoagent.placement import NoFit, Placement, Request
+from topoagent.service.lease_loop import StateUnavailable
 from topoagent.service.probe_loop import ProbeRunning, ProbesOff
 from topoagent.service.served import Served, ServedCapacity
 
-__all__ = ["ProbeRunning", "ProbesOff", "Service"]
+__all__ = ["ProbeRunning", "ProbesOff", "Service", "StateUnavailable"]
 
 Answer = Placement | NoFit
 
@@ -37,9 +38,13 @@ class Service(Protocol):
         """A dry run, counted by outcome."""
         ...
 
-    async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[Answer, Lease | None]: ...
+    async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[Answer, Lease | None]:
+        """Place and lease at once; raises StateUnavailable when the state directory fails."""
+        ...
 
-    async def release(self, lease_id: str) -> Lease | None: ...
+    async def release(self, lease_id: str) -> Lease | None:
+        """The lease released (None: no such lease); raises StateUnavailable as reserve does."""
+        ...
 
     def count_invalid_request(self) -> None:
         """A /place request refused as malformed, counted with the answered ones."""

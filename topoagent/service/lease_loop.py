@@ -9,14 +9,26 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from topoagent.leases import Lease, LeaseStore
+from topoagent.leases import Lease, LeaseStore, quarantine_report, state_unwritable
 from topoagent.log import log_event
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, NoFit, Placement, Request
 from topoagent.service.loop import LoopHealth
-from topoagent.service.served import Board, LeaseRecovery
+from topoagent.service.served import Board, LeaseQuarantine, LeaseRecovery
 
 Answer = Placement | NoFit
+
+
+class StateUnavailable(OSError):
+    """The state directory failed under a change (read-only, full, gone); the message
+    names it and says nothing was changed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class LeaseLoop:
@@ -46,7 +58,8 @@ class LeaseLoop:
         recovery = None
         if store.recovered_from is not None:
             recovery = LeaseRecovery(str(store.path), str(store.recovered_from), store.recovery_error)
-        self.board.publish(leases=leases, lease_recovery=recovery)
+        quarantine = LeaseQuarantine(str(store.quarantine_path), tuple(quarantine_report(store)))
+        self.board.publish(leases=leases, lease_recovery=recovery, lease_quarantine=quarantine)
         return leases
 
     async def sweep(self) -> None:
@@ -99,6 +112,11 @@ class LeaseLoop:
             log_event("lease_released", lease=lease_id[:6], owner=lease.owner)
             await self._ended(lease)
         return lease
+
+    def unavailable(self, exc: OSError) -> StateUnavailable:
+        """What a change that failed on the state directory tells its caller."""
+        assert self.store is not None
+        return StateUnavailable(state_unwritable(self.store, exc))
 
     def _say_if_corrupt(self) -> None:
         """One line for each state file moved aside (at start-up, or found later)."""

@@ -166,6 +166,14 @@ class LeaseRecovery:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseQuarantine:
+    """Lease state entries the store refused on loading, kept aside (the GPUs they named stay held)."""
+
+    file: str
+    entries: tuple[dict[str, Any], ...]  # as topoagent.leases.quarantine_report gives them
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeState:
     """What the probe loop publishes: its counts and where its worker stands."""
 
@@ -188,6 +196,7 @@ class Served:
     leases: tuple[Lease, ...] | None = None  # as the lease loop last read the store; None: no store open yet
     lease_clock: Callable[[], float] = boot_clock  # the clock lease lifetimes run on
     lease_recovery: LeaseRecovery | None = None
+    lease_quarantine: LeaseQuarantine | None = None  # None: no store open yet
     unverified: frozenset[int] = frozenset()  # GPUs given back, not probed since (probe loop)
     probes: ProbeState = ProbeState()
     placement_requests: Mapping[str, int] = field(default_factory=lambda: NO_COUNTS)  # by outcome

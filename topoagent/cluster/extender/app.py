@@ -43,7 +43,7 @@ from topoagent.cluster.extender.wire import (
     pod_ref,
     pod_request,
 )
-from topoagent.leases import OWNER_MAX_LEN
+from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.text import cut
 from topoagent.vocabulary import Unanswered

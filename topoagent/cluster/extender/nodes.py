@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
-from topoagent.leases import LEASE_ID
+from topoagent.documents.lease import LEASE_ID
 from topoagent.text import cut
 
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a 1024-GPU node's /capacity is well below this
