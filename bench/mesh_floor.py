@@ -57,7 +57,7 @@ def ring_oracle(original):
             cycle = self.req.pattern is Pattern.ALLREDUCE
             members = list(search.bits(cand))
             if not any(
-                self.prep.ham(taken | sum(1 << v for v in extra), self.r, cycle) is not None
+                search.rings(self.prep).ham(taken | sum(1 << v for v in extra), self.r, cycle) is not None
                 for extra in combinations(members, rem)
             ):
                 return None
@@ -148,7 +148,7 @@ def main() -> None:
     for ms, k, busy in hardest:
         plain, seconds = nodes_of(k, busy)
         oracle, _ = nodes_of(k, busy, ("_branch", ring_oracle))
-        both, _ = nodes_of(k, busy, ("_branch", ring_oracle), ("_damage_bound", exact_damage_bound))
+        both, _ = nodes_of(k, busy, ("_branch", ring_oracle), ("damage_bound", exact_damage_bound))
         cpu += seconds
         rows.append((k, len(busy), ms, plain, oracle, both))
     totals = [sum(row[i] for row in rows) for i in (3, 4, 5)]

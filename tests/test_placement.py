@@ -210,13 +210,14 @@ def test_after_warm_up_a_request_on_an_8_gpu_node_builds_no_answer():
     """The agent warms a new matrix: every set of the small tables has its answer pieces
     (bindings, NICs, launch forms) built, so a request only looks them up."""
     from topoagent.placement import warm
-    from topoagent.placement.search import prepare
+    from topoagent.placement.answer import built_answer_parts
+    from topoagent.placement.tables import prepare
 
     matrix = pcie_two_socket_8()
     warm(matrix)
-    built = dict(prepare(matrix, None).answer_parts)
+    built = built_answer_parts(prepare(matrix, None))
     assert built
     for k, busy, nics in ((2, [0], 0), (4, [1, 6], 1), (3, [], 2)):
         answer = place(matrix, Request(gpus=k, nics=nics), busy)
         assert isinstance(answer, Placement)
-        assert prepare(matrix, None).answer_parts == built  # nothing new was built
+        assert built_answer_parts(prepare(matrix, None)) == built  # nothing new was built

@@ -10,13 +10,15 @@ from pathlib import Path
 
 import pytest
 
-import topoagent.placement.search as search_module
+import topoagent.placement.deadline as deadline_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.documents.agent import answer_document
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, NoFit, Placement, Request, place
-from topoagent.placement.search import prepare, warm
+from topoagent.placement.ksets import small_table_if_built
+from topoagent.placement.search import warm
 from topoagent.placement.synthetic import irregular_mesh, nvswitch_16
+from topoagent.placement.tables import prepare
 from topoagent.vocabulary import Pattern
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +62,7 @@ def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answ
 
 @pytest.mark.parametrize("pattern", [Pattern.ALLREDUCE, Pattern.PIPELINE, Pattern.ALLTOALL])
 def test_adversarial_mesh_answers_by_the_deadline_with_a_valid_set_marked_not_proven(monkeypatch, pattern):
-    monkeypatch.setattr(search_module, "clock", StepClock(1e-5))  # 1 ms: about 400 steps, on any machine
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-5))  # 1 ms: about 400 steps, on any machine
     busy = list(range(0, 128, 5))
     request = Request(gpus=32, pattern=pattern, include=(1, 2), exclude=(3, 4), deadline_ms=1)
     answer = place(MESH, request, busy)
@@ -81,7 +83,7 @@ def test_adversarial_mesh_answers_by_the_deadline_with_a_valid_set_marked_not_pr
 def test_a_deadline_answer_has_the_bound_bandwidth_and_more_time_improves_it(monkeypatch):
     """Not proven is not arbitrary: in a few hundred steps the answer's links already reach
     the bound (no set has better ones); more steps only improve the later terms."""
-    monkeypatch.setattr(search_module, "clock", StepClock(1e-5))
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-5))
     quick = place(MESH, Request(gpus=8, deadline_ms=2))
     longer = place(MESH, Request(gpus=8, deadline_ms=50))
     assert isinstance(quick, Placement) and isinstance(longer, Placement)
@@ -92,7 +94,7 @@ def test_a_deadline_answer_has_the_bound_bandwidth_and_more_time_improves_it(mon
 
 
 def test_the_same_request_with_time_to_finish_is_proven(monkeypatch):
-    monkeypatch.setattr(search_module, "clock", frozen_clock)
+    monkeypatch.setattr(deadline_module, "clock", frozen_clock)
     node = nvswitch_16()
     answer = place(node, Request(gpus=6, deadline_ms=60_000), busy=[0, 9])
     assert isinstance(answer, Placement)
@@ -111,7 +113,7 @@ def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypa
         k = rng.choice([8, 16])
         cases.append((k, rng.choice(["allreduce", "pipeline", "alltoall"]), rng.sample(range(32), rng.randint(0, 28 - k))))
     exact = [place(mesh, Request(gpus=k, pattern=pattern), busy) for k, pattern, busy in cases]
-    monkeypatch.setattr(search_module, "clock", StepClock(2e-5))  # 20 ms: about 3,600 steps
+    monkeypatch.setattr(deadline_module, "clock", StepClock(2e-5))  # 20 ms: about 3,600 steps
     unproven = 0
     for (k, pattern, busy), best in zip(cases, exact):
         request = Request(gpus=k, pattern=pattern, deadline_ms=20)
@@ -142,7 +144,7 @@ def test_no_line_claims_the_best_when_not_proven(monkeypatch, request_):
     or no fit -- says what was found in time, never that no set does better."""
     mesh = irregular_mesh(32)
     prepare(mesh, None)
-    monkeypatch.setattr(search_module, "clock", StepClock(1.0))
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1.0))
     answer = place(mesh, replace(request_, deadline_ms=20), busy=[3, 17])
     if isinstance(answer, Placement):
         assert answer.proven_optimal is False
@@ -160,7 +162,7 @@ def test_live_lines_claim_no_set_of_equal_merit_when_not_proven(monkeypatch):
     mesh = irregular_mesh(32)
     prepare(mesh, None)
     live = Live(unverified=frozenset(range(0, 32, 2)))
-    monkeypatch.setattr(search_module, "clock", StepClock(1.0))
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1.0))
     answer = place(mesh, Request(gpus=12, deadline_ms=20), busy=[3, 17], live=live)
     assert isinstance(answer, Placement) and answer.proven_optimal is False
     assert answer.unverified
@@ -175,7 +177,7 @@ def corpus(name: str) -> DistanceMatrix:
 
 @pytest.mark.parametrize("name", sorted(BEFORE))
 def test_every_recorded_answer_is_proven_and_the_same_as_before(monkeypatch, name):
-    monkeypatch.setattr(search_module, "clock", frozen_clock)
+    monkeypatch.setattr(deadline_module, "clock", frozen_clock)
     matrix = corpus(name)
     for busy, pattern, k, before in BEFORE[name]:
         answer = place(matrix, Request(gpus=k, pattern=pattern, deadline_ms=60_000), busy)
@@ -189,7 +191,7 @@ def test_every_recorded_answer_is_proven_and_the_same_as_before(monkeypatch, nam
 
 @pytest.mark.parametrize("name", sorted(SNAPSHOT_ANSWERS["answers"]))
 def test_every_snapshot_answer_is_proven_and_the_same_as_recorded(monkeypatch, name):
-    monkeypatch.setattr(search_module, "clock", frozen_clock)
+    monkeypatch.setattr(deadline_module, "clock", frozen_clock)
     from topoagent.commands.discover import discover_root
 
     matrix = discover_root(str(HERE.parent / "fixtures" / "snapshots" / name)).distance_matrix()
@@ -206,5 +208,5 @@ def test_warm_builds_the_tables_requests_read():
     prep = warm(node)
     assert prepare(node, None) is prep
     for pattern in Pattern:
-        assert prep.small_table_if_built(pattern, 1) is not None
-        assert prep.small_table_if_built(pattern, 15) is not None
+        assert small_table_if_built(prep, pattern, 1) is not None
+        assert small_table_if_built(prep, pattern, 15) is not None

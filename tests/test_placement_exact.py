@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_oracle import best_keys, edge, link_key, numa_distance, numa_key, pattern_key, satisfies
 
-import topoagent.placement.search as placement_module
+import topoagent.placement.bounds as bounds_module
+import topoagent.placement.ksets as placement_module
+import topoagent.placement.rings as rings_module
+import topoagent.placement.tables as tables_module
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
 from topoagent.node.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps, nv
 from topoagent.node.matrix import DistanceMatrix, GpuInfo, LatencyMeasurement, Measurement, NicInfo
@@ -348,7 +351,7 @@ def _biconnected(mask: int, adjacency: list[int]) -> bool:
     vs = _vertices(mask)
     if len(vs) == 2:
         return bool(adjacency[vs[0]] >> vs[1] & 1)
-    connected = placement_module.connected_components
+    connected = tables_module.connected_components
     return len(connected(mask, adjacency)) == 1 and all(
         len(connected(mask & ~(1 << v), adjacency)) == 1 for v in vs
     )
@@ -366,7 +369,7 @@ def test_biconnected_blocks_are_the_maximal_biconnected_sets(graph):
             mask = sum(1 << v for v in combo)
             if not any(mask & ~bigger == 0 for bigger in expected) and _biconnected(mask, adjacency):
                 expected.append(mask)
-    assert sorted(placement_module.biconnected_blocks(verts, adjacency)) == sorted(expected)
+    assert sorted(rings_module.biconnected_blocks(verts, adjacency)) == sorted(expected)
 
 
 @settings(max_examples=300, deadline=None)
@@ -381,4 +384,4 @@ def test_least_concave_fill_is_the_least_damage_of_any_split(parts, rem):
 
     splits = [a for a in product(*(range(c + 1) for _, c in parts)) if sum(a) == rem]
     least = min((sum(x * (r + c - x) for x, (r, c) in zip(a, parts)) for a in splits), default=0)
-    assert placement_module._least_concave_fill(parts, rem) == least
+    assert bounds_module.least_concave_fill(parts, rem) == least

@@ -17,14 +17,16 @@ from placement_oracle import best_keys
 from schema_check import validate
 from test_placement_deadline import StepClock, frozen_clock
 
-import topoagent.placement.search as search_module
+import topoagent.placement.deadline as deadline_module
 from topoagent.commands.discover import discover_root
 from topoagent.documents.agent import answer_document
 from topoagent.node.matrix import DistanceMatrix, LatencyMeasurement
 from topoagent.placement import Placement, ReasonCode, Request, place
+from topoagent.placement.ksets import small_table_if_built
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
-from topoagent.placement.search import Prepared, prepare, warm
+from topoagent.placement.search import warm
 from topoagent.placement.synthetic import build, irregular_mesh, nvswitch_16
+from topoagent.placement.tables import Prepared, prepare, timed, timed_tables_built
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import overlay
 from topoagent.vocabulary import Pattern, Unit
@@ -144,11 +146,11 @@ def test_warm_builds_the_timed_tables_so_the_first_request_builds_none(monkeypat
     node = measured_node(16)
     expected = {p: place(measured_node(16), Request(gpus=4, pattern=p)) for p in ("alltoall", "pipeline")}
     prep = warm(node)
-    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
-    assert timed is not prep and prepare(node, None, LATENCY_BOUND_MESSAGE_BYTES) is timed  # kept in derived_cache
+    latency_ordered = timed(prep, LATENCY_BOUND_MESSAGE_BYTES)
+    assert latency_ordered is not prep and prepare(node, None, LATENCY_BOUND_MESSAGE_BYTES) is latency_ordered  # kept
     for pattern in (Pattern.ALLTOALL, Pattern.PIPELINE):
-        assert timed.small_table_if_built(pattern, 1) is not None
-        assert timed.small_table_if_built(pattern, 15) is not None
+        assert small_table_if_built(latency_ordered, pattern, 1) is not None
+        assert small_table_if_built(latency_ordered, pattern, 15) is not None
 
     def no_build(*args, **kwargs):
         raise AssertionError("a request built tables warm() should have")
@@ -166,14 +168,14 @@ def test_a_request_building_timed_tables_keeps_to_its_deadline(monkeypatch):
     runs out the bandwidth-ordered tables give a valid set at once, marked not proven,
     and nothing half-built is kept."""
     node = measured_node(128)
-    monkeypatch.setattr(search_module, "clock", StepClock(1e-5))  # 1 ms: ~50 reads, fewer than 128 rows
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-5))  # 1 ms: ~50 reads, fewer than 128 rows
     request = Request(gpus=8, pattern="alltoall", deadline_ms=1)
     answer = place(node, request)
     assert isinstance(answer, Placement) and not answer.proven_optimal
     assert len(set(answer.indices)) == 8 and answer.objective.link_time_us is not None
     assert answer.reasons[0].code is ReasonCode.NOT_PROVEN
-    assert prepare(node, None)._timed == {}  # the stopped build left nothing
+    assert timed_tables_built(prepare(node, None)) == 0  # the stopped build left nothing
     # With time to spare the same request builds the tables and keeps them.
-    monkeypatch.setattr(search_module, "clock", frozen_clock)
+    monkeypatch.setattr(deadline_module, "clock", frozen_clock)
     assert place(node, Request(gpus=2, pattern="alltoall", deadline_ms=1)).proven_optimal
-    assert prepare(node, None)._timed
+    assert timed_tables_built(prepare(node, None))

@@ -4,6 +4,7 @@ warning line when others may read it, without refusing it (Kubernetes Secrets)."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -133,9 +134,9 @@ def test_a_token_others_may_write_is_refused_before_any_readable_warning(tmp_pat
 
 
 def test_cluster_topology_warns_about_a_token_others_may_read(tmp_path: Path) -> None:
-    saved = tmp_path / "node.json"
-    saved.write_text(subprocess.run([sys.executable, "-P", "-m", "topoagent", "discover", "--root", str(DGX_A100), "--json"],
-                                    capture_output=True, text=True, check=True, env=child_env()).stdout)
+    saved = tmp_path / "node.json"  # a node under one leaf switch: a tree cluster-topology writes
+    saved.write_text(json.dumps({"schema_version": 2, "hostname": "gpu001",
+                                 "fabric": {"leaf": "0xaa", "rails": [{"leaf": "0xaa", "leaf_name": "leaf-a"}]}}))
     for mode, expected in ((0o644, 1), (0o600, 0)):
         token = token_file(tmp_path, mode)
         done = subprocess.run([sys.executable, "-P", "-m", "topoagent", "cluster-topology", "--topology-files", str(saved),

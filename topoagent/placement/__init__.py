@@ -4,15 +4,27 @@
 a Request and the set of busy GPU indices, and returns a value.  The HTTP endpoint, the
 CLI and the lease manager are thin shells over it.
 
-The parts: ``request`` (Request and the one parser every door uses), ``objective`` (the
-terms answers are ranked by; its docstring explains the objective and why the search is
-exact), ``search`` (per-matrix tables, thresholds, classes, branch and bound, the
-anytime search under a deadline), ``latency`` (one message's time over a link, which
-alltoall and pipeline rank links by), ``live`` (unverified GPUs and NIC traffic, weighed
-at equal merit), ``tiers`` (affinity tiers, satisfaction, the all-reduce estimate),
-``binding`` (each rank's CPUs, memory node and NIC), ``answer`` (Placement, NoFit),
-``explain`` (typed reasons, rendered per door) and ``synthetic`` (nodes of known shapes
-for studies, benchmarks and tests).
+The parts, in layers (a module imports from its own layer or those below, never in a circle;
+tests/test_placement_layers.py checks it):
+
+1. ``request`` (Request and the one parser every door uses), ``latency`` (one message's
+   time over a link, which alltoall and pipeline rank links by), ``explain`` (typed
+   reasons, rendered per door), ``deadline`` (the clock a search keeps to);
+2. ``tables`` (a matrix's frozen per-position tables, and PerTables, the memo each module
+   keeps beside them);
+3. ``rings`` (adjacency per threshold, blocks, Hamiltonian rings and paths), ``bounds``
+   (terms 2-5 and their bounds), ``ksets`` (every k-set of small nodes), ``live``
+   (unverified GPUs and NIC traffic, weighed at equal merit);
+4. the core: ``search`` (the branch and bound at one threshold) and ``anytime`` (the
+   search over thresholds under a deadline), which return the choice -- GPUs in rank
+   order and the objective's terms;
+5. above the core: ``objective`` (the terms answers are ranked by; its docstring explains
+   the objective and why the search is exact), ``tiers`` (affinity tiers, satisfaction,
+   the all-reduce estimate), ``binding`` (each rank's CPUs, memory node and NIC),
+   ``answer`` (Placement, NoFit: the choice rendered, with launch forms and reasons);
+6. this module: ``place`` and ``warm``.
+
+``synthetic`` makes nodes of known shapes for studies, benchmarks and tests.
 """
 
 from __future__ import annotations
@@ -25,7 +37,10 @@ from dataclasses import replace
 from topoagent.node.levels import LinkLevel
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.answer import NoFit, PatternLink, PlacedGpu, Placement, answer_parts, build
+from topoagent.placement.anytime import Anytime
+from topoagent.placement.deadline import Deadline, DeadlineReached
 from topoagent.placement.explain import CLAIMS, Door, Reason, ReasonCode, render
+from topoagent.placement.ksets import built_small_tables
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.live import NO_LIVE, Live, LiveCosts, live_costs
 from topoagent.placement.objective import Objective, edge_key, evaluate_damage, numa_distance, numa_groups
@@ -38,8 +53,9 @@ from topoagent.placement.request import (
     parse_request,
     request_json_schema,
 )
-from topoagent.placement.search import Deadline, DeadlineReached, Found, Prepared, Search, bits, numa_label, prepare
+from topoagent.placement.search import Found
 from topoagent.placement.search import warm as warm_tables
+from topoagent.placement.tables import Prepared, bits, numa_label, prepare, timed
 from topoagent.placement.tiers import search_tier
 from topoagent.vocabulary import Affinity
 
@@ -85,11 +101,11 @@ def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
     until = time.monotonic() + budget_s
     prep = prepare(matrix, None)
     # With measured latency reordering links, alltoall and pipeline read tables of their
-    # own (warm() builds them; search.Prepared.timed): their answers too.
-    timed = prep.timed(LATENCY_BOUND_MESSAGE_BYTES)
+    # own (warm() builds them; tables.timed): their answers too.
+    latency_ordered = timed(prep, LATENCY_BOUND_MESSAGE_BYTES)
     for nics in range(min(prep.n_nics, WARM_NICS) + 1):
-        for tables in (prep,) if timed is prep else (prep, timed):
-            for pattern, rows in tables.built_small_tables():
+        for tables in (prep,) if latency_ordered is prep else (prep, latency_ordered):
+            for pattern, rows in built_small_tables(tables):
                 for mask, _rank, _span, _nodes, order in rows:
                     if time.monotonic() > until:
                         return
@@ -124,7 +140,7 @@ def place(
         # ones give a valid set at once (their search stops after its first, cheap answer,
         # the deadline being reached), marked not proven.
         with contextlib.suppress(DeadlineReached):
-            prep = prep.timed(request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES, deadline)
+            prep = timed(prep, request.message_bytes or LATENCY_BOUND_MESSAGE_BYTES, deadline)
     costs = live_costs(prep, live)
     pos_of = prep.pos_of
 
@@ -181,7 +197,20 @@ def place(
         assert deadline is not None
         shown = answer.best_available
         return replace(answer, why=_unclaimed(answer.why), best_available=shown and _not_proven(shown, deadline, request))
-    taken = sum(1 << pos_of[i] for i in answer.indices)
+    answer = _noted(prep, answer, unhealthy, candidates, include, costs)
+    if late:
+        assert deadline is not None
+        answer = _not_proven(answer, deadline, request)
+    return answer
+
+
+def _noted(
+    prep: Prepared, answer: Placement, unhealthy: int, candidates: int, include: int, costs: LiveCosts | None
+) -> Placement:
+    """``answer`` with what the node's state says about it: unhealthy GPUs left out, GPUs
+    of unknown links taken, and the live signals (term 6)."""
+    matrix = prep.matrix
+    taken = sum(1 << prep.pos_of[i] for i in answer.indices)
     notes = []
     if unhealthy:
         causes = tuple(f"GPU{g.index}: {g.unhealthy}" for g in (matrix.gpus[v] for v in bits(unhealthy)))
@@ -193,9 +222,6 @@ def place(
         answer = replace(answer, unverified=_indices(matrix, costs.unverified & taken))
     if notes:
         answer = replace(answer, reasons=answer.reasons + tuple(notes))
-    if late:
-        assert deadline is not None
-        answer = _not_proven(answer, deadline, request)
     return answer
 
 
@@ -251,14 +277,14 @@ def _search_known_first(
     unknown = candidates & prep.links_unknown & ~include
     if unknown:
         known = candidates & ~unknown
-        found = Search(prep, request, free_all, known, include, deadline, live).run()
+        found = Anytime(prep, request, free_all, known, include, deadline, live).run()
         if found is not None:
             return found
         if known.bit_count() < request.gpus:
-            found = Search(prep, request, free_all, candidates, include | known, deadline, live).run()
+            found = Anytime(prep, request, free_all, candidates, include | known, deadline, live).run()
             if found is not None:
                 return found
-    return Search(prep, request, free_all, candidates, include, deadline, live).run()
+    return Anytime(prep, request, free_all, candidates, include, deadline, live).run()
 
 
 def _place_tier(
@@ -276,7 +302,7 @@ def _place_tier(
         answer = build(prep, request, found, free_all, live, fell_back=tier is not asked)
         if rank(answer.affinity) <= rank(tier):
             return answer
-    plain = Search(prep, request, free_all, candidates, include, deadline, live).run()
+    plain = Anytime(prep, request, free_all, candidates, include, deadline, live).run()
     if plain is None:
         return _diagnose(prep, request, free_all, candidates, include, deadline, live)
     best = build(prep, replace(request, affinity=Affinity.ANY, fallback=False), plain, free_all, live)
@@ -305,7 +331,7 @@ def _diagnose(
     if request.include:
         relaxations.append(("include", replace(request, include=())))
     for name, relaxed in relaxations:
-        found = Search(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline, live).run()
+        found = Anytime(prep, relaxed, free_all, candidates, include if name != "include" else 0, deadline, live).run()
         if found is None:
             continue
         best = build(prep, relaxed, found, free_all, live)

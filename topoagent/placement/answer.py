@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from topoagent.node.cpulist import format_cpulist
 from topoagent.node.levels import LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
@@ -16,7 +17,8 @@ from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_u
 from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
-from topoagent.placement.search import NO_NIC, Found, Prepared, numa_label
+from topoagent.placement.search import Found
+from topoagent.placement.tables import NO_NIC, PerTables, Prepared, bits, numa_label
 from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met
 from topoagent.vocabulary import Affinity, Pattern
 
@@ -102,11 +104,57 @@ class NoFit:
         return self.why.render(Door.JSON)
 
 
+# (GPU position, rank, the rank's CPU share, its NIC): a plain tuple, one per rank built.
+PlacedKey = tuple[int, int, str | None, int | None]
+
+
+# (GPU positions in rank order, pattern, NICs asked, per NIC its traffic in steps or None).
+PartsKey = tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None]
+
+
+class AnswerMemo:
+    """Per tables: the pieces of answers built so far (they hold no reference to the tables)."""
+
+    __slots__ = ("cpus", "links", "parts", "placed")
+
+    def __init__(self) -> None:
+        self.links: dict[tuple[int, int], PatternLink] = {}
+        self.placed: dict[PlacedKey, PlacedGpu] = {}
+        self.parts: dict[PartsKey, AnswerParts] = {}
+        self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
+
+
+ANSWERS: PerTables[AnswerMemo] = PerTables(lambda _prep: AnswerMemo())
+_memo = ANSWERS.of
+
+
+def built_answer_parts(prep: Prepared) -> dict[PartsKey, AnswerParts]:
+    """A copy of the answer pieces built so far for these tables (what warm_answers builds)."""
+    return dict(_memo(prep).parts)
+
+
+def cpus_of(prep: Prepared, mask: int) -> str | None:
+    """The CPU list close to these GPUs (None when any GPU's is unknown)."""
+    # GPUs share few distinct CPU lists (one per socket): key by which ones are in play.
+    lists = 0
+    for v in bits(mask):
+        lists |= prep.cpu_list_bit[v]
+    memo = _memo(prep).cpus
+    got = memo.get(lists, "")
+    if got == "":
+        sets = [prep.gpu_cpus[v] for v in bits(mask)]
+        known = [c for c in sets if c is not None]
+        got = None if len(known) < len(sets) else format_cpulist(set().union(*known))
+        memo[lists] = got
+    return got
+
+
 def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
-    got = prep.links_cache.get((a_pos, b_pos))
+    memo = _memo(prep).links
+    got = memo.get((a_pos, b_pos))
     if got is None:
         m = prep.matrix
-        got = prep.links_cache[(a_pos, b_pos)] = PatternLink(
+        got = memo[(a_pos, b_pos)] = PatternLink(
             m.gpus[a_pos].index, m.gpus[b_pos].index, m.gpu_levels[a_pos][b_pos], round(prep.bw[a_pos][b_pos], 2)
         )
     return got
@@ -116,8 +164,9 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
     """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
     closest NICs that have a port up and the rank's own binding (cached)."""
     share = binding.share
-    key = (pos, rank_no, None if share is None else share.text, binding.nic)
-    got = prep.placed_cache.get(key)
+    key: PlacedKey = (pos, rank_no, None if share is None else share.text, binding.nic)
+    memo = _memo(prep).placed
+    got = memo.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
         best_kind, closest = tables(prep).nearest[pos]
@@ -132,9 +181,9 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> 
             None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
             None if binding.nic is None else prep.matrix.nics[binding.nic].rail,
         )
-        if len(prep.placed_cache) >= 50_000:
-            prep.placed_cache.clear()
-        prep.placed_cache[key] = got
+        if len(memo) >= 50_000:
+            memo.clear()
+        memo[key] = got
     return got
 
 
@@ -168,19 +217,13 @@ def answer_parts(
     """The request-independent pieces for GPUs at positions ``order`` (cached; by the
     NICs' traffic steps too, which choose among equally near NICs)."""
     loads = live.loads_key if live is not None else None
-    key = (order, pattern, nics, loads)
-    got = prep.answer_parts.get(key)
+    key: PartsKey = (order, pattern, nics, loads)
+    memo = _memo(prep).parts
+    got = memo.get(key)
     if got is not None:
         return got
     k = len(order)
-    links: list[PatternLink] = []
-    if k >= 2 and pattern is not Pattern.INDEPENDENT:
-        if pattern is Pattern.ALLTOALL:
-            links = [pattern_link(prep, a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
-        else:
-            links = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
-            if pattern is Pattern.ALLREDUCE and k >= 3:
-                links.append(pattern_link(prep, order[-1], order[0]))
+    links = _pattern_links(prep, order, pattern)
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
     weakest = None
@@ -188,24 +231,8 @@ def answer_parts(
         pos_of = prep.pos_of
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
 
-    t = tables(prep)
-    usable = t.usable  # a NIC with every port down: never
     nic_names = prep.nic_names
-    passed: list[tuple[int, int]] = []  # (chosen, passed over) NICs that traffic alone decided
-    if nics:
-        dist = []
-        for j in usable:
-            kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
-            dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
-        ranked = sorted(dist)
-        job_nics = [entry[-1] for entry in ranked[:nics]]
-        if loads and len(ranked) > nics:
-            # A NIC left out only for its traffic: as near and as fast as one chosen.
-            (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
-            if (kv, rate) == (kv2, rate2) and step2 > step:
-                passed.append((last, first_out))
-    else:
-        job_nics = usable
+    job_nics, passed = _job_nics(prep, mask, nics, loads)
     bindings, by_load, cpus_shared = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
     # Said only where the busier NIC stays unused: else traffic decided which rank, not which NIC.
     used = {b.nic for b in bindings}
@@ -217,21 +244,87 @@ def answer_parts(
 
     numa_groups = sorted({prep.numa_of[pos] for pos in order})
     numa_labels = tuple(numa_label(prep, gi) for gi in numa_groups)
-    cpus = prep.cpus_of(mask)
+    cpus = cpus_of(prep, mask)
+    numactl = _job_numactl(numa_labels, cpus)
+    env = _env(prep, order, placed, chosen)
+    unnamed = [name for name in chosen if name in prep.nics_without_device]
+    nic_reasons = []
+    if nics:
+        nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
+    if unnamed:
+        nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
+    if cpus_shared:
+        nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
+    # The ring through the ranks in order, for the estimate: the pattern's own links for
+    # all-reduce (and one GPU), else the ring the ranks would form.
+    ring = _pattern_links(prep, order, Pattern.ALLREDUCE) if k >= 2 and pattern is not Pattern.ALLREDUCE else links
+    parts = AnswerParts(
+        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
+        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
+        tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
+    )
+    if len(memo) >= 50_000:
+        memo.clear()
+    memo[key] = parts
+    return parts
+
+
+def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> list[PatternLink]:
+    """The links ``pattern`` uses between the GPUs at positions ``order``, in rank order."""
+    k = len(order)
+    links: list[PatternLink] = []
+    if k >= 2 and pattern is not Pattern.INDEPENDENT:
+        if pattern is Pattern.ALLTOALL:
+            links = [pattern_link(prep, a, b) for i, a in enumerate(order) for b in order[i + 1 :]]
+        else:
+            links = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
+            if pattern is Pattern.ALLREDUCE and k >= 3:
+                links.append(pattern_link(prep, order[-1], order[0]))
+    return links
+
+
+def _job_nics(
+    prep: Prepared, mask: int, nics: int, loads: tuple[int, ...] | None
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The NICs the job gets (``nics`` asked: the closest to the GPUs ``mask``, fastest,
+    least traffic; else every usable one), and the (chosen, passed over) pair that
+    traffic alone decided."""
+    usable = tables(prep).usable  # a NIC with every port down: never
+    passed: list[tuple[int, int]] = []
+    if not nics:
+        return usable, passed
+    dist = []
+    for j in usable:
+        kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
+        dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
+    ranked = sorted(dist)
+    job_nics = [entry[-1] for entry in ranked[:nics]]
+    if loads and len(ranked) > nics:
+        # A NIC left out only for its traffic: as near and as fast as one chosen.
+        (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
+        if (kv, rate) == (kv2, rate2) and step2 > step:
+            passed.append((last, first_out))
+    return job_nics, passed
+
+
+def _job_numactl(numa_labels: tuple[int | str, ...], cpus: str | None) -> tuple[str, ...]:
+    """The job's numactl command: its NUMA nodes, else its CPUs, else none."""
     if numa_labels and all(isinstance(x, int) for x in numa_labels):
         nodes = ",".join(str(x) for x in numa_labels)
-        numactl: tuple[str, ...] = ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
-    elif cpus:
-        numactl = ("numactl", f"--physcpubind={cpus}")
-    else:
-        numactl = ()
+        return ("numactl", f"--cpunodebind={nodes}", f"--membind={nodes}")
+    if cpus:
+        return ("numactl", f"--physcpubind={cpus}")
+    return ()
+
+
+def _env(prep: Prepared, order: tuple[int, ...], placed: list[PlacedGpu], chosen: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The job's environment: its GPUs for CUDA, its NICs (or plain interfaces) for NCCL."""
     env = [
         # nvidia-smi indices equal CUDA's only in PCI bus order.
         ("CUDA_DEVICE_ORDER", "PCI_BUS_ID"),
         ("CUDA_VISIBLE_DEVICES", ",".join(str(p.index) for p in placed)),
     ]
     hcas = [name for name in chosen if name not in prep.nics_without_device]
-    unnamed = [name for name in chosen if name in prep.nics_without_device]
     if hcas:
         env.append(("NCCL_IB_HCA", "=" + ",".join(hcas)))  # '=' : exact names, mlx5_1 is not mlx5_10
     else:
@@ -240,29 +333,7 @@ def answer_parts(
         sockets = dict.fromkeys(i for pos in order for i in prep.matrix.gpus[pos].socket_interfaces)
         if sockets:
             env.append(("NCCL_SOCKET_IFNAME", "=" + ",".join(sockets)))
-
-    nic_reasons = []
-    if nics:
-        nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
-    if unnamed:
-        nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
-    if cpus_shared:
-        nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    if k >= 2 and pattern is not Pattern.ALLREDUCE:
-        ring = [pattern_link(prep, order[i], order[i + 1]) for i in range(k - 1)]
-        if k >= 3:
-            ring.append(pattern_link(prep, order[-1], order[0]))
-    else:
-        ring = links
-    parts = AnswerParts(
-        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
-        tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
-    )
-    if len(prep.answer_parts) >= 50_000:
-        prep.answer_parts.clear()
-    prep.answer_parts[key] = parts
-    return parts
+    return env
 
 
 @dataclass(frozen=True, slots=True)

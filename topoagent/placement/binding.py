@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from topoagent.node.cpulist import format_cpulist, parse_cpulist
-from topoagent.placement.search import NO_NIC, Prepared
+from topoagent.placement.tables import Prepared, nearest_usable
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +96,9 @@ class BindingTables:
             elif g.cpus:
                 cpus = parse_cpulist(g.cpus)
             self.pool_of.append(tuple(sorted(cpus)) if cpus else None)
-        self.usable = [j for j, ok in enumerate(prep.nic_usable) if ok]  # a NIC with every port down is no NIC
+        self.usable = prep.usable_nics  # a NIC with every port down is no NIC
         # Per GPU: its closest kind among the usable NICs, and those NICs.
-        self.nearest = [nearest_usable(prep, pos, self.usable) for pos in range(matrix.size)]
+        self.nearest = prep.nearest_nics
         self._splits: dict[tuple[tuple[int, ...], int], list[Share]] = {}
         self.numactl: dict[tuple[str | None, int | None], tuple[str, ...]] = {}
 
@@ -144,15 +144,6 @@ def tables(prep: Prepared) -> BindingTables:
     return got
 
 
-def nearest_usable(prep: Prepared, pos: int, among: list[int]) -> tuple[int, list[int]]:
-    """The closest link kind from GPU ``pos`` to the NICs ``among``, and those NICs."""
-    kinds = prep.nic_kind[pos]
-    best = min((kinds[j] for j in among), default=NO_NIC)
-    if best >= NO_NIC:
-        return NO_NIC, []
-    return best, [j for j in among if kinds[j] == best]
-
-
 def bind_ranks(
     prep: Prepared, order: tuple[int, ...], job_nics: list[int], load: list[int] | None = None
 ) -> tuple[list[RankBinding], list[tuple[int, int]], tuple[int, ...]]:
@@ -174,7 +165,7 @@ def bind_ranks(
         for rank, share in zip(ranks, t.split(pool, len(ranks))):
             shares[rank] = share
 
-    nearest = t.nearest if job_nics is t.usable else [nearest_usable(prep, pos, job_nics) for pos in range(len(t.nearest))]
+    nearest = t.nearest if job_nics is t.usable else [nearest_usable(prep.nic_kind, pos, job_nics) for pos in range(len(t.nearest))]
     choices = [nearest[pos][1] for pos in order]
     used = dict.fromkeys(job_nics, 0)
     steps = load or [0] * len(prep.nic_rate)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from topoagent.placement.search import Prepared
+from topoagent.placement.tables import PerTables, Prepared
 
 LOAD_STEP = 0.10  # of the port's line rate
 UNKNOWN_RATE_GBPS = 100.0  # Gb/s, for stepping a port whose rate is not known
@@ -52,13 +50,11 @@ class LiveCosts:
     is unverified and the load of its least loaded nearest NIC (what its rank would use)."""
 
     def __init__(self, prep: Prepared, live: Live, nic_load: list[int]):
-        from topoagent.placement.binding import tables
-
         matrix = prep.matrix
         self.live = live
         self.nic_names = prep.nic_names
         self.nic_load = nic_load
-        nearest = self.nearest = tables(prep).nearest
+        nearest = self.nearest = prep.nearest_nics
         self.unverified = sum(1 << pos for pos, g in enumerate(matrix.gpus) if g.index in live.unverified)
         self.gpu_load = [min((self.nic_load[j] for j in nearest[pos][1]), default=0) for pos in range(matrix.size)]
         # Per GPU: (unverified, load steps), the order a set's live cost sums in.
@@ -85,6 +81,13 @@ class LiveCosts:
         return min((self.gbs(j) for j in self.nearest[pos][1] if self.nic_load[j] == self.gpu_load[pos]), default=0.0)
 
 
+LiveKey = tuple[frozenset[int], tuple[int, ...]]  # (unverified GPU indices, per NIC its traffic in steps)
+
+
+# Per tables: the last request's live costs (holding arrays of the tables, never the tables).
+_last = PerTables[dict[LiveKey, LiveCosts]](lambda _prep: {}).of
+
+
 def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
     """The live costs, or None when nothing live could change an answer (no GPU of the
     node unverified, no NIC carrying a step of traffic).  The last one is kept per table:
@@ -95,9 +98,10 @@ def live_costs(prep: Prepared, live: Live | None) -> LiveCosts | None:
     unverified = frozenset(live.unverified & prep.pos_of.keys())
     if not unverified and not any(nic_load):
         return None
-    key = (unverified, tuple(nic_load))
-    got = prep.live_costs.get(key)
+    key: LiveKey = (unverified, tuple(nic_load))
+    last = _last(prep)
+    got = last.get(key)
     if got is None or got.live.nic_traffic is not live.nic_traffic:  # the reasons quote this read's GB/s
-        prep.live_costs.clear()
-        got = prep.live_costs[key] = LiveCosts(prep, live, nic_load)
+        last.clear()
+        got = last[key] = LiveCosts(prep, live, nic_load)
     return got

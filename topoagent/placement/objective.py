@@ -104,8 +104,8 @@ from dataclasses import dataclass
 
 from topoagent.node.levels import LinkLevel
 from topoagent.node.matrix import DistanceMatrix
-from topoagent.placement.request import Request
-from topoagent.placement.search import Search, bits, prepare
+from topoagent.placement.bounds import Bounds, terms
+from topoagent.placement.tables import bits, prepare
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +128,7 @@ def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterabl
     prep = prepare(matrix, None)
     pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
     busy_mask = sum(1 << pos_of[i] for i in busy)
-    search = Search(prep, Request(gpus=1), prep.all_mask & ~busy_mask, 0, 0)
-    return search.damage_add(0, sum(1 << pos_of[i] for i in chosen))
+    return Bounds(prep, prep.all_mask & ~busy_mask).damage_add(0, sum(1 << pos_of[i] for i in chosen))
 
 
 def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
@@ -143,7 +142,7 @@ def numa_distance(matrix: DistanceMatrix, indices: Iterable[int]) -> int | None:
     prep = prepare(matrix, None)
     if prep.numa_dist is None:
         return None
-    return prep.numa_span(prep.groups_of(sum(1 << prep.pos_of[i] for i in indices)))
+    return terms(prep).numa_span(prep.groups_of(sum(1 << prep.pos_of[i] for i in indices)))
 
 
 def edge_key(matrix: DistanceMatrix, a_index: int, b_index: int, now: float | None = None) -> tuple[float, tuple[int, ...]]:

@@ -49,20 +49,32 @@ of one node's links, not a measurement: compare answers with it ("4 GPUs on NVLi
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from topoagent.node.levels import LevelKind, LinkLevel
-from topoagent.placement.search import Deadline, Found, Prepared, Search, bits
+from topoagent.placement.anytime import Anytime
+from topoagent.placement.deadline import Deadline
+from topoagent.placement.search import Found
+from topoagent.placement.tables import Prepared, bits
 from topoagent.vocabulary import Affinity
 
 if TYPE_CHECKING:
-    from topoagent.placement.answer import PatternLink
     from topoagent.placement.live import LiveCosts
     from topoagent.placement.request import Request
 
 DEFAULT_MESSAGE_BYTES = 256 << 20
 NCCL_RING_BASE_LATENCY_US = 8.4  # baseLat[Ring][Simple]
 NCCL_RING_HOP_LATENCY_US = {"nvlink": 3.4, "pci": 5.7}  # hwLat[NVLINK|PCI][Ring][Simple]
+
+
+class PatternLink(Protocol):
+    """A link the pattern uses as tiers read it (placement.answer.PatternLink)."""
+
+    @property
+    def level(self) -> LinkLevel: ...
+
+    @property
+    def gbps(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,14 +161,14 @@ def search_tier(
     """The search for ``req`` under ``tier``'s constraints (module docstring); the caller
     checks the answer with ``tier_met``."""
     if tier is Affinity.BEST:
-        return Search(prep, replace(req, single_numa=True), free_all, candidates, include, deadline, live).run()
+        return Anytime(prep, replace(req, single_numa=True), free_all, candidates, include, deadline, live).run()
     if tier is Affinity.ANY:
-        return Search(prep, req, free_all, candidates, include, deadline, live).run()
+        return Anytime(prep, req, free_all, candidates, include, deadline, live).run()
     best: Found | None = None
     for socket in tier_tables(prep).socket_masks:
         if include & ~socket or (candidates & socket).bit_count() < req.gpus:
             continue
-        found = Search(prep, req, free_all, candidates & socket, include, deadline, live).run()
+        found = Anytime(prep, req, free_all, candidates & socket, include, deadline, live).run()
         if found is not None and (best is None or _better(found, best)):
             best = found
     return best

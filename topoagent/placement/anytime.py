@@ -1,0 +1,448 @@
+"""The anytime search: the best set of k GPUs for a request, within its deadline.
+
+Under a deadline (Anytime.run):
+1. a first set at the lowest threshold, which every link meets: the first leaf of the
+   best-fit descent, found without looking at the clock;
+2. bandwidth first, cheaply (a step budget each, proving nothing): by halving over the
+   thresholds, the highest at which a ring, path or clique grows over all candidates;
+   there, a set on one NUMA node or on a pair or triple of near ones;
+3. the exact search (placement.search, the branch and bound): thresholds above that one,
+   best first, then that one with the cheap set's key as a cutoff -- only branches
+   strictly worse than that set are cut, and the optimum is no worse than it, so every
+   set the answer is chosen among (the optimum and its equals, in the same order) is
+   still visited and the answer is the same, sooner.
+When the deadline stops it, the answer is the best set found, not proven, and the bound is
+the best threshold not yet ruled out.  On nodes with a small table of k-sets
+(placement.ksets) the table is scanned instead.
+"""
+
+from __future__ import annotations
+
+from itertools import combinations, pairwise
+from typing import TYPE_CHECKING
+
+from topoagent.placement.deadline import Deadline, DeadlineReached, StepBudget, StepsSpent
+from topoagent.placement.ksets import has_small_table, small_table, small_table_if_built
+from topoagent.placement.request import Request
+from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks
+from topoagent.placement.search import Found, Search
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
+from topoagent.vocabulary import Pattern
+
+if TYPE_CHECKING:
+    from topoagent.placement.live import LiveCosts
+
+FIRST_SET_STEPS = 400  # per cheap try at a threshold (Anytime._first_set_at): about a millisecond
+FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
+FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
+
+
+IdleKey = tuple[Pattern, int, int]  # (pattern, k, threshold)
+
+
+# Per tables: whether any k GPUs of the idle node carry a pattern at a threshold.
+_idle_feasible = PerTables[dict[IdleKey, bool]](lambda _prep: {}).of
+
+
+class Anytime:
+    """One request's search over the thresholds, keeping to its deadline (module docstring)."""
+
+    def __init__(
+        self,
+        prep: Prepared,
+        req: Request,
+        free_all: int,
+        candidates: int,
+        include: int,
+        deadline: Deadline | None = None,
+        live: LiveCosts | None = None,
+    ):
+        self.prep = prep
+        self.req = req
+        self.k = req.gpus
+        self.free_all = free_all
+        self.candidates = candidates
+        self.include = include
+        self.deadline = deadline
+        self.live = live
+        self.bb = Search(prep, req, free_all, candidates, include, deadline, live)  # the exact search, per threshold
+        self.h_adj = self.bb.h_adj
+        # What run() leaves when the deadline stopped it: proven False, the best set found
+        # at any threshold, and the best threshold not ruled out (its bandwidth bounds
+        # every set's; None when links do not matter or nothing was ruled in).
+        self.proven = True
+        self.best_so_far: Found | None = None
+        self.best_value = -2
+        self.bound_rank: int | None = None
+
+    @property
+    def bandwidth_bound_gbps(self) -> float | None:
+        return None if self.bound_rank is None else self.prep.rank_gbps[self.bound_rank]
+
+    def run(self) -> Found | None:
+        """The best set; when the deadline stops the search first, the best set found so
+        far (``proven`` False), or None when none was found in time."""
+        try:
+            return self._run()
+        except DeadlineReached:
+            self.proven = False
+            self._offer(self.bb.best)  # the threshold being searched when time ran out
+            if self.best_so_far is not None and self.deadline is not None:
+                self.deadline.bound_gbps = self.bandwidth_bound_gbps
+            return self.best_so_far
+
+    def _run(self) -> Found | None:
+        prep = self.prep
+        pattern = self.req.pattern
+        if has_small_table(prep, self.k):
+            built = small_table_if_built(prep, pattern, self.k)
+            if built is None:
+                # Not warmed (or dropped): have an answer before building it under the deadline.
+                if self._seed() is None:
+                    return None  # none at the lowest threshold: the table would hold none
+                built = small_table(prep, pattern, self.k, self.deadline)
+            assert built is not None  # has_small_table said so
+            return self.bb.scan(built)
+        if not self.bb.links_needed():
+            self._seed()
+            return self.bb.search_at(None, stop_at_first=False)
+        present = self._ranks_present()
+        if not present:
+            return None
+        # A first answer at the lowest threshold (every link qualifies): a best-fit descent.
+        # No set there means no set at all (feasibility only falls as the threshold rises).
+        seed = self._seed(present)
+        if seed is None:
+            return None
+        # Then bandwidth first, cheaply (proving nothing): by halving, the highest threshold
+        # at which a set can be grown over all candidates; there, a set on fewer or nearer
+        # NUMA nodes.  A good answer is in hand early, and the exact search below starts
+        # with its key as a cutoff.
+        lo, known = 0, seed
+        hi = len(present) - 1 if self.k > 2 else 0  # a pair: the exact search is as quick
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
+            if found is None:
+                hi = mid - 1
+            else:
+                lo, known = mid, found
+        closer = self._offer(self._first_set_at(present[lo])) if lo else None
+        if closer is not None and closer.key < known.key:
+            known = closer
+        # Feasibility falls as the threshold rises: find the best feasible one, above lo.
+        if len(present) - lo <= 8:
+            for i in range(len(present) - 1, lo, -1):
+                r = present[i]
+                self.bound_rank = r  # every better threshold is ruled out
+                if not self._feasible_on_idle_node(r):
+                    continue
+                found = self.bb.search_at(r, stop_at_first=False)
+                if found is not None:
+                    return found
+        else:
+            hi = len(present) - 1  # present ascending; find the highest feasible
+            self.bound_rank = present[hi]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                found = self.bb.search_at(present[mid], stop_at_first=True) if self._feasible_on_idle_node(present[mid]) else None
+                if self._offer(found) is not None:
+                    assert found is not None
+                    lo, known = mid, found
+                else:
+                    hi = mid - 1
+                    self.bound_rank = present[hi]
+        self.bound_rank = present[lo]
+        return self.bb.search_at(present[lo], stop_at_first=False, cutoff=known.key)
+
+    def _seed(self, present: list[int] | None = None) -> Found | None:
+        """A first answer, found before the deadline is looked at: the first leaf of a
+        best-fit descent at the lowest threshold, which every link meets, so it needs no
+        backtracking.  With a ``min_level`` a set is a clique of close pairs and finding one
+        may take long: that descent keeps to the deadline."""
+        if self.bb.links_needed():
+            present = present if present is not None else self._ranks_present()
+            if not present:
+                return None
+            self.bound_rank = present[-1]  # no set beats its best link
+        r = present[0] if present else None
+        deadline = self.deadline
+        cheap = deadline is not None and self.h_adj is None
+        if cheap:
+            assert deadline is not None
+            deadline.suspended = True
+        try:
+            return self._offer(self.bb.search_at(r, stop_at_first=True))
+        finally:
+            if cheap:
+                assert deadline is not None
+                deadline.suspended = False
+
+    def _offer(self, found: Found | None) -> Found | None:
+        """Keep ``found`` as the best so far when its own order's bandwidth is higher, or
+        equal with better later terms."""
+        if found is not None:
+            value = self._order_rank(found.order)
+            best = self.best_so_far
+            if best is None or value > self.best_value or (value == self.best_value and found.key < best.key):
+                self.best_so_far, self.best_value = found, value
+        return found
+
+    def _order_rank(self, order: tuple[int, ...]) -> int:
+        """The rank of the weakest link the pattern uses in this order (-1: no links)."""
+        if not self.bb.links_needed() or len(order) < 2:
+            return -1
+        rank = self.prep.rank
+        pattern = self.req.pattern
+        if pattern is Pattern.ALLTOALL:
+            return min(rank[a][b] for i, a in enumerate(order) for b in order[i + 1 :])
+        steps = list(pairwise(order))
+        if pattern is Pattern.ALLREDUCE and len(order) >= 3:
+            steps.append((order[-1], order[0]))
+        return min(rank[a][b] for a, b in steps)
+
+    def _feasible_on_idle_node(self, r: int) -> bool:
+        """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
+
+        Busy GPUs and constraints only remove sets, so a threshold no set of the idle
+        node reaches is skipped at once (remembered per matrix): without this the search
+        would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
+        """
+        key: IdleKey = (self.req.pattern, self.k, r)
+        memo = _idle_feasible(self.prep)
+        got = memo.get(key)
+        if got is None:
+            idle = Search(
+                self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0,
+                self.deadline,
+            )
+            got = memo[key] = idle.search_at(r, stop_at_first=True) is not None
+        return got
+
+    def _ranks_present(self) -> list[int]:
+        """The ranks of links among the candidates (that min_level allows), ascending."""
+        cand = self.candidates
+        verts = list(bits(cand))
+        h = self.h_adj
+        present = []
+        for r, exact in enumerate(self.prep.rank_exact):
+            if h is None:
+                if any(exact[v] & cand for v in verts):
+                    present.append(r)
+            elif any(exact[v] & h[v] & cand for v in verts):
+                present.append(r)
+        return present
+
+    def _first_set_at(self, r: int) -> Found | None:
+        """A set at threshold ``r`` found cheaply, or None (which proves nothing).  Where
+        NUMA nodes can hold the job alone: the first set of a best-fit descent in each
+        (fewest candidates first), the best kept.  Else over growing groups of nodes,
+        nearest the one with most candidates first: a ring, path or clique grown link by
+        link (_grow).  Each try has FIRST_SET_STEPS steps."""
+        prep = self.prep
+        cand = self.candidates | self.include
+        counts = [(g & cand).bit_count() for g in prep.numa_masks]
+        holding = sorted((c, gi) for gi, c in enumerate(counts) if c >= self.k and not self.include & ~prep.numa_masks[gi])
+        best: Found | None = None
+        for _, gi in holding[:FIRST_SET_NODES]:
+            sub = Search(
+                prep, self.req, self.free_all, self.candidates & prep.numa_masks[gi], self.include, self.deadline,
+                self.live, StepBudget(FIRST_SET_STEPS, self.deadline),
+            )
+            try:
+                found = sub.search_at(r, stop_at_first=True)
+            except StepsSpent:
+                continue
+            if found is not None and (best is None or found.key < best.key):
+                best = found
+        if best is not None or self.req.single_numa:
+            return best
+        for union in self._unions(counts):
+            found = self._cheap_set(r, union & cand)
+            if found is not None:
+                return found
+        return None
+
+    def _cheap_set(self, r: int, pool: int) -> Found | None:
+        """A set of ``pool`` at threshold ``r`` within FIRST_SET_STEPS steps, or None: grown
+        link by link, or, for a ring or path that must hold ``include``, the first set of a
+        best-fit descent."""
+        steps = StepBudget(FIRST_SET_STEPS, self.deadline)
+        try:
+            if self.include and self.req.pattern is not Pattern.ALLTOALL:
+                sub = Search(
+                    self.prep, self.req, self.free_all, pool & self.candidates, self.include, self.deadline, self.live, steps
+                )
+                return sub.search_at(r, stop_at_first=True)
+            return self._grow(r, pool, steps)
+        except StepsSpent:
+            return None
+
+    def _unions(self, counts: list[int]) -> list[int]:
+        """Groups of NUMA nodes that can hold the job, as GPU masks, best first: pairs and
+        triples by the NUMA distance and count they span, most candidates first (the first
+        FIRST_SET_UNIONS of them), then the nodes nearest the one with most candidates,
+        one more at a time."""
+        prep = self.prep
+        include = self.include
+        live = [gi for gi, c in enumerate(counts) if c]
+        combos = []
+        for size in (2, 3):
+            for combo in combinations(live, size):
+                mask = sum(prep.numa_masks[gi] for gi in combo)
+                held = sum(counts[gi] for gi in combo)
+                if held >= self.k and not include & ~mask:
+                    combos.append((self.bb.terms.numa_span(sum(1 << gi for gi in combo)), size, -held, mask))
+            if len(combos) >= FIRST_SET_UNIONS:
+                break
+        tries = [mask for *_, mask in sorted(combos)[:FIRST_SET_UNIONS]]
+        anchor = max(range(len(counts)), key=counts.__getitem__)
+        dist = prep.numa_dist
+        near = sorted(range(len(counts)), key=lambda gi: (dist[anchor][gi] if dist else gi != anchor, -counts[gi]))
+        union = held = 0
+        for gi in near:
+            union |= prep.numa_masks[gi]
+            held += counts[gi]
+            if held >= self.k and not include & ~union and union not in tries:
+                tries.append(union)
+        return tries
+
+    def _grow(self, r: int, pool: int, steps: StepBudget) -> Found | None:
+        """k GPUs of ``pool`` holding the pattern at threshold ``r``, grown from one GPU
+        (every ``include`` GPU first): a path extended depth first by the GPU with fewest
+        onward links (closing the ring at the end), or for all-to-all a clique grown by
+        the GPU joined to most of the rest.  None when ``steps`` run out first."""
+        k = self.k
+        adj = self.bb.rings.adj(r)
+        h = self.h_adj
+        eff = [adj[v] & h[v] for v in range(self.prep.n)] if h is not None else adj
+        cycle = self.req.pattern is Pattern.ALLREDUCE and k >= 3
+        pool = self._growable(pool, eff, cycle, steps)
+        if not pool:
+            return None
+        if self.req.pattern is Pattern.ALLTOALL:
+            return self._grow_clique(r, pool, eff, steps)
+        if self.include:
+            return None  # a path through every named GPU: left to the exact search
+        return self._grow_path(r, pool, eff, cycle, steps)
+
+    def _growable(self, pool: int, eff: list[int], cycle: bool, steps: StepBudget) -> int:
+        """Only GPUs with enough links in the pool (a ring member 2, a path's 1, a clique's
+        k - 1), in a component (a ring: a block) of k or more: where none is left, no set
+        grows (at once)."""
+        k = self.k
+        include = self.include
+        need = k - 1 if self.req.pattern is Pattern.ALLTOALL else min(2 if cycle else 1, k - 1)
+        peeled = True
+        while peeled:
+            peeled = False
+            for v in bits(pool):
+                steps.tick()
+                if (eff[v] & pool).bit_count() < need:
+                    pool &= ~(1 << v)
+                    peeled = True
+        pool = sum(c for c in connected_components(pool, eff) if c.bit_count() >= k and not include & ~c)
+        if cycle and pool and sum((eff[v] & pool).bit_count() for v in bits(pool)) <= 2 * BLOCKS_EDGES_MAX:
+            blocks = [b for b in biconnected_blocks(pool, eff) if b.bit_count() >= k and not include & ~b]
+            pool = 0  # blocks share cut vertices: their union, not their sum
+            for b in blocks:
+                pool |= b
+        return pool
+
+    def _grow_clique(self, r: int, pool: int, eff: list[int], steps: StepBudget) -> Found | None:
+        """All-to-all: from each start (the ``include`` GPUs with it), the GPU joined to
+        most of what may still join, until k."""
+        prep = self.prep
+        k = self.k
+        include = self.include
+        for start in bits(include or pool):
+            steps.tick()
+            taken = include | 1 << start
+            left = pool & ~taken
+            for v in bits(taken):
+                left &= eff[v]
+            if self.req.single_numa:
+                left &= prep.numa_masks[prep.numa_of[start]]
+            while taken.bit_count() < k and left:
+                steps.tick()
+                v = max(bits(left), key=lambda u: (eff[u] & left).bit_count())
+                taken |= 1 << v
+                left &= eff[v]
+            if taken.bit_count() == k and self._meets(taken, r):
+                return self.bb.found(taken, tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__)), r)
+        return None
+
+    def _grow_path(self, r: int, pool: int, eff: list[int], cycle: bool, steps: StepBudget) -> Found | None:
+        """A ring or path: extended depth first, fewest onward links first, from one start
+        per NUMA node (fewest candidates first: best fit, the path keeps to its start's
+        node first), each with its own steps, the best set kept; then, if none grew, every
+        other GPU, most links first, on the steps left."""
+        prep = self.prep
+        k = self.k
+        h = self.h_adj
+        numa_masks, numa_of = prep.numa_masks, prep.numa_of
+        single = self.req.single_numa
+        path: list[int] = []
+
+        def extend(last: int, room: int) -> bool:
+            """``room``: the GPUs that may still join (unvisited; with a min_level, close
+            to every GPU on the path)."""
+            steps.tick()
+            if len(path) == k:
+                return not cycle or bool(eff[last] >> path[0] & 1)
+            left = room
+            options = eff[last] & left
+            if cycle and len(path) == k - 1:
+                options &= eff[path[0]]
+            # Fewest onward links first (long paths are found fast), same NUMA node first.
+            for v in sorted(bits(options), key=lambda u: (numa_of[u] != numa_of[path[0]], (eff[u] & left).bit_count())):
+                path.append(v)
+                if extend(v, room & ~(1 << v) & (h[v] if h is not None else room)):
+                    return True
+                path.pop()
+            return False
+
+        by_links = sorted(bits(pool), key=lambda u: -(eff[u] & pool).bit_count())
+        firsts: dict[int, int] = {}
+        for u in by_links:
+            firsts.setdefault(numa_of[u], u)
+        per_node = sorted(firsts.values(), key=lambda u: (numa_masks[numa_of[u]] & pool).bit_count())[:FIRST_SET_NODES]
+        best: Found | None = None
+        for start in per_node + [u for u in by_links if u not in per_node]:
+            if best is not None and start not in per_node:
+                break
+            path[:] = [start]
+            room = pool & ~(1 << start) & (h[start] if h is not None else pool)
+            if single:
+                room &= numa_masks[numa_of[start]]
+            try:
+                grown = extend(start, room)
+            except StepsSpent:
+                if start in per_node:
+                    steps.left = FIRST_SET_STEPS
+                    continue
+                raise
+            if start in per_node:
+                steps.left = FIRST_SET_STEPS
+            taken = sum(1 << v for v in path)
+            if grown and self._meets(taken, None):
+                found = self.bb.found(taken, tuple(path), r)
+                if best is None or found.key < best.key:
+                    best = found
+        return best
+
+    def _meets(self, taken: int, r: int | None) -> bool:
+        """Whether the GPUs ``taken`` meet the request's constraints and (with ``r``, an
+        all-to-all set) every pair threshold ``r``: checked whole, since a cheap set
+        becomes the exact search's cutoff and a wrong one would hide the answer."""
+        prep = self.prep
+        if taken & ~(self.candidates | self.include) or self.include & ~taken:
+            return False
+        if self.req.single_numa and prep.groups_of(taken).bit_count() > 1:
+            return False
+        h = self.h_adj
+        adj = self.bb.rings.adj(r) if r is not None else None
+        return all(
+            (adj is None or (adj[v] | 1 << v) & taken == taken) and (h is None or (h[v] | 1 << v) & taken == taken)
+            for v in bits(taken)
+        )

@@ -1,0 +1,193 @@
+"""Rings and paths: adjacency at a bandwidth threshold, the blocks (biconnected
+components) a ring must lie in, and the Hamiltonian ring/path search that orders a set's
+GPUs so every consecutive link meets a threshold.
+
+What is derived per tables (adjacency, rings found) is kept here, in a ``Rings`` per
+``Prepared`` (tables.PerTables: it goes when the tables go).
+"""
+
+from __future__ import annotations
+
+from topoagent.node.levels import LinkLevel
+from topoagent.placement.deadline import Ticker
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
+
+HAM_MEMO_MAX = 50_000  # past this the memo starts again empty, costing time, never answers
+# Most links among the candidates for which a ring search first splits them into blocks
+# (linear in the links; denser sets are cliques or near them and one block anyway).
+BLOCKS_EDGES_MAX = 1500
+_MISSING = object()  # a memo's "not there" (None is an answer)
+
+
+def biconnected_blocks(verts: int, adjacency: list[int]) -> list[int]:
+    """The blocks (biconnected components, as GPU bitmasks) of the graph restricted to
+    ``verts``: every cycle lies inside one block, so a ring of k GPUs lies inside a block
+    of k or more (Tarjan's low points, depth first without recursion)."""
+    disc: dict[int, int] = {}
+    low: dict[int, int] = {}
+    blocks: list[int] = []
+    edges: list[tuple[int, int]] = []
+    for root in bits(verts):
+        if root in disc:
+            continue
+        disc[root] = low[root] = len(disc)
+        stack = [(root, -1, adjacency[root] & verts)]
+        while stack:
+            v, parent, rest = stack[-1]
+            if rest:
+                w_bit = rest & -rest
+                stack[-1] = (v, parent, rest ^ w_bit)
+                w = w_bit.bit_length() - 1
+                if w not in disc:
+                    edges.append((v, w))
+                    disc[w] = low[w] = len(disc)
+                    stack.append((w, v, adjacency[w] & verts))
+                elif w != parent and disc[w] < disc[v]:
+                    edges.append((v, w))
+                    low[v] = min(low[v], disc[w])
+                continue
+            stack.pop()
+            if not stack:
+                continue
+            u = stack[-1][0]
+            low[u] = min(low[u], low[v])
+            if low[v] >= disc[u]:  # u separates v's subtree: the edges since (u, v) are a block
+                block = 0
+                while True:
+                    a, b = edges.pop()
+                    block |= 1 << a | 1 << b
+                    if (a, b) == (u, v):
+                        break
+                blocks.append(block)
+    return blocks
+
+
+
+# (the GPUs to order, the threshold every consecutive link meets, a ring or else a path):
+# a plain tuple, built once per leaf of a ring search.
+HamKey = tuple[int, int, bool]
+
+
+class Rings:
+    """Per tables: the GPUs joined at each threshold and level, and the orders found.
+
+    Holds the tables' arrays, never the tables themselves (a memo kept per tables
+    must not keep them alive)."""
+
+    __slots__ = ("_adj", "_ham", "_level_adj", "hier_pos", "levels", "n", "rank")
+
+    def __init__(self, prep: Prepared):
+        self.n = prep.n
+        self.rank = prep.rank
+        self.hier_pos = prep.hier_pos
+        self.levels = prep.matrix.gpu_levels
+        self._adj: dict[int, list[int]] = {}
+        self._level_adj: dict[tuple[int, ...], list[int]] = {}
+        self._ham: dict[HamKey, tuple[int, ...] | None] = {}
+
+    def adj(self, r: int) -> list[int]:
+        """Per GPU, the GPUs joined to it by a link whose key ranks at least ``r``."""
+        got = self._adj.get(r)
+        if got is None:
+            got = [
+                sum(1 << j for j, rk in enumerate(row) if rk >= r) for row in self.rank
+            ]
+            self._adj[r] = got
+        return got
+
+    def level_adj(self, level: LinkLevel) -> list[int]:
+        """Per GPU, the GPUs at least as close as ``level``."""
+        key = level.sort_key()
+        got = self._level_adj.get(key)
+        if got is None:
+            got = [
+                sum(
+                    1 << j
+                    for j in range(self.n)
+                    if j != i and self.levels[i][j].sort_key() <= key
+                )
+                for i in range(self.n)
+            ]
+            self._level_adj[key] = got
+        return got
+
+    def ham(self, mask: int, r: int, cycle: bool, deadline: Ticker | None = None) -> tuple[int, ...] | None:
+        """An order of the GPUs in ``mask`` whose consecutive links all rank >= r, or None."""
+        key: HamKey = (mask, r, cycle)
+        # One lookup, not a test then a read: another thread may clear the memo between them.
+        got = self._ham.get(key, _MISSING)
+        if got is not _MISSING:
+            return got  # type: ignore[return-value]
+        if len(self._ham) > HAM_MEMO_MAX:
+            self._ham.clear()
+        result = self._ham_search(mask, self.adj(r), cycle, deadline)
+        self._ham[key] = result
+        return result
+
+    def _ham_search(self, mask: int, adj: list[int], cycle: bool, deadline: Ticker | None) -> tuple[int, ...] | None:
+        verts = sorted(bits(mask), key=self.hier_pos.__getitem__)
+        k = len(verts)
+        if k == 1:
+            return tuple(verts)
+        if all((adj[v] & mask) == mask & ~(1 << v) for v in verts):
+            return tuple(verts)  # a clique: any order; hierarchy order keeps neighbours close
+        if k == 2:
+            return None
+        degree = {v: (adj[v] & mask).bit_count() for v in verts}
+        if min(degree.values()) < (2 if cycle else 1):
+            return None
+        if not cycle and sum(1 for d in degree.values() if d == 1) > 2:
+            return None
+        if len(connected_components(mask, adj)) > 1:
+            return None  # without this a split set is refuted only by trying every path
+        # Taking one GPU out of a ring leaves a path: one piece (a path, at most two).  A
+        # GPU whose removal splits the set further is refuted here in a few microseconds;
+        # the path search below takes tens to learn it (most sets a sparse mesh refutes).
+        for v in verts:
+            rest = mask & ~(1 << v)
+            if len(connected_components(rest, adj)) > (1 if cycle else 2):
+                return None
+        starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
+        if not cycle and degree[starts[0]] == 1:
+            starts = starts[:1]  # a GPU with one link ends every path: the one start to try
+        rank = self.rank
+        for start in starts:
+            path = [start]
+
+            def extend(last: int, visited: int) -> bool:
+                if deadline is not None:
+                    deadline.tick()
+                if len(path) == k:
+                    return not cycle or bool(adj[last] & (1 << start))
+                left = mask & ~visited
+                if cycle and not (adj[start] & left):
+                    return False
+                if left & ~connected_components(left | 1 << last, adj, 1 << last)[0]:
+                    return False  # the rest cannot all be reached from here
+                # Each GPU still to visit has two path neighbours among the rest, the last
+                # visited and (a ring) the start -- but for the one that ends a path.
+                around = left | 1 << last | (1 << start if cycle else 0)
+                ends = 0
+                for v in bits(left):
+                    if (adj[v] & around).bit_count() < 2:
+                        ends += 1
+                        if cycle or ends > 1:
+                            return False
+                options = list(bits(adj[last] & left))
+                # Fewest onward options first (finds Hamiltonian paths fast), best link first.
+                options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
+                for v in options:
+                    path.append(v)
+                    if extend(v, visited | (1 << v)):
+                        return True
+                    path.pop()
+                return False
+
+            if extend(start, 1 << start):
+                return tuple(path)
+        return None
+
+
+
+RINGS: PerTables[Rings] = PerTables(Rings)
+rings = RINGS.of  # rings(prep): the adjacency and ring memo of these tables
