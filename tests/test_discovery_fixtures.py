@@ -365,7 +365,7 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
 # add_argument makes a help formatter, which asks shutil for the terminal's width; gettext
 # asks locale), and pynvml brings shutil through ctypes.util on a node with a driver.
 NEVER_ONE_SHOT = {"asyncio", "ssl", "aiohttp", "prometheus_client", "torch", "psutil", "logging", "tarfile",
-                  "topoagent.probes", "topoagent.served", "topoagent.agent"}
+                  "topoagent.probes", "topoagent.service.served", "topoagent.service.agent"}
 A100 = str(SNAPSHOTS / "dgx-a100")
 SMI_TEXT = str(Path(__file__).resolve().parents[1] / "fixtures/nvidia-smi/hgx-h20-8gpu-8nic.txt")
 

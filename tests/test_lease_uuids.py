@@ -9,7 +9,6 @@ from dataclasses import replace
 import pytest
 from service_helpers import DGX_A100, metric_value
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.leases import LeaseStore
@@ -17,6 +16,7 @@ from topoagent.node.discovery import discover
 from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Request
+from topoagent.service.agent import Agent
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from service_helpers import DGX_A100
 
-from topoagent.agent import Agent
 from topoagent.cli import main
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
@@ -23,6 +22,7 @@ from topoagent.placement import Placement, Request, place
 from topoagent.placement.synthetic import build
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import overlay
+from topoagent.service.agent import Agent
 from topoagent.vocabulary import Unit
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"

@@ -18,12 +18,12 @@ from schema_check import validate
 from service_helpers import DGX_A100, start_agent, wait_for
 from test_probe_life import service_for
 
-from topoagent.agent import Agent
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
 from topoagent.node.host import Host
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
+from topoagent.service.agent import Agent
 from topoagent.telemetry import nic_traffic, replayed
 
 BUSY_GBS = 20.0  # of a 200 Gb/s (25 GB/s) HDR port: 8 steps of a tenth of its line rate

@@ -12,10 +12,11 @@ from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.node.matrix import Measurement
+from topoagent.placement import Request
+from topoagent.service.agent import Agent
 
 SNAPSHOTS = FIXTURES / "snapshots"
 
@@ -32,7 +33,8 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None
                 snap = agent.snapshot
                 matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
                 agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
-            agent.placement_requests["placed"] += 3
+            for _ in range(3):  # three dry runs answered
+                agent.place(Request(gpus=1))
             return MetricsPage(agent).render()
         finally:
             await agent.stop()

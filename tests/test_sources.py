@@ -17,12 +17,12 @@ from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import metric_value, promtool_complaints
 
-from topoagent.agent import Agent
 from topoagent.collectors import aer
 from topoagent.collectors.counters import COUNTER, GAUGE, CounterSource, Family, Threshold, label_is
 from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, SOURCES, THRESHOLDS, by_subsystem, check_declarations
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
+from topoagent.service.agent import Agent
 from topoagent.telemetry import History, Sample, served
 from topoagent.vocabulary import FindingKind, Severity
 

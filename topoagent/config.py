@@ -85,7 +85,7 @@ class Config:
     telemetry_interval_s: float = 10.0
     telemetry_timeout_s: float = 5.0  # one source's read longer than this fails alone
     telemetry_thresholds: tuple[tuple[str, float], ...] = ()  # THRESHOLDS overridden by key
-    # [exports]: files the running agent keeps current (topoagent/exports.py); None = not written
+    # [exports]: files the running agent keeps current (topoagent/service/exports.py); None = not written
     export_nfd_path: str | None = None
     export_nfd_prefix: str = "topoagent.io"
     export_nfd_expiry_s: float = 3600.0  # NFD drops the labels this long after a write
@@ -95,7 +95,7 @@ class Config:
     export_nccl_path: str | None = None
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
-    # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/capacity.py)
+    # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
     placement_capacity_budget_ms: int = CAPACITY_BUDGET_MS
 
     @property
