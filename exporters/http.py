@@ -29,10 +29,10 @@ from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
-from topoagent.leases import LeaseError
 from topoagent.log import log_event
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
+from topoagent.service.leases import LeaseError
 from topoagent.service.served import Served, Snapshot, etag_of
 from topoagent.text import cut
 

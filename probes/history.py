@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from topoagent.service.statefile import write_json_atomically
+from topoagent.statefile import write_json_atomically
 
 STATE_FILE = "probe-baselines.json"
 SCHEMA = 1

@@ -378,13 +378,13 @@ def _no_driver() -> set[str]:
 
 
 @pytest.mark.parametrize(("argv", "also_never", "proof"), [
-    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent",
+    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.service.telemetry", "topoagent.documents.agent",
                                               "subprocess", "tempfile"}, "topoagent.node.model"),
-    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent"} | _no_driver(), "topoagent.node.model"),
+    (["discover", "--json"], {"topoagent.placement", "topoagent.service.telemetry", "topoagent.documents.agent"} | _no_driver(), "topoagent.node.model"),
     (["place", "--root", A100, "--gpus", "4"], {"pynvml"}, "topoagent.placement.search"),
     (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.node.model"},
      "topoagent.collectors.nvidia_smi"),
-    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.telemetry"}, "topoagent.node.model"),
+    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.service.telemetry"}, "topoagent.node.model"),
     (["snapshot", "recorded"], _no_driver(), "topoagent.node.recording"),
 ])
 def test_one_shot_commands_import_only_what_they_use(

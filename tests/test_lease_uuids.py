@@ -11,12 +11,12 @@ from service_helpers import DGX_A100, metric_value
 
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
-from topoagent.leases import LeaseStore
 from topoagent.node.discovery import discover
 from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Request
 from topoagent.service.agent import Agent
+from topoagent.service.leases import LeaseStore
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from topoagent.node.host import Host
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
 from topoagent.service.agent import Agent
-from topoagent.telemetry import nic_traffic, replayed
+from topoagent.service.telemetry import nic_traffic, replayed
 
 BUSY_GBS = 20.0  # of a 200 Gb/s (25 GB/s) HDR port: 8 steps of a tenth of its line rate
 

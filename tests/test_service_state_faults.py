@@ -24,9 +24,9 @@ import pytest
 from service_helpers import DGX_A100, metric_value, start_agent, wait_for
 
 from topoagent.config import Config
-from topoagent.leases import MAX_STATE_BYTES
 from topoagent.service import loop as loop_module
 from topoagent.service.agent import Agent as Runtime
+from topoagent.service.leases import MAX_STATE_BYTES
 from topoagent.service.loop import LoopHealth
 
 HOSTILE = {

@@ -41,12 +41,12 @@ from topoagent.node.levels import LinkLevel
 from topoagent.vocabulary import Affinity, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
-    from topoagent.leases import Lease
     from topoagent.node.matrix import DistanceMatrix, Measurement
     from topoagent.node.model import Finding
     from topoagent.placement import NoFit, Placement
     from topoagent.probes.runner import ProbeRound
     from topoagent.service.capacity import Capacity
+    from topoagent.service.leases import Lease
     from topoagent.service.served import Snapshot
 
 

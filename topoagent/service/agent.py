@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
-from topoagent.leases import Holding, Lease
 from topoagent.log import log_event
 from topoagent.node.discovery_process import discover_in_child
 from topoagent.node.host import Host, HostError
@@ -29,10 +28,11 @@ from topoagent.service.counter_loop import CounterLoop
 from topoagent.service.discovery_loop import Discover, DiscoveryLoop, start_udev_watch
 from topoagent.service.exports import EXPORT_CHECK_S, ExportsLoop
 from topoagent.service.lease_loop import Answer, LeaseLoop, StateUnavailable
+from topoagent.service.leases import Holding, Lease
 from topoagent.service.loop import LoopHealth, keep_running
 from topoagent.service.probe_loop import ProbeLoop
 from topoagent.service.served import Board, Served, ServedCapacity, Snapshot, counted
-from topoagent.telemetry import Telemetry, nic_traffic
+from topoagent.service.telemetry import Telemetry, nic_traffic
 
 if TYPE_CHECKING:
     from topoagent.probes.service import ProbeService

@@ -12,7 +12,7 @@ from topoagent.config import Config
 from topoagent.node.host import Host
 from topoagent.service.loop import run_in_daemon_thread
 from topoagent.service.served import Board
-from topoagent.telemetry import History
+from topoagent.service.telemetry import History
 
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import LiveCounterReader
@@ -34,7 +34,7 @@ class CounterLoop:
         gives all its recorded samples at the first read, then nothing new."""
         from topoagent.collectors.nvml import LiveCounterReader
         from topoagent.node.discovery import COUNTER_SOURCES
-        from topoagent.telemetry import Context, Sample, read_live, recorded_samples, served
+        from topoagent.service.telemetry import Context, Sample, read_live, recorded_samples, served
 
         host, snapshot = self.host(), self.board.served.snapshot
         if host is None or snapshot is None:

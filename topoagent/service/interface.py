@@ -8,9 +8,9 @@ import asyncio
 from typing import Any, Protocol
 
 from topoagent.config import Config
-from topoagent.leases import Lease
 from topoagent.placement import NoFit, Placement, Request
 from topoagent.service.lease_loop import StateUnavailable
+from topoagent.service.leases import Lease
 from topoagent.service.probe_loop import ProbeRunning, ProbesOff
 from topoagent.service.served import Served, ServedCapacity
 

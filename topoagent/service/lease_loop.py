@@ -1,4 +1,4 @@
-"""The leases loop: the lease book (topoagent/leases.py) opened on the state directory,
+"""The leases loop: the lease book (topoagent/service/leases.py) opened on the state directory,
 swept for expired leases and changes other processes made, and changed by reserve and
 release; publishes the leases it last read, so reads never touch disk or its lock."""
 
@@ -9,10 +9,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from topoagent.leases import Lease, LeaseStore, quarantine_report, state_unwritable
 from topoagent.log import log_event
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, NoFit, Placement, Request
+from topoagent.service.leases import Lease, LeaseStore, quarantine_report, state_unwritable
 from topoagent.service.loop import LoopHealth
 from topoagent.service.served import Board, LeaseQuarantine, LeaseRecovery
 

@@ -15,11 +15,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from topoagent.config import Config
-from topoagent.leases import Holding, Lease
 from topoagent.log import log_event
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.node.model import Finding, NodeTopology
 from topoagent.placement.search import warm as warm_tables
+from topoagent.service.leases import Holding, Lease
 from topoagent.service.served import Board, ProbeState, Snapshot
 
 if TYPE_CHECKING:

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from topoagent.leases import Holding, Lease, boot_clock
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
-from topoagent.telemetry import Telemetry
+from topoagent.service.leases import Holding, Lease, boot_clock
+from topoagent.service.telemetry import Telemetry
 
 if TYPE_CHECKING:
     from topoagent.probes.runner import ProbeRound
@@ -170,7 +170,7 @@ class LeaseQuarantine:
     """Lease state entries the store refused on loading, kept aside (the GPUs they named stay held)."""
 
     file: str
-    entries: tuple[dict[str, Any], ...]  # as topoagent.leases.quarantine_report gives them
+    entries: tuple[dict[str, Any], ...]  # as topoagent.service.leases.quarantine_report gives them
 
 
 @dataclass(frozen=True, slots=True)
