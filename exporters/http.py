@@ -16,6 +16,7 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
@@ -94,6 +95,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception as exc:  # a bug: say so plainly, keep serving
         log_event("handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
         return error_response(500, "internal", "internal error; see the agent's log")
+
+
+# The longest search a caller without the token may ask for (`deadline_ms`); more is capped.
+OPEN_DEADLINE_MS_MAX = 1000
 
 
 def _token_ok(request: web.Request) -> bool:
@@ -385,7 +390,10 @@ async def place(request: web.Request) -> web.Response:
         agent.count_invalid_request()
         raise
     if reserve is None:
-        answer = agent.place(req)
+        if (req.deadline_ms or 0) > OPEN_DEADLINE_MS_MAX and not _token_ok(request):
+            # A dry run needs no token; a long search is CPU anyone could spend without one.
+            req = replace(req, deadline_ms=OPEN_DEADLINE_MS_MAX)
+        answer = await agent.place(req)
         lease = None
     else:
         try:

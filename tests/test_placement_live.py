@@ -283,7 +283,7 @@ def test_the_service_stays_ready_with_a_gpu_whose_links_are_unknown(tmp_path, a1
         await agent.start()
         await agent.request_refresh("test")
         assert agent.snapshot is not None and not agent.snapshot.stale
-        answer = agent.place(Request(gpus=4))
+        answer = await agent.place(Request(gpus=4))
         assert isinstance(answer, Placement) and 7 not in answer.indices
         await agent.stop()
 

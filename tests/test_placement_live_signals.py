@@ -87,14 +87,14 @@ def test_the_agent_passes_its_unverified_gpus_to_placement(tmp_path):
         await agent.start()
         try:
             await agent.request_refresh("test")
-            before = agent.place(Request(gpus=2))
+            before = await agent.place(Request(gpus=2))
             assert isinstance(before, Placement) and set(before.indices) == {0, 1}
             # The probe service (its loop not running, so nothing gets verified) hears that
             # a lease on GPUs 0 and 1 ended, as agent.release tells it.
             agent.probes, _clock = service_for(range(8), lambda plan: pytest.fail("no probe runs here"))
             agent.probes.on_lease_ended("lease-a", [0, 1])
             assert agent.unverified_gpus() == {0, 1}
-            after = agent.place(Request(gpus=2))
+            after = await agent.place(Request(gpus=2))
             assert isinstance(after, Placement) and not set(after.indices) & {0, 1}
             assert after.bandwidth_gbps == before.bandwidth_gbps and after.objective.damage == before.objective.damage
             assert any("GPU(s) 0,1 unverified" in line for line in after.explain)

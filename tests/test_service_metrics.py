@@ -34,7 +34,7 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None
                 matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
                 agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
             for _ in range(3):  # three dry runs answered
-                agent.place(Request(gpus=1))
+                await agent.place(Request(gpus=1))
             return MetricsPage(agent).render()
         finally:
             await agent.stop()

@@ -216,12 +216,15 @@ class Agent:
         """A /place request refused as malformed (400): counted with the others."""
         self._count("invalid")
 
-    def place(self, request: Request) -> Answer:
-        """A dry run.  ``request`` was parsed against this snapshot's GPUs."""
+    async def place(self, request: Request) -> Answer:
+        """A dry run.  ``request`` was parsed against this snapshot's GPUs.  The search runs
+        off the event loop, as a reservation's does: for as long as its deadline allows, a
+        search on the loop held /healthz and every other request (15 s at 64 GPUs)."""
         served = self.board.served
         assert served.snapshot is not None
         matrix = served.snapshot.matrix
-        answer = place(matrix, self._with_deadline(request), served.busy() & {g.index for g in matrix.gpus}, live=self.live())
+        busy = served.busy() & {g.index for g in matrix.gpus}
+        answer = await asyncio.to_thread(place, matrix, self._with_deadline(request), busy, live=self.live())
         self._count("placed" if answer.fit else "nofit")
         return answer
 

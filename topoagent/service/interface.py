@@ -34,7 +34,7 @@ class Service(Protocol):
         (then the latest, marked stale; None before the first)."""
         ...
 
-    def place(self, request: Request) -> Answer:
+    async def place(self, request: Request) -> Answer:
         """A dry run, counted by outcome."""
         ...
 
