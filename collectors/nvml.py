@@ -530,7 +530,8 @@ REMAPPED_ROWS = Family("gpu_remapped_rows",
                        "Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.",
                        GAUGE, (*_GPU, "state"))
 THROTTLE_REASON = Family("gpu_clock_throttle_reason", "1 when the reason currently holds the GPU's clocks down.", GAUGE, (*_GPU, "reason"))
-XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid.", COUNTER, (*_GPU, "xid"),
+XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid (the actionable ones from 0).",
+                    COUNTER, (*_GPU, "xid"),
                     from_zero=True)  # NVIDIA keeps no Xid counter: LiveCounterReader counts them
 FAMILIES = (NVLINK_TRANSMITTED, NVLINK_RECEIVED, NVLINK_ERRORS, PCIE_REPLAYS, PCIE_TRANSMITTED, PCIE_RECEIVED,
             TEMPERATURE, MEMORY_TEMPERATURE, POWER, POWER_LIMIT, ENERGY, UTILIZATION, MEMORY_UTILIZATION, ENCODER_UTILIZATION,
@@ -778,8 +779,14 @@ def parse_counters(data: dict) -> list[Series]:
         put(PCIE_REPLAYS, c.get("pcie_replays_total"))
         put(PCIE_TRANSMITTED, c.get("pcie_tx_bytes_total"))
         put(PCIE_RECEIVED, c.get("pcie_rx_bytes_total"))
-        for xid, count in sorted((c.get("xid_errors") or {}).items(), key=lambda kv: int(kv[0])):
-            put(XID_ERRORS, count, (*gpu, ("xid", str(xid))))
+        xids = c.get("xid_errors")
+        if isinstance(xids, dict):
+            # Actionable Xids are served from 0 from the first read on: their first event is
+            # then a rise increase() sees (an alert on a series born at 1 sees none).  Other
+            # Xids, mostly the application's own faults, appear at their first event.
+            xids = {**dict.fromkeys(ACTIONABLE_XIDS, 0), **{str(k): v for k, v in xids.items()}}
+            for xid, count in sorted(xids.items(), key=lambda kv: int(kv[0])):
+                put(XID_ERRORS, count, (*gpu, ("xid", xid)))
         for link in raw.get("nvlinks") or []:
             if not isinstance(link, dict) or not isinstance(link.get("link"), int):
                 raise SourceError(f"nvml counters: gpu {raw['index']}: every nvlink needs an integer 'link'")

@@ -29,6 +29,10 @@ interval_s = 0.2
 WAIT_S = 90
 
 
+def alert_names() -> list[str]:
+    return [line.split("alert:")[1].strip() for line in RULES.read_text().splitlines() if line.strip().startswith("- alert:")]
+
+
 def board() -> dict:
     return json.loads(DASHBOARD.read_text())
 
@@ -201,9 +205,17 @@ def test_findings_panel_shows_the_degraded_nodes_count_once(prometheus):
 def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings(prometheus):
     groups = prometheus.api("rules")["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    assert len(rules) == 9 and all(r["health"] == "ok" for r in rules.values()), rules
+    assert set(rules) == set(alert_names()) and all(r["health"] == "ok" for r in rules.values()), rules
     alerts = wait_for("TopoagentCriticalFinding pending", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
                                                                    if a["labels"]["alertname"] == "TopoagentCriticalFinding"],
                       timeout=WAIT_S, interval=0.2)
     assert {a["labels"]["kind"] for a in alerts} >= {"gpu-xid", "ib-errors-rising", "nvlink-errors-rising"}
     assert all(a["state"] in ("pending", "firing") for a in alerts)
+    # The recorded Xid 79 on GPU 6 is the series' first event as Prometheus sees it: it fires
+    # at once, and the actionable Xids the agent serves at 0 on every other GPU do not.
+    xids = wait_for("TopoagentGpuXid firing", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
+                                                      if a["labels"]["alertname"] == "TopoagentGpuXid" and a["state"] == "firing"],
+                    timeout=WAIT_S, interval=0.2)
+    assert [(a["labels"]["gpu"], a["labels"]["xid"], a["labels"]["severity"]) for a in xids] == [("6", "79", "critical")]
+    served_at_zero = prometheus.query('count(topoagent_gpu_xid_errors_total == 0)')["data"]["result"]
+    assert served_at_zero and float(served_at_zero[0]["value"][1]) >= 7 * 10
