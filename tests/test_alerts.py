@@ -7,7 +7,7 @@ import shutil
 import subprocess
 
 from conftest import REPO
-from test_grafana_dashboard import DASHBOARD, METRIC, alert_names, panel_exprs, real_scrape_names
+from test_grafana_dashboard import DASHBOARD, METRIC, alert_names, grafana_to_promql, panel_exprs, real_scrape_names
 
 from topoagent.collectors import ib_counters, nvml
 
@@ -182,3 +182,31 @@ def test_the_nvlink_join_without_instance_fails_on_two_nodes_as_the_issue_said(t
     done = run_join(tmp_path, old, "          - {labels: '{gpu=\"0\"}', value: 0.3}")
     assert done.returncode != 0 and "many-to-many matching not allowed" in done.stdout + done.stderr
 
+
+def test_the_xid_panel_counts_the_first_event_of_a_series_born_at_it_and_of_one_served_from_0(tmp_path):
+    """gpu01's Xid 13 appears at its first event (value 1, minute 10); gpu02's Xid 79 is served
+    from 0 and rises at minute 10; its agent restarts at minute 20 and Xid 79 comes again at 25."""
+    (expr,) = panel_exprs("GPU Xid events")
+    expr = grafana_to_promql(expr, rate_interval="5m")
+    test = tmp_path / "xid_panel_test.yml"
+
+    def at(minute: int, gpu01: int, gpu02: int) -> str:
+        samples = [f"""          - labels: '{{instance="{host}:9477", gpu="{gpu}", xid="{xid}"}}'
+            value: {value}""" for host, gpu, xid, value in (("gpu01", "2", "13", gpu01), ("gpu02", "6", "79", gpu02)) if value is not None]
+        return f"""      - expr: '{expr}'
+        eval_time: {minute}m
+        exp_samples:
+{chr(10).join(samples) if samples else "          []"}
+"""
+    test.write_text(f"""
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu01:9477", job="topoagent", gpu="2", xid="13"}}'
+        values: '_x10 1x30'
+      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu02:9477", job="topoagent", gpu="6", xid="79"}}'
+        values: '0x9 1x9 _ 0x4 1x15'
+    promql_expr_test:
+{at(9, None, 0)}{at(11, 1, 1)}{at(18, 0, 0)}{at(26, 0, 1)}""")
+    done = run("test", "rules", str(test))
+    assert done.returncode == 0, f"{DASHBOARD.name} Xid query {expr!r}:\n{done.stdout}{done.stderr}"

@@ -86,8 +86,15 @@ def test_dashboard_is_grafana_json_with_unique_panels():
     titles = {p["title"] for p in doc["panels"]}
     for wanted in ("Findings", "Busy GPUs", "Lease state recovered from corruption", "Probe rounds", "Probe failures in a row",
                    "InfiniBand/RoCE traffic", "NVLink traffic per GPU", "InfiniBand/RoCE port errors", "NVLink errors",
-                   "PCIe AER errors and replays", "GPU Xid events"):
+                   "PCIe AER errors and replays", "GPU Xid events", "GPU temperature", "GPU power", "GPU utilisation", "GPU clocks"):
         assert wanted in titles, wanted
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert {"instance", "gpu"} <= set(variables) and variables["gpu"]["includeAll"] and variables["gpu"]["multi"]
+    # Every panel of a GPU's own series follows both pickers.
+    for p in doc["panels"]:
+        for t in p["targets"]:
+            if re.search(r"topoagent_gpu_(temperature|memory_temperature|power|utilization|memory_utilization|sm_clock|memory_clock|xid|ecc)", t["expr"]):
+                assert 'gpu=~"$gpu"' in t["expr"] and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
 
 
 def test_panels_never_overlap():
@@ -176,8 +183,8 @@ def prometheus(tmp_path_factory):
         agent.stop()
 
 
-def grafana_to_promql(expr: str) -> str:
-    return expr.replace("$instance", ".*").replace("$__rate_interval", "1m")
+def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
+    return expr.replace("$instance", ".*").replace("$gpu", ".*").replace("$__rate_interval", rate_interval)
 
 
 def test_every_panel_query_answers_with_series_from_a_real_scrape(prometheus):
