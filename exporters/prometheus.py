@@ -66,9 +66,12 @@ class SnapshotCollector(Collector):
                 [str(info.index)],
                 {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node),
                  # dcgm-exporter's names and spellings for the same GPU, so a PromQL join needs
-                 # no relabelling (its `gpu` is the NVML index, as ours is).
+                 # no relabelling (its `gpu` is the NVML index, as ours is, and its `device`
+                 # is "nvidia" and that index).  Both spellings of the hostname: its releases
+                 # write `Hostname`, its main branch `hostname` (README).
                  "UUID": _opt(info.uuid), "pci_bus_id": nvml_bus_id(info.pci_address), "modelName": _opt(info.model),
-                 "Hostname": _opt(node.hostname)},
+                 "device": f"nvidia{info.index}", "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version),
+                 "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname)},
             )
         yield gpu_info
 
