@@ -21,9 +21,9 @@ from topoagent.collectors import ib_counters
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
 from topoagent.exporters.nfd import nfd_features
-from topoagent.exports import rendered
 from topoagent.node.findings import placement_blockers
-from topoagent.telemetry import History, Sample, served
+from topoagent.service.exports import rendered
+from topoagent.service.telemetry import History, Sample, served
 
 SNAPSHOTS = FIXTURES / "snapshots"
 HWLOC_QIB = TESTS / "data" / "hwloc" / "40intel64-2g2n4c+pcilocality.tar.bz2"
@@ -220,7 +220,7 @@ def test_a_counter_at_its_maximum_is_saturated_and_one_below_it_is_not():
 @pytest.mark.parametrize("name", sorted(p.name for p in SNAPSHOTS.iterdir() if (p / "telemetry.json").is_file()))
 def test_the_recorded_nodes_counters_all_move(name):
     from topoagent.node.host import Host
-    from topoagent.telemetry import replayed
+    from topoagent.service.telemetry import replayed
 
     telemetry = replayed(Host(SNAPSHOTS / name), None)
     assert telemetry is not None and stuck(telemetry.findings) == {}

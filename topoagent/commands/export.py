@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if not topology.gpus:
         print(f"topoagent export {args.format}: {NO_GPUS}", file=sys.stderr)
         return EXIT_NO_GPUS
-    from topoagent.node.findings import held_back  # not topoagent.exports: its config pulls in telemetry
+    from topoagent.node.findings import held_back  # not service.exports: its config pulls in telemetry
 
     held = held_back(args.format, topology)
     if held:
