@@ -119,7 +119,8 @@ class SnapshotCollector(Collector):
             for j in range(i + 1, matrix.size):
                 labels = [str(matrix.gpus[i].index), str(matrix.gpus[j].index)]
                 lvl = matrix.level(i, j)
-                level.add_metric([*labels, str(lvl)], int(lvl.kind))
+                if node.level(matrix.gpus[i].name, matrix.gpus[j].name) is not None:  # unknown: no series, never SYS
+                    level.add_metric([*labels, str(lvl)], int(lvl.kind))
                 gbps = matrix.gpu_expected_gbps[i][j]
                 if gbps is not None:
                     expected.add_metric(labels, gbps * GB)

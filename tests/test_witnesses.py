@@ -111,9 +111,12 @@ def test_readyz_says_not_ready_for_placement_and_why_while_healthz_stays_alive(n
             assert placed.status == 503 and placed.json() == {k: body[k] for k in ("error", "detail", "findings")}
         else:  # no GPU: the core's own answer, as at every door (tests/test_cli_doors.py)
             assert placed.status == 409 and placed.json()["nofit"]["reason"] == "2 GPUs requested; no GPUs found on this node"
-        # What the node did see is still served, the finding with it.
+        # What the node did see is still served, the finding with it; an unseen link is no series.
         topology = agent.get("/topology").json()
         assert kind in {f["kind"] for f in topology["findings"]}
+        metrics = agent.get("/metrics").body.decode()
+        assert f'topoagent_findings{{kind="{kind}",severity="critical"}} 1.0' in metrics
+        assert "topoagent_gpu_pair_link_level{" not in metrics
     finally:
         assert agent.stop() == 0
 
