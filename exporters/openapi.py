@@ -73,6 +73,12 @@ NO_FIT_ERROR = {
     "required": ["error", "detail", "nofit"],
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
+NEVER_FITS_ERROR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail", "nofit"],
+    "properties": {"error": {"type": "string", "enum": ["never_fits"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
+}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -89,7 +95,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR, "NeverFitsError": NEVER_FITS_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {
@@ -141,7 +147,10 @@ def openapi_document() -> dict[str, Any]:
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
-                        "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
+                        "409": _json("It does not fit now (busy or leased GPUs); `nofit` says why, `never_fits` is false.", "NoFitError"),
+                        "422": _json(
+                            "It would not fit this node with every GPU free either (the same search on the idle node): "
+                            "waiting or preempting will not help; `nofit` says why, `never_fits` is true.", "NeverFitsError"),
                         "413": _err("Body larger than the limit."),
                         "503": {**not_ready["503"], "description": "No topology loaded yet (`not_ready`), or, with `reserve`, "
                                 + state_unavailable["description"], "headers": state_unavailable["headers"]},

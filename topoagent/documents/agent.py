@@ -243,10 +243,13 @@ NOFIT = Document("NoFit", {
     "fit": Field({"type": "boolean", "const": False}, lambda n: False),
     "reason": Field(STRING),
     "constraint": Field(STRING, description="the request field that cannot hold"),
+    "never_fits": Field(BOOLEAN, description=(
+        "true: it would not fit with every GPU free either (the same search on the idle node), so waiting will not help "
+        "and `reason` is the idle node's; false: it may fit once busy GPUs are given back")),
     "free": plain_list("free", INTEGER),
     "best_available": nested(PLACEMENT, "best_available", optional=True),
     "request": nested(REQUEST, "request", optional=True),
-}, "Why the request cannot be met now, and the best answer without the failing constraint.")
+}, "Why the request cannot be met now (or ever, on this node), and the best answer without the failing constraint.")
 
 
 def answer_document(answer: Placement | NoFit) -> dict[str, Any]:

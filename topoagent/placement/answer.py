@@ -96,6 +96,9 @@ class NoFit:
     constraint: str  # the request field that cannot hold: gpus, include, min_level, ...
     free: tuple[int, ...]  # nvidia-smi indices
     best_available: Placement | None = None
+    # True: it fits no more with every GPU free (placement.place decides it by searching the
+    # idle node): waiting will not help, and ``why`` is the idle node's reason.
+    never_fits: bool = False
 
     fit = False
 
