@@ -121,7 +121,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/capacity": {
                 "get": {
-                    "summary": "What this node can take now: free GPUs, the largest free NVLink zone, fragmentation, and for each k whether k GPUs fit and how well.",
+                    "summary": "What this node can take now: free GPUs, the largest free zone (NVLink or one PCIe switch), fragmentation, and for each k whether k GPUs fit and how well.",
                     "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
                     "responses": {
                         "200": {**_json("The figures for the current snapshot and busy GPUs (or, with `stale` true, the latest computed while "

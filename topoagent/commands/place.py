@@ -17,7 +17,7 @@ from topoagent.placement import Door, Live, NoFit, Placement, RequestError, pars
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
 from topoagent.text import cut
-from topoagent.vocabulary import Affinity, Pattern
+from topoagent.vocabulary import Affinity, EstimateModel, Pattern
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs (default 0)")
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
-    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB); alltoall, pipeline: one message's size, their links are timed by (default 1 MiB)")
+    parser.add_argument("--message-bytes", metavar="BYTES", help="allreduce: the all-reduce size its estimate models (default 256 MiB); alltoall, pipeline: one message's size, their links and estimate are timed by (default 1 MiB)")
     parser.add_argument(
         "--measured", metavar="FILE",
         help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",
@@ -383,6 +383,13 @@ def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE, left_out: tuple[int,
     return status
 
 
+ESTIMATE_WORDS = {
+    EstimateModel.RING_ALLREDUCE: "ring all-reduce of {size} bytes",
+    EstimateModel.ALLTOALL: "all-to-all, one message of {size} bytes to each peer",
+    EstimateModel.PIPELINE_P2P: "pipeline point-to-point, one message of {size} bytes per stage",
+}
+
+
 def render(answer: Placement | NoFit) -> str:
     if isinstance(answer, NoFit):
         constraint = "--" + answer.constraint.replace("_", "-")
@@ -409,9 +416,8 @@ def render(answer: Placement | NoFit) -> str:
     lines.append(f"affinity: {answer.affinity}   topology satisfaction: {answer.satisfaction:.0%} of links local")
     if answer.estimate is not None:
         e = answer.estimate
-        lines.append(
-            f"estimate: ring all-reduce of {e.message_bytes} bytes: {e.time_us / 1000:.3g} ms, bus bandwidth {e.bus_bandwidth_gbps:g} GB/s"
-        )
+        what = ESTIMATE_WORDS[e.model].format(size=e.message_bytes)
+        lines.append(f"estimate: {what}: {e.time_us / 1000:.3g} ms, bus bandwidth {e.bus_bandwidth_gbps:g} GB/s")
     lines.append(f"score: {answer.score:g}")
     lines += [f"- {reason.render(Door.CLI)}" for reason in answer.reasons]
     return "\n".join(lines) + "\n"

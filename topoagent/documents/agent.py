@@ -38,7 +38,7 @@ from topoagent.documents.schema import (
     plain_list,
 )
 from topoagent.node.levels import LinkLevel
-from topoagent.vocabulary import Affinity, Pattern, ProbeKind, Unit
+from topoagent.vocabulary import Affinity, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
     from topoagent.capacity import Capacity
@@ -151,7 +151,7 @@ REQUEST = Document("Request", {
     "nics": Field(INTEGER),
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
-    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for the estimate, 1 MiB per alltoall/pipeline message)"),
+    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for allreduce's estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
@@ -171,12 +171,19 @@ PLACED_GPU = Document("PlacedGpu", {
 })
 
 ESTIMATE = Document("Estimate", {
-    "message_bytes": Field(INTEGER, description="the all-reduce size modelled"),
-    "ring_gbps": Field(NUMBER, description="the ring's weakest link, GB/s per direction"),
-    "hop_latency_us": Field(NUMBER, description="NCCL's per-step latency: 3.4 NVLink, 5.7 PCI"),
-    "time_us": Field(NUMBER, description="one ring all-reduce of message_bytes"),
-    "bus_bandwidth_gbps": Field(NUMBER, description="as nccl-tests reports busbw"),
-}, "Ring all-reduce over the ranks in order, by NCCL's alpha-beta model (ring, Simple protocol): a model, not a measurement.")
+    "model": Field(one_of(EstimateModel), description=(
+        "ring_allreduce (allreduce: NCCL's ring model), alltoall (one message to each peer, a rank's sends in turn), "
+        "pipeline_p2p (one message per stage, the slowest stage sets the pace); independent jobs get no estimate")),
+    "message_bytes": Field(INTEGER, description="ring_allreduce: the all-reduce size; alltoall, pipeline_p2p: one message"),
+    "link_gbps": Field(NUMBER, description="the weakest link the model uses, GB/s per direction"),
+    "latency_us": Field(NUMBER, description=(
+        "ring_allreduce: NCCL's per-step latency (3.4 NVLink, 5.7 PCI); else the largest small-copy latency of its links")),
+    "time_us": Field(NUMBER, description=(
+        "ring_allreduce: one all-reduce; alltoall: one exchange; pipeline_p2p: one message through the slowest stage")),
+    "bus_bandwidth_gbps": Field(NUMBER, description="as nccl-tests reports busbw for the pattern's collective"),
+    "ring_gbps": Field(nullable(NUMBER), description="ring_allreduce: the ring's weakest link (= link_gbps); null for other models"),
+    "hop_latency_us": Field(nullable(NUMBER), description="ring_allreduce: NCCL's per-step latency (= latency_us); null for other models"),
+}, "The pattern's own model over the ranks in order (placement.tiers): a model of the node's links, not a measurement.")
 
 LAUNCH = Document("Launch", {
     "torchrun_wrapper": Field(nullable(STRING), description="sh script: torchrun --nproc-per-node=K --no-python ./bind.sh python train.py"),
@@ -417,7 +424,7 @@ CAPACITY = Document("Capacity", {
     "running": Field(array(INTEGER), lambda v: list(v.capacity.running), "running processes the agent did not place"),
     "unhealthy": Field(array(INTEGER), lambda v: list(v.capacity.unhealthy), "otherwise free, kept off by a critical finding"),
     "largest_free_zone": Field(array(INTEGER), lambda v: list(v.capacity.largest_free_zone),
-                               "the largest group of free GPUs joined by NVLink among themselves"),
+                               "the largest group of free GPUs joined by local links among themselves: NVLink or one PCIe switch (PIX)"),
     "largest_free_zone_gpus": Field(INTEGER, lambda v: len(v.capacity.largest_free_zone)),
     "fragmentation": Field({"type": "number", "minimum": 0, "maximum": 1}, lambda v: v.capacity.fragmentation,
                            "1 - largest_free_zone_gpus / free_gpus (0 when nothing is free)"),

@@ -70,7 +70,7 @@ class Placement:
     launch: Launch | None = None  # per-rank forms for torchrun, srun, mpirun (placement.binding)
     affinity: Affinity = Affinity.ANY  # the strictest tier the answer meets (placement.tiers)
     satisfaction: float = 1.0  # share of the pattern's links that are local (placement.tiers)
-    estimate: Estimate | None = None  # ring all-reduce model; None for one GPU
+    estimate: Estimate | None = None  # the pattern's model (placement.tiers); None for one GPU or independent
     # False when the request's deadline stopped the search: the best set found in time,
     # and the bandwidth no set can exceed as far as the search got (None: not bounded).
     proven_optimal: bool = True
@@ -215,7 +215,7 @@ class AnswerParts:
     launch: Launch
     affinity: Affinity
     satisfaction: float
-    ring: tuple[PatternLink, ...]  # the ring through the ranks in order, for the estimate
+    ring: tuple[PatternLink, ...]  # allreduce: the ring through the ranks in order, for the estimate
 
 
 def answer_parts(
@@ -229,7 +229,6 @@ def answer_parts(
     got = memo.get(key)
     if got is not None:
         return got
-    k = len(order)
     links = _pattern_links(prep, order, pattern)
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
@@ -264,9 +263,9 @@ def answer_parts(
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
     if cpus_shared:
         nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    # The ring through the ranks in order, for the estimate: the pattern's own links for
-    # all-reduce (and one GPU), else the ring the ranks would form.
-    ring = _pattern_links(prep, order, Pattern.ALLREDUCE) if k >= 2 and pattern is not Pattern.ALLREDUCE else links
+    # The ring through the ranks in order, which all-reduce's estimate reads (the other
+    # patterns' models read their own links: placement.tiers).
+    ring = links if pattern is Pattern.ALLREDUCE else []
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
         tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
@@ -476,5 +475,5 @@ def build(
         launch=parts.launch,
         affinity=parts.affinity,
         satisfaction=parts.satisfaction,
-        estimate=estimate(parts.ring, len(found.order), req.message_bytes),
+        estimate=estimate(prep, found.order, req.pattern, parts.ring, req.message_bytes),
     )
