@@ -46,6 +46,7 @@ GENERATORS: dict[str, Generator] = {
     "simulation": Generator(("-m", "bench.placement", "--only", "simulate", "--markdown"), ("--quick",)),
     "service": Generator(("bench/service.py", "--markdown"), ("--seconds", "5", "--idle-seconds", "10")),
     "deadline": Generator(("-m", "bench.placement", "--only", "deadline", "--markdown"), ("--quick",)),
+    "loaded": Generator(("-m", "bench.placement", "--only", "loaded", "--markdown"), ("--quick",)),
     "cluster": Generator(("-m", "bench.cluster", "--markdown"), ("--quick",)),
     "meshfloor": Generator(("-m", "bench.mesh_floor", "--markdown"), ("--requests", "6")),
 }

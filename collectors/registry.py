@@ -9,7 +9,7 @@ Adding a source is one new module under ``collectors/`` and one line in ``SOURCE
 - a counter source is a ``CounterSource`` (collectors/counters.py): a raw read, a pure
   parser, the metric families it owns and its thresholds, declared in its own module.
 
-``topoagent.node.discovery`` runs the collectors, ``topoagent.telemetry`` reads the counter
+``topoagent.node.discovery`` runs the collectors, ``topoagent.service.telemetry`` reads the counter
 sources and applies the thresholds, and the Prometheus exporter walks ``FAMILIES``; none
 of them lists a source or names a metric of its own.  This module imports only the
 sources, so neither of those imports the other.

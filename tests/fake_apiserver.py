@@ -2,15 +2,24 @@
 cluster pieces make, and no more:
 
 - ``GET /api/v1/pods`` (the device plugin: Pending pods bound to its node; every pod is
-  listed, the query is recorded);
+  listed, the query is recorded); with ``limit`` in pages (``metadata.continue``), and with
+  ``watch=true`` a stream of watch events after ``resourceVersion`` (one JSON object a
+  line) until ``timeoutSeconds`` or ``close_watches()``; a resourceVersion older than the
+  events kept gets one ERROR event, 410 Gone, as the real one answers;
 - ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``;
 - ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
   the extender sends) or a strategic merge patch of plain maps (the same for annotations);
-- ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID must be
-  the pod's and whose pod is not bound yet (else 409, as the real one answers); it sets
-  ``spec.nodeName``.
+- ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID (and
+  resourceVersion, when given) must be the pod's and whose pod is not bound yet (else 409,
+  as the real one answers); it sets ``spec.nodeName`` and the Binding's annotations in one
+  update.
 
-Errors are ``Status`` objects.  ``fail_binding`` names pods whose binding fails (500).
+Every change gives the pod a new ``metadata.resourceVersion`` and a watch event;
+``delete_pod`` and ``set_phase`` play the pod's end.
+
+Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503.  ``fail_binding`` names pods whose binding fails (500);
+``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
+that concurrent binds of one pod overlap.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import copy
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlparse
@@ -46,9 +56,17 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+KEPT_EVENTS = 1000
+
+
 class FakeApiServer:
     def __init__(self, pods: list[dict] | None = None, nodes: list[dict] | None = None) -> None:
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.version = 100
+        self.events: list[tuple[int, str, dict]] = []  # (resourceVersion, type, pod), the last KEPT_EVENTS
+        self.watch_generation = 0  # close_watches() bumps it: every open watch stream ends
+        self.watches = 0  # watch requests served
         self.pods: dict[tuple[str, str], dict] = {}
         for pod in pods or []:
             self.add_pod(pod)
@@ -57,6 +75,8 @@ class FakeApiServer:
         self.bindings: list[dict] = []
         self.patches: list[tuple[str, str, str]] = []  # (namespace/name, content type, body)
         self.fail_binding: set[str] = set()
+        self.binding_delay_s = 0.0
+        self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -74,10 +94,22 @@ class FakeApiServer:
 
             def do_GET(self) -> None:
                 url = urlparse(self.path)
+                query = parse_qs(url.query)
+                if url.path == "/api/v1/pods" and outer.pods_unavailable:
+                    return self._send(503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request"))
+                if url.path == "/api/v1/pods" and query.get("watch", [""])[0] in ("true", "1"):
+                    return self._watch(query)
                 with outer.lock:
                     if url.path == "/api/v1/pods":
-                        outer.queries.append({"path": url.path, **parse_qs(url.query)})
-                        return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": list(outer.pods.values())})
+                        outer.queries.append({"path": url.path, **query})
+                        items = list(outer.pods.values())
+                        meta: dict[str, Any] = {"resourceVersion": str(outer.version)}
+                        if "limit" in query:
+                            start, limit = int(query.get("continue", ["0"])[0] or 0), int(query["limit"][0])
+                            if start + limit < len(items):
+                                meta["continue"] = str(start + limit)
+                            items = items[start:start + limit]
+                        return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items})
                     if m := POD.fullmatch(url.path):
                         pod = outer.pods.get((m.group(1), m.group(2)))
                         return self._send(200, pod) if pod else self._send(404, status(404, "NotFound", f'pods "{m.group(2)}" not found'))
@@ -85,6 +117,34 @@ class FakeApiServer:
                         node = outer.nodes.get(m.group(1))
                         return self._send(200, node) if node else self._send(404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
                 self._send(404, status(404, "NotFound", "the server could not find the requested resource"))
+
+            def _watch(self, query: dict[str, list[str]]) -> None:
+                since = int(query.get("resourceVersion", ["0"])[0] or 0)
+                deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
+                with outer.lock:
+                    outer.watches += 1
+                    generation = outer.watch_generation
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+                with outer.lock:
+                    if outer.events and since < outer.events[0][0] - 1 and since < outer.version:
+                        gone = status(410, "Expired", f"too old resource version: {since} ({outer.events[0][0] - 1})")
+                        self.wfile.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                        return
+                while True:
+                    with outer.lock:
+                        pending = [(v, t, o) for v, t, o in outer.events if v > since]
+                        if not pending:
+                            left = deadline - time.monotonic()
+                            if left <= 0 or outer.watch_generation != generation:
+                                return
+                            outer.changed.wait(min(left, 0.2))
+                            continue
+                    for v, kind, obj in pending:
+                        self.wfile.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                        since = v
+                    self.wfile.flush()
 
             def do_PATCH(self) -> None:
                 url = urlparse(self.path)
@@ -100,11 +160,14 @@ class FakeApiServer:
                     outer.patches.append((f"{m.group(1)}/{m.group(2)}", kind, json.dumps(body)))
                     updated = merge_patch(pod, body)
                     outer.pods[(m.group(1), m.group(2))] = updated
+                    outer._changed("MODIFIED", updated)
                     self._send(200, updated)
 
             def do_POST(self) -> None:
                 url = urlparse(self.path)
                 body = self._read()
+                if outer.binding_delay_s:
+                    time.sleep(outer.binding_delay_s)
                 with outer.lock:
                     m = BINDING.fullmatch(url.path)
                     if not m:
@@ -118,13 +181,20 @@ class FakeApiServer:
                     uid = (body.get("metadata") or {}).get("uid")
                     if uid and uid != pod["metadata"].get("uid"):
                         return self._send(409, status(409, "Conflict", f"Precondition failed: UID in precondition: {uid}, UID in object meta: {pod['metadata'].get('uid')}"))
+                    version = (body.get("metadata") or {}).get("resourceVersion")
+                    if version and version != pod["metadata"].get("resourceVersion"):
+                        return self._send(409, status(409, "Conflict", f'Operation cannot be fulfilled on pods "{name}": the object has been modified; please apply your changes to the latest version and try again'))
                     if name in outer.fail_binding:
                         return self._send(500, status(500, "InternalError", "etcdserver: request timed out"))
                     if (pod.get("spec") or {}).get("nodeName"):
                         return self._send(409, status(409, "Conflict", f"pod {name} is already assigned to node {pod['spec']['nodeName']!r}"))
                     node = body["target"]["name"]
                     pod.setdefault("spec", {})["nodeName"] = node
+                    annotations = (body.get("metadata") or {}).get("annotations") or {}
+                    if annotations:
+                        pod["metadata"].setdefault("annotations", {}).update(annotations)
                     outer.bindings.append({"namespace": ns, "name": name, "uid": uid, "node": node})
+                    outer._changed("MODIFIED", pod)
                     self._send(201, {**status(201, "", ""), "status": "Success"})
 
             def log_message(self, *args: Any) -> None:
@@ -134,16 +204,45 @@ class FakeApiServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
+    def _changed(self, kind: str, pod: dict) -> None:
+        """A new resourceVersion for ``pod`` and its watch event; the lock is held."""
+        self.version += 1
+        pod.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        self.events.append((self.version, kind, copy.deepcopy(pod)))
+        del self.events[:-KEPT_EVENTS]
+        self.changed.notify_all()
+
     def add_pod(self, pod: dict) -> None:
         meta = pod.setdefault("metadata", {})
         meta.setdefault("namespace", "default")
         with self.lock:
-            self.pods[(meta["namespace"], meta["name"])] = pod
+            stored = copy.deepcopy(pod)
+            self.pods[(meta["namespace"], meta["name"])] = stored
+            self._changed("ADDED", stored)
+            meta["resourceVersion"] = stored["metadata"]["resourceVersion"]
+
+    def delete_pod(self, name: str, namespace: str = "default") -> None:
+        with self.lock:
+            pod = self.pods.pop((namespace, name))
+            self._changed("DELETED", pod)
+
+    def set_phase(self, name: str, phase: str, namespace: str = "default") -> None:
+        with self.lock:
+            pod = self.pods[(namespace, name)]
+            pod.setdefault("status", {})["phase"] = phase
+            self._changed("MODIFIED", pod)
+
+    def close_watches(self) -> None:
+        """End every open watch stream, as an API server does at its timeout or restart."""
+        with self.lock:
+            self.watch_generation += 1
+            self.changed.notify_all()
 
     def pod(self, name: str, namespace: str = "default") -> dict:
         with self.lock:
             return copy.deepcopy(self.pods[(namespace, name)])
 
     def close(self) -> None:
+        self.close_watches()
         self.server.shutdown()
         self.server.server_close()

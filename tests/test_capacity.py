@@ -10,11 +10,11 @@ import pytest
 from schema_check import validate
 from service_helpers import Agent, metric_value, promtool_complaints, start_agent
 
-from topoagent.capacity import capacity
 from topoagent.commands.discover import discover_root
 from topoagent.documents.agent import capacity_document
 from topoagent.placement import Request, place
 from topoagent.placement.synthetic import pcie_two_socket_8, tree_node
+from topoagent.service.capacity import capacity
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
 

@@ -152,7 +152,7 @@ def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_closest_flag():
 
 # What a command needs before argparse looks at unknown arguments (it reports those last).
 NEEDS = {"matrix": ["--from-nvidia-smi", "x"], "snapshot": ["out"], "install-files": ["dir"], "cluster-topology": ["--agents", "x"], "export": ["nfd"],
-         "completion": ["bash"]}
+         "completion": ["bash"], "slurm": ["epilog"]}
 
 
 def test_every_subcommand_reports_its_own_unknown_flags():

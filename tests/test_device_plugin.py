@@ -3,9 +3,14 @@ node, a real plugin child, and kubelet played from the same api.proto over unix 
 
 from __future__ import annotations
 
+import http.client
 import json
 import random
+import threading
+import time
+import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb, factorial
 from pathlib import Path
 
@@ -14,7 +19,7 @@ import pytest
 from fake_apiserver import FakeApiServer
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
-from service_helpers import DGX_A100, Agent, make_root, start_agent
+from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_for
 
 from topoagent.cluster.deviceplugin import api_pb2
 from topoagent.node.discovery import discover
@@ -229,23 +234,36 @@ def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kub
         stop(agent, plugin)
 
 
-def pod(name: str, gpus: list[str]) -> dict:
-    return {"metadata": {"name": name, "annotations": {"topoagent.io/gpus": ",".join(gpus)}}}
+def pod(name: str, gpus: list[str], lease: str, uid: str | None = None, namespace: str = "default") -> dict:
+    """A pending pod as the extender's bind leaves it: its GPUs and its lease on it."""
+    return {"metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()),
+                         "annotations": {"topoagent.io/gpus": ",".join(gpus), "topoagent.io/lease": lease}},
+            "spec": {"nodeName": "gpu-node-1"}, "status": {"phase": "Pending"}}
+
+
+def lease_for(agent: Agent, indices: list[int], owner: str) -> str:
+    """A lease on exactly these GPUs, as the extender's bind takes it."""
+    reply = agent.post("/place", {"gpus": len(indices), "include": indices, "reserve": {"owner": owner, "ttl_s": 3600}}, token=agent.token)
+    assert reply.status == 200, reply.text
+    return reply.json()["lease"]["id"]
 
 
 def test_the_extenders_choice_wins_when_it_is_the_one_that_fits(tmp_path: Path, kubelet: FakeKubelet) -> None:
     uuids = [g["uuid"] for g in json.loads((DGX_A100 / "nvml.json").read_text())["gpus"]]
     chosen = [uuids[6], uuids[0]]  # not what the agent would pick for 2 GPUs, in the extender's rank order
-    api = FakeApiServer([pod("train-0", chosen), pod("train-1", uuids[:4])])
+    api = FakeApiServer()
     agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
     try:
         kubelet.next_registration()
         kubelet.wait_listing(lambda d: len(d) == 8)
+        # Without the annotation the agent's order would be the other one.
+        assert [g["index"] for g in agent.post("/place", {"gpus": 2, "include": [0, 6]}).json()["gpus"]] == [0, 6]
+        for name, gpus, indices in (("train-0", chosen, [0, 6]), ("train-1", uuids[1:5], [1, 2, 3, 4])):
+            uid = str(uuid.uuid4())
+            api.add_pod(pod(name, gpus, lease_for(agent, indices, f"default/{name}/{uid}"), uid))
         assert preferred(kubelet, uuids, [], 2) == chosen
         env = allocate(kubelet, chosen[::-1])
         assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(chosen)
-        # Without the annotation the agent's order would be the other one.
-        assert [g["index"] for g in agent.post("/place", {"gpus": 2, "include": [0, 6]}).json()["gpus"]] == [0, 6]
         # A choice that does not fit the offer (GPU6 taken) is not used: the agent answers.
         offered = [u for u in uuids if u != uuids[6]]
         direct = agent.post("/place", {"gpus": 2, "exclude": [6]}).json()
@@ -255,6 +273,230 @@ def test_the_extenders_choice_wins_when_it_is_the_one_that_fits(tmp_path: Path, 
     finally:
         stop(agent, plugin)
         api.close()
+
+
+def test_an_annotation_counts_only_with_the_agents_lease_for_that_pod(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """Anyone who can edit a pod can annotate it: any pending pod on the node, in any
+    namespace, must not steer another pod's GPUs without the lease the extender took."""
+    uuids = [g["uuid"] for g in json.loads((DGX_A100 / "nvml.json").read_text())["gpus"]]
+    api = FakeApiServer()
+    agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
+    try:
+        kubelet.next_registration()
+        kubelet.wait_listing(lambda d: len(d) == 8)
+        steer = [uuids[7], uuids[5]]  # not the agent's pick
+        victim_uid = str(uuid.uuid4())
+        victims_lease = lease_for(agent, [1, 2, 3, 4], f"team-a/victim/{victim_uid}")
+        api.add_pod(pod("no-lease", steer, "", namespace="other"))  # the gpus annotation alone
+        api.add_pod(pod("copied", steer, victims_lease, namespace="other"))  # another pod's lease named
+        forged_uid = str(uuid.uuid4())  # its own lease, but on other GPUs than the annotation says
+        api.add_pod(pod("mismatch", steer, lease_for(agent, [0], f"other/mismatch/{forged_uid}"), forged_uid, namespace="other"))
+        agents_pick = [g["uuid"] for g in agent.post("/place", {"gpus": 2}).json()["gpus"]]  # from the free GPUs 5, 6, 7
+        assert sorted(agents_pick) != sorted(steer)
+        assert preferred(kubelet, uuids[5:], [], 2) == agents_pick
+        # kubelet allocated the steered GPUs anyway: the rank order is the agent's, not the annotation's.
+        agents_order = [g["uuid"] for g in agent.post("/place", {"gpus": 2, "include": [5, 7]}).json()["gpus"]]
+        assert agents_order != steer
+        assert allocate(kubelet, steer)["NVIDIA_VISIBLE_DEVICES"].split(",") == agents_order
+        assert plugin.log().count("event=annotation_ignored") >= 2
+    finally:
+        stop(agent, plugin)
+        api.close()
+
+
+def gpu_pod(name: str, gpus: int, namespace: str = "team-b", annotations: dict | None = None, uid: str | None = None) -> dict:
+    return {"metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()), "annotations": annotations or {}},
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(gpus)}}}]},
+            "status": {"phase": "Pending"}}
+
+
+def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    api = FakeApiServer()
+    agent = start_agent(tmp_path)
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
+                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "2"])
+    held = lambda: agent.get("/leases").json()["leases"]  # noqa: E731
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        train = gpu_pod("train", 2)
+        api.add_pod(train)
+        uid = train["metadata"]["uid"]
+        ids = preferred(kubelet, uuids, [], 2)
+        allocate(kubelet, ids)
+        (lease,) = held()
+        assert lease["owner"] == f"team-b/train/{uid}" and sorted(lease["gpu_uuids"]) == sorted(ids)
+        # An out-of-band caller of the agent now sees them taken.
+        assert agent.get("/capacity").json()["free_gpus"] == 6
+        taken = [g["index"] for g in agent.get("/topology").json()["gpus"] if g["uuid"] in ids]
+        assert agent.post("/place", {"gpus": 2, "include": taken}).status == 409
+        t0 = time.monotonic()
+        api.delete_pod("train", "team-b")
+        wait_for("the deleted pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
+        print(f"device plugin: deleted pod -> lease released in {time.monotonic() - t0:.2f} s")
+        assert agent.get("/capacity").json()["free_gpus"] == 8
+        # Two pods that could be the one kubelet allocates for: none is guessed.
+        api.add_pod(gpu_pod("one", 1))
+        api.add_pod(gpu_pod("other", 1))
+        allocate(kubelet, [uuids[0]])
+        assert held() == [] and "kubelet does not say which" in plugin.log()
+        api.delete_pod("one", "team-b")
+        api.delete_pod("other", "team-b")
+        # The extender's lease already holds a pod's GPUs: no second one; it ends with the pod too.
+        extender_uid = str(uuid.uuid4())
+        extender_lease = lease_for(agent, [4, 5], f"team-b/bound/{extender_uid}")
+        api.add_pod(gpu_pod("bound", 2, uid=extender_uid, annotations={"topoagent.io/gpus": f"{uuids[5]},{uuids[4]}", "topoagent.io/lease": extender_lease}))
+        allocate(kubelet, [uuids[4], uuids[5]])
+        assert [x["id"] for x in held()] == [extender_lease] and "by=extender" in plugin.log()
+        api.set_phase("bound", "Succeeded", "team-b")
+        wait_for("the finished pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            agent.stop()
+            api.close()
+
+
+def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """Pods deleted while no watch ran (the plugin restarting): the resync finds their leases."""
+    api = FakeApiServer()
+    agent = start_agent(tmp_path)
+    gone = lease_for(agent, [0, 1], f"team-b/gone/{uuid.uuid4()}")
+    alive = gpu_pod("alive", 2)
+    api.add_pod(alive)
+    kept = lease_for(agent, [2, 3], f"team-b/alive/{alive['metadata']['uid']}")
+    by_hand = lease_for(agent, [6], "someone-by-hand")
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
+                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "1"])
+    ids = lambda: {x["id"] for x in agent.get("/leases").json()["leases"]}  # noqa: E731
+    try:
+        wait_for("the gone pod's lease swept", lambda: gone not in ids(), timeout=10, log=plugin.log)
+        assert {kept, by_hand} <= ids()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            agent.stop()
+            api.close()
+
+
+class LyingAgent:
+    """A loopback proxy in front of a real agent that answers chosen paths with chosen bodies."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.override: dict[str, tuple[int, bytes]] = {}
+        self.asked: dict[str, int] = {}
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _relay(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                path = self.path.split("?", 1)[0]
+                outer.asked[path] = outer.asked.get(path, 0) + 1
+                if path in outer.override:
+                    status, raw = outer.override[path]
+                    headers = {"Content-Type": "application/json"}
+                else:
+                    conn = http.client.HTTPConnection(agent.host, agent.port, timeout=30)
+                    forwarded = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "if-none-match", "authorization")}
+                    conn.request(method, self.path, body=body, headers=forwarded)
+                    resp = conn.getresponse()
+                    status, raw = resp.status, resp.read()
+                    headers = {k: v for k, v in resp.getheaders() if k.lower() in ("content-type", "etag")}
+                    conn.close()
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(raw)))
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def do_GET(self) -> None:
+                self._relay("GET")
+
+            def do_POST(self) -> None:
+                self._relay("POST")
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_malformed_topology_is_logged_and_polling_goes_on(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    root = make_root(tmp_path)
+    agent = start_agent(tmp_path, root=root)
+    liar = LyingAgent(agent)
+    plugin = start_plugin(tmp_path, kubelet, liar.url)
+    try:
+        kubelet.next_registration()
+        gpu2 = kubelet.wait_listing(lambda d: len(d) == 8)[2].ID
+        for bad in (b"not json", b"[]", b'{"gpus": [{"uuid": 5, "index": "x"}], "findings": []}', b'{"gpus": 3}'):
+            asked = liar.asked.get("/topology", 0)
+            liar.override["/topology"] = (200, bad)
+            wait_for("the plugin to poll the bad answer twice", lambda: liar.asked.get("/topology", 0) >= asked + 2, log=plugin.log)
+        del liar.override["/topology"]
+        assert plugin.proc.poll() is None
+        assert plugin.log().count("event=agent_answer_refused") == 4, plugin.log()  # each once, not once per poll
+        # The poller lives on: a GPU that goes critical now still reaches kubelet.
+        set_gpu_links(root, 2, False)
+        assert agent.post("/refresh", token=agent.token).status in (200, 202)
+        sick = kubelet.wait_listing(lambda d: {x.ID: x.health for x in d}.get(gpu2) == "Unhealthy")
+        assert [d.ID for d in sick if d.health == "Unhealthy"] == [gpu2]
+        assert "event=agent_reachable" in plugin.log()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            agent.stop()
+
+
+def test_a_lying_agent_and_bad_requests_never_reach_kubelet(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    agent = start_agent(tmp_path)
+    liar = LyingAgent(agent)
+    plugin = start_plugin(tmp_path, kubelet, liar.url)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        twice = json.dumps({"gpus": [{"index": 7, "uuid": uuids[7]}, {"index": 7, "uuid": uuids[7]}]}).encode()
+        liar.override["/place"] = (200, twice)
+        got = preferred(kubelet, uuids, [], 2)
+        assert len(got) == 2 == len(set(got)) and set(got) <= set(uuids), got
+        liar.override["/place"] = (200, json.dumps({"gpus": [{"index": 0, "uuid": "GPU-not-offered"}, {"index": 1, "uuid": uuids[1]}]}).encode())
+        got = preferred(kubelet, uuids[1:], [uuids[3]], 2)
+        assert len(set(got)) == 2 and set(got) <= set(uuids[1:]) and uuids[3] in got, got
+        env = allocate(kubelet, [uuids[2], uuids[5]])  # the lie names other GPUs: kubelet's own are used
+        assert sorted(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted([uuids[2], uuids[5]])
+        assert "NCCL_IB_HCA" not in env
+        assert "event=agent_answer_refused" in plugin.log()
+        for available, must, size in ((uuids, [], -5), (uuids, [], 0), (uuids[:3], [], 4), (uuids[:2] + uuids[:1], [], 2), (uuids[1:], [uuids[0]], 2)):
+            with pytest.raises(grpc.RpcError) as refused:
+                preferred(kubelet, available, must, size)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (size, refused.value.details())
+        with pytest.raises(grpc.RpcError) as refused:
+            preferred(kubelet, uuids, [], -5)
+        assert "allocation_size -5" in refused.value.details()
+        for ids, said in (([uuids[1], uuids[1]], "twice"), ([], "no devices")):
+            with pytest.raises(grpc.RpcError) as refused:
+                allocate(kubelet, ids)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and said in refused.value.details()
+        assert plugin.proc.poll() is None
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            agent.stop()
 
 
 def test_help_does_not_import_grpc_and_a_bad_flag_exits_2() -> None:

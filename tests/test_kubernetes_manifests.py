@@ -136,7 +136,10 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     assert args.agent_token_file.startswith("/etc/topoagent/token/")
     role = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-extender")
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
-    assert {("pods/binding", "create"), ("pods", "patch"), ("pods", "get"), ("nodes", "get")} <= granted
+    # The pod watch (a lease ends with its pod) lists and watches; annotations go in the Binding.
+    assert {("pods/binding", "create"), ("pods", "get"), ("pods", "list"), ("pods", "watch"), ("nodes", "get")} <= granted
+    assert ("pods", "patch") not in granted
+    assert args.pod_resync > 0
 
 
 def pod_specs() -> list[dict]:
@@ -157,6 +160,11 @@ def test_the_node_pod_runs_agent_and_device_plugin_with_commands_that_exist() ->
         assert parsed.command == args[0], shlex.join(args)
     plugin = build_parser("device-plugin").parse_args(containers["device-plugin"]["args"])
     assert plugin.agent_url.endswith(":9477")
+    # It leases what kubelet allocates (the agent's token) and watches its node's pods to end those leases.
+    assert plugin.agent_token_file.startswith("/etc/topoagent/token/") and plugin.pod_resync > 0
+    role = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-node")
+    granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("pods", "get"), ("pods", "list"), ("pods", "watch")}
     annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == "9477" == str(containers["agent"]["ports"][0]["containerPort"])

@@ -125,6 +125,7 @@ def test_no_import_cycle() -> None:
 CLUSTER_MAY_IMPORT = {
     "topoagent.vocabulary", "topoagent.log", "topoagent.text", "topoagent.smallfile", "topoagent.errors",
     "topoagent.placement.request", "topoagent.documents", "topoagent.documents.lease",
+    "topoagent.node.cpulist",  # the documents' CPU lists (cpus: "0-3,8"), one reading for all
 }
 
 

@@ -51,6 +51,36 @@ def frozen_clock() -> float:
     return 0.0
 
 
+@pytest.fixture(autouse=True)
+def wall_clock_stands_still(monkeypatch):
+    """The deadlines here count steps (StepClock) or never end (frozen_clock): the wall-clock
+    cap, which a loaded machine could reach first, must not decide what a test sees."""
+    monkeypatch.setattr(deadline_module, "wall_clock", frozen_clock)
+
+
+def test_a_deadline_counts_the_cpu_the_search_gets_and_the_wall_clock_caps_it(monkeypatch):
+    """A starved search (its CPU clock barely moves) keeps its budget of CPU time, so a loaded
+    node still answers small problems exactly -- but never waits past WALL_CAP times the
+    deadline on the wall clock; a search with the CPU to itself stops at its budget."""
+    def reads_until_reached(deadline: deadline_module.Deadline) -> int:
+        for reads in range(1, 100_000):
+            try:
+                deadline.check()
+            except deadline_module.DeadlineReached:
+                return reads
+        raise AssertionError("never reached")
+
+    monkeypatch.setattr(deadline_module, "clock", frozen_clock)  # starved: no CPU at all
+    monkeypatch.setattr(deadline_module, "wall_clock", StepClock(1e-3))
+    starved = deadline_module.Deadline(0.02)
+    usable_ms = 20 - 1.5 - 0.1  # less the reserve for building the answer
+    assert reads_until_reached(starved) == pytest.approx(deadline_module.WALL_CAP * usable_ms, abs=2)
+
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-3))  # the CPU to itself
+    monkeypatch.setattr(deadline_module, "wall_clock", frozen_clock)
+    assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(usable_ms, abs=2)
+
+
 def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answer: Placement) -> None:
     """Every GPU free, k distinct ones, include and exclude met."""
     assert len(set(answer.indices)) == request.gpus

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from placement_oracle import best_keys
 from schema_check import validate
-from test_placement_deadline import StepClock, frozen_clock
+from test_placement_deadline import StepClock, frozen_clock, wall_clock_stands_still  # noqa: F401 (autouse)
 
 import topoagent.placement.deadline as deadline_module
 from topoagent.commands.discover import discover_root

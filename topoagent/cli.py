@@ -30,6 +30,7 @@ COMMANDS = {
     "serve": "topoagent.commands.serve",
     "device-plugin": "topoagent.commands.device_plugin",
     "extender": "topoagent.commands.extender",
+    "slurm": "topoagent.commands.slurm",
     "install-files": "topoagent.commands.install_files",
     "completion": "topoagent.commands.completion",
     "man": "topoagent.commands.man",

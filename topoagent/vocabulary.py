@@ -13,6 +13,8 @@ import enum
 # The extended resource a pod asks for GPUs by: what the device plugin registers with kubelet
 # and the extender reads from a pod's limits (both take --resource-name to change it).
 GPU_RESOURCE = "nvidia.com/gpu"
+# The highest GPU index a request or a lease may name: far above any node's GPU count.
+GPU_INDEX_MAX = 1023
 
 
 class Status(enum.StrEnum):
@@ -62,7 +64,7 @@ class FindingKind(enum.StrEnum):
     LINK_DECAY = "link_decay"
     PROBED_UNDER_LOAD = "probed_under_load"  # info: figures not judged (a busy GPU shared the path)
     PROBES_UNAVAILABLE = "probes_unavailable"  # warning: probes are on but the worker cannot import torch
-    # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
+    # From counters' rates (the thresholds the counter sources declare: collectors/registry.py).
     IB_ERRORS_RISING = "ib-errors-rising"
     NVLINK_ERRORS_RISING = "nvlink-errors-rising"
     PCIE_AER_ERRORS = "pcie-aer-errors"

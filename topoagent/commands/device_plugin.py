@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
+from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:
     from topoagent.cluster.deviceplugin.pods import PodSource
+    from topoagent.cluster.extender.kube import Kube
 
 # Kept here, not imported from the plugin: registering the subcommand must not import
 # grpc (an optional extra) for `topoagent --help` or any other command.
@@ -47,6 +49,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: in-cluster, from KUBERNETES_SERVICE_HOST; off outside a cluster)",
     )
     parser.add_argument("--node-name", default=os.environ.get("NODE_NAME"), help="this node's name, for the pod annotation look-up (default $NODE_NAME)")
+    parser.add_argument(
+        "--lease-ttl", type=float, default=float(TTL_MAX_S), metavar="SECONDS",
+        help="with --agent-token-file and a Kubernetes API: lease what kubelet allocates, for the pod it is for, this long "
+             f"at most (default {TTL_MAX_S}, a week); the lease is released when the pod ends or is deleted",
+    )
+    parser.add_argument(
+        "--pod-resync", type=float, default=60.0, metavar="SECONDS",
+        help="how often the pod watch lists this node's pods again and releases leases whose pod is gone "
+             "(default 60; 0: no watch and no leases at Allocate)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -68,6 +80,16 @@ def _pod_source(args: argparse.Namespace) -> PodSource | None:
     return PodSource(url, args.node_name, token_file=token_file, ca_file=ca_file)
 
 
+def _pod_watch_api(args: argparse.Namespace) -> Kube:
+    """The API server the pod watch lists and watches, as the extender reaches it."""
+    from topoagent.cluster.extender.kube import Kube
+
+    try:
+        return Kube(args.kube_api)  # None: in-cluster, the pod's service account
+    except Exception as exc:  # the client's config loaders raise their own types
+        raise UsageError(f"no Kubernetes API to watch pods through: {exc} (give --kube-api, or --kube-api off)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         from topoagent.cluster.deviceplugin.plugin import DevicePlugin, Settings
@@ -75,6 +97,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from exc
     if args.poll_interval <= 0:
         raise UsageError("--poll-interval must be above 0")
+    from topoagent.documents.lease import TTL_MAX_S, TTL_MIN_S, ttl_problem
+
+    if ttl_problem(args.lease_ttl):  # the agent's own rule: it would refuse every lease
+        raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
+    if not (args.pod_resync == 0 or 1 <= args.pod_resync <= 24 * 3600):
+        raise UsageError("--pod-resync must be 0 (no pod watch) or between 1 and 86400 seconds")
     token = read_client_token("--agent-token-file", args.agent_token_file) if args.agent_token_file else None
     settings = Settings(
         plugin_dir=Path(args.plugin_dir),
@@ -83,9 +111,17 @@ def run(args: argparse.Namespace) -> int:
         agent_url=args.agent_url,
         agent_token=token,
         poll_interval_s=args.poll_interval,
+        lease_ttl_s=args.lease_ttl,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    plugin = DevicePlugin(settings, pods=_pod_source(args))
+    pods = _pod_source(args)
+    kube = _pod_watch_api(args) if pods is not None and token is not None and args.pod_resync > 0 else None
+    if kube is None:
+        from topoagent.log import log_event
+
+        why = ("no Kubernetes API (--kube-api off)" if pods is None else "no --agent-token-file" if token is None else "--pod-resync 0")
+        log_event("allocations_not_leased", reason=why)
+    plugin = DevicePlugin(settings, pods=pods, kube=kube, node=args.node_name, pod_resync_s=args.pod_resync)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

@@ -11,6 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from topoagent.commands.token import read_client_token
+from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
@@ -52,7 +53,9 @@ Pod annotations (the agent's own words, as POST /place takes them):
   topoagent.io/affinity: best|better|any     topoagent.io/min-level: NV2, PIX, ...
   topoagent.io/single-numa: "true"
 With --bind the chosen GPUs are written on the pod as topoagent.io/gpus (UUIDs in rank
-order, read by `topoagent device-plugin`) and the agent's lease as topoagent.io/lease.
+order, read by `topoagent device-plugin`) and the agent's lease as topoagent.io/lease,
+both in the pod's Binding; the lease is released when the pod ends or is deleted
+(a pod watch; RBAC: pods get, list, watch).
 """
 
 
@@ -89,8 +92,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--resource-name", default=DEFAULT_RESOURCE, metavar="NAME", help=f"the extended resource a pod's GPU count is read from (default {DEFAULT_RESOURCE})")
     parser.add_argument("--bind", action="store_true", help="serve the bind verb: lease the GPUs on the node's agent, annotate the pod, create its Binding")
-    parser.add_argument("--lease-ttl", type=float, default=600.0, metavar="SECONDS",
-                        help="how long a bind's lease holds the GPUs, to cover the pod's start (default 600)")
+    parser.add_argument("--lease-ttl", type=float, default=float(TTL_MAX_S), metavar="SECONDS",
+                        help=f"how long a bind's lease holds the GPUs at most (default {TTL_MAX_S}, a week: the pod watch "
+                             "releases it when the pod ends, so a running job never loses its GPUs to the TTL)")
+    parser.add_argument(
+        "--pod-resync", type=float, default=60.0, metavar="SECONDS",
+        help="with --bind: watch the pods and release a pod's lease when it ends or is deleted; list them again and sweep "
+             "the agents for leases whose pod is gone this often (default 60; 0: no watch, leases end at --lease-ttl only)",
+    )
     parser.add_argument("--kube-api", metavar="URL", help="API server to bind through, as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
     parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
     tls = parser.add_argument_group("TLS (kube-scheduler's enableHTTPS and tlsConfig)")
@@ -149,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--concurrency must be at least 1")
     if ttl_problem(args.lease_ttl):  # the agents' own rule: they would refuse every bind's lease
         raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
+    if not (args.pod_resync == 0 or 1 <= args.pod_resync <= 24 * 3600):
+        raise UsageError("--pod-resync must be 0 (no pod watch) or between 1 and 86400 seconds")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
     tls = _tls_context(args)
@@ -176,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         except Exception as exc:  # the client's config loaders raise their own types
             raise UsageError(f"no Kubernetes API to bind through: {exc} (give --kube-api or --kubeconfig)") from None
     settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
-                        prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file))
+                        prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file), pod_resync_s=args.pod_resync)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if exposed and not args.client_ca_file:
         from topoagent.log import log_event

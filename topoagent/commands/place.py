@@ -151,7 +151,7 @@ def recorded_live(args: argparse.Namespace) -> Live:
     if args.from_nvidia_smi or not args.root:
         return Live()
     from topoagent.node.host import Host, HostError
-    from topoagent.telemetry import nic_traffic, replayed
+    from topoagent.service.telemetry import nic_traffic, replayed
 
     try:
         return Live(nic_traffic=nic_traffic(replayed(Host(args.root), None)))

@@ -41,13 +41,13 @@ from topoagent.node.levels import LinkLevel
 from topoagent.vocabulary import Affinity, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
-    from topoagent.capacity import Capacity
-    from topoagent.leases import Lease
     from topoagent.node.matrix import DistanceMatrix, Measurement
     from topoagent.node.model import Finding
     from topoagent.placement import NoFit, Placement
     from topoagent.probes.runner import ProbeRound
-    from topoagent.served import Snapshot
+    from topoagent.service.capacity import Capacity
+    from topoagent.service.leases import Lease
+    from topoagent.service.served import Snapshot
 
 
 # --- the served topology: the node plus the agent's own state --------------------------------

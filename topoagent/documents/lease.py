@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 
-from topoagent.placement.request import REQUEST_LIMITS
+from topoagent.vocabulary import GPU_INDEX_MAX
 
 TTL_MIN_S = 1  # below a float's resolution at Unix-time scale expires_at == created_at
 TTL_MAX_S = 7 * 24 * 3600
@@ -57,7 +57,7 @@ def uuid_problem(uuid: object) -> str | None:
 def gpu_id_problem(index: int, uuid: str | None) -> str | None:
     """Why a GPU of the node, as discovery names it, can never be leased, or None: the
     store would have to write an identity it refuses to load.  An empty UUID is no UUID."""
-    top = REQUEST_LIMITS["gpu_index_max"]
+    top = GPU_INDEX_MAX
     if not 0 <= index <= top:
         return f"its index {index} is outside 0 to {top}"
     problem = uuid_problem(uuid or None)
@@ -86,7 +86,7 @@ def lease_problem(owner: object, gpus: object, ttl_s: object, uuids: object = ()
 
 
 def gpus_problem(gpus: object) -> str | None:
-    top = REQUEST_LIMITS["gpu_index_max"]
+    top = GPU_INDEX_MAX
     if not isinstance(gpus, (list, tuple)) or not gpus:
         return "gpus must be a non-empty list of GPU indices"
     if not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g <= top for g in gpus):

@@ -151,6 +151,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         peer_memory=facts.peer_memory,
         interfaces=interfaces,
         nvlink_domain=_nvlink_domain(facts.nvml),
+        driver_version=facts.nvml.driver_version if facts.nvml is not None else None,
     )
     return _with_unknown_links(_with_fabric(node, facts.neighbours))
 

@@ -2,13 +2,20 @@
 
 A search calls ``tick()`` once per step (a branch, or one extension of a ring or path);
 a Deadline reads the clock every CHECK_EVERY steps and raises DeadlineReached when its
-time is up, a StepBudget raises StepsSpent when its steps are.  Tests replace ``clock``
-with one that counts steps, so what a deadline stops is the same on any machine.
+time is up, a StepBudget raises StepsSpent when its steps are.
+
+A deadline counts the CPU time the searching thread gets, not the wall clock: on a busy
+node (a training job's data loaders on every core) a search that gets a tenth of a core
+would otherwise answer small problems from a tenth of its budget, far from the optimum.
+The wall clock still bounds it, at WALL_CAP times the deadline, so an answer never waits
+on a starved thread for long.  Tests replace ``clock`` with one that counts steps and
+``wall_clock`` with one that never moves, so what a deadline stops is the same on any
+machine.
 """
 
 from __future__ import annotations
 
-from time import monotonic
+from time import monotonic, thread_time
 from typing import Protocol
 
 
@@ -16,13 +23,16 @@ class DeadlineReached(Exception):
     """The search's time is up: the caller answers with the best set found so far."""
 
 
-clock = monotonic  # what a Deadline reads; tests put a clock that counts steps here
+clock = thread_time  # the budget: this thread's CPU time; tests put a clock that counts steps here
+wall_clock = monotonic  # the cap on the wall clock; tests freeze it
+WALL_CAP = 5  # a deadline of d seconds of CPU ends at 5 d seconds of wall time at the latest
 
 
 class Deadline:
-    """A point on the monotonic clock a search stops at.  The clock is read every
-    CHECK_EVERY steps (a step is one branch or one Hamiltonian extension: a few to a
-    hundred microseconds at 128 GPUs): cheap next to the search, finer than 0.5 ms."""
+    """A budget of CPU time a search stops at (and WALL_CAP times it on the wall clock, the
+    first reached).  The clocks are read every CHECK_EVERY steps (a step is one branch or
+    one Hamiltonian extension: a few to a hundred microseconds at 128 GPUs): cheap next to
+    the search, finer than 0.5 ms."""
 
     CHECK_EVERY = 4
     # The search stops this much before the deadline (half of it at most): building the
@@ -34,7 +44,9 @@ class Deadline:
     def __init__(self, seconds: float, gpus: int = 1):
         self.seconds = seconds
         reserve = self.ANSWER_RESERVE_S + gpus * self.ANSWER_RESERVE_PER_GPU_S
-        self.at = clock() + seconds - min(reserve, seconds / 2)
+        usable = seconds - min(reserve, seconds / 2)
+        self.at = clock() + usable
+        self.wall_at = wall_clock() + WALL_CAP * usable
         self.left = self.CHECK_EVERY
         self.reached = False
         self.suspended = False  # while a search finds its first, cheap answer
@@ -46,14 +58,12 @@ class Deadline:
             self.left = self.CHECK_EVERY
             if self.suspended:
                 return
-            if self.reached or clock() >= self.at:
-                self.reached = True
-                raise DeadlineReached
+            self.check()
 
     def check(self) -> None:
         """Read the clock now: for work in coarse steps (a GPU's row of a matrix's tables,
         about 0.4 ms at 128 GPUs), where every fourth step would be too late."""
-        if self.reached or clock() >= self.at:
+        if self.reached or clock() >= self.at or wall_clock() >= self.wall_at:
             self.reached = True
             raise DeadlineReached
 

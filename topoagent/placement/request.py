@@ -28,7 +28,7 @@ from topoagent.node.levels import (
     parse_gpu_pair_level,
 )
 from topoagent.text import cut, quoted
-from topoagent.vocabulary import Affinity, Pattern
+from topoagent.vocabulary import GPU_INDEX_MAX, Affinity, Pattern
 
 REQUEST_FIELDS = (
     "gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "affinity", "fallback", "message_bytes",
@@ -37,7 +37,7 @@ REQUEST_FIELDS = (
 # Bounds on what a request may ask; the same at every door and in the JSON Schema.
 REQUEST_LIMITS = {
     "gpus_max": 1024,
-    "gpu_index_max": 1023,
+    "gpu_index_max": GPU_INDEX_MAX,
     "nics_max": 64,
     "message_bytes_max": 1 << 40,  # 1 TiB: far above any one collective, small enough to print
     "deadline_ms_max": 60_000,  # a minute: longer is a stall, not a search

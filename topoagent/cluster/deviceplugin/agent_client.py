@@ -13,6 +13,7 @@ from typing import Any
 
 import aiohttp
 
+from topoagent.documents.lease import LEASE_ID
 from topoagent.vocabulary import Severity
 
 HEALTHY = "Healthy"
@@ -28,25 +29,55 @@ class Gpu:
     health: str
 
 
-def gpus_of(topology: Mapping[str, Any]) -> dict[str, Gpu]:
+def gpus_of(topology: Any) -> dict[str, Gpu]:
     """The node's GPUs by UUID, each Unhealthy when a critical finding names it.
 
     Only findings about the GPU itself count (subject ``GPU3`` or its UUID): a critical
     link finding (``GPU0-GPU1``) is a slow path the placement already avoids, not a reason
-    to take both GPUs away from every pod."""
-    critical = {f["subject"] for f in topology.get("findings", []) if f.get("severity") == Severity.CRITICAL}
+    to take both GPUs away from every pod.  A document that is not a topology (a field
+    missing or of another type, one UUID twice) is AgentError naming what is wrong: the
+    caller keeps the last good list rather than half of a bad one."""
+    if not isinstance(topology, dict):
+        raise AgentAnswerError(f"GET /topology: expected a JSON object, got {type(topology).__name__}")
+    findings, gpus = topology.get("findings", []), topology.get("gpus")
+    if not isinstance(findings, list) or not isinstance(gpus, list):
+        raise AgentAnswerError("GET /topology: expected lists of gpus and findings")
+    critical = {f.get("subject") for f in findings if isinstance(f, dict) and f.get("severity") == Severity.CRITICAL}
     out = {}
-    for g in topology.get("gpus", []):
-        uuid = g.get("uuid")
-        if not uuid:
+    for n, g in enumerate(gpus):
+        if not isinstance(g, dict):
+            raise AgentAnswerError(f"GET /topology: gpus[{n}]: expected an object")
+        uuid, name, numa = g.get("uuid"), g.get("name"), g.get("numa_node")
+        index: Any = g.get("index")
+        if uuid is None or uuid == "":
             continue  # kubelet needs a stable ID; a GPU the agent cannot name is not offered
-        sick = g["name"] in critical or uuid in critical
-        out[uuid] = Gpu(uuid, g["index"], g["name"], g.get("numa_node"), UNHEALTHY if sick else HEALTHY)
+        if not isinstance(uuid, str) or not _whole(index) or not isinstance(name, str) or not (numa is None or _whole(numa)):
+            raise AgentAnswerError(f"GET /topology: gpus[{n}]: expected a string uuid and name, a whole index and numa_node")
+        if uuid in out:
+            raise AgentAnswerError(f"GET /topology: gpus[{n}]: UUID {uuid[:60]} twice")
+        sick = name in critical or uuid in critical
+        out[uuid] = Gpu(uuid, index, name, numa, UNHEALTHY if sick else HEALTHY)
     return out
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def placed_uuids(answer: Any) -> list[str] | None:
+    """The GPUs of a /place answer by UUID, in rank order; None when it names them otherwise."""
+    gpus = answer.get("gpus") if isinstance(answer, dict) else None
+    if not isinstance(gpus, list) or not all(isinstance(g, dict) and isinstance(g.get("uuid"), str) for g in gpus):
+        return None
+    return [g["uuid"] for g in gpus]
 
 
 class AgentError(Exception):
     """The agent could not be asked, or answered something other than a placement."""
+
+
+class AgentAnswerError(AgentError):
+    """The agent answered, with something that is not the document asked for."""
 
 
 class AgentClient:
@@ -78,6 +109,44 @@ class AgentClient:
                 return resp.headers.get("ETag"), await resp.json()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AgentError(f"GET /topology: {exc or type(exc).__name__}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise AgentAnswerError(f"GET /topology: not JSON: {str(exc)[:120]}") from exc
+
+    async def leases(self) -> list[dict[str, Any]]:
+        """The leases the agent holds (``GET /leases``)."""
+        try:
+            async with self._http().get(f"{self.url}/leases") as resp:
+                if resp.status != 200:
+                    raise AgentError(f"GET /leases: HTTP {resp.status}")
+                doc = await resp.json()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise AgentError(f"GET /leases: {exc or type(exc).__name__}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise AgentError(f"GET /leases: not JSON: {str(exc)[:120]}") from exc
+        held = doc.get("leases") if isinstance(doc, dict) else None
+        if not isinstance(held, list):
+            raise AgentError("GET /leases: not a list of leases")
+        return [x for x in held if isinstance(x, dict)]
+
+    async def reserve(self, indices: list[int], owner: str, ttl_s: float) -> dict[str, Any] | None:
+        """A lease on exactly these GPUs (the lease document), or None when the agent
+        holds some of them already (409)."""
+        body = {"gpus": len(indices), "include": indices, "reserve": {"owner": owner, "ttl_s": ttl_s}}
+        answer = await self.place(body)
+        lease = answer.get("lease") if answer is not None else None
+        if answer is not None and not (isinstance(lease, dict) and isinstance(lease.get("id"), str)):
+            raise AgentAnswerError("POST /place: a reserve answered without its lease")
+        return lease
+
+    async def release(self, lease_id: str) -> bool:
+        """Whether the lease is gone now (released, or already ended)."""
+        if not LEASE_ID.fullmatch(lease_id):
+            return False  # not an id the agent hands out: never put into a URL
+        try:
+            async with self._http().delete(f"{self.url}/leases/{lease_id}") as resp:
+                return resp.status in (200, 404)
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def place(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
         """The agent's placement for a dry-run request, or None when nothing fits (409 now,
@@ -88,7 +157,11 @@ class AgentClient:
                     return None
                 if resp.status != 200:
                     raise AgentError(f"POST /place: HTTP {resp.status}: {(await resp.text())[:200]}")
-                answer: dict[str, Any] = await resp.json()
-                return answer
+                answer = await resp.json()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise AgentError(f"POST /place: {exc or type(exc).__name__}") from exc
+        except (ValueError, RecursionError) as exc:
+            raise AgentError(f"POST /place: not JSON: {str(exc)[:120]}") from exc
+        if not isinstance(answer, dict):
+            raise AgentError("POST /place: not a placement")
+        return answer

@@ -10,7 +10,14 @@ serve and register again.
 Devices are GPUs by UUID (what the NVIDIA container toolkit reads in
 ``NVIDIA_VISIBLE_DEVICES``).  Health is the agent's findings, polled with ETag; a GPU
 the agent stops seeing stays listed as Unhealthy, so kubelet stops offering it instead of
-forgetting it (it was allocated to pods that may still run).
+forgetting it (it was allocated to pods that may still run).  An answer the poller cannot
+use (not JSON, not a topology) is logged and the last list stands; polling goes on.
+
+Inputs are checked before anything reaches kubelet: a request with a device twice, or a
+size outside 1..offered, is refused (INVALID_ARGUMENT); the agent's placement is used only
+when it names distinct offered devices, the must-haves among them, as many as asked (else
+the index-order fallback); the extender's annotation only when the agent's lease backs it
+(``pods``).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -28,8 +36,20 @@ import grpc
 import grpc.aio
 
 from topoagent.cluster.deviceplugin import api_pb2, api_pb2_grpc
-from topoagent.cluster.deviceplugin.agent_client import HEALTHY, UNHEALTHY, AgentClient, AgentError, Gpu, gpus_of
-from topoagent.cluster.deviceplugin.pods import PodSource
+from topoagent.cluster.deviceplugin.agent_client import (
+    HEALTHY,
+    UNHEALTHY,
+    AgentAnswerError,
+    AgentClient,
+    AgentError,
+    Gpu,
+    gpus_of,
+    placed_uuids,
+)
+from topoagent.cluster.deviceplugin.pods import Choice, PodSource, container_counts
+from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
+from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
+from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE
 
@@ -49,6 +69,7 @@ class Settings:
     agent_token: str | None = None
     poll_interval_s: float = 5.0  # how soon a finding reaches kubelet; one cheap 304 per poll
     watch_interval_s: float = 1.0  # how soon a kubelet restart is noticed
+    lease_ttl_s: float = 86400.0  # a lease taken at Allocate; the pod watch ends it with the pod
 
     @property
     def kubelet_socket(self) -> Path:
@@ -95,17 +116,78 @@ class Devices:
         return api_pb2.ListAndWatchResponse(devices=devices)
 
 
+class RequestRefused(ValueError):
+    """kubelet's request cannot be answered as asked: INVALID_ARGUMENT with this message."""
+
+
+def check_preferred(available: Sequence[str], must: Sequence[str], size: int) -> None:
+    """RequestRefused naming what is wrong with a preferred-allocation request."""
+    for name, ids in (("available_deviceIDs", available), ("must_include_deviceIDs", must)):
+        twice = _repeated(ids)
+        if twice is not None:
+            raise RequestRefused(f"{name}: device {twice[:80]} twice")
+    if not 1 <= size <= len(available):
+        raise RequestRefused(f"allocation_size {size}: expected 1 to {len(available)} (the devices offered)")
+    missing = [d for d in must if d not in set(available)]
+    if missing:
+        raise RequestRefused(f"must_include_deviceIDs: {missing[0][:80]} is not among the devices offered")
+    if len(must) > size:
+        raise RequestRefused(f"must_include_deviceIDs: {len(must)} devices, more than allocation_size {size}")
+
+
+def fits(chosen: Sequence[str], available: Sequence[str], must: Sequence[str], size: int) -> bool:
+    """Whether ``chosen`` answers the request: ``size`` distinct offered devices, the must-haves among them."""
+    picked = set(chosen)
+    return len(chosen) == size == len(picked) and picked <= set(available) and set(must) <= picked
+
+
+def _repeated(ids: Sequence[str]) -> str | None:
+    seen: set[str] = set()
+    for d in ids:
+        if d in seen:
+            return d
+        seen.add(d)
+    return None
+
+
 def fallback_choice(available: Sequence[str], must: Sequence[str], size: int, devices: dict[str, Gpu]) -> list[str]:
     """When the agent cannot answer: what kubelet must have, then the rest in index order."""
     rest = sorted((d for d in available if d not in must), key=lambda d: devices[d].index if d in devices else 1 << 30)
     return [*must, *rest][:size]
 
 
+@dataclass(frozen=True)
+class Leasing:
+    """Leases taken at Allocate, for the pod being allocated, ended by the pod watch."""
+
+    watch: PodWatch
+    node: str
+    ttl_s: float
+    resource: str
+
+
+class LocalAgent:
+    """The pod watch's view of this node's agent (the watch's ``Keeper``)."""
+
+    def __init__(self, agent: AgentClient) -> None:
+        self.agent = agent
+
+    async def release(self, node: str, lease_id: str) -> bool:
+        return await self.agent.release(lease_id)
+
+    async def leases(self, node: str) -> list[dict[str, Any]] | None:
+        try:
+            return await self.agent.leases()
+        except AgentError:
+            return None
+
+
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None):
+    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None, leasing: Leasing | None = None):
         self.devices = devices
         self.agent = agent
         self.pods = pods
+        self.leasing = leasing
 
     async def GetDevicePluginOptions(self, request: api_pb2.Empty, context: Any) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -122,18 +204,47 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     async def GetPreferredAllocation(self, request: api_pb2.PreferredAllocationRequest, context: Any) -> api_pb2.PreferredAllocationResponse:
         answers = []
         for want in request.container_requests:
-            ids = await self.preferred(list(want.available_deviceIDs), list(want.must_include_deviceIDs), want.allocation_size)
-            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
+            available, must, size = list(want.available_deviceIDs), list(want.must_include_deviceIDs), want.allocation_size
+            try:
+                check_preferred(available, must, size)
+            except RequestRefused as exc:
+                log_event("preferred_allocation_refused", logging.WARNING, error=str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=await self.preferred(available, must, size)))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
+
+    async def verified_choices(self) -> list[Choice]:
+        """The pending pods' annotated choices that the agent's leases back: lease
+        ``topoagent.io/lease`` held for this pod's UID on exactly the annotated GPUs."""
+        if self.pods is None:
+            return []
+        choices = await self.pods.choices()
+        if not choices:
+            return []
+        try:
+            leases = {x.get("id"): x for x in await self.agent.leases()}
+        except AgentError as exc:
+            log_event("annotations_unchecked", logging.WARNING, error=str(exc), used="none")
+            return []
+        out = []
+        for choice in choices:
+            lease = leases.get(choice.lease)
+            uuids = lease.get("gpu_uuids") if lease is not None else None
+            if lease is not None and owner_pod_uid(lease.get("owner")) == choice.uid and isinstance(uuids, list) and sorted(map(str, uuids)) == sorted(choice.gpus):
+                out.append(choice)
+            else:
+                log_event("annotation_ignored", logging.WARNING, pod=f"{choice.namespace}/{choice.name}", lease=choice.lease[:64],
+                          reason="the agent holds no such lease for this pod on these GPUs")
+        return out
 
     async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
         devices = self.devices.by_uuid
-        if self.pods is not None:
-            chosen = await self.pods.chosen_fitting(available, must, size)
-            if chosen is not None:
-                log_event("preferred_allocation", source="extender", devices=",".join(chosen))
-                return chosen
-        if any(d not in devices for d in available) or size <= 0:
+        fitting = {c.gpus for c in await self.verified_choices() if fits(c.gpus, available, must, size)}
+        if len({frozenset(c) for c in fitting}) == 1:  # one pod it can be; two alike: the agent answers
+            chosen = list(next(iter(fitting)))
+            log_event("preferred_allocation", source="extender", devices=",".join(chosen))
+            return chosen
+        if any(d not in devices for d in available):
             return fallback_choice(available, must, size, devices)
         offered = set(available)
         body = {
@@ -149,22 +260,81 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             answer = None
         if answer is None:
             return fallback_choice(available, must, size, devices)
-        chosen = [g["uuid"] for g in answer["gpus"]]
-        log_event("preferred_allocation", source="agent", devices=",".join(chosen))
-        return chosen
+        placed = placed_uuids(answer)
+        if placed is None or not fits(placed, available, must, size):
+            # Not what was asked (a device twice, one not offered, another count): never to kubelet.
+            log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed or [])[:400], size=size)
+            return fallback_choice(available, must, size, devices)
+        log_event("preferred_allocation", source="agent", devices=",".join(placed))
+        return placed
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Any) -> api_pb2.AllocateResponse:
         answers = []
         for want in request.container_requests:
             ids = list(want.devices_ids)
             unknown = [d for d in ids if d not in self.devices.by_uuid]
-            if unknown:
-                # kubelet fails the pod's start with this message; nothing is half-allocated.
-                message = f"unknown device {unknown[0]}: not one of this node's GPUs"
+            twice = _repeated(ids)
+            # kubelet fails the pod's start with this message; nothing is half-allocated.
+            message = ("no devices asked" if not ids else f"device {twice[:80]} asked twice" if twice is not None
+                       else f"unknown device {unknown[0][:80]}: not one of this node's GPUs" if unknown else "")
+            if message:
                 log_event("allocate_refused", logging.WARNING, error=message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
             answers.append(api_pb2.ContainerAllocateResponse(envs=await self.container_env(ids)))
+            await self.lease_allocation(ids)
         return api_pb2.AllocateResponse(container_responses=answers)
+
+    async def lease_allocation(self, ids: list[str]) -> None:
+        """Lease what kubelet allocated, for the pod it is for, so that callers of the agent
+        see these GPUs taken while the pod lives.
+
+        kubelet does not say which pod: it is the pod whose extender lease holds exactly
+        these GPUs (nothing more to lease), else the one Pending pod on this node with a
+        container asking this many GPUs and fewer leased than it asks.  When none or
+        several are, nothing is leased, and the log says why."""
+        leasing, pods = self.leasing, self.pods
+        if leasing is None or pods is None:
+            return
+        devices = ",".join(ids)
+        covering = next((c for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
+        if covering is not None:
+            leasing.watch.track(Held(covering.namespace, covering.name, covering.uid, leasing.node, covering.lease))
+            log_event("allocation_leased", pod=f"{covering.namespace}/{covering.name}", lease=covering.lease, by="extender", devices=devices)
+            return
+        try:
+            held: dict[str, int] = {}
+            for known in await self.agent.leases():
+                uid, uuids = owner_pod_uid(known.get("owner")), known.get("gpu_uuids")
+                if uid is not None and isinstance(uuids, list):
+                    held[uid] = held.get(uid, 0) + len(uuids)
+        except AgentError as exc:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=str(exc))
+            return
+        candidates = []
+        for pod in await pods.pending():
+            ref = pod_ref(pod)
+            try:
+                wanted = gpus_wanted(pod, leasing.resource)
+            except PodError:
+                continue
+            if ref.uid and len(ids) in container_counts(pod, leasing.resource) and held.get(ref.uid, 0) < wanted:
+                candidates.append(ref)
+        if len(candidates) != 1:
+            why = (f"no Pending pod on this node asks for {len(ids)} GPUs" if not candidates
+                   else f"{len(candidates)} Pending pods on this node ask for {len(ids)} GPUs; kubelet does not say which")
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=why)
+            return
+        ref = candidates[0]
+        try:
+            lease = await self.agent.reserve(sorted(self.devices.by_uuid[d].index for d in ids), ref.owner(OWNER_MAX_LEN), leasing.ttl_s)
+        except AgentError as exc:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason=str(exc))
+            return
+        if lease is None:
+            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason="the agent holds some of these GPUs for another owner")
+            return
+        leasing.watch.track(Held(ref.namespace, ref.name, ref.uid, leasing.node, lease["id"]))
+        log_event("allocation_leased", pod=str(ref), lease=lease["id"], by="device-plugin", devices=devices)
 
     async def container_env(self, ids: list[str]) -> dict[str, str]:
         """The container's environment, GPUs in rank order.
@@ -172,9 +342,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         ``CUDA_VISIBLE_DEVICES`` by UUID too: the runtime renumbers the container's GPUs by
         PCI bus order, so only UUIDs keep CUDA device 0 the rank-0 GPU."""
         devices = self.devices.by_uuid
-        order = ids
+        order: list[str] = ids
         env: dict[str, str] = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        chosen = await self.pods.chosen_exactly(ids) if self.pods is not None else None
+        chosen = next((list(c.gpus) for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
         if chosen is not None:
             order = chosen  # the extender's rank order
         body: dict[str, Any] = {"gpus": len(ids), "include": sorted(devices[d].index for d in ids)}
@@ -183,12 +353,18 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         except AgentError as exc:
             log_event("allocate_order_failed", logging.WARNING, error=str(exc))
             answer = None
-        if answer is not None:
+        placed = placed_uuids(answer) if answer is not None else None
+        if placed is not None and sorted(placed) != sorted(ids):
+            log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed)[:400], asked=",".join(ids))
+            placed = None
+        if answer is not None and placed is None:
+            answer = None  # another set than kubelet allocated: neither its order nor its NICs
+        if answer is not None and placed is not None:
             if chosen is None:
-                order = [g["uuid"] for g in answer["gpus"]]
+                order = placed
             by_uuid = {g["uuid"]: g for g in answer["gpus"]}
             # One NIC per rank, the nearest to that rank's GPU, in rank order.
-            nics = _unique(by_uuid[u]["nearest_nics"][0] for u in order if by_uuid.get(u, {}).get("nearest_nics"))
+            nics = _unique(n for n in (_nearest_nic(by_uuid[u]) for u in order) if n is not None)
             if nics:
                 env["NCCL_IB_HCA"] = "=" + ",".join(nics)
         else:
@@ -206,24 +382,49 @@ def _unique(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
+NIC_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+
+
+def _nearest_nic(gpu: dict[str, Any]) -> str | None:
+    """The GPU's nearest NIC as the agent names it, when it names one as an interface can be named."""
+    nics = gpu.get("nearest_nics")
+    first = nics[0] if isinstance(nics, list) and nics else None
+    return first if isinstance(first, str) and NIC_NAME.fullmatch(first) else None
+
+
 class DevicePlugin:
     """Serve, register, keep the device list current, and start over when kubelet does."""
 
-    def __init__(self, settings: Settings, pods: PodSource | None = None):
+    def __init__(self, settings: Settings, pods: PodSource | None = None, kube: PodApi | None = None, node: str | None = None,
+                 pod_resync_s: float = 60.0):
+        """With ``kube`` (and the agent's token): lease what kubelet allocates, and watch this
+        ``node``'s pods to release the leases when they end."""
         self.settings = settings
         self.agent = AgentClient(settings.agent_url, settings.agent_token)
         self.devices = Devices()
-        self.service = DevicePluginService(self.devices, self.agent, pods)
+        self.watch: PodWatch | None = None
+        leasing = None
+        if kube is not None and node and pods is not None:
+            self.watch = PodWatch(kube, LocalAgent(self.agent), resync_s=pod_resync_s, field_selector=f"spec.nodeName={node}",
+                                  who="device-plugin")
+            self.watch.note_node(node)  # its agent is swept from the first resync
+            leasing = Leasing(self.watch, node, settings.lease_ttl_s, settings.resource_name)
+        self.service = DevicePluginService(self.devices, self.agent, pods, leasing)
         self.server: grpc.aio.Server | None = None
         self.stopping = asyncio.Event()
 
     async def run(self) -> None:
         poller = asyncio.create_task(self.poll_agent())
+        watcher = asyncio.create_task(self.watch.run()) if self.watch is not None else None
         try:
             await self.wait_for_devices()
             await self.serve_and_register_forever()
         finally:
             poller.cancel()
+            if watcher is not None:
+                watcher.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watcher
             await self.stop_server()
             await self.agent.close()
 
@@ -233,21 +434,31 @@ class DevicePlugin:
             await self._sleep(0.2)
 
     async def poll_agent(self) -> None:
+        """Forever: nothing the agent answers ends it (a GPU that turns critical later must
+        still reach kubelet).  Each new problem is logged once; the last list stands."""
         etag: str | None = None
-        failing = False
+        problem: tuple[str, str] | None = None
         while True:
+            now: tuple[str, str] | None = None
             try:
-                etag, doc = await self.agent.topology(etag)
-                if failing:
-                    log_event("agent_reachable", url=self.settings.agent_url)
-                failing = False
+                seen, doc = await self.agent.topology(etag)
                 if doc is not None:
                     await self.devices.update(gpus_of(doc))
+                etag = seen
+            except AgentAnswerError as exc:
+                now = ("agent_answer_refused", str(exc))
             except AgentError as exc:
                 # The last list stands: a restarting agent must not make kubelet evict pods.
-                if not failing:
-                    log_event("agent_unreachable", logging.WARNING, url=self.settings.agent_url, error=str(exc))
-                failing = True
+                now = ("agent_unreachable", str(exc))
+            except Exception as exc:  # a document no check foresaw: say so, keep polling
+                now = ("agent_answer_refused", f"{type(exc).__name__}: {exc}"[:300])
+            if now is not None:
+                etag = None  # ask for the whole document again next time
+                if now != problem:
+                    log_event(now[0], logging.WARNING, url=self.settings.agent_url, error=now[1], kept="the last device list")
+            elif problem is not None:
+                log_event("agent_reachable", url=self.settings.agent_url)
+            problem = now
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def serve_and_register_forever(self) -> None:

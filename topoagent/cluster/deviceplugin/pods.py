@@ -2,29 +2,66 @@
 
 kubelet does not tell a device plugin which pod it allocates for, so the plugin looks at
 the pods bound to this node that are still Pending and carry ``topoagent.io/gpus`` (GPU
-UUIDs, comma-separated, in rank order).  A choice is used only when it is the one choice
-that fits kubelet's request (same size, all offered, the must-haves in it): with two
-pending pods whose choices both fit, the plugin cannot tell them apart and answers from
-the agent instead, as it does when the API server cannot be reached.
+UUIDs, comma-separated, in rank order) and ``topoagent.io/lease``, both written by the
+extender's bind.  Anyone who can edit a pod can write annotations, so a choice counts only
+when the node's agent holds that lease for that pod (owner ``namespace/name/uid`` with the
+pod's UID) on exactly those GPUs: only the extender, with the agents' token, makes such a
+lease (see ``DevicePluginService.verified_choices``).  A choice is used only when it is the
+one verified choice that fits kubelet's request (same size, all offered, the must-haves in
+it): with two pending pods whose choices both fit, the plugin cannot tell them apart and
+answers from the agent instead, as it does when the API server cannot be reached.
 """
 
 from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Sequence
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
+from topoagent.cluster.extender.wire import LEASE_ANNOTATION
 from topoagent.log import log_event
 
 ANNOTATION = "topoagent.io/gpus"
+MAX_CHOICE_GPUS = 4096  # more than any node has: a longer annotation is no extender's
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 def parse_choice(value: str) -> list[str]:
     return [part.strip() for part in value.split(",") if part.strip()]
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The extender's choice for one pod, as its annotations say (not yet checked)."""
+
+    namespace: str
+    name: str
+    uid: str
+    lease: str
+    gpus: tuple[str, ...]  # rank order
+
+
+def pod_choice(pod: Any) -> Choice | None:
+    """The pod's annotated choice, or None when it carries none (or one of another shape)."""
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, dict):
+        return None
+    value, lease, uid = annotations.get(ANNOTATION), annotations.get(LEASE_ANNOTATION), meta.get("uid")
+    if not (isinstance(value, str) and isinstance(lease, str) and lease and isinstance(uid, str) and uid):
+        return None
+    gpus = parse_choice(value[: MAX_CHOICE_GPUS * 128])
+    if not gpus or len(gpus) > MAX_CHOICE_GPUS or len(set(gpus)) != len(gpus):
+        return None
+    namespace, name = meta.get("namespace"), meta.get("name")
+    return Choice(namespace if isinstance(namespace, str) else "default", name if isinstance(name, str) else "", uid, lease, tuple(gpus))
 
 
 class PodSource:
@@ -35,8 +72,12 @@ class PodSource:
         self.ssl: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def choices(self) -> list[list[str]]:
+    async def choices(self) -> list[Choice]:
         """The annotated choices of this node's Pending pods; [] when they cannot be read."""
+        return [c for c in map(pod_choice, await self.pending()) if c is not None]
+
+    async def pending(self) -> list[dict[str, Any]]:
+        """This node's Pending pods; [] when they cannot be read."""
         headers = {}
         if self.token_file is not None:
             # Read each time: projected service account tokens are rotated on disk.
@@ -49,26 +90,34 @@ class PodSource:
             ):
                 if resp.status != 200:
                     raise aiohttp.ClientError(f"HTTP {resp.status}")
-                pods = (await resp.json()).get("items", [])
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+                doc = await resp.json()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, RecursionError) as exc:
             log_event("pods_unreadable", logging.WARNING, api=self.api_url, error=str(exc) or type(exc).__name__)
             return []
-        out = []
-        for pod in pods:
-            value = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION)
-            if value:
-                out.append(parse_choice(value))
-        return out
+        pods = doc.get("items") if isinstance(doc, dict) else None
+        if not isinstance(pods, list):
+            log_event("pods_unreadable", logging.WARNING, api=self.api_url, error="not a PodList")
+            return []
+        return [pod for pod in pods if isinstance(pod, dict)]
 
-    async def chosen_fitting(self, available: Sequence[str], must: Sequence[str], size: int) -> list[str] | None:
-        """The one extender choice that fits a preferred-allocation request, if exactly one does."""
-        offered = set(available)
-        fits = [c for c in await self.choices() if len(c) == size == len(set(c)) and set(c) <= offered and set(must) <= set(c)]
-        return fits[0] if len({frozenset(c) for c in fits}) == 1 else None
 
-    async def chosen_exactly(self, ids: Sequence[str]) -> list[str] | None:
-        """The extender's rank order for exactly these GPUs, if a pending pod chose them."""
-        for choice in await self.choices():
-            if len(choice) == len(ids) and set(choice) == set(ids):
-                return choice
-        return None
+def container_counts(pod: Mapping[str, Any], resource: str) -> list[int]:
+    """How many of ``resource`` each container and init container asks for (limits, else
+    requests), those that ask; what cannot be read counts as nothing."""
+    spec = pod.get("spec")
+    spec = spec if isinstance(spec, dict) else {}
+    out = []
+    for key in ("initContainers", "containers"):
+        containers = spec.get(key)
+        for container in containers if isinstance(containers, list) else []:
+            resources = container.get("resources") if isinstance(container, dict) else None
+            for kind in ("limits", "requests"):
+                table = resources.get(kind) if isinstance(resources, dict) else None
+                if isinstance(table, dict) and resource in table:
+                    value = table[resource]
+                    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) < 6:
+                        out.append(int(value))
+                    elif isinstance(value, int) and not isinstance(value, bool):
+                        out.append(value)
+                    break
+    return [n for n in out if n > 0]

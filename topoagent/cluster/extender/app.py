@@ -15,6 +15,8 @@ never fails a scheduling cycle.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,6 +45,7 @@ from topoagent.cluster.extender.wire import (
     pod_ref,
     pod_request,
 )
+from topoagent.cluster.podwatch import PodWatch
 from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.text import cut
@@ -60,6 +63,8 @@ class Settings:
     max_body_bytes: int = MAX_BODY_BYTES
     # The listener asks for client certificates (--client-ca-file): refuse callers without one.
     require_client_certificate: bool = False
+    # With a Kubernetes API: how often the pod watch lists again (0: no watch, leases end by TTL only).
+    pod_resync_s: float = 60.0
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -67,6 +72,7 @@ VERBS: web.AppKey[dict[str, int]] = web.AppKey("verbs")  # verb -> calls, for /m
 BINDS: web.AppKey[dict[str, int]] = web.AppKey("binds")  # result -> binds
 AGENTS = web.AppKey("agents", Agents)
 KUBE = web.AppKey("kube", Kube)
+WATCH = web.AppKey("pod_watch", PodWatch)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -176,6 +182,9 @@ async def bind(request: web.Request) -> web.Response:
     try:
         pod = await kube.pod(args.pod_namespace, args.pod_name)
         ref = pod_ref(pod)
+        meta = pod.get("metadata")
+        version = meta.get("resourceVersion") if isinstance(meta, dict) else None
+        version = version if isinstance(version, str) else None
         if ref.uid != args.pod_uid:
             return _bind_result(f"pod {pod_name} has UID {ref.uid}, not {args.pod_uid}: it was replaced")
         spec = pod.get("spec")
@@ -191,17 +200,21 @@ async def bind(request: web.Request) -> web.Response:
             if address is not None:
                 agents.addresses.remember(args.node, address)
         if wanted is None:
-            await kube.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+            await kube.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, resource_version=version)
             return _bind_result()
-        return _bind_result(await _reserve_and_bind(request.app, ref, args.node, wanted))
+        return _bind_result(await _reserve_and_bind(request.app, ref, version, args.node, wanted))
     except KubeError as exc:
         log_event("bind_failed", logging.WARNING, pod=pod_name, node=args.node, error=str(exc))
         return _bind_result(str(exc))
 
 
-async def _reserve_and_bind(app: web.Application, ref: PodRef, node: str, wanted: dict[str, Any]) -> str:
-    """Lease the GPUs, write them on the pod, bind it; '' or what went wrong (the lease
-    released again when anything after it failed)."""
+async def _reserve_and_bind(app: web.Application, ref: PodRef, version: str | None, node: str, wanted: dict[str, Any]) -> str:
+    """Lease the GPUs, bind the pod with them written on it; '' or what went wrong (the
+    lease released again when anything after it failed).
+
+    The annotations travel in the Binding, which the API server applies only to the pod
+    as it was read (UID and resourceVersion): of two binds of one pod at once, one binds
+    with its lease on the pod, the other fails and releases its own."""
     settings, agents, kube = app[SETTINGS], app[AGENTS], app[KUBE]
     try:
         answer = await agents.reserve(node, wanted, ref.owner(OWNER_MAX_LEN), settings.lease_ttl_s)
@@ -212,7 +225,7 @@ async def _reserve_and_bind(app: web.Application, ref: PodRef, node: str, wanted
             # As configured: the node passes without its agent, so it binds without GPUs
             # chosen (the device plugin then asks the node's agent itself).
             log_event("bound_without_agent", logging.WARNING, pod=str(ref), node=node, reason=str(exc))
-            await kube.bind(ref.namespace, ref.name, ref.uid, node)
+            await kube.bind(ref.namespace, ref.name, ref.uid, node, resource_version=version)
             return ""
         return f"node {node}: {exc}"
     lease_id = answer["lease"]["id"]
@@ -220,8 +233,10 @@ async def _reserve_and_bind(app: web.Application, ref: PodRef, node: str, wanted
     try:
         if len(uuids) != wanted["gpus"] or len(uuids) != len(answer["gpus"]):
             raise KubeError(f"node {node}'s agent does not name every GPU by UUID; the device plugin could not be told")
-        await kube.annotate(ref.namespace, ref.name, {GPUS_ANNOTATION: ",".join(uuids), LEASE_ANNOTATION: lease_id})
-        await kube.bind(ref.namespace, ref.name, ref.uid, node)
+        watch = app.get(WATCH)
+        if watch is not None:
+            watch.note_node(node)  # its agent is swept for leases whose pod is gone
+        await kube.bind(ref.namespace, ref.name, ref.uid, node, {GPUS_ANNOTATION: ",".join(uuids), LEASE_ANNOTATION: lease_id}, version)
     except KubeError as exc:
         released = await agents.release(node, lease_id)
         log_event("bind_failed", logging.WARNING, pod=str(ref), node=node, error=str(exc), lease=lease_id, released=released)
@@ -261,6 +276,18 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> we
         await agents.close()
 
     app.cleanup_ctx.append(session_lifetime)
+    if kube is not None and settings.pod_resync_s > 0:
+        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
+
+        async def pod_watch_lifetime(app: web.Application) -> AsyncIterator[None]:
+            # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
+            task = asyncio.create_task(watch.run())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(pod_watch_lifetime)
     prefix = settings.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", filter_nodes)
     app.router.add_post(f"{prefix}/prioritize", prioritize)

@@ -1,16 +1,21 @@
 """The API server calls of a bind, through the ``kubernetes`` client (an optional extra).
 
 Read the pod (the bind arguments name it only), read a node's address when the agent URL
-needs it, write the chosen GPUs on the pod (a merge patch of two annotations) and create
-the Binding (``POST .../pods/{name}/binding``, with the pod's UID as precondition, as
-kube-scheduler's own binder does).  The client is synchronous: each call runs in a
-thread.  Bodies are read as plain JSON, the API server's published form.
+needs it, and create the Binding (``POST .../pods/{name}/binding``) carrying the chosen
+GPUs as annotations, with the pod's UID and the resourceVersion it was read at as
+preconditions: the API server sets the node and the annotations in one update, or
+neither, so a bind that lost a race never leaves its (released) lease written on the pod.
+The pod watch (``topoagent.cluster.podwatch``) lists and watches pods through here too.
+The client is synchronous: each call runs in a thread.  Bodies are read as plain JSON,
+the API server's published form.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from collections.abc import Iterator
 from typing import Any
 
 from topoagent.text import cut
@@ -24,6 +29,7 @@ class Kube:
     def __init__(self, api_url: str | None = None, kubeconfig: str | None = None, timeout_s: float = 5.0) -> None:
         """``api_url``: talk to this URL as is (a proxy such as `kubectl proxy`, or a test
         server); else ``kubeconfig``; else the pod's service account (in-cluster)."""
+        import urllib3
         from kubernetes import client, config
 
         configuration = client.Configuration()
@@ -36,6 +42,11 @@ class Kube:
         self._client = client
         self._core = client.CoreV1Api(client.ApiClient(configuration))
         self._exception = client.ApiException
+        # urllib3's own errors (MaxRetryError: nothing listening) derive from neither OSError nor ValueError.
+        self._transport_errors: tuple[type[Exception], ...] = (OSError, ValueError, urllib3.exceptions.HTTPError)
+        # Each call's failure is one KubeError line naming the call; urllib3's warning per retry
+        # would repeat it three times a try while the API server is away.
+        logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
         self.timeout_s = timeout_s
 
     async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -45,7 +56,7 @@ class Kube:
                 return json.loads(resp.data) if resp.data else None
             except self._exception as exc:
                 raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
-            except (OSError, ValueError) as exc:  # urllib3's errors derive from these
+            except self._transport_errors as exc:
                 raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
 
         return await asyncio.to_thread(call)
@@ -62,19 +73,81 @@ class Kube:
             raise KubeError(f"get node {name}: not a Node")
         return node
 
-    async def annotate(self, namespace: str, name: str, annotations: dict[str, str]) -> None:
-        body = {"metadata": {"annotations": annotations}}
-        await self._call(f"annotate pod {namespace}/{name}", self._core.patch_namespaced_pod, name, namespace, body,
-                         _content_type="application/merge-patch+json")
-
-    async def bind(self, namespace: str, name: str, uid: str, node: str) -> None:
+    async def bind(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str] | None = None,
+                   resource_version: str | None = None) -> None:
+        """Bind the pod, writing ``annotations`` on it in the same update; refused (409) when
+        the pod is no longer the one with ``uid`` at ``resource_version``, or is bound."""
         c = self._client
         binding = c.V1Binding(
             api_version="v1", kind="Binding",
-            metadata=c.V1ObjectMeta(name=name, namespace=namespace, uid=uid),
+            metadata=c.V1ObjectMeta(name=name, namespace=namespace, uid=uid, annotations=annotations or None,
+                                    resource_version=resource_version or None),
             target=c.V1ObjectReference(api_version="v1", kind="Node", name=node),
         )
         await self._call(f"bind pod {namespace}/{name} to {node}", self._core.create_namespaced_pod_binding, name, namespace, binding)
+
+    # -- the pod watch's calls: blocking, run in the watch's own thread ------------------------
+
+    def list_pods_page(self, limit: int, token: str | None, field_selector: str | None = None) -> dict[str, Any]:
+        """One page of a consistent pod list (a PodList document; ``metadata.continue`` says
+        whether more follow)."""
+        what = "list pods"
+        try:
+            resp: Any = self._core.list_pod_for_all_namespaces(limit=limit, _continue=token or None, field_selector=field_selector,
+                                                          _preload_content=False, _request_timeout=self.timeout_s * 6)
+            doc = json.loads(resp.data)
+        except self._exception as exc:
+            raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
+        except self._transport_errors as exc:
+            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+            raise KubeError(f"{what}: not a PodList")
+        return doc
+
+    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, opened: list[Any],
+                   field_selector: str | None = None) -> Iterator[dict[str, Any]]:
+        """The watch events (``{"type", "object"}``) after ``resource_version``, until the
+        server ends the stream (at ``timeout_s`` at the latest).  ``opened`` receives the
+        response, so another thread can close it to stop the watch.  An event larger than
+        ``max_event_bytes`` ends the watch with KubeError: memory stays bounded."""
+        what = "watch pods"
+        try:
+            resp: Any = self._core.list_pod_for_all_namespaces(
+                watch=True, resource_version=resource_version, timeout_seconds=timeout_s, allow_watch_bookmarks=True,
+                field_selector=field_selector, _preload_content=False, _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
+        except self._exception as exc:
+            raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
+        except self._transport_errors as exc:
+            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
+        opened.append(resp)
+        buffer = b""
+        try:
+            # read1: whatever has arrived, never waiting for a full buffer (an event would
+            # wait for the next ones); chunked or not.
+            while chunk := resp.read1(64 * 1024):
+                buffer += chunk
+                while (end := buffer.find(b"\n")) >= 0:
+                    line, buffer = buffer[:end], buffer[end + 1:]
+                    if line.strip():
+                        yield _event(line)
+                if len(buffer) > max_event_bytes:
+                    raise KubeError(f"{what}: an event larger than {max_event_bytes} bytes")
+            if buffer.strip():
+                yield _event(buffer)
+        except self._transport_errors as exc:  # the stream cut, or shut to stop the watch
+            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
+        finally:
+            resp.release_conn()
+
+
+def _event(line: bytes) -> dict[str, Any]:
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):
+        raise KubeError("watch pods: an event that is not JSON") from None
+    if not isinstance(event, dict) or not isinstance(event.get("type"), str) or not isinstance(event.get("object"), dict):
+        raise KubeError("watch pods: an event without type and object")
+    return event
 
 
 def _message(body: Any) -> str:

@@ -282,6 +282,16 @@ class Agents:
             return False
         return status in (200, 404)
 
+    async def leases(self, node: str) -> list[dict[str, Any]] | None:
+        """The leases the node's agent holds (``GET /leases``), or None when it did not answer."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                status, _, doc = await self._get_json(f"{self.url(node)}/leases", headers=self._auth)
+        except (TimeoutError, Unreachable):
+            return None
+        held = doc.get("leases") if status == 200 and isinstance(doc, dict) else None
+        return [x for x in held if isinstance(x, dict)] if isinstance(held, list) else None
+
 
 async def _read_bounded(content: aiohttp.StreamReader, limit: int) -> bytes | None:
     """The whole body, or None once it passes ``limit`` bytes.  (``content.read(n)`` is no

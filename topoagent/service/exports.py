@@ -12,6 +12,7 @@ others are written anyway.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 import time
@@ -21,7 +22,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from topoagent.config import Config
+from topoagent.log import log_event
 from topoagent.node.model import NodeTopology
+from topoagent.service.served import Board
+
+# How often the agent looks for a new snapshot to write the files from.
+EXPORT_CHECK_S = 1.0
 
 
 class ExportFailed(Exception):
@@ -115,3 +121,29 @@ class Exports:
 def node_with_all_findings(node: NodeTopology, findings: tuple) -> NodeTopology:
     """The node as exports render it: with every finding the agent serves."""
     return node if findings == node.findings else replace(node, findings=findings)
+
+
+class ExportsLoop:
+    """Keeps the configured files up to the served snapshot."""
+
+    def __init__(self, board: Board, config: Callable[[], Config]) -> None:
+        self.board = board
+        self.config = config
+        self.exports = Exports()
+        self._exported: tuple | None = None  # (snapshot version, config) the files were last brought up to
+
+    async def update(self) -> None:
+        """Bring the configured files up to the served snapshot: rendered again only when
+        the snapshot or the config changed (or NFD's expiry nears), written only where the
+        text changed.  A failure raises: the loop logs it and the next check retries."""
+        snapshot, config = self.board.served.snapshot, self.config()
+        if snapshot is None:
+            return
+        key = (snapshot.version, config)
+        if key == self._exported and not self.exports.refresh_due():
+            return
+        node = node_with_all_findings(snapshot.node, snapshot.findings)
+        written = await asyncio.to_thread(self.exports.update, config, node)
+        self._exported = key
+        for path in written:
+            log_event("export_written", path=path, snapshot_version=snapshot.version)

@@ -1,0 +1,335 @@
+"""A pod's lease ends with the pod: a watch on the API server's pods that releases the
+agent lease of a pod that ended (``Succeeded``, ``Failed``) or was deleted.
+
+Whoever took a lease for a pod runs one: the extender for the leases of its binds (the
+pod carries ``topoagent.io/lease`` and ``spec.nodeName``), the device plugin for its node's.  Releasing is
+``DELETE /leases/{id}`` on the node's agent, through the ``Keeper`` given; a release
+that fails (agent away) is retried at every resync until the agent says the lease is gone.
+
+The loop: list the pods (paged: a consistent snapshot without holding the whole cluster
+in one body), then watch from the list's resourceVersion for ``resync_s`` seconds, then
+list again.  A stream the API server closes early, a 410 Gone or an unreadable event
+start the next list at once (at most one a second): no event is lost for long, and the
+list repairs anything missed.  Each list also sweeps the agents: a lease whose owner
+names a pod (``namespace/name/uid``, the extender's owner form) and whose pod is not in
+two lists in a row, or has finished, is released.  The agents' leases are read *before*
+each list starts, so a lease seen at one resync was granted to a pod that existed before
+the next list began: that list has the pod unless it is gone, even when the watch sees
+one node's pods only (the device plugin's) and the pod was being bound there.
+
+Whoever leases for a pod without writing it on the pod (the device plugin at Allocate)
+calls ``track``: its lease is then released with the pod like an annotated one.
+
+Memory: per pod with a lease, one small record (at most ``max_tracked``); per resync, the
+owners of the leases read; per watch event, one pod object, at most ``max_event_bytes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from topoagent.cluster.extender.kube import KubeError
+from topoagent.cluster.extender.wire import LEASE_ANNOTATION
+from topoagent.log import log_event
+
+FINISHED = frozenset({"Succeeded", "Failed"})
+# A Kubernetes UID: what makes a lease owner "namespace/name/uid" a pod's.
+POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+LIST_PAGE = 500
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # etcd keeps objects below 1.5 MiB; a Pod as JSON stays well below this
+MAX_TRACKED = 200_000
+MAX_PAUSE_S = 30.0
+
+
+class PodApi(Protocol):
+    """The API server calls the watch makes (``extender.kube.Kube``); blocking."""
+
+    def list_pods_page(self, limit: int, token: str | None, field_selector: str | None = None) -> dict[str, Any]: ...
+
+    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, opened: list[Any],
+                   field_selector: str | None = None) -> Iterable[dict[str, Any]]: ...
+
+
+class Keeper(Protocol):
+    """The agents' leases."""
+
+    async def release(self, node: str, lease_id: str) -> bool: ...
+
+    async def leases(self, node: str) -> list[dict[str, Any]] | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A pod's lease, as the pod's annotation and binding say."""
+
+    namespace: str
+    name: str
+    uid: str
+    node: str
+    lease: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def _text(doc: Mapping[str, Any], key: str) -> str:
+    value = doc.get(key)
+    return value if isinstance(value, str) else ""
+
+
+def _object(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    value = doc.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def pod_uid(pod: Mapping[str, Any]) -> str:
+    return _text(_object(pod, "metadata"), "uid")
+
+
+def held_lease(pod: Mapping[str, Any]) -> Held | None:
+    """The lease the pod holds by its annotation, on the node it is bound to; None without."""
+    meta = _object(pod, "metadata")
+    lease, node = _text(_object(meta, "annotations"), LEASE_ANNOTATION), _text(_object(pod, "spec"), "nodeName")
+    uid = _text(meta, "uid")
+    if not lease or not node or not uid:
+        return None
+    return Held(_text(meta, "namespace") or "default", _text(meta, "name"), uid, node, lease)
+
+
+def finished(pod: Mapping[str, Any]) -> bool:
+    return _text(_object(pod, "status"), "phase") in FINISHED
+
+
+def owner_pod_uid(owner: Any) -> str | None:
+    """The pod UID a lease owner names (``namespace/name/uid``), or None for any other owner."""
+    if not isinstance(owner, str) or owner.count("/") < 2:
+        return None
+    uid = owner.rsplit("/", 1)[1]
+    return uid if POD_UID.fullmatch(uid) else None
+
+
+class PodWatch:
+    def __init__(self, api: PodApi, keeper: Keeper, *, resync_s: float = 60.0, field_selector: str | None = None,
+                 max_tracked: int = MAX_TRACKED, who: str = "extender") -> None:
+        self.api = api
+        self.keeper = keeper
+        self.resync_s = resync_s
+        self.field_selector = field_selector
+        self.max_tracked = max_tracked
+        self.who = who
+        self.tracked: dict[str, Held] = {}  # pod UID -> its lease
+        self.unreleased: dict[str, Held] = {}  # lease id -> lease whose release failed; retried each resync
+        self.nodes: dict[str, None] = {}  # nodes whose agents are swept (insertion-ordered, bounded)
+        self.suspects: dict[tuple[str, str], str] = {}  # (node, lease id) -> pod UID: not live at the last resync
+        self.released = 0
+        self.resyncs = 0
+        self._opened: list[Any] = []
+        self._stopping = threading.Event()
+
+    def track(self, held: Held) -> None:
+        """A lease taken for a pod that does not carry it (the device plugin's at Allocate):
+        released when the pod ends, like an annotated one."""
+        self.tracked[held.uid] = held
+        self.note_node(held.node)
+
+    def note_node(self, node: str) -> None:
+        """A node that may hold pods' leases (the extender's bind calls it)."""
+        self.nodes.pop(node, None)
+        self.nodes[node] = None
+        while len(self.nodes) > self.max_tracked:
+            self.nodes.pop(next(iter(self.nodes)))
+
+    async def run(self) -> None:
+        """List, watch, again, until cancelled; never raises for the API server's sake."""
+        failing = False
+        pause = 1.0  # between lists: one a second, doubling to MAX_PAUSE_S while the API server fails
+        try:
+            while True:
+                started = time.monotonic()
+                try:
+                    version = await self.resync()
+                    if failing:
+                        log_event("pod_watch_recovered", who=self.who)
+                    failing, pause = False, 1.0
+                    await self.watch(version)
+                except Exception as exc:  # the API server's errors, and any other: the watch must go on
+                    if not failing:  # once per outage, not once per retry
+                        error = str(exc) if isinstance(exc, KubeError) else f"{type(exc).__name__}: {exc}"
+                        log_event("pod_watch_failed", logging.WARNING, who=self.who, error=error[:300], retry=f"within {MAX_PAUSE_S:g} s")
+                    failing, pause = True, min(MAX_PAUSE_S, pause * 2)
+                await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for resp in self._opened:
+            # Shut the socket down under the watch thread's blocked read (closing the response
+            # would wait for that read); else the daemon thread ends with the stream's timeout.
+            with contextlib.suppress(Exception):
+                resp.connection.sock.shutdown(socket.SHUT_RDWR)
+        self._opened.clear()
+
+    # -- one event --------------------------------------------------------------------------
+
+    async def observe(self, kind: str, pod: Mapping[str, Any]) -> None:
+        uid = pod_uid(pod)
+        if not uid:
+            return
+        held = held_lease(pod)
+        if kind == "DELETED" or finished(pod):
+            held = held or self.tracked.get(uid)
+            self.tracked.pop(uid, None)
+            if held is not None:
+                await self._release(held, "deleted" if kind == "DELETED" else _text(_object(pod, "status"), "phase"))
+            return
+        if held is not None:
+            await self._follow(held)
+
+    async def _release(self, held: Held, reason: str) -> None:
+        if await self.keeper.release(held.node, held.lease):
+            self.unreleased.pop(held.lease, None)
+            self.released += 1
+            log_event("lease_released", who=self.who, pod=str(held), uid=held.uid, node=held.node, lease=held.lease, reason=reason)
+        elif held.lease not in self.unreleased and len(self.unreleased) < self.max_tracked:
+            log_event("lease_release_failed", logging.WARNING, who=self.who, pod=str(held), node=held.node, lease=held.lease,
+                      reason=reason, retry="at the next resync")
+            self.unreleased[held.lease] = held  # past max_tracked: the sweep still finds it, its pod gone
+
+    # -- list, sweep, watch -----------------------------------------------------------------
+
+    async def resync(self) -> str:
+        """Sweep the agents against a fresh list of the pods; the list's resourceVersion."""
+        self.resyncs += 1
+        for held in list(self.unreleased.values()):
+            await self._release(held, "retry")
+        # Leases first, then the list: see the module docstring.
+        owned = await self._pod_owned_leases()
+        interesting = {uid for _, _, uid in owned} | set(self.tracked)
+        version, live, annotated, ended = await asyncio.to_thread(self._list_all, interesting)
+        before, self.tracked = self.tracked, {}
+        for held in ended:
+            await self._release(held, "ended")
+        for held in annotated.values():
+            await self._follow(held)
+        for uid, held in before.items():
+            if uid in self.tracked or held.lease in {h.lease for h in ended}:
+                continue
+            if uid in live:  # still running; a lease not on its annotations (the device plugin's own)
+                self.tracked[uid] = held
+            else:
+                await self._release(held, "pod gone")
+        # A pod-owned lease whose pod is not live, twice in a row: the second list started
+        # after the first read of the leases, so even a watch narrowed to one node's pods
+        # (a pod being bound there now is not yet in it) cannot sweep a live pod's lease.
+        handled = {h.lease for h in before.values()} | {h.lease for h in self.tracked.values()} | {h.lease for h in ended}
+        suspects: dict[tuple[str, str], str] = {}
+        for node, lease_id, uid in owned:
+            if uid in live or lease_id in handled:
+                continue
+            if (node, lease_id) in self.suspects:
+                await self._release(Held("", f"uid {uid}", uid, node, lease_id), "its pod no longer exists")
+            elif len(suspects) < self.max_tracked:
+                suspects[(node, lease_id)] = uid
+        self.suspects = suspects
+        return version
+
+    async def _follow(self, held: Held) -> None:
+        before = self.tracked.get(held.uid)
+        if before is not None and before.lease != held.lease:
+            await self._release(before, "replaced by lease " + held.lease)
+        if before is None and len(self.tracked) >= self.max_tracked:
+            log_event("pod_watch_full", logging.WARNING, who=self.who, tracked=len(self.tracked), pod=str(held))
+            return  # the resync's sweep still ends its lease with the pod
+        self.tracked[held.uid] = held
+        self.note_node(held.node)
+
+    async def _pod_owned_leases(self) -> list[tuple[str, str, str]]:
+        out = []
+        for node in list(self.nodes):
+            for lease in await self.keeper.leases(node) or []:
+                uid = owner_pod_uid(lease.get("owner"))
+                lease_id = lease.get("id")
+                if uid is not None and isinstance(lease_id, str):
+                    out.append((node, lease_id, uid))
+        return out
+
+    def _list_all(self, interesting: set[str]) -> tuple[str, set[str], dict[str, Held], list[Held]]:
+        """(resourceVersion, the UIDs of ``interesting`` whose pods exist and have not
+        finished, the leases of live annotated pods, those of finished ones).  Nothing else
+        of the list is kept: memory grows with the leases, not with the cluster's pods."""
+        token: str | None = None
+        live: set[str] = set()
+        annotated: dict[str, Held] = {}
+        ended: list[Held] = []
+        while True:
+            page = self.api.list_pods_page(LIST_PAGE, token, self.field_selector)
+            for pod in page["items"]:
+                if not isinstance(pod, dict):
+                    continue
+                uid, held, done = pod_uid(pod), held_lease(pod), finished(pod)
+                if uid in interesting and not done:
+                    live.add(uid)
+                if held is not None and done:
+                    ended.append(held)
+                elif done and uid in self.tracked:
+                    ended.append(self.tracked[uid])
+                elif held is not None:
+                    annotated[uid] = held
+            meta = _object(page, "metadata")
+            token = _text(meta, "continue") or None
+            if token is None:
+                return _text(meta, "resourceVersion"), live, annotated, ended
+
+    async def watch(self, version: str) -> None:
+        """Events from ``version`` on, until the stream ends (resync_s at the latest)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
+        self._stopping.clear()
+        self._opened.clear()  # the last watch's thread has ended: its response is closed
+
+        def pump() -> None:
+            def put(item: tuple[str, Any]) -> None:
+                try:
+                    done = asyncio.run_coroutine_threadsafe(events.put(item), loop)
+                except RuntimeError:  # the loop closed: nobody to tell
+                    return
+                while not self._stopping.is_set():  # waits while the queue is full; gives up when stopped
+                    with contextlib.suppress(TimeoutError):
+                        done.result(timeout=1.0)
+                        return
+
+            try:
+                for event in self.api.watch_pods(version, max(1, int(self.resync_s)), MAX_EVENT_BYTES, self._opened, self.field_selector):
+                    if self._stopping.is_set():
+                        return
+                    put(("event", event))
+                put(("end", None))
+            except Exception as exc:  # the API server's errors, and the client's own
+                put(("error", exc))
+
+        threading.Thread(target=pump, name="pod-watch", daemon=True).start()
+        while True:
+            what, item = await events.get()
+            if what == "end":
+                return
+            if what == "error":
+                raise KubeError(str(item) or type(item).__name__)
+            kind, pod = item["type"], item["object"]
+            if kind == "ERROR":  # 410 Gone (too old a resourceVersion) and the like: list again
+                raise KubeError(f"watch pods: {cut_status(pod)}")
+            if kind in ("ADDED", "MODIFIED", "DELETED"):
+                await self.observe(kind, pod)
+
+
+def cut_status(status: Mapping[str, Any]) -> str:
+    return f"{_text(status, 'reason') or 'error'} {status.get('code', '')}: {_text(status, 'message')[:160]}"
