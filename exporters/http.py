@@ -233,7 +233,8 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[s
     `reserve` part, or ApiError 400 naming the field.
 
     Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
-    for well-formed requests this node cannot satisfy now (busy or leased GPUs)."""
+    for well-formed requests this node cannot satisfy now (busy or leased GPUs), 422 for
+    those it could not satisfy with every GPU free (the CLI's exit 3)."""
     if not isinstance(doc, dict):  # the HTTP body, before its `reserve` part is split off
         raise ApiError(400, "bad_request", "body: expected a JSON object")
     fields = {key: value for key, value in doc.items() if key != "reserve"}
@@ -406,6 +407,8 @@ async def place(request: web.Request) -> web.Response:
             raise _state_unavailable(exc) from None
     if isinstance(answer, NoFit):
         detail = f"{answer.constraint}: {answer.reason}"
+        if answer.never_fits:  # not even on the idle node: no wait, lease or eviction helps
+            raise ApiError(422, "never_fits", f"never fits this node: {detail}", {"nofit": answer_document(answer)})
         why = _why_busy(agent.served(), req)
         if why:
             detail += f" ({why})"

@@ -73,6 +73,12 @@ NO_FIT_ERROR = {
     "required": ["error", "detail", "nofit"],
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
+NEVER_FITS_ERROR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail", "nofit"],
+    "properties": {"error": {"type": "string", "enum": ["never_fits"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
+}
 
 # GET /readyz's and POST /place's 503 once a topology is loaded: the findings that make
 # answers untrustworthy.
@@ -107,7 +113,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR, "NeverFitsError": NEVER_FITS_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {
@@ -133,7 +139,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/capacity": {
                 "get": {
-                    "summary": "What this node can take now: free GPUs, the largest free NVLink zone, fragmentation, and for each k whether k GPUs fit and how well.",
+                    "summary": "What this node can take now: free GPUs, the largest free zone (NVLink or one PCIe switch), fragmentation, and for each k whether k GPUs fit and how well.",
                     "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
                     "responses": {
                         "200": {**_json("The figures for the current snapshot and busy GPUs (or, with `stale` true, the latest computed while "
@@ -159,7 +165,10 @@ def openapi_document() -> dict[str, Any]:
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
-                        "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
+                        "409": _json("It does not fit now (busy or leased GPUs); `nofit` says why, `never_fits` is false.", "NoFitError"),
+                        "422": _json(
+                            "It would not fit this node with every GPU free either (the same search on the idle node): "
+                            "waiting or preempting will not help; `nofit` says why, `never_fits` is true.", "NeverFitsError"),
                         "413": _err("Body larger than the limit."),
                         "503": {"description": "No topology loaded yet (`not_ready`); a critical finding makes every answer "
                                 "untrustworthy (`not_ready_for_placement`, as GET /readyz says); or, with `reserve`, "

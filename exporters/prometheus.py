@@ -344,9 +344,9 @@ class RuntimeCollector(Collector):
         yield stale
         free = GaugeMetricFamily(f"{NS}_capacity_free_gpus", "GPUs free now: not leased, running no process, without a critical finding.")
         free.add_metric([], len(figures.free))
-        zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink among themselves.")
+        zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink or one PCIe switch among themselves.")
         zone.add_metric([], len(figures.largest_free_zone))
-        fragmentation = GaugeMetricFamily(f"{NS}_capacity_fragmentation", "1 - largest free NVLink zone / free GPUs (0 when nothing is free).")
+        fragmentation = GaugeMetricFamily(f"{NS}_capacity_fragmentation", "1 - largest free zone (NVLink or one PCIe switch) / free GPUs (0 when nothing is free).")
         fragmentation.add_metric([], figures.fragmentation)
         fits = GaugeMetricFamily(f"{NS}_capacity_fits", "1 when a k-GPU job fits on the free GPUs now.", labels=["k"])
         for fit in figures.fits:

@@ -109,8 +109,8 @@ def test_readyz_says_not_ready_for_placement_and_why_while_healthz_stays_alive(n
         placed = agent.post("/place", {"gpus": 2})
         if name == "no-gpu-stack":
             assert placed.status == 503 and placed.json() == {k: body[k] for k in ("error", "detail", "findings")}
-        else:  # no GPU: the core's own answer, as at every door (tests/test_cli_doors.py)
-            assert placed.status == 409 and placed.json()["nofit"]["reason"] == "2 GPUs requested; no GPUs found on this node"
+        else:  # no GPU: the core's own answer, as at every door (tests/test_cli_doors.py): it never fits
+            assert placed.status == 422 and placed.json()["nofit"]["reason"] == "2 GPUs requested; no GPUs found on this node"
         # What the node did see is still served, the finding with it; an unseen link is no series.
         topology = agent.get("/topology").json()
         assert kind in {f["kind"] for f in topology["findings"]}

@@ -114,6 +114,14 @@ class Pattern(enum.StrEnum):
         return self in (Pattern.ALLTOALL, Pattern.PIPELINE)
 
 
+class EstimateModel(enum.StrEnum):
+    """Which model an answer's estimate is, by the request's pattern (placement.tiers)."""
+
+    RING_ALLREDUCE = "ring_allreduce"  # allreduce: NCCL's ring model
+    ALLTOALL = "alltoall"  # one message to each peer, a rank's sends in turn
+    PIPELINE_P2P = "pipeline_p2p"  # one message per stage; the slowest stage sets the pace
+
+
 class Affinity(enum.StrEnum):
     """How close a job's GPUs must be (a request's ``affinity``); tiers from strictest.
     topoagent.placement.tiers says exactly what each one requires."""

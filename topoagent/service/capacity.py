@@ -1,16 +1,20 @@
 """What this node can take now: the figures a cluster scheduler compares nodes by.
 
 ``capacity(matrix, leased, running)`` is pure.  It says which GPUs are free (not leased,
-running no process, without a critical finding), the largest free NVLink zone, and for
+running no process, without a critical finding), the largest free zone, and for
 each job size k from 1 to the node's GPU count whether a k-GPU all-reduce fits now and
 how good the placement core's best answer is.  The agent computes it once per (snapshot,
 busy set) and serves it at ``GET /capacity`` and in /metrics.
 
-*Largest free NVLink zone*: the largest group of free GPUs joined to each other by
-NVLink paths that stay within the free GPUs (a GPU with no free NVLink peer is a zone of
-one).  *Fragmentation* = 1 - largest free zone / free GPUs: 0 when every free GPU is in
-one NVLink zone (or none is free), towards 1 as the free GPUs scatter across zones.  A
-node without NVLink scores 1 - 1/free: its GPUs can only talk over PCIe.
+*Largest free zone*: the largest group of free GPUs joined to each other by local links
+(NVLink, or one PCIe switch: ``PIX``, what the answers' ``satisfaction`` counts as local,
+placement.tiers.is_local) along paths that stay within the free GPUs; a GPU with no free
+local peer is a zone of one.  PCIe-switch groups count as zones as NVLink groups do (HAMi's
+zones, which the schedulers our users run know, count them too): an idle PCIe node with
+two switches of four GPUs has zones of four, not eight zones of one.  *Fragmentation* =
+1 - largest free zone / free GPUs: 0 when every free GPU is in one zone (or none is
+free), towards 1 as the free GPUs scatter across zones.  A node whose GPUs share no
+switch and no NVLink scores 1 - 1/free: they can only talk through host bridges or CPUs.
 
 *Budget*: with ``budget_ms`` the searches for all k together keep to about that much wall
 time (each k's search gets what is left divided by the k still to search, at least 1 ms,
@@ -26,11 +30,11 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from topoagent.node.levels import LevelKind
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
 from topoagent.placement.explain import ReasonCode
 from topoagent.placement.live import NO_LIVE
+from topoagent.placement.tiers import is_local
 from topoagent.vocabulary import Affinity
 
 
@@ -63,8 +67,9 @@ class Capacity:
     fits: tuple[Fit, ...]  # k = 1 .. gpus
 
 
-def free_nvlink_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple[int, ...]]:
-    """The free GPUs grouped by NVLink connectivity among themselves, largest first."""
+def free_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple[int, ...]]:
+    """The free GPUs grouped by local links (NVLink or one PCIe switch) among themselves,
+    largest first."""
     pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
     left = sorted(free)
     zones = []
@@ -73,7 +78,7 @@ def free_nvlink_zones(matrix: DistanceMatrix, free: Iterable[int]) -> list[tuple
         while todo:
             a = todo.pop()
             for b in left:
-                if b not in zone and matrix.gpu_levels[pos_of[a]][pos_of[b]].kind is LevelKind.NV:
+                if b not in zone and is_local(matrix.gpu_levels[pos_of[a]][pos_of[b]]):
                     zone.add(b)
                     todo.append(b)
         zones.append(tuple(sorted(zone)))
@@ -92,7 +97,7 @@ def capacity(
     busy = leased_set | running_set
     unhealthy = {g.index for g in matrix.gpus if g.unhealthy is not None}
     free = tuple(sorted(on_node - busy - unhealthy))
-    zones = free_nvlink_zones(matrix, free)
+    zones = free_zones(matrix, free)
     largest = zones[0] if zones else ()
     fragmentation = 1 - len(largest) / len(free) if free else 0.0
     fits = []
