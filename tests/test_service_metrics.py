@@ -7,6 +7,7 @@ import gzip
 import json
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import FIXTURES, REPO
@@ -194,3 +195,19 @@ def test_live_leases_show_their_topology_satisfaction_also_after_a_restart(tmp_p
     assert promtool_complaints(before.encode()) == []
     restarted, _, _ = asyncio.run(run("restart"))
     assert metric_value(restarted, name, {"lease": local_id, "owner": "job-local"}) == 1.0
+
+
+def test_counters_are_served_from_the_first_snapshot_not_an_interval_later(tmp_path):
+    """The counters' first read comes with discovery's first snapshot: with an hour between
+    reads, the recorded InfiniBand counters are still on /metrics within the first scrapes
+    (they were missing for a whole interval, 10 s by default)."""
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100", config="[telemetry]\ninterval_s = 3600\n")
+    try:
+        deadline = time.monotonic() + 120  # a bound for a loaded machine, not an expectation
+        page = ""
+        while "topoagent_infiniband_port_received_bytes_total{" not in page and time.monotonic() < deadline:
+            reply = agent.get("/metrics")
+            page = reply.body.decode() if reply.status == 200 else ""
+        assert "topoagent_infiniband_port_received_bytes_total{" in page, agent.log()[-2000:]
+    finally:
+        assert agent.stop() == 0

@@ -17,6 +17,8 @@ from topoagent.service.telemetry import History
 if TYPE_CHECKING:
     from topoagent.collectors.nvml import LiveCounterReader
 
+FIRST_SNAPSHOT_POLL_S = 0.05  # how often the first read looks for discovery's first snapshot
+
 
 class CounterLoop:
     def __init__(self, board: Board, config: Callable[[], Config], host: Callable[[], Host | None]) -> None:
@@ -36,9 +38,13 @@ class CounterLoop:
         from topoagent.node.discovery import COUNTER_SOURCES
         from topoagent.service.telemetry import Context, Sample, read_live, recorded_samples, served
 
+        # The AER source reads the devices discovery found: the first read waits for the first
+        # snapshot, not an interval after it (the first scrapes carried no counters for 10 s).
+        while self.board.served.snapshot is None:
+            await asyncio.sleep(FIRST_SNAPSHOT_POLL_S)
         host, snapshot = self.host(), self.board.served.snapshot
         if host is None or snapshot is None:
-            return  # the AER source reads the devices discovery found: after the first one
+            return
         config = self.config()
         parsers = {s.name: s.parse for s in COUNTER_SOURCES}
         samples: list[Sample] = []
