@@ -252,8 +252,48 @@ def export_lines(env: Sequence[tuple[str, str]]) -> str:
     return "".join(f"export {name}={value}\n" for name, value in env)
 
 
+# -- the health check ------------------------------------------------------------------------
+
+DRAIN_PREFIX = "topoagent:"  # the reason our drains carry: only such a drain is ours to resume
+MAX_REASON = 200
+
+
+def critical_reason(topology: Any) -> str | None:
+    """The drain reason for the agent's critical findings (``topoagent: <kind>: <message>``,
+    one line, cut), or None when there is none.  A document that is not a topology is
+    AgentRefused: a node is never resumed on an answer that says nothing."""
+    findings = topology.get("findings") if isinstance(topology, dict) else None
+    if not isinstance(findings, list):
+        raise AgentRefused("GET /topology: no finding list in the answer")
+    critical = [f for f in findings if isinstance(f, dict) and f.get("severity") == "critical"]
+    if not critical:
+        return None
+    first = critical[0]
+    kind, message = str(first.get("kind") or "critical"), str(first.get("message") or "")
+    more = f" (+{len(critical) - 1} more)" if len(critical) > 1 else ""
+    text = " ".join(f"{DRAIN_PREFIX} {kind}{more}: {message}".split())  # one line: scontrol keeps it as given
+    return cut(text, MAX_REASON)
+
+
+def health_action(reason: str | None, state: str, current_reason: str) -> tuple[str, str] | None:
+    """What the health check does to the node: ("drain", reason), ("resume", ""), or None.
+
+    ``state`` is sinfo's long state (``idle``, ``drained``, ``draining``, ``mixed`` ...);
+    ``current_reason`` the node's reason now.  A node someone else drained stays as it is,
+    whichever way the findings go: it is only ever resumed from a drain of ours."""
+    drained = state.rstrip("*~#!%$@^-").startswith("drain")
+    ours = current_reason.startswith(DRAIN_PREFIX)
+    if reason is not None:
+        if drained and (not ours or current_reason == reason):
+            return None
+        return ("drain", reason)
+    if drained and ours:
+        return ("resume", "")
+    return None
+
+
 __all__ = [
-    "OWNER_PREFIX", "AgentDown", "AgentRefused", "RankBinding", "SlurmJobError", "agent_indices",
-    "cuda_numbering", "export_lines", "gres_order", "nic_ports", "owner_of", "parse_gpu_ids", "ranks_from_document",
+    "DRAIN_PREFIX", "OWNER_PREFIX", "AgentDown", "AgentRefused", "RankBinding", "SlurmJobError", "agent_indices",
+    "critical_reason", "cuda_numbering", "export_lines", "gres_order", "health_action", "nic_ports", "owner_of", "parse_gpu_ids", "ranks_from_document",
     "ranks_of", "split_ranks", "task_exports", "tasks_on_node",
 ]

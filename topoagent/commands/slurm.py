@@ -1,7 +1,9 @@
-"""`topoagent slurm prolog|epilog|task-prolog`: Slurm jobs lease their GPUs from the agent.
+"""`topoagent slurm prolog|epilog|task-prolog|health`: Slurm jobs lease their GPUs from the
+agent, and a node with a critical finding is drained.
 
-slurmd runs each verb (through a two-line wrapper script: slurm.conf's Prolog=, Epilog= and
-TaskProlog= take a path, no arguments).  The verbs speak to the node's agent over HTTP only.
+slurmd runs each verb (through a two-line wrapper script: slurm.conf's Prolog=, Epilog=,
+TaskProlog= and HealthCheckProgram= take a path, no arguments).  The verbs speak to the node's
+agent over HTTP only; ``health`` also runs Slurm's own ``sinfo`` and ``scontrol``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ VERBS = {
     "prolog": "Prolog=: lease exactly the GPUs Slurm allocated to the job (owner slurm-job-<id>)",
     "epilog": "Epilog=: release every lease the job holds on this node; succeeds when there is none",
     "task-prolog": "TaskProlog=: print the export lines that give this task its GPUs in rank order, CPUs and NICs",
+    "health": "HealthCheckProgram=: drain the node while the agent reports a critical finding, resume it (only "
+              "from a drain of its own) when none is left",
 }
 
 EPILOG = """\
@@ -41,6 +45,12 @@ slurm.conf (each a script: Slurm passes no arguments):
   Epilog=/etc/slurm/topoagent-epilog.sh          exec topoagent slurm epilog
   TaskProlog=/etc/slurm/topoagent-task-prolog.sh exec topoagent slurm task-prolog
   PrologFlags=Alloc      the lease is taken when the job is allocated, not at its first step
+  HealthCheckProgram=/etc/slurm/topoagent-health.sh  exec topoagent slurm health
+  HealthCheckInterval=60
+
+The health check drains the node (reason "topoagent: <kind>: <message>") while the agent's
+/topology has a critical finding and resumes it when none is left, but only a node drained with
+a reason starting "topoagent:": a drain of anyone else's stays.
 
 Slurm's GPU ids are gres indices: gres.conf must list the node's GPUs in PCI bus order, as
 `topoagent export gres` writes it. The prolog leases them with POST /place ("include": exactly
@@ -65,9 +75,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         verb.add_argument("--agent", metavar="URL", default=DEFAULT_AGENT, help=f"the node's agent (default: {DEFAULT_AGENT})")
         verb.add_argument("--token-file", metavar="FILE", default=DEFAULT_TOKEN_FILE,
                           help=f"the agent's bearer token (default: {DEFAULT_TOKEN_FILE}); "
-                               + ("read when the task's user may read it" if name == "task-prolog" else "needed to lease and release"))
-        verb.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR,
-                          help=f"where the prolog keeps each job's placement for its task prolog (default: {DEFAULT_STATE_DIR})")
+                               + ("read when the task's user may read it" if name == "task-prolog"
+                                  else "read when present: /topology is open unless the agent guards reads" if name == "health"
+                                  else "needed to lease and release"))
+        if name == "health":
+            verb.add_argument("--node", metavar="NAME", default=None,
+                              help="the Slurm node to drain or resume (default: $SLURMD_NODENAME, which slurmd sets, "
+                                   "else the short host name)")
+        else:
+            verb.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR,
+                              help=f"where the prolog keeps each job's placement for its task prolog (default: {DEFAULT_STATE_DIR})")
         verb.add_argument("--if-agent-down", choices=("fail", "allow"), default="fail",
                           help="when the agent cannot be reached in --timeout: fail (exit 1, default: Slurm drains "
                                "or requeues per its rules) or allow (one warning line, exit 0, nothing leased)")
@@ -91,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             return prolog(args)
         if args.verb == "epilog":
             return epilog(args)
+        if args.verb == "health":
+            return health(args)
         return task_prolog(args)
     except SlurmJobError as exc:
         return _fail(args, str(exc), 2)
@@ -391,4 +410,59 @@ def task_prolog(args: argparse.Namespace) -> int:
     mine, bound = split_ranks(ranks, tasks, _whole_env("SLURM_LOCALID"))
     env = task_exports(mine, cuda_of, bound, lease)
     sys.stdout.write(export_lines(env))
+    return 0
+
+
+def _node_name(args: argparse.Namespace) -> str:
+    import socket
+
+    from topoagent.cluster.slurm import SlurmJobError
+
+    name = args.node or _env("SLURMD_NODENAME") or socket.gethostname().split(".")[0]
+    name = name.strip()
+    # Slurm node names: host-name characters; anything else is no node scontrol should be handed.
+    if not name or len(name) > 255 or not all(c.isalnum() or c in "-_." for c in name):
+        raise SlurmJobError(f"node name {name[:60]!r}: expected a Slurm node name (--node, or $SLURMD_NODENAME)")
+    return name
+
+
+def _slurm_command(args: argparse.Namespace, *argv: str) -> str:
+    """A Slurm client's stdout; AgentRefused naming it when it fails (exit 1: not bad input)."""
+    import subprocess
+
+    from topoagent.cluster.slurm import AgentRefused
+
+    try:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=max(5.0, args.timeout), stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise AgentRefused(f"{argv[0]} not found: run me where Slurm's commands are on PATH") from None
+    except subprocess.TimeoutExpired:
+        raise AgentRefused(f"{argv[0]}: no answer in {max(5.0, args.timeout):g} s") from None
+    if done.returncode != 0:
+        said = " ".join((done.stderr or done.stdout).split())[:200]
+        raise AgentRefused(f"{' '.join(argv[:3])}: exit {done.returncode}: {said}")
+    return done.stdout
+
+
+def health(args: argparse.Namespace) -> int:
+    """Drain the node while a critical finding stands; resume it from our own drain when none does."""
+    from topoagent.cluster.slurm import AgentRefused, critical_reason, health_action
+
+    node = _node_name(args)
+    reason = critical_reason(_agent(args, token_needed=False).json("GET", "/topology"))
+    shown = _slurm_command(args, "sinfo", "-h", "-N", "-n", node, "-o", "%T %E").splitlines()
+    if not shown or not shown[0].strip():
+        raise AgentRefused(f"sinfo: Slurm knows no node {node!r} (--node, or $SLURMD_NODENAME)")
+    state, _, current = shown[0].strip().partition(" ")
+    current = "" if current.strip() == "none" else current.strip()
+    action = health_action(reason, state, current)
+    if action is None:
+        return 0
+    verb, why = action
+    if verb == "drain":
+        _slurm_command(args, "scontrol", "update", f"nodename={node}", "state=drain", f"reason={why}")
+        _say(args, f"drained {node}: {why}")
+    else:
+        _slurm_command(args, "scontrol", "update", f"nodename={node}", "state=resume")
+        _say(args, f"resumed {node}: the agent reports no critical finding (was: {current})")
     return 0
