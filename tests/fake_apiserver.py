@@ -7,6 +7,11 @@ cluster pieces make, and no more:
   line) until ``timeoutSeconds`` or ``close_watches()``; a resourceVersion older than the
   events kept gets one ERROR event, 410 Gone, as the real one answers;
 - ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``;
+- ``PATCH /api/v1/nodes/{name}/status`` with a strategic merge patch, whose
+  ``status.conditions`` merge by ``type`` as the real one's do (anything but ``status`` is
+  ignored there, as on the real subresource); ``PATCH /api/v1/nodes/{name}`` with a JSON merge
+  patch, refused 409 when its ``metadata.resourceVersion`` is not the node's (``spec.taints``,
+  a list without a merge key, is replaced whole); each is recorded in ``node_patches``;
 - ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
   the extender sends) or a strategic merge patch of plain maps (the same for annotations);
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID (and
@@ -36,6 +41,7 @@ from urllib.parse import parse_qs, urlparse
 POD = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)")
 BINDING = re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)/binding")
 NODE = re.compile(r"/api/v1/nodes/([^/]+)")
+NODE_STATUS = re.compile(r"/api/v1/nodes/([^/]+)/status")
 
 
 def status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -56,6 +62,18 @@ def merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def merge_conditions(conditions: Any, patch: list) -> list:
+    """A strategic merge of node conditions: by ``type``, each patched one's fields over the old."""
+    out = [dict(c) for c in conditions or []]
+    for item in patch:
+        old = next((c for c in out if c.get("type") == item.get("type")), None)
+        if old is None:
+            out.append(dict(item))
+        else:
+            old.update(item)
+    return out
+
+
 KEPT_EVENTS = 1000
 
 
@@ -71,6 +89,10 @@ class FakeApiServer:
         for pod in pods or []:
             self.add_pod(pod)
         self.nodes = {n["metadata"]["name"]: n for n in nodes or []}
+        for node in self.nodes.values():
+            self.version += 1
+            node["metadata"].setdefault("resourceVersion", str(self.version))
+        self.node_patches: list[tuple[str, str, dict]] = []  # (path, content type, body)
         self.queries: list[dict] = []
         self.bindings: list[dict] = []
         self.patches: list[tuple[str, str, str]] = []  # (namespace/name, content type, body)
@@ -150,6 +172,8 @@ class FakeApiServer:
                 url = urlparse(self.path)
                 kind = self.headers.get("Content-Type", "")
                 body = self._read()
+                if NODE_STATUS.fullmatch(url.path) or NODE.fullmatch(url.path):
+                    return self._patch_node(url.path, kind, body)
                 with outer.lock:
                     m = POD.fullmatch(url.path)
                     pod = outer.pods.get((m.group(1), m.group(2))) if m else None
@@ -161,6 +185,40 @@ class FakeApiServer:
                     updated = merge_patch(pod, body)
                     outer.pods[(m.group(1), m.group(2))] = updated
                     outer._changed("MODIFIED", updated)
+                    self._send(200, updated)
+
+            def _patch_node(self, path: str, kind: str, body: Any) -> None:
+                status_only = NODE_STATUS.fullmatch(path)
+                m = status_only or NODE.fullmatch(path)
+                assert m is not None
+                with outer.lock:
+                    node = outer.nodes.get(m.group(1))
+                    if node is None:
+                        return self._send(404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
+                    if not isinstance(body, dict):
+                        return self._send(400, status(400, "BadRequest", "expected a JSON object"))
+                    if status_only:
+                        if kind != "application/strategic-merge-patch+json":
+                            return self._send(415, status(415, "UnsupportedMediaType", f"this test server takes node status as a strategic merge patch; got {kind}"))
+                        patch = body.get("status") or {}
+                        updated = copy.deepcopy(node)
+                        node_status = updated.setdefault("status", {})
+                        if "conditions" in patch:
+                            node_status["conditions"] = merge_conditions(node_status.get("conditions"), patch["conditions"])
+                        for key, value in patch.items():
+                            if key != "conditions":
+                                node_status[key] = merge_patch(node_status.get(key), value)
+                    else:
+                        if kind != "application/merge-patch+json":
+                            return self._send(415, status(415, "UnsupportedMediaType", f"this test server takes a node as a JSON merge patch; got {kind}"))
+                        version = (body.get("metadata") or {}).get("resourceVersion")
+                        if version and version != node["metadata"].get("resourceVersion"):
+                            return self._send(409, status(409, "Conflict", f'Operation cannot be fulfilled on nodes "{m.group(1)}": the object has been modified; please apply your changes to the latest version and try again'))
+                        updated = merge_patch(node, {k: v for k, v in body.items() if k != "metadata"})
+                    outer.node_patches.append((path, kind, body))
+                    outer.version += 1
+                    updated["metadata"]["resourceVersion"] = str(outer.version)
+                    outer.nodes[m.group(1)] = updated
                     self._send(200, updated)
 
             def do_POST(self) -> None:
@@ -237,6 +295,18 @@ class FakeApiServer:
         with self.lock:
             self.watch_generation += 1
             self.changed.notify_all()
+
+    def node(self, name: str) -> dict:
+        with self.lock:
+            return copy.deepcopy(self.nodes[name])
+
+    def taint_node(self, name: str, taint: dict) -> None:
+        """Someone else's taint (an admin's kubectl taint)."""
+        with self.lock:
+            node = self.nodes[name]
+            node.setdefault("spec", {}).setdefault("taints", []).append(taint)
+            self.version += 1
+            node["metadata"]["resourceVersion"] = str(self.version)
 
     def pod(self, name: str, namespace: str = "default") -> dict:
         with self.lock:

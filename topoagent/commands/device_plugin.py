@@ -17,6 +17,7 @@ from topoagent.errors import UsageError
 from topoagent.vocabulary import GPU_RESOURCE
 
 if TYPE_CHECKING:
+    from topoagent.cluster.deviceplugin.node import NodeReporter
     from topoagent.cluster.deviceplugin.pods import PodSource
     from topoagent.cluster.extender.kube import Kube
 
@@ -59,11 +60,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how often the pod watch lists this node's pods again and releases leases whose pod is gone "
              "(default 60; 0: no watch and no leases at Allocate)",
     )
+    parser.add_argument(
+        "--node-condition", action="store_true",
+        help="set this node's TopoagentHealthy condition (False while the agent reports a critical finding, "
+             "True when none, Unknown when the agent cannot be reached); needs a Kubernetes API, --node-name, "
+             "and RBAC get nodes, patch nodes/status",
+    )
+    parser.add_argument(
+        "--taint-on-critical", metavar="KEY=VALUE:EFFECT",
+        help="with --node-condition: also taint the node so while a critical finding stands "
+             "(e.g. topoagent.io/unhealthy=true:NoSchedule; needs RBAC patch nodes); off by default",
+    )
     parser.set_defaults(run=run)
 
 
-def _pod_source(args: argparse.Namespace) -> PodSource | None:
-    from topoagent.cluster.deviceplugin.pods import SERVICE_ACCOUNT, PodSource
+def _api_endpoint(args: argparse.Namespace) -> tuple[str, Path | None, Path | None] | None:
+    """(URL, token file, CA file) of the Kubernetes API, or None without one."""
+    from topoagent.cluster.deviceplugin.pods import SERVICE_ACCOUNT
 
     url = args.kube_api
     token_file = ca_file = None
@@ -75,9 +88,39 @@ def _pod_source(args: argparse.Namespace) -> PodSource | None:
         token_file, ca_file = SERVICE_ACCOUNT / "token", SERVICE_ACCOUNT / "ca.crt"
     if url == "off":
         return None
+    return url, token_file, ca_file
+
+
+def _pod_source(args: argparse.Namespace) -> PodSource | None:
+    from topoagent.cluster.deviceplugin.pods import PodSource
+
+    endpoint = _api_endpoint(args)
+    if endpoint is None:
+        return None
     if not args.node_name:
         raise UsageError("--node-name (or $NODE_NAME) is needed to read pod annotations; or pass --kube-api off")
+    url, token_file, ca_file = endpoint
     return PodSource(url, args.node_name, token_file=token_file, ca_file=ca_file)
+
+
+def _node_reporter(args: argparse.Namespace) -> NodeReporter | None:
+    from topoagent.cluster.deviceplugin.node import NodeApi, NodeReporter, parse_taint
+
+    if args.taint_on_critical is not None and not args.node_condition:
+        raise UsageError("--taint-on-critical needs --node-condition")
+    if not args.node_condition:
+        return None
+    try:
+        taint = parse_taint(args.taint_on_critical) if args.taint_on_critical is not None else None
+    except ValueError as exc:
+        raise UsageError(f"--taint-on-critical {exc}") from None
+    endpoint = _api_endpoint(args)
+    if endpoint is None:
+        raise UsageError("--node-condition needs a Kubernetes API: run in a cluster, or give --kube-api URL")
+    if not args.node_name:
+        raise UsageError("--node-condition needs --node-name (or $NODE_NAME)")
+    url, token_file, ca_file = endpoint
+    return NodeReporter(NodeApi(url, args.node_name, token_file=token_file, ca_file=ca_file), taint)
 
 
 def _pod_watch_api(args: argparse.Namespace) -> Kube:
@@ -114,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         lease_ttl_s=args.lease_ttl,
     )
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    reporter = _node_reporter(args)
     pods = _pod_source(args)
     kube = _pod_watch_api(args) if pods is not None and token is not None and args.pod_resync > 0 else None
     if kube is None:
@@ -121,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
 
         why = ("no Kubernetes API (--kube-api off)" if pods is None else "no --agent-token-file" if token is None else "--pod-resync 0")
         log_event("allocations_not_leased", reason=why)
-    plugin = DevicePlugin(settings, pods=pods, kube=kube, node=args.node_name, pod_resync_s=args.pod_resync)
+    plugin = DevicePlugin(settings, pods=pods, kube=kube, node=args.node_name, pod_resync_s=args.pod_resync,
+                          reporter=reporter)
 
     async def main() -> None:
         loop = asyncio.get_running_loop()

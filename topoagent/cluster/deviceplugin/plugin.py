@@ -46,6 +46,7 @@ from topoagent.cluster.deviceplugin.agent_client import (
     gpus_of,
     placed_uuids,
 )
+from topoagent.cluster.deviceplugin.node import UNREACHABLE, NodeReporter, node_health
 from topoagent.cluster.deviceplugin.pods import Choice, PodSource, container_counts
 from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
 from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
@@ -396,10 +397,12 @@ class DevicePlugin:
     """Serve, register, keep the device list current, and start over when kubelet does."""
 
     def __init__(self, settings: Settings, pods: PodSource | None = None, kube: PodApi | None = None, node: str | None = None,
-                 pod_resync_s: float = 60.0):
+                 pod_resync_s: float = 60.0, reporter: NodeReporter | None = None):
         """With ``kube`` (and the agent's token): lease what kubelet allocates, and watch this
-        ``node``'s pods to release the leases when they end."""
+        ``node``'s pods to release the leases when they end.  With ``reporter``: the node's
+        health from the same polls goes onto its Node object (``node``)."""
         self.settings = settings
+        self.reporter = reporter
         self.agent = AgentClient(settings.agent_url, settings.agent_token)
         self.devices = Devices()
         self.watch: PodWatch | None = None
@@ -416,11 +419,14 @@ class DevicePlugin:
     async def run(self) -> None:
         poller = asyncio.create_task(self.poll_agent())
         watcher = asyncio.create_task(self.watch.run()) if self.watch is not None else None
+        reporting = asyncio.create_task(self.reporter.run()) if self.reporter is not None else None
         try:
             await self.wait_for_devices()
             await self.serve_and_register_forever()
         finally:
             poller.cancel()
+            if reporting is not None:
+                reporting.cancel()
             if watcher is not None:
                 watcher.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -444,6 +450,8 @@ class DevicePlugin:
                 seen, doc = await self.agent.topology(etag)
                 if doc is not None:
                     await self.devices.update(gpus_of(doc))
+                    if self.reporter is not None:
+                        self.reporter.set(node_health(doc))
                 etag = seen
             except AgentAnswerError as exc:
                 now = ("agent_answer_refused", str(exc))
@@ -454,6 +462,8 @@ class DevicePlugin:
                 now = ("agent_answer_refused", f"{type(exc).__name__}: {exc}"[:300])
             if now is not None:
                 etag = None  # ask for the whole document again next time
+                if self.reporter is not None:
+                    self.reporter.set(UNREACHABLE)
                 if now != problem:
                     log_event(now[0], logging.WARNING, url=self.settings.agent_url, error=now[1], kept="the last device list")
             elif problem is not None:
