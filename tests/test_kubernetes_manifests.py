@@ -165,6 +165,15 @@ def test_the_node_pod_runs_agent_and_device_plugin_with_commands_that_exist() ->
     role = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-node")
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     assert granted == {("pods", "get"), ("pods", "list"), ("pods", "watch")}
+    # Its node's TopoagentHealthy condition: read the Node, patch its status; no taint unless the
+    # operator adds it and the grant it needs (patch nodes).
+    assert plugin.node_condition and plugin.taint_on_critical is None and plugin.kube_api is None  # in-cluster
+    assert "NODE_NAME" in {e["name"] for e in containers["device-plugin"]["env"]}
+    health = next(r for r in by_kind("ClusterRole") if r["metadata"]["name"] == "topoagent-node-health")
+    granted = {(resource, verb) for rule in health["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("nodes", "get"), ("nodes/status", "patch")}
+    binding = next(b for b in by_kind("ClusterRoleBinding") if b["roleRef"]["name"] == "topoagent-node-health")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": spec["serviceAccountName"], "namespace": "topoagent"}]
     annotations = daemonset["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/port"] == "9477" == str(containers["agent"]["ports"][0]["containerPort"])
