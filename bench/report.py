@@ -49,6 +49,7 @@ GENERATORS: dict[str, Generator] = {
     "loaded": Generator(("-m", "bench.placement", "--only", "loaded", "--markdown"), ("--quick",)),
     "cluster": Generator(("-m", "bench.cluster", "--markdown"), ("--quick",)),
     "meshfloor": Generator(("-m", "bench.mesh_floor", "--markdown"), ("--requests", "6")),
+    "series": Generator(("-m", "bench.series", "--markdown")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")

@@ -51,6 +51,8 @@ class Token:
 TOKEN = web.AppKey("token", Token)
 METRICS = web.AppKey("metrics", MetricsPage)
 OPENAPI = web.AppKey("openapi", bytes)
+# /topology's body gzipped, once per snapshot: (its ETag, the compressed body)
+TOPOLOGY_GZIP = web.AppKey("topology_gzip", list)
 RATE = web.AppKey("rate", RateLimiter)
 REFUSED = web.AppKey("refused", dict)  # requests refused before a handler: reason -> count
 
@@ -354,10 +356,20 @@ async def topology(request: web.Request) -> web.StreamResponse:
     if fmt != "json":
         raise ApiError(400, "bad_request", "format: expected json or matrix")
     etag = snapshot.etag
-    headers = {"ETag": etag, "Cache-Control": "no-cache"}
+    headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding"}
+    if not accepts_gzip(request.headers.get("Accept-Encoding", "")):
+        if _not_modified(request, etag):
+            return web.Response(status=304, headers=headers)
+        return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
+    # A 128-GPU node's document is ~7.5 MB, ~20x less gzipped.  Compressed once per snapshot
+    # and off the event loop; its own ETag, as another representation of the same document.
+    headers["ETag"] = etag = etag[:-1] + '-gzip"'
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
-    return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
+    cache = request.app[TOPOLOGY_GZIP]
+    if not cache or cache[0] != etag:
+        cache[:] = [etag, await asyncio.to_thread(gzip.compress, snapshot.body, 6)]
+    return web.Response(body=cache[1], content_type="application/json", headers={**headers, "Content-Encoding": "gzip"})
 
 
 async def capacity(request: web.Request) -> web.Response:
@@ -592,6 +604,7 @@ def make_app(agent: Service, token: bytes = b"", *, run_agent: bool = True, guar
     app[REFUSED] = refused = {"rate_limited": 0, "misdirected_host": 0}
     app[METRICS] = MetricsPage(agent, HttpCollector(guard, refused))
     app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
+    app[TOPOLOGY_GZIP] = []
 
     async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:
         await agent.start()

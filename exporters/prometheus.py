@@ -53,8 +53,15 @@ def nvml_bus_id(address: str | None) -> str:
 
 
 class SnapshotCollector(Collector):
-    def __init__(self, snapshot: Snapshot) -> None:
+    """`pairwise`: the GPU-pair and GPU-NIC link levels and expected bandwidths ([metrics]
+    pairwise), n^2 series that never change between discoveries and are in /topology
+    anyway; `per_link`: one series per NVLink ([metrics] per_link) instead of per GPU.
+    Both off by default: at 128 GPUs they are 50k of a 56k-series page."""
+
+    def __init__(self, snapshot: Snapshot, *, pairwise: bool = False, per_link: bool = False) -> None:
         self.snapshot = snapshot
+        self.pairwise = pairwise
+        self.per_link = per_link
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
@@ -118,31 +125,34 @@ class SnapshotCollector(Collector):
         for i in range(matrix.size):
             for j in range(i + 1, matrix.size):
                 labels = [str(matrix.gpus[i].index), str(matrix.gpus[j].index)]
-                lvl = matrix.level(i, j)
-                if node.level(matrix.gpus[i].name, matrix.gpus[j].name) is not None:  # unknown: no series, never SYS
-                    level.add_metric([*labels, str(lvl)], int(lvl.kind))
-                gbps = matrix.gpu_expected_gbps[i][j]
-                if gbps is not None:
-                    expected.add_metric(labels, gbps * GB)
+                if self.pairwise:
+                    lvl = matrix.level(i, j)
+                    if node.level(matrix.gpus[i].name, matrix.gpus[j].name) is not None:  # unknown: no series, never SYS
+                        level.add_metric([*labels, str(lvl)], int(lvl.kind))
+                    gbps = matrix.gpu_expected_gbps[i][j]
+                    if gbps is not None:
+                        expected.add_metric(labels, gbps * GB)
                 m = matrix.measured.get((i, j))
                 if m is not None:
                     measured.add_metric(labels, m.gbps * GB)
                     measured_at.add_metric(labels, m.taken_at)
-        yield from (level, expected, measured, measured_at)
+        yield from ((level, expected) if self.pairwise else ())
+        yield from (measured, measured_at)
 
         affinity = GaugeMetricFamily(
             f"{NS}_gpu_nic_link_level",
             "Link level between a GPU and a NIC (same scale as topoagent_gpu_pair_link_level).",
             labels=["gpu", "nic", "device", "level"],
         )
-        for i, row in enumerate(matrix.gpu_nic_levels):
+        for i, row in enumerate(matrix.gpu_nic_levels if self.pairwise else ()):
             for j, nic_level in enumerate(row):
                 if nic_level is not None:
                     nic_info = matrix.nics[j]
                     affinity.add_metric(
                         [str(matrix.gpus[i].index), nic_info.name, _opt(nic_info.device), str(nic_level)], int(nic_level.kind)
                     )
-        yield affinity
+        if self.pairwise:
+            yield affinity
 
         speed = GaugeMetricFamily(
             f"{NS}_pcie_link_speed_transfers_per_second",
@@ -164,11 +174,16 @@ class SnapshotCollector(Collector):
                         width.add_metric([dev.pci_address, role, state], lanes)
         yield from (speed, width)
 
+        active = GaugeMetricFamily(f"{NS}_gpu_nvlinks_active", "NVLinks of a GPU that are active.", labels=["gpu"])
         nvlink = GaugeMetricFamily(f"{NS}_nvlink_up", "1 when an NVLink of a GPU is active.", labels=["gpu", "link"])
         for gpu in node.gpus:
-            for nl in gpu.nvlinks:
+            if gpu.nvlinks:
+                active.add_metric([str(gpu.index)], sum(1 for nl in gpu.nvlinks if nl.active))
+            for nl in gpu.nvlinks if self.per_link else ():
                 nvlink.add_metric([str(gpu.index), str(nl.link)], 1.0 if nl.active else 0.0)
-        yield nvlink
+        yield active
+        if self.per_link:
+            yield nvlink
 
         ib_state = GaugeMetricFamily(f"{NS}_infiniband_port_active", "1 when an InfiniBand port is ACTIVE; the state label says what it is.", labels=["device", "port", "state"])
         ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bytes_per_second", "Data rate of an InfiniBand port (its Gb/s rate over 8).", labels=["device", "port"])
@@ -190,7 +205,7 @@ class SnapshotCollector(Collector):
             findings.add_metric([kind, severity], count)
         yield findings
 
-        yield from telemetry_families(snapshot)
+        yield from telemetry_families(snapshot, per_link=self.per_link)
 
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
@@ -218,23 +233,39 @@ class SnapshotCollector(Collector):
         yield from (stale, built, gpus)
 
 
-def telemetry_families(snapshot: Snapshot) -> Iterator[Metric]:
+def telemetry_families(snapshot: Snapshot, *, per_link: bool = True) -> Iterator[Metric]:
     """The counters' and health gauges' latest values, one family per family the counter
     sources declare (the served telemetry carries the declarations).  A series of a family
     no source declares, or with other labels than its family's, is a parser's bug: logged
-    and counted (``telemetry_undeclared_series``), never dropped unsaid nor a failed scrape."""
+    and counted (``telemetry_undeclared_series``), never dropped unsaid nor a failed scrape.
+
+    Without `per_link`, a family with a ``link`` label is served without it, its values
+    summed over a GPU's links (a sum of counters is still a counter: the links of a GPU
+    stay the same between discoveries), as dcgm-exporter serves its NVLink totals."""
     telemetry = snapshot.telemetry
     families: dict[str, tuple[tuple[str, ...], GaugeMetricFamily | CounterMetricFamily]] = {}
+    summed: dict[str, dict[tuple[str, ...], float]] = {}  # family -> labels without link -> sum
     for declared in telemetry.families if telemetry else ():
         kind = CounterMetricFamily if declared.type == "counter" else GaugeMetricFamily
-        families[declared.name] = (declared.labels, kind(f"{NS}_{declared.name}", declared.help, labels=list(declared.labels)))
+        served = declared.labels if per_link else tuple(k for k in declared.labels if k != "link")
+        families[declared.name] = (declared.labels, kind(f"{NS}_{declared.name}", declared.help, labels=list(served)))
+        if served != declared.labels:
+            summed[declared.name] = {}
     undeclared: dict[str, int] = {}
     for reading in telemetry.readings if telemetry else ():
         labels, family = families.get(reading.metric, ((), None))
         if family is None or tuple(k for k, _ in reading.labels) != labels:
             undeclared[reading.metric] = undeclared.get(reading.metric, 0) + 1
             continue
-        family.add_metric([v for _, v in reading.labels], reading.value)
+        sums = summed.get(reading.metric)
+        if sums is None:
+            family.add_metric([v for _, v in reading.labels], reading.value)
+        else:
+            key = tuple(v for k, v in reading.labels if k != "link")
+            sums[key] = sums.get(key, 0.0) + reading.value
+    for name, sums in summed.items():
+        for key, value in sums.items():
+            families[name][1].add_metric(list(key), value)
     yield from (f for _, f in families.values() if f.samples)
     if undeclared:
         errors = GaugeMetricFamily(f"{NS}_telemetry_undeclared_series",
@@ -422,14 +453,16 @@ class MetricsPage:
     def __init__(self, service: Service, http: HttpCollector | None = None) -> None:
         self.service = service
         self._http = http
-        self._cached: tuple[int, bytes] | None = None
+        self._cached: tuple[tuple[int, bool, bool], bytes] | None = None
 
     def render(self) -> bytes:
         served = self.service.served()  # one value for the whole page
         snapshot = served.snapshot
         static = b""
         if snapshot is not None:
-            if self._cached is None or self._cached[0] != snapshot.version:
-                self._cached = (snapshot.version, _render(SnapshotCollector(snapshot)))
+            config = self.service.config  # read per page: a SIGHUP reload may change [metrics]
+            key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link)
+            if self._cached is None or self._cached[0] != key:
+                self._cached = (key, _render(SnapshotCollector(snapshot, pairwise=config.metrics_pairwise, per_link=config.metrics_per_link)))
             static = self._cached[1]
         return static + _render(RuntimeCollector(served)) + (_render(self._http) if self._http is not None else b"")

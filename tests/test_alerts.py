@@ -139,7 +139,7 @@ def two_nodes() -> str:
         lines.append(f"""      - series: 'topoagent_gpu_info{{instance="{host}:9477", job="topoagent", gpu="{gpu}", uuid="{uuid}", UUID="{uuid}", numa_node="{numa}", pci_address="0000:0{gpu}:00.0", device="nvidia{gpu}", Hostname="{host}", hostname="{host}"}}'
         values: '1x10'""")
         rise = {"gpu01": 6, "gpu02": 12}[host] if gpu == "0" else 0
-        lines.append(f"""      - series: 'topoagent_nvlink_errors_total{{instance="{host}:9477", job="topoagent", gpu="{gpu}", link="0", counter="replay"}}'
+        lines.append(f"""      - series: 'topoagent_nvlink_errors_total{{instance="{host}:9477", job="topoagent", gpu="{gpu}", counter="replay"}}'
         values: '0+{rise}x10'""")
     return "\n".join(lines)
 

@@ -199,6 +199,8 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("exports", "nccl_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("placement", "deadline_ms"): st.integers(1, 60000),
     ("placement", "capacity_budget_ms"): st.integers(1, 60000),
+    ("metrics", "pairwise"): st.booleans(),
+    ("metrics", "per_link"): st.booleans(),
     ("telemetry", "enabled"): st.booleans(),
     ("telemetry", "interval_s"): SECONDS,
     ("telemetry", "timeout_s"): SECONDS,

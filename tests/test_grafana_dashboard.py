@@ -22,10 +22,14 @@ from service_helpers import CPU_PROBES, Agent, metric_value, start_agent, wait_f
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
 RULES = REPO / "systemd" / "topoagent-alerts.yml"
 METRIC = re.compile(r"\btopoagent_[a-z0-9_]+\b")
+# pairwise: the panels that plot the pairwise topology say they need it (see below).
 AGENT_CONFIG = """
 [telemetry]
 interval_s = 0.2
+[metrics]
+pairwise = true
 """ + CPU_PROBES
+PAIRWISE = ("topoagent_gpu_pair_link_level", "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", "topoagent_gpu_nic_link_level")
 WAIT_S = 90
 
 
@@ -95,6 +99,14 @@ def test_dashboard_is_grafana_json_with_unique_panels():
         for t in p["targets"]:
             if re.search(r"topoagent_gpu_(temperature|memory_temperature|power|utilization|memory_utilization|sm_clock|memory_clock|xid|ecc)", t["expr"]):
                 assert 'gpu=~"$gpu"' in t["expr"] and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
+
+
+def test_a_panel_on_a_family_served_only_on_request_says_which_setting_serves_it():
+    """/metrics serves the pairwise topology only with [metrics] pairwise = true: a panel
+    plotting it would be empty on a default agent without saying why."""
+    for p in board()["panels"]:
+        uses = any(name in t["expr"] for t in p["targets"] for name in PAIRWISE)
+        assert uses == ("[metrics] pairwise = true" in p.get("description", "")), p["title"]
 
 
 def test_panels_never_overlap():

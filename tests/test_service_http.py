@@ -95,9 +95,10 @@ def test_metrics_cover_the_node(agent):
     assert reply.status == 200
     text = reply.body.decode()
     assert metric_value(text, "topoagent_gpus") == 8
-    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV12"}) == 1
-    assert metric_value(text, "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 300e9
-    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0", "level": "PXB"}) == 3
+    # The pairwise levels are /topology's, not /metrics' unless [metrics] pairwise = true.
+    assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1"}) is None
+    assert metric_value(text, "topoagent_gpu_nic_link_level", {"gpu": "0", "nic": "NIC0"}) is None
+    assert metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "0"}) == 12
     assert metric_value(text, "topoagent_collector_success", {"collector": "nvidia_smi"}) == 1
     assert metric_value(text, "topoagent_snapshot_stale") == 0
     assert metric_value(text, "topoagent_snapshot_age_seconds") >= 0

@@ -23,11 +23,11 @@ from topoagent.service.agent import Agent
 SNAPSHOTS = FIXTURES / "snapshots"
 
 
-def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None = None) -> str:
-    """Discover a recorded node with the real collectors and render /metrics."""
+def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None = None, **config) -> str:
+    """Discover a recorded node with the real collectors and render /metrics ([metrics] keys in `config`)."""
 
     async def build() -> bytes:
-        agent = Agent(Config(root=root or str(SNAPSHOTS / snapshot), state_dir=str(tmp_path / "state"), udev=False))
+        agent = Agent(Config(root=root or str(SNAPSHOTS / snapshot), state_dir=str(tmp_path / "state"), udev=False, **config))
         await agent.start()
         try:
             await agent.request_refresh("test")
@@ -102,8 +102,20 @@ def test_gpu_info_carries_dcgm_exporters_identity_labels_so_a_join_needs_no_rela
     assert info["6"]["pci_address"] == "0000:b7:00.0" and info["6"]["pci_bus_id"] == "00000000:B7:00.0"
 
 
-def test_dgx_a100_identity_links_and_base_units(tmp_path):
+def test_pairwise_topology_and_per_link_series_only_when_asked(tmp_path):
+    """By default the n^2 pairwise levels and the per-NVLink series stay off the page
+    (GET /topology has the levels); NVLink state is counted per GPU instead."""
     text = metrics_of("dgx-a100", tmp_path, measured=True)
+    for family in ("topoagent_gpu_pair_link_level", "topoagent_gpu_pair_expected_bandwidth_bytes_per_second",
+                   "topoagent_gpu_nic_link_level", "topoagent_nvlink_up"):
+        assert f"\n{family}{{" not in text, family
+    assert metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "0"}) == 12  # NV12 to the NVSwitches
+    # What a probe measured stays: it is a fact of this node's links, not of its model.
+    assert metric_value(text, "topoagent_gpu_pair_measured_bandwidth_bytes_per_second", {"gpu_a": "0", "gpu_b": "1"}) == 231.5e9
+
+
+def test_dgx_a100_identity_links_and_base_units(tmp_path):
+    text = metrics_of("dgx-a100", tmp_path, measured=True, metrics_pairwise=True, metrics_per_link=True)
     assert metric_value(text, "topoagent_gpu_info", {"gpu": "0", "model": "NVIDIA A100-SXM4-40GB", "numa_node": "3",
                                                      "pci_address": "0000:07:00.0"}) == 1
     assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV12"}) == 1
@@ -129,11 +141,12 @@ def test_dgx_a100_identity_links_and_base_units(tmp_path):
 
 
 def test_degraded_node_shows_its_faults(tmp_path):
-    text = metrics_of("degraded", tmp_path)
+    text = metrics_of("degraded", tmp_path, metrics_per_link=True)
     assert metric_value(text, "topoagent_findings", {"kind": "pcie-degraded", "severity": "warning"}) == 1
     assert metric_value(text, "topoagent_findings", {"kind": "nvlink-down"}) == 1
     assert metric_value(text, "topoagent_findings", {"kind": "ib-port-down"}) == 1
     assert metric_value(text, "topoagent_nvlink_up", {"gpu": "5", "link": "7"}) == 0
+    assert metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "5"}) == metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "4"}) - 1
     assert metric_value(text, "topoagent_infiniband_port_active", {"device": "mlx5_6", "state": "DOWN"}) == 0
     assert metric_value(text, "topoagent_infiniband_port_rate_bytes_per_second", {"device": "mlx5_0"}) == 50e9
     assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "current", "device": "0000:5d:00.0"}) == 8

@@ -98,11 +98,28 @@ def test_every_telemetry_family_is_served_with_the_recorded_values(tmp_path):
     assert metric_value(text, "topoagent_infiniband_port_transmitted_bytes_total", {"device": "mlx5_2", "port": "1"}) == 4 * words
     assert metric_value(text, "topoagent_infiniband_port_errors_total", {"device": "mlx5_2", "counter": "symbol_error"}) == 40
     assert metric_value(text, "topoagent_gpu_xid_errors_total", {"gpu": "6", "xid": "79"}) == 1
-    assert metric_value(text, "topoagent_nvlink_errors_total", {"gpu": "2", "link": "3", "counter": "recovery"}) == 1
+    # NVLink counters are per GPU by default: the recorded links' sum, no `link` label.
+    gpu2 = next(g for g in last["nvml_counters"]["gpus"] if g["index"] == 2)
+    recoveries = sum(link["errors"]["recovery"] for link in gpu2["nvlinks"])
+    assert recoveries >= 1 and metric_value(text, "topoagent_nvlink_errors_total", {"gpu": "2", "counter": "recovery"}) == recoveries
+    assert 'link="' not in "".join(line for line in text.splitlines() if line.startswith("topoagent_nvlink_"))
     assert metric_value(text, "topoagent_gpu_clock_throttle_reason", {"gpu": "0", "reason": "gpu_idle"}) == 1
     for source in ("infiniband_counters", "pcie_aer", "nvml_counters"):
         assert metric_value(text, "topoagent_collector_success", {"collector": source}) == 1
     assert promtool_complaints(text.encode()) == []
+
+
+def test_per_link_serves_each_nvlinks_own_counters(tmp_path):
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST + "[metrics]\nper_link = true\n")
+    try:
+        text = scrape_with_telemetry(agent)
+    finally:
+        agent.stop()
+    gpu2 = next(g for g in samples_of(SNAPSHOTS / "degraded")[1]["sources"]["nvml_counters"]["gpus"] if g["index"] == 2)
+    for link in gpu2["nvlinks"]:
+        labels = {"gpu": "2", "link": str(link["link"]), "counter": "recovery"}
+        assert metric_value(text, "topoagent_nvlink_errors_total", labels) == link["errors"]["recovery"], labels
+    assert metric_value(text, "topoagent_nvlink_up", {"gpu": "2", "link": "3"}) == 1
 
 
 def test_rising_errors_become_findings_with_the_rate_of_the_two_samples(tmp_path):

@@ -93,6 +93,9 @@ class Config:
     export_gres_path: str | None = None
     export_gres_node_name: str | None = None
     export_nccl_path: str | None = None
+    # [metrics]: what /metrics serves beyond its default series budget (exporters/prometheus.py)
+    metrics_pairwise: bool = False  # GPU-GPU and GPU-NIC link levels, expected bandwidth (n^2 series)
+    metrics_per_link: bool = False  # one series per NVLink, not per GPU
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
     # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
@@ -330,6 +333,10 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "gres_path": ("export_gres_path", _absolute_path),
         "gres_node_name": ("export_gres_node_name", _node_name),
         "nccl_path": ("export_nccl_path", _absolute_path),
+    },
+    "metrics": {
+        "pairwise": ("metrics_pairwise", _bool),
+        "per_link": ("metrics_per_link", _bool),
     },
     "placement": {
         "deadline_ms": ("placement_deadline_ms", _deadline_ms),
