@@ -32,7 +32,7 @@ from typing import Any
 
 from aiohttp import web
 
-from topoagent.log import log_event
+from topoagent.log import event_line, log_event
 
 # Descriptors kept for everything but client connections: the listener, leases and their
 # lock, sysfs reads in discovery threads, udev's netlink socket, probe worker pipes, logs;
@@ -273,3 +273,24 @@ class ConnectionGuard:
         self.forget(conn)
         if transport is not None:
             transport.abort()  # close() would wait for a client that never reads
+
+
+class OneLineProtocolErrors(logging.Filter):
+    """aiohttp logs a request its parser rejects (a bad Content-Length, a malformed
+    request line) with a multi-line traceback, before any handler or middleware runs,
+    and answers it itself in plain text.  Keep such a line to one `event=` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
+        first = " ".join(str(getattr(exc, "message", "") or exc).split())
+        status = getattr(exc, "code", "")
+        level = logging.WARNING if status == 400 else record.levelno
+        record.msg = event_line("http_protocol_error", remote=remote, status=status, error=f"{type(exc).__name__}: {first}"[:300])
+        record.args = ()
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return True
