@@ -28,11 +28,14 @@ import resource
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from topoagent.log import event_line, log_event
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
 
 # Descriptors kept for everything but client connections: the listener, leases and their
 # lock, sysfs reads in discovery threads, udev's netlink socket, probe worker pipes, logs;
@@ -178,11 +181,14 @@ class ConnectionGuard:
         return len(self._conns)
 
     # -- the listener ---------------------------------------------------------------------
-    async def listen(self, server: web.Server, host: str, port: int) -> asyncio.Server:
-        """Serve `server` (the runner's aiohttp server) on host:port through this guard."""
+    async def listen(self, server: web.Server, host: str, port: int, ssl: SSLContext | None = None) -> asyncio.Server:
+        """Serve `server` (the runner's aiohttp server) on host:port through this guard;
+        with `ssl`, over TLS, whose handshake has `header_timeout_s` too (a connection
+        reaches the guard once its handshake is done)."""
         self._server = server
         loop = asyncio.get_running_loop()
-        return await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, backlog=BACKLOG)
+        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": self.header_timeout_s} if ssl is not None else {}
+        return await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, backlog=BACKLOG, **tls)
 
     def new_handler(self) -> asyncio.Protocol:
         assert self._server is not None
