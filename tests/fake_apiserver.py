@@ -6,7 +6,8 @@ cluster pieces make, and no more:
   ``watch=true`` a stream of watch events after ``resourceVersion`` (one JSON object a
   line) until ``timeoutSeconds`` or ``close_watches()``; a resourceVersion older than the
   events kept gets one ERROR event, 410 Gone, as the real one answers;
-- ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``;
+- ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``, ``GET /api/v1/nodes``
+  (with ``limit``, in pages; ``node_lists`` counts them);
 - ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
   the extender sends) or a strategic merge patch of plain maps (the same for annotations);
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID (and
@@ -76,6 +77,7 @@ class FakeApiServer:
         self.patches: list[tuple[str, str, str]] = []  # (namespace/name, content type, body)
         self.fail_binding: set[str] = set()
         self.binding_delay_s = 0.0
+        self.node_lists = 0  # GET /api/v1/nodes served
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         outer = self
 
@@ -110,6 +112,16 @@ class FakeApiServer:
                                 meta["continue"] = str(start + limit)
                             items = items[start:start + limit]
                         return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items})
+                    if url.path == "/api/v1/nodes":
+                        outer.node_lists += 1
+                        nodes = list(outer.nodes.values())
+                        node_meta: dict[str, Any] = {"resourceVersion": str(outer.version)}
+                        if "limit" in query:
+                            start, limit = int(query.get("continue", ["0"])[0] or 0), int(query["limit"][0])
+                            if start + limit < len(nodes):
+                                node_meta["continue"] = str(start + limit)
+                            nodes = nodes[start:start + limit]
+                        return self._send(200, {"kind": "NodeList", "apiVersion": "v1", "metadata": node_meta, "items": nodes})
                     if m := POD.fullmatch(url.path):
                         pod = outer.pods.get((m.group(1), m.group(2)))
                         return self._send(200, pod) if pod else self._send(404, status(404, "NotFound", f'pods "{m.group(2)}" not found'))
@@ -220,6 +232,14 @@ class FakeApiServer:
             self.pods[(meta["namespace"], meta["name"])] = stored
             self._changed("ADDED", stored)
             meta["resourceVersion"] = stored["metadata"]["resourceVersion"]
+
+    def add_node(self, node: dict) -> None:
+        with self.lock:
+            self.nodes[node["metadata"]["name"]] = copy.deepcopy(node)
+
+    def remove_node(self, name: str) -> None:
+        with self.lock:
+            self.nodes.pop(name, None)
 
     def delete_pod(self, name: str, namespace: str = "default") -> None:
         with self.lock:
