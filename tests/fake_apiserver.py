@@ -8,7 +8,8 @@ cluster pieces make, and no more:
   events kept gets one ERROR event, 410 Gone, as the real one answers;
 - ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``, ``GET /api/v1/nodes``
   (with ``limit``, in pages; ``node_lists`` counts them);
-- ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
+- ``PATCH /api/v1/nodes/{name}`` (recorded in ``node_patches``) and
+  ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
   the extender sends) or a strategic merge patch of plain maps (the same for annotations);
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID (and
   resourceVersion, when given) must be the pod's and whose pod is not bound yet (else 409,
@@ -78,6 +79,7 @@ class FakeApiServer:
         self.fail_binding: set[str] = set()
         self.binding_delay_s = 0.0
         self.node_lists = 0  # GET /api/v1/nodes served
+        self.node_patches: list[tuple[str, float, Any]] = []  # (node, monotonic time, merge patch)
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         outer = self
 
@@ -163,6 +165,13 @@ class FakeApiServer:
                 kind = self.headers.get("Content-Type", "")
                 body = self._read()
                 with outer.lock:
+                    if n := NODE.fullmatch(url.path):
+                        node = outer.nodes.get(n.group(1))
+                        if node is None:
+                            return self._send(404, status(404, "NotFound", f'nodes "{n.group(1)}" not found'))
+                        outer.nodes[n.group(1)] = updated_node = merge_patch(node, body)
+                        outer.node_patches.append((n.group(1), time.monotonic(), copy.deepcopy(body)))
+                        return self._send(200, updated_node)
                     m = POD.fullmatch(url.path)
                     pod = outer.pods.get((m.group(1), m.group(2))) if m else None
                     if pod is None:

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -137,6 +138,28 @@ def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
         assert huge["FailedAndUnresolvableNodes"] == {n.name: f"the node has {n.matrix.size} GPUs; the pod needs 16" for n in c.nodes}
     finally:
         assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+
+
+def test_a_pod_rejected_for_a_lease_is_requeued_within_seconds_of_the_release(c: Cluster) -> None:
+    """The release changes nothing Kubernetes sees, so the extender writes the node's new
+    capacity ETag on its Node: the update kube-scheduler retries rejected pods on."""
+    full = c.nodes[2]
+    status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+    assert status == 200
+    result = c.extender.call("filter", args_for(c, new_pod(c, 1)))
+    assert full.name in result["FailedNodes"]
+    patched_before = [x for x in c.api.node_patches if x[0] == full.name]
+    before = c.api.nodes[full.name]["metadata"].get("annotations", {}).get("topoagent.io/capacity")
+    assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+    released = time.monotonic()
+    patch = wait_for("the Node's capacity annotation", lambda: next(
+        (x for x in c.api.node_patches[len(patched_before):] if x[0] == full.name and x not in patched_before), None), timeout=5)
+    assert patch[1] - released < 5
+    after = c.api.nodes[full.name]["metadata"]["annotations"]["topoagent.io/capacity"]
+    assert after not in (before, "unanswered")
+    print(f"extender: lease released -> Node annotated in {patch[1] - released:.2f} s")
+    # Retried now, the pod fits the node again.
+    assert full.name in {n["metadata"]["name"] for n in c.extender.call("filter", args_for(c, new_pod(c, 1)))["Nodes"]["items"]}
 
 
 def test_the_pods_wishes_are_the_agents_words(c: Cluster) -> None:

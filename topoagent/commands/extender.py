@@ -99,6 +99,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         help="candidate nodes in one call at most; more is 400 (default 5000, Kubernetes' largest cluster)")
     parser.add_argument("--node-resync", type=float, default=30.0, metavar="SECONDS",
                         help="how often the Node objects are listed for names and addresses (default 30)")
+    parser.add_argument("--requeue-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="how often the agents of nodes that rejected a pod are asked whether their capacity changed; "
+                             "a change is written on the Node (topoagent.io/capacity), so kube-scheduler retries the pod "
+                             "(default 1; 0: off)")
     parser.add_argument("--agent-reads-need-token", action="store_true",
                         help="send the token with reads and dry runs too (agents with http.require_token_for_reads)")
     parser.add_argument(
@@ -183,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--call-timeout must be above 0 and at most 600 seconds (below kube-scheduler's httpTimeout)")
     if not 1 <= args.max_nodes <= 1_000_000:
         raise UsageError("--max-nodes must be from 1 to 1000000")
+    if not (args.requeue_interval == 0 or 0.1 <= args.requeue_interval <= 3600):
+        raise UsageError("--requeue-interval must be 0 (off) or between 0.1 and 3600 seconds")
     if not 1 <= args.node_resync <= 24 * 3600:
         raise UsageError("--node-resync must be between 1 and 86400 seconds")
     if not 1 <= args.max_connections <= 1_000_000:
@@ -238,6 +244,34 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube, tls, probe_listen))
 
 
+class _OncePerMinute(logging.Filter):
+    """One line a minute per kind of connection error (a flood of clients that hang up is
+    one line, with how many were held back), where aiohttp would log one per connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from topoagent.connections import LOG_INTERVAL_S
+
+        self.interval_s = LOG_INTERVAL_S
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        key = str(record.msg).split(" error=", 1)[-1].split(":", 1)[0][:80]
+        now = time.monotonic()
+        last, held = self._last.get(key, (float("-inf"), 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, held + 1)
+            return False
+        if len(self._last) > 64:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} suppressed={held}"
+        return True
+
+
 async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube,
                  tls: ssl.SSLContext | None, probe_listen: Listen | None) -> int:
     from aiohttp import web
@@ -253,12 +287,16 @@ async def _serve(host: str, port: int, settings: Settings, template: str, args: 
     loop.set_exception_handler(loop_exception_handler(Throttled()))
     server_log = logging.getLogger("topoagent.extender.http")
     server_log.addFilter(OneLineProtocolErrors())
+    server_log.addFilter(_OncePerMinute())
     guard = ConnectionGuard(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
                             keepalive_timeout_s=args.keepalive_timeout, open_files=raise_open_file_limit())
     table = NodeTable(kube, resync_s=args.node_resync)
     agents = Agents(template, table, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token,
                     token_on_reads=args.agent_reads_need_token)
-    runner = web.AppRunner(make_app(agents, settings, kube if args.bind else None, guard), access_log=None, logger=server_log,
+    from topoagent.cluster.extender.requeue import Requeue
+
+    requeue = Requeue(agents, kube, interval_s=args.requeue_interval) if args.requeue_interval > 0 else None
+    runner = web.AppRunner(make_app(agents, settings, kube if args.bind else None, guard, requeue), access_log=None, logger=server_log,
                            keepalive_timeout=args.keepalive_timeout, lingering_time=min(10.0, args.header_timeout))
     await runner.setup()
     assert runner.server is not None

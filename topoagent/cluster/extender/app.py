@@ -31,6 +31,7 @@ from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
 from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, Verdict, scores
+from topoagent.cluster.extender.requeue import Requeue
 from topoagent.cluster.extender.tls import peer_subject
 from topoagent.cluster.extender.wire import (
     DEFAULT_RESOURCE,
@@ -82,6 +83,7 @@ BINDS: web.AppKey[dict[str, int]] = web.AppKey("binds")  # result -> binds
 AGENTS = web.AppKey("agents", Agents)
 KUBE = web.AppKey("kube", Kube)
 WATCH = web.AppKey("pod_watch", PodWatch)
+REQUEUE = web.AppKey("requeue", Requeue)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -139,6 +141,8 @@ async def _body(request: web.Request) -> Any:
             raw = await request.read()  # 413 past client_max_size
     except TimeoutError:
         raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except RuntimeError as exc:  # aiohttp's "Connection closed.": the client left mid-body, nothing to answer
+        raise ConnectionResetError(str(exc)) from None
     try:
         return await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES else json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -186,6 +190,11 @@ async def filter_nodes(request: web.Request) -> web.Response:
         else:
             unresolvable[verdict.node] = verdict.reason
     _log_unanswered(settings, verdicts)
+    requeue = request.app.get(REQUEUE)
+    if requeue is not None:
+        for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one
+            if not verdict.fits and verdict.node in agents.table and (verdict.resolvable or not verdict.answered):
+                requeue.rejected(verdict.node)
     return web.json_response(filter_result(args, passed, failed, unresolvable))
 
 
@@ -304,7 +313,8 @@ def make_probe_app() -> web.Application:
     return app
 
 
-def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard: ConnectionGuard | None = None) -> web.Application:
+def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard: ConnectionGuard | None = None,
+             requeue: Requeue | None = None) -> web.Application:
     """The app; ``guard`` (the listener's) is told where each request starts and ends, to
     time idle connections."""
     middlewares: list[Any] = [client_certificates, json_errors] if settings.require_client_certificate else [json_errors]
@@ -323,6 +333,17 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
         await agents.close()
 
     app.cleanup_ctx.append(session_lifetime)
+    if requeue is not None:
+        app[REQUEUE] = requeue
+
+        async def requeue_lifetime(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(requeue.run())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(requeue_lifetime)
     if agents.table.api is not None:
         async def node_table_lifetime(app: web.Application) -> AsyncIterator[None]:
             await agents.table.refresh()  # the first list before the first call: nodes are known from the start

@@ -86,6 +86,11 @@ class Kube:
         )
         await self._call(f"bind pod {namespace}/{name} to {node}", self._core.create_namespaced_pod_binding, name, namespace, binding)
 
+    async def annotate_node(self, name: str, annotations: dict[str, str]) -> None:
+        """Set ``annotations`` on the Node (a JSON merge patch: the others stay)."""
+        await self._call(f"annotate node {name}", self._core.patch_node, name, {"metadata": {"annotations": annotations}},
+                         _content_type="application/merge-patch+json")
+
     def list_nodes_page(self, limit: int, token: str | None) -> dict[str, Any]:
         """One page of the Node objects (a NodeList document), for the node table; blocking."""
         what = "list nodes"

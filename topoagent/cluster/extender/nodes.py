@@ -191,6 +191,11 @@ class Agents:
         self._capacity.remember(node, (etag, counts))
         return etag, counts
 
+    def cached_etag(self, node: str) -> str | None:
+        """The capacity ETag last answered by the node's agent, if any."""
+        cached = self._capacity.get(node)
+        return cached[0] if cached else None
+
     async def dry_run(self, node: str, etag: str, request: Mapping[str, Any]) -> dict[str, Any]:
         """The ranking figures (``ranked``) of the agent's placement for ``request`` (no lease),
         or Refused with its reason."""
