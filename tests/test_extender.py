@@ -108,7 +108,7 @@ def test_a_stream_of_pods_binds_disjoint_gpus_in_rank_order_and_beats_count_only
     assert all(not held for held in leases(c).values())
 
 
-def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
+def test_scores_follow_the_agents_bandwidth_first(c: Cluster) -> None:
     pod = new_pod(c, 2)
     priorities = c.extender.call("prioritize", args_for(c, pod))
     scores = {p["Host"]: p["Score"] for p in priorities}
@@ -123,6 +123,24 @@ def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
             if bandwidth[a.name] > bandwidth[b.name]:
                 assert scores[a.name] > scores[b.name], (a.fixture, b.fixture, scores)
     assert scores[max(bandwidth, key=lambda n: bandwidth[n])] == 10
+
+
+def test_a_one_gpu_pod_goes_where_it_breaks_the_least(c: Cluster) -> None:
+    """A 1-GPU pod gets no ring, so its bandwidth ties everywhere: it goes to the node whose
+    free GPUs are worth least to a large job (PCIe), keeping the NVSwitch and NVLink nodes
+    whole for the 8-GPU pod that follows, which then gets the best ring there is."""
+    small = new_pod(c, 1)
+    scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, small))}
+    best = max(scores, key=lambda n: scores[n])
+    assert c.node(best).fixture == "pcie-2socket", {c.node(n).fixture: s for n, s in scores.items()}
+    answers = {n.name: n.request("POST", "/place", {"gpus": n.request("GET", "/capacity")[1]["free_gpus"]}) for n in c.nodes}
+    worth = {name: (answer.get("bandwidth_gbps") or 0) if status == 200 else 0 for name, (status, answer) in answers.items()}
+    for a in c.nodes:
+        for b in c.nodes:
+            if worth[a.name] < worth[b.name]:
+                assert scores[a.name] >= scores[b.name], (a.fixture, b.fixture, scores, answers[a.name], worth)
+    big = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 8)))}
+    assert worth[max(big, key=lambda n: big[n])] == max(worth.values())
 
 
 def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
@@ -144,8 +162,9 @@ def test_a_pod_rejected_for_a_lease_is_requeued_within_seconds_of_the_release(c:
     """The release changes nothing Kubernetes sees, so the extender writes the node's new
     capacity ETag on its Node: the update kube-scheduler retries rejected pods on."""
     full = c.nodes[2]
-    status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
-    assert status == 200
+    free = full.request("GET", "/capacity")[1]["free_gpus"]
+    status, held = full.request("POST", "/place", {"gpus": free, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+    assert status == 200, held
     result = c.extender.call("filter", args_for(c, new_pod(c, 1)))
     assert full.name in result["FailedNodes"]
     patched_before = [x for x in c.api.node_patches if x[0] == full.name]
@@ -211,7 +230,8 @@ def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
 
     assert grew("topoagent_extender_capacity_requests_total", {"answer": "not_modified"}) == 2 * len(c.nodes)
     assert grew("topoagent_extender_capacity_requests_total", {"answer": "changed"}) == 0
-    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 2 * len(c.nodes)
+    # Per node and call: the pod's request and what all its free GPUs are worth, both from the cache.
+    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 4 * len(c.nodes)
     assert grew("topoagent_extender_dry_runs_total", {"source": "agent"}) == 0
     assert grew("topoagent_extender_requests_total", {"verb": "prioritize"}) == 1
 

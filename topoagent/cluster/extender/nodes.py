@@ -18,15 +18,19 @@ something that is not its document is *unanswered*: the caller treats it as conf
 ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
 Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
-agent delivers for the pod, then the least NUMA distance, then the least damage to the
-node's free zones (best fit: take from the fullest node, keep empty zones whole for
-large jobs) -- the placement core's own order, across nodes.  The best key scores 10,
+agent delivers for the pod; then, to keep big nodes whole, the least the node's free GPUs
+are worth to a large job (the ring bandwidth its agent would give a job of all of them: a
+1-GPU pod goes to a PCIe node before it breaks into an NVSwitch one); then the fewest free
+GPUs (best fit: take from the fullest node, keep empty ones whole); then the least NUMA
+distance, then the least damage to the node's free zones.  The damage figure is each
+agent's own scale, comparable within a node, not across kinds of node, so it comes last.  The best key scores 10,
 each next distinct key one less, down to 1; an unanswered node passed on scores 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -73,12 +77,15 @@ class Verdict:
     resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
     answer: dict[str, Any] | None = None  # the figures of the agent's dry-run placement that rank it (ranked())
     asked: bool = True  # False: not asked, its agent was silent a moment ago
+    free_value: float = 0.0  # ring GB/s of a job of all the node's free GPUs (0: one free GPU, or no answer)
+    free: int = 0  # the node's free GPUs
 
-    def key(self) -> tuple[float, float, float]:
-        """Smaller is better: the placement core's order across nodes."""
+    def key(self) -> tuple[float, float, int, float, float]:
+        """Smaller is better."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
-        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), _number(objective.get("damage")))
+        return (-_number(answer.get("bandwidth_gbps")), self.free_value, self.free, _number(objective.get("numa_distance")),
+                _number(objective.get("damage")))
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -172,21 +179,21 @@ class Agents:
         except (ValueError, RecursionError):
             raise Unreachable(f"{method} {url}: the answer is not JSON") from None
 
-    async def capacity(self, node: str) -> tuple[str, dict[str, Any]]:
+    async def capacity(self, node: str, counted: bool = True) -> tuple[str, dict[str, Any]]:
         """(ETag, the GPU counts of the node's /capacity: ``gpus``, ``free_gpus``), from the
-        cache when the agent says 304."""
+        cache when the agent says 304; ``counted``: in /metrics' figures for scheduling calls."""
         url = self.url(node) + "/capacity"
         cached = self._capacity.get(node)
         headers = {"If-None-Match": cached[0]} if cached else {}
         status, resp_headers, doc = await self._get_json(url, headers={**self._read_auth, **headers})
         if status == 304 and cached:
-            self.asked["capacity_not_modified"] += 1
+            self.asked["capacity_not_modified"] += counted
             self._capacity.move_to_end(node)
             return cached[0], cached[1]
         if status != 200 or not isinstance(doc, dict) or not _is_count(doc.get("free_gpus")) or not _is_count(doc.get("gpus")):
             raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
         etag = resp_headers.get("ETag", "")
-        self.asked["capacity_changed"] += 1
+        self.asked["capacity_changed"] += counted
         counts = {"gpus": doc["gpus"], "free_gpus": doc["free_gpus"]}  # the rest (zones, GPUs) is not read
         self._capacity.remember(node, (etag, counts))
         return etag, counts
@@ -260,6 +267,10 @@ class Agents:
                     if wanted > free:
                         return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
                     answer = await self.dry_run(name, etag, request)
+                    free_value = 0.0
+                    if free >= 2:  # what a job of every free GPU would get: cached with the ETag like any dry run
+                        with contextlib.suppress(Refused):
+                            free_value = _number((await self.dry_run(name, etag, {"gpus": free})).get("bandwidth_gbps"))
             except TimeoutError:
                 self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
@@ -268,7 +279,7 @@ class Agents:
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
-        return Verdict(name, True, answer=answer)
+        return Verdict(name, True, answer=answer, free_value=free_value, free=free)
 
     async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any], budget_s: float = float("inf")) -> list[Verdict]:
         """Every candidate's verdict within ``budget_s``: those not answered by then are

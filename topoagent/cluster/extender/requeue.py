@@ -56,7 +56,7 @@ class Requeue:
     async def _etag(self, node: str) -> str:
         try:
             async with asyncio.timeout(self.agents.timeout_s):
-                etag, _ = await self.agents.capacity(node)
+                etag, _ = await self.agents.capacity(node, counted=False)  # /metrics counts the scheduling calls' own
         except (TimeoutError, Unreachable):
             return UNANSWERED
         return etag or UNANSWERED
