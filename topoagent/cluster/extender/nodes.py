@@ -12,10 +12,10 @@ that need it (reserve, release), unless the agents guard their reads too.
 
 At most ``concurrency`` agents are asked at once; each node has ``timeout_s`` for its
 answers, and a whole call ``budget_s``: a node not answered by then is marked so, and the
-call answers with what it has.  A node whose agent does not answer in time, refuses the connection or answers
-something that is not its document is *unanswered*: the caller treats it as configured
-(``Unanswered``), never as a failed scheduling cycle; it is not asked again for
-``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
+call answers with what it has.  A node whose agent does not answer in time, refuses the
+connection or answers something that is not its document is *unanswered*: the caller
+treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
+asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
 Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
 agent delivers for the pod; then, to keep big nodes whole, the least the node's free GPUs
@@ -23,8 +23,9 @@ are worth to a large job (the ring bandwidth its agent would give a job of all o
 1-GPU pod goes to a PCIe node before it breaks into an NVSwitch one); then the fewest free
 GPUs (best fit: take from the fullest node, keep empty ones whole); then the least NUMA
 distance, then the least damage to the node's free zones.  The damage figure is each
-agent's own scale, comparable within a node, not across kinds of node, so it comes last.  The best key scores 10,
-each next distinct key one less, down to 1; an unanswered node passed on scores 0.
+agent's own scale, comparable within a node, not across kinds of node, so it comes last.
+The best key scores 10, each next distinct key one less, down to 1; an unanswered node
+passed on scores 0.
 """
 
 from __future__ import annotations

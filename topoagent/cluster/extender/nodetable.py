@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from topoagent.cluster.extender.kube import KubeError
 from topoagent.cluster.extender.wire import NODE_NAME, node_address
-from topoagent.log import log_event
+from topoagent.connections import Throttled
 
 LIST_PAGE = 500
 
@@ -42,6 +42,7 @@ class NodeTable:
         self._tried_at = float("-inf")  # of the last list started, complete or not
         self._listing: asyncio.Task[None] | None = None
         self.lists = 0  # complete lists, for /metrics and tests
+        self._throttled = Throttled()
 
     def __contains__(self, name: str) -> bool:
         return name in self._addresses
@@ -79,7 +80,9 @@ class NodeTable:
         try:
             nodes = await asyncio.to_thread(self._list_all)
         except KubeError as exc:
-            log_event("node_list_failed", logging.WARNING, error=exc, kept=f"the last list's {len(self._addresses)} nodes")
+            # Once a minute: unknown names in a flood of calls ask for a list twice a second.
+            self._throttled("node_list_failed", "node_list_failed", logging.WARNING, error=exc,
+                            kept=f"the last list's {len(self._addresses)} nodes")
             return
         self.replace(nodes)
 
