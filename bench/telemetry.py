@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from topoagent.node.discovery import COUNTER_SOURCES, discover_sync  # noqa: E402
 from topoagent.node.host import Host  # noqa: E402
-from topoagent.telemetry import Context, History, read_live, served  # noqa: E402
+from topoagent.service.telemetry import Context, History, read_live, served  # noqa: E402
 
 DGX = REPO / "fixtures" / "snapshots" / "dgx-a100"
 

@@ -68,6 +68,31 @@ class Threshold:
         return metric == self.family.name and all(have.get(k) in v for k, v in self.match.items())
 
 
+# Where counters stop: the IB PMA counters saturate at their maximum instead of wrapping
+# (IBA 16.1.3), 32-bit on old HCAs (qib), 64-bit in the kernel's extended data counters.
+SATURATED_AT = (2**32 - 1, 2**64 - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Stuck:
+    """A counter that cannot move, said as a finding naming it: saturated (its series reads
+    ``factor`` x 2^32-1 or 2^64-1), or frozen while ``witness`` on the same labels rises
+    (packets sent while the data counter stands still)."""
+
+    family: Family
+    counter: str  # its name where it is read ("port_xmit_data")
+    factor: int = 1  # the series is the counter times this (4-byte words -> bytes)
+    witness: Family | None = None
+
+    def saturated_at(self, value: float) -> int | None:
+        """The counter's maximum it stands at (2^32-1 or 2^64-1), or None.  Series are
+        floats: exact at 32 bits, within float precision (2^11 counts) at 64."""
+        for top in SATURATED_AT:
+            if value == float(top * self.factor):
+                return top
+        return None
+
+
 def label_is(label: str, *values: str) -> Mapping[str, frozenset[str]]:
     """A threshold's ``match``: ``label`` has one of ``values``."""
     return {label: frozenset(values)}
@@ -91,6 +116,8 @@ class CounterSource:
     parse: Callable[[Any], list[Series]]  # raw answer -> series of its families (pure)
     families: tuple[Family, ...]
     thresholds: tuple[Threshold, ...] = ()
+    stuck: tuple[Stuck, ...] = ()  # its counters that can saturate or freeze
 
 
-__all__ = ["COUNTER", "GAUGE", "Context", "CounterSource", "Family", "Labels", "Series", "Threshold", "label_is"]
+__all__ = ["COUNTER", "GAUGE", "SATURATED_AT", "Context", "CounterSource", "Family", "Labels", "Series", "Stuck", "Threshold",
+           "label_is"]

@@ -9,7 +9,7 @@ gathers the files' text (what a recording keeps); ``parse`` turns it into series
 from __future__ import annotations
 
 from topoagent.collectors.base import NoData
-from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Threshold, label_is
+from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Stuck, Threshold, label_is
 from topoagent.node.host import Host
 from topoagent.vocabulary import FindingKind, Severity
 
@@ -62,6 +62,15 @@ THRESHOLDS = (
               FindingKind.IB_ERRORS_RISING, Severity.WARNING, "receive errors"),
 )
 
+# Data and packet counters move together: one standing still while the other rises (or
+# at its maximum) no longer says what the port carries.
+STUCK = (
+    Stuck(TRANSMITTED_BYTES, "port_xmit_data", 4, TRANSMITTED_PACKETS),
+    Stuck(RECEIVED_BYTES, "port_rcv_data", 4, RECEIVED_PACKETS),
+    Stuck(TRANSMITTED_PACKETS, "port_xmit_packets", 1, TRANSMITTED_BYTES),
+    Stuck(RECEIVED_PACKETS, "port_rcv_packets", 1, RECEIVED_BYTES),
+)
+
 
 def read_raw(host: Host) -> Raw:
     """Every port counter file's text, keyed ``device/port/dir/name``."""
@@ -105,4 +114,4 @@ def read(context: Context) -> Raw:
     return read_raw(context.host)
 
 
-SOURCE = CounterSource("infiniband_counters", read, parse, FAMILIES, THRESHOLDS)
+SOURCE = CounterSource("infiniband_counters", read, parse, FAMILIES, THRESHOLDS, STUCK)

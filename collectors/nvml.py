@@ -265,7 +265,7 @@ def _read_all(nv: Any) -> dict:
         if handle is None:
             continue
         pci = ask(nv.nvmlDeviceGetPciInfo, handle)
-        memory = ask(nv.nvmlDeviceGetMemoryInfo, handle)
+        memory = _memory_info(nv, handle)
         links = []
         for link in range(_MAX_NVLINKS):
             state = ask(nv.nvmlDeviceGetNvLinkState, handle, link)
@@ -313,9 +313,12 @@ def _read_all(nv: Any) -> dict:
                     "temperature_c": ask(nv.nvmlDeviceGetTemperature, handle, 0),
                     "power_w": round(power / 1000.0, 1) if isinstance(power, (int, float)) else None,
                     "memory_used_bytes": getattr(memory, "used", None),
+                    "memory_free_bytes": getattr(memory, "free", None),
+                    "memory_reserved_bytes": getattr(memory, "reserved", None),
                     "ecc_uncorrected_total": ecc_u,
                     "ecc_corrected_total": ecc_c,
                     "utilization_gpu_percent": getattr(util, "gpu", None),
+                    "utilization_memory_percent": getattr(util, "memory", None),
                     "processes": [getattr(p, "pid", None) for p in processes],
                 },
             }
@@ -349,6 +352,18 @@ def _fabric_answer(info: object) -> dict | None:
         "state": _FABRIC_STATES.get(state) if isinstance(state, int) else None,
         "status": status if isinstance(status, int) else None,
     }
+
+
+def _memory_info(nv: Any, handle: Any) -> Any:
+    """nvmlDeviceGetMemoryInfo_v2 where the driver has it (R510+): its ``used`` leaves out
+    the memory the driver reserves, and ``reserved`` says how much, as DCGM's FB_USED and
+    FB_RESERVED do; else v1, whose ``used`` includes the reserved part and has no ``reserved``."""
+    version = getattr(nv, "nvmlMemory_v2", None)
+    if version is not None:
+        answer = _ask(nv.nvmlDeviceGetMemoryInfo, handle, version)
+        if answer is not None:
+            return answer
+    return _ask(nv.nvmlDeviceGetMemoryInfo, handle)
 
 
 def _maybe_text(value: object) -> str | None:
@@ -460,6 +475,8 @@ _FI_NVLINK_THROUGHPUT_DATA_RX = 139
 _FI_PCIE_REPLAY_COUNTER = 94
 _FI_PCIE_COUNT_TX_BYTES = 197  # Hopper and later
 _FI_PCIE_COUNT_RX_BYTES = 198
+_FI_DEV_MEMORY_TEMP = 82  # HBM temperature, degrees C
+_CLOCK_SM, _CLOCK_MEM = 1, 2  # nvmlClockType_t
 # nvmlNvLinkErrorCounter_t -> the `counter` label
 _NVLINK_ERRORS = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}
 _EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
@@ -487,7 +504,24 @@ PCIE_RECEIVED = Family("pcie_received_bytes_total", "Bytes a GPU received over P
 TEMPERATURE = Family("gpu_temperature_celsius", "GPU core temperature.", GAUGE, _GPU, "celsius")
 POWER = Family("gpu_power_watts", "GPU power draw.", GAUGE, _GPU, "watts")
 POWER_LIMIT = Family("gpu_power_limit_watts", "GPU enforced power limit.", GAUGE, _GPU, "watts")
-MEMORY_USED = Family("gpu_memory_used_bytes", "GPU memory in use.", GAUGE, _GPU, "bytes")
+MEMORY_USED = Family("gpu_memory_used_bytes", "GPU memory allocated (framebuffer; without the driver's reserve where NVML reports one).",
+                     GAUGE, _GPU, "bytes")
+MEMORY_FREE = Family("gpu_memory_free_bytes", "GPU memory free (framebuffer).", GAUGE, _GPU, "bytes")
+MEMORY_RESERVED = Family("gpu_memory_reserved_bytes", "GPU memory the driver reserves for itself (NVML memory info v2).",
+                         GAUGE, _GPU, "bytes")
+UTILIZATION = Family("gpu_utilization_ratio", "Share of NVML's last sample period (1/6 s to 1 s) in which a kernel ran on the GPU.",
+                     GAUGE, _GPU, "ratio")
+MEMORY_UTILIZATION = Family("gpu_memory_utilization_ratio",
+                            "Share of NVML's last sample period in which device memory was read or written.", GAUGE, _GPU, "ratio")
+ENCODER_UTILIZATION = Family("gpu_encoder_utilization_ratio", "Share of NVML's last sample period the video encoder was busy.",
+                             GAUGE, _GPU, "ratio")
+DECODER_UTILIZATION = Family("gpu_decoder_utilization_ratio", "Share of NVML's last sample period the video decoder was busy.",
+                             GAUGE, _GPU, "ratio")
+SM_CLOCK = Family("gpu_sm_clock_hertz", "Current SM clock.", GAUGE, _GPU, "hertz")
+MEMORY_CLOCK = Family("gpu_memory_clock_hertz", "Current memory clock.", GAUGE, _GPU, "hertz")
+MEMORY_TEMPERATURE = Family("gpu_memory_temperature_celsius", "GPU memory (HBM) temperature.", GAUGE, _GPU, "celsius")
+ENERGY = Family("gpu_energy_joules_total", "Energy the GPU consumed since the driver was loaded (Volta and later).",
+                COUNTER, _GPU, "joules")
 ECC_ERRORS = Family("gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), corrected or uncorrected.",
                     COUNTER, (*_GPU, "type"))
 RETIRED_PAGES_PENDING = Family("gpu_retired_pages_pending", "1 when retired pages wait for a GPU reset (pre-Ampere page retirement).",
@@ -496,10 +530,13 @@ REMAPPED_ROWS = Family("gpu_remapped_rows",
                        "Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.",
                        GAUGE, (*_GPU, "state"))
 THROTTLE_REASON = Family("gpu_clock_throttle_reason", "1 when the reason currently holds the GPU's clocks down.", GAUGE, (*_GPU, "reason"))
-XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid.", COUNTER, (*_GPU, "xid"),
+XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid (the actionable ones from 0).",
+                    COUNTER, (*_GPU, "xid"),
                     from_zero=True)  # NVIDIA keeps no Xid counter: LiveCounterReader counts them
 FAMILIES = (NVLINK_TRANSMITTED, NVLINK_RECEIVED, NVLINK_ERRORS, PCIE_REPLAYS, PCIE_TRANSMITTED, PCIE_RECEIVED,
-            TEMPERATURE, POWER, POWER_LIMIT, MEMORY_USED, ECC_ERRORS, RETIRED_PAGES_PENDING, REMAPPED_ROWS, THROTTLE_REASON, XID_ERRORS)
+            TEMPERATURE, MEMORY_TEMPERATURE, POWER, POWER_LIMIT, ENERGY, UTILIZATION, MEMORY_UTILIZATION, ENCODER_UTILIZATION,
+            DECODER_UTILIZATION, SM_CLOCK, MEMORY_CLOCK, MEMORY_USED, MEMORY_FREE, MEMORY_RESERVED,
+            ECC_ERRORS, RETIRED_PAGES_PENDING, REMAPPED_ROWS, THROTTLE_REASON, XID_ERRORS)
 THRESHOLDS = (
     Threshold("nvlink_replay_per_s", NVLINK_ERRORS, label_is("counter", "replay"), 0.0,
               FindingKind.NVLINK_ERRORS_RISING, Severity.WARNING, "NVLink replays"),
@@ -512,6 +549,64 @@ THRESHOLDS = (
     Threshold("remapped_rows_failure", REMAPPED_ROWS, label_is("state", "failure"), 0.0,
               FindingKind.GPU_ROW_REMAP_FAILED, Severity.CRITICAL, "row remapping failure (the GPU needs service)"),
 )
+
+
+
+@dataclass(frozen=True, slots=True)
+class DcgmField:
+    """One of dcgm-exporter's default fields (its etc/default-counters.csv) and our series for it."""
+
+    field: str  # DCGM_FI_...
+    unit: str  # dcgm-exporter's unit, as its help text gives it ("" for a count)
+    family: Family | None  # None: NVML does not give it (DCGM's profiling fields, vGPU licences)
+    select: str = ""  # a label selector on our family, where one of its series is DCGM's field
+    factor: str = "1"  # ours = DCGM's × factor (our names carry base units)
+    note: str = ""
+
+
+_MIB = str(1 << 20)
+# dcgm-exporter's defaults in its csv order; README's DCGM table is rendered from this.
+DCGM_FIELDS = (
+    DcgmField("DCGM_FI_DEV_SM_CLOCK", "MHz", SM_CLOCK, factor="1000000"),
+    DcgmField("DCGM_FI_DEV_MEM_CLOCK", "MHz", MEMORY_CLOCK, factor="1000000"),
+    DcgmField("DCGM_FI_DEV_MEMORY_TEMP", "C", MEMORY_TEMPERATURE),
+    DcgmField("DCGM_FI_DEV_GPU_TEMP", "C", TEMPERATURE),
+    DcgmField("DCGM_FI_DEV_POWER_USAGE", "W", POWER),
+    DcgmField("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "mJ", ENERGY, factor="0.001", note="both count from the driver's load"),
+    DcgmField("DCGM_FI_DEV_PCIE_REPLAY_COUNTER", "", PCIE_REPLAYS),
+    DcgmField("DCGM_FI_DEV_GPU_UTIL", "%", UTILIZATION, factor="0.01"),
+    DcgmField("DCGM_FI_DEV_MEM_COPY_UTIL", "%", MEMORY_UTILIZATION, factor="0.01"),
+    DcgmField("DCGM_FI_DEV_ENC_UTIL", "%", ENCODER_UTILIZATION, factor="0.01"),
+    DcgmField("DCGM_FI_DEV_DEC_UTIL", "%", DECODER_UTILIZATION, factor="0.01"),
+    DcgmField("DCGM_FI_DEV_XID_ERRORS", "", XID_ERRORS, factor="—",
+              note="DCGM's is a gauge holding the last Xid; ours counts events per Xid since the agent started"),
+    DcgmField("DCGM_FI_DEV_FB_FREE", "MiB", MEMORY_FREE, factor=_MIB),
+    DcgmField("DCGM_FI_DEV_FB_USED", "MiB", MEMORY_USED, factor=_MIB),
+    DcgmField("DCGM_FI_DEV_FB_RESERVED", "MiB", MEMORY_RESERVED, factor=_MIB),
+    DcgmField("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "", None,
+              note="a count over all links; ours are bytes per link: `nvlink_transmitted_bytes_total`, `_received_`"),
+    DcgmField("DCGM_FI_DEV_VGPU_LICENSE_STATUS", "", None, note="vGPU only"),
+    DcgmField("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, '{state="uncorrectable"}'),
+    DcgmField("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, '{state="correctable"}'),
+    DcgmField("DCGM_FI_DEV_ROW_REMAP_FAILURE", "", REMAPPED_ROWS, '{state="failure"}'),
+    DcgmField("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
+    DcgmField("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
+    DcgmField("DCGM_FI_PROF_DRAM_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
+    DcgmField("DCGM_FI_PROF_PCIE_TX_BYTES", "B/s", PCIE_TRANSMITTED, factor="—",
+              note="DCGM's is a rate: compare `rate()` of ours (Hopper and later)"),
+    DcgmField("DCGM_FI_PROF_PCIE_RX_BYTES", "B/s", PCIE_RECEIVED, factor="—",
+              note="DCGM's is a rate: compare `rate()` of ours (Hopper and later)"),
+)
+
+
+def dcgm_table() -> str:
+    """README's table of dcgm-exporter's default fields beside ours (markdown)."""
+    lines = ["| dcgm-exporter field | its unit | ours (`topoagent_`) | ours = DCGM × | note |", "|---|---|---|---|---|"]
+    for f in DCGM_FIELDS:
+        ours = f"`{f.family.name}{f.select}`" if f.family is not None else "—"
+        factor = f.factor if f.family is not None else "—"
+        lines.append(f"| `{f.field}` | {f.unit or '—'} | {ours} | {factor} | {f.note} |")
+    return "\n".join(lines) + "\n"
 
 
 class LiveCounterReader:
@@ -590,8 +685,12 @@ class LiveCounterReader:
             errors = {name: _ask(nv.nvmlDeviceGetNvLinkErrorCounter, handle, link, code) for code, name in _NVLINK_ERRORS.items()}
             links.append({"link": link, "tx_bytes_total": None if tx is None else tx * 1024,
                           "rx_bytes_total": None if rx is None else rx * 1024, "errors": errors})
-        replays, pcie_tx, pcie_rx = field_values([_FI_PCIE_REPLAY_COUNTER, _FI_PCIE_COUNT_TX_BYTES, _FI_PCIE_COUNT_RX_BYTES])
-        memory = _ask(nv.nvmlDeviceGetMemoryInfo, handle)
+        replays, pcie_tx, pcie_rx, memory_temp = field_values(
+            [_FI_PCIE_REPLAY_COUNTER, _FI_PCIE_COUNT_TX_BYTES, _FI_PCIE_COUNT_RX_BYTES, _FI_DEV_MEMORY_TEMP])
+        memory = _memory_info(nv, handle)
+        util = _ask(nv.nvmlDeviceGetUtilizationRates, handle)
+        encoder = _ask(nv.nvmlDeviceGetEncoderUtilization, handle)  # [percent, sampling period in µs]
+        decoder = _ask(nv.nvmlDeviceGetDecoderUtilization, handle)
         power = _ask(nv.nvmlDeviceGetPowerUsage, handle)
         limit = _ask(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
         remapped = _ask(nv.nvmlDeviceGetRemappedRows, handle)  # (correctable, uncorrectable, pending, failure)
@@ -600,7 +699,17 @@ class LiveCounterReader:
             "temperature_c": _ask(nv.nvmlDeviceGetTemperature, handle, 0),
             "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
             "power_limit_w": limit / 1000.0 if isinstance(limit, (int, float)) else None,
+            "memory_temperature_c": memory_temp,
+            "energy_mj_total": _ask(nv.nvmlDeviceGetTotalEnergyConsumption, handle),
+            "utilization_gpu_percent": getattr(util, "gpu", None),
+            "utilization_memory_percent": getattr(util, "memory", None),
+            "encoder_utilization_percent": encoder[0] if isinstance(encoder, list) and encoder else None,
+            "decoder_utilization_percent": decoder[0] if isinstance(decoder, list) and decoder else None,
+            "sm_clock_mhz": _ask(nv.nvmlDeviceGetClockInfo, handle, _CLOCK_SM),
+            "memory_clock_mhz": _ask(nv.nvmlDeviceGetClockInfo, handle, _CLOCK_MEM),
             "memory_used_bytes": getattr(memory, "used", None),
+            "memory_free_bytes": getattr(memory, "free", None),
+            "memory_reserved_bytes": getattr(memory, "reserved", None),
             "ecc_corrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 0, 0),
             "ecc_uncorrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 1, 0),
             "retired_pages_pending": None if pending is None else bool(pending),
@@ -639,15 +748,25 @@ def parse_counters(data: dict) -> list[Series]:
         gpu = (("gpu", str(raw["index"])),)
         c = raw.get("counters") or {}
 
-        def put(family: Family, value: Any, labels: tuple[tuple[str, str], ...] = gpu) -> None:
+        def put(family: Family, value: Any, labels: tuple[tuple[str, str], ...] = gpu, times: float = 1, per: float = 1) -> None:
             number = _number(value)
             if number is not None:
-                out.append((family.name, labels, number))
+                out.append((family.name, labels, number * times / per))  # per: 37 / 100 is 0.37, 37 * 0.01 is not
 
         put(TEMPERATURE, c.get("temperature_c"))
+        put(MEMORY_TEMPERATURE, c.get("memory_temperature_c"))
         put(POWER, c.get("power_w"))
         put(POWER_LIMIT, c.get("power_limit_w"))
+        put(ENERGY, c.get("energy_mj_total"), per=1000)  # NVML: millijoules
+        put(UTILIZATION, c.get("utilization_gpu_percent"), per=100)
+        put(MEMORY_UTILIZATION, c.get("utilization_memory_percent"), per=100)
+        put(ENCODER_UTILIZATION, c.get("encoder_utilization_percent"), per=100)
+        put(DECODER_UTILIZATION, c.get("decoder_utilization_percent"), per=100)
+        put(SM_CLOCK, c.get("sm_clock_mhz"), times=1_000_000)  # NVML: MHz
+        put(MEMORY_CLOCK, c.get("memory_clock_mhz"), times=1_000_000)
         put(MEMORY_USED, c.get("memory_used_bytes"))
+        put(MEMORY_FREE, c.get("memory_free_bytes"))
+        put(MEMORY_RESERVED, c.get("memory_reserved_bytes"))
         put(ECC_ERRORS, c.get("ecc_corrected_total"), (*gpu, ("type", "corrected")))
         put(ECC_ERRORS, c.get("ecc_uncorrected_total"), (*gpu, ("type", "uncorrected")))
         put(RETIRED_PAGES_PENDING, c.get("retired_pages_pending"))
@@ -660,8 +779,14 @@ def parse_counters(data: dict) -> list[Series]:
         put(PCIE_REPLAYS, c.get("pcie_replays_total"))
         put(PCIE_TRANSMITTED, c.get("pcie_tx_bytes_total"))
         put(PCIE_RECEIVED, c.get("pcie_rx_bytes_total"))
-        for xid, count in sorted((c.get("xid_errors") or {}).items(), key=lambda kv: int(kv[0])):
-            put(XID_ERRORS, count, (*gpu, ("xid", str(xid))))
+        xids = c.get("xid_errors")
+        if isinstance(xids, dict):
+            # Actionable Xids are served from 0 from the first read on: their first event is
+            # then a rise increase() sees (an alert on a series born at 1 sees none).  Other
+            # Xids, mostly the application's own faults, appear at their first event.
+            xids = {**dict.fromkeys(ACTIONABLE_XIDS, 0), **{str(k): v for k, v in xids.items()}}
+            for xid, count in sorted(xids.items(), key=lambda kv: int(kv[0])):
+                put(XID_ERRORS, count, (*gpu, ("xid", xid)))
         for link in raw.get("nvlinks") or []:
             if not isinstance(link, dict) or not isinstance(link.get("link"), int):
                 raise SourceError(f"nvml counters: gpu {raw['index']}: every nvlink needs an integer 'link'")

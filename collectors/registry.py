@@ -9,7 +9,7 @@ Adding a source is one new module under ``collectors/`` and one line in ``SOURCE
 - a counter source is a ``CounterSource`` (collectors/counters.py): a raw read, a pure
   parser, the metric families it owns and its thresholds, declared in its own module.
 
-``topoagent.node.discovery`` runs the collectors, ``topoagent.telemetry`` reads the counter
+``topoagent.node.discovery`` runs the collectors, ``topoagent.service.telemetry`` reads the counter
 sources and applies the thresholds, and the Prometheus exporter walks ``FAMILIES``; none
 of them lists a source or names a metric of its own.  This module imports only the
 sources, so neither of those imports the other.
@@ -37,7 +37,7 @@ from topoagent.collectors import (
     pci,
 )
 from topoagent.collectors.base import CollectorResult
-from topoagent.collectors.counters import COUNTER, GAUGE, CounterSource, Family, Threshold
+from topoagent.collectors.counters import COUNTER, GAUGE, CounterSource, Family, Stuck, Threshold
 
 Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
 
@@ -90,8 +90,9 @@ def check_order(collectors: Iterable[Collector]) -> None:
 
 
 def check_declarations(sources: Iterable[CounterSource]) -> None:
-    """Refuse two owners of one family or threshold key, a threshold on a family its source
-    does not own, and a family whose type and name disagree (a counter ends in _total)."""
+    """Refuse two owners of one family or threshold key, a threshold (or stuck-counter rule)
+    on a family its source does not own, and a family whose type and name disagree (a
+    counter ends in _total)."""
     owner: dict[str, str] = {}
     keys: set[str] = set()
     for source in sources:
@@ -109,6 +110,9 @@ def check_declarations(sources: Iterable[CounterSource]) -> None:
             if rule.key in keys:
                 raise ValueError(f"threshold key {rule.key} is declared twice")
             keys.add(rule.key)
+        for stuck in source.stuck:
+            if stuck.family not in source.families or (stuck.witness is not None and stuck.witness not in source.families):
+                raise ValueError(f"stuck-counter rule {stuck.counter} of {source.name} is on a family {source.name} does not declare")
 
 
 def by_subsystem(families: Iterable[Family]) -> tuple[Family, ...]:
@@ -137,5 +141,8 @@ THRESHOLDS: tuple[Threshold, ...] = tuple(
     sorted((t for s in COUNTER_SOURCES for t in s.thresholds), key=lambda t: _RANK[t.family.subsystem])
 )
 
-__all__ = ["COLLECTORS", "COUNTER_SOURCES", "FAMILIES", "SOURCES", "THRESHOLDS", "Collector", "Source", "by_subsystem",
+# Every counter that can saturate or freeze, as its source declares it.
+STUCK: tuple[Stuck, ...] = tuple(rule for s in COUNTER_SOURCES for rule in s.stuck)
+
+__all__ = ["COLLECTORS", "COUNTER_SOURCES", "FAMILIES", "SOURCES", "STUCK", "THRESHOLDS", "Collector", "Source", "by_subsystem",
            "check_declarations", "check_order"]

@@ -1,7 +1,8 @@
 """The agent's HTTP API (aiohttp): /topology, /place, /leases, /metrics, health, OpenAPI.
 
 Built by `make_app(agent, token)`; shared state lives under typed `web.AppKey`s and the
-agent's background work starts and stops with the app through `cleanup_ctx`.  Every
+agent's background work starts and stops with the app through `cleanup_ctx`.  The handlers
+see the agent only through the `Service` interface and render from its `served()` value.  Every
 error is JSON `{"error": ..., "detail": ...}`; a bad field is named in `detail`.
 """
 
@@ -15,12 +16,12 @@ import json
 import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
-from topoagent.agent import Agent, ProbeRunning, ProbesOff
 from topoagent.config import Config
 from topoagent.connections import ConnectionGuard
 from topoagent.documents.agent import answer_document, lease_document
@@ -29,13 +30,15 @@ from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
-from topoagent.leases import LeaseError, quarantine_report, state_unwritable
 from topoagent.log import log_event
+from topoagent.node.findings import placement_blockers, placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
-from topoagent.served import Snapshot, etag_of
+from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
+from topoagent.service.leases import LeaseError
+from topoagent.service.served import Served, Snapshot, etag_of
 from topoagent.text import cut
 
-AGENT = web.AppKey("agent", Agent)
+AGENT = web.AppKey("agent", Service)
 
 
 class Token:
@@ -93,6 +96,10 @@ async def json_errors(request: web.Request, handler: Handler) -> web.StreamRespo
     except Exception as exc:  # a bug: say so plainly, keep serving
         log_event("handler_crashed", logging.ERROR, path=request.path, error=f"{type(exc).__name__}: {exc}")
         return error_response(500, "internal", "internal error; see the agent's log")
+
+
+# The longest search a caller without the token may ask for (`deadline_ms`); more is capped.
+OPEN_DEADLINE_MS_MAX = 1000
 
 
 def _token_ok(request: web.Request) -> bool:
@@ -211,8 +218,8 @@ async def read_auth(request: web.Request, handler: Handler) -> web.StreamRespons
     return await handler(request)
 
 
-def _ready_snapshot(agent: Agent) -> Snapshot:
-    snapshot = agent.snapshot
+def _ready_snapshot(served: Served) -> Snapshot:
+    snapshot = served.snapshot
     if snapshot is None:
         raise ApiError(503, "not_ready", "no topology loaded yet; discovery is running")
     return snapshot
@@ -226,7 +233,8 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[s
     `reserve` part, or ApiError 400 naming the field.
 
     Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
-    for well-formed requests this node cannot satisfy now (busy or leased GPUs)."""
+    for well-formed requests this node cannot satisfy now (busy or leased GPUs), 422 for
+    those it could not satisfy with every GPU free (the CLI's exit 3)."""
     if not isinstance(doc, dict):  # the HTTP body, before its `reserve` part is split off
         raise ApiError(400, "bad_request", "body: expected a JSON object")
     fields = {key: value for key, value in doc.items() if key != "reserve"}
@@ -253,12 +261,11 @@ def _parse_reserve(reserve: Any) -> dict[str, Any]:
     return {"owner": owner, "ttl_s": float(ttl)}
 
 
-def _state_unavailable(agent: Agent, exc: OSError) -> ApiError:
+def _state_unavailable(exc: StateUnavailable) -> ApiError:
     """A state directory that fails under a change (read-only, full, gone): 503 naming it,
     and no log line per request (a caller in a retry loop would flood the log); the lease
     sweeper logs a directory it cannot read, once a minute at most."""
-    assert agent.lease_store is not None
-    return ApiError(503, "state_unavailable", state_unwritable(agent.lease_store, exc), headers={"Retry-After": "5"})
+    return ApiError(503, "state_unavailable", str(exc), headers={"Retry-After": "5"})
 
 
 def _too_large(request: web.Request) -> ApiError | None:
@@ -340,7 +347,7 @@ TOPOLOGY_QUERY = ("format",)
 
 async def topology(request: web.Request) -> web.StreamResponse:
     query = query_parameters(request, TOPOLOGY_QUERY)
-    snapshot = _ready_snapshot(request.app[AGENT])
+    snapshot = _ready_snapshot(request.app[AGENT].served())
     fmt = query.get("format", "json")
     if fmt == "matrix":
         return web.Response(text=snapshot.matrix_text, content_type="text/plain")
@@ -355,7 +362,7 @@ async def topology(request: web.Request) -> web.StreamResponse:
 
 async def capacity(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    _ready_snapshot(agent)
+    _ready_snapshot(agent.served())
     served = await agent.current_capacity()  # computed off the loop; waits a bounded time
     if served is None:  # the first figures took longer than the wait: they are still coming
         raise ApiError(503, "capacity_pending", "the capacity figures are still being computed; ask again shortly",
@@ -378,25 +385,31 @@ async def place(request: web.Request) -> web.Response:
         if doc["reserve"] is None:
             raise ApiError(400, "bad_request", 'reserve: null; leave it out for a dry run or give {"owner": ..., "ttl_s": ...}')
         require_token(request)  # before anything is said about the request
-    snapshot = _ready_snapshot(agent)
+    snapshot = _ready_snapshot(agent.served())
+    _ready_for_placement(snapshot)
     try:
         req, reserve = parse_place_request(doc, {g.index for g in snapshot.matrix.gpus})
     except ApiError:
-        agent.placement_requests["invalid"] += 1
+        agent.count_invalid_request()
         raise
     if reserve is None:
-        answer = agent.place(req)
+        if (req.deadline_ms or 0) > OPEN_DEADLINE_MS_MAX and not _token_ok(request):
+            # A dry run needs no token; a long search is CPU anyone could spend without one.
+            req = replace(req, deadline_ms=OPEN_DEADLINE_MS_MAX)
+        answer = await agent.place(req)
         lease = None
     else:
         try:
             answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
         except LeaseError as exc:  # the store's last check refused what it would not load back
             raise ApiError(400, "bad_request", f"reserve: {exc}") from None
-        except OSError as exc:
-            raise _state_unavailable(agent, exc) from None
+        except StateUnavailable as exc:
+            raise _state_unavailable(exc) from None
     if isinstance(answer, NoFit):
         detail = f"{answer.constraint}: {answer.reason}"
-        why = _why_busy(agent, req)
+        if answer.never_fits:  # not even on the idle node: no wait, lease or eviction helps
+            raise ApiError(422, "never_fits", f"never fits this node: {detail}", {"nofit": answer_document(answer)})
+        why = _why_busy(agent.served(), req)
         if why:
             detail += f" ({why})"
         raise ApiError(409, "no_fit", detail, {"nofit": answer_document(answer)})
@@ -406,10 +419,10 @@ async def place(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-def _why_busy(agent: Agent, req: Request) -> str:
+def _why_busy(served: Served, req: Request) -> str:
     """Say which wanted GPUs are leased (by whom) and which run processes."""
-    leased = agent.holding().holder
-    running = agent.gpus_with_processes()
+    leased = served.holding().holder
+    running = served.running
     parts = []
     for gpu in req.include:
         if gpu in leased:
@@ -424,20 +437,21 @@ def _why_busy(agent: Agent, req: Request) -> str:
 
 
 async def list_leases(request: web.Request) -> web.Response:
-    agent = request.app[AGENT]
-    holding = agent.holding()
+    served = request.app[AGENT].served()
+    holding = served.holding()
     body: dict[str, Any] = {
-        "leases": [lease_document(lease) for lease in agent.active_leases()],
+        "leases": [lease_document(lease) for lease in served.active_leases()],
         # Leases whose GPU left the node: kept until they expire or are released, blocking nothing.
         "orphaned": [lease.id for lease in holding.orphaned],
     }
-    store = agent.lease_store
-    if store is not None and store.recovered_from is not None:
+    recovery = served.lease_recovery
+    if recovery is not None:
         # Leases granted before this start may be lost: say so where schedulers look.
-        body["recovered_from_corrupt_state"] = {"file": str(store.path), "moved_to": str(store.recovered_from), "error": store.recovery_error}
-    if store is not None and store.quarantined:
+        body["recovered_from_corrupt_state"] = {"file": recovery.file, "moved_to": recovery.moved_to, "error": recovery.error}
+    quarantine = served.lease_quarantine
+    if quarantine is not None and quarantine.entries:
         # Entries the store refused on loading; the GPUs they named are held (see README, Leases).
-        body["quarantined"] = {"file": str(store.quarantine_path), "entries": quarantine_report(store)}
+        body["quarantined"] = {"file": quarantine.file, "entries": list(quarantine.entries)}
     return web.json_response(body)
 
 
@@ -446,8 +460,8 @@ async def delete_lease(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
     try:
         lease = await agent.release(request.match_info["lease_id"])
-    except OSError as exc:
-        raise _state_unavailable(agent, exc) from None
+    except StateUnavailable as exc:
+        raise _state_unavailable(exc) from None
     if lease is None:
         raise ApiError(404, "not_found", "no such lease (released, expired or never granted)")
     return web.json_response(lease_document(lease))
@@ -463,7 +477,7 @@ async def refresh(request: web.Request) -> web.Response:
             raise ApiError(400, "bad_request", f"unknown field(s): {cut(', '.join(sorted(doc)), 120)}; /refresh takes none")
     agent = request.app[AGENT]
     await agent.request_refresh("request")
-    snapshot = _ready_snapshot(agent)
+    snapshot = _ready_snapshot(agent.served())
     return web.json_response({"snapshot_version": snapshot.version, "stale": snapshot.stale, "error": snapshot.error})
 
 
@@ -481,7 +495,7 @@ def accepts_gzip(accept_encoding: str) -> bool:
 
 async def metrics(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    if agent.snapshot is not None:
+    if agent.served().snapshot is not None:
         await agent.current_capacity()  # bounded: past its wait the page carries the latest figures, marked stale
     page = request.app[METRICS].render()
     headers = {"Content-Type": "text/plain; version=0.0.4; charset=utf-8", "Vary": "Accept-Encoding"}
@@ -495,8 +509,26 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "alive"})
 
 
+def _ready_for_placement(snapshot: Snapshot, *, readyz: bool = False) -> None:
+    """503 ``not_ready_for_placement`` while a finding makes every answer untrustworthy
+    (``placement_blockers``: GPUs no witness can see): which findings, and why.  /readyz
+    names the snapshot too, as its 200 does; /place leaves ``no-gpus`` to the core's own
+    answer (``placement_refusals``)."""
+    blockers = placement_blockers(snapshot.findings) if readyz else placement_refusals(snapshot.findings)
+    if blockers:
+        said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if readyz else {}
+        raise ApiError(
+            503, "not_ready_for_placement", "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
+            {**said, "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
+                                  for f in blockers]},
+        )
+
+
 async def readyz(request: web.Request) -> web.Response:
-    snapshot = _ready_snapshot(request.app[AGENT])
+    """Ready for placement: a topology is loaded and no finding makes its answers
+    untrustworthy; /healthz alone says the process lives."""
+    snapshot = _ready_snapshot(request.app[AGENT].served())
+    _ready_for_placement(snapshot, readyz=True)
     return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
 
 
@@ -512,9 +544,9 @@ def _not_modified(request: web.Request, etag: str) -> bool:
 async def index(request: web.Request) -> web.Response:
     """The picture of the node as the agent knows it now (leases, busy GPUs, every
     finding), drawn here; a few lines of script poll this door with If-None-Match."""
-    agent = request.app[AGENT]
-    snapshot = _ready_snapshot(agent)
-    leased, busy = frozenset(agent.holding().holder), agent.gpus_with_processes()
+    served = request.app[AGENT].served()
+    snapshot = _ready_snapshot(served)
+    leased, busy = frozenset(served.holding().holder), served.running
     key = f"page {sorted(leased)} {sorted(busy)}"  # the page shows leases and busy GPUs: they key it too
     body, etag = await asyncio.to_thread(snapshot.cached, key, lambda: _page(snapshot, leased, busy))  # off the loop
     headers = {"ETag": etag, "Cache-Control": "no-cache"}
@@ -536,7 +568,7 @@ PAGE_POLL_MS = 3000
 async def probe(request: web.Request) -> web.Response:
     require_token(request)
     agent = request.app[AGENT]
-    _ready_snapshot(agent)
+    _ready_snapshot(agent.served())
     try:
         scheduled = agent.request_probe_round()
     except ProbesOff as exc:
@@ -546,7 +578,7 @@ async def probe(request: web.Request) -> web.Response:
     return web.json_response(scheduled, status=202)
 
 
-def make_app(agent: Agent, token: bytes = b"", *, run_agent: bool = True, guard: ConnectionGuard | None = None) -> web.Application:
+def make_app(agent: Service, token: bytes = b"", *, run_agent: bool = True, guard: ConnectionGuard | None = None) -> web.Application:
     """The app; with `run_agent` the agent's loop starts and stops with it.  `guard` (the
     listener's) is told where each request starts and ends, to time idle connections."""
     middlewares = [json_errors, host_check, read_auth]

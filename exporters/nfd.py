@@ -13,6 +13,7 @@ import re
 from collections import Counter
 
 from topoagent.errors import TopoagentError
+from topoagent.node.findings import placement_blockers
 from topoagent.node.levels import LevelKind
 from topoagent.node.model import NodeTopology
 from topoagent.vocabulary import Severity
@@ -106,7 +107,10 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX, topograph
     if models:
         model = models.pop() if len(models) == 1 else "mixed"
         features["gpu.model"] = (gpu_product(model) if model != "mixed" else model) or "unknown"
-    if gpus:
+    # A link no witness classified is not "no NVLink": where any GPU pair's level is
+    # unknown, the NVLink labels are left out rather than written as zero.
+    links_seen = not topology.gpus_with_unknown_links()
+    if gpus and links_seen:
         zones = nvlink_zones(topology)
         largest = len(zones[0]) if zones and len(zones[0]) > 1 else 0
         features["nvlink.zone-size"] = str(largest)
@@ -166,6 +170,11 @@ def nfd_features(topology: NodeTopology, prefix: str = DEFAULT_PREFIX, topograph
     # The label kept its name when discovery's "error" severity became critical.
     features["findings.errors"] = str(severities.get(Severity.CRITICAL, 0))
     features["findings.warnings"] = str(severities.get(Severity.WARNING, 0))
+    blockers = placement_blockers(topology.findings)
+    if blockers:
+        # Written only while the node's answers cannot be trusted: the first blocking
+        # finding's kind, so a selector can keep jobs off it (health DoesNotExist).
+        features["health"] = str(blockers[0].kind)
     labelled = {f"{prefix}/{name}": value for name, value in features.items()}
     if topograph:
         if fabric.leaf is not None:

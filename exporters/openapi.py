@@ -73,6 +73,30 @@ NO_FIT_ERROR = {
     "required": ["error", "detail", "nofit"],
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
+NEVER_FITS_ERROR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail", "nofit"],
+    "properties": {"error": {"type": "string", "enum": ["never_fits"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
+}
+
+# GET /readyz's and POST /place's 503 once a topology is loaded: the findings that make
+# answers untrustworthy.
+NOT_READY_FOR_PLACEMENT = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail", "findings"],  # GET /readyz adds snapshot_version and stale
+    "properties": {
+        "error": {"type": "string", "enum": ["not_ready_for_placement"]},
+        "detail": {"type": "string"},
+        "snapshot_version": {"type": "integer"},
+        "stale": {"type": "boolean"},
+        "findings": {"type": "array", "items": {
+            "type": "object", "additionalProperties": False, "required": ["kind", "severity", "subject", "message"],
+            "properties": {k: {"type": "string"} for k in ("kind", "severity", "subject", "message")},
+        }},
+    },
+}
 
 
 def openapi_document() -> dict[str, Any]:
@@ -89,7 +113,7 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR, "NeverFitsError": NEVER_FITS_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {
@@ -115,7 +139,7 @@ def openapi_document() -> dict[str, Any]:
             },
             "/capacity": {
                 "get": {
-                    "summary": "What this node can take now: free GPUs, the largest free NVLink zone, fragmentation, and for each k whether k GPUs fit and how well.",
+                    "summary": "What this node can take now: free GPUs, the largest free zone (NVLink or one PCIe switch), fragmentation, and for each k whether k GPUs fit and how well.",
                     "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
                     "responses": {
                         "200": {**_json("The figures for the current snapshot and busy GPUs (or, with `stale` true, the latest computed while "
@@ -141,10 +165,16 @@ def openapi_document() -> dict[str, Any]:
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
-                        "409": _json("It does not fit; `nofit` says why.", "NoFitError"),
+                        "409": _json("It does not fit now (busy or leased GPUs); `nofit` says why, `never_fits` is false.", "NoFitError"),
+                        "422": _json(
+                            "It would not fit this node with every GPU free either (the same search on the idle node): "
+                            "waiting or preempting will not help; `nofit` says why, `never_fits` is true.", "NeverFitsError"),
                         "413": _err("Body larger than the limit."),
-                        "503": {**not_ready["503"], "description": "No topology loaded yet (`not_ready`), or, with `reserve`, "
-                                + state_unavailable["description"], "headers": state_unavailable["headers"]},
+                        "503": {"description": "No topology loaded yet (`not_ready`); a critical finding makes every answer "
+                                "untrustworthy (`not_ready_for_placement`, as GET /readyz says); or, with `reserve`, "
+                                + state_unavailable["description"], "headers": state_unavailable["headers"],
+                                "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"},
+                                                                                      NOT_READY_FOR_PLACEMENT]}}}},
                     },
                 }
             },
@@ -242,8 +272,16 @@ def openapi_document() -> dict[str, Any]:
             "/healthz": {"get": {"summary": "The process is alive.", "responses": {"200": {"description": "Alive.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},
             "/readyz": {
                 "get": {
-                    "summary": "A topology is loaded.",
-                    "responses": {"200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}}, **not_ready, **HOST_ERRORS},
+                    "summary": "Ready for placement: a topology is loaded and no finding makes its answers untrustworthy.",
+                    "responses": {
+                        "200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}},
+                        "503": {
+                            "description": "No topology loaded yet (`not_ready`), or one is loaded but a critical finding "
+                                           "makes placement answers untrustworthy (`not_ready_for_placement`: which, and why).",
+                            "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"}, NOT_READY_FOR_PLACEMENT]}}},
+                        },
+                        **HOST_ERRORS,
+                    },
                 }
             },
             "/openapi.json": {"get": {"summary": "This document.", "responses": {"200": {"description": "OpenAPI 3.1.", "content": {"application/json": {"schema": {"type": "object"}}}}, **HOST_ERRORS}}},

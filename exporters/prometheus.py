@@ -6,6 +6,7 @@ Two collectors, so a scrape does as little as possible:
   once per snapshot and reused by every scrape of that snapshot.
 - `RuntimeCollector` yields what changes between scrapes (snapshot age, placement
   counters, leases): a handful of series.
+Both render from one value the service's `served()` returns, taken once per scrape.
 
 Names follow the Prometheus conventions: one `topoagent_` namespace, base units
 (`_seconds`, `_bytes_per_second`), `_total` only on counters, `_info` for identity.
@@ -25,13 +26,13 @@ from prometheus_client.registry import Collector
 import topoagent
 from topoagent.log import log_event
 from topoagent.probes.figures import ProbeKind
-from topoagent.served import Snapshot
+from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
-    from topoagent.agent import Agent
     from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
+    from topoagent.service.interface import Service
 
 NS = "topoagent"
 GB = 1e9  # the matrix speaks GB/s (10^9 bytes/s); Prometheus wants bytes/s
@@ -65,9 +66,12 @@ class SnapshotCollector(Collector):
                 [str(info.index)],
                 {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node),
                  # dcgm-exporter's names and spellings for the same GPU, so a PromQL join needs
-                 # no relabelling (its `gpu` is the NVML index, as ours is).
+                 # no relabelling (its `gpu` is the NVML index, as ours is, and its `device`
+                 # is "nvidia" and that index).  Both spellings of the hostname: its releases
+                 # write `Hostname`, its main branch `hostname` (README).
                  "UUID": _opt(info.uuid), "pci_bus_id": nvml_bus_id(info.pci_address), "modelName": _opt(info.model),
-                 "Hostname": _opt(node.hostname)},
+                 "device": f"nvidia{info.index}", "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version),
+                 "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname)},
             )
         yield gpu_info
 
@@ -115,7 +119,8 @@ class SnapshotCollector(Collector):
             for j in range(i + 1, matrix.size):
                 labels = [str(matrix.gpus[i].index), str(matrix.gpus[j].index)]
                 lvl = matrix.level(i, j)
-                level.add_metric([*labels, str(lvl)], int(lvl.kind))
+                if node.level(matrix.gpus[i].name, matrix.gpus[j].name) is not None:  # unknown: no series, never SYS
+                    level.add_metric([*labels, str(lvl)], int(lvl.kind))
                 gbps = matrix.gpu_expected_gbps[i][j]
                 if gbps is not None:
                     expected.add_metric(labels, gbps * GB)
@@ -265,31 +270,31 @@ PROBE_OUTCOMES = ("ok", "timeout", "crash", "oom", "cuda_error", "unavailable", 
 
 
 class RuntimeCollector(Collector):
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(self, served: Served) -> None:
+        self.served = served
 
     def collect(self) -> Iterator[Metric]:
-        agent = self.agent
+        served = self.served
         now = time.time()
         build = InfoMetricFamily(f"{NS}_build", "Version of the running agent.")
         build.add_metric([], {"version": topoagent.__version__})
         yield build
         up = GaugeMetricFamily(f"{NS}_ready", "1 when a topology is loaded and served.")
-        up.add_metric([], 1.0 if agent.snapshot else 0.0)
+        up.add_metric([], 1.0 if served.snapshot else 0.0)
         yield up
-        if agent.snapshot is not None:
+        if served.snapshot is not None:
             age = GaugeMetricFamily(f"{NS}_snapshot_age_seconds", "Seconds since the served topology was collected.")
-            age.add_metric([], max(0.0, now - agent.snapshot.built_at))
+            age.add_metric([], max(0.0, now - served.snapshot.built_at))
             yield age
         requests = CounterMetricFamily(f"{NS}_placement_requests", "Placement requests answered, by outcome.", labels=["outcome"])
         for outcome in ("placed", "nofit", "reserved", "invalid"):
-            requests.add_metric([outcome], agent.placement_requests[outcome])
+            requests.add_metric([outcome], served.placement_requests.get(outcome, 0))
         yield requests
         refreshes = CounterMetricFamily(f"{NS}_discovery_runs", "Discovery runs, by outcome.", labels=["outcome"])
         for outcome in ("success", "failure"):
-            refreshes.add_metric([outcome], agent.refreshes[outcome])
+            refreshes.add_metric([outcome], served.discovery_runs.get(outcome, 0))
         yield refreshes
-        active = agent.active_leases()
+        active = served.active_leases()
         leases = GaugeMetricFamily(f"{NS}_leases", "Leases currently held.")
         leases.add_metric([], len(active))
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
@@ -302,26 +307,25 @@ class RuntimeCollector(Collector):
         for lease in active:
             if lease.satisfaction is not None:
                 satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
-        holding = agent.holding()
+        holding = served.holding()
         orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases whose GPU left the node: they block nothing until released or expired.")
         orphaned.add_metric([], len(holding.orphaned))
         yield from (leases, leased, satisfaction, orphaned)
-        store = agent.lease_store
         recovered = GaugeMetricFamily(
             f"{NS}_leases_recovered_from_corrupt_state",
             "1 when the lease state file was unreadable at start-up and was moved aside: leases granted before may be lost.",
         )
-        recovered.add_metric([], 1.0 if store is not None and store.recovered_from is not None else 0.0)
+        recovered.add_metric([], 1.0 if served.lease_recovery is not None else 0.0)
         yield recovered
         quarantined = GaugeMetricFamily(
             f"{NS}_leases_quarantined",
             "Lease state entries refused on loading and kept aside in leases.quarantine.json (the GPUs they named stay held).",
         )
-        quarantined.add_metric([], float(len(store.quarantined)) if store is not None else 0.0)
+        quarantined.add_metric([], float(len(served.lease_quarantine.entries)) if served.lease_quarantine is not None else 0.0)
         yield quarantined
         busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
         leased_set = set(holding.holder)
-        running = agent.gpus_with_processes()
+        running = served.running
         for gpu in sorted(leased_set | running):
             busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)
         yield busy
@@ -331,7 +335,7 @@ class RuntimeCollector(Collector):
     def _capacity(self) -> Iterator[Metric]:
         """GET /capacity's figures (cached per snapshot and busy set), for cluster views: the
         latest computed (the /metrics handler waits a bounded time for current ones first)."""
-        served = self.agent.capacity()
+        served = self.served.capacity
         if served is None:
             return
         figures = served.capacity
@@ -340,9 +344,9 @@ class RuntimeCollector(Collector):
         yield stale
         free = GaugeMetricFamily(f"{NS}_capacity_free_gpus", "GPUs free now: not leased, running no process, without a critical finding.")
         free.add_metric([], len(figures.free))
-        zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink among themselves.")
+        zone = GaugeMetricFamily(f"{NS}_capacity_largest_free_zone_gpus", "Free GPUs in the largest group joined by NVLink or one PCIe switch among themselves.")
         zone.add_metric([], len(figures.largest_free_zone))
-        fragmentation = GaugeMetricFamily(f"{NS}_capacity_fragmentation", "1 - largest free NVLink zone / free GPUs (0 when nothing is free).")
+        fragmentation = GaugeMetricFamily(f"{NS}_capacity_fragmentation", "1 - largest free zone (NVLink or one PCIe switch) / free GPUs (0 when nothing is free).")
         fragmentation.add_metric([], figures.fragmentation)
         fits = GaugeMetricFamily(f"{NS}_capacity_fits", "1 when a k-GPU job fits on the free GPUs now.", labels=["k"])
         for fit in figures.fits:
@@ -350,31 +354,30 @@ class RuntimeCollector(Collector):
         yield from (free, zone, fragmentation, fits)
 
     def _probes(self, now: float) -> Iterator[Metric]:
-        agent = self.agent
+        probes = self.served.probes
         enabled = GaugeMetricFamily(f"{NS}_probes_enabled", "1 when the agent measures its links ([probes] enabled).")
-        enabled.add_metric([], 1.0 if agent.config.probes_enabled else 0.0)
+        enabled.add_metric([], 1.0 if probes.enabled else 0.0)
         yield enabled
-        if not agent.config.probes_enabled:
+        if not probes.enabled:
             return
         rounds = CounterMetricFamily(f"{NS}_probe_rounds", "Probe worker runs, by outcome: ok, or why it failed (backoff: skipped after failures).", labels=["outcome"])
         for outcome in PROBE_OUTCOMES:
-            rounds.add_metric([outcome], agent.probe_rounds[outcome])
+            rounds.add_metric([outcome], probes.rounds.get(outcome, 0))
         seconds = CounterMetricFamily(f"{NS}_probe_seconds", "Wall time spent probing; its rate is the probe duty cycle.")
-        seconds.add_metric([], agent.probe_seconds_total)
+        seconds.add_metric([], probes.seconds_total)
         yield from (rounds, seconds)
-        latest = agent.latest_probe_round()
+        latest = probes.latest_round
         if latest is not None:
             duration = GaugeMetricFamily(f"{NS}_probe_last_duration_seconds", "How long the last probe worker run took.")
             duration.add_metric([], latest.duration_s)
             started = GaugeMetricFamily(f"{NS}_probe_last_run_timestamp_seconds", "When the last probe worker run started (Unix time).")
             started.add_metric([], latest.started_at)
             yield from (duration, started)
-        service = agent.probes
-        if service is not None:
+        if probes.consecutive_failures is not None:  # the probe service exists (after the first discovery)
             failures = GaugeMetricFamily(f"{NS}_probe_consecutive_failures", "Probe rounds failed in a row (the worker backs off geometrically).")
-            failures.add_metric([], service.runner.consecutive_failures)
+            failures.add_metric([], probes.consecutive_failures)
             running = GaugeMetricFamily(f"{NS}_probe_in_progress", "1 while a probe worker runs.")
-            running.add_metric([], 1.0 if service.schedule.in_flight is not None else 0.0)
+            running.add_metric([], 1.0 if probes.in_progress else 0.0)
             yield from (failures, running)
 
 
@@ -416,17 +419,17 @@ def _render(collector: Collector) -> bytes:
 class MetricsPage:
     """The /metrics text: the snapshot part rendered once per snapshot, plus the runtime part."""
 
-    def __init__(self, agent: Agent, http: HttpCollector | None = None) -> None:
-        self.agent = agent
-        self._runtime = RuntimeCollector(agent)
+    def __init__(self, service: Service, http: HttpCollector | None = None) -> None:
+        self.service = service
         self._http = http
         self._cached: tuple[int, bytes] | None = None
 
     def render(self) -> bytes:
-        snapshot = self.agent.snapshot
+        served = self.service.served()  # one value for the whole page
+        snapshot = served.snapshot
         static = b""
         if snapshot is not None:
             if self._cached is None or self._cached[0] != snapshot.version:
                 self._cached = (snapshot.version, _render(SnapshotCollector(snapshot)))
             static = self._cached[1]
-        return static + _render(self._runtime) + (_render(self._http) if self._http is not None else b"")
+        return static + _render(RuntimeCollector(served)) + (_render(self._http) if self._http is not None else b"")

@@ -271,7 +271,10 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
         parts.append(f'<g class="numa" data-numa="{_esc(node if node is not None else "unknown")}">')
         parts.append(f'<rect x="{box.x}" y="{box.y}" width="{box.w:.1f}" height="{box.h:.1f}" rx="8" '
                      f'fill="{COLORS["numa"]}" stroke="{COLORS["numa_stroke"]}" stroke-width="1.5"/>')
-        text = title if placed or len(title) < 22 else f"NUMA {node}"
+        # A box of NICs alone (a node without GPUs) is narrow: its full title would run into
+        # the next box's (12 px bold, about 7 px a character).
+        fits = any(sw.gpus for sw, _ in placed) or 7 * len(title) <= box.w + GAP * 2 - 8
+        text = title if (placed and fits) or len(title) < 22 else f"NUMA {node}"
         parts.append(f'<text x="{box.x + 8}" y="{box.y + 17}" font-size="12" font-weight="bold" '
                      f'fill="{COLORS["text"]}">{_esc(text)}</text>')
         if not placed:
@@ -387,8 +390,15 @@ def render_svg(topology: NodeTopology, matrix: DistanceMatrix | None = None, *,
             deepest = max(deepest, mid_y + 14)
         y = deepest + 10
     if not fabric and not direct:
+        # Said only where it was seen: no GPUs, or links no witness classified, are not "no NVLink".
+        if not topology.gpus:
+            said = "No GPUs."
+        elif topology.gpus_with_unknown_links():
+            said = "NVLink unknown: no witness saw the links between GPUs."
+        else:
+            said = "No NVLink: GPUs talk over PCIe."
         parts.append(f'<text x="{MARGIN}" y="{y + 10:.1f}" font-size="11" fill="{COLORS["muted"]}">'
-                     "No NVLink: GPUs talk over PCIe.</text>")
+                     f"{said}</text>")
         y += 24
 
     # --- legend and findings

@@ -12,6 +12,10 @@ REPO = TESTS.parent
 SHARED = REPO.parent / "shared"
 CORPUS = SHARED / "corpus"
 FIXTURES = REPO / "fixtures"
+# Recorded nodes whose GPU stack does not answer (issue 27: no NVML, no nvidia-smi; or no GPU
+# at all): the agent says what it cannot see and gives no placement, gres.conf or NCCL file.
+# Tests of what a working stack gives leave them out; tests/test_witnesses.py covers them.
+WITHOUT_GPU_STACK = frozenset({"no-gpu-stack", "no-nvidia-driver", "no-gpus"})
 # The suite checks this checkout, in process and in the commands it starts (they run
 # `python -P -m topoagent`, which ignores the working directory but not PYTHONPATH), so
 # a change is tested without reinstalling; tests/test_packaging.py checks the install.

@@ -209,6 +209,12 @@ class Served:
             raise AssertionError(f"topoagent serve exited {code}:\n{self.log()}")
 
 
+def loaded(status: int, body: bytes) -> bool:
+    """GET /readyz says a topology is loaded: 200, or 503 for a node loaded but not ready
+    for placement (a recording whose GPUs no witness sees; it names its snapshot)."""
+    return status == 200 or (status == 503 and "snapshot_version" in json.loads(body))
+
+
 def _counters_replayed(agent: Served, discovery: set[str]) -> bool:
     """Whether the counter sources have reported: /metrics names collectors that
     discovery (GET /topology's `collectors`) does not."""
@@ -222,7 +228,7 @@ def served_outputs(node: str) -> dict[str, str]:
     with tempfile.TemporaryDirectory(prefix=f"golden-{node}-") as work:
         agent = Served(node, Path(work))
         try:
-            agent.wait_for("GET /readyz 200", lambda: agent.request("GET", "/readyz")[0] == 200)
+            agent.wait_for("a topology loaded (GET /readyz)", lambda: loaded(*agent.request("GET", "/readyz")))
             discovery = set(json.loads(agent.request("GET", "/topology")[1])["collectors"])
             agent.wait_for("the recorded counters served", lambda: _counters_replayed(agent, discovery))
             agent.wait_for("GET /capacity 200", lambda: agent.request("GET", "/capacity")[0] == 200)

@@ -149,9 +149,12 @@ def _limit_files(n: int) -> None:
 
 
 def wait_ready(agent: Agent, timeout: float = 20) -> None:
+    """Until a topology is loaded: /readyz 200, or 503 naming its snapshot (loaded, but not
+    ready for placement: a recording whose GPUs no witness sees)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if agent.get("/readyz").status == 200:
+        ready = agent.get("/readyz")
+        if ready.status == 200 or (ready.status == 503 and "snapshot_version" in ready.json()):
             return
         time.sleep(0.05)
     raise AssertionError("agent never became ready:\n" + agent.log())

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
 from conftest import REPO
-from test_grafana_dashboard import DASHBOARD, METRIC, panel_exprs, real_scrape_names
+from test_grafana_dashboard import DASHBOARD, METRIC, alert_names, grafana_to_promql, panel_exprs, real_scrape_names
+
+from topoagent.collectors import ib_counters, nvml
 
 RULES = REPO / "systemd" / "topoagent-alerts.yml"
 UNIT_TESTS = REPO / "tests" / "alerts_test.yml"
@@ -26,7 +29,40 @@ def run(*args: str, cwd=None) -> subprocess.CompletedProcess:
 def test_rules_file_is_clean_for_promtool():
     done = run("check", "rules", str(RULES))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "SUCCESS: 9 rules found" in done.stdout
+    assert f"SUCCESS: {len(alert_names())} rules found" in done.stdout
+    assert {"TopoagentDown", "TopoagentAbsent", "TopoagentGpuXid", "TopoagentGpuXidApplication"} <= set(alert_names())
+
+
+def rule_expr(name: str) -> str:
+    text = RULES.read_text()
+    block = text[text.index(f"- alert: {name}\n"):]
+    return block[block.index("expr:"):block.index("labels:")]
+
+
+def thresholds_in(expr: str, metric: str) -> dict[str, float]:
+    """counter -> per-second threshold, from `rate(METRIC{counter="X"}[...]) > N` clauses."""
+    found = re.findall(rf'rate\({metric}\{{counter="([a-z_]+)"\}}\[\w+\]\) > ([0-9.]+)', expr)
+    assert found and len(found) == expr.count("rate("), expr  # every rate() has its counter and threshold
+    return {counter: float(limit) for counter, limit in found}
+
+
+def test_error_alerts_use_the_agents_own_counters_and_default_thresholds():
+    """The rules' thresholds are the ones the agent's findings use (collectors' THRESHOLDS):
+    one list, so an error the agent does not judge (out_of_sequence, NVLink CRC) never pages."""
+    for alert, source, metric in (("TopoagentInfinibandErrorsRising", ib_counters, "topoagent_infiniband_port_errors_total"),
+                                  ("TopoagentNvlinkErrorsRising", nvml, "topoagent_nvlink_errors_total")):
+        agent = {value: rule.per_s for rule in source.THRESHOLDS if rule.metric == metric.removeprefix("topoagent_")
+                 for value in rule.match["counter"]}
+        assert agent and thresholds_in(rule_expr(alert), metric) == agent, alert
+
+
+def test_xid_alerts_tell_actionable_from_application_xids_by_the_agents_one_list():
+    actionable, application = rule_expr("TopoagentGpuXid"), rule_expr("TopoagentGpuXidApplication")
+    for expr, op in ((actionable, "=~"), (application, "!~")):
+        lists = set(re.findall(rf'xid{op}"([0-9|]+)"', expr))
+        assert len(lists) == 1 and expr.count("topoagent_gpu_xid_errors_total") == expr.count(f'xid{op}"'), expr
+        (listed,) = lists
+        assert set(listed.split("|")) == nvml.ACTIONABLE_XIDS, f"{op} {listed} is not collectors/nvml.py's ACTIONABLE_XIDS"
 
 
 def test_promtool_unit_tests_of_every_alert_pass():
@@ -75,3 +111,102 @@ tests:
 """)
     done = run("test", "rules", str(test))
     assert done.returncode == 0, f"{DASHBOARD.name} Findings query {expr!r}:\n{done.stdout}{done.stderr}"
+
+
+# --- the README's joins, run by Prometheus's engine on two nodes --------------------------
+
+README = (REPO / "README.md").read_text()
+UUIDS = {("gpu01", "0"): "GPU-0a0a0a0a-0000-0000-0000-000000000001", ("gpu01", "1"): "GPU-0a0a0a0a-0000-0000-0000-000000000002",
+         ("gpu02", "0"): "GPU-0b0b0b0b-0000-0000-0000-000000000001", ("gpu02", "1"): "GPU-0b0b0b0b-0000-0000-0000-000000000002"}
+
+
+def readme_joins() -> list[str]:
+    section = README[README.index("### Prometheus / Grafana"):README.index("### A picture of the node")]
+    blocks = re.findall(r"```promql\n(.*?)```", section, re.S)
+    return [" ".join(line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")) for block in blocks]
+
+
+def two_nodes() -> str:
+    """Each node as its exporters write it: dcgm-exporter on :9400, topoagent on :9477 (so
+    `instance` differs between the two exporters of one node); GPU 0 and 1 on each node,
+    GPU 0 of both with NVLink replays rising at 0.1/s and 0.2/s."""
+    lines = []
+    for (host, gpu), uuid in UUIDS.items():
+        numa = "0" if gpu == "0" else "1"
+        util = {"gpu01": 40, "gpu02": 80}[host] + int(gpu) * 10
+        lines.append(f"""      - series: 'DCGM_FI_DEV_GPU_UTIL{{instance="{host}:9400", job="dcgm", gpu="{gpu}", UUID="{uuid}", device="nvidia{gpu}", Hostname="{host}", hostname="{host}"}}'
+        values: '{util}x10'""")
+        lines.append(f"""      - series: 'topoagent_gpu_info{{instance="{host}:9477", job="topoagent", gpu="{gpu}", uuid="{uuid}", UUID="{uuid}", numa_node="{numa}", pci_address="0000:0{gpu}:00.0", device="nvidia{gpu}", Hostname="{host}", hostname="{host}"}}'
+        values: '1x10'""")
+        rise = {"gpu01": 6, "gpu02": 12}[host] if gpu == "0" else 0
+        lines.append(f"""      - series: 'topoagent_nvlink_errors_total{{instance="{host}:9477", job="topoagent", gpu="{gpu}", link="0", counter="replay"}}'
+        values: '0+{rise}x10'""")
+    return "\n".join(lines)
+
+
+def run_join(tmp_path, expr: str, samples: str) -> subprocess.CompletedProcess:
+    test = tmp_path / "joins_test.yml"
+    test.write_text(f"""
+tests:
+  - interval: 1m
+    input_series:
+{two_nodes()}
+    promql_expr_test:
+      - expr: '{expr}'
+        eval_time: 8m
+        exp_samples:
+{samples}
+""")
+    return run("test", "rules", str(test))
+
+
+def test_the_readme_joins_answer_per_gpu_on_two_nodes(tmp_path):
+    by_numa, nvlink = readme_joins()
+    assert "on (UUID)" in by_numa and "on (instance, gpu)" in nvlink
+    done = run_join(tmp_path, by_numa, """          - {labels: '{Hostname="gpu01", numa_node="0"}', value: 40}
+          - {labels: '{Hostname="gpu01", numa_node="1"}', value: 50}
+          - {labels: '{Hostname="gpu02", numa_node="0"}', value: 80}
+          - {labels: '{Hostname="gpu02", numa_node="1"}', value: 90}""")
+    assert done.returncode == 0, by_numa + "\n" + done.stdout + done.stderr
+    samples = "\n".join(f"""          - {{labels: '{{instance="{host}:9477", gpu="{gpu}", UUID="{uuid}"}}', value: {rate}}}"""
+                        for (host, gpu), uuid in UUIDS.items()
+                        for rate in [{"gpu01": 0.1, "gpu02": 0.2}[host] if gpu == "0" else 0])
+    done = run_join(tmp_path, nvlink, samples)
+    assert done.returncode == 0, nvlink + "\n" + done.stdout + done.stderr
+
+
+def test_the_nvlink_join_without_instance_fails_on_two_nodes_as_the_issue_said(tmp_path):
+    """What the README said before: Prometheus refuses it once two nodes share a GPU index."""
+    old = ('sum by (gpu) (rate(topoagent_nvlink_errors_total{counter="replay"}[5m])) '
+           '* on (gpu) group_left (UUID) topoagent_gpu_info')
+    done = run_join(tmp_path, old, "          - {labels: '{gpu=\"0\"}', value: 0.3}")
+    assert done.returncode != 0 and "many-to-many matching not allowed" in done.stdout + done.stderr
+
+
+def test_the_xid_panel_counts_the_first_event_of_a_series_born_at_it_and_of_one_served_from_0(tmp_path):
+    """gpu01's Xid 13 appears at its first event (value 1, minute 10); gpu02's Xid 79 is served
+    from 0 and rises at minute 10; its agent restarts at minute 20 and Xid 79 comes again at 25."""
+    (expr,) = panel_exprs("GPU Xid events")
+    expr = grafana_to_promql(expr, rate_interval="5m")
+    test = tmp_path / "xid_panel_test.yml"
+
+    def at(minute: int, gpu01: int, gpu02: int) -> str:
+        samples = [f"""          - labels: '{{instance="{host}:9477", gpu="{gpu}", xid="{xid}"}}'
+            value: {value}""" for host, gpu, xid, value in (("gpu01", "2", "13", gpu01), ("gpu02", "6", "79", gpu02)) if value is not None]
+        return f"""      - expr: '{expr}'
+        eval_time: {minute}m
+        exp_samples:
+{chr(10).join(samples) if samples else "          []"}
+"""
+    test.write_text(f"""
+tests:
+  - interval: 1m
+    input_series:
+      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu01:9477", job="topoagent", gpu="2", xid="13"}}'
+        values: '_x10 1x30'
+      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu02:9477", job="topoagent", gpu="6", xid="79"}}'
+        values: '0x9 1x9 _ 0x4 1x15'
+    promql_expr_test:
+{at(9, None, 0)}{at(11, 1, 1)}{at(18, 0, 0)}{at(26, 0, 1)}""")
+    done = run("test", "rules", str(test))
+    assert done.returncode == 0, f"{DASHBOARD.name} Xid query {expr!r}:\n{done.stdout}{done.stderr}"

@@ -4,15 +4,19 @@ and on a real `topoagent serve`."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from schema_check import validate
 from service_helpers import Agent, metric_value, promtool_complaints, start_agent
 
-from topoagent.capacity import capacity
+from topoagent.commands.discover import discover_root
 from topoagent.documents.agent import capacity_document
 from topoagent.placement import Request, place
 from topoagent.placement.synthetic import pcie_two_socket_8, tree_node
+from topoagent.service.capacity import capacity
+
+SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
 
 
 def test_two_nvlink_islands_fragment_as_their_gpus_are_taken():
@@ -41,9 +45,25 @@ def test_unhealthy_gpus_are_not_free_and_nothing_free_is_no_fragmentation():
     figures = capacity(sick, leased=(), running=())
     assert 3 not in figures.free and figures.unhealthy == (3,)
     assert len(figures.free) == 7 and not figures.fits[7].fits
-    assert figures.largest_free_zone == (0,) and figures.fragmentation == pytest.approx(1 - 1 / 7)  # no NVLink
+    # No NVLink: the zones are the PCIe-switch pairs (0,1) (4,5) (6,7), and 2 alone beside sick 3.
+    assert figures.largest_free_zone == (0, 1) and figures.fragmentation == pytest.approx(1 - 2 / 7)
     full = capacity(node, leased=range(8), running=())
     assert full.free == () and full.fragmentation == 0 and not any(f.fits for f in full.fits)
+
+
+@pytest.mark.parametrize("name,zone,fragmentation", [
+    ("pcie-2socket", (0, 1, 2, 3), 0.5),  # two PCIe switches of four GPUs, one per socket (was [0], 0.875)
+    ("workstation-2gpu", (0,), 0.5),  # PHB: through the host bridge, no switch shared
+    ("dgx-a100", tuple(range(8)), 0.0),
+])
+def test_an_idle_recorded_node_counts_pcie_switch_groups_as_zones(name, zone, fragmentation):
+    matrix = discover_root(str(SNAPSHOTS / name)).distance_matrix()
+    idle = capacity(matrix, leased=(), running=())
+    assert idle.largest_free_zone == zone and idle.fragmentation == pytest.approx(fragmentation)
+    # Taking one GPU of a switch group leaves the rest of it a zone.
+    if name == "pcie-2socket":
+        taken = capacity(matrix, leased=(0,), running=())
+        assert taken.largest_free_zone == (4, 5, 6, 7) and taken.fragmentation == pytest.approx(1 - 4 / 7, abs=1e-6)
 
 
 @pytest.fixture

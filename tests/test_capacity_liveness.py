@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from schema_check import validate
-from service_helpers import Agent, metric_value, start_agent
+from service_helpers import Agent, metric_value, start_agent, wait_ready
 
 # Far above what the work needs (a /healthz answer is a millisecond; the budget below is
 # seconds): only an agent whose loop is held by a search misses them.
@@ -153,5 +153,26 @@ def test_concurrent_requests_share_one_computation(tmp_path):
         assert len({r.body for r in replies[::2]}) == 1
         # Nothing changed on the node: one computation served all four.
         assert agent.log().count("event=capacity_computed") == 1, agent.log()
+    finally:
+        assert agent.stop() == 0
+
+
+def test_a_long_dry_run_is_off_the_loop_and_a_caller_without_the_token_gets_a_short_one(tmp_path):
+    """A dry-run /place needs no token, so anyone may ask for the longest search: it runs
+    off the event loop (/healthz answers throughout, as it did not for 15 s at 64 GPUs), and
+    a caller without the token has its deadline cut to a second."""
+    root = random_recording(tmp_path, 64, seed=21440)
+    agent = start_agent(tmp_path, root=root)
+    try:
+        wait_ready(agent, timeout=120)
+        long = {"gpus": 32, "pattern": "alltoall", "deadline_ms": 3000}
+        asking, box = in_thread(lambda: agent.post("/place", long, token=agent.token))
+        # A loop held by the search answers the first /healthz only when the search is done.
+        assert healthz_answers_while(agent, asking) >= 2
+        asking.join()
+        assert "error" not in box, box
+        assert box["result"].status == 200 and box["result"].json()["request"]["deadline_ms"] == 3000
+        anyone = agent.post("/place", {**long, "deadline_ms": 60_000})
+        assert anyone.status == 200 and anyone.json()["request"]["deadline_ms"] == 1000, anyone.body[:300]
     finally:
         assert agent.stop() == 0

@@ -60,11 +60,12 @@ def test_busy_duplicates_are_refused_in_the_batch_lines_words():
 
 @pytest.mark.parametrize("lines, status", [
     (['{"gpus": 2}', '{"gpus": 4}'], 0),
-    (['{"gpus": 2}', '{"gpus": 9}'], 1),
+    (['{"gpus": 2}', '{"gpus": 2, "busy": [0, 1, 2, 3, 4, 5, 6]}'], 1),
+    (['{"gpus": 2}', '{"gpus": 9}', '{"gpus": 2, "busy": [0, 1, 2, 3, 4, 5, 6]}'], 3),
     (['{"gpus": 2}', '{"gpus": 9}', "not json"], 2),
     (['{"gpus": 2, "colour": "red"}', '{"gpus": 2}'], 2),
     ([], 0),
-], ids=["all-placed", "a-no-fit", "a-bad-line", "bad-first", "empty"])
+], ids=["all-placed", "a-no-fit-now", "a-never-fits", "a-bad-line", "bad-first", "empty"])
 def test_batch_exit_status_is_the_worst_lines(lines, status):
     done = topoagent("place", "--root", DGX_A100, "--batch", stdin="".join(line + "\n" for line in lines))
     assert done.returncode == status, done.stderr
@@ -77,19 +78,20 @@ def test_place_on_a_node_without_gpus_says_so_at_every_door(tmp_path):
     node = tmp_path / "no-gpus"
     (node / "sys").mkdir(parents=True)  # a recorded node where sysfs shows nothing
     said = "1 GPUs requested; no GPUs found on this node"
+    # Nothing is busy: it never fits this node (exit 3, 422), not "busy now" (issue 27).
     flag = topoagent("place", "--root", str(node), "--gpus", "1")
-    assert flag.returncode == 1
-    assert flag.stdout.startswith(f"no fit (--gpus): {said}\n")
-    assert flag.stderr == f"topoagent place: no fit: {said}\n"
+    assert flag.returncode == 3
+    assert flag.stdout.startswith(f"never fits this node (--gpus): {said}\n")
+    assert flag.stderr == f"topoagent place: never fits this node: {said}\n"
     line = topoagent("place", "--root", str(node), "--batch", stdin='{"gpus": 1}\n')
-    assert line.returncode == 1 and json.loads(line.stdout)["reason"] == said
+    assert line.returncode == 3 and json.loads(line.stdout)["reason"] == said
     (tmp_path / "agent").mkdir()
     agent = start_agent(tmp_path / "agent", root=node)
     try:
         reply = agent.post("/place", {"gpus": 1})
     finally:
         agent.stop()
-    assert reply.status == 409 and reply.json()["nofit"]["reason"] == said
+    assert reply.status == 422 and reply.json()["nofit"]["reason"] == said
 
 
 # --- HTTP: unknown query parameters --------------------------------------------------------

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from service_helpers import DGX_A100
 
 from topoagent.config import SCHEMA, THRESHOLD_PREFIX, Config, ConfigError, Listen, config_from_toml, parse_listen
-from topoagent.telemetry import THRESHOLD_KEYS
+from topoagent.service.telemetry import THRESHOLD_KEYS
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -40,6 +40,10 @@ def two_socket(root: Path) -> FakeNode:
     nic1 = "pci0000:80/0000:80:02.0/0000:82:00.0"
     node.pci(nic1, IB_CLASS, vendor=0x15B3, numa=1)
     node.hca("mlx5_1", nic1, state="1: DOWN")
+    # NVML answers (no NVLink): with neither it nor nvidia-smi, the GPUs' levels would be
+    # unknown, not their PCIe path (tests/test_witnesses.py).
+    gpus = ("03:00.0", "04:00.0", "06:00.0", "09:00.0", "41:00.0", "81:00.0")
+    node.nvml([nvml_gpu(i, f"0000:{a}", [], name="Tesla T4") for i, a in enumerate(gpus)])
     return node
 
 
@@ -56,7 +60,7 @@ def test_levels_follow_nvidia_smi_meaning(tmp_path: Path) -> None:
     two_socket(tmp_path)
     topo = run(tmp_path)
     n = names_by_address(topo)
-    # Without NVML, GPUs are numbered in PCI bus order, as nvidia-smi does.
+    # NVML numbers them in PCI bus order here, as nvidia-smi does.
     assert [g.pci_address for g in topo.gpus] == sorted(n)
     a, b, c, d, e, f = (n[f"0000:{x}"] for x in ("03:00.0", "04:00.0", "09:00.0", "06:00.0", "41:00.0", "81:00.0"))
     assert str(topo.level(a, b)) == "PIX"
@@ -170,7 +174,8 @@ def test_json_has_the_documented_shapes(tmp_path: Path) -> None:
     nic = out["nics"][0]
     assert (nic["name"], nic["device"], nic["address"], nic["netdev"]) == ("NIC0", "mlx5_0", "0000:05:00.0", "ibp5s0")
     assert nic["ports"][0]["rate_gbps"] == 200.0 and nic["ports"][0]["subnet_prefix"] == "fe80:0000:0000:0000"
-    assert out["collectors"]["nvml"]["status"] == "no_data"
+    assert out["collectors"]["nvml"]["status"] == "ok"
+    assert out["collectors"]["nvidia_smi"]["status"] == "no_data"
     assert out["collectors"]["pci"]["status"] == "ok"
 
 
@@ -214,6 +219,7 @@ def test_a_link_is_judged_once_and_a_slot_limit_is_not_a_fault(tmp_path: Path) -
     nic = "pci0000:00/0000:00:02.0/0000:02:00.0"
     node.pci(nic, IB_CLASS, vendor=0x15B3, speed=("8.0 GT/s PCIe", "16.0 GT/s PCIe"))
     node.hca("mlx5_0", nic)
+    node.nvml([nvml_gpu(0, "0000:01:00.0", [], name="Tesla T4")])
     topo = run(tmp_path)
     found = sorted((f.kind, f.severity, f.subject) for f in topo.findings)
     assert found == [("pcie-degraded", "info", "GPU0"), ("pcie-slow", "warning", "NIC0")]

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import WITHOUT_GPU_STACK
 
 from topoagent.cli import main
 from topoagent.collectors.nvidia_smi import TopoMatrix, parse_topo_matrix
@@ -25,7 +26,9 @@ ALL = sorted(p.name for p in SNAPSHOTS.iterdir() if p.is_dir())
 # Fixtures whose commands/nvidia-smi_topo_-m.out is (or starts with) a real capture;
 # the others' matrix was rendered by the fixture generator (fixtures/SOURCES.md).
 REAL_CAPTURES = ["dgx-a100", "dgx1-v100", "dgx2", "vm-1gpu", "workstation-2gpu"]
-HEALTHY = [n for n in ALL if n != "degraded"]
+WITH_GPU_STACK = [n for n in ALL if n not in WITHOUT_GPU_STACK]
+# Healthy: no fault injected, no witness missing (no-gpudirect lacks GPUDirect's module).
+HEALTHY = [n for n in WITH_GPU_STACK if n not in ("degraded", "no-gpudirect")]
 # What a healthy fixture may still report: pcie-2socket's X722 runs at 2.5 of 8 GT/s
 # behind a port that tops out at 2.5 GT/s (as recorded by hwloc): said, as information.
 EXPECTED_HEALTHY_FINDINGS = {"pcie-2socket": {("pcie-slow", "info", "0000:60:00.0")}}
@@ -52,7 +55,8 @@ def copy_fixture(name: str, dest: Path, *, without_commands: bool = False) -> Pa
 
 def test_the_fixture_list_is_the_issue_list() -> None:
     assert sorted(["dgx-a100", "dgx1-v100", "hgx-h100", "dgx2", "pcie-2socket",
-                          "workstation-2gpu", "vm-1gpu", "degraded"]) == ALL
+                          "workstation-2gpu", "vm-1gpu", "degraded",
+                          "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect"]) == ALL
 
 
 def not_recorded(tool: str) -> str:
@@ -88,16 +92,17 @@ def test_a_recording_tells_a_tool_its_node_lacked_from_one_it_did_not_record(tmp
     assert (result.status, result.message) == ("no_data", "lldpctl not found (install lldpd to learn each Ethernet port's switch)")
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WITH_GPU_STACK)
 def test_every_collector_reads_every_fixture(name: str) -> None:
     topo = discover_at(SNAPSHOTS / name)
     # Every fixture records sysfs, NVML, RDMA devices, network interfaces and nvidia-smi: nothing is missing.
     # None records the driver's procfs (minor numbers) or a GPUDirect peer-memory module:
-    # those sources are absent, quietly.
+    # those sources are absent, quietly (no-gpudirect records the module list without one).
     assert {c.name: (c.status, c.message, c.warnings) for c in topo.collectors} == {
         **{c: ("ok", None, ()) for c in ("numa", "cpu", "pci", "infiniband", "interfaces", "nvml", "nvidia_smi")},
         "nvidia_driver": ("no_data", "/proc/driver/nvidia/gpus: no GPUs listed by the driver", ()),
-        "gpudirect": ("no_data", "no GPUDirect peer-memory module loaded (nvidia_peermem, nv_peer_mem)", ()),
+        "gpudirect": ("ok", None, ()) if name == "no-gpudirect" else
+        ("no_data", "no GPUDirect peer-memory module loaded (nvidia_peermem, nv_peer_mem)", ()),
         # The fabric's neighbours are recorded only in the cluster fixtures (tests/test_fabric_cluster.py).
         # A recording says it holds no such output: an install hint would send the reader
         # to fix the machine that replays it.
@@ -133,7 +138,7 @@ def test_derived_matrix_equals_the_real_nvidia_smi_capture(name: str, tmp_path: 
             assert our_gpu.numa_affinity == real_gpu.numa_affinity
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WITH_GPU_STACK)  # unknown levels print as "?", which no parser reads back
 def test_discover_matrix_prints_what_was_derived(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["discover", "--matrix", "--root", str(SNAPSHOTS / name)]) == 0
     captured = capsys.readouterr()
@@ -145,7 +150,7 @@ def test_discover_matrix_prints_what_was_derived(name: str, capsys: pytest.Captu
     assert len(captured.err.splitlines()) == len(topo.findings)
 
 
-@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("name", WITH_GPU_STACK)
 def test_derived_and_declared_agree_pair_for_pair(name: str) -> None:
     topo = discover_at(SNAPSHOTS / name)
     real = recorded_matrix(name)
@@ -365,7 +370,7 @@ def test_damaged_files_are_named_and_discovery_completes(tmp_path: Path) -> None
 # add_argument makes a help formatter, which asks shutil for the terminal's width; gettext
 # asks locale), and pynvml brings shutil through ctypes.util on a node with a driver.
 NEVER_ONE_SHOT = {"asyncio", "ssl", "aiohttp", "prometheus_client", "torch", "psutil", "logging", "tarfile",
-                  "topoagent.probes", "topoagent.served", "topoagent.agent"}
+                  "topoagent.probes", "topoagent.service.served", "topoagent.service.agent"}
 A100 = str(SNAPSHOTS / "dgx-a100")
 SMI_TEXT = str(Path(__file__).resolve().parents[1] / "fixtures/nvidia-smi/hgx-h20-8gpu-8nic.txt")
 
@@ -378,13 +383,13 @@ def _no_driver() -> set[str]:
 
 
 @pytest.mark.parametrize(("argv", "also_never", "proof"), [
-    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent",
+    (["discover", "--json", "--root", A100], {"pynvml", "topoagent.placement", "topoagent.service.telemetry", "topoagent.documents.agent",
                                               "subprocess", "tempfile"}, "topoagent.node.model"),
-    (["discover", "--json"], {"topoagent.placement", "topoagent.telemetry", "topoagent.documents.agent"} | _no_driver(), "topoagent.node.model"),
+    (["discover", "--json"], {"topoagent.placement", "topoagent.service.telemetry", "topoagent.documents.agent"} | _no_driver(), "topoagent.node.model"),
     (["place", "--root", A100, "--gpus", "4"], {"pynvml"}, "topoagent.placement.search"),
     (["matrix", "--from-nvidia-smi", SMI_TEXT], {"pynvml", "topoagent.placement", "topoagent.node.model"},
      "topoagent.collectors.nvidia_smi"),
-    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.telemetry"}, "topoagent.node.model"),
+    (["export", "nfd", "--root", A100], {"pynvml", "topoagent.service.telemetry"}, "topoagent.node.model"),
     (["snapshot", "recorded"], _no_driver(), "topoagent.node.recording"),
 ])
 def test_one_shot_commands_import_only_what_they_use(

@@ -198,9 +198,9 @@ def test_metrics_name_each_ports_switch_and_rail_and_pass_promtool(tmp_path: Pat
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from topoagent.agent import Agent
     from topoagent.config import Config
     from topoagent.exporters.prometheus import MetricsPage
+    from topoagent.service.agent import Agent
 
     root = rail_node(tmp_path)
 

@@ -33,7 +33,7 @@ def served() -> dict[str, dict[str, str]]:
 
 
 def test_every_recorded_node_has_golden_outputs():
-    assert len(NODES) == 8  # tests/test_fixtures.py names them
+    assert len(NODES) == 12  # tests/test_fixtures.py names them
     for node in NODES:
         held = sorted(p.name for p in (SNAPSHOTS / node / "expected").iterdir())
         assert held == sorted([*FILES, PAGE_TEXT]), f"{node}/expected holds {held}"
@@ -53,8 +53,10 @@ def test_nothing_of_the_machine_running_the_test_leaks_in(served):
     directory of the run) is in any file."""
     for node, files in served.items():
         recorded = json.loads((SNAPSHOTS / node / "snapshot.json").read_text())["hostname"]
-        assert json.loads(files["topology.json"])["hostname"] == recorded
-        assert set(re.findall(r'Hostname="([^"]*)"', files["metrics.txt"])) == {recorded}
+        topology = json.loads(files["topology.json"])
+        assert topology["hostname"] == recorded
+        # Hostname labels the GPU series (dcgm-exporter's): a node without GPUs has none.
+        assert set(re.findall(r'Hostname="([^"]*)"', files["metrics.txt"])) == ({recorded} if topology["gpus"] else set())
         for name, text in files.items():
             assert str(golden_outputs.REPO) not in text and "golden-" not in text, f"{node}/{name} names a local path"
 
@@ -88,7 +90,8 @@ def test_served_answers_agree_with_the_placement_core_on_a_free_node():
             if set(request) <= {"gpus", "pattern", "nics"}:
                 key = (request.get("pattern", "allreduce"), request["gpus"], request.get("nics", 0))
                 served[key] = [g["index"] for g in row["answer"]["gpus"]] if row["status"] == 200 else None
-        for busy, pattern, k, nics, answer in CORE_ANSWERS[node]:
+        # The nodes added with issue 27 have no recorded core answers (two of them answer none).
+        for busy, pattern, k, nics, answer in CORE_ANSWERS.get(node, []):
             if not busy and (pattern, k, nics) in served:
                 assert served[(pattern, k, nics)] == answer, f"{node}: {pattern} k={k} nics={nics}"
                 compared += 1

@@ -29,6 +29,10 @@ interval_s = 0.2
 WAIT_S = 90
 
 
+def alert_names() -> list[str]:
+    return [line.split("alert:")[1].strip() for line in RULES.read_text().splitlines() if line.strip().startswith("- alert:")]
+
+
 def board() -> dict:
     return json.loads(DASHBOARD.read_text())
 
@@ -82,8 +86,15 @@ def test_dashboard_is_grafana_json_with_unique_panels():
     titles = {p["title"] for p in doc["panels"]}
     for wanted in ("Findings", "Busy GPUs", "Lease state recovered from corruption", "Probe rounds", "Probe failures in a row",
                    "InfiniBand/RoCE traffic", "NVLink traffic per GPU", "InfiniBand/RoCE port errors", "NVLink errors",
-                   "PCIe AER errors and replays", "GPU Xid events"):
+                   "PCIe AER errors and replays", "GPU Xid events", "GPU temperature", "GPU power", "GPU utilisation", "GPU clocks"):
         assert wanted in titles, wanted
+    variables = {v["name"]: v for v in doc["templating"]["list"]}
+    assert {"instance", "gpu"} <= set(variables) and variables["gpu"]["includeAll"] and variables["gpu"]["multi"]
+    # Every panel of a GPU's own series follows both pickers.
+    for p in doc["panels"]:
+        for t in p["targets"]:
+            if re.search(r"topoagent_gpu_(temperature|memory_temperature|power|utilization|memory_utilization|sm_clock|memory_clock|xid|ecc)", t["expr"]):
+                assert 'gpu=~"$gpu"' in t["expr"] and 'instance=~"$instance"' in t["expr"], (p["title"], t["expr"])
 
 
 def test_panels_never_overlap():
@@ -172,8 +183,8 @@ def prometheus(tmp_path_factory):
         agent.stop()
 
 
-def grafana_to_promql(expr: str) -> str:
-    return expr.replace("$instance", ".*").replace("$__rate_interval", "1m")
+def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
+    return expr.replace("$instance", ".*").replace("$gpu", ".*").replace("$__rate_interval", rate_interval)
 
 
 def test_every_panel_query_answers_with_series_from_a_real_scrape(prometheus):
@@ -201,9 +212,17 @@ def test_findings_panel_shows_the_degraded_nodes_count_once(prometheus):
 def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings(prometheus):
     groups = prometheus.api("rules")["data"]["groups"]
     rules = {r["name"]: r for g in groups for r in g["rules"]}
-    assert len(rules) == 9 and all(r["health"] == "ok" for r in rules.values()), rules
+    assert set(rules) == set(alert_names()) and all(r["health"] == "ok" for r in rules.values()), rules
     alerts = wait_for("TopoagentCriticalFinding pending", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
                                                                    if a["labels"]["alertname"] == "TopoagentCriticalFinding"],
                       timeout=WAIT_S, interval=0.2)
     assert {a["labels"]["kind"] for a in alerts} >= {"gpu-xid", "ib-errors-rising", "nvlink-errors-rising"}
     assert all(a["state"] in ("pending", "firing") for a in alerts)
+    # The recorded Xid 79 on GPU 6 is the series' first event as Prometheus sees it: it fires
+    # at once, and the actionable Xids the agent serves at 0 on every other GPU do not.
+    xids = wait_for("TopoagentGpuXid firing", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
+                                                      if a["labels"]["alertname"] == "TopoagentGpuXid" and a["state"] == "firing"],
+                    timeout=WAIT_S, interval=0.2)
+    assert [(a["labels"]["gpu"], a["labels"]["xid"], a["labels"]["severity"]) for a in xids] == [("6", "79", "critical")]
+    served_at_zero = prometheus.query('count(topoagent_gpu_xid_errors_total == 0)')["data"]["result"]
+    assert served_at_zero and float(served_at_zero[0]["value"][1]) >= 7 * 10

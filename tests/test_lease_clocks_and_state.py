@@ -13,9 +13,9 @@ import os
 import pytest
 from test_leases import Clock, fake_store
 
-from topoagent import leases as leases_module
 from topoagent.documents.lease import TTL_MAX_S
-from topoagent.leases import MAX_STATE_BYTES, LeaseConflict, LeaseStore, StateUnusable
+from topoagent.service import leases as leases_module
+from topoagent.service.leases import MAX_STATE_BYTES, LeaseConflict, LeaseStore, StateUnusable
 
 HOUR, DAY = 3600.0, 86400.0
 

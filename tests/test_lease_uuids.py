@@ -9,14 +9,14 @@ from dataclasses import replace
 import pytest
 from service_helpers import DGX_A100, metric_value
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
-from topoagent.leases import LeaseStore
 from topoagent.node.discovery import discover
 from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Request
+from topoagent.service.agent import Agent
+from topoagent.service.leases import LeaseStore
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_a_lease_whose_gpu_left_the_node_blocks_nothing_and_is_listed_as_orphane
             _, lease = await agent.reserve(Request(gpus=1, include=(7,)), "job-7", 600)
             assert lease is not None
             await agent.request_refresh("test")  # GPU 7 is gone
-            dry = agent.place(Request(gpus=7))
+            dry = await agent.place(Request(gpus=7))
             _, reserved = await agent.reserve(Request(gpus=7), "job-all", 600)
             metrics = MetricsPage(agent).render().decode()
             return len(dry.indices), [l.id for l in agent.holding().orphaned], metrics, reserved is not None

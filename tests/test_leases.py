@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from test_placement import H20
 
-from topoagent.leases import LeaseConflict, LeaseError, LeaseStore
 from topoagent.placement import NoFit, Request
+from topoagent.service.leases import LeaseConflict, LeaseError, LeaseStore
 
 
 class Clock:
@@ -130,7 +130,7 @@ def test_concurrent_placements_never_share_a_gpu(tmp_path):
 CHILD = """
 import sys
 import time
-from topoagent.leases import LeaseStore
+from topoagent.service.leases import LeaseStore
 store = LeaseStore(sys.argv[1])
 for i in range(1000):  # GPU indices up to the largest node's; then wait to be killed
     lease = store.reserve(f"job-{i}", [i], ttl_s=3600)

@@ -18,7 +18,7 @@ from topoagent.exporters.nfd import nfd_features
 from topoagent.exporters.prometheus import SnapshotCollector
 from topoagent.node.discovery import discover_sync
 from topoagent.node.host import Host
-from topoagent.served import Snapshot
+from topoagent.service.served import Snapshot
 
 TRAY = FIXTURES / "nvml" / "gb200-nvl72-tray.json"
 CLUSTER = "7a3f9c2e-4b1d-4e8a-9c6f-2d5e8b1a0c34"

@@ -308,10 +308,54 @@ def test_estimate_follows_nccls_ring_model():
     e = answer.estimate
     # 8.4 us base + 14 steps x 3.4 us (NVLink) + 1 GiB at 300 GB/s x 8/14 algorithm bandwidth
     expected = 8.4 + 14 * 3.4 + (1 << 30) / (1000 * 300 * 8 / 14)
-    assert e.message_bytes == 1 << 30 and e.hop_latency_us == 3.4
+    assert e.model == "ring_allreduce" and e.message_bytes == 1 << 30 and e.hop_latency_us == e.latency_us == 3.4
     assert e.time_us == pytest.approx(expected, abs=0.01)
     assert e.bus_bandwidth_gbps == pytest.approx((1 << 30) * 14 / 8 / (1000 * expected), abs=0.01)
     assert placed("dgx-a100", gpus=1).estimate is None
+
+
+def test_alltoall_estimate_times_each_ranks_sends_to_every_peer():
+    """Issue 27 item 5: alltoall printed the ring all-reduce's figures."""
+    matrix = node("pcie-2socket").distance_matrix()
+    answer = placed("pcie-2socket", gpus=8, pattern="alltoall", message_bytes=1 << 22)
+    e = answer.estimate
+    assert e.model == "alltoall" and e.message_bytes == 1 << 22 and e.ring_gbps is None
+    pos = {g.index: p for p, g in enumerate(matrix.gpus)}
+    gbps = {frozenset((ln.a_index, ln.b_index)): ln.gbps for ln in answer.links}  # every pair, as the answer rates it
+
+    def send_us(a: int, b: int) -> float:
+        return matrix.latency_us(pos[a], pos[b]) + (1 << 22) / (1000 * gbps[frozenset((a, b))])
+
+    expected = max(sum(send_us(a, b) for b in answer.indices if b != a) for a in answer.indices)
+    assert e.time_us == pytest.approx(expected, rel=1e-3)
+    assert e.link_gbps == min(gbps.values())
+    assert e.bus_bandwidth_gbps == pytest.approx(7 * (1 << 22) / (1000 * expected), rel=1e-3)
+
+
+def test_pipeline_estimate_is_the_slowest_stage_and_independent_has_none():
+    matrix = node("pcie-2socket").distance_matrix()
+    answer = placed("pcie-2socket", gpus=8, pattern="pipeline")
+    e = answer.estimate
+    pos = {g.index: p for p, g in enumerate(matrix.gpus)}
+    stage_us = [matrix.latency_us(pos[ln.a_index], pos[ln.b_index]) + (1 << 20) / (1000 * ln.gbps) for ln in answer.links]
+    assert e.model == "pipeline_p2p" and e.message_bytes == 1 << 20  # one message, the latency-bound default
+    assert e.time_us == pytest.approx(max(stage_us), rel=1e-3)
+    assert e.bus_bandwidth_gbps == pytest.approx((1 << 20) / (1000 * max(stage_us)), rel=1e-3)
+    assert placed("pcie-2socket", gpus=8, pattern="independent").estimate is None
+
+
+def test_each_pattern_prints_its_own_model_and_follows_the_message_size():
+    said = {}
+    for pattern in ("allreduce", "alltoall", "pipeline", "independent"):
+        out = cli("--gpus", "4", "--pattern", pattern, "--root", str(SNAPSHOTS / "hgx-h100"))
+        assert out.returncode == 0, out.stderr
+        said[pattern] = [line for line in out.stdout.splitlines() if line.startswith("estimate: ")]
+    assert said["allreduce"][0].startswith("estimate: ring all-reduce of 268435456 bytes: ")
+    assert said["alltoall"][0].startswith("estimate: all-to-all, one message of 1048576 bytes to each peer: ")
+    assert said["pipeline"][0].startswith("estimate: pipeline point-to-point, one message of 1048576 bytes per stage: ")
+    assert said["independent"] == []
+    small, large = (placed("hgx-h100", gpus=4, pattern="alltoall", message_bytes=size).estimate for size in (1 << 16, 1 << 24))
+    assert small.message_bytes == 1 << 16 and large.message_bytes == 1 << 24 and large.time_us > small.time_us
 
 
 def test_batch_compares_four_local_gpus_with_eight_across_sockets():

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 from service_helpers import DGX_A100
 
-from topoagent.agent import Agent
 from topoagent.cli import main
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
@@ -23,6 +22,7 @@ from topoagent.placement import Placement, Request, place
 from topoagent.placement.synthetic import build
 from topoagent.probes.figures import ProbeFigure, ProbeKind
 from topoagent.probes.overlay import overlay
+from topoagent.service.agent import Agent
 from topoagent.vocabulary import Unit
 
 SNAPSHOTS = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
@@ -283,7 +283,7 @@ def test_the_service_stays_ready_with_a_gpu_whose_links_are_unknown(tmp_path, a1
         await agent.start()
         await agent.request_refresh("test")
         assert agent.snapshot is not None and not agent.snapshot.stale
-        answer = agent.place(Request(gpus=4))
+        answer = await agent.place(Request(gpus=4))
         assert isinstance(answer, Placement) and 7 not in answer.indices
         await agent.stop()
 

@@ -18,13 +18,13 @@ from schema_check import validate
 from service_helpers import DGX_A100, start_agent, wait_for
 from test_probe_life import service_for
 
-from topoagent.agent import Agent
 from topoagent.commands.discover import discover_root
 from topoagent.config import Config
 from topoagent.node.host import Host
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Live, Placement, Request, place
-from topoagent.telemetry import nic_traffic, replayed
+from topoagent.service.agent import Agent
+from topoagent.service.telemetry import nic_traffic, replayed
 
 BUSY_GBS = 20.0  # of a 200 Gb/s (25 GB/s) HDR port: 8 steps of a tenth of its line rate
 
@@ -87,14 +87,14 @@ def test_the_agent_passes_its_unverified_gpus_to_placement(tmp_path):
         await agent.start()
         try:
             await agent.request_refresh("test")
-            before = agent.place(Request(gpus=2))
+            before = await agent.place(Request(gpus=2))
             assert isinstance(before, Placement) and set(before.indices) == {0, 1}
             # The probe service (its loop not running, so nothing gets verified) hears that
             # a lease on GPUs 0 and 1 ended, as agent.release tells it.
             agent.probes, _clock = service_for(range(8), lambda plan: pytest.fail("no probe runs here"))
             agent.probes.on_lease_ended("lease-a", [0, 1])
             assert agent.unverified_gpus() == {0, 1}
-            after = agent.place(Request(gpus=2))
+            after = await agent.place(Request(gpus=2))
             assert isinstance(after, Placement) and not set(after.indices) & {0, 1}
             assert after.bandwidth_gbps == before.bandwidth_gbps and after.objective.damage == before.objective.damage
             assert any("GPU(s) 0,1 unverified" in line for line in after.explain)

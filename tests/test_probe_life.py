@@ -27,7 +27,7 @@ from topoagent.probes.plan import PlanDefaults
 from topoagent.probes.runner import ProbeRound, ProbeRunner
 from topoagent.probes.schedule import GpuActivity, ProbeSchedule, ProbeTarget, ScheduleConfig
 from topoagent.probes.service import ProbeService
-from topoagent.served import Snapshot
+from topoagent.service.served import Snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT.parent / "shared" / "corpus"

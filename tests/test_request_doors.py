@@ -95,7 +95,8 @@ def http_answer(agent, obj: dict) -> dict:
     body = reply.json()
     if reply.status == 200:
         return body
-    if reply.status == 409:
+    if reply.status in (409, 422):  # busy now / never fits: the answer says which, as a batch line does
+        assert body["nofit"]["never_fits"] is (reply.status == 422), (obj, reply.status, body)
         return body["nofit"]
     assert reply.status == 400 and body["error"] == "bad_request", (obj, reply.status, body)
     field, _, message = body["detail"].partition(": ")

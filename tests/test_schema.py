@@ -61,7 +61,8 @@ def test_place_answers_hold_to_their_schemas(capsys: pytest.CaptureFixture[str],
     root = str(FIXTURES / "snapshots" / "dgx-a100")
     assert main(["place", "--gpus", "4", "--nics", "2", "--json", "--root", root]) == 0
     validate(json.loads(capsys.readouterr().out), "Placement")
-    assert main(["place", "--gpus", "3", "--busy", "0,2,4,6", "--single-numa", "--json", "--root", root]) == 1
+    # NUMA nodes of 2 GPUs never hold 3: exit 3, never fits (issue 27).
+    assert main(["place", "--gpus", "3", "--busy", "0,2,4,6", "--single-numa", "--json", "--root", root]) == 3
     nofit = json.loads(capsys.readouterr().out)
     validate(nofit, "NoFit")
     assert nofit["best_available"] is not None  # the nested placement was checked too

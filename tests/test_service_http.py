@@ -113,9 +113,9 @@ def test_dry_run_places_without_holding(fresh):
     assert len(gpus) == 4 and set(gpus) <= set(GPUS)
     assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
     nofit = fresh.post("/place", {"gpus": 9})
-    assert nofit.status == 409
-    assert nofit.json()["error"] == "no_fit" and nofit.json()["nofit"]["constraint"] == "gpus"
-    assert nofit.json()["detail"] == "gpus: 9 GPUs requested, 8 free of 8"
+    assert nofit.status == 422  # more than the node has: never fits (409 is for busy now)
+    assert nofit.json()["error"] == "never_fits" and nofit.json()["nofit"]["constraint"] == "gpus"
+    assert nofit.json()["detail"] == "never fits this node: gpus: 9 GPUs requested, 8 free of 8"
 
 
 def test_reserve_list_release(fresh):
@@ -209,7 +209,7 @@ def test_min_level_reads_like_the_cli(agent):
     """NV12, NV18 and lowercase nv mean what `topoagent place --min-level` makes of them."""
     for level, fits in (("NV12", True), ("nv12", True), ("nv", True), ("Pix", True), ("NV18", False), ("SOC", True)):
         reply = agent.post("/place", {"gpus": 2, "min_level": level})
-        assert reply.status == (200 if fits else 409), (level, reply.body)
+        assert reply.status == (200 if fits else 422), (level, reply.body)  # nothing busy: never fits
     # The DGX A100's GPUs are joined by NV12: asking for 18 links cannot fit here.
     assert agent.post("/place", {"gpus": 2, "min_level": "NV18"}).json()["nofit"]["constraint"] == "min_level"
 

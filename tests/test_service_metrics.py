@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import json
 import shutil
 import subprocess
+import time
 
 import pytest
 from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.node.matrix import Measurement
+from topoagent.placement import Request
+from topoagent.service.agent import Agent
 
 SNAPSHOTS = FIXTURES / "snapshots"
 
@@ -32,7 +35,8 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None
                 snap = agent.snapshot
                 matrix = snap.matrix.with_measurements({(0, 1): Measurement(gbps=231.5, taken_at=1.7e9)})
                 agent.snapshot = snap.with_probes(snap.version + 1, matrix, snap.probe_figures, snap.probe_findings)
-            agent.placement_requests["placed"] += 3
+            for _ in range(3):  # three dry runs answered
+                await agent.place(Request(gpus=1))
             return MetricsPage(agent).render()
         finally:
             await agent.stop()
@@ -66,10 +70,16 @@ def series_labels(text: str, name: str) -> list[dict[str, str]]:
 
 
 # One series of dcgm-exporter 4.x as its template (internal/pkg/rendermetrics) writes it for
-# GPU 0 of the DGX A100 fixture: the labels a join with topoagent_gpu_info must match.
+# GPU 0 of the DGX A100 fixture (with DCGM_FI_DRIVER_VERSION, a `label` field of its default
+# csv): the labels a join with topoagent_gpu_info must match.  Its main branch writes
+# `hostname` instead of `Hostname`.
 DCGM_GPU0 = ('DCGM_FI_DEV_GPU_UTIL{gpu="0",UUID="GPU-a13ea39b-79e0-dde4-386c-854e124e28d7",'
              'pci_bus_id="00000000:07:00.0",device="nvidia0",modelName="NVIDIA A100-SXM4-40GB",'
-             'Hostname="gpu01"} 87\n')
+             'Hostname="gpu01",DCGM_FI_DRIVER_VERSION="@DRIVER@"} 87\n')
+DCGM_MAIN_GPU0 = DCGM_GPU0.replace("Hostname=", "hostname=")
+
+
+DGX_A100_DRIVER = json.loads((SNAPSHOTS / "dgx-a100" / "nvml.json").read_text())["driver_version"]
 
 
 def test_gpu_info_carries_dcgm_exporters_identity_labels_so_a_join_needs_no_relabelling(tmp_path):
@@ -81,10 +91,13 @@ def test_gpu_info_carries_dcgm_exporters_identity_labels_so_a_join_needs_no_rela
         "gpu": "0", "uuid": "GPU-a13ea39b-79e0-dde4-386c-854e124e28d7", "pci_address": "0000:07:00.0",
         "model": "NVIDIA A100-SXM4-40GB", "numa_node": "3",
         "UUID": "GPU-a13ea39b-79e0-dde4-386c-854e124e28d7", "pci_bus_id": "00000000:07:00.0",
-        "modelName": "NVIDIA A100-SXM4-40GB", "Hostname": "gpu01"}
-    dcgm = series_labels(DCGM_GPU0, "DCGM_FI_DEV_GPU_UTIL")[0]
-    for key in ("gpu", "UUID", "pci_bus_id", "modelName", "Hostname"):
-        assert info["0"][key] == dcgm[key], key
+        "modelName": "NVIDIA A100-SXM4-40GB", "device": "nvidia0", "DCGM_FI_DRIVER_VERSION": DGX_A100_DRIVER,
+        "Hostname": "gpu01", "hostname": "gpu01"}
+    for sample in (DCGM_GPU0, DCGM_MAIN_GPU0):
+        dcgm = series_labels(sample.replace("@DRIVER@", DGX_A100_DRIVER), "DCGM_FI_DEV_GPU_UTIL")[0]
+        for key in dcgm:
+            assert info["0"][key] == dcgm[key], key
+    assert info["7"]["device"] == "nvidia7"
     # NVML writes hex digits upper case: the B7 bus of GPU 6 (sysfs 0000:b7:00.0).
     assert info["6"]["pci_address"] == "0000:b7:00.0" and info["6"]["pci_bus_id"] == "00000000:B7:00.0"
 
@@ -182,3 +195,19 @@ def test_live_leases_show_their_topology_satisfaction_also_after_a_restart(tmp_p
     assert promtool_complaints(before.encode()) == []
     restarted, _, _ = asyncio.run(run("restart"))
     assert metric_value(restarted, name, {"lease": local_id, "owner": "job-local"}) == 1.0
+
+
+def test_counters_are_served_from_the_first_snapshot_not_an_interval_later(tmp_path):
+    """The counters' first read comes with discovery's first snapshot: with an hour between
+    reads, the recorded InfiniBand counters are still on /metrics within the first scrapes
+    (they were missing for a whole interval, 10 s by default)."""
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100", config="[telemetry]\ninterval_s = 3600\n")
+    try:
+        deadline = time.monotonic() + 120  # a bound for a loaded machine, not an expectation
+        page = ""
+        while "topoagent_infiniband_port_received_bytes_total{" not in page and time.monotonic() < deadline:
+            reply = agent.get("/metrics")
+            page = reply.body.decode() if reply.status == 200 else ""
+        assert "topoagent_infiniband_port_received_bytes_total{" in page, agent.log()[-2000:]
+    finally:
+        assert agent.stop() == 0

@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 from service_helpers import DGX_A100, start_agent
 
-from topoagent.agent import Agent
 from topoagent.config import Config
 from topoagent.node.discovery_process import discover_in_child
 from topoagent.node.host import Host
+from topoagent.service.agent import Agent
 from topoagent.vocabulary import Status
 
 

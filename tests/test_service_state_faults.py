@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 from service_helpers import DGX_A100, metric_value, start_agent, wait_for
 
-from topoagent import agent as agent_module
-from topoagent.agent import Agent as Runtime
-from topoagent.agent import LoopHealth
 from topoagent.config import Config
-from topoagent.leases import MAX_STATE_BYTES
+from topoagent.service import loop as loop_module
+from topoagent.service.agent import Agent as Runtime
+from topoagent.service.leases import MAX_STATE_BYTES
+from topoagent.service.loop import LoopHealth
 
 HOSTILE = {
     "nested": b'{"schema": 1, "leases": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
@@ -126,7 +126,7 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
 
 
 def test_a_background_loop_outlives_every_kind_of_failure(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(agent_module, "LOOP_RETRY_MIN_S", 0.0)
+    monkeypatch.setattr(loop_module, "LOOP_RETRY_MIN_S", 0.0)
     caplog.set_level(logging.INFO, logger="topoagent")
     runtime = Runtime(Config(root=str(DGX_A100), state_dir=str(tmp_path / "s")))
     now = [0.0]

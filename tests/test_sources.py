@@ -17,13 +17,13 @@ from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import metric_value, promtool_complaints
 
-from topoagent.agent import Agent
 from topoagent.collectors import aer
 from topoagent.collectors.counters import COUNTER, GAUGE, CounterSource, Family, Threshold, label_is
 from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, SOURCES, THRESHOLDS, by_subsystem, check_declarations
 from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
-from topoagent.telemetry import History, Sample, served
+from topoagent.service.agent import Agent
+from topoagent.service.telemetry import History, Sample, served
 from topoagent.vocabulary import FindingKind, Severity
 
 SNAPSHOTS = FIXTURES / "snapshots"
@@ -110,14 +110,14 @@ def _imports(path: Path) -> set[str]:
 
 def test_discovery_and_telemetry_never_import_each_other_and_nothing_registers_through_getattr():
     discovery, telemetry, registry = (Path(importlib.util.find_spec(name).origin or "") for name in
-                                      ("topoagent.node.discovery", "topoagent.telemetry", "topoagent.collectors.registry"))
-    assert "topoagent.telemetry" not in _imports(discovery)
+                                      ("topoagent.node.discovery", "topoagent.service.telemetry", "topoagent.collectors.registry"))
+    assert "topoagent.service.telemetry" not in _imports(discovery)
     assert "topoagent.node.discovery" not in _imports(telemetry)
     for path in (discovery, telemetry, registry):
         tree = ast.parse(path.read_text())
         assert "__getattr__" not in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, path.name
     # Importing one loads not the other: the registry they share imports only the sources.
-    for first, other in (("topoagent.telemetry", "topoagent.node.discovery"), ("topoagent.node.discovery", "topoagent.telemetry")):
+    for first, other in (("topoagent.service.telemetry", "topoagent.node.discovery"), ("topoagent.node.discovery", "topoagent.service.telemetry")):
         done = subprocess.run([sys.executable, "-P", "-c", f"import sys, {first}; print({other!r} in sys.modules)"],
                               capture_output=True, text=True, check=True, cwd=REPO)
         assert done.stdout.strip() == "False", f"importing {first} loaded {other}"

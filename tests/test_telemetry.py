@@ -19,7 +19,7 @@ from service_helpers import metric_value, promtool_complaints, start_agent, wedg
 
 from topoagent.collectors import aer, ib_counters
 from topoagent.collectors.registry import FAMILIES
-from topoagent.telemetry import THRESHOLDS, History, Sample, rate
+from topoagent.service.telemetry import THRESHOLDS, History, Sample, rate
 
 SNAPSHOTS = FIXTURES / "snapshots"
 FAST = "[telemetry]\ninterval_s = 0.2\n"

@@ -225,9 +225,10 @@ def man_page(parser: argparse.ArgumentParser, date: datetime.date | None = None)
             lines += [".PP", ".nf", roff(command.epilog.rstrip("\n")), ".fi"]
     lines += [
         ".SH EXIT STATUS",
-        "0 done; 1 nothing to do: no fit (\\fBplace\\fR), a failed probe (\\fBprobe\\fR), no GPUs on the node "
-        "(\\fBexport\\fR); 2 bad input; 130 interrupted. \\fBplace \\-\\-batch\\fR exits with its worst line's "
-        "status: 2 if any line was bad input, else 1 if any did not fit, else 0.",
+        "0 done; 1 nothing to do: no fit now (\\fBplace\\fR), a failed probe (\\fBprobe\\fR), no GPUs on the node "
+        "(\\fBexport\\fR); 2 bad input; 3 never fits this node, not even with every GPU free (\\fBplace\\fR); "
+        "130 interrupted. \\fBplace \\-\\-batch\\fR exits with its worst line's "
+        "status: 2 if any line was bad input, else 3 if any never fits, else 1 if any did not fit now, else 0.",
         ".SH SEE ALSO",
         "The README of the topoagent project; \\fBtopoagent completion\\fR for shell completion.",
     ]

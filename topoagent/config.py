@@ -16,7 +16,7 @@ from typing import Any
 
 from topoagent.errors import TopoagentError
 from topoagent.placement.request import SERVICE_DEADLINE_MS
-from topoagent.telemetry import THRESHOLD_KEYS
+from topoagent.service.telemetry import THRESHOLD_KEYS
 
 THRESHOLD_PREFIX = "threshold:"
 
@@ -80,12 +80,12 @@ class Config:
     probe_busy_utilization_percent: float = 5.0
     probe_sizes_bytes: tuple[int, ...] | None = None  # None: the backend's defaults
     probe_repetitions: int | None = None
-    # [telemetry]: link and GPU counters read on their own interval (topoagent/telemetry.py)
+    # [telemetry]: link and GPU counters read on their own interval (topoagent/service/telemetry.py)
     telemetry_enabled: bool = True
     telemetry_interval_s: float = 10.0
     telemetry_timeout_s: float = 5.0  # one source's read longer than this fails alone
     telemetry_thresholds: tuple[tuple[str, float], ...] = ()  # THRESHOLDS overridden by key
-    # [exports]: files the running agent keeps current (topoagent/exports.py); None = not written
+    # [exports]: files the running agent keeps current (topoagent/service/exports.py); None = not written
     export_nfd_path: str | None = None
     export_nfd_prefix: str = "topoagent.io"
     export_nfd_expiry_s: float = 3600.0  # NFD drops the labels this long after a write
@@ -95,7 +95,7 @@ class Config:
     export_nccl_path: str | None = None
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
-    # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/capacity.py)
+    # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
     placement_capacity_budget_ms: int = CAPACITY_BUDGET_MS
 
     @property
@@ -319,7 +319,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "enabled": ("telemetry_enabled", _bool),
         "interval_s": ("telemetry_interval_s", _positive_seconds),
         "timeout_s": ("telemetry_timeout_s", _positive_seconds),
-        # One key per row of topoagent.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
+        # One key per row of topoagent.service.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
         **{key: (f"{THRESHOLD_PREFIX}{key}", _rate) for key in THRESHOLD_KEYS},
     },
     "exports": {

@@ -54,6 +54,10 @@ class FindingKind(enum.StrEnum):
     DUPLICATE_GPU = "duplicate-gpu"  # a source lists one GPU twice, or two GPUs with one identity
     NUMA_DISAGREEMENT = "numa-disagreement"  # NVML and sysfs place a device on different NUMA nodes
     GPU_UNLEASABLE = "gpu-unleasable"  # its identity (UUID, index) cannot be stored in a lease: never leased
+    # A witness the node's answers rest on is missing (topoagent/node/findings.py).
+    GPU_STACK_MISSING = "gpu-stack-missing"  # GPUs on the PCI bus, but neither NVML nor nvidia-smi answers
+    NO_GPUS = "no-gpus"  # a GPU node that shows no GPU at all
+    GPUDIRECT_MISSING = "gpudirect-missing"  # RDMA NICs and GPUs, no peer-memory module loaded
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"
@@ -64,13 +68,14 @@ class FindingKind(enum.StrEnum):
     LINK_DECAY = "link_decay"
     PROBED_UNDER_LOAD = "probed_under_load"  # info: figures not judged (a busy GPU shared the path)
     PROBES_UNAVAILABLE = "probes_unavailable"  # warning: probes are on but the worker cannot import torch
-    # From counters' rates (topoagent/telemetry.py's THRESHOLDS).
+    # From counters' rates (the thresholds the counter sources declare: collectors/registry.py).
     IB_ERRORS_RISING = "ib-errors-rising"
     NVLINK_ERRORS_RISING = "nvlink-errors-rising"
     PCIE_AER_ERRORS = "pcie-aer-errors"
     GPU_XID = "gpu-xid"
     GPU_ECC_UNCORRECTED = "gpu-ecc-uncorrected"
     GPU_ROW_REMAP_FAILED = "gpu-row-remap-failed"
+    COUNTER_STUCK = "counter-stuck"  # a counter saturated, or frozen while its port carries traffic
 
 
 class FabricSource(enum.StrEnum):
@@ -107,6 +112,14 @@ class Pattern(enum.StrEnum):
         """Whether its links are ranked by one message's time, not bandwidth alone
         (many messages between pairs, often small: topoagent.placement.latency)."""
         return self in (Pattern.ALLTOALL, Pattern.PIPELINE)
+
+
+class EstimateModel(enum.StrEnum):
+    """Which model an answer's estimate is, by the request's pattern (placement.tiers)."""
+
+    RING_ALLREDUCE = "ring_allreduce"  # allreduce: NCCL's ring model
+    ALLTOALL = "alltoall"  # one message to each peer, a rank's sends in turn
+    PIPELINE_P2P = "pipeline_p2p"  # one message per stage; the slowest stage sets the pace
 
 
 class Affinity(enum.StrEnum):

@@ -60,6 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if not topology.gpus:
         print(f"topoagent export {args.format}: {NO_GPUS}", file=sys.stderr)
         return EXIT_NO_GPUS
+    from topoagent.node.findings import held_back  # not service.exports: its config pulls in telemetry
+
+    held = held_back(args.format, topology)
+    if held:
+        print(f"topoagent export {args.format}: {held}; nothing written", file=sys.stderr)
+        return EXIT_NO_GPUS
     _write(_render(args, topology), args.output)
     return 0
 

@@ -9,15 +9,15 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, BinaryIO
 
-from topoagent.commands.sources import matrix_and_left_out, matrix_from_root
+from topoagent.commands.sources import matrix_and_left_out
 from topoagent.documents.agent import answer_document, batch_error_document
-from topoagent.errors import UsageError
+from topoagent.errors import TopoagentError, UsageError
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Door, Live, NoFit, Placement, RequestError, parse_request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
 from topoagent.text import cut
-from topoagent.vocabulary import Affinity, Pattern
+from topoagent.vocabulary import Affinity, EstimateModel, Pattern
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--nics", metavar="N", help="NICs wanted close to the GPUs (default 0)")
     parser.add_argument("--affinity", choices=[a.value for a in Affinity], help="tier the answer must meet: best, better, any (default)")
     parser.add_argument("--fallback", action="store_true", help="settle for the best lower tier instead of no fit")
-    parser.add_argument("--message-bytes", metavar="BYTES", help="all-reduce size for the estimate (default 256 MiB); alltoall, pipeline: one message's size, their links are timed by (default 1 MiB)")
+    parser.add_argument("--message-bytes", metavar="BYTES", help="allreduce: the all-reduce size its estimate models (default 256 MiB); alltoall, pipeline: one message's size, their links and estimate are timed by (default 1 MiB)")
     parser.add_argument(
         "--measured", metavar="FILE",
         help="measurements to place by: the output of `topoagent probe --json` (what-if: your own figures)",
@@ -68,7 +68,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument(
         "--batch", action="store_true",
-        help="JSON requests on stdin, JSON answers on stdout; exit 2 if any line was bad input, else 1 if any did not fit, else 0",
+        help="JSON requests on stdin, JSON answers on stdout; exit 2 if any line was bad input, else 3 if any never fits, "
+        "else 1 if any did not fit now, else 0",
     )
     parser.set_defaults(run=run)
 
@@ -82,10 +83,12 @@ examples:
   printf '%s\\n' '{"gpus": 2, "busy": [0, 1]}' '{"gpus": 4, "nics": 1}' |
     topoagent place --batch
 
-exit status: 0 placed; 1 no fit (the reason on stderr); 2 bad input (one line
-on stderr). With --batch every line is answered on stdout and the exit status
-is the worst line's: 2 if any line was bad input, else 1 if any did not fit,
-else 0.
+exit status: 0 placed; 1 no fit now (busy GPUs: it fits once they are given
+back); 3 never fits this node (not even with every GPU free: retrying will not
+help); the reason on stderr; 2 bad input (one line on stderr). With --batch
+every line is answered on stdout and the exit status is the worst line's: 2 if
+any line was bad input, else 3 if any never fits, else 1 if any did not fit
+now, else 0.
 """
 
 # Request fields that --batch lines carry, by flag: given with --batch they are refused.
@@ -148,7 +151,7 @@ def recorded_live(args: argparse.Namespace) -> Live:
     if args.from_nvidia_smi or not args.root:
         return Live()
     from topoagent.node.host import Host, HostError
-    from topoagent.telemetry import nic_traffic, replayed
+    from topoagent.service.telemetry import nic_traffic, replayed
 
     try:
         return Live(nic_traffic=nic_traffic(replayed(Host(args.root), None)))
@@ -165,10 +168,27 @@ def load_matrix(args: argparse.Namespace) -> tuple[DistanceMatrix, tuple[int, ..
             raise UsageError("--batch reads requests from stdin; give the matrix as a file")
         matrix, left_out = matrix_and_left_out(args.from_nvidia_smi)
     else:
-        matrix, left_out = matrix_from_root(args.root or "/"), ()
+        matrix, left_out = ready_matrix(args.root or "/"), ()
     if args.measured:
         matrix = with_measured(matrix, args.measured)
     return matrix, left_out
+
+
+class NotReadyForPlacement(TopoagentError):
+    """The node shows a finding that leaves every answer untrustworthy (GET /readyz's 503)."""
+
+
+def ready_matrix(root: str) -> DistanceMatrix:
+    """The node's matrix, or NotReadyForPlacement naming what it cannot see (GPUs a stack
+    that does not answer leaves unknown): an answer would be a guess."""
+    from topoagent.commands.discover import discover_root
+    from topoagent.node.findings import placement_refusals
+
+    node = discover_root(root)
+    blockers = placement_refusals(node.findings)
+    if blockers:
+        raise NotReadyForPlacement("; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers))
+    return node.distance_matrix()
 
 
 def with_measured(matrix: DistanceMatrix, path: str) -> DistanceMatrix:
@@ -276,6 +296,14 @@ def left_out_rules(
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except NotReadyForPlacement as exc:
+        print(f"topoagent place: not ready for placement: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.batch:
         # Each line is a whole request, busy included; a flag beside them would be
         # silently ignored or silently merged, and neither is what a line said.
@@ -301,9 +329,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(render(answer))
     if isinstance(answer, NoFit):
-        print(f"topoagent place: no fit: {answer.why.render(Door.CLI)}", file=sys.stderr)
-        return 1
+        said = "never fits this node" if answer.never_fits else "no fit"
+        print(f"topoagent place: {said}: {answer.why.render(Door.CLI)}", file=sys.stderr)
+        return EXIT_NEVER_FITS if answer.never_fits else EXIT_NO_FIT
     return 0
+
+
+# Distinct, so that a script retrying on "busy now" (1) stops on what waiting cannot change (3).
+EXIT_NO_FIT = 1
+EXIT_NEVER_FITS = 3
+# --batch exits with its worst line's status, worst first: bad input, never fits, no fit now.
+BATCH_SEVERITY = (2, EXIT_NEVER_FITS, EXIT_NO_FIT, 0)
 
 
 # A request is a short JSON object; a longer line is refused (and skipped) unread.
@@ -355,7 +391,8 @@ def batch_lines(stream: BinaryIO) -> Iterator[tuple[int, str | None]]:
 
 def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE, left_out: tuple[int, ...] = ()) -> int:
     """Answer every line; exit as a single request would for the worst line's answer:
-    2 if any line was bad input, else 1 if any did not fit, else 0 (none: 0)."""
+    2 if any line was bad input, else 3 if any never fits, else 1 if any did not fit
+    now, else 0 (none: 0)."""
     status = 0
     for line_no, line in batch_lines(sys.stdin.buffer):
         if line is None:
@@ -364,16 +401,25 @@ def run_batch(matrix: DistanceMatrix, live: Live = NO_LIVE, left_out: tuple[int,
             continue
         else:
             answer = answer_line(matrix, line_no, line, live, left_out)
-        status = max(status, 2 if "error" in answer else 0 if answer["fit"] else 1)
+        line_status = 2 if "error" in answer else 0 if answer["fit"] else EXIT_NEVER_FITS if answer["never_fits"] else EXIT_NO_FIT
+        status = min(status, line_status, key=BATCH_SEVERITY.index)
         sys.stdout.write(json.dumps(answer, separators=(",", ":")) + "\n")
         sys.stdout.flush()
     return status
 
 
+ESTIMATE_WORDS = {
+    EstimateModel.RING_ALLREDUCE: "ring all-reduce of {size} bytes",
+    EstimateModel.ALLTOALL: "all-to-all, one message of {size} bytes to each peer",
+    EstimateModel.PIPELINE_P2P: "pipeline point-to-point, one message of {size} bytes per stage",
+}
+
+
 def render(answer: Placement | NoFit) -> str:
     if isinstance(answer, NoFit):
         constraint = "--" + answer.constraint.replace("_", "-")
-        lines = [f"no fit ({constraint}): {answer.why.render(Door.CLI)}"]
+        said = "never fits this node" if answer.never_fits else "no fit"
+        lines = [f"{said} ({constraint}): {answer.why.render(Door.CLI)}"]
         lines.append("free GPUs: " + (" ".join(str(i) for i in answer.free) or "none"))
         if answer.best_available is not None:
             lines.append("best available instead:")
@@ -395,9 +441,8 @@ def render(answer: Placement | NoFit) -> str:
     lines.append(f"affinity: {answer.affinity}   topology satisfaction: {answer.satisfaction:.0%} of links local")
     if answer.estimate is not None:
         e = answer.estimate
-        lines.append(
-            f"estimate: ring all-reduce of {e.message_bytes} bytes: {e.time_us / 1000:.3g} ms, bus bandwidth {e.bus_bandwidth_gbps:g} GB/s"
-        )
+        what = ESTIMATE_WORDS[e.model].format(size=e.message_bytes)
+        lines.append(f"estimate: {what}: {e.time_us / 1000:.3g} ms, bus bandwidth {e.bus_bandwidth_gbps:g} GB/s")
     lines.append(f"score: {answer.score:g}")
     lines += [f"- {reason.render(Door.CLI)}" for reason in answer.reasons]
     return "\n".join(lines) + "\n"

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         checked(config, token)
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
-    from topoagent.agent import RootError
+    from topoagent.service.agent import RootError
 
     try:
         return asyncio.run(serve(config, token, args))
@@ -173,10 +173,10 @@ def os_error_text(exc: OSError, context: str) -> str:
 async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from topoagent.agent import Agent
     from topoagent.connections import ConnectionGuard, Throttled, loop_exception_handler, raise_open_file_limit
     from topoagent.exporters.http import TOKEN, make_app
     from topoagent.log import log_event
+    from topoagent.service.agent import Agent
 
     loop = asyncio.get_running_loop()
     # Out of descriptors (or buffers), asyncio reports every failed accept() with a

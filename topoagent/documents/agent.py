@@ -38,16 +38,16 @@ from topoagent.documents.schema import (
     plain_list,
 )
 from topoagent.node.levels import LinkLevel
-from topoagent.vocabulary import Affinity, Pattern, ProbeKind, Unit
+from topoagent.vocabulary import Affinity, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
-    from topoagent.capacity import Capacity
-    from topoagent.leases import Lease
     from topoagent.node.matrix import DistanceMatrix, Measurement
     from topoagent.node.model import Finding
     from topoagent.placement import NoFit, Placement
     from topoagent.probes.runner import ProbeRound
-    from topoagent.served import Snapshot
+    from topoagent.service.capacity import Capacity
+    from topoagent.service.leases import Lease
+    from topoagent.service.served import Snapshot
 
 
 # --- the served topology: the node plus the agent's own state --------------------------------
@@ -151,7 +151,7 @@ REQUEST = Document("Request", {
     "nics": Field(INTEGER),
     "affinity": Field(one_of(Affinity)),
     "fallback": Field(BOOLEAN),
-    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for the estimate, 1 MiB per alltoall/pipeline message)"),
+    "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for allreduce's estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
 }, "The request as understood (defaults filled in).")
 
@@ -161,22 +161,29 @@ PLACED_GPU = Document("PlacedGpu", {
     "uuid": Field(nullable(STRING)),
     "pci_address": Field(nullable(STRING)),
     "numa_node": Field(nullable(INTEGER)),
-    "nearest_nics": plain_list("nearest_nics", STRING),
-    "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level)),
+    "nearest_nics": plain_list("nearest_nics", STRING, "the closest of the job's NICs to this GPU (with `nics` asked: of those chosen)"),
+    "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level), "the level between this GPU and `nic`"),
     "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, no CPU in two ranks' lists"),
     "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to"),
-    "nic": Field(nullable(STRING), description="this rank's NIC: the closest with a port up, distinct ones where several are as close"),
+    "nic": Field(nullable(STRING), description="this rank's NIC: the closest of the job's NICs with a port up, distinct ones where several are as close"),
     "rail": Field(nullable(INTEGER), description="the rail of this rank's NIC (the node's fabric.rails); null when its leaf is unknown"),
     "numactl": plain_list("numactl", STRING),
 })
 
 ESTIMATE = Document("Estimate", {
-    "message_bytes": Field(INTEGER, description="the all-reduce size modelled"),
-    "ring_gbps": Field(NUMBER, description="the ring's weakest link, GB/s per direction"),
-    "hop_latency_us": Field(NUMBER, description="NCCL's per-step latency: 3.4 NVLink, 5.7 PCI"),
-    "time_us": Field(NUMBER, description="one ring all-reduce of message_bytes"),
-    "bus_bandwidth_gbps": Field(NUMBER, description="as nccl-tests reports busbw"),
-}, "Ring all-reduce over the ranks in order, by NCCL's alpha-beta model (ring, Simple protocol): a model, not a measurement.")
+    "model": Field(one_of(EstimateModel), description=(
+        "ring_allreduce (allreduce: NCCL's ring model), alltoall (one message to each peer, a rank's sends in turn), "
+        "pipeline_p2p (one message per stage, the slowest stage sets the pace); independent jobs get no estimate")),
+    "message_bytes": Field(INTEGER, description="ring_allreduce: the all-reduce size; alltoall, pipeline_p2p: one message"),
+    "link_gbps": Field(NUMBER, description="the weakest link the model uses, GB/s per direction"),
+    "latency_us": Field(NUMBER, description=(
+        "ring_allreduce: NCCL's per-step latency (3.4 NVLink, 5.7 PCI); else the largest small-copy latency of its links")),
+    "time_us": Field(NUMBER, description=(
+        "ring_allreduce: one all-reduce; alltoall: one exchange; pipeline_p2p: one message through the slowest stage")),
+    "bus_bandwidth_gbps": Field(NUMBER, description="as nccl-tests reports busbw for the pattern's collective"),
+    "ring_gbps": Field(nullable(NUMBER), description="ring_allreduce: the ring's weakest link (= link_gbps); null for other models"),
+    "hop_latency_us": Field(nullable(NUMBER), description="ring_allreduce: NCCL's per-step latency (= latency_us); null for other models"),
+}, "The pattern's own model over the ranks in order (placement.tiers): a model of the node's links, not a measurement.")
 
 LAUNCH = Document("Launch", {
     "torchrun_wrapper": Field(nullable(STRING), description="sh script: torchrun --nproc-per-node=K --no-python ./bind.sh python train.py"),
@@ -243,10 +250,13 @@ NOFIT = Document("NoFit", {
     "fit": Field({"type": "boolean", "const": False}, lambda n: False),
     "reason": Field(STRING),
     "constraint": Field(STRING, description="the request field that cannot hold"),
+    "never_fits": Field(BOOLEAN, description=(
+        "true: it would not fit with every GPU free either (the same search on the idle node), so waiting will not help "
+        "and `reason` is the idle node's; false: it may fit once busy GPUs are given back")),
     "free": plain_list("free", INTEGER),
     "best_available": nested(PLACEMENT, "best_available", optional=True),
     "request": nested(REQUEST, "request", optional=True),
-}, "Why the request cannot be met now, and the best answer without the failing constraint.")
+}, "Why the request cannot be met now (or ever, on this node), and the best answer without the failing constraint.")
 
 
 def answer_document(answer: Placement | NoFit) -> dict[str, Any]:
@@ -414,7 +424,7 @@ CAPACITY = Document("Capacity", {
     "running": Field(array(INTEGER), lambda v: list(v.capacity.running), "running processes the agent did not place"),
     "unhealthy": Field(array(INTEGER), lambda v: list(v.capacity.unhealthy), "otherwise free, kept off by a critical finding"),
     "largest_free_zone": Field(array(INTEGER), lambda v: list(v.capacity.largest_free_zone),
-                               "the largest group of free GPUs joined by NVLink among themselves"),
+                               "the largest group of free GPUs joined by local links among themselves: NVLink or one PCIe switch (PIX)"),
     "largest_free_zone_gpus": Field(INTEGER, lambda v: len(v.capacity.largest_free_zone)),
     "fragmentation": Field({"type": "number", "minimum": 0, "maximum": 1}, lambda v: v.capacity.fragmentation,
                            "1 - largest_free_zone_gpus / free_gpus (0 when nothing is free)"),

@@ -65,6 +65,13 @@ class CpuFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerMemory:
+    """What the ``gpudirect`` collector saw of GPUDirect RDMA's peer-memory module."""
+
+    module: str | None  # "nvidia_peermem"; None: the kernel's module list holds none of NCCL's
+
+
+@dataclass(frozen=True, slots=True)
 class PortNeighbour:
     """The device at the other end of one of the node's network ports: a switch (its leaf)
     as the fabric itself says, from the subnet's management packets (InfiniBand) or LLDP."""
@@ -81,5 +88,5 @@ class PortNeighbour:
 
 __all__ = [
     "ASSUMED_NO_SMT", "ASSUMED_SMT2", "BRIDGE", "DISPLAY", "GPU", "NIC", "NVME", "NVSWITCH",
-    "OTHER", "SYSFS", "CoreMap", "CpuFacts", "CpuModel", "PortNeighbour",
+    "OTHER", "SYSFS", "CoreMap", "CpuFacts", "CpuModel", "PeerMemory", "PortNeighbour",
 ]

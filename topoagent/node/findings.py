@@ -1,9 +1,9 @@
 """What discovery says about the node beyond its levels: links down or slow, GPUs off
-the fabric, ports down, sources that failed.  Pure functions over the collectors' facts."""
+the fabric, ports down, sources that failed, witnesses that are missing.  Pure functions over the collectors' facts."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult
@@ -11,8 +11,8 @@ from topoagent.collectors.nvml import NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
-from topoagent.node.facts import BRIDGE, GPU
-from topoagent.node.model import Finding, GpuTopo, NicTopo
+from topoagent.node.facts import BRIDGE, GPU, PeerMemory
+from topoagent.node.model import Finding, GpuTopo, NicTopo, NodeTopology
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 
@@ -136,3 +136,86 @@ def ib_findings(nics: list[NicTopo]) -> list[Finding]:
                     f" ({p.phys_state or 'physical state unknown'})",
                 ))
     return found
+
+
+# Subjects of the findings about the node as a whole (no one device is at fault).
+GPU_STACK = "gpu-stack"
+NODE = "node"
+
+
+def witness_findings(
+    tree: PciTree | None,
+    results: Mapping[str, CollectorResult[Any]],
+    gpus: int,
+    rdma_nics: int,
+    peer_memory: PeerMemory | None,
+) -> list[Finding]:
+    """What the node cannot see, each with its one-line remedy: NVIDIA GPUs on the PCI bus
+    that neither NVML nor nvidia-smi answers for (critical: link levels, NVLink and GPU
+    identities are unknown), a node that shows no GPU at all (critical: the agent runs on
+    GPU nodes), RDMA NICs beside GPUs without a peer-memory module (a warning: NCCL may
+    still use DMA-BUF, which no file shows)."""
+    found: list[Finding] = []
+    on_bus = tree.of_kind(GPU) if tree is not None else ()
+    answered = [results[name] for name in ("nvml", "nvidia_smi") if name in results]
+    if on_bus and answered and not any(r.ok for r in answered):
+        said = "; ".join(f"{r.name}: {r.message or r.status}" for r in answered)
+        unbound = [d for d in on_bus if d.driver is None]
+        if len(unbound) == len(on_bus):
+            cause = "and no driver is bound to them (the NVIDIA driver is not loaded)"
+            remedy = "load the NVIDIA driver (modprobe nvidia; nvidia-smi must list the GPUs)"
+        else:
+            cause = "but neither NVML nor nvidia-smi answers"
+            remedy = ("make nvidia-smi work where the agent runs (the NVIDIA container runtime for a pod, "
+                      "a working driver on the host)")
+        found.append(Finding(
+            FindingKind.GPU_STACK_MISSING, Severity.CRITICAL, GPU_STACK,
+            f"{len(on_bus)} NVIDIA GPU(s) on the PCI bus {cause} ({said}): link levels between GPUs, "
+            f"NVLink and GPU identities are unknown. Remedy: {remedy}",
+        ))
+    if not gpus and not on_bus:
+        found.append(Finding(
+            FindingKind.NO_GPUS, Severity.CRITICAL, NODE,
+            "no GPU found: none on the PCI bus, none from NVML or nvidia-smi. Remedy: run topoagent on GPU nodes "
+            "only (deploy/: its nodeSelector), or check the GPUs are seated and powered (lspci -d 10de:)",
+        ))
+    if gpus and rdma_nics and peer_memory is not None and peer_memory.module is None:
+        found.append(Finding(
+            FindingKind.GPUDIRECT_MISSING, Severity.WARNING, "gpudirect",
+            f"{rdma_nics} RDMA NIC(s) but no GPUDirect peer-memory module loaded (nvidia_peermem): NCCL's GPUDirect "
+            "RDMA falls back to staging through host memory unless DMA-BUF works. Remedy: modprobe nvidia_peermem "
+            "(and load it at boot)",
+        ))
+    return found
+
+
+# Critical findings no placement can route around (it keeps off a GPU a finding names, but
+# not off a node whose GPUs it cannot see): while one stands, the node is not ready for
+# placement (GET /readyz says why) and exports that would state unseen links are held back.
+PLACEMENT_BLOCKERS = frozenset({FindingKind.GPU_STACK_MISSING, FindingKind.NO_GPUS})
+
+
+def placement_blockers(findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    """The findings that make the node's answers untrustworthy, in the order given (the
+    readiness rule, pure: the HTTP door and the exports call it)."""
+    return tuple(f for f in findings if f.severity is Severity.CRITICAL and f.kind in PLACEMENT_BLOCKERS)
+
+
+def placement_refusals(findings: Iterable[Finding]) -> tuple[Finding, ...]:
+    """The blockers the placement doors (POST /place, ``place``) refuse a request for: all
+    but ``no-gpus``, where the core's own answer already says it ("no GPUs found on this
+    node", a request that cannot fit) the same way at every door."""
+    return tuple(f for f in placement_blockers(findings) if f.kind is not FindingKind.NO_GPUS)
+
+
+# The formats that state every GPU pair's link (NVLink counts): NCCL and Slurm would take
+# a link no witness classified for "no NVLink", so they are not written while one is.
+STATE_LINKS = frozenset({"nccl-xml", "gres"})
+
+
+def held_back(fmt: str, topology: NodeTopology) -> str | None:
+    """Why ``fmt`` is not written for this node (a finding that leaves its links unseen), or None."""
+    blockers = placement_blockers(topology.findings)
+    if fmt in STATE_LINKS and blockers:
+        return f"{blockers[0].kind}: {blockers[0].message}"
+    return None

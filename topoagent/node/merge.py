@@ -35,8 +35,15 @@ from topoagent.collectors.nvml import NvmlGpu, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.node.derive import expected_for_pair, nvlink_levels, pcie_level
 from topoagent.node.fabric import build_fabric
-from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PortNeighbour
-from topoagent.node.findings import collector_findings, ib_findings, nvlink_findings, pcie_findings, unleasable_findings
+from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PeerMemory, PortNeighbour
+from topoagent.node.findings import (
+    collector_findings,
+    ib_findings,
+    nvlink_findings,
+    pcie_findings,
+    unleasable_findings,
+    witness_findings,
+)
 from topoagent.node.levels import LinkLevel, nv, nvlink_generation_for_model
 from topoagent.node.model import (
     DECLARED,
@@ -79,7 +86,7 @@ class _Facts:
     cpu: CpuFacts | None
     minors: dict[str, int]  # the driver's minor numbers by PCI address
     interfaces: tuple[NetInterface, ...]
-    peer_memory: Any
+    peer_memory: PeerMemory | None
     neighbours: tuple[PortNeighbour, ...]  # every source of port neighbours, in table order
 
     @staticmethod
@@ -132,6 +139,7 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
     findings.extend(pcie_findings(facts.tree, gpu_pci, nic_pci))
     findings.extend(ib_findings(nics))
     findings.extend(unleasable_findings(gpus))  # a GPU the lease store cannot name
+    findings.extend(witness_findings(facts.tree, results, len(gpus), sum(1 for n in nics if n.ports), facts.peer_memory))
     pairs = _pairs(facts, gpus, nics, {**gpu_pci, **nic_pci}, nv_counts, declared_nic_name, findings)
 
     interfaces = _interfaces(facts.interfaces, facts.hcas, facts.tree, gpu_pci)
@@ -148,9 +156,10 @@ def merge(results: Mapping[str, CollectorResult[Any]], hostname: str | None = No
         collectors=tuple(_status(r) for r in results.values()),
         declared=facts.declared,
         cpu=facts.cpu,
-        peer_memory=facts.peer_memory,
+        peer_memory=facts.peer_memory.module if facts.peer_memory is not None else None,
         interfaces=interfaces,
         nvlink_domain=_nvlink_domain(facts.nvml),
+        driver_version=facts.nvml.driver_version if facts.nvml is not None else None,
     )
     return _with_unknown_links(_with_fabric(node, facts.neighbours))
 
@@ -301,7 +310,9 @@ def _derived_level(
     nv_counts: dict[tuple[int, int], int], declared_level: LinkLevel | None,
 ) -> LinkLevel | None:
     """NVLink between two GPUs, else the PCIe level between the two functions; None where
-    we cannot see (no NVML while nvidia-smi declares NVLink: we do not call the driver wrong)."""
+    we cannot see (no NVML while nvidia-smi declares NVLink: we do not call the driver wrong;
+    no NVML and no nvidia-smi: two GPUs may share NVLink that no witness saw, so their PCIe
+    path is not their level)."""
     if ga and gb and facts.nvml is not None:
         links = nv_counts.get((min(ga.index, gb.index), max(ga.index, gb.index)), 0)
         if links:
@@ -309,7 +320,7 @@ def _derived_level(
     if da is None or db is None:
         return None
     nvlink_unknown = ga is not None and gb is not None and facts.nvml is None
-    if nvlink_unknown and declared_level is not None and declared_level.is_nvlink:
+    if nvlink_unknown and (declared_level is None or declared_level.is_nvlink):
         return None
     return pcie_level(da, db)
 
@@ -326,10 +337,13 @@ def _with_unknown_links(node: NodeTopology) -> NodeTopology:
     unknown = node.gpus_with_unknown_links()
     if not unknown:
         return node
+    shown = {g.name for g in node.gpus if node.pci is not None and g.pci_address and node.pci.get(g.pci_address)}
     return replace(node, findings=node.findings + tuple(
         Finding(FindingKind.LINKS_UNKNOWN, Severity.WARNING, name,
-                "levels to other GPUs are unknown (sysfs does not show the GPU and nvidia-smi "
-                "did not say); placement takes it only after every GPU whose links are known")
+                "levels to other GPUs are unknown ("
+                + ("neither NVML nor nvidia-smi says whether NVLink joins it to them" if name in shown
+                   else "sysfs does not show the GPU and nvidia-smi did not say")
+                + "); placement takes it only after every GPU whose links are known")
         for name in unknown
     ))
 

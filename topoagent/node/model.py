@@ -168,6 +168,7 @@ class NodeTopology:
     interfaces: tuple[InterfaceTopo, ...] = ()  # every network interface, /sys/class/net
     nvlink_domain: NvlinkDomain | None = None  # None: NVML reports no completed fabric registration
     fabric: Fabric = field(default_factory=Fabric)  # each port's neighbour switch and the rails they make (topoagent.node.fabric)
+    driver_version: str | None = None  # NVIDIA driver, as NVML says ("550.54.15"); /metrics labels GPUs with it as DCGM does
     _pair_index: dict[tuple[str, str], Pair] = field(default_factory=dict, repr=False, compare=False)
 
     def __repr__(self) -> str:

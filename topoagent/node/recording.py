@@ -85,7 +85,7 @@ def record_counters(host: Host, node: NodeTopology, samples: int = 2, pause_s: f
     (telemetry.json), so a replay reproduces the rates; a recording keeps its own."""
     from topoagent.collectors.nvml import LiveCounterReader
     from topoagent.node.discovery import COUNTER_SOURCES
-    from topoagent.telemetry import Context, read_live, recorded_samples, sample_document
+    from topoagent.service.telemetry import Context, read_live, recorded_samples, sample_document
 
     assert host.recording is not None
     if not host.live:

@@ -132,8 +132,36 @@ def place(
     ``live``: what the node does now (unverified GPUs, NIC traffic), weighed only at
     equal merit (placement.live).  With ``request.deadline_ms`` the search stops then with
     the best set found so far, marked ``proven_optimal=False`` with the bandwidth bound it
-    established."""
-    deadline = Deadline(request.deadline_ms / 1000, request.gpus) if request.deadline_ms is not None else None
+    established.
+
+    A NoFit says whether the request could fit this node at all (``never_fits``): this
+    same search, run again with no GPU busy (and its own deadline), found nothing either.
+    Then its reason is the idle node's (what no waiting can change).  A search either
+    deadline stopped proves nothing, so its NoFit never says ``never_fits``."""
+    busy = tuple(busy)  # read twice: for the answer now and, on a no fit, the idle node's
+    deadline = _deadline(request)
+    answer = _place(matrix, request, busy, now, live, deadline)
+    if not isinstance(answer, NoFit) or (deadline is not None and deadline.reached):
+        return answer
+    idle: Placement | NoFit = answer
+    if busy:
+        idle_deadline = _deadline(request)
+        idle = _place(matrix, request, (), now, NO_LIVE, idle_deadline)
+        if idle_deadline is not None and idle_deadline.reached:
+            return answer
+    if isinstance(idle, Placement):
+        return answer  # busy now: it fits once GPUs are given back
+    return replace(answer, why=idle.why, constraint=idle.constraint, never_fits=True)
+
+
+def _deadline(request: Request) -> Deadline | None:
+    return Deadline(request.deadline_ms / 1000, request.gpus) if request.deadline_ms is not None else None
+
+
+def _place(
+    matrix: DistanceMatrix, request: Request, busy: Iterable[int], now: float | None, live: Live, deadline: Deadline | None,
+) -> Placement | NoFit:
+    """place() for the ``busy`` GPUs given, searching under ``deadline``."""
     prep = prepare(matrix, now)
     if request.pattern.latency_bound:  # links ranked by one message's time (placement.latency)
         # Tables for that order not warmed and not built in time: the bandwidth-ordered

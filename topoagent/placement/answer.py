@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 
 from topoagent.node.cpulist import format_cpulist
-from topoagent.node.levels import LinkLevel
+from topoagent.node.levels import LevelKind, LinkLevel
 from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
@@ -18,8 +18,8 @@ from topoagent.placement.live import LiveCosts
 from topoagent.placement.objective import Objective
 from topoagent.placement.request import Request
 from topoagent.placement.search import Found
-from topoagent.placement.tables import NO_NIC, PerTables, Prepared, bits, numa_label
-from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met
+from topoagent.placement.tables import NO_NIC, PerTables, Prepared, bits, nearest_usable, numa_label
+from topoagent.placement.tiers import Estimate, estimate, satisfaction, tier_met, tier_tables
 from topoagent.vocabulary import Affinity, Pattern
 
 
@@ -30,8 +30,8 @@ class PlacedGpu:
     uuid: str | None
     pci_address: str | None
     numa_node: int | None
-    nearest_nics: tuple[str, ...]  # RDMA device names of the closest NICs with a port up
-    nic_level: LinkLevel | None  # how close those NICs are
+    nearest_nics: tuple[str, ...]  # RDMA device names of the closest of the job's NICs (a port up)
+    nic_level: LinkLevel | None  # the level between this GPU and ``nic``, the NIC the rank was given
     # This rank's own binding (placement.binding): its share of its NUMA node's CPUs, its
     # memory node, its NIC, and the numactl command that applies the first two.
     cpus: str | None = None
@@ -70,7 +70,7 @@ class Placement:
     launch: Launch | None = None  # per-rank forms for torchrun, srun, mpirun (placement.binding)
     affinity: Affinity = Affinity.ANY  # the strictest tier the answer meets (placement.tiers)
     satisfaction: float = 1.0  # share of the pattern's links that are local (placement.tiers)
-    estimate: Estimate | None = None  # ring all-reduce model; None for one GPU
+    estimate: Estimate | None = None  # the pattern's model (placement.tiers); None for one GPU or independent
     # False when the request's deadline stopped the search: the best set found in time,
     # and the bandwidth no set can exceed as far as the search got (None: not bounded).
     proven_optimal: bool = True
@@ -96,6 +96,9 @@ class NoFit:
     constraint: str  # the request field that cannot hold: gpus, include, min_level, ...
     free: tuple[int, ...]  # nvidia-smi indices
     best_available: Placement | None = None
+    # True: it fits no more with every GPU free (placement.place decides it by searching the
+    # idle node): waiting will not help, and ``why`` is the idle node's reason.
+    never_fits: bool = False
 
     fit = False
 
@@ -104,8 +107,9 @@ class NoFit:
         return self.why.render(Door.JSON)
 
 
-# (GPU position, rank, the rank's CPU share, its NIC): a plain tuple, one per rank built.
-PlacedKey = tuple[int, int, str | None, int | None]
+# (GPU position, rank, the rank's CPU share, its NIC, the closest of the job's NICs): a plain
+# tuple, one per rank built.
+PlacedKey = tuple[int, int, str | None, int | None, tuple[int, ...]]
 
 
 # (GPU positions in rank order, pattern, NICs asked, per NIC its traffic in steps or None).
@@ -160,20 +164,23 @@ def pattern_link(prep: Prepared, a_pos: int, b_pos: int) -> PatternLink:
     return got
 
 
-def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding) -> PlacedGpu:
-    """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``, with its
-    closest NICs that have a port up and the rank's own binding (cached)."""
+def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding, job_nics: list[int]) -> PlacedGpu:
+    """The GPU at position ``pos`` as an answer lists it at rank ``rank_no``: the closest
+    of the job's NICs (``job_nics``) to it, the level to the NIC the rank was given, and
+    the rank's own binding (cached)."""
     share = binding.share
-    key: PlacedKey = (pos, rank_no, None if share is None else share.text, binding.nic)
+    t = tables(prep)
+    best_kind, closest = t.nearest[pos] if job_nics is t.usable else nearest_usable(prep.nic_kind, pos, job_nics)
+    # Listed: the fastest of the closest (bind_ranks still spreads ranks over all of them).
+    top_rate = max((prep.nic_rate[j] for j in closest), default=0.0)
+    nearest = tuple(j for j in closest if prep.nic_rate[j] == top_rate)
+    key: PlacedKey = (pos, rank_no, None if share is None else share.text, binding.nic, nearest)
     memo = _memo(prep).placed
     got = memo.get(key)
     if got is None:
         g = prep.matrix.gpus[pos]
-        best_kind, closest = tables(prep).nearest[pos]
-        # Listed: the fastest of the closest (bind_ranks still spreads ranks over all of them).
-        top_rate = max((prep.nic_rate[j] for j in closest), default=0.0)
-        nearest = [j for j in closest if prep.nic_rate[j] == top_rate]
-        nic_level = prep.matrix.gpu_nic_levels[pos][nearest[0]] if best_kind < NO_NIC else None
+        # The level printed beside a rank's NIC is that NIC's own, never another's.
+        nic_level = prep.matrix.gpu_nic_levels[pos][binding.nic] if binding.nic is not None and best_kind < NO_NIC else None
         nic_names = prep.nic_names
         got = PlacedGpu(
             rank_no, g.index, g.uuid, g.pci_address, g.numa_node, tuple(nic_names[j] for j in nearest), nic_level,
@@ -208,7 +215,7 @@ class AnswerParts:
     launch: Launch
     affinity: Affinity
     satisfaction: float
-    ring: tuple[PatternLink, ...]  # the ring through the ranks in order, for the estimate
+    ring: tuple[PatternLink, ...]  # allreduce: the ring through the ranks in order, for the estimate
 
 
 def answer_parts(
@@ -222,7 +229,6 @@ def answer_parts(
     got = memo.get(key)
     if got is not None:
         return got
-    k = len(order)
     links = _pattern_links(prep, order, pattern)
     bandwidth = min((ln.gbps for ln in links), default=None)
     worst = max((ln.level for ln in links), default=None)
@@ -232,12 +238,14 @@ def answer_parts(
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
 
     nic_names = prep.nic_names
-    job_nics, passed = _job_nics(prep, mask, nics, loads)
+    job_nics, passed = _job_nics(prep, order, nics, loads)
     bindings, by_load, cpus_shared = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
     # Said only where the busier NIC stays unused: else traffic decided which rank, not which NIC.
     used = {b.nic for b in bindings}
     passed += [pair for pair in by_load if pair not in passed and pair[1] not in used]
-    placed = [placed_gpu(prep, pos, rank_no, binding) for rank_no, (pos, binding) in enumerate(zip(order, bindings))]
+    placed = [
+        placed_gpu(prep, pos, rank_no, binding, job_nics) for rank_no, (pos, binding) in enumerate(zip(order, bindings))
+    ]
     ranks_nics = [nic_names[b.nic] for b in bindings if b.nic is not None]
     # NCCL_IB_HCA names exactly the NICs the ranks use (with ``nics``: the NICs asked for).
     chosen = tuple(nic_names[j] for j in job_nics) if nics else tuple(dict.fromkeys(ranks_nics))
@@ -250,14 +258,14 @@ def answer_parts(
     unnamed = [name for name in chosen if name in prep.nics_without_device]
     nic_reasons = []
     if nics:
-        nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen}))
+        nic_reasons.append(Reason(ReasonCode.NICS_CLOSEST, {"nics": nics, "names": chosen, **_sockets_served(prep, order, job_nics)}))
     if unnamed:
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
     if cpus_shared:
         nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    # The ring through the ranks in order, for the estimate: the pattern's own links for
-    # all-reduce (and one GPU), else the ring the ranks would form.
-    ring = _pattern_links(prep, order, Pattern.ALLREDUCE) if k >= 2 and pattern is not Pattern.ALLREDUCE else links
+    # The ring through the ranks in order, which all-reduce's estimate reads (the other
+    # patterns' models read their own links: placement.tiers).
+    ring = links if pattern is Pattern.ALLREDUCE else []
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
         tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
@@ -284,27 +292,61 @@ def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> 
 
 
 def _job_nics(
-    prep: Prepared, mask: int, nics: int, loads: tuple[int, ...] | None
+    prep: Prepared, order: tuple[int, ...], nics: int, loads: tuple[int, ...] | None
 ) -> tuple[list[int], list[tuple[int, int]]]:
-    """The NICs the job gets (``nics`` asked: the closest to the GPUs ``mask``, fastest,
-    least traffic; else every usable one), and the (chosen, passed over) pair that
-    traffic alone decided."""
+    """The NICs the job gets, and the (chosen, passed over) pairs that traffic alone decided.
+
+    ``nics`` asked: chosen in rounds over the ranks' sockets (placement.tiers: SLIT sockets,
+    else NUMA nodes), the sockets with the closest NIC and the most ranks first, one NIC per
+    socket a round -- so every socket has a NIC before any has a second, and a rank never
+    has to cross the socket link while a NIC on its own socket could have been chosen.  A
+    socket's pick: the NIC that brings the most of its ranks closer to a chosen NIC, then
+    the closest to its GPUs, with more of them at that level, faster, less traffic, lower
+    position.  Else every usable NIC.  In position order (NCCL_IB_HCA's)."""
     usable = tables(prep).usable  # a NIC with every port down: never
     passed: list[tuple[int, int]] = []
     if not nics:
         return usable, passed
-    dist = []
-    for j in usable:
-        kv = next((kv for kv, m in prep.nic_steps[j] if m & mask), NO_NIC)
-        dist.append((kv, -prep.nic_rate[j], loads[j] if loads else 0, j))  # closest, fastest, least traffic
-    ranked = sorted(dist)
-    job_nics = [entry[-1] for entry in ranked[:nics]]
-    if loads and len(ranked) > nics:
-        # A NIC left out only for its traffic: as near and as fast as one chosen.
-        (kv, rate, step, last), (kv2, rate2, step2, first_out) = ranked[nics - 1], ranked[nics]
-        if (kv, rate) == (kv2, rate2) and step2 > step:
-            passed.append((last, first_out))
-    return job_nics, passed
+    kinds, rate = prep.nic_kind, prep.nic_rate
+    steps = loads or (0,) * len(rate)
+    socket_key = tier_tables(prep).socket_key
+    groups: dict[tuple[str, int], list[int]] = {}
+    for pos in order:
+        groups.setdefault(socket_key[pos], []).append(pos)
+    sockets = sorted(
+        groups.values(), key=lambda g: (min((kinds[p][j] for p in g for j in usable), default=NO_NIC), -len(g), order.index(g[0]))
+    )
+    closest = {pos: NO_NIC for pos in order}  # per rank: its closest kind among the NICs chosen so far
+    left, chosen = list(usable), list[int]()
+    while left and len(chosen) < nics:
+        for group in sockets:
+            if not left or len(chosen) >= nics:
+                break
+
+            def merit(j: int, group: list[int] = group) -> tuple[int, int, int, float]:
+                nearest = min(kinds[p][j] for p in group)
+                improved = sum(1 for p in group if kinds[p][j] < closest[p])
+                return (-improved, nearest, -sum(1 for p in group if kinds[p][j] == nearest), -rate[j])
+
+            ranked = sorted(left, key=lambda j: (merit(j), steps[j], j))
+            pick = ranked[0]
+            # A NIC left out only for its traffic: as good as the one chosen in every other way.
+            runner = next((j for j in ranked[1:] if merit(j) == merit(pick) and steps[j] > steps[pick]), None)
+            if loads and runner is not None:
+                passed.append((pick, runner))
+            chosen.append(pick)
+            left.remove(pick)
+            for p in order:
+                closest[p] = min(closest[p], kinds[p][pick])
+    return sorted(chosen), [(a, b) for a, b in passed if b not in chosen]
+
+
+def _sockets_served(prep: Prepared, order: tuple[int, ...], job_nics: list[int]) -> dict[str, int]:
+    """The ranks' sockets, and how many have one of the job's NICs short of the socket link."""
+    socket_key = tier_tables(prep).socket_key
+    ranks = {socket_key[p] for p in order}
+    served = {socket_key[p] for p in order if any(prep.nic_kind[p][j] < LevelKind.SYS for j in job_nics)}
+    return {"served": len(served), "sockets": len(ranks)}
 
 
 def _job_numactl(numa_labels: tuple[int | str, ...], cpus: str | None) -> tuple[str, ...]:
@@ -433,5 +475,5 @@ def build(
         launch=parts.launch,
         affinity=parts.affinity,
         satisfaction=parts.satisfaction,
-        estimate=estimate(parts.ring, len(found.order), req.message_bytes),
+        estimate=estimate(prep, found.order, req.pattern, parts.ring, req.message_bytes),
     )

@@ -27,7 +27,7 @@ class ReasonCode(enum.StrEnum):
     SPANS_NUMA_BEST = "spans_numa_best"  # count
     SPANS_NUMA_INCLUDED_ALONE = "spans_numa_included_alone"  # count, field, held, included_span
     SPANS_NUMA_FORCED = "spans_numa_forced"  # count, field, held
-    NICS_CLOSEST = "nics_closest"  # nics, names
+    NICS_CLOSEST = "nics_closest"  # nics, names, served, sockets (the ranks' sockets, and those with a chosen NIC short of SYS)
     NCCL_HCA_LEAVES_OUT = "nccl_hca_leaves_out"  # names
     CPUS_SHARED = "cpus_shared"  # gpus (indices whose ranks share one CPU list unsplit)
     BREAKS_ZONES = "breaks_zones"  # zones
@@ -214,7 +214,10 @@ _TEMPLATES = {
         f"spans {p['count']} NUMA nodes: {p.field()} GPUs {p.gpus('held')} alone span {p['included_span']}"
     ),
     ReasonCode.SPANS_NUMA_FORCED: _spans,
-    ReasonCode.NICS_CLOSEST: lambda p: f"{p['nics']} NIC(s) closest to the set: {', '.join(p['names'])}",
+    ReasonCode.NICS_CLOSEST: lambda p: (
+        f"{p['nics']} NIC(s) nearest the ranks, one per socket before a second: {', '.join(p['names'])} "
+        f"(a NIC on {p['served']} of the ranks' {p['sockets']} socket(s))"
+    ),
     ReasonCode.NCCL_HCA_LEAVES_OUT: lambda p: (
         f"NCCL_IB_HCA leaves out {', '.join(p['names'])}: their RDMA device names are unknown "
         "(e.g. nvidia-smi output without its NIC Legend)"

@@ -1,4 +1,4 @@
-"""Affinity tiers, topology satisfaction and the all-reduce estimate of an answer.
+"""Affinity tiers, topology satisfaction and the estimate of an answer (each pattern its model).
 
 Tiers (a request's ``affinity``), strictest first
 -------------------------------------------------
@@ -30,9 +30,15 @@ A job without links scores 1.0: nothing it needs is far.
 
 Estimate
 --------
-Ring all-reduce of ``message_bytes`` (default 256 MiB) over the GPUs in rank order (the
-ring closing last -> first), by NCCL's own alpha-beta model for the ring algorithm and the
-Simple protocol (NVIDIA/nccl src/graph/tuning.cc, ``ncclTopoTuneModel``):
+Each pattern's own model (``Estimate.model``), of one node's links, not a measurement:
+compare answers with it ("4 GPUs on NVLink" against "8 across sockets" at the job's
+message size), then measure.  ``independent`` jobs exchange nothing: no estimate (nor for
+one GPU).
+
+``ring_allreduce`` (``allreduce``): ring all-reduce of ``message_bytes`` (default 256 MiB)
+over the GPUs in rank order (the ring closing last -> first), by NCCL's own alpha-beta
+model for the ring algorithm and the Simple protocol (NVIDIA/nccl src/graph/tuning.cc,
+``ncclTopoTuneModel``)::
 
     time_us  = 8.4 + 2(k-1) * hop_us + S / (1000 * B * k / (2(k-1)))
     bus GB/s = S * 2(k-1)/k / (1000 * time_us)
@@ -41,22 +47,35 @@ Simple protocol (NVIDIA/nccl src/graph/tuning.cc, ``ncclTopoTuneModel``):
 latency (``hwLat[..][Ring][Simple]``): 3.4 us when every ring link is NVLink, else 5.7 us
 (PCI); ``2(k-1)`` the steps of a ring all-reduce; ``B`` (GB/s per direction) the ring's
 weakest link by the answer's own figures (measured when fresh, else the level's expected
-rate); ``B * k / (2(k-1))`` NCCL's algorithm bandwidth from bus bandwidth.  It is a model
-of one node's links, not a measurement: compare answers with it ("4 GPUs on NVLink" against
-"8 across sockets" at the job's message size), then measure.
+rate); ``B * k / (2(k-1))`` NCCL's algorithm bandwidth from bus bandwidth.
+
+``alltoall`` and ``pipeline_p2p`` time messages as the objective does (placement.latency:
+``alpha_us + S / (1000 * gbps)`` per link, the pair's small-copy latency and bandwidth),
+with ``message_bytes`` one message (default 1 MiB, as the search ranks them):
+
+* ``alltoall``: every rank sends one message to each of the k-1 others, its sends one
+  after another (they share the GPU's links); the slowest rank's total is the time, and
+  ``bus GB/s = (k-1) * S / (1000 * time_us)`` (what each rank sent per unit time: nccl-tests'
+  alltoall busbw, algbw * (n-1)/n, for a buffer of k messages).
+* ``pipeline_p2p``: each stage sends one message to the next, all stages at once; the
+  slowest stage link sets the pace (``time_us`` per message), and ``bus GB/s = S / (1000 *
+  time_us)`` (nccl-tests' sendrecv busbw).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from topoagent.node.levels import LevelKind, LinkLevel
 from topoagent.placement.anytime import Anytime
 from topoagent.placement.deadline import Deadline
+from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
 from topoagent.placement.search import Found
 from topoagent.placement.tables import Prepared, bits
-from topoagent.vocabulary import Affinity
+from topoagent.vocabulary import Affinity, EstimateModel, Pattern
 
 if TYPE_CHECKING:
     from topoagent.placement.live import LiveCosts
@@ -77,13 +96,20 @@ class PatternLink(Protocol):
     def gbps(self) -> float: ...
 
 
+MODEL_OF = {Pattern.ALLREDUCE: EstimateModel.RING_ALLREDUCE, Pattern.ALLTOALL: EstimateModel.ALLTOALL,
+            Pattern.PIPELINE: EstimateModel.PIPELINE_P2P}  # independent: none
+
+
 @dataclass(frozen=True, slots=True)
 class Estimate:
-    message_bytes: int
-    ring_gbps: float  # the ring's weakest link, GB/s per direction
-    hop_latency_us: float
-    time_us: float
+    model: EstimateModel
+    message_bytes: int  # ring_allreduce: the all-reduce's size; else one message
+    link_gbps: float  # the weakest link the model uses, GB/s per direction
+    latency_us: float  # ring: NCCL's per-step latency; else the largest small-copy latency among its links
+    time_us: float  # ring: one all-reduce; alltoall: one exchange; pipeline: one message through the slowest stage
     bus_bandwidth_gbps: float
+    ring_gbps: float | None = None  # the ring's weakest link (ring_allreduce only; link_gbps says the same)
+    hop_latency_us: float | None = None  # NCCL's per-step latency (ring_allreduce only)
 
 
 def is_local(level: LinkLevel) -> bool:
@@ -96,9 +122,37 @@ def satisfaction(links: tuple[PatternLink, ...]) -> float:
     return round(sum(1 for link in links if is_local(link.level)) / len(links), 4)
 
 
-def estimate(ring: tuple[PatternLink, ...], k: int, message_bytes: int | None) -> Estimate | None:
+def estimate(
+    prep: Prepared, order: tuple[int, ...], pattern: Pattern, ring: tuple[PatternLink, ...], message_bytes: int | None
+) -> Estimate | None:
+    """The pattern's model for the GPUs at positions ``order`` in rank order (module
+    docstring); ``ring``: the ring through them, which the all-reduce model reads."""
+    k = len(order)
+    model = MODEL_OF.get(pattern)
+    if k < 2 or model is None:
+        return None
+    if model is EstimateModel.RING_ALLREDUCE:
+        return _ring_allreduce(ring, k, message_bytes)
+    size = message_bytes or LATENCY_BOUND_MESSAGE_BYTES
+    alpha, bw = prep.alpha, prep.bw
+    if model is EstimateModel.ALLTOALL:
+        pairs = [(a, b) for a in order for b in order if a != b]
+        time_us = max(sum(link_time_us(alpha[a][b], bw[a][b], size) for b in order if b != a) for a in order)
+        sent = (k - 1) * size
+    else:
+        pairs = list(itertools.pairwise(order))
+        time_us = max(link_time_us(alpha[a][b], bw[a][b], size) for a, b in pairs)
+        sent = size
+    if math.isinf(time_us):
+        return None  # a link of unknown bandwidth: no time to give
+    link = min(bw[a][b] for a, b in pairs)
+    latency = max(alpha[a][b] for a, b in pairs)
+    return Estimate(model, size, round(link, 2), round(latency, 3), round(time_us, 3), round(sent / (1000 * time_us), 3))
+
+
+def _ring_allreduce(ring: tuple[PatternLink, ...], k: int, message_bytes: int | None) -> Estimate | None:
     """NCCL's ring all-reduce model for ``k`` GPUs joined by ``ring`` (module docstring)."""
-    if k < 2 or not ring:
+    if not ring:
         return None
     size = message_bytes or DEFAULT_MESSAGE_BYTES
     link_gbps = min(link.gbps for link in ring)
@@ -107,7 +161,7 @@ def estimate(ring: tuple[PatternLink, ...], k: int, message_bytes: int | None) -
     algorithm_gbps = link_gbps * k / steps
     time_us = NCCL_RING_BASE_LATENCY_US + steps * hop + (size / (1000 * algorithm_gbps) if algorithm_gbps else float("inf"))
     bus = size * steps / k / (1000 * time_us)
-    return Estimate(size, link_gbps, hop, round(time_us, 3), round(bus, 3))
+    return Estimate(EstimateModel.RING_ALLREDUCE, size, link_gbps, hop, round(time_us, 3), round(bus, 3), link_gbps, hop)
 
 
 # --- which tier a set meets ---------------------------------------------------------------

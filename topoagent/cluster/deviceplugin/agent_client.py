@@ -149,10 +149,11 @@ class AgentClient:
             return False
 
     async def place(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
-        """The agent's placement for a dry-run request, or None when nothing fits (409)."""
+        """The agent's placement for a dry-run request, or None when nothing fits (409 now,
+        422 ever)."""
         try:
             async with self._http().post(f"{self.url}/place", json=dict(request)) as resp:
-                if resp.status == 409:
+                if resp.status in (409, 422):
                     return None
                 if resp.status != 200:
                     raise AgentError(f"POST /place: HTTP {resp.status}: {(await resp.text())[:200]}")
