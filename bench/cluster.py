@@ -186,9 +186,13 @@ class Cluster:
     def node_objects(self, names: list[str] | None = None) -> list[dict[str, Any]]:
         objects = {n.name: n.node_object() for n in self.nodes}
         for name, address in self.unanswering:
-            objects[name] = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
-                             "status": {"addresses": [{"type": "InternalIP", "address": address}]}}
+            objects[name] = unanswering_node(name, address)
         return [objects[n] for n in (names if names is not None else sorted(objects))]
+
+
+def unanswering_node(name: str, address: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name},
+            "status": {"addresses": [{"type": "InternalIP", "address": address}]}}
 
 
 @contextmanager
@@ -223,6 +227,7 @@ def cluster(fixtures: list[str], extender_args: list[str] | None = None, work: P
             _wait_line(proc, f"agent {fixture} on {address}:{port}", log)
             nodes.append(Node(f"node-{n:02d}", fixture, address, port, proc, matrix_of(fixture)))
         for node in nodes:
+            api.add_node(node.node_object())  # the extender learns names and addresses from the API server only
             _wait_ready(node)
             topo = _get_ok(node, "/topology")
             node.uuid_index = {g["uuid"]: g["index"] for g in topo["gpus"] if g.get("uuid")}

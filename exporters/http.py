@@ -23,9 +23,9 @@ from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
 from topoagent.config import Config
+from topoagent.connections import ConnectionGuard
 from topoagent.documents.agent import answer_document, lease_document
 from topoagent.documents.lease import owner_problem, ttl_problem
-from topoagent.exporters.connections import ConnectionGuard
 from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key

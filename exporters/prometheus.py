@@ -30,7 +30,7 @@ from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import Status
 
 if TYPE_CHECKING:
-    from topoagent.exporters.connections import ConnectionGuard
+    from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
     from topoagent.service.interface import Service
 
@@ -413,7 +413,7 @@ class RuntimeCollector(Collector):
 
 
 class HttpCollector(Collector):
-    """What the listener and the request gates turned away (see exporters/connections.py)."""
+    """What the listener and the request gates turned away (see topoagent/connections.py)."""
 
     def __init__(self, guard: ConnectionGuard | None, refused: dict[str, int]) -> None:
         self.guard = guard

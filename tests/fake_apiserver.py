@@ -6,12 +6,14 @@ cluster pieces make, and no more:
   ``watch=true`` a stream of watch events after ``resourceVersion`` (one JSON object a
   line) until ``timeoutSeconds`` or ``close_watches()``; a resourceVersion older than the
   events kept gets one ERROR event, 410 Gone, as the real one answers;
-- ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``;
+- ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``, ``GET /api/v1/nodes``
+  (with ``limit``, in pages; ``node_lists`` counts them);
 - ``PATCH /api/v1/nodes/{name}/status`` with a strategic merge patch, whose
   ``status.conditions`` merge by ``type`` as the real one's do (anything but ``status`` is
   ignored there, as on the real subresource); ``PATCH /api/v1/nodes/{name}`` with a JSON merge
-  patch, refused 409 when its ``metadata.resourceVersion`` is not the node's (``spec.taints``,
-  a list without a merge key, is replaced whole); each is recorded in ``node_patches``;
+  patch, refused 409 when its ``metadata.resourceVersion`` is given and is not the node's
+  (``spec.taints``, a list without a merge key, is replaced whole); each is recorded in
+  ``node_patches``;
 - ``PATCH /api/v1/namespaces/{ns}/pods/{name}`` with a JSON merge patch (RFC 7386, what
   the extender sends) or a strategic merge patch of plain maps (the same for annotations);
 - ``POST /api/v1/namespaces/{ns}/pods/{name}/binding``: a ``Binding`` whose UID (and
@@ -98,6 +100,8 @@ class FakeApiServer:
         self.patches: list[tuple[str, str, str]] = []  # (namespace/name, content type, body)
         self.fail_binding: set[str] = set()
         self.binding_delay_s = 0.0
+        self.node_lists = 0  # GET /api/v1/nodes served
+        self.node_patch_times: list[tuple[str, float, Any]] = []  # (node, monotonic time, patch): when each landed
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         outer = self
 
@@ -132,6 +136,16 @@ class FakeApiServer:
                                 meta["continue"] = str(start + limit)
                             items = items[start:start + limit]
                         return self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": meta, "items": items})
+                    if url.path == "/api/v1/nodes":
+                        outer.node_lists += 1
+                        nodes = list(outer.nodes.values())
+                        node_meta: dict[str, Any] = {"resourceVersion": str(outer.version)}
+                        if "limit" in query:
+                            start, limit = int(query.get("continue", ["0"])[0] or 0), int(query["limit"][0])
+                            if start + limit < len(nodes):
+                                node_meta["continue"] = str(start + limit)
+                            nodes = nodes[start:start + limit]
+                        return self._send(200, {"kind": "NodeList", "apiVersion": "v1", "metadata": node_meta, "items": nodes})
                     if m := POD.fullmatch(url.path):
                         pod = outer.pods.get((m.group(1), m.group(2)))
                         return self._send(200, pod) if pod else self._send(404, status(404, "NotFound", f'pods "{m.group(2)}" not found'))
@@ -214,8 +228,11 @@ class FakeApiServer:
                         version = (body.get("metadata") or {}).get("resourceVersion")
                         if version and version != node["metadata"].get("resourceVersion"):
                             return self._send(409, status(409, "Conflict", f'Operation cannot be fulfilled on nodes "{m.group(1)}": the object has been modified; please apply your changes to the latest version and try again'))
-                        updated = merge_patch(node, {k: v for k, v in body.items() if k != "metadata"})
+                        # metadata merges too (annotations), all but the resourceVersion the server sets
+                        metadata = {k: v for k, v in (body.get("metadata") or {}).items() if k != "resourceVersion"}
+                        updated = merge_patch(node, {**body, "metadata": metadata})
                     outer.node_patches.append((path, kind, body))
+                    outer.node_patch_times.append((m.group(1), time.monotonic(), copy.deepcopy(body)))
                     outer.version += 1
                     updated["metadata"]["resourceVersion"] = str(outer.version)
                     outer.nodes[m.group(1)] = updated
@@ -278,6 +295,14 @@ class FakeApiServer:
             self.pods[(meta["namespace"], meta["name"])] = stored
             self._changed("ADDED", stored)
             meta["resourceVersion"] = stored["metadata"]["resourceVersion"]
+
+    def add_node(self, node: dict) -> None:
+        with self.lock:
+            self.nodes[node["metadata"]["name"]] = copy.deepcopy(node)
+
+    def remove_node(self, name: str) -> None:
+        with self.lock:
+            self.nodes.pop(name, None)
 
     def delete_pod(self, name: str, namespace: str = "default") -> None:
         with self.lock:

@@ -533,3 +533,33 @@ def test_help_does_not_import_grpc_and_a_bad_flag_exits_2() -> None:
     assert done.stdout.strip() == "False", done.stderr
     bad = subprocess.run([sys.executable, "-P", "-m", "topoagent", "device-plugin", "--poll-interval", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--poll-interval" in bad.stderr
+
+
+def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """A pod bound past the extender (an outage with ignorable: true, another scheduler)
+    must not start on GPUs leased to a Slurm job or to a pod already running."""
+    api = FakeApiServer()
+    agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        by_index = {g["index"]: g["uuid"] for g in agent.get("/topology").json()["gpus"]}
+        lease_for(agent, [0], "slurm/job-42")
+        running_uid = str(uuid.uuid4())
+        lease_for(agent, [1], f"team-a/running/{running_uid}")  # its pod runs: not Pending here
+        api.add_pod(gpu_pod("newcomer", 1))
+        for index in (0, 1):
+            with pytest.raises(grpc.RpcError) as refused:
+                allocate(kubelet, [by_index[index]])
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "held by the agent's lease" in refused.value.details() and "not for a pod starting on this node" in refused.value.details()
+        # A free GPU, and one leased to a pod Pending on this node (it may be this one), are allocated.
+        assert allocate(kubelet, [by_index[2]])["NVIDIA_VISIBLE_DEVICES"] == by_index[2]
+        own_uid = str(uuid.uuid4())
+        lease_for(agent, [3], f"team-b/bound/{own_uid}")
+        api.add_pod(gpu_pod("bound", 1, uid=own_uid))
+        assert allocate(kubelet, [by_index[3]])["NVIDIA_VISIBLE_DEVICES"] == by_index[3]
+        assert plugin.log().count("event=allocate_refused") == 2 and set(by_index.values()) == set(uuids)
+    finally:
+        stop(agent, plugin)
+        api.close()

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,13 +33,16 @@ from bench.cluster import (
     Placed,
     ThroughExtender,
     _child_env,
+    _free_port,
     _wait_line,
     cluster,
     fixtures_for,
     job_stream,
     replay,
+    unanswering_node,
 )
 from topoagent.cluster.deviceplugin.pods import ANNOTATION
+from topoagent.cluster.extender.nodetable import NodeTable
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION, PodError, PodRef, gpus_wanted, node_address, pod_ref, pod_request
 
 
@@ -104,7 +108,7 @@ def test_a_stream_of_pods_binds_disjoint_gpus_in_rank_order_and_beats_count_only
     assert all(not held for held in leases(c).values())
 
 
-def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
+def test_scores_follow_the_agents_bandwidth_first(c: Cluster) -> None:
     pod = new_pod(c, 2)
     priorities = c.extender.call("prioritize", args_for(c, pod))
     scores = {p["Host"]: p["Score"] for p in priorities}
@@ -121,6 +125,26 @@ def test_scores_follow_the_agents_bandwidth_then_damage(c: Cluster) -> None:
     assert scores[max(bandwidth, key=lambda n: bandwidth[n])] == 10
 
 
+def test_a_one_gpu_pod_goes_where_it_breaks_the_least(c: Cluster) -> None:
+    """A 1-GPU pod gets no ring, so its bandwidth ties everywhere: it goes to the node whose
+    free GPUs are worth least to a large job (PCIe), keeping the NVSwitch and NVLink nodes
+    whole for the 8-GPU pod that follows, which then gets the best ring there is."""
+    small = new_pod(c, 1)
+    scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, small))}
+    best = max(scores, key=lambda n: scores[n])
+    assert c.node(best).fixture == "pcie-2socket", {c.node(n).fixture: s for n, s in scores.items()}
+    answers = {n.name: n.request("POST", "/place", {"gpus": n.request("GET", "/capacity")[1]["free_gpus"]}) for n in c.nodes}
+    worth = {name: (answer.get("bandwidth_gbps") or 0) if status == 200 else 0 for name, (status, answer) in answers.items()}
+    for a in c.nodes:
+        for b in c.nodes:
+            if worth[a.name] < worth[b.name]:
+                assert scores[a.name] >= scores[b.name], (a.fixture, b.fixture, scores, answers[a.name], worth)
+    big = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 8)))}
+    eight = {n.name: n.request("POST", "/place", {"gpus": 8}) for n in c.nodes}
+    rings = {name: answer["bandwidth_gbps"] for name, (status, answer) in eight.items() if status == 200}
+    assert rings[max(big, key=lambda n: big[n])] == max(rings.values())
+
+
 def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
     full = c.nodes[3]
     status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
@@ -134,6 +158,29 @@ def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
         assert huge["FailedAndUnresolvableNodes"] == {n.name: f"the node has {n.matrix.size} GPUs; the pod needs 16" for n in c.nodes}
     finally:
         assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+
+
+def test_a_pod_rejected_for_a_lease_is_requeued_within_seconds_of_the_release(c: Cluster) -> None:
+    """The release changes nothing Kubernetes sees, so the extender writes the node's new
+    capacity ETag on its Node: the update kube-scheduler retries rejected pods on."""
+    full = c.nodes[2]
+    free = full.request("GET", "/capacity")[1]["free_gpus"]
+    status, held = full.request("POST", "/place", {"gpus": free, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+    assert status == 200, held
+    result = c.extender.call("filter", args_for(c, new_pod(c, 1)))
+    assert full.name in result["FailedNodes"]
+    patched_before = [x for x in c.api.node_patch_times if x[0] == full.name]
+    before = c.api.nodes[full.name]["metadata"].get("annotations", {}).get("topoagent.io/capacity")
+    assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
+    released = time.monotonic()
+    patch = wait_for("the Node's capacity annotation", lambda: next(
+        (x for x in c.api.node_patch_times[len(patched_before):] if x[0] == full.name and x not in patched_before), None), timeout=5)
+    assert patch[1] - released < 5
+    after = c.api.nodes[full.name]["metadata"]["annotations"]["topoagent.io/capacity"]
+    assert after not in (before, "unanswered")
+    print(f"extender: lease released -> Node annotated in {patch[1] - released:.2f} s")
+    # Retried now, the pod fits the node again.
+    assert full.name in {n["metadata"]["name"] for n in c.extender.call("filter", args_for(c, new_pod(c, 1)))["Nodes"]["items"]}
 
 
 def test_the_pods_wishes_are_the_agents_words(c: Cluster) -> None:
@@ -188,17 +235,18 @@ def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
 
     assert grew("topoagent_extender_capacity_requests_total", {"answer": "not_modified"}) == 2 * len(c.nodes)
     assert grew("topoagent_extender_capacity_requests_total", {"answer": "changed"}) == 0
-    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 2 * len(c.nodes)
+    # Per node and call: the pod's request and what all its free GPUs are worth, both from the cache.
+    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 4 * len(c.nodes)
     assert grew("topoagent_extender_dry_runs_total", {"source": "agent"}) == 0
     assert grew("topoagent_extender_requests_total", {"verb": "prioritize"}) == 1
 
 
 def test_names_only_when_node_cache_capable(c: Cluster) -> None:
     pod = new_pod(c, 8)
-    known = [n.name for n in c.nodes]  # their addresses came with earlier Node objects
+    known = [n.name for n in c.nodes]  # their addresses come from the API server's Node objects
     result = c.extender.call("filter", {"Pod": pod, "NodeNames": [*known, "node-never-seen"]})
     assert result["Nodes"] is None and set(result["NodeNames"]) <= set(known) and result["NodeNames"]
-    assert "no address known" in result["FailedNodes"]["node-never-seen"]
+    assert "not among the API server's Node objects" in result["FailedNodes"]["node-never-seen"]
 
 
 class Garbled(BaseHTTPRequestHandler):
@@ -224,9 +272,13 @@ def silent(c: Cluster) -> Iterator[list[tuple[str, str]]]:
     garbled = ThreadingHTTPServer((f"{base}.202", port), Garbled)
     threading.Thread(target=garbled.serve_forever, daemon=True).start()
     c.unanswering = [("node-refuses", f"{base}.200"), ("node-hangs", f"{base}.201"), ("node-garbles", f"{base}.202")]
+    for name, address in c.unanswering:
+        c.api.add_node(unanswering_node(name, address))
     try:
         yield c.unanswering
     finally:
+        for name, _ in c.unanswering:
+            c.api.remove_node(name)
         c.unanswering = []
         hung.close()
         garbled.shutdown()
@@ -251,7 +303,7 @@ def test_with_unanswered_pass_it_stays_with_the_lowest_score(c: Cluster, silent:
     log = tmp_path / "extender.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{port}",
-                                 "--unanswered", "pass", "--agent-timeout", "0.5"], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+                                 "--unanswered", "pass", "--agent-timeout", "0.5", "--kube-api", c.api.url], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
     try:
         line = _wait_line(proc, "extender", log)
         other = type(c.extender)(proc, "127.0.0.1", int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0]))
@@ -316,22 +368,28 @@ def test_hostile_bodies_get_400_and_the_extender_keeps_serving(c: Cluster) -> No
 
 
 def test_a_node_with_malformed_addresses_fails_alone_with_a_reason(c: Cluster) -> None:
-    """A Node whose address entries are of the wrong JSON types has no usable address: it
-    fails filtering with the reason, the other nodes are answered, never a 500."""
+    """A Node (in the API server) whose address entries are of the wrong JSON types has no
+    usable address: it fails filtering with the reason, the other nodes are answered, never a 500."""
     good = c.nodes[0]
     malformed = [{"metadata": {"name": f"malformed-{k}"}, "status": {"addresses": addresses}} for k, addresses in enumerate([
         [{"type": ["InternalIP"], "address": "1.2.3.4"}],
         [{"type": {"x": 1}, "address": "1.2.3.4"}, {"type": "InternalIP", "address": ["1.2.3.4"]}, "InternalIP", 7],
         {"type": "InternalIP"},
     ])]
-    pod = new_pod(c, 1)
-    body = {"Pod": pod, "Nodes": {"items": [*c.node_objects([good.name]), *malformed]}}
-    result = c.extender.call("filter", body)
-    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == [good.name], result
-    assert sorted(result["FailedNodes"]) == [m["metadata"]["name"] for m in malformed]
-    assert all("no address known" in why for why in result["FailedNodes"].values()), result["FailedNodes"]
-    scores = c.extender.call("prioritize", body)
-    assert {s["Host"] for s in scores} == {good.name, *result["FailedNodes"]}
+    for node in malformed:
+        c.api.add_node(node)
+    try:
+        pod = new_pod(c, 1)
+        body = {"Pod": pod, "Nodes": {"items": [*c.node_objects([good.name]), *malformed]}}
+        result = c.extender.call("filter", body)
+        assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == [good.name], result
+        assert sorted(result["FailedNodes"]) == [m["metadata"]["name"] for m in malformed]
+        assert all("has no usable address" in why for why in result["FailedNodes"].values()), result["FailedNodes"]
+        scores = c.extender.call("prioritize", body)
+        assert {s["Host"] for s in scores} == {good.name, *result["FailedNodes"]}
+    finally:
+        for node in malformed:
+            c.api.remove_node(node["metadata"]["name"])
 
 
 def test_a_nodes_address_is_its_first_usable_one_by_kind() -> None:
@@ -423,7 +481,9 @@ def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() 
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
-        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}")
+        table = NodeTable(None)
+        table.replace({"big": None, "huge": None})  # as if listed from the API server
+        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}", table)
         try:
             etag, doc = await agents.capacity("big")
             assert doc == {"gpus": 8, "free_gpus": 8} and etag == '"1"'  # all the verdict reads, all that is kept
@@ -483,6 +543,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
 class TLSExtender:
     port: int
     log: Path
+    probe_port: int
 
 
 def https_call(port: int, context: ssl.SSLContext | None, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -505,16 +566,17 @@ def tls(c: Cluster, certs: Certs) -> Iterator[TLSExtender]:
     """A second extender on the cluster's agents and API server, as extender.yaml runs it:
     --bind behind mutual TLS."""
     log = c.work / "extender-tls.log"
+    probe_port = _free_port("127.0.0.1")
     with open(log, "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{c.nodes[0].port}",
-             "--agent-token-file", str(c.work / "token"), "--bind", "--kube-api", c.api.url,
+             "--agent-token-file", str(c.work / "token"), "--bind", "--kube-api", c.api.url, "--probe-listen", f"127.0.0.1:{probe_port}",
              "--tls-cert-file", certs.path("server.crt"), "--tls-key-file", certs.path("server.key"), "--client-ca-file", certs.path("ca.crt")],
             stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
     try:
         line = _wait_line(proc, "extender with TLS", log)
         assert f"callers need a certificate from {certs.path('ca.crt')}" in line
-        yield TLSExtender(int(line.split("https://127.0.0.1:", 1)[1].split("/", 1)[0]), log)
+        yield TLSExtender(int(line.split("https://127.0.0.1:", 1)[1].split("/", 1)[0]), log, probe_port)
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0
@@ -544,26 +606,29 @@ def test_kube_schedulers_certificate_gets_filter_prioritize_and_bind(c: Cluster,
         # Who asked is in the log, from the verified certificate.
         said = wait_for("the bind's caller", lambda: [x for x in tls.log.read_text().splitlines() if "event=bind_asked" in x], log=tls.log.read_text)
         assert "pod=team-a/over-tls" in said[0] and ",CN=kube-scheduler\"" in said[0]
-        # The probes answer a client with a certificate too (kube-scheduler's own checks need none).
+        # /metrics and the probes answer a client with a certificate on the main port too.
         assert https_call(tls.port, scheduler, "GET", "/metrics")[0] == 200
+        assert https_call(tls.port, scheduler, "GET", "/healthz")[0] == 200
     finally:
         assert c.node(best).request("DELETE", f"/leases/{held['id']}", token=c.token)[0] == 200
 
 
-def test_without_a_client_certificate_only_the_probes_answer(c: Cluster, certs: Certs, tls: TLSExtender) -> None:
-    """kubelet's HTTPS probe presents no certificate: /healthz and /readyz answer it; the
-    verbs and /metrics do not, however the path is spelt, and nothing is leased or bound."""
+def test_without_a_client_certificate_the_handshake_fails_and_the_probes_answer_apart(c: Cluster, certs: Certs, tls: TLSExtender) -> None:
+    """A caller without a certificate does not complete the TLS handshake, on any path, so it
+    cannot hold a request open either; kubelet's probes (no certificate) answer on
+    --probe-listen, which serves nothing else; nothing is leased or bound."""
     bare = certs.client()
     pod = new_pod(c, 1, name="not-yours")
     bindings = len(c.api.bindings)
-    assert https_call(tls.port, bare, "GET", "/healthz") == (200, {"status": "alive"})
-    assert https_call(tls.port, bare, "GET", "/readyz") == (200, {"status": "ready"})
     binding = {"PodName": "not-yours", "PodNamespace": "team-a", "PodUID": pod["metadata"]["uid"], "Node": c.nodes[0].name}
-    for method, path, body in (("POST", "/scheduler/bind", binding), ("POST", "/healthz/../scheduler/bind", binding),
-                               ("POST", "/scheduler/filter", args_for(c, pod)), ("POST", "/scheduler/prioritize", args_for(c, pod)),
-                               ("GET", "/metrics", None)):
-        status, doc = https_call(tls.port, bare, method, path, body)
-        assert status == 403 and doc["error"] == "client_certificate_required", (path, status, doc)
+    for method, path, body in (("GET", "/healthz", None), ("POST", "/scheduler/bind", binding), ("POST", "/healthz/../scheduler/bind", binding),
+                               ("POST", "/scheduler/filter", args_for(c, pod)), ("GET", "/metrics", None)):
+        with pytest.raises(OSError):  # an alert (SSLError) or a closed connection, as TLS 1.3 has it
+            https_call(tls.port, bare, method, path, body)
+    assert https_call(tls.probe_port, None, "GET", "/healthz") == (200, {"status": "alive"})
+    assert https_call(tls.probe_port, None, "GET", "/readyz") == (200, {"status": "ready"})
+    for method, path, body in (("POST", "/scheduler/bind", binding), ("GET", "/metrics", None), ("POST", "/scheduler/filter", args_for(c, pod))):
+        assert https_call(tls.probe_port, None, method, path, body)[0] in (404, 405), path
     assert len(c.api.bindings) == bindings and "nodeName" not in c.api.pod("not-yours", "team-a")["spec"]
     assert leases_of(c, pod) == []
     assert "pod=team-a/not-yours" not in tls.log.read_text()  # refused before the handler: no bind was asked

@@ -86,9 +86,11 @@ def test_the_extender_asks_for_client_certificates_from_its_secret_and_only_kube
     assert secrets[tls_volume] == "topoagent-extender-tls"
     for path in (args.tls_cert_file, args.tls_key_file, args.client_ca_file):
         assert path.startswith(mounts[tls_volume] + "/")
-    # kubelet's probe speaks HTTPS and presents no certificate: a path that answers without one.
-    probe = container["readinessProbe"]["httpGet"]
-    assert probe["scheme"] == "HTTPS" and probe["path"] in ("/healthz", "/readyz")
+    # kubelet's probe presents no certificate, which the HTTPS port requires: the plain probe port answers it.
+    for kind in ("readinessProbe", "livenessProbe"):
+        probe = container[kind]["httpGet"]
+        assert probe["scheme"] == "HTTP" and probe["path"] in ("/healthz", "/readyz")
+        assert args.probe_listen.endswith(f":{probe['port']}") and probe["port"] != container["ports"][0]["containerPort"]
     (policy,) = by_kind("NetworkPolicy")
     assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"]
     assert policy["spec"]["podSelector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
@@ -128,7 +130,7 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     (config,) = by_kind("KubeSchedulerConfiguration")
     (extender,) = config["extenders"]
     assert args.bind and extender["bindVerb"] == "bind" and extender["urlPrefix"].endswith(args.path_prefix)
-    assert "{address}" in args.agent_url and extender["nodeCacheCapable"] is False  # addresses come with Node objects
+    assert "{address}" in args.agent_url and extender["nodeCacheCapable"] is False
     assert args.listen.endswith(":" + str(container["ports"][0]["containerPort"]))
     (daemonset,) = by_kind("DaemonSet")
     agent = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "agent")
@@ -138,6 +140,10 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     # The pod watch (a lease ends with its pod) lists and watches; annotations go in the Binding.
     assert {("pods/binding", "create"), ("pods", "get"), ("pods", "list"), ("pods", "watch"), ("nodes", "get")} <= granted
+    # Node names and addresses come from the API server's Node objects, listed by the extender.
+    assert {("nodes", "list"), ("nodes", "watch")} <= granted
+    # An outage fails GPU pods' scheduling instead of binding them past the agents; two replicas.
+    assert extender["ignorable"] is False and deployment["spec"]["replicas"] >= 2
     assert ("pods", "patch") not in granted
     assert args.pod_resync > 0
 

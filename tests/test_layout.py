@@ -126,6 +126,7 @@ CLUSTER_MAY_IMPORT = {
     "topoagent.vocabulary", "topoagent.log", "topoagent.text", "topoagent.smallfile", "topoagent.errors",
     "topoagent.placement.request", "topoagent.documents", "topoagent.documents.lease",
     "topoagent.node.cpulist",  # the documents' CPU lists (cpus: "0-3,8"), one reading for all
+    "topoagent.connections",  # the listener's guard, the agent's and the extender's alike
 }
 
 

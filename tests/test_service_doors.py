@@ -21,7 +21,7 @@ import pytest
 from service_helpers import DGX_A100, Agent, metric_value, start_agent
 
 from topoagent.config import Config, Listen
-from topoagent.exporters.connections import FD_RESERVE, ConnectionGuard, Throttled, loop_exception_handler
+from topoagent.connections import FD_RESERVE, ConnectionGuard, Throttled, loop_exception_handler
 from topoagent.exporters.http import AllowedHosts
 from topoagent.exporters.ratelimit import RateLimiter, client_key
 

@@ -153,7 +153,7 @@ def test_the_extender_warns_at_start_up_about_a_token_others_may_read(tmp_path: 
     log = tmp_path / "extender.log"
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0",
-                                 "--agent-url", "http://{address}:9", "--agent-token-file", str(token)],
+                                 "--agent-url", "http://{address}:9", "--agent-token-file", str(token), "--kube-api", "http://127.0.0.1:9"],
                                 stdout=subprocess.PIPE, stderr=err, text=True, env=child_env())
     try:
         assert proc.stdout.readline(), log.read_text()  # it started: warned, not refused

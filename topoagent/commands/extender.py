@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # registering the command imports neither aiohttp nor the kub
 
     from topoagent.cluster.extender.app import Settings
     from topoagent.cluster.extender.kube import Kube
+    from topoagent.config import Listen
 
 DEFAULT_LISTEN = "127.0.0.1:9480"
 DEFAULT_AGENT_URL = "http://{node}:9477"
@@ -39,14 +40,19 @@ kube-scheduler's KubeSchedulerConfiguration (deploy/kubernetes/kube-scheduler-co
         certFile: /etc/kubernetes/topoagent-extender/client.crt
         keyFile: /etc/kubernetes/topoagent-extender/client.key
         caFile: /etc/kubernetes/topoagent-extender/ca.crt   # the CA of the extender's certificate
-      nodeCacheCapable: false   # Node objects: --agent-url may use {address}
+      nodeCacheCapable: false   # names or Node objects alike: addresses come from the API server
+      ignorable: false          # with the extender down, GPU pods wait (run two replicas)
       managedResources: [{name: nvidia.com/gpu, ignoredByScheduler: false}]
 
-With --client-ca-file only a caller with a certificate from that CA is answered (a bad
-certificate fails the TLS handshake; none: 403), except /healthz and /readyz, which
-kubelet's probes (httpGet, scheme: HTTPS) reach without one. --bind on an address other
-than loopback needs --client-ca-file: whoever can call bind can bind any pending pod to
-any node and lease GPUs away.
+With --client-ca-file only a caller with a certificate from that CA completes the TLS
+handshake (none, or a bad one, fails it); kubelet's probes, which present none, reach
+/healthz and /readyz on --probe-listen (plain HTTP, nothing else served there). --bind on
+an address other than loopback needs --client-ca-file: whoever can call bind can bind any
+pending pod to any node and lease GPUs away.
+
+Nodes and agents: a node's agent is asked only when the API server's Node objects name the
+node (listed every --node-resync seconds, and at once for a name not seen yet); its address
+({address}) is the Node's, never one from a filter body. Dry runs and reads carry no token.
 
 Pod annotations (the agent's own words, as POST /place takes them):
   topoagent.io/pattern: allreduce|alltoall|pipeline|independent
@@ -86,6 +92,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--agent-token-file", metavar="FILE", help="the agents' bearer token (needed by --bind to reserve GPUs)")
     parser.add_argument("--agent-timeout", type=float, default=2.0, metavar="SECONDS", help="how long each node's agent may take to answer (default 2)")
     parser.add_argument("--concurrency", type=int, default=32, metavar="N", help="agents asked at once (default 32)")
+    parser.add_argument("--call-timeout", type=float, default=4.0, metavar="SECONDS",
+                        help="a filter or prioritize answers within this, nodes not answered by then marked so (default 4: "
+                             "below kube-scheduler's httpTimeout, 5 s as shipped)")
+    parser.add_argument("--max-nodes", type=int, default=5000, metavar="N",
+                        help="candidate nodes in one call at most; more is 400 (default 5000, Kubernetes' largest cluster)")
+    parser.add_argument("--node-resync", type=float, default=30.0, metavar="SECONDS",
+                        help="how often the Node objects are listed for names and addresses (default 30)")
+    parser.add_argument("--requeue-interval", type=float, default=1.0, metavar="SECONDS",
+                        help="how often the agents of nodes that rejected a pod are asked whether their capacity changed; "
+                             "a change is written on the Node (topoagent.io/capacity), so kube-scheduler retries the pod "
+                             "(default 1; 0: off)")
+    parser.add_argument("--agent-reads-need-token", action="store_true",
+                        help="send the token with reads and dry runs too (agents with http.require_token_for_reads)")
     parser.add_argument(
         "--unanswered", choices=("filter", "pass"), default="filter",
         help="a node whose agent does not answer: filter it out (reason in FailedNodes), or pass it with score 0 (default filter)",
@@ -100,15 +119,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --bind: watch the pods and release a pod's lease when it ends or is deleted; list them again and sweep "
              "the agents for leases whose pod is gone this often (default 60; 0: no watch, leases end at --lease-ttl only)",
     )
-    parser.add_argument("--kube-api", metavar="URL", help="API server to bind through, as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
+    parser.add_argument("--kube-api", metavar="URL", help="API server (Node objects; binds), as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
     parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
+    guard = parser.add_argument_group("connections (as the agent's [http] settings)")
+    guard.add_argument("--max-connections", type=int, default=512, metavar="N",
+                       help="connections held at most; past it the longest-idle one is closed (default 512)")
+    guard.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                       help="from connecting (TLS handshake included) to a whole request head, and for a body (default 10)")
+    guard.add_argument("--keepalive-timeout", type=float, default=30.0, metavar="SECONDS", help="an idle kept-alive connection is closed after this (default 30)")
+    guard.add_argument("--probe-listen", metavar="HOST:PORT",
+                       help="also serve /healthz and /readyz alone, over plain HTTP, here: kubelet's probes present no client certificate")
     tls = parser.add_argument_group("TLS (kube-scheduler's enableHTTPS and tlsConfig)")
     tls.add_argument("--tls-cert-file", metavar="FILE", help="serve HTTPS with this PEM certificate (its chain after it), with --tls-key-file")
     tls.add_argument("--tls-key-file", metavar="FILE", help="the certificate's PEM private key, unencrypted")
     tls.add_argument(
         "--client-ca-file", metavar="FILE",
-        help="answer only callers presenting a client certificate signed by this PEM CA (kube-scheduler's tlsConfig "
-             "certFile/keyFile); /healthz and /readyz answer without one, for kubelet's probes. Use a CA of its own, "
+        help="require of every caller a client certificate signed by this PEM CA (kube-scheduler's tlsConfig "
+             "certFile/keyFile); kubelet's probes use --probe-listen. Use a CA of its own, "
              "not the cluster's: every certificate the CA signed may call bind",
     )
     tls.add_argument(
@@ -156,6 +183,24 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--agent-timeout must be above 0")
     if args.concurrency < 1:
         raise UsageError("--concurrency must be at least 1")
+    if not 0 < args.call_timeout <= 600:
+        raise UsageError("--call-timeout must be above 0 and at most 600 seconds (below kube-scheduler's httpTimeout)")
+    if not 1 <= args.max_nodes <= 1_000_000:
+        raise UsageError("--max-nodes must be from 1 to 1000000")
+    if not (args.requeue_interval == 0 or 0.1 <= args.requeue_interval <= 3600):
+        raise UsageError("--requeue-interval must be 0 (off) or between 0.1 and 3600 seconds")
+    if not 1 <= args.node_resync <= 24 * 3600:
+        raise UsageError("--node-resync must be between 1 and 86400 seconds")
+    if not 1 <= args.max_connections <= 1_000_000:
+        raise UsageError("--max-connections must be from 1 to 1000000")
+    if not (0 < args.header_timeout <= 3600 and 0 < args.keepalive_timeout <= 3600):
+        raise UsageError("--header-timeout and --keepalive-timeout must be above 0 and at most 3600 seconds")
+    probe_listen = None
+    if args.probe_listen:
+        try:
+            probe_listen = parse_listen("--probe-listen", args.probe_listen)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from None
     if ttl_problem(args.lease_ttl):  # the agents' own rule: they would refuse every bind's lease
         raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
     if not (args.pod_resync == 0 or 1 <= args.pod_resync <= 24 * 3600):
@@ -176,18 +221,18 @@ def run(args: argparse.Namespace) -> int:
     from topoagent.cluster.extender.app import Settings
     from topoagent.vocabulary import Unanswered
 
-    kube = None
-    if args.bind:
-        try:
-            from topoagent.cluster.extender.kube import Kube
+    # Always: the Node objects say which nodes exist and where their agents are.
+    try:
+        from topoagent.cluster.extender.kube import Kube
 
-            kube = Kube(args.kube_api, args.kubeconfig)
-        except ImportError as exc:
-            raise UsageError(f"--bind needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from None
-        except Exception as exc:  # the client's config loaders raise their own types
-            raise UsageError(f"no Kubernetes API to bind through: {exc} (give --kube-api or --kubeconfig)") from None
+        kube = Kube(args.kube_api, args.kubeconfig)
+    except ImportError as exc:
+        raise UsageError(f"the extender needs the kubernetes extra (pip install 'topoagent[kubernetes]'): {exc}") from None
+    except Exception as exc:  # the client's config loaders raise their own types
+        raise UsageError(f"no Kubernetes API to read the Node objects from: {exc} (give --kube-api or --kubeconfig)") from None
     settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
-                        prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file), pod_resync_s=args.pod_resync)
+                        prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file), pod_resync_s=args.pod_resync,
+                        max_nodes=args.max_nodes, call_timeout_s=args.call_timeout, body_timeout_s=args.header_timeout)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if exposed and not args.client_ca_file:
         from topoagent.log import log_event
@@ -196,35 +241,94 @@ def run(args: argparse.Namespace) -> int:
         log_event("unauthenticated_callers", logging.WARNING, listen=args.listen,
                   answers="filter, prioritize" + (", bind (--insecure-bind-without-client-auth)" if args.bind else ""),
                   fix="--client-ca-file")
-    return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube, tls))
+    return asyncio.run(_serve(listen.host, listen.port, settings, template, args, token, kube, tls, probe_listen))
 
 
-async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube | None,
-                 tls: ssl.SSLContext | None) -> int:
+class _OncePerMinute(logging.Filter):
+    """One line a minute per kind of connection error (a flood of clients that hang up is
+    one line, with how many were held back), where aiohttp would log one per connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from topoagent.connections import LOG_INTERVAL_S
+
+        self.interval_s = LOG_INTERVAL_S
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        import time
+
+        key = str(record.msg).split(" error=", 1)[-1].split(":", 1)[0][:80]
+        now = time.monotonic()
+        last, held = self._last.get(key, (float("-inf"), 0))
+        if now - last < self.interval_s:
+            self._last[key] = (last, held + 1)
+            return False
+        if len(self._last) > 64:
+            self._last.clear()
+        self._last[key] = (now, 0)
+        if held:
+            record.msg = f"{record.msg} suppressed={held}"
+        return True
+
+
+async def _serve(host: str, port: int, settings: Settings, template: str, args: argparse.Namespace, token: str | None, kube: Kube,
+                 tls: ssl.SSLContext | None, probe_listen: Listen | None) -> int:
     from aiohttp import web
 
-    from topoagent.cluster.extender.app import make_app
+    from topoagent.cluster.extender.app import make_app, make_probe_app
     from topoagent.cluster.extender.nodes import Agents
+    from topoagent.cluster.extender.nodetable import NodeTable
+    from topoagent.connections import ConnectionGuard, OneLineProtocolErrors, Throttled, loop_exception_handler, raise_open_file_limit
 
-    agents = Agents(template, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token)
-    runner = web.AppRunner(make_app(agents, settings, kube), access_log=None)
+    loop = asyncio.get_running_loop()
+    # The agent's defences: resource errors once a minute, bounded and timed connections,
+    # a parser's complaint one line.
+    loop.set_exception_handler(loop_exception_handler(Throttled()))
+    server_log = logging.getLogger("topoagent.cluster.extender.http")
+    server_log.addFilter(OneLineProtocolErrors())
+    server_log.addFilter(_OncePerMinute())
+    guard = ConnectionGuard(max_connections=args.max_connections, header_timeout_s=args.header_timeout,
+                            keepalive_timeout_s=args.keepalive_timeout, open_files=raise_open_file_limit())
+    table = NodeTable(kube, resync_s=args.node_resync)
+    agents = Agents(template, table, timeout_s=args.agent_timeout, concurrency=args.concurrency, token=token,
+                    token_on_reads=args.agent_reads_need_token)
+    from topoagent.cluster.extender.requeue import Requeue
+
+    requeue = Requeue(agents, kube, interval_s=args.requeue_interval) if args.requeue_interval > 0 else None
+    runner = web.AppRunner(make_app(agents, settings, kube if args.bind else None, guard, requeue), access_log=None, logger=server_log,
+                           keepalive_timeout=args.keepalive_timeout, lingering_time=min(10.0, args.header_timeout))
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=tls)
+    assert runner.server is not None
+    probes: web.AppRunner | None = None
     try:
-        await site.start()
+        listener = await guard.listen(runner.server, host, port, ssl=tls)
+        if probe_listen is not None:
+            probe_guard = ConnectionGuard(max_connections=64, header_timeout_s=args.header_timeout, keepalive_timeout_s=args.keepalive_timeout)
+            probes = web.AppRunner(make_probe_app(), access_log=None, logger=server_log)
+            await probes.setup()
+            assert probes.server is not None
+            await probe_guard.listen(probes.server, probe_listen.host, probe_listen.port)
     except OSError as exc:
         await runner.cleanup()
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    bound = runner.addresses[0][1] if runner.addresses else port
+        if probes is not None:
+            await probes.cleanup()
+        raise UsageError(f"cannot listen: {exc.strerror or exc}") from None
+    bound = listener.sockets[0].getsockname()[1] if listener.sockets else port
     shown = f"[{host}]" if ":" in host else host
     verbs = "filter, prioritize" + (", bind" if kube is not None else "")
     scheme = "https" if tls is not None else "http"
     callers = f"; callers need a certificate from {args.client_ca_file}" if args.client_ca_file else ""
     print(f"topoagent extender on {scheme}://{shown}:{bound}{settings.prefix.rstrip('/')} ({verbs}{callers}); agents at {template}", flush=True)
+    if probe_listen is not None:
+        print(f"  probes (/healthz, /readyz) on http://{args.probe_listen}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
+    listener.close()
     await runner.cleanup()
+    if probes is not None:
+        await probes.cleanup()
     return 0

@@ -131,37 +131,12 @@ def setup_logging(level: int = logging.INFO) -> None:
     root.propagate = False
     # aiohttp's access log is one line per request: too loud for journald by default.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    from topoagent.connections import OneLineProtocolErrors
+
     logging.getLogger(HTTP_LOGGER).addFilter(OneLineProtocolErrors())
 
 
 HTTP_LOGGER = "topoagent.http"  # aiohttp's server logger for this agent (AppRunner logger=)
-
-
-class OneLineProtocolErrors(logging.Filter):
-    """aiohttp logs a request its parser rejects (a bad Content-Length, a malformed
-    request line) with a multi-line traceback, before any handler or middleware runs,
-    and answers it itself in plain text.  Keep such a line to one `event=` line."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if exc is None:
-            return True
-        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
-        first = " ".join(str(getattr(exc, "message", "") or exc).split())
-        status = getattr(exc, "code", "")
-        level = logging.WARNING if status == 400 else record.levelno
-        record.msg = _event_line("http_protocol_error", remote=remote, status=status, error=f"{type(exc).__name__}: {first}"[:300])
-        record.args = ()
-        record.exc_info = None
-        record.exc_text = None
-        record.levelno, record.levelname = level, logging.getLevelName(level)
-        return True
-
-
-def _event_line(event: str, **fields: object) -> str:
-    from topoagent.log import event_line
-
-    return event_line(event, **fields)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,7 +173,7 @@ def os_error_text(exc: OSError, context: str) -> str:
 async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     from aiohttp import web
 
-    from topoagent.exporters.connections import ConnectionGuard, Throttled, loop_exception_handler, raise_open_file_limit
+    from topoagent.connections import ConnectionGuard, Throttled, loop_exception_handler, raise_open_file_limit
     from topoagent.exporters.http import TOKEN, make_app
     from topoagent.log import log_event
     from topoagent.service.agent import Agent

@@ -281,9 +281,43 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             if message:
                 log_event("allocate_refused", logging.WARNING, error=message)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+            taken = await self.held_for_someone_else(ids)
+            if taken:
+                # Two jobs on one GPU is worse than a pod that fails to start: kube-scheduler
+                # bound it without the extender (an outage with ignorable: true, or another scheduler).
+                log_event("allocate_refused", logging.WARNING, error=taken)
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, taken)
             answers.append(api_pb2.ContainerAllocateResponse(envs=await self.container_env(ids)))
             await self.lease_allocation(ids)
         return api_pb2.AllocateResponse(container_responses=answers)
+
+    async def held_for_someone_else(self, ids: list[str]) -> str:
+        """Why these GPUs are not this allocation's to take, or "": a lease of the agent holds
+        one for an owner that is no pod (a Slurm job, a manual reservation) or for a pod that
+        is not Pending on this node (kubelet allocates only for a pod being admitted, which
+        is).  When the agent or the pods cannot be read, nothing is refused (logged): a
+        refused Allocate fails the pod for good."""
+        try:
+            leases = await self.agent.leases()
+        except AgentError as exc:
+            log_event("allocate_unchecked", logging.WARNING, devices=",".join(ids)[:400], reason=str(exc))
+            return ""
+        wanted, pending = set(ids), None
+        for lease in leases:
+            uuids = lease.get("gpu_uuids")
+            taken = sorted(wanted & {str(u) for u in uuids}) if isinstance(uuids, list) else []
+            if not taken:
+                continue
+            owner = lease.get("owner")
+            uid = owner_pod_uid(owner)
+            if uid is not None:
+                if pending is None:
+                    pending = {pod_ref(pod).uid for pod in await self.pods.pending()} if self.pods is not None else set()
+                if not pending or uid in pending:  # unknown (no pods read), or possibly this very pod
+                    continue
+            return (f"device {taken[0][:80]} is held by the agent's lease {str(lease.get('id'))[:64]} for "
+                    f"{str(owner)[:120]}, not for a pod starting on this node")
+        return ""
 
     async def lease_allocation(self, ids: list[str]) -> None:
         """Lease what kubelet allocated, for the pod it is for, so that callers of the agent

@@ -9,7 +9,8 @@ them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and bi
   annotations (through the agent's own request parser);
 - ``nodes``: asking the agents (bounded fan-out, per-node timeout, ETag cache) and ranking
   the nodes that fit;
-- ``kube``: the API server calls of a bind (the ``kubernetes`` client);
+- ``nodetable``: the nodes and their addresses, from the API server's Node objects only;
+- ``kube``: the API server calls (Node list, bind; the ``kubernetes`` client);
 - ``tls``: HTTPS, and the client certificates (kube-scheduler's) it asks callers for;
 - ``app``: the HTTP service.
 """

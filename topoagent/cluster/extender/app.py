@@ -1,9 +1,10 @@
 """The extender's HTTP service (aiohttp): ``{prefix}/filter``, ``{prefix}/prioritize``,
 ``{prefix}/bind`` (with a Kubernetes API to bind through), ``/metrics``, ``/healthz`` and ``/readyz``.
 
-With client certificates asked for (``--client-ca-file``, see ``tls``) every path but the
-probes' answers only a caller whose certificate verified: anyone else gets 403 before
-any handler runs, so no lease or Binding can follow.
+With client certificates required (``--client-ca-file``, see ``tls``) a caller without one
+never completes the handshake; the middleware refusing one (403) is a second guard.  The
+probes have an app of their own (``make_probe_app``, ``--probe-listen``).  Candidate nodes
+are resolved through the API server's table (``nodetable``) only.
 
 kube-scheduler calls filter, then prioritize, for each pod it is configured to send (a
 pod requesting a ``managedResources`` entry), then bind for the node it chose when
@@ -19,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +30,8 @@ from aiohttp import web
 from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
-from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, scores
+from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, Verdict, scores
+from topoagent.cluster.extender.requeue import Requeue
 from topoagent.cluster.extender.tls import peer_subject
 from topoagent.cluster.extender.wire import (
     DEFAULT_RESOURCE,
@@ -39,19 +42,20 @@ from topoagent.cluster.extender.wire import (
     WireError,
     filter_result,
     host_priorities,
-    node_address,
     parse_binding_args,
     parse_extender_args,
     pod_ref,
     pod_request,
 )
 from topoagent.cluster.podwatch import PodWatch
+from topoagent.connections import ConnectionGuard
 from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.text import cut
 from topoagent.vocabulary import Unanswered
 
 MAX_BODY_BYTES = 64 * 1024 * 1024  # a NodeList of a few thousand full Node objects
+PARSE_IN_THREAD_BYTES = 256 * 1024  # a larger body is parsed off the event loop: /healthz stays answered
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +69,12 @@ class Settings:
     require_client_certificate: bool = False
     # With a Kubernetes API: how often the pod watch lists again (0: no watch, leases end by TTL only).
     pod_resync_s: float = 60.0
+    # kube-scheduler sends the nodes that passed its own filters: at most the cluster's nodes.
+    max_nodes: int = 5000
+    # A filter or prioritize answers within this (below kube-scheduler's httpTimeout, 5 s as shipped).
+    call_timeout_s: float = 4.0
+    # A request body must arrive within this of its head.
+    body_timeout_s: float = 10.0
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -73,6 +83,7 @@ BINDS: web.AppKey[dict[str, int]] = web.AppKey("binds")  # result -> binds
 AGENTS = web.AppKey("agents", Agents)
 KUBE = web.AppKey("kube", Kube)
 WATCH = web.AppKey("pod_watch", PodWatch)
+REQUEUE = web.AppKey("requeue", Requeue)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -81,12 +92,20 @@ def _error(status: int, error: str, detail: str) -> web.Response:
     return web.json_response({"error": error, "detail": detail}, status=status)
 
 
+class BodyTimeout(Exception):
+    """The body did not arrive in time: 408, and the connection closed."""
+
+
 @web.middleware
 async def json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except WireError as exc:
         return _error(400, "bad_request", str(exc))
+    except BodyTimeout as exc:
+        resp = _error(408, "request_timeout", str(exc))
+        resp.force_close()  # the unread rest must not be taken for the next request
+        return resp
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -116,11 +135,30 @@ async def client_certificates(request: web.Request, handler: Handler) -> web.Str
 
 
 async def _body(request: web.Request) -> Any:
-    raw = await request.read()  # 413 past client_max_size
+    timeout_s = request.app[SETTINGS].body_timeout_s
     try:
-        return json.loads(raw)
+        async with asyncio.timeout(timeout_s):  # a body sent a byte a minute holds a connection
+            raw = await request.read()  # 413 past client_max_size
+    except TimeoutError:
+        raise BodyTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
+    except RuntimeError as exc:  # aiohttp's "Connection closed.": the client left mid-body, nothing to answer
+        raise ConnectionResetError(str(exc)) from None
+    try:
+        return await asyncio.to_thread(json.loads, raw) if len(raw) > PARSE_IN_THREAD_BYTES else json.loads(raw)
     except (ValueError, RecursionError) as exc:
         raise WireError(f"body: not valid JSON: {cut(str(exc), 120)}") from None
+
+
+def _args(settings: Settings, doc: Any) -> ExtenderArgs:
+    return parse_extender_args(doc, settings.max_nodes)
+
+
+def _log_unanswered(settings: Settings, verdicts: list[Verdict]) -> None:
+    """One line per call, however many nodes fell silent in it (each once per silence)."""
+    silent = [v for v in verdicts if not v.answered and v.asked]
+    if silent:
+        names = ",".join(v.node for v in silent[:5]) + (f",+{len(silent) - 5} more" if len(silent) > 5 else "")
+        log_event("agent_unanswered", logging.WARNING, node=names, nodes=len(silent), reason=silent[0].reason, treated_as=settings.unanswered)
 
 
 def _wanted(settings: Settings, args: ExtenderArgs) -> tuple[dict[str, Any] | None, str | None]:
@@ -134,7 +172,8 @@ def _wanted(settings: Settings, args: ExtenderArgs) -> tuple[dict[str, Any] | No
 async def filter_nodes(request: web.Request) -> web.Response:
     settings, agents = request.app[SETTINGS], request.app[AGENTS]
     request.app[VERBS]["filter"] += 1
-    args = parse_extender_args(await _body(request))
+    deadline = time.monotonic() + settings.call_timeout_s
+    args = _args(settings, await _body(request))
     wanted, problem = _wanted(settings, args)
     names = [c.name for c in args.candidates]
     if problem is not None:
@@ -142,26 +181,32 @@ async def filter_nodes(request: web.Request) -> web.Response:
     if wanted is None:  # no GPU asked: nothing for us to say against any node
         return web.json_response(filter_result(args, names, {}, {}))
     passed, failed, unresolvable = [], {}, {}
-    for verdict in await agents.verdicts(args.candidates, wanted):
-        if verdict.fits or (not verdict.answered and settings.unanswered is Unanswered.PASS):
+    verdicts = await agents.verdicts(args.candidates, wanted, deadline - time.monotonic())
+    for verdict in verdicts:
+        if verdict.fits or (not verdict.answered and settings.unanswered is Unanswered.PASS and verdict.node in agents.table):
             passed.append(verdict.node)
         elif verdict.resolvable:
             failed[verdict.node] = verdict.reason
         else:
             unresolvable[verdict.node] = verdict.reason
-        if not verdict.answered and verdict.asked:  # once per silence, not once per pod
-            log_event("agent_unanswered", logging.WARNING, node=verdict.node, reason=verdict.reason, treated_as=settings.unanswered)
+    _log_unanswered(settings, verdicts)
+    requeue = request.app.get(REQUEUE)
+    if requeue is not None:
+        for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one
+            if not verdict.fits and verdict.node in agents.table and (verdict.resolvable or not verdict.answered):
+                requeue.rejected(verdict.node)
     return web.json_response(filter_result(args, passed, failed, unresolvable))
 
 
 async def prioritize(request: web.Request) -> web.Response:
     settings, agents = request.app[SETTINGS], request.app[AGENTS]
     request.app[VERBS]["prioritize"] += 1
-    args = parse_extender_args(await _body(request))
+    deadline = time.monotonic() + settings.call_timeout_s
+    args = _args(settings, await _body(request))
     wanted, _ = _wanted(settings, args)
     if wanted is None:
         return web.json_response(host_priorities({c.name: 0 for c in args.candidates}))
-    return web.json_response(host_priorities(scores(await agents.verdicts(args.candidates, wanted))))
+    return web.json_response(host_priorities(scores(await agents.verdicts(args.candidates, wanted, deadline - time.monotonic()))))
 
 
 async def bind(request: web.Request) -> web.Response:
@@ -195,10 +240,8 @@ async def bind(request: web.Request) -> web.Response:
             wanted = pod_request(pod, settings.resource)
         except PodError as exc:
             return _bind_result(f"pod {pod_name}: {exc}")
-        if wanted is not None and "{address}" in agents.url_template and args.node not in agents.addresses:
-            address = node_address(await kube.node(args.node))
-            if address is not None:
-                agents.addresses.remember(args.node, address)
+        if wanted is not None and args.node not in agents.table:
+            await agents.table.refresh()  # a node that joined since the last list
         if wanted is None:
             await kube.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, resource_version=version)
             return _bind_result()
@@ -261,8 +304,22 @@ async def readyz(request: web.Request) -> web.Response:
 PROBES = (healthz, readyz)  # kubelet's probes: no client certificate to present
 
 
-def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> web.Application:
-    middlewares = [client_certificates, json_errors] if settings.require_client_certificate else [json_errors]
+def make_probe_app() -> web.Application:
+    """/healthz and /readyz alone (--probe-listen, plain HTTP): kubelet's probes present no
+    client certificate, which the main listener requires with --client-ca-file."""
+    app = web.Application(client_max_size=1024)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard: ConnectionGuard | None = None,
+             requeue: Requeue | None = None) -> web.Application:
+    """The app; ``guard`` (the listener's) is told where each request starts and ends, to
+    time idle connections."""
+    middlewares: list[Any] = [client_certificates, json_errors] if settings.require_client_certificate else [json_errors]
+    if guard is not None:
+        middlewares.insert(0, guard.middleware())
     app = web.Application(middlewares=middlewares, client_max_size=settings.max_body_bytes)
     app[SETTINGS] = settings
     app[AGENTS] = agents
@@ -276,6 +333,27 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None) -> we
         await agents.close()
 
     app.cleanup_ctx.append(session_lifetime)
+    if requeue is not None:
+        app[REQUEUE] = requeue
+
+        async def requeue_lifetime(app: web.Application) -> AsyncIterator[None]:
+            task = asyncio.create_task(requeue.run())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(requeue_lifetime)
+    if agents.table.api is not None:
+        async def node_table_lifetime(app: web.Application) -> AsyncIterator[None]:
+            await agents.table.refresh()  # the first list before the first call: nodes are known from the start
+            task = asyncio.create_task(agents.table.run())
+            yield
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        app.cleanup_ctx.append(node_table_lifetime)
     if kube is not None and settings.pod_resync_s > 0:
         app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
 

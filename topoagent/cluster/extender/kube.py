@@ -86,6 +86,25 @@ class Kube:
         )
         await self._call(f"bind pod {namespace}/{name} to {node}", self._core.create_namespaced_pod_binding, name, namespace, binding)
 
+    async def annotate_node(self, name: str, annotations: dict[str, str]) -> None:
+        """Set ``annotations`` on the Node (a JSON merge patch: the others stay)."""
+        await self._call(f"annotate node {name}", self._core.patch_node, name, {"metadata": {"annotations": annotations}},
+                         _content_type="application/merge-patch+json")
+
+    def list_nodes_page(self, limit: int, token: str | None) -> dict[str, Any]:
+        """One page of the Node objects (a NodeList document), for the node table; blocking."""
+        what = "list nodes"
+        try:
+            resp: Any = self._core.list_node(limit=limit, _continue=token or None, _preload_content=False, _request_timeout=self.timeout_s * 6)
+            doc = json.loads(resp.data)
+        except self._exception as exc:
+            raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
+        except self._transport_errors as exc:
+            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
+            raise KubeError(f"{what}: not a NodeList")
+        return doc
+
     # -- the pod watch's calls: blocking, run in the watch's own thread ------------------------
 
     def list_pods_page(self, limit: int, token: str | None, field_selector: str | None = None) -> dict[str, Any]:

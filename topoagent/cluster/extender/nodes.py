@@ -6,22 +6,32 @@ pod's request.  The answer is kept with the capacity ETag it was given under: wh
 node's ETag stays the same (same snapshot, same leased and busy GPUs) the same request
 gets the same answer, so filter and prioritize of one pod, and pods alike, ask once.
 
+Only nodes the API server knows are asked (``NodeTable``: their names and addresses come
+from the Node objects, never from the caller's body); the token goes only with the calls
+that need it (reserve, release), unless the agents guard their reads too.
+
 At most ``concurrency`` agents are asked at once; each node has ``timeout_s`` for its
-answers.  A node whose agent does not answer in time, refuses the connection or answers
-something that is not its document is *unanswered*: the caller treats it as configured
-(``Unanswered``), never as a failed scheduling cycle; it is not asked again for
-``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
+answers, and a whole call ``budget_s``: a node not answered by then is marked so, and the
+call answers with what it has.  A node whose agent does not answer in time, refuses the
+connection or answers something that is not its document is *unanswered*: the caller
+treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
+asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
 Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
-agent delivers for the pod, then the least NUMA distance, then the least damage to the
-node's free zones (best fit: take from the fullest node, keep empty zones whole for
-large jobs) -- the placement core's own order, across nodes.  The best key scores 10,
-each next distinct key one less, down to 1; an unanswered node passed on scores 0.
+agent delivers for the pod; then, to keep big nodes whole, the least the node's free GPUs
+are worth to a large job (the ring bandwidth its agent would give a job of all of them: a
+1-GPU pod goes to a PCIe node before it breaks into an NVSwitch one); then the fewest free
+GPUs (best fit: take from the fullest node, keep empty ones whole); then the least NUMA
+distance, then the least damage to the node's free zones.  The damage figure is each
+agent's own scale, comparable within a node, not across kinds of node, so it comes last.
+The best key scores 10, each next distinct key one less, down to 1; an unanswered node
+passed on scores 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections import OrderedDict
@@ -31,6 +41,7 @@ from typing import Any
 
 import aiohttp
 
+from topoagent.cluster.extender.nodetable import NodeTable
 from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
 from topoagent.documents.lease import LEASE_ID
 from topoagent.text import cut
@@ -42,6 +53,10 @@ ANSWERS_PER_NODE = 32
 
 class Unreachable(Exception):
     """The node's agent did not answer (in time, or with its document)."""
+
+
+class Unknown(Unreachable):
+    """The node is not in the API server's table (or has no address there): nothing was sent."""
 
 
 class Refused(Exception):
@@ -63,12 +78,15 @@ class Verdict:
     resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
     answer: dict[str, Any] | None = None  # the figures of the agent's dry-run placement that rank it (ranked())
     asked: bool = True  # False: not asked, its agent was silent a moment ago
+    free_value: float = 0.0  # ring GB/s of a job of all the node's free GPUs (0: one free GPU, or no answer)
+    free: int = 0  # the node's free GPUs
 
-    def key(self) -> tuple[float, float, float]:
-        """Smaller is better: the placement core's order across nodes."""
+    def key(self) -> tuple[float, float, int, float, float]:
+        """Smaller is better."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
-        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), _number(objective.get("damage")))
+        return (-_number(answer.get("bandwidth_gbps")), self.free_value, self.free, _number(objective.get("numa_distance")),
+                _number(objective.get("damage")))
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -104,23 +122,26 @@ class _Remembered(OrderedDict[str, Any]):
 
 class Agents:
     """The agents of the cluster's nodes, reached by ``url_template`` (``{node}``: the node's
-    name; ``{address}``: its address from the Node object kube-scheduler sent)."""
+    name; ``{address}``: its address), for the nodes ``table`` (the API server's) knows."""
 
-    def __init__(self, url_template: str, *, timeout_s: float = 2.0, concurrency: int = 32, token: str | None = None,
-                 quiet_s: float = 10.0) -> None:
+    def __init__(self, url_template: str, table: NodeTable, *, timeout_s: float = 2.0, concurrency: int = 32, token: str | None = None,
+                 quiet_s: float = 10.0, token_on_reads: bool = False) -> None:
         self.url_template = url_template
+        self.table = table
         self.timeout_s = timeout_s
         self.quiet_s = quiet_s
-        # Sent with every request: an agent may guard reads too (require_token_for_reads).
+        # Reserve and release need the token; reads only when the agents guard them too
+        # (require_token_for_reads): a token sent where it is not needed is one more copy to leak.
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
+        self._read_auth = self._auth if token_on_reads else {}
         self._gate = asyncio.Semaphore(concurrency)
         self._session: aiohttp.ClientSession | None = None
-        self.addresses = _Remembered()  # node -> address, from Node objects seen
         self._capacity = _Remembered()  # node -> (etag, capacity document)
         self._answers = _Remembered()  # node -> (etag, {request key: answer or Refused})
         self._silent = _Remembered()  # node -> (monotonic time, reason) of its agent's last silence
         # For /metrics: how often each agent endpoint was asked, and how often the cache answered.
-        self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0}
+        self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0,
+                      "unknown": 0, "out_of_time": 0}
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -135,21 +156,16 @@ class Agents:
             self._session = None
 
     def url(self, node: str) -> str:
-        """The node's agent, or Unreachable naming what is missing."""
-        if not NODE_NAME.fullmatch(node):
-            raise Unreachable(f"node name {cut(json.dumps(node), 60)} is not a DNS-1123 name; not put into a URL")
+        """The node's agent, or Unknown naming what is missing."""
+        if not NODE_NAME.fullmatch(node) or node not in self.table:
+            raise Unknown(f"node {cut(json.dumps(node), 60)} is not among the API server's Node objects; its agent was not asked")
         url = self.url_template.replace("{node}", node)
         if "{address}" in url:
-            address = self.addresses.get(node)
+            address = self.table.address(node)
             if address is None:
-                raise Unreachable("no address known for this node (the agent URL needs {address}: set nodeCacheCapable: false)")
+                raise Unknown("the node's Node object has no usable address (InternalIP, ExternalIP or Hostname); its agent was not asked")
             url = url.replace("{address}", f"[{address}]" if ":" in address else address)
         return url.rstrip("/")
-
-    def learn(self, candidates: Iterable[Candidate]) -> None:
-        for c in candidates:
-            if c.address is not None:
-                self.addresses.remember(c.name, c.address)
 
     async def _get_json(self, url: str, method: str = "GET", body: Any = None, headers: Mapping[str, str] | None = None) -> tuple[int, Mapping[str, str], Any]:
         try:
@@ -164,24 +180,29 @@ class Agents:
         except (ValueError, RecursionError):
             raise Unreachable(f"{method} {url}: the answer is not JSON") from None
 
-    async def capacity(self, node: str) -> tuple[str, dict[str, Any]]:
+    async def capacity(self, node: str, counted: bool = True) -> tuple[str, dict[str, Any]]:
         """(ETag, the GPU counts of the node's /capacity: ``gpus``, ``free_gpus``), from the
-        cache when the agent says 304."""
+        cache when the agent says 304; ``counted``: in /metrics' figures for scheduling calls."""
         url = self.url(node) + "/capacity"
         cached = self._capacity.get(node)
         headers = {"If-None-Match": cached[0]} if cached else {}
-        status, resp_headers, doc = await self._get_json(url, headers={**self._auth, **headers})
+        status, resp_headers, doc = await self._get_json(url, headers={**self._read_auth, **headers})
         if status == 304 and cached:
-            self.asked["capacity_not_modified"] += 1
+            self.asked["capacity_not_modified"] += counted
             self._capacity.move_to_end(node)
             return cached[0], cached[1]
         if status != 200 or not isinstance(doc, dict) or not _is_count(doc.get("free_gpus")) or not _is_count(doc.get("gpus")):
             raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
         etag = resp_headers.get("ETag", "")
-        self.asked["capacity_changed"] += 1
+        self.asked["capacity_changed"] += counted
         counts = {"gpus": doc["gpus"], "free_gpus": doc["free_gpus"]}  # the rest (zones, GPUs) is not read
         self._capacity.remember(node, (etag, counts))
         return etag, counts
+
+    def cached_etag(self, node: str) -> str | None:
+        """The capacity ETag last answered by the node's agent, if any."""
+        cached = self._capacity.get(node)
+        return cached[0] if cached else None
 
     async def dry_run(self, node: str, etag: str, request: Mapping[str, Any]) -> dict[str, Any]:
         """The ranking figures (``ranked``) of the agent's placement for ``request`` (no lease),
@@ -208,7 +229,8 @@ class Agents:
 
     async def _place(self, node: str, body: dict[str, Any]) -> dict[str, Any]:
         url = self.url(node) + "/place"
-        status, _, doc = await self._get_json(url, "POST", body, self._auth)
+        # A dry run is a read; a reservation needs the token.
+        status, _, doc = await self._get_json(url, "POST", body, self._auth if "reserve" in body else self._read_auth)
         if status == 200 and isinstance(doc, dict) and isinstance(doc.get("gpus"), list):
             return doc
         if 400 <= status < 500 and isinstance(doc, dict) and isinstance(doc.get("detail"), str):
@@ -217,6 +239,11 @@ class Agents:
 
     async def verdict(self, candidate: Candidate, request: Mapping[str, Any]) -> Verdict:
         name = candidate.name
+        try:
+            self.url(name)
+        except Unknown as exc:
+            self.asked["unknown"] += 1
+            return Verdict(name, False, str(exc), answered=False, asked=False)
         silent = self._silent.get(name)
         if silent is not None and time.monotonic() - silent[0] < self.quiet_s:
             # Asked again only after quiet_s: a dead agent must not cost every cycle its timeout.
@@ -241,6 +268,10 @@ class Agents:
                     if wanted > free:
                         return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
                     answer = await self.dry_run(name, etag, request)
+                    free_value = 0.0
+                    if free >= 2:  # what a job of every free GPU would get: cached with the ETag like any dry run
+                        with contextlib.suppress(Refused):
+                            free_value = _number((await self.dry_run(name, etag, {"gpus": free})).get("bandwidth_gbps"))
             except TimeoutError:
                 self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
@@ -249,12 +280,35 @@ class Agents:
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
-        return Verdict(name, True, answer=answer)
+        return Verdict(name, True, answer=answer, free_value=free_value, free=free)
 
-    async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any]) -> list[Verdict]:
+    async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any], budget_s: float = float("inf")) -> list[Verdict]:
+        """Every candidate's verdict within ``budget_s``: those not answered by then are
+        marked (not answered, not asked), and their questions are dropped."""
         candidates = list(candidates)
-        self.learn(candidates)
-        return list(await asyncio.gather(*(self.verdict(c, request) for c in candidates)))
+        started = time.monotonic()
+        if any(c.name not in self.table for c in candidates):
+            try:  # a node that joined since the last list: one list now (at most one a second)
+                async with asyncio.timeout(budget_s * 0.75 if budget_s != float("inf") else None):
+                    await self.table.refresh()
+            except TimeoutError:
+                pass
+        if not candidates:
+            return []
+        tasks = [asyncio.ensure_future(self.verdict(c, request)) for c in candidates]
+        left = budget_s - (time.monotonic() - started)
+        _, pending = await asyncio.wait(tasks, timeout=max(0.0, left) if left != float("inf") else None)
+        for task in pending:
+            task.cancel()
+        out = []
+        for c, task in zip(candidates, tasks, strict=True):
+            if task in pending:
+                self.asked["out_of_time"] += 1
+                out.append(Verdict(c.name, False, "not answered before the call's deadline (--call-timeout); asked again at the next call",
+                                   answered=False, asked=False))
+            else:
+                out.append(task.result())
+        return out
 
     # -- bind: reserve and release -------------------------------------------------------
 
@@ -286,7 +340,7 @@ class Agents:
         """The leases the node's agent holds (``GET /leases``), or None when it did not answer."""
         try:
             async with asyncio.timeout(self.timeout_s):
-                status, _, doc = await self._get_json(f"{self.url(node)}/leases", headers=self._auth)
+                status, _, doc = await self._get_json(f"{self.url(node)}/leases", headers=self._read_auth)
         except (TimeoutError, Unreachable):
             return None
         held = doc.get("leases") if status == 200 and isinstance(doc, dict) else None

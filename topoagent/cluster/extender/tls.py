@@ -2,12 +2,11 @@
 
 kube-scheduler cannot send an extender a bearer token, but its extender ``tlsConfig``
 (``certFile``, ``keyFile``, ``caFile``) presents a client certificate.  With a client CA
-the extender asks every caller for one (``CERT_OPTIONAL``): a certificate that does not
-verify against the CA ends the TLS handshake; a caller that presents none gets through
-the handshake only to be answered on the probe paths (kubelet's HTTPS probes carry no
-certificate) and 403 everywhere else (``app.client_certificates``).  ``CERT_REQUIRED``
-would refuse the probes too, and a second, plain listener only for them would be one
-more port to guard.
+the extender requires one of every caller (``CERT_REQUIRED``): a caller without a
+certificate, or with one that does not verify against the CA, never completes the TLS
+handshake, so it cannot hold a request open either.  kubelet's probes carry no
+certificate: they reach /healthz and /readyz on the plain ``--probe-listen`` port, which
+serves nothing else.
 """
 
 from __future__ import annotations
@@ -83,9 +82,7 @@ def server_context(cert_file: str, key_file: str, client_ca_file: str | None = N
             raise TLSFileError(f"--client-ca-file {client_ca_file}: {exc.reason or exc}") from None
         except OSError as exc:
             raise TLSFileError(f"--client-ca-file {client_ca_file}: {exc.strerror or exc}") from None
-        # Asked for, verified when given (a bad one fails the handshake); a caller without
-        # one is refused above TLS, on every path but the probes'.
-        context.verify_mode = ssl.CERT_OPTIONAL
+        context.verify_mode = ssl.CERT_REQUIRED
     return context
 
 

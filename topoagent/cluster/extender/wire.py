@@ -51,6 +51,10 @@ NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 HOST_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9.]{0,251}[A-Za-z0-9])?")
 
 
+# An int64, as the API server stores a quantity's value: 19 digits at most.
+MAX_QUANTITY_DIGITS = 19
+
+
 class WireError(ValueError):
     """The document is not what kube-scheduler sends: HTTP 400."""
 
@@ -91,13 +95,20 @@ class ExtenderArgs:
     by_name: bool  # nodeCacheCapable: names in, names out
 
 
-def parse_extender_args(doc: Any) -> ExtenderArgs:
+def parse_extender_args(doc: Any, max_nodes: int | None = None) -> ExtenderArgs:
+    """The arguments; WireError past ``max_nodes`` candidates, counted before any is read."""
     if not isinstance(doc, dict):
         raise WireError("body: expected ExtenderArgs, a JSON object with Pod and Nodes or NodeNames")
     pod = field(doc, "Pod")
     if not isinstance(pod, dict):
         raise WireError("Pod: expected a Pod object")
     names, nodes = field(doc, "NodeNames"), field(doc, "Nodes")
+    if max_nodes is not None:
+        items = nodes.get("items") if isinstance(nodes, dict) else None
+        given = names if isinstance(names, list) else items if isinstance(items, list) else []
+        if len(given) > max_nodes:
+            raise WireError(f"{len(given)} candidate nodes, more than --max-nodes {max_nodes}: kube-scheduler "
+                            "sends only the nodes that passed its own filters")
     if names is not None:
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise WireError("NodeNames: expected a list of node names")
@@ -219,6 +230,8 @@ def _quantity(value: Any, where: str) -> int:
     if isinstance(value, int) and not isinstance(value, bool):
         count = value
     elif isinstance(value, str) and value.isascii() and value.isdigit():
+        if len(value) > MAX_QUANTITY_DIGITS:  # int() of thousands of digits raises (and costs) before any bound is checked
+            raise WireError(f"{where}: {len(value)} digits; a Kubernetes quantity has at most {MAX_QUANTITY_DIGITS}")
         count = int(value)
     else:
         raise PodError(f"{where}: expected a whole number of GPUs, got {quoted(value)}")

@@ -28,11 +28,14 @@ import resource
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from topoagent.log import log_event
+from topoagent.log import event_line, log_event
+
+if TYPE_CHECKING:
+    from ssl import SSLContext
 
 # Descriptors kept for everything but client connections: the listener, leases and their
 # lock, sysfs reads in discovery threads, udev's netlink socket, probe worker pipes, logs;
@@ -178,11 +181,14 @@ class ConnectionGuard:
         return len(self._conns)
 
     # -- the listener ---------------------------------------------------------------------
-    async def listen(self, server: web.Server, host: str, port: int) -> asyncio.Server:
-        """Serve `server` (the runner's aiohttp server) on host:port through this guard."""
+    async def listen(self, server: web.Server, host: str, port: int, ssl: SSLContext | None = None) -> asyncio.Server:
+        """Serve `server` (the runner's aiohttp server) on host:port through this guard;
+        with `ssl`, over TLS, whose handshake has `header_timeout_s` too (a connection
+        reaches the guard once its handshake is done)."""
         self._server = server
         loop = asyncio.get_running_loop()
-        return await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, backlog=BACKLOG)
+        tls: dict[str, Any] = {"ssl": ssl, "ssl_handshake_timeout": self.header_timeout_s} if ssl is not None else {}
+        return await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, backlog=BACKLOG, **tls)
 
     def new_handler(self) -> asyncio.Protocol:
         assert self._server is not None
@@ -273,3 +279,24 @@ class ConnectionGuard:
         self.forget(conn)
         if transport is not None:
             transport.abort()  # close() would wait for a client that never reads
+
+
+class OneLineProtocolErrors(logging.Filter):
+    """aiohttp logs a request its parser rejects (a bad Content-Length, a malformed
+    request line) with a multi-line traceback, before any handler or middleware runs,
+    and answers it itself in plain text.  Keep such a line to one `event=` line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is None:
+            return True
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "-"
+        first = " ".join(str(getattr(exc, "message", "") or exc).split())
+        status = getattr(exc, "code", "")
+        level = logging.WARNING if status == 400 else record.levelno
+        record.msg = event_line("http_protocol_error", remote=remote, status=status, error=f"{type(exc).__name__}: {first}"[:300])
+        record.args = ()
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return True
