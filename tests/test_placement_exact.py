@@ -8,6 +8,7 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
+from conftest import WITHOUT_GPU_STACK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from placement_oracle import best_keys, edge, link_key, numa_distance, numa_key, pattern_key, satisfies
@@ -289,6 +290,8 @@ def snapshot_matrices() -> list[tuple[str, DistanceMatrix]]:
     root = Path(__file__).resolve().parents[1] / "fixtures" / "snapshots"
     out = []
     for path in sorted(root.iterdir()):
+        if path.name in WITHOUT_GPU_STACK:  # links no witness saw: not ready for placement (tests/test_witnesses.py)
+            continue
         matrix = discover_root(str(path)).distance_matrix()
         if 2 <= matrix.size <= 8:  # brute force over orders: 16 GPUs is too slow for a test
             out.append((path.name, matrix))
