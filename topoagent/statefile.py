@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 
-def write_json_atomically(path: Path, document: Any) -> None:
+def write_json_atomically(path: Path, document: Any, *, readable: bool = True) -> None:
+    """``readable``: indented, keys sorted (files people read); else compact, as given."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(document, handle, indent=1, sort_keys=True)
+            json.dump(document, handle, indent=1 if readable else None, sort_keys=readable)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -96,6 +96,7 @@ from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS
 from topoagent.smallfile import file_kind
+from topoagent.statefile import write_json_atomically
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -375,7 +376,7 @@ class LeaseStore:
                 **({"entry": item} if whole else {"entry_text": entry_text[:QUARANTINE_ENTRY_MAX_CHARS]}),
             })
         kept = (self._read_quarantine() + records)[-QUARANTINE_KEEP:]
-        _write_atomically(self.quarantine_path, {"schema": SCHEMA, "entries": kept})
+        write_json_atomically(self.quarantine_path, {"schema": SCHEMA, "entries": kept}, readable=False)
         self.quarantined = kept
         self._leases = leases
         self._save()
@@ -400,7 +401,7 @@ class LeaseStore:
             "boot_id": self.boot_id,
             "leases": [self._document(lease) for lease in self._leases.values()],
         }
-        _write_atomically(self.path, data)
+        write_json_atomically(self.path, data, readable=False)
         self._unsaved = False
 
     @staticmethod
@@ -598,22 +599,6 @@ def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], holders: dict[str,
         if key in holders:
             raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[key]}")
     holders.update(dict.fromkeys(keys, lease.id))
-
-
-def _write_atomically(path: Path, data: object) -> None:
-    """``data`` as JSON at ``path``, whole or not at all, synced before this returns."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(data, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink()  # a full disk: do not leave half a file to fill it further
-        raise
-    _fsync_dir(path.parent)
 
 
 def state_unwritable(store: LeaseStore, exc: OSError) -> str:
