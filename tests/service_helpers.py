@@ -215,3 +215,20 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
             continue
         return float(value)
     return None
+
+
+def wait_counters_read(agent: Agent, timeout: float = 120) -> None:
+    """Wait until the agent's counter sources have reported once (their findings and series
+    are then served): /metrics names collectors that discovery (/topology) does not."""
+    deadline = time.monotonic() + timeout
+    discovery: set[str] | None = None
+    while time.monotonic() < deadline:
+        if discovery is None:
+            topology = agent.get("/topology")
+            discovery = set(topology.json()["collectors"]) if topology.status == 200 else None
+        else:
+            page = agent.get("/metrics").body.decode()
+            if set(re.findall(r'^topoagent_collector_success\{collector="([^"]+)"\}', page, re.M)) - discovery:
+                return
+        time.sleep(0.05)
+    raise AssertionError("the agent's counters were never read: " + agent.log()[-2000:])

@@ -21,7 +21,7 @@ import xml.etree.ElementTree as ET
 import pytest
 from browser import Browser
 from conftest import FIXTURES, REPO
-from service_helpers import start_agent
+from service_helpers import start_agent, wait_counters_read
 
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.svg import render_page, render_svg
@@ -80,6 +80,7 @@ def test_served_page_is_legible_at_1366_px_on_every_fixture(name, tmp_path):
     topology = discover_root(str(SNAPSHOTS / name))
     devices = [g.name for g in topology.gpus] + [n.name for n in topology.nics]
     agent = start_agent(tmp_path, root=SNAPSHOTS / name)
+    wait_counters_read(agent)  # the recorded counters' findings are part of the picture
 
     async def look() -> dict:
         async with Browser(tmp_path / "profile", 1366, 900) as browser:
