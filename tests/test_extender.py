@@ -72,6 +72,38 @@ def leases(c: Cluster) -> dict[str, list[dict]]:
     return {n.name: n.request("GET", "/leases")[1]["leases"] for n in c.nodes}
 
 
+# First in the file: tests after it turn pods away, and the extender then polls those nodes
+# (requeue), capacity requests this test would count as its own.
+def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
+    def metrics() -> str:
+        conn = socket.create_connection((c.extender.address, c.extender.port), timeout=10)
+        conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+        conn.close()
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.split(b"\r\n")[0].endswith(b" 200 OK") and promtool_complaints(body) == []
+        return body.decode()
+
+    pod = new_pod(c, 2, {"topoagent.io/pattern": "pipeline"})
+    c.extender.call("filter", args_for(c, pod))
+    before = metrics()
+    c.extender.call("filter", args_for(c, pod))
+    c.extender.call("prioritize", args_for(c, pod))
+    after = metrics()
+
+    def grew(name: str, labels: dict[str, str] | None = None) -> float:
+        return (metric_value(after, name, labels) or 0) - (metric_value(before, name, labels) or 0)
+
+    assert grew("topoagent_extender_capacity_requests_total", {"answer": "not_modified"}) == 2 * len(c.nodes)
+    assert grew("topoagent_extender_capacity_requests_total", {"answer": "changed"}) == 0
+    # Per node and call: the pod's request and what all its free GPUs are worth, both from the cache.
+    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 4 * len(c.nodes)
+    assert grew("topoagent_extender_dry_runs_total", {"source": "agent"}) == 0
+    assert grew("topoagent_extender_requests_total", {"verb": "prioritize"}) == 1
+
+
 def test_a_stream_of_pods_binds_disjoint_gpus_in_rank_order_and_beats_count_only(c: Cluster) -> None:
     jobs = job_stream(36, sum(n.gpus for n in c.nodes), load=0.9, seed=11)
     ours = ThroughExtender(c)
@@ -209,36 +241,6 @@ def test_a_bad_annotation_fails_every_node_with_the_parsers_message(c: Cluster) 
     assert result["FailedAndUnresolvableNodes"] == {name: "topoagent.io/pattern: " + said.removeprefix("pattern: ") for name in result["FailedAndUnresolvableNodes"]}
     assert len(result["FailedAndUnresolvableNodes"]) == len(c.nodes) and result["Nodes"]["items"] == [] and result["Error"] == ""
     assert {p["Score"] for p in c.extender.call("prioritize", args_for(c, pod))} == {0}
-
-
-def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
-    def metrics() -> str:
-        conn = socket.create_connection((c.extender.address, c.extender.port), timeout=10)
-        conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        reply = b""
-        while chunk := conn.recv(65536):
-            reply += chunk
-        conn.close()
-        head, _, body = reply.partition(b"\r\n\r\n")
-        assert head.split(b"\r\n")[0].endswith(b" 200 OK") and promtool_complaints(body) == []
-        return body.decode()
-
-    pod = new_pod(c, 2, {"topoagent.io/pattern": "pipeline"})
-    c.extender.call("filter", args_for(c, pod))
-    before = metrics()
-    c.extender.call("filter", args_for(c, pod))
-    c.extender.call("prioritize", args_for(c, pod))
-    after = metrics()
-
-    def grew(name: str, labels: dict[str, str] | None = None) -> float:
-        return (metric_value(after, name, labels) or 0) - (metric_value(before, name, labels) or 0)
-
-    assert grew("topoagent_extender_capacity_requests_total", {"answer": "not_modified"}) == 2 * len(c.nodes)
-    assert grew("topoagent_extender_capacity_requests_total", {"answer": "changed"}) == 0
-    # Per node and call: the pod's request and what all its free GPUs are worth, both from the cache.
-    assert grew("topoagent_extender_dry_runs_total", {"source": "cache"}) == 4 * len(c.nodes)
-    assert grew("topoagent_extender_dry_runs_total", {"source": "agent"}) == 0
-    assert grew("topoagent_extender_requests_total", {"verb": "prioritize"}) == 1
 
 
 def test_names_only_when_node_cache_capable(c: Cluster) -> None:
