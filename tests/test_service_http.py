@@ -10,7 +10,18 @@ import subprocess
 import sys
 
 import pytest
-from service_helpers import DGX_A100, TOPO_RECORDING, Agent, make_root, metric_value, start_agent, wait_for, wedge, wedge_env
+from service_helpers import (
+    DGX_A100,
+    TOPO_RECORDING,
+    Agent,
+    make_root,
+    metric_value,
+    start_agent,
+    wait_counters_read,
+    wait_for,
+    wedge,
+    wedge_env,
+)
 
 GPUS = list(range(8))  # the recorded DGX A100
 
@@ -36,6 +47,7 @@ def reserve(agent: Agent, gpus: int, owner: str = "job-42", ttl_s: float = 600, 
 # -- reads -------------------------------------------------------------------------------
 
 def test_topology_json_etag_and_304(agent):
+    wait_counters_read(agent)  # their first read swaps in a new snapshot: the ETag is then steady
     first = agent.get("/topology")
     assert first.status == 200
     doc = first.json()
