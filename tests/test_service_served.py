@@ -65,4 +65,4 @@ def test_the_doors_use_only_the_service_interface():
     http = _members_used(REPO / "exporters" / "http.py", {"agent"})
     prometheus = _members_used(REPO / "exporters" / "prometheus.py", {"agent", "service"})
     assert http and http <= interface, sorted(http - interface)
-    assert prometheus == {"served"}
+    assert prometheus <= {"served", "config"} and "served" in prometheus  # the value, and which series the operator opted into
