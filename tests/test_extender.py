@@ -75,6 +75,9 @@ def leases(c: Cluster) -> dict[str, list[dict]]:
 # First in the file: tests after it turn pods away, and the extender then polls those nodes
 # (requeue), capacity requests this test would count as its own.
 def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
+    for node in c.nodes:  # each agent's first counter read swaps in its second snapshot: after it, nothing changes
+        wait_for(f"{node.name}'s counters", lambda node=node: node.request("GET", "/topology")[1]["agent"]["snapshot_version"] >= 2,
+                 timeout=120)
     def metrics() -> str:
         conn = socket.create_connection((c.extender.address, c.extender.port), timeout=10)
         conn.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")

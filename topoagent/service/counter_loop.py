@@ -70,6 +70,8 @@ class CounterLoop:
                     return Sample(source.name, time.monotonic(), None, f"timed out after {timeout:g}s", timeout)
 
             samples = list(await asyncio.gather(*(one(s) for s in COUNTER_SOURCES)))
+        if not samples:
+            return  # a recording already replayed: nothing new, so the snapshot (and its ETags) stand
         for sample in samples:
             if sample.source in parsers:
                 self.history.add(sample, parsers[sample.source])
