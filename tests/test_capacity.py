@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from schema_check import validate
-from service_helpers import Agent, metric_value, promtool_complaints, start_agent
+from service_helpers import Agent, metric_value, promtool_complaints, start_agent, wait_counters_read
 
 from topoagent.commands.discover import discover_root
 from topoagent.documents.agent import capacity_document
@@ -74,6 +74,7 @@ def served(tmp_path) -> Agent:
 
 
 def test_capacity_endpoint_etag_and_metrics_follow_leases(served):
+    wait_counters_read(served)  # the counters' first read swaps in a snapshot: the figures stand after it
     first = served.get("/capacity")
     assert first.status == 200, first.body
     doc = first.json()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from schema_check import validate
-from service_helpers import Agent, metric_value, start_agent, wait_ready
+from service_helpers import Agent, metric_value, start_agent, wait_counters_read, wait_ready
 
 # Far above what the work needs (a /healthz answer is a millisecond; the budget below is
 # seconds): only an agent whose loop is held by a search misses them.
@@ -145,6 +145,7 @@ def test_concurrent_requests_share_one_computation(tmp_path):
     # every reply then carries computed figures, not capacity_pending.
     agent = start_agent(tmp_path, root=root, config=budget_config(5000), extra=["--log-level", "debug"])
     try:
+        wait_counters_read(agent)  # the counters' first read swaps in a snapshot: one computation after it
         threads = [in_thread(lambda path=path: agent.get(path)) for path in ("/capacity", "/metrics", "/capacity", "/metrics")]
         for thread, _ in threads:
             thread.join(timeout=120)
