@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import json
 import random
-import re
 import threading
 import time
 import uuid
@@ -21,7 +20,7 @@ from conftest import WITHOUT_GPU_STACK
 from fake_apiserver import FakeApiServer
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
-from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_for
+from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_counters_read, wait_for
 
 from topoagent.cluster.deviceplugin import api_pb2
 from topoagent.node.discovery import discover
@@ -55,17 +54,11 @@ def stop(agent: Agent, plugin: PluginProcess) -> None:
 
 def kept_off_by_findings(agent: Agent) -> set[int]:
     """The GPUs the agent keeps off answers for a critical finding, once the recorded
-    counters have been read (/metrics then names collectors discovery does not) and
-    /capacity has its figures."""
-    discovery = set(agent.get("/topology").json()["collectors"])
-    deadline = time.monotonic() + 120  # a bound for a loaded machine
-    while time.monotonic() < deadline:
-        reported = set(re.findall(r'^topoagent_collector_success\{collector="([^"]+)"\}', agent.get("/metrics").body.decode(), re.M))
-        capacity = agent.get("/capacity")
-        if reported - discovery and capacity.status == 200 and not capacity.json().get("stale"):
-            return set(capacity.json()["unhealthy"])
-        time.sleep(0.05)
-    raise AssertionError("the agent's counters and capacity never came: " + agent.log()[-2000:])
+    counters have been read and /capacity has its figures."""
+    wait_counters_read(agent)
+    capacity = wait_for("current capacity figures", lambda: (lambda r: r.status == 200 and not r.json().get("stale") and r)(
+        agent.get("/capacity")), agent=agent, timeout=120)
+    return set(capacity.json()["unhealthy"])
 
 
 def preferred(kubelet: FakeKubelet, available: list[str], must: list[str], size: int) -> list[str]:
