@@ -58,6 +58,8 @@ class FindingKind(enum.StrEnum):
     GPU_STACK_MISSING = "gpu-stack-missing"  # GPUs on the PCI bus, but neither NVML nor nvidia-smi answers
     NO_GPUS = "no-gpus"  # a GPU node that shows no GPU at all
     GPUDIRECT_MISSING = "gpudirect-missing"  # RDMA NICs and GPUs, no peer-memory module loaded
+    NVSWITCH_NO_NVLINK = "nvswitch-no-nvlink"  # NVSwitches on the PCI bus, no GPU with an active NVLink
+    FABRIC_NOT_READY = "fabric-not-ready"  # NVML: a GPU's NVLink fabric registration not completed
     # From measurements (probes/overlay.py).
     DEGRADED_LINK = "degraded_link"
     LEVEL_CONTRADICTION = "level_contradiction"

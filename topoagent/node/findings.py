@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult
-from topoagent.collectors.nvml import NvmlInfo
+from topoagent.collectors.nvml import FABRIC_COMPLETED, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
@@ -26,7 +26,13 @@ def collector_findings(results: Iterable[CollectorResult[Any]]) -> list[Finding]
     ]
 
 
-def nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int]) -> list[Finding]:
+def nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int], nvswitches: int) -> list[Finding]:
+    """Links down per GPU, GPUs off the switch fabric; and, where NVSwitches are on the PCI
+    bus but no GPU has an active NVLink, the one finding that says the fabric is down
+    (``nvswitch-no-nvlink``) in place of a per-GPU one on every GPU."""
+    no_nvlink = _nvswitch_no_nvlink(nvml, nvswitches)
+    if no_nvlink is not None:
+        return [no_nvlink]
     found = []
     for g in nvml.gpus:
         down = [l.link for l in g.nvlinks if not l.active]
@@ -48,6 +54,53 @@ def nvlink_findings(nvml: NvmlInfo, fabric: set[int], per_gpu: dict[int, int]) -
                 ))
     return found
 
+
+# Subjects of the findings about the NVLink fabric as a whole (no one GPU is at fault).
+NVSWITCHES = "nvswitch"
+NVLINK_FABRIC = "nvlink-fabric"
+NVSWITCH_REMEDY = ("start the fabric manager (systemctl start nvidia-fabricmanager; its version must be the driver's) "
+                 "and check that the nvidia-nvswitch driver is bound to every NVSwitch (lspci -k -d 10de:)")
+
+
+def _nvswitch_no_nvlink(nvml: NvmlInfo, nvswitches: int) -> Finding | None:
+    """NVSwitches on the PCI bus, GPUs NVML answers for, and not one active NVLink among
+    them: the links to the switches were never trained (on A100 and H100 the fabric
+    manager trains them), so every GPU pair is the PCIe path the witnesses saw."""
+    if not nvswitches or not nvml.gpus or any(l.active for g in nvml.gpus for l in g.nvlinks):
+        return None
+    links = sum(len(g.nvlinks) for g in nvml.gpus)
+    return Finding(
+        FindingKind.NVSWITCH_NO_NVLINK, Severity.CRITICAL, NVSWITCHES,
+        f"{nvswitches} NVSwitch(es) on the PCI bus but none of the {len(nvml.gpus)} GPUs has an active NVLink "
+        f"(0 of {links} links active): GPUs reach each other over PCIe only and CUDA may refuse to start. "
+        f"Remedy: {NVSWITCH_REMEDY}",
+    )
+
+
+def fabric_findings(nvml: NvmlInfo) -> list[Finding]:
+    """GPUs whose NVLink fabric registration (NVML's GPU fabric state) has not completed, or
+    completed with an error: CUDA does not start on them until it does.  A GPU that reports
+    no fabric state, or ``not_supported``, says nothing either way: nothing is said of it."""
+    pending: dict[str, list[str]] = {}
+    for g in nvml.gpus:
+        f = g.fabric
+        if f is None or f.state is None or f.state == "not_supported":
+            continue
+        if f.state != FABRIC_COMPLETED:
+            pending.setdefault(f.state, []).append(f"GPU{g.index}")
+        elif f.status is not None and f.status != 0:
+            pending.setdefault(f"completed with error {f.status}", []).append(f"GPU{g.index}")
+    if not pending:
+        return []
+    said = "; ".join(f"{state}: {', '.join(gpus)}" for state, gpus in pending.items())
+    count = sum(len(gpus) for gpus in pending.values())
+    return [Finding(
+        FindingKind.FABRIC_NOT_READY, Severity.CRITICAL, NVLINK_FABRIC,
+        f"NVLink fabric registration not completed on {count} of {len(nvml.gpus)} GPUs ({said}): CUDA fails on "
+        "them with 'system not yet initialized' until it completes. Remedy: check that the fabric manager runs "
+        "(systemctl status nvidia-fabricmanager; its version must be the driver's) and, if the state stays "
+        "in_progress, read its log (/var/log/fabricmanager.log)",
+    )]
 
 
 def pcie_findings(
@@ -190,9 +243,11 @@ def witness_findings(
 
 
 # Critical findings no placement can route around (it keeps off a GPU a finding names, but
-# not off a node whose GPUs it cannot see): while one stands, the node is not ready for
-# placement (GET /readyz says why) and exports that would state unseen links are held back.
-PLACEMENT_BLOCKERS = frozenset({FindingKind.GPU_STACK_MISSING, FindingKind.NO_GPUS})
+# not off a node whose GPUs it cannot see, nor one whose NVLink fabric is down or not yet
+# up, where CUDA itself may not start): while one stands, the node is not ready for
+# placement (GET /readyz says why) and exports that state every pair's links are held back.
+PLACEMENT_BLOCKERS = frozenset({FindingKind.GPU_STACK_MISSING, FindingKind.NO_GPUS,
+                                FindingKind.NVSWITCH_NO_NVLINK, FindingKind.FABRIC_NOT_READY})
 
 
 def placement_blockers(findings: Iterable[Finding]) -> tuple[Finding, ...]:

@@ -38,6 +38,7 @@ from topoagent.node.fabric import build_fabric
 from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PeerMemory, PortNeighbour
 from topoagent.node.findings import (
     collector_findings,
+    fabric_findings,
     ib_findings,
     nvlink_findings,
     pcie_findings,
@@ -257,7 +258,8 @@ def _nvlinks(facts: _Facts, findings: list[Finding]) -> dict[tuple[int, int], in
     if facts.nvml is not None:
         switches = {d.address for d in facts.tree.of_kind(NVSWITCH)} if facts.tree else set()
         nv_counts, fabric, per_gpu = nvlink_levels(facts.nvml, switches)
-        findings.extend(nvlink_findings(facts.nvml, fabric, per_gpu))
+        findings.extend(nvlink_findings(facts.nvml, fabric, per_gpu, len(switches)))
+        findings.extend(fabric_findings(facts.nvml))
         return nv_counts
     declared = facts.declared
     if declared is not None and any(lvl is not None and lvl.is_nvlink for row in declared.levels for lvl in row):
