@@ -31,7 +31,7 @@ from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
 from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
-from topoagent.node.findings import placement_blockers, placement_refusals
+from topoagent.node.findings import placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
 from topoagent.service.leases import LeaseError
@@ -523,10 +523,10 @@ async def healthz(request: web.Request) -> web.Response:
 
 def _ready_for_placement(snapshot: Snapshot, *, readyz: bool = False) -> None:
     """503 ``not_ready_for_placement`` while a finding makes every answer untrustworthy
-    (``placement_blockers``: GPUs no witness can see): which findings, and why.  /readyz
-    names the snapshot too, as its 200 does; /place leaves ``no-gpus`` to the core's own
-    answer (``placement_refusals``)."""
-    blockers = placement_blockers(snapshot.findings) if readyz else placement_refusals(snapshot.findings)
+    (``placement_blockers``: GPUs no witness can see, an NVLink fabric down): which
+    findings, and why.  /readyz names the snapshot too, as its 200 does; /place leaves
+    ``no-gpus`` to the core's own answer (``placement_refusals``)."""
+    blockers = snapshot.placement_blockers if readyz else placement_refusals(snapshot.findings)
     if blockers:
         said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if readyz else {}
         raise ApiError(

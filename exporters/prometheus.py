@@ -310,8 +310,11 @@ class RuntimeCollector(Collector):
         build = InfoMetricFamily(f"{NS}_build", "Version of the running agent.")
         build.add_metric([], {"version": topoagent.__version__})
         yield build
-        up = GaugeMetricFamily(f"{NS}_ready", "1 when a topology is loaded and served.")
-        up.add_metric([], 1.0 if served.snapshot else 0.0)
+        # What GET /readyz answers, by the same rule: 0 before a topology is loaded, and while
+        # a finding leaves the node's answers untrustworthy (topoagent_findings says which).
+        up = GaugeMetricFamily(f"{NS}_ready", "1 when the node is ready for placement (GET /readyz answers 200): a "
+                               "topology is loaded and no critical finding leaves its answers untrustworthy; else 0.")
+        up.add_metric([], 1.0 if served.snapshot is not None and not served.snapshot.placement_blockers else 0.0)
         yield up
         if served.snapshot is not None:
             age = GaugeMetricFamily(f"{NS}_snapshot_age_seconds", "Seconds since the served topology was collected.")

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from topoagent.node.findings import placement_blockers
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
@@ -87,6 +88,12 @@ class Snapshot:
     def findings(self) -> tuple[Finding, ...]:
         telemetry = self.telemetry.findings if self.telemetry else ()
         return self.node.findings + self.probe_findings + telemetry
+
+    @property
+    def placement_blockers(self) -> tuple[Finding, ...]:
+        """The findings that leave this snapshot's answers untrustworthy: the one readiness
+        rule GET /readyz and ``topoagent_ready`` both read (topoagent.node.findings)."""
+        return placement_blockers(self.findings)
 
     def cached(self, key: str, make: Callable[[], Any]) -> Any:
         """What a door renders from this snapshot once (the JSON, the text matrix, the
