@@ -16,6 +16,13 @@ FIXTURES = REPO / "fixtures"
 # at all): the agent says what it cannot see and gives no placement, gres.conf or NCCL file.
 # Tests of what a working stack gives leave them out; tests/test_witnesses.py covers them.
 WITHOUT_GPU_STACK = frozenset({"no-gpu-stack", "no-nvidia-driver", "no-gpus"})
+# Recorded nodes whose NVLink fabric is down or not yet up (issue 27): NVSwitches and not one
+# active NVLink, or NVML's fabric registration not completed.  Their GPU stack answers, but
+# they are not ready for placement either: no placement, gres.conf or NCCL file.
+FABRIC_DOWN = frozenset({"no-fabric-manager", "fabric-not-started", "fabric-in-progress"})
+# The recorded nodes GET /readyz calls not ready for placement: tests of placement answers
+# and of the files that state every link leave them out.
+NOT_READY = WITHOUT_GPU_STACK | FABRIC_DOWN
 # The suite checks this checkout, in process and in the commands it starts (they run
 # `python -P -m topoagent`, which ignores the working directory but not PYTHONPATH), so
 # a change is tested without reinstalling; tests/test_packaging.py checks the install.

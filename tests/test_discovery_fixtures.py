@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import WITHOUT_GPU_STACK
+from conftest import FABRIC_DOWN, WITHOUT_GPU_STACK
 
 from topoagent.cli import main
 from topoagent.collectors.nvidia_smi import TopoMatrix, parse_topo_matrix
@@ -27,8 +27,8 @@ ALL = sorted(p.name for p in SNAPSHOTS.iterdir() if p.is_dir())
 # the others' matrix was rendered by the fixture generator (fixtures/SOURCES.md).
 REAL_CAPTURES = ["dgx-a100", "dgx1-v100", "dgx2", "vm-1gpu", "workstation-2gpu"]
 WITH_GPU_STACK = [n for n in ALL if n not in WITHOUT_GPU_STACK]
-# Healthy: no fault injected, no witness missing (no-gpudirect lacks GPUDirect's module).
-HEALTHY = [n for n in WITH_GPU_STACK if n not in ("degraded", "no-gpudirect")]
+# Healthy: no fault injected, no witness missing (no-gpudirect lacks GPUDirect's module), the NVLink fabric up.
+HEALTHY = [n for n in WITH_GPU_STACK if n not in ("degraded", "no-gpudirect") and n not in FABRIC_DOWN]
 # What a healthy fixture may still report: pcie-2socket's X722 runs at 2.5 of 8 GT/s
 # behind a port that tops out at 2.5 GT/s (as recorded by hwloc): said, as information.
 EXPECTED_HEALTHY_FINDINGS = {"pcie-2socket": {("pcie-slow", "info", "0000:60:00.0")}}
@@ -56,7 +56,8 @@ def copy_fixture(name: str, dest: Path, *, without_commands: bool = False) -> Pa
 def test_the_fixture_list_is_the_issue_list() -> None:
     assert sorted(["dgx-a100", "dgx1-v100", "hgx-h100", "dgx2", "pcie-2socket",
                           "workstation-2gpu", "vm-1gpu", "degraded",
-                          "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect"]) == ALL
+                          "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect",
+                          "no-fabric-manager", "fabric-not-started", "fabric-in-progress"]) == ALL
 
 
 def not_recorded(tool: str) -> str:

@@ -24,7 +24,9 @@ import build_snapshots  # noqa: E402
 
 NAMES = ["dgx-a100", "dgx1-v100", "hgx-h100", "dgx2", "pcie-2socket", "workstation-2gpu", "vm-1gpu", "degraded",
          # Nodes with a witness missing (issue 27): what the agent must say it cannot see.
-         "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect"]
+         "no-gpu-stack", "no-nvidia-driver", "no-gpus", "no-gpudirect",
+         # NVSwitch nodes whose NVLink fabric is down or not yet up.
+         "no-fabric-manager", "fabric-not-started", "fabric-in-progress"]
 SPECS = {m.name: m for m in build_snapshots.MACHINES()}
 # The nodes whose NVML and nvidia-smi answered: their recorded answers must agree with sysfs.
 WITH_GPU_STACK = [n for n in NAMES if SPECS[n].nvml and SPECS[n].nvidia_smi == "out"]
