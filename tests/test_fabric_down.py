@@ -118,6 +118,9 @@ def test_links_all_down_without_nvswitches_stay_per_gpu_and_one_active_link_rule
     assert [f.kind for f in nvlink_findings(down, set(), {}, 6)] == ["nvswitch-no-nvlink"]
     one_up = parse_nvml({"gpus": [gpu(0, None, active=False), {"index": 1, "nvlinks": [{"link": 0, "active": True}]}]})
     assert "nvswitch-no-nvlink" not in [f.kind for f in nvlink_findings(one_up, set(), {}, 6)]
+    # NVML answered for no link at all: their state was not seen, so it is not said to be down.
+    unseen = parse_nvml({"gpus": [{"index": 0, "nvlinks": []}, {"index": 1, "nvlinks": []}]})
+    assert nvlink_findings(unseen, set(), {}, 6) == []
 
 
 # --- what the doors say ------------------------------------------------------------------

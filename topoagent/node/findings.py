@@ -65,10 +65,11 @@ NVSWITCH_REMEDY = ("start the fabric manager (systemctl start nvidia-fabricmanag
 def _nvswitch_no_nvlink(nvml: NvmlInfo, nvswitches: int) -> Finding | None:
     """NVSwitches on the PCI bus, GPUs NVML answers for, and not one active NVLink among
     them: the links to the switches were never trained (on A100 and H100 the fabric
-    manager trains them), so every GPU pair is the PCIe path the witnesses saw."""
-    if not nvswitches or not nvml.gpus or any(l.active for g in nvml.gpus for l in g.nvlinks):
-        return None
+    manager trains them), so every GPU pair is the PCIe path the witnesses saw.  Where NVML
+    reports no link at all, their state was not seen: nothing is said."""
     links = sum(len(g.nvlinks) for g in nvml.gpus)
+    if not nvswitches or not links or any(l.active for g in nvml.gpus for l in g.nvlinks):
+        return None
     return Finding(
         FindingKind.NVSWITCH_NO_NVLINK, Severity.CRITICAL, NVSWITCHES,
         f"{nvswitches} NVSwitch(es) on the PCI bus but none of the {len(nvml.gpus)} GPUs has an active NVLink "
