@@ -103,15 +103,15 @@ def test_the_extender_asks_for_client_certificates_from_its_secret_and_only_kube
 
 
 def extender_entries_shown() -> dict[str, dict]:
-    """The extenders entry as README and `topoagent extender --help` show it."""
+    """The extenders entry as docs/kubernetes.md and `topoagent extender --help` show it."""
     from topoagent.commands.extender import EPILOG
 
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Kubernetes: `topoagent extender`"):]
+    page = (REPO / "docs" / "kubernetes.md").read_text()
+    section = page[page.index("## Kubernetes: `topoagent extender`"):]
     block = section[section.index("```yaml\n") + 8:]
     epilog = EPILOG[EPILOG.index("  extenders:"):]
     epilog = epilog[: epilog.index("\n\n")]
-    return {"README": yaml.safe_load(block[: block.index("```")])["extenders"][0],
+    return {"docs/kubernetes.md": yaml.safe_load(block[: block.index("```")])["extenders"][0],
             "--help": yaml.safe_load(epilog)["extenders"][0]}
 
 
