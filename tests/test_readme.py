@@ -52,10 +52,20 @@ def test_the_readme_links_every_page_of_the_docs():
     assert linked == set(DOCS)
 
 
-def test_links_between_pages_name_pages_that_exist():
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation dropped, spaces to dashes."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)  # a '#' in a code block is no heading
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_links_between_pages_name_pages_and_headings_that_exist():
     for page, text in EVERY_PAGE.items():
-        for target in re.findall(r"\]\((?:docs/)?([a-z-]+\.md)(?:#[^)]*)?\)", text):
+        for target, anchor in re.findall(r"\]\((?:docs/)?([a-z-]+\.md)(?:#([^)]*))?\)", text):
             assert target in EVERY_PAGE, (page, target)
+            assert not anchor or anchor in anchors(EVERY_PAGE[target]), (page, target, anchor)
+        for anchor in re.findall(r"\]\(#([^)]*)\)", text):
+            assert anchor in anchors(text), (page, anchor)
 
 
 def test_the_cpu_probes_example_needs_no_root_and_its_own_port():
