@@ -12,7 +12,9 @@ The contract with whoever writes the pages:
 - `<!-- example: expect STATUS -->` right before a block: an http block answers STATUS, an sh
   block's last command exits STATUS (every other line 0). Without it: 2xx, and 0.
 - `<!-- example: not run — REASON -->` right before a block: not run, and REASON must be said.
-- ```text / json / yaml / promql (SAMPLES) blocks are output or config samples, never run.
+- ```text / json / yaml / promql / toml / ini / xml (SAMPLES) blocks are samples, never run;
+  a ```json block right after an http block (blank lines between at most) is its answer's
+  shape: when it reads as a JSON object, the answer must have each of its top-level keys.
 - Any other block (no language, or one not listed) is a problem naming its file:line.
 
 The ready `.venv`: install lines (`python3 -m venv .venv`, `.venv/bin/pip install ...`) are
@@ -37,7 +39,7 @@ import time
 import tomllib
 import venv
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -46,7 +48,8 @@ from packaging.requirements import Requirement
 REPO = Path(__file__).resolve().parents[1]
 
 RUN = frozenset({"sh", "http"})
-SAMPLES = frozenset({"text", "json", "yaml", "promql"})
+# Output and config samples: shown, never run (toml, ini, xml: the config, slurm.conf and NCCL file shapes).
+SAMPLES = frozenset({"text", "json", "yaml", "promql", "toml", "ini", "xml"})
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE"})
 TOKEN_PLACEHOLDERS = ("Bearer <token>", "Bearer $(cat .state/token)")
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -70,6 +73,7 @@ class Block:
     text: str  # the content, less the fence's indentation
     not_run: str | None = None  # the reason given
     expect: int | None = None
+    answer: str | None = None  # an http block's answer as the page shows it: the json block right after it
 
     @property
     def where(self) -> str:
@@ -93,6 +97,7 @@ def parse_page(page: str, text: str) -> tuple[list[Block], list[Problem]]:
     problems: list[Problem] = []
     lines = text.splitlines()
     marker: tuple[int, str | None, int | None] | None = None  # (line, not-run reason, expect)
+    after_block = -1  # the line index just past the last block's closing fence
     i = 0
     while i < len(lines):
         number = i + 1
@@ -111,6 +116,7 @@ def parse_page(page: str, text: str) -> tuple[list[Block], list[Problem]]:
             continue
         indent, mark = len(fence.group("indent")), fence.group("fence")
         language = fence.group("info").strip().split(" ", 1)[0].lower()
+        follows_http = bool(blocks) and blocks[-1].language == "http" and not any(line.strip() for line in lines[after_block:i])
         body: list[str] = []
         i += 1
         closed = False
@@ -122,6 +128,7 @@ def parse_page(page: str, text: str) -> tuple[list[Block], list[Problem]]:
             body.append(_dedent(lines[i], indent))
             i += 1
         i += 1
+        after_block = i
         if not closed:
             problems.append(Problem(page, number, "a code block is never closed"))
         not_run, expect = (marker[1], marker[2]) if marker else (None, None)
@@ -133,6 +140,8 @@ def parse_page(page: str, text: str) -> tuple[list[Block], list[Problem]]:
                                                   f"{'/'.join(sorted(SAMPLES))} (samples)"))
         elif language in SAMPLES and marker is not None:
             problems.append(Problem(page, marker[0], f"an example marker before a {language} block, which is never run"))
+        elif language == "json" and follows_http:
+            blocks[-1] = replace(blocks[-1], answer="\n".join(body) + "\n")
         else:
             block = Block(page, number, language, "\n".join(body) + ("\n" if body else ""), not_run, expect)
             if block.not_run is None and block.language in RUN:
@@ -603,6 +612,25 @@ def send(address: str, request: HttpRequest, token: str | None = None, timeout: 
         return reply.status, reply.read()
     finally:
         connection.close()
+
+
+def shape_mismatch(sample: str, answer: bytes) -> str | None:
+    """Why ``answer`` does not have the shape of the page's ``sample`` (None: it has, or the
+    sample is not a JSON object, e.g. shortened with `...`, so it shows no shape to hold)."""
+    try:
+        shown = json.loads(sample)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(shown, dict):
+        return None
+    try:
+        got = json.loads(answer)
+    except json.JSONDecodeError:
+        return "the answer is not JSON, the page shows a JSON object"
+    if not isinstance(got, dict):
+        return f"the answer is a JSON {type(got).__name__}, the page shows an object"
+    missing = [key for key in shown if key not in got]
+    return f"the answer lacks {', '.join(missing)}, which the page shows" if missing else None
 
 
 def report(outcome: Outcome, tail: int = 3000) -> str:

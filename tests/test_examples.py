@@ -43,6 +43,7 @@ from examples import (
     report,
     run_sh,
     send,
+    shape_mismatch,
 )
 
 BLOCKS, PROBLEMS = collect(pages())
@@ -121,6 +122,8 @@ def test_http_example(block: Block, demo_node) -> None:
     if not (status == want if want is not None else 200 <= status < 300):
         pytest.fail(f"{block.where}: {request.method} {request.path} answered {status}, expected {want or '2xx'}\n"
                     + body.decode(errors="replace")[-2000:], pytrace=False)
+    if block.answer is not None and (wrong := shape_mismatch(block.answer, body)) is not None:
+        pytest.fail(f"{block.where}: {request.method} {request.path}: {wrong}\n" + body.decode(errors="replace")[-2000:], pytrace=False)
 
 
 def test_the_demo_node_serves_the_recorded_dgx_a100(demo_node) -> None:

@@ -25,6 +25,7 @@ from examples import (
     report,
     run_sh,
     send,
+    shape_mismatch,
     split_and,
 )
 
@@ -40,9 +41,9 @@ def test_a_good_page_gives_its_blocks_with_their_markers_and_no_problem() -> Non
         (17, "sh", None, 3),
         (23, "sh", "needs a GPU node: it measures the real links", None),
         (27, "http", None, None),
-        (35, "http", None, 401),
-        (39, "text", None, None),
-        (43, "json", None, None),
+        (39, "http", None, 401),
+        (43, "text", None, None),
+        (47, "json", None, None),
     ]
     assert blocks[0].where == "tests/data/examples/good.md:3"
     # comments dropped, a continuation joined and numbered from its first line
@@ -53,6 +54,21 @@ def test_a_good_page_gives_its_blocks_with_their_markers_and_no_problem() -> Non
     assert (request.method, request.path, request.headers, request.body) == (
         "POST", "/place", (("Content-Type", "application/json"),), b'{"gpus": 2, "pattern": "allreduce"}')
     assert parse_http(blocks[5].text).body is None
+    # the json block right after the POST is its answer's shape; one after prose is only a sample
+    assert blocks[4].answer == '{"gpus": [0, 1], "pattern": "allreduce", "proven_optimal": true}\n'
+    assert blocks[5].answer is None
+
+
+@pytest.mark.parametrize(("sample", "answer", "says"), [
+    ('{"gpus": [0], "fit": true}', b'{"gpus": [3], "fit": true, "more": 1}', None),
+    ('{"gpus": [0], "shiny": 1}', b'{"gpus": [3]}', "the answer lacks shiny, which the page shows"),
+    ('{"gpus": [0, ...]}', b"{}", None),  # shortened: no shape to hold it to
+    ('[1, 2]', b"{}", None),
+    ('{"a": 1}', b"not json", "the answer is not JSON, the page shows a JSON object"),
+    ('{"a": 1}', b"[1]", "the answer is a JSON list, the page shows an object"),
+])
+def test_an_answer_is_held_to_the_shape_of_the_sample_after_its_request(sample: str, answer: bytes, says: str | None) -> None:
+    assert shape_mismatch(sample, answer) == says
 
 
 def test_a_bad_page_names_every_problem_by_its_line() -> None:
@@ -238,7 +254,7 @@ def test_a_serve_line_runs_until_the_block_ends_and_later_lines_reach_it(tmp_pat
         # http blocks go to it with its token where they ask for it
         good, _ = collect([SAMPLES / "good.md"])
         status, body = send(served.address, parse_http(good[4].text))
-        assert status == 200 and b'"gpus"' in body
+        assert status == 200 and shape_mismatch(good[4].answer or "", body) is None
         refresh = parse_http(good[5].text)
         assert send(served.address, refresh)[0] == good[5].expect == 401  # no Authorization line: no token sent
         with_token = parse_http("POST /refresh\nAuthorization: Bearer <token>\n")
