@@ -6,9 +6,10 @@ The contract with whoever writes the pages:
   comments). Commands run with bash in a scratch directory that sees the checkout's top-level
   folders (fixtures/, scripts/, ...) through links, and a ready `.venv` (see below). Each line
   is its own bash, but `cd` and `export` carry over to the next line of the block.
-- ```http blocks are sent to the demo node ("Try it"'s serve line): `METHOD /path`, header
-  lines, a blank line, a JSON body. `Authorization: Bearer <token>` (or `$(cat .state/token)`)
-  sends the demo node's token.
+- ```http blocks are sent to the demo node ("Try it"'s serve block, started by the test even
+  where it is marked not run): `METHOD /path`, header lines, a blank line, a JSON body. They
+  go with the demo node's token, unless the block writes its own `Authorization` line (one
+  reading `Bearer <token>` or `Bearer $(cat .state/token)` stands for the token too).
 - `<!-- example: expect STATUS -->` right before a block: an http block answers STATUS, an sh
   block's last command exits STATUS (every other line 0). Without it: 2xx, and 0.
 - `<!-- example: not run — REASON -->` right before a block: not run, and REASON must be said.
@@ -598,10 +599,12 @@ def _ready(address: str) -> bool:
 
 def send(address: str, request: HttpRequest, token: str | None = None, timeout: float = 60) -> tuple[int, bytes]:
     host, port = address.rsplit(":", 1)
-    headers = {}
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
     for name, value in request.headers:
-        if name.lower() == "authorization" and value in TOKEN_PLACEHOLDERS and token is not None:
-            value = f"Bearer {token}"
+        if name.lower() == "authorization":
+            headers.pop("Authorization", None)
+            if value in TOKEN_PLACEHOLDERS and token is not None:
+                value = f"Bearer {token}"
         headers[name] = value
     if request.body is not None and not any(n.lower() == "content-type" for n in headers):
         headers["Content-Type"] = "application/json"
@@ -655,12 +658,21 @@ def checkout_state() -> str:
 
 
 def demo_block(blocks: Iterable[Block]) -> Block | None:
-    """The block that serves the demo node: the first sh block whose serve replays the recorded DGX A100."""
+    """The block that serves the demo node: the first sh block whose serve replays the recorded
+    DGX A100, one the examples run before one marked not run ("Try it" may say it serves until
+    Ctrl-C: the demo node is that serve, started and stopped by the test)."""
+    serving = []
     for block in blocks:
-        if block.language == "sh" and block.not_run is None and any(
-                _SERVE.search(c) and "fixtures/snapshots/dgx-a100" in c for _, c in commands(block)):
-            return block
-    return None
+        if block.language != "sh":
+            continue
+        try:
+            lines = commands(block)
+        except ValueError:
+            continue
+        if any(_SERVE.search(c) and "fixtures/snapshots/dgx-a100" in c for _, c in lines):
+            serving.append(block)
+    serving.sort(key=lambda b: b.not_run is not None)  # stable: page order within each kind
+    return serving[0] if serving else None
 
 
 def demo_token(scratch: Path, block: Block) -> str | None:

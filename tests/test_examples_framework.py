@@ -15,6 +15,7 @@ from examples import (
     Environment,
     collect,
     commands,
+    demo_block,
     install_shortfall,
     is_install,
     make_ready_venv,
@@ -42,8 +43,8 @@ def test_a_good_page_gives_its_blocks_with_their_markers_and_no_problem() -> Non
         (23, "sh", "needs a GPU node: it measures the real links", None),
         (27, "http", None, None),
         (39, "http", None, 401),
-        (43, "text", None, None),
-        (47, "json", None, None),
+        (44, "text", None, None),
+        (48, "json", None, None),
     ]
     assert blocks[0].where == "tests/data/examples/good.md:3"
     # comments dropped, a continuation joined and numbered from its first line
@@ -53,7 +54,7 @@ def test_a_good_page_gives_its_blocks_with_their_markers_and_no_problem() -> Non
     request = parse_http(blocks[4].text)
     assert (request.method, request.path, request.headers, request.body) == (
         "POST", "/place", (("Content-Type", "application/json"),), b'{"gpus": 2, "pattern": "allreduce"}')
-    assert parse_http(blocks[5].text).body is None
+    assert parse_http(blocks[5].text).body is None and parse_http(blocks[5].text).headers[0][0] == "Authorization"
     # the json block right after the POST is its answer's shape; one after prose is only a sample
     assert blocks[4].answer == '{"gpus": [0, 1], "pattern": "allreduce", "proven_optimal": true}\n'
     assert blocks[5].answer is None
@@ -109,6 +110,20 @@ def test_not_run_takes_a_dash_or_a_colon_before_its_reason() -> None:
     for dash in ("—", "-", "--", ":", "–"):
         (block,), problems = parse_page("p.md", f"<!-- example: not run {dash} no GPU here -->\n```sh\ntrue\n```\n")
         assert problems == [] and block.not_run == "no GPU here", dash
+
+
+SERVE_A100 = ".venv/bin/topoagent serve --root fixtures/snapshots/dgx-a100 --state-dir .state"
+
+
+def test_the_demo_node_is_the_try_it_serve_even_where_it_is_marked_not_run() -> None:
+    marked = f"<!-- example: not run — serves until Ctrl-C -->\n```sh\n{SERVE_A100}\n```\n"
+    other = "```sh\n.venv/bin/topoagent serve --root fixtures/snapshots/hgx-h100\n```\n"
+    runnable = f"```sh\n{SERVE_A100} --listen 127.0.0.1:9478\n```\n"
+    blocks, _ = parse_page("p.md", marked + other)
+    assert demo_block(blocks) == blocks[0]
+    blocks, _ = parse_page("p.md", marked + other + runnable)
+    assert demo_block(blocks) == blocks[2]  # one the examples run comes first
+    assert demo_block(parse_page("p.md", other)[0]) is None
 
 
 def test_and_lists_split_outside_quotes_only() -> None:
@@ -253,12 +268,15 @@ def test_a_serve_line_runs_until_the_block_ends_and_later_lines_reach_it(tmp_pat
     try:
         # http blocks go to it with its token where they ask for it
         good, _ = collect([SAMPLES / "good.md"])
-        status, body = send(served.address, parse_http(good[4].text))
+        status, body = send(served.address, parse_http(good[4].text), "secret-token-0123456789")
         assert status == 200 and shape_mismatch(good[4].answer or "", body) is None
-        refresh = parse_http(good[5].text)
-        assert send(served.address, refresh)[0] == good[5].expect == 401  # no Authorization line: no token sent
-        with_token = parse_http("POST /refresh\nAuthorization: Bearer <token>\n")
-        assert send(served.address, with_token, "secret-token-0123456789")[0] == 200
+        token = "secret-token-0123456789"
+        refresh = parse_http("POST /refresh\n")
+        assert send(served.address, refresh, token)[0] == 200  # the token goes with every request
+        assert send(served.address, refresh)[0] == 401  # (the agent does want it)
+        assert send(served.address, parse_http("POST /refresh\nAuthorization: Bearer <token>\n"), token)[0] == 200
+        # a block's own Authorization line replaces it: a page may show a refusal
+        assert send(served.address, parse_http(good[5].text), token)[0] == good[5].expect == 401
     finally:
         assert served.stop() == 0
     stopped = run_sh(sh(block.text.splitlines()[0] + "\n"), make_scratch(tmp_path / "t", ready_venv))
