@@ -33,7 +33,8 @@ Every change gives the pod a new ``metadata.resourceVersion`` and a watch event;
 ``delete_pod`` and ``set_phase`` play the pod's end.
 
 Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503,
-with ``fail_node_patches`` a Node patch answers 500.  ``fail_binding`` names pods whose binding fails (500);
+with ``fail_node_patches`` a Node patch answers 500, with ``node_watch_forbidden`` a Node
+watch 403 (RBAC without ``watch``).  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -115,6 +116,7 @@ class FakeApiServer:
         self.node_events: list[tuple[int, bytes]] = []  # (resourceVersion, the event's line), the last KEPT_EVENTS
         self.node_compacted = 0  # a node watch from below this resourceVersion gets 410
         self.node_watches = 0  # node watch requests served
+        self.node_watch_forbidden = False  # a Node watch answers 403, as with a ClusterRole without watch
         self.fail_node_patches = False  # PATCH /api/v1/nodes/{name} answers 500, as etcd timing out
         self.node_cuts = 0  # node streams owed a cut inside an event (break_node_watches)
         self.node_ends = 0  # expire_node_watches() bumps it: every open node stream ends, no bookmark
@@ -141,6 +143,9 @@ class FakeApiServer:
                 if url.path == "/api/v1/pods" and query.get("watch", [""])[0] in ("true", "1"):
                     return self._watch(query)
                 if url.path == "/api/v1/nodes" and query.get("watch", [""])[0] in ("true", "1"):
+                    if outer.node_watch_forbidden:
+                        return self._send(403, status(403, "Forbidden", 'nodes is forbidden: User "system:serviceaccount:topoagent:'
+                                                      'topoagent-extender" cannot watch resource "nodes" in API group "" at the cluster scope'))
                     try:
                         return self._node_watch(query)
                     except (BrokenPipeError, ConnectionResetError):  # the client went away

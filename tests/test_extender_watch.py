@@ -245,3 +245,23 @@ def test_requeue_patches_are_counted_by_result(world: World) -> None:
         world.api.fail_node_patches = False
         world.two.free = 8
         world.api.remove_node("node-full")
+
+
+# Last in the file: it leaves the watch failing, backing off, for a while.
+def test_without_a_watch_an_unknown_name_is_listed_for_within_the_call(world: World) -> None:
+    """A ClusterRole without ``watch`` on nodes (403): the table still finds a node that just
+    joined, by a list at once, and says why the watch failed."""
+    world.api.node_watch_forbidden = True
+    try:
+        broken = counter(world, "node_watch_restarts", {"reason": "broken"})
+        world.api.expire_node_watches()  # the open watch ends; the next ones are refused
+        wait_for("the refused watch counted", lambda: counter(world, "node_watch_restarts", {"reason": "broken"}) > broken,
+                 log=world.log.read_text)
+        lists = world.api.node_lists
+        world.api.add_node(unanswering_node("node-listed", world.one.address))
+        assert filtered(world, ["node-listed"])["NodeNames"] == ["node-listed"]  # within the call
+        assert world.api.node_lists > lists
+        assert "cannot watch resource" in world.log.read_text()
+    finally:
+        world.api.node_watch_forbidden = False
+        world.api.remove_node("node-listed")

@@ -62,9 +62,9 @@ class NodeApi(Protocol):
 class Gone(Exception):
     """The watch cannot go on from its resourceVersion: list first.  ``reason``: a RESTARTS word."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, status: int | None = None) -> None:
         super().__init__(detail)
-        self.reason = reason
+        self.reason, self.status = reason, status
 
 
 class NodeTable:
@@ -194,7 +194,8 @@ class NodeTable:
             except Gone as exc:
                 self.restarts[exc.reason] += 1
                 if exc.reason != "list_failed":
-                    self._throttled(f"node_watch_{exc.reason}", "node_watch_restarted", logging.WARNING, reason=exc.reason,
+                    # Once a minute for each kind: a refusal (403: no RBAC watch) is not hidden behind a cut stream.
+                    self._throttled(("node_watch", exc.reason, exc.status), "node_watch_restarted", logging.WARNING, reason=exc.reason,
                                     error=str(exc)[:300], then="list the Node objects again")
                 version, failed = None, True
             except Exception as exc:  # a bug: said, and the table goes on
@@ -264,7 +265,7 @@ class NodeTable:
                     return version
                 elif what == "error":
                     status = getattr(item, "status", None)
-                    raise Gone("expired" if status == 410 else "broken", str(item) or type(item).__name__)
+                    raise Gone("expired" if status == 410 else "broken", str(item) or type(item).__name__, status)
                 else:
                     version = self._apply(item, version)
         finally:
