@@ -140,7 +140,7 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     # The pod watch (a lease ends with its pod) lists and watches; annotations go in the Binding.
     assert {("pods/binding", "create"), ("pods", "get"), ("pods", "list"), ("pods", "watch"), ("nodes", "get")} <= granted
-    # Node names and addresses come from the API server's Node objects, listed by the extender.
+    # Node names and addresses come from the API server's Node objects, listed once, then watched.
     assert {("nodes", "list"), ("nodes", "watch")} <= granted
     # An outage fails GPU pods' scheduling instead of binding them past the agents; two replicas.
     assert extender["ignorable"] is False and deployment["spec"]["replicas"] >= 2
