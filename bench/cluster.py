@@ -2,7 +2,7 @@
 
     python -m bench.cluster                # 16 agents, 300 pods (a few minutes on 2 cores)
     python -m bench.cluster --quick        # 8 agents, 80 pods
-    python -m bench.cluster --markdown     # only the README table (between <!-- figures:cluster -->)
+    python -m bench.cluster --markdown     # only the table (docs/benchmarks.md, between <!-- figures:cluster -->)
 
 Each node is a real `topoagent serve` child on a recorded fixture, on its own loopback
 address (127.x.y.n, one port for all, as a cluster's agents share theirs), so the
@@ -539,7 +539,7 @@ def main() -> None:
     parser.add_argument("--pods", type=int, help="pods in the stream (default 300; --quick 80)")
     parser.add_argument("--load", type=float, default=0.9, help="offered load, share of the cluster's GPUs (default 0.9)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--markdown", action="store_true", help="print only the table (the README's figures:cluster block)")
+    parser.add_argument("--markdown", action="store_true", help="print only the table (the figures:cluster block in docs/benchmarks.md)")
     args = parser.parse_args()
     nodes = args.nodes or (8 if args.quick else 16)
     pods = args.pods or (80 if args.quick else 300)

@@ -99,7 +99,7 @@ FLOOR = [sys.executable, "-c", f"import {', '.join(FLOOR_MODULES)}"]
 
 
 def measure(runs: int, root: str | Path) -> dict[str, float | str]:
-    """Every figure the README quotes about discovery, by name."""
+    """Every figure the docs quote about discovery, by name."""
     figures: dict[str, float | str] = {
         "in_process_replay_ms": in_process(root, runs) * 1e3,
         "in_process_live_ms": in_process("/", runs) * 1e3,
@@ -133,7 +133,7 @@ def measure(runs: int, root: str | Path) -> dict[str, float | str]:
 
 
 def markdown(figures: dict[str, float | str], runs: int, root: str | Path) -> list[str]:
-    """The README's block: the same figures as a table."""
+    """The docs' block: the same figures as a table."""
     f = figures
     out = [
         f"Medians of {runs} runs; child processes run this checkout with its bytecode cached, as an"
@@ -191,7 +191,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--root", default=str(REPO / "fixtures/snapshots/dgx-a100"))
-    parser.add_argument("--markdown", action="store_true", help="print the README's block")
+    parser.add_argument("--markdown", action="store_true", help="print its block in the docs (bench/report.py)")
     args = parser.parse_args()
     for line in (markdown if args.markdown else lines)(measure(args.runs, args.root), args.runs, args.root):
         print(line)

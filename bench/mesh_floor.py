@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=16, help="GPUs of the mesh (default 16)")
     parser.add_argument("--requests", type=int, default=12, help="hardest requests kept (default 12)")
-    parser.add_argument("--markdown", action="store_true", help="print the README's block (bench/report.py)")
+    parser.add_argument("--markdown", action="store_true", help="print its block in the docs (bench/report.py)")
     args = parser.parse_args()
     n = args.n
     rng = random.Random(5)

@@ -4,7 +4,7 @@
     python -m bench.placement --quick    # fewer samples and events
     python -m bench.placement --quick --only deadline   # bounded time at 8-128 GPUs
     python -m bench.placement --quick --only loaded     # the same beside 2 CPU-bound processes per core
-    python -m bench.placement --only simulate --markdown  # a README block (bench/report.py; also latency, deadline)
+    python -m bench.placement --only simulate --markdown  # a docs block (bench/report.py; also latency, deadline)
 
 Prints tables; asserts nothing (tests check correctness, this measures).
 """
@@ -166,7 +166,7 @@ FAMILIES = {
 def deadline_study(samples: int, deadline_ms: int = SERVICE_DEADLINE_MS, markdown: bool = False) -> None:
     import tracemalloc
 
-    if markdown:  # a README block (bench/report.py): the README has the heading
+    if markdown:  # a docs block (bench/report.py): the page has the heading
         print(f"place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms).")
     else:
         print(f"\n## Bounded time: place() with deadline_ms={deadline_ms}, tables warmed as the agent does (ms)\n")
@@ -621,7 +621,7 @@ def pair_score_cost() -> None:
             print(f"  {name} k={k}: {time.perf_counter() - t0:.2f} s{note}")
 
 
-MARKDOWN_SECTIONS = ("latency", "simulate", "deadline", "loaded")  # those printing a README block (bench/report.py)
+MARKDOWN_SECTIONS = ("latency", "simulate", "deadline", "loaded")  # those printing a docs block (bench/report.py)
 
 
 def main() -> None:
@@ -630,10 +630,10 @@ def main() -> None:
     parser.add_argument("--only", choices=["latency", "quality", "simulate", "pairscore", "deadline", "loaded"])
     parser.add_argument("--load", type=float, default=0.25, help="offered load of the job stream (share of GPUs)")
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--markdown", action="store_true", help="print --only's figures as the README's markdown block")
+    parser.add_argument("--markdown", action="store_true", help="print --only's figures as its markdown block in the docs")
     args = parser.parse_args()
     if args.markdown and args.only not in MARKDOWN_SECTIONS:
-        parser.error(f"--markdown goes with --only {' or '.join(MARKDOWN_SECTIONS)} (the README's blocks)")
+        parser.error(f"--markdown goes with --only {' or '.join(MARKDOWN_SECTIONS)} (the docs' blocks)")
     anchors = dict(corpus())
     self_check(
         next(m for n, m in anchors.items() if n.startswith("dlperf-8xV100")),

@@ -1,9 +1,9 @@
-"""Run the benchmarks and write their figures into README.md, between markers.
+"""Run the benchmarks and write their figures into the docs, between markers.
 
-    python bench/report.py [--quick] [--only NAME ...] [--readme FILE]
-    python bench/report.py --check [--readme FILE]
+    python bench/report.py [--quick] [--only NAME ...] [--page FILE ...]
+    python bench/report.py --check [--page FILE ...]
 
-Every figure in the README comes from here, never typed by hand.  A block is
+Every figure in the docs comes from here, never typed by hand.  A block is
 
     <!-- figures:NAME -->
     (what NAME's generator prints: markdown)
@@ -11,13 +11,15 @@ Every figure in the README comes from here, never typed by hand.  A block is
     _Measured ... machine, load, date, git revision._
     <!-- /figures:NAME -->
 
-and only the lines between a block's markers are rewritten; the rest of the file is
-kept byte for byte.  ``GENERATORS`` maps each NAME to the command that prints it.  A
-generator that fails (or is not there yet) is skipped with a line saying why, and its
-block keeps what it had.  ``--check`` runs nothing: it verifies that every block names a
-known generator and that the markers are balanced (exit 1 otherwise).  ``--quick`` asks
-each generator for fewer samples, so that a full regeneration takes minutes on a 2-core
-machine; the block says which mode wrote it.
+and it may stand in any page: README.md or docs/*.md (most are in docs/benchmarks.md).
+Only the lines between a block's markers are rewritten; the rest of the page is kept
+byte for byte.  ``GENERATORS`` maps each NAME to the command that prints it; a NAME
+stands in one page only.  A generator that fails (or is not there yet) is skipped with a
+line saying why, and its block keeps what it had.  ``--check`` runs nothing: it verifies
+that every block names a known generator, that the markers are balanced and that no
+block is in two pages (exit 1 otherwise).  ``--quick`` asks each generator for fewer
+samples, so that a full regeneration takes minutes on a 2-core machine; the block says
+which mode wrote it.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ ANY = re.compile(r"<!--\s*/?\s*figures\b")  # anything that looks like one of ou
 
 
 class MarkerError(ValueError):
-    """The README's figure markers are not balanced, or one is malformed."""
+    """A page's figure markers are not balanced, or one is malformed."""
 
 
 @dataclass(frozen=True)
@@ -108,14 +110,33 @@ def rewrite(text: str, name: str, content: str) -> str:
     return "".join(lines[: block.start]) + body + "".join(lines[block.end:])
 
 
+def pages() -> list[Path]:
+    """Where figures blocks may stand: the README and every page under docs/."""
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
 def check(text: str) -> list[str]:
-    """What is wrong with the README's markers (empty: nothing)."""
+    """What is wrong with one page's markers (empty: nothing)."""
     try:
         found = blocks(text)
     except MarkerError as exc:
         return [str(exc)]
     return [f"figures:{b.name} has no generator in bench/report.py (known: {', '.join(GENERATORS)})"
             for b in found if b.name not in GENERATORS]
+
+
+def check_pages(texts: dict[Path, str]) -> list[str]:
+    """What is wrong with the pages' markers, each page's and across them (empty: nothing)."""
+    problems = [f"{path}: {problem}" for path, text in texts.items() for problem in check(text)]
+    if problems:
+        return problems
+    where: dict[str, Path] = {}
+    for path, text in texts.items():
+        for block in blocks(text):
+            if block.name in where:
+                problems.append(f"{path}: figures:{block.name} is also in {where[block.name]}: a block stands in one page")
+            where.setdefault(block.name, path)
+    return problems
 
 
 def _git(*args: str) -> str:
@@ -125,7 +146,7 @@ def _git(*args: str) -> str:
 
 def revision() -> str:
     rev = _git("rev-parse", "--short=10", "HEAD") or "unknown revision"
-    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)README.md")
+    dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)README.md", ":(exclude)docs/*.md")
     return rev + (" with uncommitted changes" if dirty else "")
 
 
@@ -177,23 +198,24 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"regenerate only these blocks (one or more, or repeated): {', '.join(GENERATORS)}")
     parser.add_argument("--quick", action="store_true", help="fewer samples: minutes instead of tens of minutes")
     parser.add_argument("--check", action="store_true", help="verify the markers; run nothing")
-    parser.add_argument("--readme", type=Path, default=REPO / "README.md")
+    parser.add_argument("--page", "--readme", dest="pages", action="append", type=Path, metavar="FILE",
+                        help="a page holding figures blocks (repeatable; default: README.md and docs/*.md)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds one generator may run")
     args = parser.parse_args(argv)
-    text = args.readme.read_text()
-    problems = check(text)
+    texts = {path: path.read_text() for path in args.pages or pages()}
+    problems = check_pages(texts)
     if problems:
         for problem in problems:
-            print(f"report: {args.readme}: {problem}", file=sys.stderr)
+            print(f"report: {problem}", file=sys.stderr)
         return 1
     if args.check:
         return 0
-    present = [b.name for b in blocks(text)]
-    wanted = args.only or present
+    page_of = {block.name: path for path, text in texts.items() for block in blocks(text)}
+    wanted = args.only or list(page_of)
     failed = False
     for name in wanted:
-        if name not in present:
-            print(f"report: skipped {name}: {args.readme} has no figures:{name} block", file=sys.stderr)
+        if name not in page_of:
+            print(f"report: skipped {name}: no page has a figures:{name} block", file=sys.stderr)
             failed = failed or bool(args.only)
             continue
         print(f"report: running {name} ...", file=sys.stderr, flush=True)
@@ -203,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: skipped {name}: {exc}", file=sys.stderr)
             failed = failed or bool(args.only)
             continue
-        text = rewrite(args.readme.read_text(), name, content)  # re-read: keep edits made meanwhile
-        args.readme.write_text(text)
-        print(f"report: wrote figures:{name}", file=sys.stderr)
+        page = page_of[name]
+        page.write_text(rewrite(page.read_text(), name, content))  # re-read: keep edits made meanwhile
+        print(f"report: wrote figures:{name} in {page}", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -63,7 +63,7 @@ def measure(root: Path, tmp: Path, name: str, keys: str) -> tuple[Counter[str], 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--markdown", action="store_true", help="print the README's table")
+    parser.add_argument("--markdown", action="store_true", help="print its table in the docs (bench/report.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as name:
         tmp = Path(name)

@@ -141,7 +141,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--idle-seconds", type=int, default=60)
     parser.add_argument("--clients", type=int, default=16)
-    parser.add_argument("--markdown", action="store_true", help="print the README's block")
+    parser.add_argument("--markdown", action="store_true", help="print its block in the docs (bench/report.py)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

@@ -600,7 +600,7 @@ DCGM_FIELDS = (
 
 
 def dcgm_table() -> str:
-    """README's table of dcgm-exporter's default fields beside ours (markdown)."""
+    """docs/telemetry.md's table of dcgm-exporter's default fields beside ours (markdown)."""
     lines = ["| dcgm-exporter field | its unit | ours (`topoagent_`) | ours = DCGM × | note |", "|---|---|---|---|---|"]
     for f in DCGM_FIELDS:
         ours = f"`{f.family.name}{f.select}`" if f.family is not None else "—"

@@ -462,7 +462,7 @@ async def list_leases(request: web.Request) -> web.Response:
         body["recovered_from_corrupt_state"] = {"file": recovery.file, "moved_to": recovery.moved_to, "error": recovery.error}
     quarantine = served.lease_quarantine
     if quarantine is not None and quarantine.entries:
-        # Entries the store refused on loading; the GPUs they named are held (see README, Leases).
+        # Entries the store refused on loading; the GPUs they named are held (see docs/service.md, Leases).
         body["quarantined"] = {"file": quarantine.file, "entries": list(quarantine.entries)}
     return web.json_response(body)
 

@@ -3,7 +3,7 @@
 nfd-worker's local source reads every file in
 /etc/kubernetes/node-feature-discovery/features.d/ and nfd-master turns each line into a
 node label.  Names carry our own prefix (``topoagent.io/``); NFD from v0.13 allows any
-namespace but kubernetes.io's (older ones need ``-extra-label-ns``: see README).  Every name and value is checked against Kubernetes' label syntax here,
+namespace but kubernetes.io's (older ones need ``-extra-label-ns``: see docs/kubernetes.md).  Every name and value is checked against Kubernetes' label syntax here,
 so a bad model string can never make nfd-master drop the whole file.
 """
 

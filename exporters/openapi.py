@@ -143,7 +143,7 @@ def openapi_document() -> dict[str, Any]:
                     "parameters": [{"name": "If-None-Match", "in": "header", "required": False, "schema": {"type": "string"}}],
                     "responses": {
                         "200": {**_json("The figures for the current snapshot and busy GPUs (or, with `stale` true, the latest computed while "
-                                        "the current ones still were, sent without an ETag and with `Cache-Control: no-store`: see README).", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
+                                        "the current ones still were, sent without an ETag and with `Cache-Control: no-store`: see docs/http-api.md).", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
                         "304": {"description": "Unchanged since the ETag given in If-None-Match."},
                         **READ_ERRORS,
                         "503": _err("No topology loaded yet, or the first capacity figures are still being computed (`capacity_pending`, `Retry-After`)."),

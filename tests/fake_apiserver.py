@@ -7,7 +7,15 @@ cluster pieces make, and no more:
   line) until ``timeoutSeconds`` or ``close_watches()``; a resourceVersion older than the
   events kept gets one ERROR event, 410 Gone, as the real one answers;
 - ``GET /api/v1/namespaces/{ns}/pods/{name}``, ``GET /api/v1/nodes/{name}``, ``GET /api/v1/nodes``
-  (with ``limit``, in pages; ``node_lists`` counts them);
+  (with ``limit``, in pages; ``node_lists`` counts them); with ``watch=1`` the Node watch
+  as the real one serves it (HTTP/1.1, chunked, one WatchEvent ``{"type", "object"}`` a
+  line: ADDED, MODIFIED, DELETED after ``resourceVersion``; with ``allowWatchBookmarks`` a
+  BOOKMARK carrying the latest resourceVersion before the stream ends at ``timeoutSeconds``;
+  a resourceVersion older than the events kept gets one ERROR event, a Status 410 Expired);
+  ``node_watches`` counts them, ``expire_node_watches()`` ends them as etcd's compaction
+  past their resourceVersion does (their next watch gets 410), ``break_node_watches()``
+  cuts the open stream (else the next) inside an event, ``node_watch_line()`` sends a
+  line of its own (a malformed event);
 - ``PATCH /api/v1/nodes/{name}/status`` with a strategic merge patch, whose
   ``status.conditions`` merge by ``type`` as the real one's do (anything but ``status`` is
   ignored there, as on the real subresource); ``PATCH /api/v1/nodes/{name}`` with a JSON merge
@@ -24,7 +32,9 @@ cluster pieces make, and no more:
 Every change gives the pod a new ``metadata.resourceVersion`` and a watch event;
 ``delete_pod`` and ``set_phase`` play the pod's end.
 
-Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503.  ``fail_binding`` names pods whose binding fails (500);
+Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503,
+with ``fail_node_patches`` a Node patch answers 500, with ``node_watch_forbidden`` a Node
+watch 403 (RBAC without ``watch``).  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -103,6 +113,13 @@ class FakeApiServer:
         self.node_lists = 0  # GET /api/v1/nodes served
         self.node_patch_times: list[tuple[str, float, Any]] = []  # (node, monotonic time, patch): when each landed
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
+        self.node_events: list[tuple[int, bytes]] = []  # (resourceVersion, the event's line), the last KEPT_EVENTS
+        self.node_compacted = 0  # a node watch from below this resourceVersion gets 410
+        self.node_watches = 0  # node watch requests served
+        self.node_watch_forbidden = False  # a Node watch answers 403, as with a ClusterRole without watch
+        self.fail_node_patches = False  # PATCH /api/v1/nodes/{name} answers 500, as etcd timing out
+        self.node_cuts = 0  # node streams owed a cut inside an event (break_node_watches)
+        self.node_ends = 0  # expire_node_watches() bumps it: every open node stream ends, no bookmark
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -125,6 +142,14 @@ class FakeApiServer:
                     return self._send(503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request"))
                 if url.path == "/api/v1/pods" and query.get("watch", [""])[0] in ("true", "1"):
                     return self._watch(query)
+                if url.path == "/api/v1/nodes" and query.get("watch", [""])[0] in ("true", "1"):
+                    if outer.node_watch_forbidden:
+                        return self._send(403, status(403, "Forbidden", 'nodes is forbidden: User "system:serviceaccount:topoagent:'
+                                                      'topoagent-extender" cannot watch resource "nodes" in API group "" at the cluster scope'))
+                    try:
+                        return self._node_watch(query)
+                    except (BrokenPipeError, ConnectionResetError):  # the client went away
+                        return None
                 with outer.lock:
                     if url.path == "/api/v1/pods":
                         outer.queries.append({"path": url.path, **query})
@@ -182,6 +207,60 @@ class FakeApiServer:
                         since = v
                     self.wfile.flush()
 
+            def _node_watch(self, query: dict[str, list[str]]) -> None:
+                since = int(query.get("resourceVersion", ["0"])[0] or 0)
+                deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
+                bookmarks = query.get("allowWatchBookmarks", [""])[0] in ("true", "1")
+                with outer.lock:
+                    outer.node_watches += 1
+                    generation, ends = outer.watch_generation, outer.node_ends
+                self.protocol_version = "HTTP/1.1"  # chunked, as the real one streams
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+
+                def chunk(data: bytes) -> None:
+                    self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                    self.wfile.flush()
+
+                with outer.lock:
+                    expired = since < outer.node_compacted
+                    compacted = outer.node_compacted
+                if expired:
+                    gone = status(410, "Expired", f"too old resource version: {since} ({compacted})")
+                    chunk(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                    self.wfile.write(b"0\r\n\r\n")
+                    return
+                while True:
+                    with outer.lock:
+                        if outer.node_ends != ends:
+                            self.wfile.write(b"0\r\n\r\n")
+                            return
+                        if outer.node_cuts:
+                            outer.node_cuts -= 1
+                            # A chunk announced whole, half of it sent, then the connection gone.
+                            self.wfile.write(b"%x\r\n" % 400 + b'{"type":"MODIFIED","object":{"kind":"Node","metad')
+                            self.wfile.flush()
+                            return
+                        pending = [(v, line) for v, line in outer.node_events if v > since]
+                        if not pending:
+                            left = deadline - time.monotonic()
+                            if left <= 0 or outer.watch_generation != generation:
+                                version = outer.version
+                                break
+                            outer.changed.wait(min(left, 0.2))
+                            continue
+                    for v, line in pending:
+                        chunk(line + b"\n")
+                        since = v
+                if bookmarks:
+                    mark = {"kind": "Node", "apiVersion": "v1", "metadata": {"resourceVersion": str(version)}}
+                    chunk(json.dumps({"type": "BOOKMARK", "object": mark}).encode() + b"\n")
+                self.wfile.write(b"0\r\n\r\n")
+                self.wfile.flush()
+
             def do_PATCH(self) -> None:
                 url = urlparse(self.path)
                 kind = self.headers.get("Content-Type", "")
@@ -211,6 +290,8 @@ class FakeApiServer:
                         return self._send(404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
                     if not isinstance(body, dict):
                         return self._send(400, status(400, "BadRequest", "expected a JSON object"))
+                    if outer.fail_node_patches and not status_only:
+                        return self._send(500, status(500, "InternalError", "etcdserver: request timed out"))
                     if status_only:
                         if kind != "application/strategic-merge-patch+json":
                             return self._send(415, status(415, "UnsupportedMediaType", f"this test server takes node status as a strategic merge patch; got {kind}"))
@@ -233,9 +314,8 @@ class FakeApiServer:
                         updated = merge_patch(node, {**body, "metadata": metadata})
                     outer.node_patches.append((path, kind, body))
                     outer.node_patch_times.append((m.group(1), time.monotonic(), copy.deepcopy(body)))
-                    outer.version += 1
-                    updated["metadata"]["resourceVersion"] = str(outer.version)
                     outer.nodes[m.group(1)] = updated
+                    outer._node_changed("MODIFIED", updated)
                     self._send(200, updated)
 
             def do_POST(self) -> None:
@@ -296,13 +376,66 @@ class FakeApiServer:
             self._changed("ADDED", stored)
             meta["resourceVersion"] = stored["metadata"]["resourceVersion"]
 
+    def _node_changed(self, kind: str, node: dict) -> None:
+        """A new resourceVersion for ``node`` and its watch event; the lock is held."""
+        self.version += 1
+        node.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        self._node_line(json.dumps({"type": kind, "object": node}).encode())
+
+    def _node_line(self, line: bytes) -> None:
+        self.node_events.append((self.version, line))
+        if len(self.node_events) > KEPT_EVENTS:
+            del self.node_events[:-KEPT_EVENTS]
+            self.node_compacted = self.node_events[0][0] - 1
+        self.changed.notify_all()
+
     def add_node(self, node: dict) -> None:
         with self.lock:
-            self.nodes[node["metadata"]["name"]] = copy.deepcopy(node)
+            stored = copy.deepcopy(node)
+            kind = "MODIFIED" if stored["metadata"]["name"] in self.nodes else "ADDED"
+            self.nodes[stored["metadata"]["name"]] = stored
+            self._node_changed(kind, stored)
 
     def remove_node(self, name: str) -> None:
         with self.lock:
-            self.nodes.pop(name, None)
+            node = self.nodes.pop(name, None)
+            if node is not None:
+                self._node_changed("DELETED", node)
+
+    def set_node_address(self, name: str, address: str) -> None:
+        """The Node's InternalIP is now ``address`` (kubelet's update after a readdressing)."""
+        with self.lock:
+            node = self.nodes[name]
+            node.setdefault("status", {})["addresses"] = [{"type": "InternalIP", "address": address}, {"type": "Hostname", "address": name}]
+            self._node_changed("MODIFIED", node)
+
+    def label_node(self, name: str, labels: dict[str, str]) -> None:
+        with self.lock:
+            node = self.nodes[name]
+            node["metadata"].setdefault("labels", {}).update(labels)
+            self._node_changed("MODIFIED", node)
+
+    def expire_node_watches(self) -> None:
+        """Other objects change and etcd compacts past every node watch's resourceVersion,
+        which ends without a bookmark: the next watch from there gets 410."""
+        with self.lock:
+            self.version += 1
+            self.node_events.clear()
+            self.node_compacted = self.version
+            self.node_ends += 1
+            self.changed.notify_all()
+
+    def break_node_watches(self) -> None:
+        """Cut the open node watch (or the next one) inside an event, as a dropped connection does."""
+        with self.lock:
+            self.node_cuts += 1
+            self.changed.notify_all()
+
+    def node_watch_line(self, line: bytes) -> None:
+        """Send ``line`` to the node watches as an event of its own (one a client cannot read)."""
+        with self.lock:
+            self.version += 1
+            self._node_line(line)
 
     def delete_pod(self, name: str, namespace: str = "default") -> None:
         with self.lock:
@@ -330,8 +463,7 @@ class FakeApiServer:
         with self.lock:
             node = self.nodes[name]
             node.setdefault("spec", {}).setdefault("taints", []).append(taint)
-            self.version += 1
-            node["metadata"]["resourceVersion"] = str(self.version)
+            self._node_changed("MODIFIED", node)
 
     def pod(self, name: str, namespace: str = "default") -> dict:
         with self.lock:

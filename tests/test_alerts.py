@@ -113,16 +113,15 @@ tests:
     assert done.returncode == 0, f"{DASHBOARD.name} Findings query {expr!r}:\n{done.stdout}{done.stderr}"
 
 
-# --- the README's joins, run by Prometheus's engine on two nodes --------------------------
+# --- the telemetry page's joins, run by Prometheus's engine on two nodes ------------------
 
-README = (REPO / "README.md").read_text()
+TELEMETRY_PAGE = (REPO / "docs" / "telemetry.md").read_text()
 UUIDS = {("gpu01", "0"): "GPU-0a0a0a0a-0000-0000-0000-000000000001", ("gpu01", "1"): "GPU-0a0a0a0a-0000-0000-0000-000000000002",
          ("gpu02", "0"): "GPU-0b0b0b0b-0000-0000-0000-000000000001", ("gpu02", "1"): "GPU-0b0b0b0b-0000-0000-0000-000000000002"}
 
 
 def readme_joins() -> list[str]:
-    section = README[README.index("### Prometheus / Grafana"):README.index("### A picture of the node")]
-    blocks = re.findall(r"```promql\n(.*?)```", section, re.S)
+    blocks = re.findall(r"```promql\n(.*?)```", TELEMETRY_PAGE, re.S)
     return [" ".join(line.strip() for line in block.splitlines() if line.strip() and not line.startswith("#")) for block in blocks]
 
 
@@ -176,7 +175,7 @@ def test_the_readme_joins_answer_per_gpu_on_two_nodes(tmp_path):
 
 
 def test_the_nvlink_join_without_instance_fails_on_two_nodes_as_the_issue_said(tmp_path):
-    """What the README said before: Prometheus refuses it once two nodes share a GPU index."""
+    """What the docs said before: Prometheus refuses it once two nodes share a GPU index."""
     old = ('sum by (gpu) (rate(topoagent_nvlink_errors_total{counter="replay"}[5m])) '
            '* on (gpu) group_left (UUID) topoagent_gpu_info')
     done = run_join(tmp_path, old, "          - {labels: '{gpu=\"0\"}', value: 0.3}")

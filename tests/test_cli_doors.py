@@ -204,15 +204,15 @@ def test_the_batch_deadline_the_help_states_is_the_one_used():
     assert json.loads(done.stdout)["request"]["deadline_ms"] == SERVICE_DEADLINE_MS == 20
 
 
-@pytest.mark.parametrize("command", ["place", "cluster-topology"])
-def test_the_readme_synopsis_lists_every_flag_help_has(command):
+@pytest.mark.parametrize(("command", "page"), [("place", "commands.md"), ("cluster-topology", "cluster-fabric.md")])
+def test_the_docs_synopsis_lists_every_flag_help_has(command, page):
     from conftest import REPO
 
     from topoagent.cli import build_parser
 
-    readme = (REPO / "README.md").read_text()
-    start = readme.index(f"- `topoagent {command} ")
-    synopsis = readme[start: readme.index("`", start + 3)]
+    text = (REPO / "docs" / page).read_text()
+    start = text.index(f"\n`topoagent {command} ") + 1  # the synopsis opens a line of its own
+    synopsis = text[start: text.index("`", start + 1)]
     parser = build_parser(command)._subparsers._group_actions[0].choices[command]
     flags = {f for a in parser._actions for f in a.option_strings if f.startswith("--")} - {"--help", "--log-level"}
     assert {f for f in flags if f not in synopsis} == set()

@@ -118,8 +118,8 @@ def test_every_family_the_table_names_is_one_the_agent_serves():
         assert field.factor == "—" or float(field.factor) > 0, field.field
 
 
-def test_the_readme_table_is_the_one_the_code_renders():
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("<!-- dcgm-fields -->\n") + len("<!-- dcgm-fields -->\n")
-    table = readme[start:readme.index("<!-- /dcgm-fields -->")]
-    assert table == nvml.dcgm_table(), "README's DCGM table is out of date; paste collectors/nvml.py's dcgm_table() between its markers"
+def test_the_telemetry_page_table_is_the_one_the_code_renders():
+    page = (REPO / "docs" / "telemetry.md").read_text()
+    start = page.index("<!-- dcgm-fields -->\n") + len("<!-- dcgm-fields -->\n")
+    table = page[start:page.index("<!-- /dcgm-fields -->")]
+    assert table == nvml.dcgm_table(), "docs/telemetry.md's DCGM table is out of date; paste collectors/nvml.py's dcgm_table() between its markers"

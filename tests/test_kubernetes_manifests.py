@@ -103,15 +103,15 @@ def test_the_extender_asks_for_client_certificates_from_its_secret_and_only_kube
 
 
 def extender_entries_shown() -> dict[str, dict]:
-    """The extenders entry as README and `topoagent extender --help` show it."""
+    """The extenders entry as docs/kubernetes.md and `topoagent extender --help` show it."""
     from topoagent.commands.extender import EPILOG
 
-    readme = (REPO / "README.md").read_text()
-    section = readme[readme.index("### Kubernetes: `topoagent extender`"):]
+    page = (REPO / "docs" / "kubernetes.md").read_text()
+    section = page[page.index("## Kubernetes: `topoagent extender`"):]
     block = section[section.index("```yaml\n") + 8:]
     epilog = EPILOG[EPILOG.index("  extenders:"):]
     epilog = epilog[: epilog.index("\n\n")]
-    return {"README": yaml.safe_load(block[: block.index("```")])["extenders"][0],
+    return {"docs/kubernetes.md": yaml.safe_load(block[: block.index("```")])["extenders"][0],
             "--help": yaml.safe_load(epilog)["extenders"][0]}
 
 
@@ -140,7 +140,7 @@ def test_the_extender_runs_the_real_command_with_what_bind_needs() -> None:
     granted = {(resource, verb) for rule in role["rules"] for resource in rule["resources"] for verb in rule["verbs"]}
     # The pod watch (a lease ends with its pod) lists and watches; annotations go in the Binding.
     assert {("pods/binding", "create"), ("pods", "get"), ("pods", "list"), ("pods", "watch"), ("nodes", "get")} <= granted
-    # Node names and addresses come from the API server's Node objects, listed by the extender.
+    # Node names and addresses come from the API server's Node objects, listed once, then watched.
     assert {("nodes", "list"), ("nodes", "watch")} <= granted
     # An outage fails GPU pods' scheduling instead of binding them past the agents; two replicas.
     assert extender["ignorable"] is False and deployment["spec"]["replicas"] >= 2

@@ -19,7 +19,7 @@ from topoagent.service.served import etag_of
 
 GPUS = NICS = 128
 # What a default scrape of the 128-GPU node may hold: about 11.3k when this was written
-# (README, figures:series), with room for a few new per-GPU families.  The largest left are
+# (docs/telemetry.md, figures:series), with room for a few new per-GPU families.  The largest left are
 # per port or per GPU (IB error counters, Xids from 0, throttle reasons), none n x n.
 BUDGET = 12_000
 PAIRWISE = {"topoagent_gpu_pair_link_level": GPUS * (GPUS - 1) // 2,

@@ -52,16 +52,18 @@ def test_promtool_finds_nothing_but_the_dcgm_label_spelling(snapshot, tmp_path):
 
 def test_promtool_says_exactly_what_the_readme_says_it_does(tmp_path):
     """Exit 3 and one camelCase line per GPU (modelName, dcgm-exporter's), nothing else;
-    the README quotes that line in the endpoint table and beside the dcgm-exporter join."""
+    the docs quote that line in the endpoint table (http-api.md) and beside the dcgm-exporter
+    join (telemetry.md)."""
     text = metrics_of("dgx-a100", tmp_path)
     done = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     said = [line for line in (done.stdout + done.stderr).decode().splitlines() if line.strip()]
     assert done.returncode == 3 and said == [ACCEPTED_LINT] * 8, (done.returncode, said)
     assert promtool_complaints(text.replace("modelName=", "model_name=").encode()) == []  # that label alone
-    readme = " ".join((REPO / "README.md").read_text().split())
-    cell = readme.split("| `GET /metrics` |", 1)[1].split(" |", 1)[0]  # the endpoint table's row
+    api = " ".join((REPO / "docs" / "http-api.md").read_text().split())
+    telemetry = " ".join((REPO / "docs" / "telemetry.md").read_text().split())
+    cell = api.split("| `GET /metrics` |", 1)[1].split(" |", 1)[0]  # the endpoint table's row
     assert ACCEPTED_LINT in cell and "finds nothing" not in cell, cell
-    assert readme.count(ACCEPTED_LINT) == 2 and "modelName" in readme
+    assert api.count(ACCEPTED_LINT) == 1 and telemetry.count(ACCEPTED_LINT) == 1 and "modelName" in telemetry
 
 
 def series_labels(text: str, name: str) -> list[dict[str, str]]:

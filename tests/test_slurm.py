@@ -109,7 +109,7 @@ def test_slurmd_reads_every_line_of_each_recorded_nodes_gres_conf(tmp_path, name
 
 
 def test_slurmd_takes_only_its_own_lines_from_a_gres_conf_shared_by_nodes(tmp_path):
-    """`export gres --node-name` lines for many nodes in one file, as the README suggests."""
+    """`export gres --node-name` lines for many nodes in one file, as docs/slurm.md suggests."""
     dgx = discover_root(str(SNAPSHOTS / "dgx-a100"))
     text = render_gres(dgx, "dgx-a100") + render_gres(discover_root(str(SNAPSHOTS / "workstation-2gpu")), "ws01")
     node = SlurmNode("dgx-a100", hwloc_synthetic=synthetic_cpus(dgx, DGX_A100_SOCKETS),
@@ -200,7 +200,7 @@ def test_enforce_binding_puts_a_jobs_cpus_on_the_socket_of_its_gpus(dgx_a100):
 
 
 def test_a_new_gres_conf_binds_once_slurmd_then_slurmctld_restart(tmp_path):
-    """The README's steps on a node whose gres.conf had no Cores=.  Slurm 22.05 takes new
+    """docs/slurm.md's steps on a node whose gres.conf had no Cores=.  Slurm 22.05 takes new
     Cores= only when slurmctld restarts after slurmd has read them (the other order, or
     scontrol reconfigure alone, leaves jobs unbound: tried by hand)."""
     topology = discover_root(str(SNAPSHOTS / "dgx-a100"))

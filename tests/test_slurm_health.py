@@ -108,7 +108,7 @@ def test_a_critical_finding_drains_the_node_and_its_end_resumes_it(tmp_path: Pat
 
 
 def test_slurmd_runs_it_as_health_check_program(tmp_path: Path, agents):
-    """The README's wrapper in slurm.conf: slurmd's own periodic run drains and resumes."""
+    """docs/slurm.md's wrapper in slurm.conf: slurmd's own periodic run drains and resumes."""
     sick, well = agents
     url_file = tmp_path / "agent-url"
     url_file.write_text(well.url)

@@ -255,7 +255,7 @@ def _closed_port() -> int:
 # -- in real slurmctld and slurmd --------------------------------------------------------------
 
 def write_wrappers(directory: Path, agent_url: str, token: Path, state_dir: Path) -> list[str]:
-    """The README's wrapper scripts, pointing at the test's agent; slurm.conf's lines."""
+    """docs/slurm.md's wrapper scripts, pointing at the test's agent; slurm.conf's lines."""
     directory.mkdir(mode=0o755, parents=True, exist_ok=True)
     lines = []
     for verb, key in (("prolog", "Prolog"), ("epilog", "Epilog"), ("task-prolog", "TaskProlog")):

@@ -23,10 +23,22 @@ EVENT = "event=token_file_readable_by_others"
 TOKEN = "0123456789abcdef0123456789abcdef"
 
 
+def try_it_block() -> list[str]:
+    """The README's first command, one step a line: install, make a token, serve."""
+    section = README[README.index("## Try it"):]
+    block = section[section.index("```sh\n") + 6:]
+    return block[: block.index("```")].splitlines()
+
+
 def try_it_serve_line() -> str:
-    """The README's first command: install, make a token, serve."""
-    block = README[README.index("## Try it"):]
-    return next(line for line in block.splitlines() if "--token-file .state/token" in line)
+    return next(line for line in try_it_block() if line.startswith(".venv/bin/topoagent serve"))
+
+
+def try_it_token_step() -> str:
+    """The lines between the install and the serve: they make the token."""
+    lines = try_it_block()
+    start = next(i for i, line in enumerate(lines) if line.startswith("mkdir -p .state"))
+    return "\n".join(lines[start: lines.index(try_it_serve_line())])
 
 
 def child_env() -> dict[str, str]:
@@ -47,11 +59,11 @@ def warnings_in(text: str) -> list[str]:
 def test_the_readme_command_makes_a_token_only_its_owner_reads(tmp_path: Path) -> None:
     """Run the README's token step as a user would (umask 022), over a token an older
     README left world-readable: the file ends 0600 with a token in it."""
-    line = try_it_serve_line()
-    step = line[line.index("mkdir -p .state"): line.index(" && .venv/bin/topoagent serve")]
+    step = try_it_token_step()
+    assert "install -m 600 /dev/null .state/token" in step
     (tmp_path / ".state").mkdir()
     token_file(tmp_path / ".state", 0o644)
-    done = subprocess.run(["bash", "-c", f"umask 022 && {step.replace('.venv/bin/python', shlex.quote(sys.executable))}"],
+    done = subprocess.run(["bash", "-e", "-c", f"umask 022\n{step.replace('.venv/bin/python', shlex.quote(sys.executable))}"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     made = tmp_path / ".state" / "token"
@@ -63,7 +75,7 @@ def test_the_readme_serve_command_prints_its_urls_and_no_token_warning(tmp_path:
     """The README's serve, on a free port, with the token its command makes: the banner
     names every URL the README promises, and the log has no warning about the token."""
     line = try_it_serve_line()
-    serve = shlex.split(line[line.index(".venv/bin/topoagent serve"):])
+    serve = shlex.split(line)
     assert serve[:2] == [".venv/bin/topoagent", "serve"]
     args = serve[2:]
     assert args[args.index("--listen") + 1] == "127.0.0.1:9477"

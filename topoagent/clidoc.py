@@ -230,7 +230,7 @@ def man_page(parser: argparse.ArgumentParser, date: datetime.date | None = None)
         "130 interrupted. \\fBplace \\-\\-batch\\fR exits with its worst line's "
         "status: 2 if any line was bad input, else 3 if any never fits, else 1 if any did not fit now, else 0.",
         ".SH SEE ALSO",
-        "The README of the topoagent project; \\fBtopoagent completion\\fR for shell completion.",
+        "The README and docs/ of the topoagent project; \\fBtopoagent completion\\fR for shell completion.",
     ]
     return "\n".join(lines) + "\n"
 

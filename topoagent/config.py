@@ -26,7 +26,7 @@ THRESHOLD_PREFIX = "threshold:"
 CAPACITY_BUDGET_MS = 500
 
 # Loopback only by default: reads are open there.  9477 is this agent's fixed port so
-# Prometheus' `instance` label stays stable across restarts (see README, "Port").
+# Prometheus' `instance` label stays stable across restarts (see docs/service.md, "Port").
 DEFAULT_PORT = 9477
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 

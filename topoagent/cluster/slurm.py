@@ -10,7 +10,7 @@ of the GPU among the node's gres.conf lines.  ``topoagent export gres`` writes t
 in PCI bus id order (exporters/gres.py ``bus_order``), which is also nvidia-smi's index
 order on a node that has not been told otherwise; so Slurm's GPU *i* is the *i*-th of the
 agent's GPUs in bus order, read from ``/topology`` the same way.  A gres.conf written by
-hand in another order breaks that assumption (the README says so).
+hand in another order breaks that assumption (docs/slurm.md says so).
 """
 
 from __future__ import annotations

@@ -51,8 +51,10 @@ an address other than loopback needs --client-ca-file: whoever can call bind can
 pending pod to any node and lease GPUs away.
 
 Nodes and agents: a node's agent is asked only when the API server's Node objects name the
-node (listed every --node-resync seconds, and at once for a name not seen yet); its address
-({address}) is the Node's, never one from a filter body. Dry runs and reads carry no token.
+node; its address ({address}) is the Node's, never one from a filter body. The Node objects
+are listed once, then watched (RBAC: nodes list, watch): a node added, deleted or given
+another address counts at once; while no watch is open, a name not seen yet is listed for.
+Dry runs and reads carry no token.
 
 Pod annotations (the agent's own words, as POST /place takes them):
   topoagent.io/pattern: allreduce|alltoall|pipeline|independent
@@ -98,7 +100,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-nodes", type=int, default=5000, metavar="N",
                         help="candidate nodes in one call at most; more is 400 (default 5000, Kubernetes' largest cluster)")
     parser.add_argument("--node-resync", type=float, default=30.0, metavar="SECONDS",
-                        help="how often the Node objects are listed for names and addresses (default 30)")
+                        help="how long each watch of the Node objects (names and addresses) runs before it is renewed from "
+                             "where it left off, without a list (default 30)")
     parser.add_argument("--requeue-interval", type=float, default=1.0, metavar="SECONDS",
                         help="how often the agents of nodes that rejected a pod are asked whether their capacity changed; "
                              "a change is written on the Node (topoagent.io/capacity), so kube-scheduler retries the pod "

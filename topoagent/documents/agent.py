@@ -431,7 +431,7 @@ CAPACITY = Document("Capacity", {
     "fits": Field(array(CAPACITY_FIT.ref), lambda v: [CAPACITY_FIT.dump(f) for f in v.capacity.fits], "k = 1 .. gpus"),
     "stale": Field(BOOLEAN, lambda v: v.stale,
                    "true when these are the figures of an earlier snapshot or busy set: the current ones were still being computed "
-                   "when this answer's wait ran out (README: GET /capacity)"),
+                   "when this answer's wait ran out (docs/http-api.md: GET /capacity)"),
 }, "What this node can take now, for cluster schedulers (`GET /capacity`).")
 
 

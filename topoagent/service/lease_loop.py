@@ -125,5 +125,5 @@ class LeaseLoop:
             self._said_corrupt = store.recovered_from
             log_event(
                 "leases_corrupt", logging.ERROR, file=store.path, moved_to=store.recovered_from,
-                error=store.recovery_error, action="the leases in it are no longer held; see README (Leases)",
+                error=store.recovery_error, action="the leases in it are no longer held; see docs/service.md (Leases)",
             )

@@ -130,7 +130,7 @@ class History:
 # --- findings ------------------------------------------------------------------------
 
 
-# The one list of thresholds, gathered from the sources that declare them (README
+# The one list of thresholds, gathered from the sources that declare them (docs/telemetry.md,
 # "Telemetry"; each key settable in [telemetry]).  Critical: placement avoids the GPU or
 # link (issue #9's health flag).
 THRESHOLD_KEYS = tuple(t.key for t in THRESHOLDS)

@@ -241,7 +241,7 @@ async def bind(request: web.Request) -> web.Response:
         except PodError as exc:
             return _bind_result(f"pod {pod_name}: {exc}")
         if wanted is not None and args.node not in agents.table:
-            await agents.table.refresh()  # a node that joined since the last list
+            await agents.table.refresh([args.node])  # a node that joined a moment ago
         if wanted is None:
             await kube.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node, resource_version=version)
             return _bind_result()
@@ -289,7 +289,7 @@ async def _reserve_and_bind(app: web.Application, ref: PodRef, version: str | No
 
 
 async def metrics(request: web.Request) -> web.Response:
-    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS]))
+    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS], request.app.get(REQUEUE)))
     return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
@@ -346,8 +346,8 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
         app.cleanup_ctx.append(requeue_lifetime)
     if agents.table.api is not None:
         async def node_table_lifetime(app: web.Application) -> AsyncIterator[None]:
-            await agents.table.refresh()  # the first list before the first call: nodes are known from the start
-            task = asyncio.create_task(agents.table.run())
+            # The first list before the first call: nodes are known from the start; the watch goes on from it.
+            task = asyncio.create_task(agents.table.run(await agents.table.list_now()))
             yield
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -22,7 +22,12 @@ from topoagent.text import cut
 
 
 class KubeError(Exception):
-    """The API server refused or could not be reached; the message says which call."""
+    """The API server refused or could not be reached; the message says which call, ``status``
+    the HTTP status of a refusal (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Kube:
@@ -139,7 +144,32 @@ class Kube:
         except self._transport_errors as exc:
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
         opened.append(resp)
+        for line in self._lines(what, resp, max_event_bytes, tail_is_cut=False):
+            yield _event(line)
+
+    # -- the node table's watch: blocking, run in the table's own thread --------------------
+
+    def open_node_watch(self, resource_version: str, timeout_s: int) -> Any:
+        """The open stream of Node watch events after ``resource_version`` (the server ends it
+        at ``timeout_s``), for ``watch_lines``; KubeError when it cannot be opened."""
+        what = "watch nodes"
+        try:
+            return self._core.list_node(watch=True, resource_version=resource_version, timeout_seconds=timeout_s, allow_watch_bookmarks=True,
+                                        _preload_content=False, _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
+        except self._exception as exc:  # 410 Gone: the version is older than the server keeps
+            raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}", exc.status) from None
+        except self._transport_errors as exc:
+            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
+
+    def watch_lines(self, resp: Any, max_event_bytes: int) -> Iterator[bytes | None]:
+        """Each event line of an open node watch, as it arrives; None for a line longer than
+        ``max_event_bytes`` (skipped unread: memory stays bounded, the stream goes on).
+        KubeError when the stream breaks, a line cut off by the end included."""
+        return self._lines("watch nodes", resp, max_event_bytes, tail_is_cut=True, skip_long=True)
+
+    def _lines(self, what: str, resp: Any, max_event_bytes: int, *, tail_is_cut: bool, skip_long: bool = False) -> Iterator[Any]:
         buffer = b""
+        skipping = False  # inside a line past max_event_bytes: dropped up to its newline
         try:
             # read1: whatever has arrived, never waiting for a full buffer (an event would
             # wait for the next ones); chunked or not.
@@ -147,12 +177,20 @@ class Kube:
                 buffer += chunk
                 while (end := buffer.find(b"\n")) >= 0:
                     line, buffer = buffer[:end], buffer[end + 1:]
-                    if line.strip():
-                        yield _event(line)
+                    if skipping:
+                        skipping = False
+                    elif line.strip():
+                        yield line
                 if len(buffer) > max_event_bytes:
-                    raise KubeError(f"{what}: an event larger than {max_event_bytes} bytes")
-            if buffer.strip():
-                yield _event(buffer)
+                    if not skip_long:
+                        raise KubeError(f"{what}: an event larger than {max_event_bytes} bytes")
+                    if not skipping:
+                        yield None
+                    buffer, skipping = b"", True
+            if buffer.strip() and not skipping:
+                if tail_is_cut:  # a complete event ends with its newline: this one was cut off
+                    raise KubeError(f"{what}: the stream broke off inside an event")
+                yield buffer
         except self._transport_errors as exc:  # the stream cut, or shut to stop the watch
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
         finally:

@@ -1,4 +1,6 @@
-"""The extender's /metrics: what it was asked, what it asked the agents, what the cache saved.
+"""The extender's /metrics: what it was asked, what it asked the agents, what the cache saved,
+and what it refused or lost (nodes it does not know, nodes the call's time ran out on,
+Node patches that failed, Node watches that broke, events it could not read).
 
 Built from the live counters at each scrape (a custom collector, as the agent's own page
 is), so there are no global gauges to keep in step.
@@ -13,13 +15,15 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from topoagent.cluster.extender.nodes import Agents
+from topoagent.cluster.extender.nodetable import RESTARTS
+from topoagent.cluster.extender.requeue import RESULTS, Requeue
 
 NS = "topoagent_extender"
 
 
 class ExtenderCollector(Collector):
-    def __init__(self, agents: Agents, verbs: dict[str, int], binds: dict[str, int]) -> None:
-        self.agents, self.verbs, self.binds = agents, verbs, binds
+    def __init__(self, agents: Agents, verbs: dict[str, int], binds: dict[str, int], requeue: Requeue | None = None) -> None:
+        self.agents, self.verbs, self.binds, self.requeue = agents, verbs, binds, requeue
 
     def collect(self) -> Iterator[Metric]:
         asked = self.agents.asked
@@ -38,6 +42,24 @@ class ExtenderCollector(Collector):
         placements.add_metric(["cache"], asked["dry_run_cache"])
         yield placements
         yield CounterMetricFamily(f"{NS}_unanswered_nodes", "nodes whose agent did not answer in time or with its document", value=asked["unanswered"])
+        yield CounterMetricFamily(f"{NS}_unknown_nodes", "candidate nodes refused unasked: not among the API server's Node objects, or without a usable address there",
+                                  value=asked["unknown"])
+        yield CounterMetricFamily(f"{NS}_out_of_time_nodes", "candidate nodes left unanswered because the call's time (--call-timeout) ran out before their turn or answer",
+                                  value=asked["out_of_time"])
+        patches = CounterMetricFamily(f"{NS}_requeue_patches", "capacity changes written on Nodes, by result (failed: the API server refused; "
+                                      "skipped: the node left the API server's table)", labels=["result"])
+        for result, count in sorted((self.requeue.patches if self.requeue is not None else dict.fromkeys(RESULTS, 0)).items()):
+            patches.add_metric([result], count)
+        yield patches
+        table = self.agents.table
+        restarts = CounterMetricFamily(f"{NS}_node_watch_restarts", "Node watches started again, by why (ended: the API server's timeout, "
+                                       "went on without a list; expired: 410 Gone; broken: the stream broke or could not open; error: an "
+                                       "ERROR event; list_failed: the list before it failed)", labels=["reason"])
+        for reason in RESTARTS:
+            restarts.add_metric([reason], table.restarts[reason])
+        yield restarts
+        yield CounterMetricFamily(f"{NS}_node_watch_malformed_events", "Node watch events skipped unread (not a watch event, or too large)",
+                                  value=table.malformed)
         binds = CounterMetricFamily(f"{NS}_binds", "binds, by result (failed: the lease was released, or could not be taken)", labels=["result"])
         for result, count in sorted(self.binds.items()):
             binds.add_metric([result], count)

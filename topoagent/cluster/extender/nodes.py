@@ -287,10 +287,11 @@ class Agents:
         marked (not answered, not asked), and their questions are dropped."""
         candidates = list(candidates)
         started = time.monotonic()
-        if any(c.name not in self.table for c in candidates):
-            try:  # a node that joined since the last list: one list now (at most one a second)
+        unknown = [c.name for c in candidates if c.name not in self.table]
+        if unknown:
+            try:  # a node that joined a moment ago: its watch event, or one list now (at most two a second)
                 async with asyncio.timeout(budget_s * 0.75 if budget_s != float("inf") else None):
-                    await self.table.refresh()
+                    await self.table.refresh(unknown)
             except TimeoutError:
                 pass
         if not candidates:

@@ -3,20 +3,37 @@ extender resolves a node name through.
 
 A filter body is the caller's word, not the cluster's: a node named ``127.0.0.2``, or a
 ``Nodes.items`` entry giving a real node another InternalIP, must never choose where the
-agents' token goes.  So the extender lists the Node objects itself (paged, every
-``resync_s``, and at once, at most every ``min_gap_s``, when asked about a name it does not
-know: a node that just joined is found within a call), keeps name -> address, and
-answers no request for a name the table does not hold.
+agents' token goes.  So the extender keeps name -> address from the Node objects itself,
+and answers no request for a name the table does not hold.
 
-Memory: one name and one address per node of the cluster.
+The table lists the Node objects once (paged), then watches them from that list's
+resourceVersion: a node added, deleted or given another address is in the table as soon
+as its event arrives.  The API server ends each watch after ``resync_s``; the next one
+goes on from the last resourceVersion seen (bookmarks keep it fresh), without a list.  A
+410 Gone (the version is older than the server keeps), a stream that breaks, or an
+ERROR event starts over with a list, one a second at first, backing off to one every
+``MAX_PAUSE_S`` while the API server fails (logged once a minute).  While no watch is open,
+a name the table does not know makes it list at once (at most every ``min_gap_s``): a node
+that just joined is still found within a call.  While one is open, such a name waits up
+to ``min_gap_s`` for the watch to bring it.
+
+An event that cannot be read (not JSON, no type or object, a Node without a name, larger
+than ``MAX_EVENT_BYTES``) is skipped and counted; the table may then miss that change, so
+the next watch starts with a list.
+
+Memory: one name and one address per node of the cluster; one event at a time.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import socket
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Protocol
 
 from topoagent.cluster.extender.kube import KubeError
@@ -24,12 +41,30 @@ from topoagent.cluster.extender.wire import NODE_NAME, node_address
 from topoagent.connections import Throttled
 
 LIST_PAGE = 500
+MAX_EVENT_BYTES = 4 * 1024 * 1024  # etcd keeps objects below 1.5 MiB; a Node as JSON stays well below this
+MAX_PAUSE_S = 30.0
+CHANGES = ("ADDED", "MODIFIED", "DELETED")
+# Why a watch started again, for /metrics: "ended" goes on from the last resourceVersion,
+# the others list first.
+RESTARTS = ("ended", "expired", "broken", "error", "list_failed")
 
 
 class NodeApi(Protocol):
-    """The API server call the table makes (``extender.kube.Kube``); blocking."""
+    """The API server calls the table makes (``extender.kube.Kube``); blocking."""
 
     def list_nodes_page(self, limit: int, token: str | None) -> dict[str, Any]: ...
+
+    def open_node_watch(self, resource_version: str, timeout_s: int) -> Any: ...
+
+    def watch_lines(self, resp: Any, max_event_bytes: int) -> Iterator[bytes | None]: ...
+
+
+class Gone(Exception):
+    """The watch cannot go on from its resourceVersion: list first.  ``reason``: a RESTARTS word."""
+
+    def __init__(self, reason: str, detail: str, status: int | None = None) -> None:
+        super().__init__(detail)
+        self.reason, self.status = reason, status
 
 
 class NodeTable:
@@ -38,11 +73,17 @@ class NodeTable:
         self.resync_s = resync_s
         self.min_gap_s = min_gap_s
         self._addresses: dict[str, str | None] = {}
-        self._listed_at: float | None = None  # monotonic time of the last complete list
-        self._tried_at = float("-inf")  # of the last list started, complete or not
-        self._listing: asyncio.Task[None] | None = None
-        self.lists = 0  # complete lists, for /metrics and tests
+        self._tried_at = float("-inf")  # monotonic time of the last list started, complete or not
+        self._listing: asyncio.Task[str | None] | None = None
+        self._changed = asyncio.Event()  # set (and replaced) at each change the watch applies
+        self.watching = False  # a watch stream is open: the table follows the API server
+        self.lists = 0  # complete lists, for tests
+        # For /metrics: watches started again, by why (RESTARTS); events skipped unread.
+        self.restarts = dict.fromkeys(RESTARTS, 0)
+        self.malformed = 0
+        self._stale = False  # an event was skipped: the next watch starts with a list
         self._throttled = Throttled()
+        self._current: tuple[threading.Event, list[Any]] = (threading.Event(), [])  # the open watch's stop flag and response
 
     def __contains__(self, name: str) -> bool:
         return name in self._addresses
@@ -58,15 +99,38 @@ class NodeTable:
     def replace(self, nodes: Mapping[str, str | None]) -> None:
         """The whole table at once (a complete list)."""
         self._addresses = {name: address for name, address in nodes.items() if NODE_NAME.fullmatch(name)}
-        self._listed_at = time.monotonic()
         self.lists += 1
+        self._wake()
 
-    async def refresh(self) -> None:
-        """A list of the Node objects that started now or later: the one running, else a new
-        one once ``min_gap_s`` has passed since the last started (callers wait for it, and
-        share it): unknown names in a flood of calls cost two lists a second at most."""
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # -- listing ------------------------------------------------------------------------
+
+    async def refresh(self, wanted: Collection[str] = ()) -> None:
+        """Bring the table up to date for ``wanted`` (names not in it).  With a watch open,
+        wait up to ``min_gap_s`` for its events to bring them (the API server told the
+        caller of them a moment ago).  Without one: a list that started now or later, the
+        one running, else a new one once ``min_gap_s`` has passed since the last started
+        (callers wait for it, and share it): unknown names in a flood of calls cost two
+        lists a second at most."""
         if self.api is None:
             return
+        if self.watching:
+            deadline = time.monotonic() + self.min_gap_s
+            while self.watching and any(name not in self._addresses for name in wanted):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), left)
+            if self.watching:
+                return
+        await self.list_now()
+
+    async def list_now(self) -> str | None:
+        """The resourceVersion of a complete list that started now or later; None when it failed."""
         if self._listing is None or self._listing.done():
             wait = self.min_gap_s - (time.monotonic() - self._tried_at)
             if wait > 0:
@@ -74,19 +138,20 @@ class NodeTable:
             if self._listing is None or self._listing.done():  # no other caller started one meanwhile
                 self._tried_at = time.monotonic()
                 self._listing = asyncio.create_task(self._list())
-        await asyncio.shield(self._listing)
+        return await asyncio.shield(self._listing)
 
-    async def _list(self) -> None:
+    async def _list(self) -> str | None:
         try:
-            nodes = await asyncio.to_thread(self._list_all)
+            nodes, version = await asyncio.to_thread(self._list_all)
         except KubeError as exc:
             # Once a minute: unknown names in a flood of calls ask for a list twice a second.
             self._throttled("node_list_failed", "node_list_failed", logging.WARNING, error=exc,
                             kept=f"the last list's {len(self._addresses)} nodes")
-            return
+            return None
         self.replace(nodes)
+        return version
 
-    def _list_all(self) -> dict[str, str | None]:
+    def _list_all(self) -> tuple[dict[str, str | None], str]:
         assert self.api is not None
         found: dict[str, str | None] = {}
         token: str | None = None
@@ -98,12 +163,157 @@ class NodeTable:
                 if isinstance(name, str):
                     found[name] = node_address(node)
             meta = page.get("metadata")
-            token = meta.get("continue") if isinstance(meta, dict) else None
+            meta = meta if isinstance(meta, dict) else {}
+            token = meta.get("continue")
             if not token or not isinstance(token, str):
-                return found
+                version = meta.get("resourceVersion")
+                return found, version if isinstance(version, str) else ""
 
-    async def run(self) -> None:
-        """List every ``resync_s`` until cancelled."""
+    # -- list, then watch ---------------------------------------------------------------
+
+    async def run(self, version: str | None = None) -> None:
+        """List (unless ``version``, a list's, is given), then watch and watch again, until
+        cancelled; never raises for the API server's sake."""
+        pause = 1.0  # between lists that fail or watches that break: doubling to MAX_PAUSE_S
+        # version: where the next watch goes on from; None: list first
         while True:
-            await self.refresh()
-            await asyncio.sleep(self.resync_s)
+            started = time.monotonic()
+            try:
+                if version is None or self._stale:
+                    self._stale = False
+                    version = await self.list_now()
+                    if version is None:
+                        raise Gone("list_failed", "the Node list failed")  # the list logs its failure itself
+                    if not version:  # no resourceVersion to watch from: the list alone, every resync_s
+                        version = None
+                        await asyncio.sleep(self.resync_s)
+                        continue
+                version = await self.watch(version)
+                self.restarts["ended"] += 1  # the server's timeout: on from where it left off, without a list
+                failed = False
+            except Gone as exc:
+                self.restarts[exc.reason] += 1
+                if exc.reason != "list_failed":
+                    # Once a minute for each kind: a refusal (403: no RBAC watch) is not hidden behind a cut stream.
+                    self._throttled(("node_watch", exc.reason, exc.status), "node_watch_restarted", logging.WARNING, reason=exc.reason,
+                                    error=str(exc)[:300], then="list the Node objects again")
+                version, failed = None, True
+            except Exception as exc:  # a bug: said, and the table goes on
+                self.restarts["error"] += 1
+                self._throttled("node_watch_error", "node_watch_restarted", logging.WARNING, reason="error",
+                                error=f"{type(exc).__name__}: {exc}"[:300], then="list the Node objects again")
+                version, failed = None, True
+            # At most one watch a second even when each ends at once (a proxy that cuts them).
+            await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
+            pause = min(MAX_PAUSE_S, pause * 2) if failed else 1.0
+
+    def stop(self) -> None:
+        """End the open watch: its thread stops at its next line."""
+        stopping, opened = self._current
+        stopping.set()
+        for resp in opened:
+            # Shut the socket down under the watch thread's blocked read (closing the response
+            # would wait for that read); else the daemon thread ends with the stream's timeout.
+            with contextlib.suppress(Exception):
+                resp.connection.sock.shutdown(socket.SHUT_RDWR)
+        opened.clear()
+
+    async def watch(self, version: str) -> str:
+        """Apply the events after ``version`` until the server ends the stream; the last
+        resourceVersion seen.  Gone when the watch cannot go on from there."""
+        assert self.api is not None
+        api = self.api
+        loop = asyncio.get_running_loop()
+        items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
+        stopping, opened = self._current = (threading.Event(), [])  # this watch's own: a late thread never feeds the next
+
+        def pump() -> None:
+            def put(item: tuple[str, Any]) -> None:
+                try:
+                    done = asyncio.run_coroutine_threadsafe(items.put(item), loop)
+                except RuntimeError:  # the loop closed: nobody to tell
+                    return
+                while not stopping.is_set():  # waits while the queue is full; gives up when stopped
+                    with contextlib.suppress(TimeoutError):
+                        done.result(timeout=1.0)
+                        return
+                done.cancel()
+
+            try:
+                resp = api.open_node_watch(version, max(1, int(self.resync_s)))
+                opened.append(resp)
+                if stopping.is_set():  # stopped while it opened
+                    self.stop()
+                    return
+                put(("open", None))
+                for line in api.watch_lines(resp, MAX_EVENT_BYTES):
+                    if stopping.is_set():
+                        return
+                    put(("line", line))
+                put(("end", None))
+            except Exception as exc:  # the API server's errors, and the client's own
+                if not stopping.is_set():
+                    put(("error", exc))
+
+        threading.Thread(target=pump, name="node-watch", daemon=True).start()
+        try:
+            while True:
+                what, item = await items.get()
+                if what == "open":
+                    self.watching = True
+                elif what == "end":
+                    return version
+                elif what == "error":
+                    status = getattr(item, "status", None)
+                    raise Gone("expired" if status == 410 else "broken", str(item) or type(item).__name__, status)
+                else:
+                    version = self._apply(item, version)
+        finally:
+            self.watching = False
+            self.stop()
+
+    def _apply(self, line: bytes | None, version: str) -> str:
+        """One event line: the table changed, and the resourceVersion it brings."""
+        event = _event(line)
+        if event is None:
+            self.malformed += 1
+            self._stale = True
+            self._throttled("node_watch_malformed", "node_watch_event_skipped", logging.WARNING, skipped=self.malformed,
+                            then="the next watch starts with a list")
+            return version
+        kind, obj = event
+        if kind == "ERROR":
+            code = obj.get("code")
+            message = f"{obj.get('reason') or 'error'} {code}: {str(obj.get('message', ''))[:160]}"
+            raise Gone("expired" if code == 410 else "error", f"watch nodes: {message}")
+        meta = obj["metadata"]
+        new_version = meta.get("resourceVersion")
+        if kind in CHANGES:
+            name = meta["name"]
+            if kind == "DELETED":
+                self._addresses.pop(name, None)
+            elif NODE_NAME.fullmatch(name):
+                self._addresses[name] = node_address(obj)
+            self._wake()
+        return new_version if isinstance(new_version, str) and new_version else version
+
+
+def _event(line: bytes | None) -> tuple[str, dict[str, Any]] | None:
+    """(type, object) of a watch event as the API server writes it; None when it is not one."""
+    if line is None:
+        return None
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(event, dict) or not isinstance(event.get("object"), dict):
+        return None
+    kind, obj = event.get("type"), event["object"]
+    if kind == "ERROR":
+        return kind, obj
+    meta = obj.get("metadata")
+    if kind == "BOOKMARK" and isinstance(meta, dict):
+        return kind, obj
+    if kind in CHANGES and isinstance(meta, dict) and isinstance(meta.get("name"), str):
+        return kind, obj
+    return None

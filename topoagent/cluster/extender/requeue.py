@@ -28,6 +28,7 @@ from topoagent.log import log_event
 CAPACITY_ANNOTATION = "topoagent.io/capacity"
 UNANSWERED = "unanswered"  # the annotation's value while a node's agent does not answer
 MAX_WATCHED = 5000
+RESULTS = ("patched", "failed", "skipped")  # of a capacity change to write on a Node
 
 
 class NodePatcher(Protocol):
@@ -42,7 +43,10 @@ class Requeue:
         self.keep_s = keep_s
         self._watched: dict[str, float] = {}  # node -> monotonic time of its last rejection
         self._seen: dict[str, str] = {}  # node -> the capacity ETag written (or first seen)
-        self.patched = 0
+        # For /metrics, by result: patched; failed (the API server refused or was away: tried
+        # again at the next sweep); skipped (the node has left the API server's table: it is
+        # no longer watched, there is no Node to write on).
+        self.patches = dict.fromkeys(RESULTS, 0)
 
     def rejected(self, node: str) -> None:
         """``node`` turned a pod away for a reason a change on it can lift: watch it."""
@@ -70,16 +74,22 @@ class Requeue:
 
         async def check(node: str) -> None:
             async with gate:
+                if node not in self.agents.table:  # deleted: its agent is not asked, no Node to patch
+                    self._watched.pop(node, None)
+                    self._seen.pop(node, None)
+                    self.patches["skipped"] += 1
+                    return
                 etag = await self._etag(node)
                 if etag == self._seen.get(node):
                     return
                 try:
                     await self.kube.annotate_node(node, {CAPACITY_ANNOTATION: etag})
                 except KubeError as exc:
+                    self.patches["failed"] += 1
                     log_event("node_annotation_failed", logging.WARNING, node=node, error=exc)
                     return
                 self._seen[node] = etag
-                self.patched += 1
+                self.patches["patched"] += 1
 
         await asyncio.gather(*(check(node) for node in list(self._watched)))
 

@@ -1,0 +1,267 @@
+"""The extender's node table follows the API server by a watch, and /metrics counts what the
+extender refuses or loses.  Real processes over loopback: the extender child, the fake API
+server (tests/fake_apiserver.py, serving Node watches as the real one streams them) and
+small agents whose free GPUs a test sets.  The fake counts its Node LISTs: a change seen
+with that count unchanged came through the watch."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_apiserver import FakeApiServer
+from service_helpers import metric_value, promtool_complaints, wait_for
+from test_extender_defences import call, gpu_pod, stop
+
+from bench.cluster import _child_env, _free_port, _wait_line, unanswering_node
+
+
+@dataclass
+class Agent:
+    """An agent with ``free`` of 8 GPUs free (its capacity ETag says which), writing down who asked."""
+
+    address: str
+    port: int
+    free: int = 8
+    seen: list[str] = field(default_factory=list)  # paths asked
+    server: ThreadingHTTPServer | None = None
+
+    def start(self) -> None:
+        agent = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, doc: Any, etag: str | None = None) -> None:
+                data = json.dumps(doc).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if etag:
+                    self.send_header("ETag", etag)
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                agent.seen.append(self.path)
+                self._answer({"gpus": 8, "free_gpus": agent.free}, f'"free-{agent.free}"')
+
+            def do_POST(self) -> None:
+                agent.seen.append(self.path)
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                self._answer({"gpus": [{"index": i, "uuid": f"GPU-{i}"} for i in range(body.get("gpus", 1))],
+                              "bandwidth_gbps": 100.0, "objective": {"numa_distance": 10, "damage": 0}})
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer((self.address, self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        assert self.server is not None
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@dataclass
+class World:
+    api: FakeApiServer
+    net: str
+    one: Agent  # at {net}.1
+    two: Agent  # at {net}.2, the same port
+    port: int  # the extender's
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    work = tmp_path_factory.mktemp("watch")
+    (work / "token").write_text("extender-watch-token-0123456789\n")
+    (work / "token").chmod(0o600)
+    net = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}"
+    port = _free_port(f"{net}.1")
+    one, two = Agent(f"{net}.1", port), Agent(f"{net}.2", port)
+    one.start()
+    two.start()
+    api = FakeApiServer(nodes=[unanswering_node("node-a", one.address)])
+    log = work / "extender.log"
+    with open(log, "w") as err:
+        # A long watch (--node-resync 60): a stream ends only when a test ends it.
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-token-file", str(work / "token"),
+             "--kube-api", api.url, "--agent-url", f"http://{{address}}:{port}", "--node-resync", "60", "--requeue-interval", "0.2",
+             "--call-timeout", "1", "--agent-timeout", "5", "--concurrency", "4"],
+            stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    extender_port = int(_wait_line(proc, "extender", log).split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+    try:
+        wait_for("the extender's Node watch", lambda: api.node_watches >= 1, log=log.read_text)
+        yield World(api, net, one, two, extender_port, log)
+    finally:
+        stop(proc)
+        one.stop()
+        two.stop()
+        api.close()
+
+
+def metrics(world: World) -> str:
+    conn = http.client.HTTPConnection("127.0.0.1", world.port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        resp = conn.getresponse()
+        body = resp.read()
+    finally:
+        conn.close()
+    assert resp.status == 200 and promtool_complaints(body) == []
+    return body.decode()
+
+
+def counter(world: World, name: str, labels: dict[str, str] | None = None) -> float:
+    value = metric_value(metrics(world), f"topoagent_extender_{name}_total", labels)
+    assert value is not None, f"topoagent_extender_{name}_total{labels or ''} is not on /metrics"
+    return value
+
+
+def filtered(world: World, names: list[str], gpus: str = "1") -> dict:
+    status, result = call(world.port, "POST", "/scheduler/filter", {"Pod": gpu_pod(world.api, gpus), "NodeNames": names})
+    assert status == 200, result
+    return result
+
+
+def test_nodes_added_readdressed_relabelled_and_deleted_are_seen_through_the_watch_alone(world: World) -> None:
+    # The watch is open once a node added now is answered (the first call may still list).
+    world.api.add_node(unanswering_node("node-warm", world.one.address))
+    wait_for("node-warm through the watch", lambda: filtered(world, ["node-warm"])["NodeNames"] == ["node-warm"])
+    lists = world.api.node_lists
+    unknown_before = counter(world, "unknown_nodes")
+
+    world.api.add_node(unanswering_node("node-b", world.one.address))
+    assert filtered(world, ["node-b"])["NodeNames"] == ["node-b"]  # within the call that first names it
+
+    world.two.seen.clear()
+    world.api.set_node_address("node-b", world.two.address)
+    wait_for("node-b asked at its new address", lambda: filtered(world, ["node-b"])["NodeNames"] == ["node-b"] and "/capacity" in world.two.seen)
+
+    world.api.label_node("node-b", {"topoagent.io/test": "relabelled"})
+    assert filtered(world, ["node-b"])["NodeNames"] == ["node-b"]
+
+    world.api.remove_node("node-b")
+    wait_for("node-b refused once deleted",
+             lambda: "not among the API server's Node objects" in filtered(world, ["node-b"])["FailedNodes"].get("node-b", ""))
+    assert world.api.node_lists == lists, "a change was found by listing, not through the watch"
+    assert counter(world, "unknown_nodes") > unknown_before
+    world.api.remove_node("node-warm")
+
+
+def test_a_410_lists_again_and_watches_on(world: World) -> None:
+    lists, watches = world.api.node_lists, world.api.node_watches
+    expired = counter(world, "node_watch_restarts", {"reason": "expired"})
+    world.api.expire_node_watches()
+    wait_for("the restart after 410", lambda: counter(world, "node_watch_restarts", {"reason": "expired"}) == expired + 1,
+             log=world.log.read_text)
+    wait_for("a list and a new watch", lambda: world.api.node_lists > lists and world.api.node_watches >= watches + 2)
+    world.api.add_node(unanswering_node("node-after-410", world.one.address))
+    wait_for("node-after-410", lambda: filtered(world, ["node-after-410"])["NodeNames"] == ["node-after-410"])
+    world.api.remove_node("node-after-410")
+
+
+def test_a_dropped_stream_reconnects(world: World) -> None:
+    watches = world.api.node_watches
+    broken = counter(world, "node_watch_restarts", {"reason": "broken"})
+    world.api.break_node_watches()
+    wait_for("the restart after the cut", lambda: counter(world, "node_watch_restarts", {"reason": "broken"}) == broken + 1,
+             log=world.log.read_text)
+    wait_for("a new watch", lambda: world.api.node_watches > watches)
+    world.api.add_node(unanswering_node("node-after-cut", world.one.address))
+    wait_for("node-after-cut", lambda: filtered(world, ["node-after-cut"])["NodeNames"] == ["node-after-cut"])
+    world.api.remove_node("node-after-cut")
+
+
+def test_malformed_and_oversized_events_are_skipped_and_counted(world: World) -> None:
+    malformed = counter(world, "node_watch_malformed_events")
+    lines_before = world.log.read_text().count("\n")
+    world.api.node_watch_line(b"not json")
+    world.api.node_watch_line(b'{"type": "ADDED", "object": {"metadata": {}}}')  # a Node without a name
+    world.api.node_watch_line(b'{"type": "MODIFIED", "object": {"pad": "' + b"x" * (5 << 20) + b'"}}')  # past 4 MiB
+    world.api.add_node(unanswering_node("node-after-junk", world.one.address))
+    wait_for("node-after-junk", lambda: filtered(world, ["node-after-junk"])["NodeNames"] == ["node-after-junk"])
+    assert counter(world, "node_watch_malformed_events") == malformed + 3
+    assert call(world.port, "GET", "/healthz") == (200, {"status": "alive"})
+    assert world.log.read_text().count("\n") - lines_before <= 2  # one line a minute, not one per event
+    world.api.remove_node("node-after-junk")
+
+
+def test_nodes_the_calls_time_runs_out_on_are_counted_apart_from_silent_agents(world: World) -> None:
+    """An agent that accepts and never answers, asked with 5 s each in a call of 1 s: the
+    call's time runs out first."""
+    hung = socket.socket()
+    hung.bind((f"{world.net}.3", world.one.port))
+    hung.listen(8)  # never accepted
+    world.api.add_node(unanswering_node("node-hung", hung.getsockname()[0]))
+    try:
+        out_of_time, unanswered = counter(world, "out_of_time_nodes"), counter(world, "unanswered_nodes")
+        started = time.monotonic()
+        result = filtered(world, ["node-hung", "node-a"])
+        assert time.monotonic() - started < 4 and result["NodeNames"] == ["node-a"]
+        assert "not answered before the call's deadline" in result["FailedNodes"]["node-hung"]
+        assert counter(world, "out_of_time_nodes") == out_of_time + 1
+        assert counter(world, "unanswered_nodes") == unanswered
+    finally:
+        hung.close()
+        world.api.remove_node("node-hung")
+
+
+def test_requeue_patches_are_counted_by_result(world: World) -> None:
+    """A node that turned a pod away for want of free GPUs: its change is written on its Node
+    (patched), refused by the API server (failed), or not written once the node is gone (skipped)."""
+    def patches(result: str) -> float:
+        return counter(world, "requeue_patches", {"result": result})
+
+    world.api.add_node(unanswering_node("node-full", world.two.address))
+    world.two.free = 2
+    try:
+        wait_for("node-full turning a 4-GPU pod away", lambda: "2 of 8 GPUs free" in filtered(world, ["node-full"], "4")["FailedNodes"].get("node-full", ""))
+        patched, failed, skipped = patches("patched"), patches("failed"), patches("skipped")
+        world.two.free = 8
+        wait_for("the change written on the Node", lambda: patches("patched") == patched + 1)
+        assert world.api.node("node-full")["metadata"]["annotations"]["topoagent.io/capacity"] == '"free-8"'
+        world.api.fail_node_patches = True
+        world.two.free = 6
+        wait_for("the refused patch counted", lambda: patches("failed") > failed)
+        world.api.fail_node_patches = False
+        world.api.remove_node("node-full")
+        wait_for("the gone node skipped", lambda: patches("skipped") == skipped + 1)
+    finally:
+        world.api.fail_node_patches = False
+        world.two.free = 8
+        world.api.remove_node("node-full")
+
+
+# Last in the file: it leaves the watch failing, backing off, for a while.
+def test_without_a_watch_an_unknown_name_is_listed_for_within_the_call(world: World) -> None:
+    """A ClusterRole without ``watch`` on nodes (403): the table still finds a node that just
+    joined, by a list at once, and says why the watch failed."""
+    world.api.node_watch_forbidden = True
+    try:
+        broken = counter(world, "node_watch_restarts", {"reason": "broken"})
+        world.api.expire_node_watches()  # the open watch ends; the next ones are refused
+        wait_for("the refused watch counted", lambda: counter(world, "node_watch_restarts", {"reason": "broken"}) > broken,
+                 log=world.log.read_text)
+        lists = world.api.node_lists
+        world.api.add_node(unanswering_node("node-listed", world.one.address))
+        assert filtered(world, ["node-listed"])["NodeNames"] == ["node-listed"]  # within the call
+        assert world.api.node_lists > lists
+        assert "cannot watch resource" in world.log.read_text()
+    finally:
+        world.api.node_watch_forbidden = False
+        world.api.remove_node("node-listed")
