@@ -111,20 +111,6 @@ def test_a_field_nvml_does_not_give_is_no_series_not_zero(monkeypatch):
     assert ours["gpu_decoder_utilization_ratio"] == 0.09
 
 
-def test_every_family_the_table_names_is_one_the_agent_serves():
-    served = set(FAMILIES)
-    for field in nvml.DCGM_FIELDS:
-        assert field.family is None or field.family in served, field.field
-        assert field.factor == "—" or float(field.factor) > 0, field.field
-
-
-def test_the_readme_table_is_the_one_the_code_renders():
-    readme = (REPO / "README.md").read_text()
-    start = readme.index("<!-- dcgm-fields -->\n") + len("<!-- dcgm-fields -->\n")
-    table = readme[start:readme.index("<!-- /dcgm-fields -->")]
-    assert table == nvml.dcgm_table(), "README's DCGM table is out of date; paste collectors/nvml.py's dcgm_table() between its markers"
-
-
 def test_the_last_xid_is_dcgms_xid_field_and_the_classes_count_every_event(monkeypatch):
     """DCGM_FI_DEV_XID_ERRORS is the value of the last Xid the GPU raised: Xid 13, then 79
     reads 79; our classes count both (an application's 13, an actionable 79)."""
@@ -150,3 +136,17 @@ def test_before_any_xid_the_actionable_class_reads_0_and_there_is_no_last_xid(mo
     ours = live_series(monkeypatch, fake_pynvml())
     assert ours['gpu_xid_events_total{class="actionable"}'] == 0
     assert "gpu_xid_last" not in ours and 'gpu_xid_events_total{class="application"}' not in ours
+
+
+def test_every_family_the_table_names_is_one_the_agent_serves():
+    served = set(FAMILIES)
+    for field in nvml.DCGM_FIELDS:
+        assert field.family is None or field.family in served, field.field
+        assert field.factor == "—" or float(field.factor) > 0, field.field
+
+
+def test_the_readme_table_is_the_one_the_code_renders():
+    readme = (REPO / "README.md").read_text()
+    start = readme.index("<!-- dcgm-fields -->\n") + len("<!-- dcgm-fields -->\n")
+    table = readme[start:readme.index("<!-- /dcgm-fields -->")]
+    assert table == nvml.dcgm_table(), "README's DCGM table is out of date; paste collectors/nvml.py's dcgm_table() between its markers"
