@@ -24,8 +24,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.big_node import write_big_node  # noqa: E402
+from topoagent.vocabulary import MetricsDetail  # noqa: E402
 
-MODES = (("default", ""), ("pairwise", "pairwise = true\n"), ("pairwise + per_link", "pairwise = true\nper_link = true\n"))
+EVERY_DETAIL = "detail = [" + ", ".join(f'"{d}"' for d in MetricsDetail) + "]\n"
+MODES = (("default", ""), ("detail (every one)", EVERY_DETAIL), ("pairwise", "pairwise = true\n"),
+         ("pairwise + per_link", "pairwise = true\nper_link = true\n"),
+         ("pairwise + per_link + detail", "pairwise = true\nper_link = true\n" + EVERY_DETAIL))
 
 
 def _get(url: str, gzip: bool = False) -> bytes:

@@ -12,15 +12,19 @@ from collections.abc import Iterable
 from topoagent.collectors.base import NoData
 from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Threshold, label_is
 from topoagent.node.host import Host
-from topoagent.vocabulary import FindingKind, Severity
+from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 SEVERITIES = {"aer_dev_correctable": "correctable", "aer_dev_nonfatal": "nonfatal", "aer_dev_fatal": "fatal"}
 
 Raw = dict[str, str]  # "0000:07:00.0/aer_dev_fatal" -> the file's text
 
-ERRORS = Family("pcie_aer_errors_total", "PCIe AER errors a tracked device (GPU, NIC, bridge above them) reported, by severity.",
-                COUNTER, ("device", "severity"))
+# Correctable errors were corrected: counted, never judged; served with [metrics] detail
+# "errors" only (series budget), the judged non-fatal and fatal ones always.
+ERRORS = Family("pcie_aer_errors_total",
+                "PCIe AER errors a tracked device (GPU, NIC, bridge above them) reported, by severity "
+                "(correctable with [metrics] detail \"errors\").",
+                COUNTER, ("device", "severity"), detail=MetricsDetail.ERRORS, default=(("severity", frozenset({"nonfatal", "fatal"})),))
 FAMILIES = (ERRORS,)
 THRESHOLDS = (
     Threshold("aer_nonfatal_per_s", ERRORS, label_is("severity", "nonfatal"), 0.0,

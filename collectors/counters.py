@@ -40,10 +40,23 @@ class Family:
     # The agent counts it since it started (Xid events): a series that appears later
     # started at zero, so its first event is a rise.
     from_zero: bool = False
+    # The /metrics series budget (issue #29): a family with a ``detail`` (a MetricsDetail
+    # value) is served whole only when ``[metrics] detail`` names it; otherwise only its
+    # series ``default`` matches (label -> values; none when empty): the counters the agent
+    # judges, which its alert rules read.  The telemetry loop reads and judges every series.
+    detail: str = ""
+    default: tuple[tuple[str, frozenset[str]], ...] = ()
 
     @property
     def subsystem(self) -> str:
         return self.name.split("_", 1)[0]
+
+    def served(self, labels: Labels, detail: frozenset[str]) -> bool:
+        """Whether /metrics serves this series of the family with ``[metrics] detail``."""
+        if not self.detail or self.detail in detail:
+            return True
+        have = dict(labels)
+        return bool(self.default) and all(have.get(k) in v for k, v in self.default)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from topoagent.collectors.base import NoData
 from topoagent.collectors.counters import COUNTER, Context, CounterSource, Family, Series, Stuck, Threshold, label_is
 from topoagent.node.host import Host
-from topoagent.vocabulary import FindingKind, Severity
+from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 IB_CLASS = "/sys/class/infiniband"
 _PORT = ("device", "port")
@@ -19,13 +19,21 @@ TRANSMITTED_BYTES = Family("infiniband_port_transmitted_bytes_total", "Bytes an 
                            COUNTER, _PORT, "bytes")
 RECEIVED_BYTES = Family("infiniband_port_received_bytes_total", "Bytes an InfiniBand/RoCE port received (sysfs port_rcv_data x 4).",
                         COUNTER, _PORT, "bytes")
-TRANSMITTED_PACKETS = Family("infiniband_port_transmitted_packets_total", "Packets an InfiniBand/RoCE port sent.", COUNTER, _PORT)
-RECEIVED_PACKETS = Family("infiniband_port_received_packets_total", "Packets an InfiniBand/RoCE port received.", COUNTER, _PORT)
+# Packets: read for the stuck-counter rules (bytes and packets move together), served
+# with [metrics] detail "packets" only: bytes say what a port carries (series budget).
+TRANSMITTED_PACKETS = Family("infiniband_port_transmitted_packets_total", "Packets an InfiniBand/RoCE port sent.", COUNTER, _PORT,
+                             detail=MetricsDetail.PACKETS)
+RECEIVED_PACKETS = Family("infiniband_port_received_packets_total", "Packets an InfiniBand/RoCE port received.", COUNTER, _PORT,
+                          detail=MetricsDetail.PACKETS)
 TRANSMIT_WAIT = Family("infiniband_port_transmit_wait_total",
                        "Ticks a port had data to send but no credits (port_xmit_wait): congestion.", COUNTER, _PORT)
+# The error counters the agent judges (THRESHOLDS below; the alert rules read the same):
+# served by default, one series each per port; the other dozen with [metrics] detail "errors".
+JUDGED = frozenset({"symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors"})
 ERRORS = Family("infiniband_port_errors_total",
-                "Error counters of an InfiniBand/RoCE port; counter is the sysfs name (counters/ and hw_counters/).",
-                COUNTER, (*_PORT, "counter"))
+                "Error counters of an InfiniBand/RoCE port; counter is the sysfs name (counters/ and hw_counters/): "
+                "those the agent judges, every one with [metrics] detail \"errors\".",
+                COUNTER, (*_PORT, "counter"), detail=MetricsDetail.ERRORS, default=(("counter", JUDGED),))
 FAMILIES = (TRANSMITTED_BYTES, RECEIVED_BYTES, TRANSMITTED_PACKETS, RECEIVED_PACKETS, TRANSMIT_WAIT, ERRORS)
 
 # The counters/ files that are traffic, not errors: (their family, multiplier).

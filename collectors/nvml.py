@@ -20,7 +20,7 @@ from topoagent.collectors.counters import COUNTER, GAUGE, Context, CounterSource
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.node.host import Host
-from topoagent.vocabulary import FindingKind, Severity
+from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 # Same words live and replayed, so a snapshot replays to the same output.
 NO_NVML = "NVML not available on this node"
@@ -497,7 +497,10 @@ _GPU, _LINK = ("gpu",), ("gpu", "link")
 NVLINK_TRANSMITTED = Family("nvlink_transmitted_bytes_total", "Data bytes a GPU sent over an NVLink (NVML throughput counter).",
                             COUNTER, _LINK, "bytes")
 NVLINK_RECEIVED = Family("nvlink_received_bytes_total", "Data bytes a GPU received over an NVLink.", COUNTER, _LINK, "bytes")
-NVLINK_ERRORS = Family("nvlink_errors_total", "NVLink error counters: crc_flit, crc_data, replay, recovery.", COUNTER, (*_LINK, "counter"))
+# Replays and recoveries are judged (THRESHOLDS) and served by default; CRC counts with
+# [metrics] detail "errors" (the series budget).
+NVLINK_ERRORS = Family("nvlink_errors_total", "NVLink error counters: replay, recovery; crc_flit, crc_data with [metrics] detail \"errors\".",
+                       COUNTER, (*_LINK, "counter"), detail=MetricsDetail.ERRORS, default=(("counter", frozenset({"replay", "recovery"})),))
 PCIE_REPLAYS = Family("pcie_replays_total", "PCIe replays of a GPU's link (NVML).", COUNTER, _GPU)
 PCIE_TRANSMITTED = Family("pcie_transmitted_bytes_total", "Bytes a GPU sent over PCIe (NVML; Hopper and later).", COUNTER, _GPU, "bytes")
 PCIE_RECEIVED = Family("pcie_received_bytes_total", "Bytes a GPU received over PCIe (NVML; Hopper and later).", COUNTER, _GPU, "bytes")
@@ -522,21 +525,33 @@ MEMORY_CLOCK = Family("gpu_memory_clock_hertz", "Current memory clock.", GAUGE, 
 MEMORY_TEMPERATURE = Family("gpu_memory_temperature_celsius", "GPU memory (HBM) temperature.", GAUGE, _GPU, "celsius")
 ENERGY = Family("gpu_energy_joules_total", "Energy the GPU consumed since the driver was loaded (Volta and later).",
                 COUNTER, _GPU, "joules")
-ECC_ERRORS = Family("gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile), corrected or uncorrected.",
-                    COUNTER, (*_GPU, "type"))
+# Corrected ECC errors were corrected: counted, not judged; with [metrics] detail "errors".
+ECC_ERRORS = Family("gpu_ecc_errors_total", "ECC errors since the driver loaded (volatile): uncorrected; corrected with [metrics] detail \"errors\".",
+                    COUNTER, (*_GPU, "type"), detail=MetricsDetail.ERRORS, default=(("type", frozenset({"uncorrected"})),))
 RETIRED_PAGES_PENDING = Family("gpu_retired_pages_pending", "1 when retired pages wait for a GPU reset (pre-Ampere page retirement).",
                                GAUGE, _GPU)
 REMAPPED_ROWS = Family("gpu_remapped_rows",
                        "Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.",
                        GAUGE, (*_GPU, "state"))
-THROTTLE_REASON = Family("gpu_clock_throttle_reason", "1 when the reason currently holds the GPU's clocks down.", GAUGE, (*_GPU, "reason"))
-XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid (the actionable ones from 0).",
-                    COUNTER, (*_GPU, "xid"),
-                    from_zero=True)  # NVIDIA keeps no Xid counter: LiveCounterReader counts them
+# The series budget (issue #29): per GPU, the throttle bitmask as dcgm-exporter serves it and
+# the Xids by class; one series per reason bit and per Xid with [metrics] detail.
+THROTTLE_MASK = Family("gpu_clock_throttle_reasons", "Why the GPU's clocks are held down now: NVML's clocks throttle reasons "
+                       "bitmask (dcgm-exporter's DCGM_FI_DEV_CLOCK_THROTTLE_REASONS; 0x20 sw_thermal, 0x40 hw_thermal, "
+                       "0x4 sw_power_cap, 0x80 hw_power_brake).", GAUGE, _GPU)
+THROTTLE_REASON = Family("gpu_clock_throttle_reason", "1 when the reason currently holds the GPU's clocks down ([metrics] detail \"throttle\").",
+                         GAUGE, (*_GPU, "reason"), detail=MetricsDetail.THROTTLE)
+XID_EVENTS = Family("gpu_xid_events_total", "Xid events NVML reported since the agent started, by class: actionable (from 0) "
+                    "or application (from its first event).", COUNTER, (*_GPU, "class"), from_zero=True)
+XID_LAST = Family("gpu_xid_last", "The last Xid NVML reported since the agent started (dcgm-exporter's DCGM_FI_DEV_XID_ERRORS); "
+                  "no series before the GPU's first.", GAUGE, _GPU)
+XID_ERRORS = Family("gpu_xid_errors_total", "Xid events NVML reported since the agent started, by Xid (the actionable ones from 0; "
+                    "[metrics] detail \"xid\").", COUNTER, (*_GPU, "xid"),
+                    from_zero=True,  # NVIDIA keeps no Xid counter: LiveCounterReader counts them
+                    detail=MetricsDetail.XID)
 FAMILIES = (NVLINK_TRANSMITTED, NVLINK_RECEIVED, NVLINK_ERRORS, PCIE_REPLAYS, PCIE_TRANSMITTED, PCIE_RECEIVED,
             TEMPERATURE, MEMORY_TEMPERATURE, POWER, POWER_LIMIT, ENERGY, UTILIZATION, MEMORY_UTILIZATION, ENCODER_UTILIZATION,
             DECODER_UTILIZATION, SM_CLOCK, MEMORY_CLOCK, MEMORY_USED, MEMORY_FREE, MEMORY_RESERVED,
-            ECC_ERRORS, RETIRED_PAGES_PENDING, REMAPPED_ROWS, THROTTLE_REASON, XID_ERRORS)
+            ECC_ERRORS, RETIRED_PAGES_PENDING, REMAPPED_ROWS, THROTTLE_MASK, THROTTLE_REASON, XID_EVENTS, XID_LAST, XID_ERRORS)
 THRESHOLDS = (
     Threshold("nvlink_replay_per_s", NVLINK_ERRORS, label_is("counter", "replay"), 0.0,
               FindingKind.NVLINK_ERRORS_RISING, Severity.WARNING, "NVLink replays"),
@@ -578,8 +593,8 @@ DCGM_FIELDS = (
     DcgmField("DCGM_FI_DEV_MEM_COPY_UTIL", "%", MEMORY_UTILIZATION, factor="0.01"),
     DcgmField("DCGM_FI_DEV_ENC_UTIL", "%", ENCODER_UTILIZATION, factor="0.01"),
     DcgmField("DCGM_FI_DEV_DEC_UTIL", "%", DECODER_UTILIZATION, factor="0.01"),
-    DcgmField("DCGM_FI_DEV_XID_ERRORS", "", XID_ERRORS, factor="—",
-              note="DCGM's is a gauge holding the last Xid; ours counts events per Xid since the agent started"),
+    DcgmField("DCGM_FI_DEV_XID_ERRORS", "", XID_LAST,
+              note="no series before the GPU's first Xid since the agent started (DCGM's reads 0); `gpu_xid_events_total` counts them by class"),
     DcgmField("DCGM_FI_DEV_FB_FREE", "MiB", MEMORY_FREE, factor=_MIB),
     DcgmField("DCGM_FI_DEV_FB_USED", "MiB", MEMORY_USED, factor=_MIB),
     DcgmField("DCGM_FI_DEV_FB_RESERVED", "MiB", MEMORY_RESERVED, factor=_MIB),
@@ -618,6 +633,7 @@ class LiveCounterReader:
         self._nv: Any = None
         self._events: Any = None
         self._xids: dict[tuple[int, int], int] = {}
+        self._last_xid: dict[int, int] = {}  # GPU index -> its last Xid
 
     def _open(self) -> Any:
         if self._nv is None:
@@ -657,6 +673,7 @@ class LiveCounterReader:
             index = index_of.get(getattr(event.device, "value", event.device), -1)
             key = (index, int(event.eventData))
             self._xids[key] = self._xids.get(key, 0) + 1
+            self._last_xid[index] = key[1]
 
     def read(self) -> dict:
         nv = self._open()
@@ -719,6 +736,7 @@ class LiveCounterReader:
             "pcie_tx_bytes_total": pcie_tx,
             "pcie_rx_bytes_total": pcie_rx,
             "xid_errors": {str(xid): n for (gpu, xid), n in sorted(self._xids.items()) if gpu == index},
+            "xid_last": self._last_xid.get(index),
         }
         return {"index": index, "counters": counters, "nvlinks": links}
 
@@ -774,6 +792,7 @@ def parse_counters(data: dict) -> list[Series]:
             put(REMAPPED_ROWS, value, (*gpu, ("state", state)))
         reasons = c.get("throttle_reasons")
         if isinstance(reasons, int) and not isinstance(reasons, bool):
+            put(THROTTLE_MASK, reasons)
             for bit, reason in THROTTLE_REASONS.items():
                 put(THROTTLE_REASON, 1 if reasons & bit else 0, (*gpu, ("reason", reason)))
         put(PCIE_REPLAYS, c.get("pcie_replays_total"))
@@ -787,6 +806,13 @@ def parse_counters(data: dict) -> list[Series]:
             xids = {**dict.fromkeys(ACTIONABLE_XIDS, 0), **{str(k): v for k, v in xids.items()}}
             for xid, count in sorted(xids.items(), key=lambda kv: int(kv[0])):
                 put(XID_ERRORS, count, (*gpu, ("xid", xid)))
+            by_class = {"actionable": 0.0}  # the application class, like its Xids, from its first event
+            for xid, count in xids.items():
+                kind = "actionable" if xid in ACTIONABLE_XIDS else "application"
+                by_class[kind] = by_class.get(kind, 0.0) + (_number(count) or 0.0)
+            for kind, count in sorted(by_class.items()):
+                put(XID_EVENTS, count, (*gpu, ("class", kind)))
+        put(XID_LAST, c.get("xid_last"))
         for link in raw.get("nvlinks") or []:
             if not isinstance(link, dict) or not isinstance(link.get("link"), int):
                 raise SourceError(f"nvml counters: gpu {raw['index']}: every nvlink needs an integer 'link'")

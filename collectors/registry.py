@@ -38,6 +38,7 @@ from topoagent.collectors import (
 )
 from topoagent.collectors.base import CollectorResult
 from topoagent.collectors.counters import COUNTER, GAUGE, CounterSource, Family, Stuck, Threshold
+from topoagent.vocabulary import MetricsDetail
 
 Collect = Callable[..., Coroutine[Any, Any, CollectorResult[Any]]]
 
@@ -104,9 +105,18 @@ def check_declarations(sources: Iterable[CounterSource]) -> None:
                 raise ValueError(f"metric family {family.name}: a {family.type} (a counter's name, and only a counter's, ends in _total)")
             if family.unit and f"_{family.unit}" not in family.name:
                 raise ValueError(f"metric family {family.name}: its name does not carry its unit {family.unit}")
+            if family.detail and family.detail not in {d.value for d in MetricsDetail}:
+                raise ValueError(f"metric family {family.name}: detail {family.detail!r} is no [metrics] detail")
+            if any(label not in family.labels for label, _ in family.default) or (family.default and not family.detail):
+                raise ValueError(f"metric family {family.name}: its default series are chosen by labels it lacks, or it has no detail")
         for rule in source.thresholds:
             if rule.family not in source.families:
                 raise ValueError(f"threshold {rule.key} of {source.name} is on {rule.family.name}, a family {source.name} does not declare")
+            # What the agent judges is served by default (its alert rules read it); a family
+            # served by default only in part (``default``) must cover every judged series.
+            default = dict(rule.family.default)
+            if default and not all(values <= default.get(label, frozenset()) for label, values in rule.match.items()):
+                raise ValueError(f"threshold {rule.key} judges series of {rule.family.name} that /metrics does not serve by default")
             if rule.key in keys:
                 raise ValueError(f"threshold key {rule.key} is declared twice")
             keys.add(rule.key)

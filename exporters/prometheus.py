@@ -27,9 +27,10 @@ import topoagent
 from topoagent.log import log_event
 from topoagent.probes.figures import ProbeKind
 from topoagent.service.served import Served, Snapshot
-from topoagent.vocabulary import Status
+from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
+    from topoagent.collectors.counters import Family
     from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
     from topoagent.service.interface import Service
@@ -56,12 +57,16 @@ class SnapshotCollector(Collector):
     """`pairwise`: the GPU-pair and GPU-NIC link levels and expected bandwidths ([metrics]
     pairwise), n^2 series that never change between discoveries and are in /topology
     anyway; `per_link`: one series per NVLink ([metrics] per_link) instead of per GPU.
-    Both off by default: at 128 GPUs they are 50k of a 56k-series page."""
+    Both off by default: at 128 GPUs they are 50k of a 56k-series page.  `detail` ([metrics]
+    detail): the per-counter, per-Xid, per-reason series and PCIe speeds beside the defaults
+    (MetricsDetail says which); none by default, for a ~5k-series page at 128 GPUs."""
 
-    def __init__(self, snapshot: Snapshot, *, pairwise: bool = False, per_link: bool = False) -> None:
+    def __init__(self, snapshot: Snapshot, *, pairwise: bool = False, per_link: bool = False,
+                 detail: frozenset[str] = frozenset()) -> None:
         self.snapshot = snapshot
         self.pairwise = pairwise
         self.per_link = per_link
+        self.detail = detail
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
@@ -154,6 +159,13 @@ class SnapshotCollector(Collector):
         if self.pairwise:
             yield affinity
 
+        # Whether the link lost lanes, by default (one series a device); its figures with detail pcie_link.
+        degraded = GaugeMetricFamily(
+            f"{NS}_pcie_link_degraded",
+            "1 when a device's PCIe link trained narrower than it supports (the pcie-degraded finding's test; its speed, which "
+            "falls on an idle GPU, with [metrics] detail pcie_link); no series where a width is unknown.",
+            labels=["device", "role"],
+        )
         speed = GaugeMetricFamily(
             f"{NS}_pcie_link_speed_transfers_per_second",
             "PCIe link speed of a device, current and the most it supports.",
@@ -167,12 +179,16 @@ class SnapshotCollector(Collector):
                 link = dev.link
                 if link is None or not dev.pci_address:
                     continue
+                if link.current_width and link.max_width:
+                    degraded.add_metric([dev.pci_address, role], 1.0 if link.width_below_max else 0.0)
                 for state, gts, lanes in (("current", link.current_gts, link.current_width), ("max", link.max_gts, link.max_width)):
                     if gts is not None:
                         speed.add_metric([dev.pci_address, role, state], gts * 1e9)
                     if lanes is not None:
                         width.add_metric([dev.pci_address, role, state], lanes)
-        yield from (speed, width)
+        yield degraded
+        if MetricsDetail.PCIE_LINK in self.detail:
+            yield from (speed, width)
 
         active = GaugeMetricFamily(f"{NS}_gpu_nvlinks_active", "NVLinks of a GPU that are active.", labels=["gpu"])
         nvlink = GaugeMetricFamily(f"{NS}_nvlink_up", "1 when an NVLink of a GPU is active.", labels=["gpu", "link"])
@@ -205,7 +221,7 @@ class SnapshotCollector(Collector):
             findings.add_metric([kind, severity], count)
         yield findings
 
-        yield from telemetry_families(snapshot, per_link=self.per_link)
+        yield from telemetry_families(snapshot, per_link=self.per_link, detail=self.detail)
 
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
@@ -233,7 +249,7 @@ class SnapshotCollector(Collector):
         yield from (stale, built, gpus)
 
 
-def telemetry_families(snapshot: Snapshot, *, per_link: bool = True) -> Iterator[Metric]:
+def telemetry_families(snapshot: Snapshot, *, per_link: bool = True, detail: frozenset[str] = frozenset(MetricsDetail)) -> Iterator[Metric]:
     """The counters' and health gauges' latest values, one family per family the counter
     sources declare (the served telemetry carries the declarations).  A series of a family
     no source declares, or with other labels than its family's, is a parser's bug: logged
@@ -241,11 +257,14 @@ def telemetry_families(snapshot: Snapshot, *, per_link: bool = True) -> Iterator
 
     Without `per_link`, a family with a ``link`` label is served without it, its values
     summed over a GPU's links (a sum of counters is still a counter: the links of a GPU
-    stay the same between discoveries), as dcgm-exporter serves its NVLink totals."""
+    stay the same between discoveries), as dcgm-exporter serves its NVLink totals.  A family
+    with a ``detail`` serves only its default series unless `detail` names it."""
     telemetry = snapshot.telemetry
     families: dict[str, tuple[tuple[str, ...], GaugeMetricFamily | CounterMetricFamily]] = {}
     summed: dict[str, dict[tuple[str, ...], float]] = {}  # family -> labels without link -> sum
+    served_by: dict[str, Family] = {}
     for declared in telemetry.families if telemetry else ():
+        served_by[declared.name] = declared
         kind = CounterMetricFamily if declared.type == "counter" else GaugeMetricFamily
         served = declared.labels if per_link else tuple(k for k in declared.labels if k != "link")
         families[declared.name] = (declared.labels, kind(f"{NS}_{declared.name}", declared.help, labels=list(served)))
@@ -256,6 +275,8 @@ def telemetry_families(snapshot: Snapshot, *, per_link: bool = True) -> Iterator
         labels, family = families.get(reading.metric, ((), None))
         if family is None or tuple(k for k, _ in reading.labels) != labels:
             undeclared[reading.metric] = undeclared.get(reading.metric, 0) + 1
+            continue
+        if not served_by[reading.metric].served(reading.labels, detail):
             continue
         sums = summed.get(reading.metric)
         if sums is None:
@@ -456,7 +477,7 @@ class MetricsPage:
     def __init__(self, service: Service, http: HttpCollector | None = None) -> None:
         self.service = service
         self._http = http
-        self._cached: tuple[tuple[int, bool, bool], bytes] | None = None
+        self._cached: tuple[tuple[int, bool, bool, frozenset[MetricsDetail]], bytes] | None = None
 
     def render(self) -> bytes:
         served = self.service.served()  # one value for the whole page
@@ -464,8 +485,9 @@ class MetricsPage:
         static = b""
         if snapshot is not None:
             config = self.service.config  # read per page: a SIGHUP reload may change [metrics]
-            key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link)
+            key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link, config.metrics_detail)
             if self._cached is None or self._cached[0] != key:
-                self._cached = (key, _render(SnapshotCollector(snapshot, pairwise=config.metrics_pairwise, per_link=config.metrics_per_link)))
+                self._cached = (key, _render(SnapshotCollector(snapshot, pairwise=config.metrics_pairwise, per_link=config.metrics_per_link,
+                                                               detail=config.metrics_detail)))
             static = self._cached[1]
         return static + _render(RuntimeCollector(served)) + (_render(self._http) if self._http is not None else b"")

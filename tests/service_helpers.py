@@ -109,8 +109,10 @@ class Agent:
             raise AssertionError(f"topoagent serve ignored signal {sig} for {timeout} s:\n{self.log()[-2000:]}") from None
 
 
-def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None, nofile: int | None = None) -> Agent:
-    """`nofile`: the child's open-file limit, soft and hard (as a unit's LimitNOFILE sets it)."""
+def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None, nofile: int | None = None, ready_timeout: float = 20) -> Agent:
+    """`nofile`: the child's open-file limit, soft and hard (as a unit's LimitNOFILE sets it);
+    `ready_timeout`: how long its first discovery may take (a generated 128-GPU node's takes
+    13-50 s on a loaded 2-core machine)."""
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
     args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
@@ -138,7 +140,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         proc.wait()
         raise AssertionError(f"agent did not start: {line!r}\n{log_path.read_text()}")
     agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path)
-    wait_ready(agent)
+    wait_ready(agent, ready_timeout)
     return agent
 
 

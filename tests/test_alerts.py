@@ -56,13 +56,20 @@ def test_error_alerts_use_the_agents_own_counters_and_default_thresholds():
         assert agent and thresholds_in(rule_expr(alert), metric) == agent, alert
 
 
-def test_xid_alerts_tell_actionable_from_application_xids_by_the_agents_one_list():
-    actionable, application = rule_expr("TopoagentGpuXid"), rule_expr("TopoagentGpuXidApplication")
-    for expr, op in ((actionable, "=~"), (application, "!~")):
-        lists = set(re.findall(rf'xid{op}"([0-9|]+)"', expr))
-        assert len(lists) == 1 and expr.count("topoagent_gpu_xid_errors_total") == expr.count(f'xid{op}"'), expr
-        (listed,) = lists
-        assert set(listed.split("|")) == nvml.ACTIONABLE_XIDS, f"{op} {listed} is not collectors/nvml.py's ACTIONABLE_XIDS"
+def test_xid_alerts_tell_actionable_from_application_xids_by_the_agents_own_class():
+    """The rules read the class the agent sorts each Xid into by its one list (ACTIONABLE_XIDS),
+    never a list of Xids of their own."""
+    for alert, kind in (("TopoagentGpuXid", "actionable"), ("TopoagentGpuXidApplication", "application")):
+        expr = rule_expr(alert)
+        assert expr.count("topoagent_gpu_xid_events_total") == expr.count(f'{{class="{kind}"}}') == 3, expr
+        assert "xid" not in expr.replace("topoagent_gpu_xid_events_total", ""), expr
+    for xid in sorted(nvml.ACTIONABLE_XIDS) + ["13", "31", "43", "45"]:
+        raw = {"gpus": [{"index": 0, "counters": {"xid_errors": {xid: 2}, "xid_last": int(xid)}}]}
+        by_class = {dict(labels)["class"]: value for metric, labels, value in nvml.parse_counters(raw) if metric == "gpu_xid_events_total"}
+        if xid in nvml.ACTIONABLE_XIDS:
+            assert by_class == {"actionable": 2}, xid
+        else:  # the actionable class is served from 0 all the same: its first event is a rise
+            assert by_class == {"actionable": 0, "application": 2}, xid
 
 
 def test_promtool_unit_tests_of_every_alert_pass():
@@ -183,15 +190,17 @@ def test_the_nvlink_join_without_instance_fails_on_two_nodes_as_the_issue_said(t
 
 
 def test_the_xid_panel_counts_the_first_event_of_a_series_born_at_it_and_of_one_served_from_0(tmp_path):
-    """gpu01's Xid 13 appears at its first event (value 1, minute 10); gpu02's Xid 79 is served
-    from 0 and rises at minute 10; its agent restarts at minute 20 and Xid 79 comes again at 25."""
+    """gpu01's application class appears at its first Xid (value 1, minute 10); gpu02's
+    actionable class is served from 0 and rises at minute 10; its agent restarts at minute 20
+    and an actionable Xid comes again at 25."""
     (expr,) = panel_exprs("GPU Xid events")
     expr = grafana_to_promql(expr, rate_interval="5m")
     test = tmp_path / "xid_panel_test.yml"
 
     def at(minute: int, gpu01: int, gpu02: int) -> str:
-        samples = [f"""          - labels: '{{instance="{host}:9477", gpu="{gpu}", xid="{xid}"}}'
-            value: {value}""" for host, gpu, xid, value in (("gpu01", "2", "13", gpu01), ("gpu02", "6", "79", gpu02)) if value is not None]
+        samples = [f"""          - labels: '{{instance="{host}:9477", gpu="{gpu}", class="{kind}"}}'
+            value: {value}""" for host, gpu, kind, value in (("gpu01", "2", "application", gpu01), ("gpu02", "6", "actionable", gpu02))
+                   if value is not None]
         return f"""      - expr: '{expr}'
         eval_time: {minute}m
         exp_samples:
@@ -201,9 +210,9 @@ def test_the_xid_panel_counts_the_first_event_of_a_series_born_at_it_and_of_one_
 tests:
   - interval: 1m
     input_series:
-      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu01:9477", job="topoagent", gpu="2", xid="13"}}'
+      - series: 'topoagent_gpu_xid_events_total{{instance="gpu01:9477", job="topoagent", gpu="2", class="application"}}'
         values: '_x10 1x30'
-      - series: 'topoagent_gpu_xid_errors_total{{instance="gpu02:9477", job="topoagent", gpu="6", xid="79"}}'
+      - series: 'topoagent_gpu_xid_events_total{{instance="gpu02:9477", job="topoagent", gpu="6", class="actionable"}}'
         values: '0x9 1x9 _ 0x4 1x15'
     promql_expr_test:
 {at(9, None, 0)}{at(11, 1, 1)}{at(18, 0, 0)}{at(26, 0, 1)}""")

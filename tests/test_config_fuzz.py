@@ -15,6 +15,7 @@ from service_helpers import DGX_A100
 
 from topoagent.config import SCHEMA, THRESHOLD_PREFIX, Config, ConfigError, Listen, config_from_toml, parse_listen
 from topoagent.service.telemetry import THRESHOLD_KEYS
+from topoagent.vocabulary import MetricsDetail
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -145,6 +146,8 @@ def test_any_text_loads_or_is_one_config_error(text):
         ("[http]\nrate_limit_per_s = nan\n", "http.rate_limit_per_s"),
         ("[http]\nrate_limit_burst = 0\n", "http.rate_limit_burst"),
         ('["a\\nb"]\nc = 1\n', "'a\\nb': unknown section"),
+        ('[metrics]\ndetail = ["xids"]\n', "metrics.detail: expected a list of xid, throttle, errors, packets, pcie_link, got ['xids']"),
+        ('[metrics]\ndetail = "xid"\n', "metrics.detail: expected a list of"),
     ],
 )
 def test_values_that_gave_tracebacks_or_passed_are_refused(text, named):
@@ -201,6 +204,7 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("placement", "capacity_budget_ms"): st.integers(1, 60000),
     ("metrics", "pairwise"): st.booleans(),
     ("metrics", "per_link"): st.booleans(),
+    ("metrics", "detail"): st.lists(st.sampled_from([d.value for d in MetricsDetail]), max_size=5),
     ("telemetry", "enabled"): st.booleans(),
     ("telemetry", "interval_s"): SECONDS,
     ("telemetry", "timeout_s"): SECONDS,
@@ -215,6 +219,8 @@ def test_every_key_has_a_good_value_strategy():
 def expected(section: str, key: str, value):
     if (section, key) == ("http", "listen"):
         return parse_listen("http.listen", value)
+    if (section, key) == ("metrics", "detail"):
+        return frozenset(value)
     if (section, key) == ("http", "allowed_hosts"):
         return tuple(v.lower() for v in value)
     if isinstance(value, list):

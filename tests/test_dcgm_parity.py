@@ -111,6 +111,33 @@ def test_a_field_nvml_does_not_give_is_no_series_not_zero(monkeypatch):
     assert ours["gpu_decoder_utilization_ratio"] == 0.09
 
 
+def test_the_last_xid_is_dcgms_xid_field_and_the_classes_count_every_event(monkeypatch):
+    """DCGM_FI_DEV_XID_ERRORS is the value of the last Xid the GPU raised: Xid 13, then 79
+    reads 79; our classes count both (an application's 13, an actionable 79)."""
+    fake = fake_pynvml()
+    queued = [SimpleNamespace(device="handle0", eventData=13), SimpleNamespace(device="handle0", eventData=79)]
+
+    def wait(event_set: object, timeout_ms: int) -> SimpleNamespace:
+        if not queued:
+            raise RuntimeError("NVML_ERROR_TIMEOUT")
+        return queued.pop(0)
+
+    fake.nvmlEventSetCreate = lambda: "events"
+    fake.nvmlDeviceRegisterEvents = lambda handle, kinds, event_set: None
+    fake.nvmlEventSetWait_v2 = wait
+    fake.nvmlEventSetFree = lambda event_set: None
+    ours = live_series(monkeypatch, fake)
+    assert ours["gpu_xid_last"] == 79
+    assert ours['gpu_xid_events_total{class="actionable"}'] == ours['gpu_xid_events_total{class="application"}'] == 1
+    assert ours['gpu_xid_errors_total{xid="13"}'] == ours['gpu_xid_errors_total{xid="79"}'] == 1
+
+
+def test_before_any_xid_the_actionable_class_reads_0_and_there_is_no_last_xid(monkeypatch):
+    ours = live_series(monkeypatch, fake_pynvml())
+    assert ours['gpu_xid_events_total{class="actionable"}'] == 0
+    assert "gpu_xid_last" not in ours and 'gpu_xid_events_total{class="application"}' not in ours
+
+
 def test_every_family_the_table_names_is_one_the_agent_serves():
     served = set(FAMILIES)
     for field in nvml.DCGM_FIELDS:

@@ -19,6 +19,8 @@ import pytest
 from conftest import FIXTURES, REPO
 from service_helpers import CPU_PROBES, Agent, metric_value, start_agent, wait_for
 
+from topoagent.collectors.registry import FAMILIES
+
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
 RULES = REPO / "systemd" / "topoagent-alerts.yml"
 METRIC = re.compile(r"\btopoagent_[a-z0-9_]+\b")
@@ -30,6 +32,9 @@ interval_s = 0.2
 pairwise = true
 """ + CPU_PROBES
 PAIRWISE = ("topoagent_gpu_pair_link_level", "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", "topoagent_gpu_nic_link_level")
+# Families a default agent serves none of: [metrics] detail brings them back.
+DETAIL_ONLY = {f"topoagent_{f.name}" for f in FAMILIES if f.detail and not f.default} | {
+    "topoagent_pcie_link_speed_transfers_per_second", "topoagent_pcie_link_width_lanes"}
 WAIT_S = 90
 
 
@@ -107,6 +112,9 @@ def test_a_panel_on_a_family_served_only_on_request_says_which_setting_serves_it
     for p in board()["panels"]:
         uses = any(name in t["expr"] for t in p["targets"] for name in PAIRWISE)
         assert uses == ("[metrics] pairwise = true" in p.get("description", "")), p["title"]
+        # Likewise the series [metrics] detail brings back (none is on the board today).
+        detail = [name for t in p["targets"] for name in DETAIL_ONLY if re.search(rf"\b{name}\b", t["expr"])]
+        assert not detail or "[metrics] detail" in p.get("description", ""), (p["title"], detail)
 
 
 def test_panels_never_overlap():
@@ -230,11 +238,14 @@ def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings
                       timeout=WAIT_S, interval=0.2)
     assert {a["labels"]["kind"] for a in alerts} >= {"gpu-xid", "ib-errors-rising", "nvlink-errors-rising"}
     assert all(a["state"] in ("pending", "firing") for a in alerts)
-    # The recorded Xid 79 on GPU 6 is the series' first event as Prometheus sees it: it fires
-    # at once, and the actionable Xids the agent serves at 0 on every other GPU do not.
+    # The recorded Xid 79 on GPU 6 is the first event of its GPU's actionable class as
+    # Prometheus sees it: it fires at once, and the class the agent serves at 0 on every
+    # other GPU does not.
     xids = wait_for("TopoagentGpuXid firing", lambda: [a for a in prometheus.api("alerts")["data"]["alerts"]
                                                       if a["labels"]["alertname"] == "TopoagentGpuXid" and a["state"] == "firing"],
                     timeout=WAIT_S, interval=0.2)
-    assert [(a["labels"]["gpu"], a["labels"]["xid"], a["labels"]["severity"]) for a in xids] == [("6", "79", "critical")]
-    served_at_zero = prometheus.query('count(topoagent_gpu_xid_errors_total == 0)')["data"]["result"]
-    assert served_at_zero and float(served_at_zero[0]["value"][1]) >= 7 * 10
+    assert [(a["labels"]["gpu"], a["labels"]["severity"]) for a in xids] == [("6", "critical")]
+    served_at_zero = prometheus.query('count(topoagent_gpu_xid_events_total{class="actionable"} == 0)')["data"]["result"]
+    assert served_at_zero and float(served_at_zero[0]["value"][1]) >= 7
+    (last,) = prometheus.query("topoagent_gpu_xid_last")["data"]["result"]  # which Xid it was, as dcgm-exporter says it
+    assert last["metric"]["gpu"] == "6" and last["value"][1] == "79"

@@ -19,6 +19,7 @@ from topoagent.exporters.prometheus import MetricsPage
 from topoagent.node.matrix import Measurement
 from topoagent.placement import Request
 from topoagent.service.agent import Agent
+from topoagent.vocabulary import MetricsDetail
 
 SNAPSHOTS = FIXTURES / "snapshots"
 
@@ -117,7 +118,8 @@ def test_pairwise_topology_and_per_link_series_only_when_asked(tmp_path):
 
 
 def test_dgx_a100_identity_links_and_base_units(tmp_path):
-    text = metrics_of("dgx-a100", tmp_path, measured=True, metrics_pairwise=True, metrics_per_link=True)
+    text = metrics_of("dgx-a100", tmp_path, measured=True, metrics_pairwise=True, metrics_per_link=True,
+                      metrics_detail=frozenset({MetricsDetail.PCIE_LINK}))
     assert metric_value(text, "topoagent_gpu_info", {"gpu": "0", "model": "NVIDIA A100-SXM4-40GB", "numa_node": "3",
                                                      "pci_address": "0000:07:00.0"}) == 1
     assert metric_value(text, "topoagent_gpu_pair_link_level", {"gpu_a": "0", "gpu_b": "1", "level": "NV12"}) == 1
@@ -151,7 +153,13 @@ def test_degraded_node_shows_its_faults(tmp_path):
     assert metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "5"}) == metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "4"}) - 1
     assert metric_value(text, "topoagent_infiniband_port_active", {"device": "mlx5_6", "state": "DOWN"}) == 0
     assert metric_value(text, "topoagent_infiniband_port_rate_bytes_per_second", {"device": "mlx5_0"}) == 50e9
+    # The link that lost lanes, by default; its lane counts with [metrics] detail = ["pcie_link"].
+    assert metric_value(text, "topoagent_pcie_link_degraded", {"role": "gpu", "device": "0000:5d:00.0"}) == 1
+    assert metric_value(text, "topoagent_pcie_link_degraded", {"role": "gpu", "device": "0000:18:00.0"}) == 0
+    assert "topoagent_pcie_link_width_lanes" not in text and "topoagent_pcie_link_speed_transfers_per_second" not in text
+    text = metrics_of("degraded", tmp_path, metrics_detail=frozenset({MetricsDetail.PCIE_LINK}))
     assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "current", "device": "0000:5d:00.0"}) == 8
+    assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "max", "device": "0000:5d:00.0"}) == 16
 
 
 def test_promtool_on_the_live_service(tmp_path):

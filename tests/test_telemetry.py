@@ -20,6 +20,7 @@ from service_helpers import metric_value, promtool_complaints, start_agent, wedg
 from topoagent.collectors import aer, ib_counters
 from topoagent.collectors.registry import FAMILIES
 from topoagent.service.telemetry import THRESHOLDS, History, Sample, rate
+from topoagent.vocabulary import MetricsDetail
 
 SNAPSHOTS = FIXTURES / "snapshots"
 FAST = "[telemetry]\ninterval_s = 0.2\n"
@@ -86,7 +87,9 @@ def test_aer_totals_come_from_the_total_line():
 
 
 def test_every_telemetry_family_is_served_with_the_recorded_values(tmp_path):
-    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST)
+    # Every [metrics] detail on: the families served only with it are served too.
+    detail = ", ".join(f'"{d}"' for d in MetricsDetail)
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST + f"[metrics]\ndetail = [{detail}]\n")
     try:
         text = scrape_with_telemetry(agent)
     finally:
@@ -98,12 +101,15 @@ def test_every_telemetry_family_is_served_with_the_recorded_values(tmp_path):
     assert metric_value(text, "topoagent_infiniband_port_transmitted_bytes_total", {"device": "mlx5_2", "port": "1"}) == 4 * words
     assert metric_value(text, "topoagent_infiniband_port_errors_total", {"device": "mlx5_2", "counter": "symbol_error"}) == 40
     assert metric_value(text, "topoagent_gpu_xid_errors_total", {"gpu": "6", "xid": "79"}) == 1
+    assert metric_value(text, "topoagent_gpu_xid_events_total", {"gpu": "6", "class": "actionable"}) == 1
+    assert metric_value(text, "topoagent_gpu_xid_last", {"gpu": "6"}) == 79
     # NVLink counters are per GPU by default: the recorded links' sum, no `link` label.
     gpu2 = next(g for g in last["nvml_counters"]["gpus"] if g["index"] == 2)
     recoveries = sum(link["errors"]["recovery"] for link in gpu2["nvlinks"])
     assert recoveries >= 1 and metric_value(text, "topoagent_nvlink_errors_total", {"gpu": "2", "counter": "recovery"}) == recoveries
     assert 'link="' not in "".join(line for line in text.splitlines() if line.startswith("topoagent_nvlink_"))
     assert metric_value(text, "topoagent_gpu_clock_throttle_reason", {"gpu": "0", "reason": "gpu_idle"}) == 1
+    assert metric_value(text, "topoagent_gpu_clock_throttle_reasons", {"gpu": "0"}) == 1  # the bitmask: gpu_idle is 0x1
     for source in ("infiniband_counters", "pcie_aer", "nvml_counters"):
         assert metric_value(text, "topoagent_collector_success", {"collector": source}) == 1
     assert promtool_complaints(text.encode()) == []

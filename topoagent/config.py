@@ -17,6 +17,7 @@ from typing import Any
 from topoagent.errors import TopoagentError
 from topoagent.placement.request import SERVICE_DEADLINE_MS
 from topoagent.service.telemetry import THRESHOLD_KEYS
+from topoagent.vocabulary import MetricsDetail
 
 THRESHOLD_PREFIX = "threshold:"
 
@@ -96,6 +97,7 @@ class Config:
     # [metrics]: what /metrics serves beyond its default series budget (exporters/prometheus.py)
     metrics_pairwise: bool = False  # GPU-GPU and GPU-NIC link levels, expected bandwidth (n^2 series)
     metrics_per_link: bool = False  # one series per NVLink, not per GPU
+    metrics_detail: frozenset[MetricsDetail] = frozenset()  # the per-counter, per-Xid, per-reason series beside the defaults
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
     # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
@@ -221,6 +223,13 @@ def _hosts(key: str, value: Any) -> tuple[str, ...]:
     return tuple(names)
 
 
+def _details(key: str, value: Any) -> frozenset[MetricsDetail]:
+    known = [d.value for d in MetricsDetail]
+    if not isinstance(value, list) or not all(isinstance(v, str) and v in known for v in value):
+        raise ConfigError(f"{key}: expected a list of {', '.join(known)}, got {_shown(value)}")
+    return frozenset(MetricsDetail(v) for v in value)
+
+
 def _body_limit(key: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 256 <= value <= 16 * 1024 * 1024:
         raise ConfigError(f"{key}: expected a byte count from 256 to 16777216, got {_shown(value)}")
@@ -337,6 +346,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
     "metrics": {
         "pairwise": ("metrics_pairwise", _bool),
         "per_link": ("metrics_per_link", _bool),
+        "detail": ("metrics_detail", _details),
     },
     "placement": {
         "deadline_ms": ("placement_deadline_ms", _deadline_ms),

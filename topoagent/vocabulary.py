@@ -168,3 +168,14 @@ class Unanswered(enum.StrEnum):
 
     FILTER = "filter"  # out, with the reason in FailedNodes: kube-scheduler picks among the others
     PASS = "pass"  # kept, with the lowest score: the node is chosen only when no agent answered better
+
+
+class MetricsDetail(enum.StrEnum):
+    """What ``[metrics] detail`` brings back to /metrics beyond its default series budget
+    (each family says which of these serves it: collectors/counters.py ``Family.detail``)."""
+
+    XID = "xid"  # gpu_xid_errors_total{xid}: one series per Xid (by default: per class)
+    THROTTLE = "throttle"  # gpu_clock_throttle_reason{reason}: one 0/1 series per bit (by default: the bitmask)
+    ERRORS = "errors"  # every error counter, not only those the agent judges (IB, NVLink CRC, AER correctable)
+    PACKETS = "packets"  # InfiniBand packet counters (by default: bytes only)
+    PCIE_LINK = "pcie_link"  # PCIe speed and width, current and max (by default: degraded or not)
