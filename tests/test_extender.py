@@ -226,6 +226,25 @@ def test_an_eight_gpu_pod_still_finds_an_nvswitch_node_whole_after_a_stream_of_s
     assert all(not held for held in leases(c).values())
 
 
+def test_a_pod_that_fills_a_node_exactly_goes_there_first(c: Cluster) -> None:
+    """At the same ring, a 2-GPU pod takes the DGX A100 with exactly 2 GPUs free (it breaks
+    nothing there) over the one with 4 free."""
+    a100s = [n for n in c.nodes if n.fixture == "dgx-a100"]
+    held = [(n, n.gpus) for n in c.nodes if n.fixture == "degraded"] + [(a100s[0], 6), (a100s[1], 4)]
+    leased = []
+    try:
+        for node, gpus in held:
+            status, doc = node.request("POST", "/place", {"gpus": gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+            assert status == 200, doc
+            leased.append((node, doc["lease"]["id"]))
+        scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 2)))}
+        assert {n.request("POST", "/place", {"gpus": 2})[1]["bandwidth_gbps"] for n in a100s} == {300.0}
+        assert scores[a100s[0].name] == 10 and scores[a100s[1].name] < 10, scores
+    finally:
+        for node, lease in leased:
+            assert node.request("DELETE", f"/leases/{lease}", token=c.token)[0] == 200
+
+
 def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
     full = c.nodes[3]
     status, held = full.request("POST", "/place", {"gpus": full.gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)

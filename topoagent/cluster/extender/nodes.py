@@ -19,16 +19,16 @@ asked again for ``quiet_s``, so a dead agent costs one timeout, not one per sche
 
 Ranking (the extender's score, 0..10): first the pod's own placement, the best ring
 bandwidth the agent delivers for it, then the least NUMA distance.  Then what placing it
-breaks for the pods after it.  A 1-GPU pod gets no ring, so it goes where the best pair of
-free GPUs is worth least (the ring bandwidth the agent would give a 2-GPU pod there; 0
-with one GPU free): a PCIe node before an NVLink one, a node's last free GPU before all.
-Then, every pod, a node holding the most free GPUs of the nodes that fit comes after the
-others: the cluster's largest free block stays whole for the next large pod, as long as
-another node takes this one at the same merit.  Nodes still equal score alike (the
-scheduler picks among them).  Within the node the agent has already chosen the GPUs that
-break its own free zones least; its damage figure is on each node's own scale, not
-comparable across kinds of node, so it does not rank nodes.  The best key scores 10, each
-next distinct key one less, down to 1; an unanswered node passed on scores 0.
+breaks for the pods after it.  A node the pod fills exactly breaks nothing: it comes
+first.  A 1-GPU pod gets no ring, so it goes where the best pair of free GPUs is worth
+least (the ring bandwidth the agent would give a 2-GPU pod there): a PCIe node before an
+NVLink one.  Then, every pod, a node holding the most free GPUs of the nodes that fit
+comes after the others: the cluster's largest free block stays whole for the next large
+pod, as long as another node takes this one at the same merit.  Nodes still equal score
+alike (the scheduler picks among them).  Within the node the agent has already chosen the
+GPUs that break its own free zones least; its damage figure is on each node's own scale,
+not comparable across kinds of node, so it does not rank nodes.  The best key scores 10,
+each next distinct key one less, down to 1; an unanswered node passed on scores 0.
 """
 
 from __future__ import annotations
@@ -83,12 +83,14 @@ class Verdict:
     asked: bool = True  # False: not asked, its agent was silent a moment ago
     pair_value: float = 0.0  # for a 1-GPU pod: ring GB/s of the best pair of the node's free GPUs (0: one free, or not asked)
     free: int = 0  # the node's free GPUs
+    wanted: int = 0  # the pod's GPUs
 
-    def key(self, most_free: int) -> tuple[float, float, float, bool]:
+    def key(self, most_free: int) -> tuple[float, float, bool, float, bool]:
         """Smaller is better; ``most_free``: the most free GPUs any node that fits holds."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
-        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), self.pair_value, self.free == most_free)
+        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), self.free != self.wanted,
+                self.pair_value, self.free == most_free)
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -282,7 +284,7 @@ class Agents:
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
-        return Verdict(name, True, answer=answer, pair_value=pair_value, free=free)
+        return Verdict(name, True, answer=answer, pair_value=pair_value, free=free, wanted=wanted)
 
     async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any], budget_s: float = float("inf")) -> list[Verdict]:
         """Every candidate's verdict within ``budget_s``: those not answered by then are
