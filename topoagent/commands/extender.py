@@ -77,10 +77,12 @@ def register(sub: argparse._SubParsersAction) -> None:
             "under --path-prefix. For each GPU pod it asks every candidate node's agent\n"
             "(/capacity, dry-run /place), at most --concurrency at once, --agent-timeout each;\n"
             "it filters out nodes that cannot fit (the reason per node) and scores the rest\n"
-            "1-10: best ring bandwidth, then least NUMA distance, then least damage to free\n"
-            "zones (0: a node passed without its agent's answer). With --tls-cert-file and\n"
-            "--tls-key-file it serves HTTPS; with --client-ca-file it answers only callers\n"
-            "presenting a certificate from that CA (kube-scheduler's tlsConfig). SIGTERM stops it."
+            "1-10: best ring bandwidth, then least NUMA distance, then least broken for later\n"
+            "pods (a node the pod fills first; a 1-GPU pod where a free pair is worth least;\n"
+            "the node with the most free GPUs last); 0: a node passed without its agent's\n"
+            "answer. With --tls-cert-file and --tls-key-file it serves HTTPS; with\n"
+            "--client-ca-file it answers only callers presenting a certificate from that CA\n"
+            "(kube-scheduler's tlsConfig). SIGTERM stops it."
         ),
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -17,15 +17,18 @@ connection or answers something that is not its document is *unanswered*: the ca
 treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
 asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
-Ranking (the extender's score, 0..10): the nodes that fit, by the best ring bandwidth the
-agent delivers for the pod; then, to keep big nodes whole, the least the node's free GPUs
-are worth to a large job (the ring bandwidth its agent would give a job of all of them: a
-1-GPU pod goes to a PCIe node before it breaks into an NVSwitch one); then the fewest free
-GPUs (best fit: take from the fullest node, keep empty ones whole); then the least NUMA
-distance, then the least damage to the node's free zones.  The damage figure is each
-agent's own scale, comparable within a node, not across kinds of node, so it comes last.
-The best key scores 10, each next distinct key one less, down to 1; an unanswered node
-passed on scores 0.
+Ranking (the extender's score, 0..10): first the pod's own placement, the best ring
+bandwidth the agent delivers for it, then the least NUMA distance.  Then what placing it
+breaks for the pods after it.  A node the pod fills exactly breaks nothing: it comes
+first.  A 1-GPU pod gets no ring, so it goes where the best pair of free GPUs is worth
+least (the ring bandwidth the agent would give a 2-GPU pod there): a PCIe node before an
+NVLink one.  Then, every pod, a node holding the most free GPUs of the nodes that fit
+comes after the others: the cluster's largest free block stays whole for the next large
+pod, as long as another node takes this one at the same merit.  Nodes still equal score
+alike (the scheduler picks among them).  Within the node the agent has already chosen the
+GPUs that break its own free zones least; its damage figure is on each node's own scale,
+not comparable across kinds of node, so it does not rank nodes.  The best key scores 10,
+each next distinct key one less, down to 1; an unanswered node passed on scores 0.
 """
 
 from __future__ import annotations
@@ -78,15 +81,16 @@ class Verdict:
     resolvable: bool = True  # False: no change on the node can make it fit (too few GPUs)
     answer: dict[str, Any] | None = None  # the figures of the agent's dry-run placement that rank it (ranked())
     asked: bool = True  # False: not asked, its agent was silent a moment ago
-    free_value: float = 0.0  # ring GB/s of a job of all the node's free GPUs (0: one free GPU, or no answer)
+    pair_value: float = 0.0  # for a 1-GPU pod: ring GB/s of the best pair of the node's free GPUs (0: one free, or not asked)
     free: int = 0  # the node's free GPUs
+    wanted: int = 0  # the pod's GPUs
 
-    def key(self) -> tuple[float, float, int, float, float]:
-        """Smaller is better."""
+    def key(self, most_free: int) -> tuple[float, float, bool, float, bool]:
+        """Smaller is better; ``most_free``: the most free GPUs any node that fits holds."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
-        return (-_number(answer.get("bandwidth_gbps")), self.free_value, self.free, _number(objective.get("numa_distance")),
-                _number(objective.get("damage")))
+        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), self.free != self.wanted,
+                self.pair_value, self.free == most_free)
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -95,8 +99,7 @@ def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
     REMEMBERED_NODES nodes, whole answers would outgrow any memory limit."""
     objective = answer.get("objective")
     objective = objective if isinstance(objective, dict) else {}
-    return {"bandwidth_gbps": answer.get("bandwidth_gbps"),
-            "objective": {"numa_distance": objective.get("numa_distance"), "damage": objective.get("damage")}}
+    return {"bandwidth_gbps": answer.get("bandwidth_gbps"), "objective": {"numa_distance": objective.get("numa_distance")}}
 
 
 def _number(value: Any) -> float:
@@ -107,9 +110,10 @@ def scores(verdicts: Iterable[Verdict]) -> dict[str, int]:
     """Every node's score: 10 for the best key among those that fit, one less for each
     next distinct key (at least 1); 0 for nodes that do not fit or did not answer."""
     verdicts = list(verdicts)
-    keys = sorted({v.key() for v in verdicts if v.fits})
+    most_free = max((v.free for v in verdicts if v.fits), default=0)
+    keys = sorted({v.key(most_free) for v in verdicts if v.fits})
     rank = {key: n for n, key in enumerate(keys)}
-    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key()]) if v.fits else 0 for v in verdicts}
+    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key(most_free)]) if v.fits else 0 for v in verdicts}
 
 
 class _Remembered(OrderedDict[str, Any]):
@@ -268,10 +272,10 @@ class Agents:
                     if wanted > free:
                         return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
                     answer = await self.dry_run(name, etag, request)
-                    free_value = 0.0
-                    if free >= 2:  # what a job of every free GPU would get: cached with the ETag like any dry run
+                    pair_value = 0.0
+                    if wanted == 1 and free >= 2:  # what the next 2-GPU pod would get here: cached with the ETag like any dry run
                         with contextlib.suppress(Refused):
-                            free_value = _number((await self.dry_run(name, etag, {"gpus": free})).get("bandwidth_gbps"))
+                            pair_value = _number((await self.dry_run(name, etag, {"gpus": 2})).get("bandwidth_gbps"))
             except TimeoutError:
                 self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
@@ -280,7 +284,7 @@ class Agents:
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
-        return Verdict(name, True, answer=answer, free_value=free_value, free=free)
+        return Verdict(name, True, answer=answer, pair_value=pair_value, free=free, wanted=wanted)
 
     async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any], budget_s: float = float("inf")) -> list[Verdict]:
         """Every candidate's verdict within ``budget_s``: those not answered by then are
