@@ -307,3 +307,49 @@ def test_a_lock_file_that_is_no_regular_file_is_refused_not_waited_on(tmp_path, 
     with pytest.raises(StateUnusable, match=f"a {kind.replace('fifo', 'FIFO')}, not a regular file") as refused:
         fake_store(tmp_path, Clock())
     assert refused.value.filename == str(path)  # serve's one line names it
+
+
+def test_a_sweep_that_read_the_book_before_a_release_does_not_publish_the_lease_again(tmp_path):
+    """The sweep reads the store in a thread; a release may finish (and publish) while that
+    read is on its way back.  What the doors serve must not go back to the older book: a
+    released lease reappearing, or a granted one vanishing, until the next change."""
+    import asyncio
+    import threading
+
+    from topoagent.service.lease_loop import LeaseLoop
+    from topoagent.service.loop import LoopHealth
+    from topoagent.service.served import Board
+
+    async def ended(lease):
+        pass
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        board = Board()
+        loop = LeaseLoop(board, ended)
+        loop.open(str(tmp_path), LoopHealth("leases"))
+        store = loop.store
+        assert store is not None
+        lease = store.reserve("job-a", [0, 1], 3600)
+        loop._took(store.numbered_leases())  # published as a reserve would
+        read_done, release_done = threading.Event(), threading.Event()
+        original = store.numbered_leases
+
+        def slow_first_read():  # the sweep's read: taken now, handed back after the release
+            store.numbered_leases = original
+            book = original()
+            read_done.set()
+            release_done.wait(10)
+            return book
+
+        store.numbered_leases = slow_first_read
+        sweep = asyncio.ensure_future(loop.sweep())
+        await asyncio.to_thread(read_done.wait, 10)
+        assert await loop.release(lease.id) is not None
+        after_release = [x.id for x in board.served.leases or ()]
+        release_done.set()
+        await sweep
+        return after_release, [x.id for x in board.served.leases or ()]
+
+    after_release, after_sweep = asyncio.run(scenario())
+    assert after_release == []
+    assert after_sweep == [], "the sweep's older read put a released lease back on view"

@@ -37,24 +37,31 @@ class LeaseLoop:
         self._ended = ended  # a lease expired: its GPUs are probed before the next job
         self.store: LeaseStore | None = None
         self._said_corrupt: Path | None = None  # the moved-aside state file already logged
+        self._published = -1  # the number of the store's read last published (numbered_leases)
 
     def open(self, state_dir: str, health: LoopHealth) -> None:
         """The book at start-up.  A disk error is the sweeper's to retry: serve meanwhile."""
         self.store = store = LeaseStore(state_dir)
         self.board.publish(lease_clock=store.monotonic)  # lifetimes run on the boot clock, not the wall clock
-        self._took(())
+        self._took((0, ()))
         self._say_if_corrupt()
         try:
-            leases = self._took(tuple(store.leases()))
+            leases = self._took(store.numbered_leases())
         except OSError as exc:
             health.failed(exc)
         else:
             log_event("leases_loaded", count=len(leases), path=store.path)
 
-    def _took(self, leases: tuple[Lease, ...]) -> tuple[Lease, ...]:
-        """Publish what the store holds now (and whether its file was found corrupt)."""
+    def _took(self, read: tuple[int, tuple[Lease, ...]]) -> tuple[Lease, ...]:
+        """Publish what the store held at that read (and whether its file was found corrupt),
+        unless a newer read is already published: a sweep's thread that read the book before a
+        reserve finished must not publish the book without that lease after it."""
         store = self.store
         assert store is not None
+        number, leases = read
+        if number < self._published:
+            return self.board.served.leases or ()
+        self._published = number
         recovery = None
         if store.recovered_from is not None:
             recovery = LeaseRecovery(str(store.path), str(store.recovered_from), store.recovery_error)
@@ -68,7 +75,7 @@ class LeaseLoop:
         assert self.store is not None
         store = self.store
         before = {lease.id: lease for lease in self.board.served.leases or ()}
-        leases = self._took(await asyncio.to_thread(lambda: (store.expire(), tuple(store.leases()))[1]))
+        leases = self._took(await asyncio.to_thread(lambda: (store.expire(), store.numbered_leases())[1]))
         self._say_if_corrupt()
         now_ids = {lease.id for lease in leases}
         for lid, lease in before.items():
@@ -84,12 +91,12 @@ class LeaseLoop:
         assert self.store is not None
         store = self.store
 
-        def work() -> tuple[Answer, Lease | None, tuple[Lease, ...]]:
+        def work() -> tuple[Answer, Lease | None, tuple[int, tuple[Lease, ...]]]:
             answer = store.reserve_placement(matrix, request, owner, ttl_s, running, live)
             if isinstance(answer, NoFit):
-                return answer, None, tuple(store.leases())
+                return answer, None, store.numbered_leases()
             lease, placement = answer
-            return placement, lease, tuple(store.leases())
+            return placement, lease, store.numbered_leases()
 
         answer, lease, leases = await asyncio.to_thread(work)
         self._took(leases)
@@ -101,10 +108,10 @@ class LeaseLoop:
         assert self.store is not None
         store = self.store
 
-        def work() -> tuple[Lease | None, tuple[Lease, ...]]:
+        def work() -> tuple[Lease | None, tuple[int, tuple[Lease, ...]]]:
             held = {lease.id: lease for lease in store.leases()}
             released = held.get(lease_id) if store.release(lease_id) else None
-            return released, tuple(store.leases())
+            return released, store.numbered_leases()
 
         lease, leases = await asyncio.to_thread(work)
         self._took(leases)

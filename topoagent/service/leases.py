@@ -228,6 +228,9 @@ class LeaseStore:
         self.recovery_error: str | None = None  # why it could not be read (the owner logs it)
         self._lock = threading.Lock()
         self._leases: dict[str, Lease] = {}
+        # Counts the times the lock was taken: each time re-reads the file, so a read with a
+        # higher number saw the book at least as new (see numbered_leases).
+        self._reads = 0
         self._unsaved = False  # loading applied a clock step or a reboot: write it back
         self.quarantine_path = self.state_dir / QUARANTINE_FILE
         # What the quarantine file holds (newest last), for /leases and /metrics to report.
@@ -249,6 +252,7 @@ class LeaseStore:
     @contextmanager
     def _locked(self) -> Iterator[None]:
         with self._lock:
+            self._reads += 1
             lock_path = self.state_dir / LOCK_FILE
             # Without blocking: a FIFO put in the lock's place must not hang the agent in open().
             flags = os.O_NONBLOCK | os.O_CLOEXEC
@@ -417,12 +421,18 @@ class LeaseStore:
     # --- the API --------------------------------------------------------------------------
 
     def leases(self) -> list[Lease]:
+        return list(self.numbered_leases()[1])
+
+    def numbered_leases(self) -> tuple[int, tuple[Lease, ...]]:
+        """The live leases, and the number of the read that saw them.  Reads run in several
+        threads and finish in any order; of two answers the higher number is the newer book,
+        so a caller publishing them can keep an older one from replacing a newer."""
         with self._locked():
             now = self.monotonic()
-            return sorted(
+            return self._reads, tuple(sorted(
                 (lease for lease in self._leases.values() if lease.deadline > now),
                 key=lambda lease: (lease.created_at, lease.id),
-            )
+            ))
 
     def leased_gpus(self) -> set[int]:
         return {g for lease in self.leases() for g in lease.gpus}
