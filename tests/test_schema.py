@@ -23,10 +23,15 @@ SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())
 
 
 def test_every_component_is_strict() -> None:
+    """Every field is required, but those of a placement answer's sections (`detail`):
+    present only when asked, and said so."""
     for document in (*DOCUMENTS, *AGENT_DOCUMENTS):
         schema = document.json_schema()
         assert schema["additionalProperties"] is False
-        assert set(schema["required"]) == set(schema["properties"]), document.name
+        on_request = {key for key, f in document.fields.items() if f.section is not None}
+        assert set(schema["required"]) == set(schema["properties"]) - on_request, document.name
+        assert all("Only when the request's `detail` names" in schema["properties"][key]["description"] for key in on_request)
+    assert {d.name for d in AGENT_DOCUMENTS if any(f.section for f in d.fields.values())} == {"Placement", "PlacedGpu", "NoFit"}
 
 
 @pytest.mark.parametrize("root", SNAPSHOTS, ids=lambda p: p.name)
