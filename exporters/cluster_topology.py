@@ -30,7 +30,9 @@ from topoagent.errors import TopoagentError
 from topoagent.exporters.nfd import HOSTNAME_LABEL, LABEL_PREFIX, check_label, leaf_label_key, nvlink_domain_label_key, nvlink_domain_value
 
 TOP_SWITCH = "fabric"  # the switch over every leaf in topology.conf
-KNOWN_SCHEMA_VERSIONS = (SCHEMA_VERSION,)  # the documents whose fields this module reads as it does
+# The documents whose fields this module reads as it does: version 3 changed placement
+# answers only, so a cluster half-way through an upgrade still writes its files.
+KNOWN_SCHEMA_VERSIONS = (2, SCHEMA_VERSION)
 MAX_NODE_NAME = 63  # a DNS label: a host name up to its first dot
 MAX_ID = 1024  # a leaf or cluster id: a GUID is 18 characters, an LLDP chassis id 255 octets (765 as hex pairs)
 MAX_CLIQUE_ID = (1 << 32) - 1  # NVML's clique id is an unsigned 32-bit number

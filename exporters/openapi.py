@@ -158,7 +158,8 @@ def openapi_document() -> dict[str, Any]:
                     "security": [{}, {"bearer": []}],
                     "responses": {
                         "200": {
-                            "description": "The placement; with `lease` when the request had `reserve`.",
+                            "description": "The placement, lean (the GPUs in rank order, the objective, `proven_optimal`, the reasons by "
+                                           "code) with the sections the request's `detail` names; with `lease` when the request had `reserve`.",
                             "content": {"application/json": {"schema": {"oneOf": [PLACEMENT.ref, {"$ref": "#/components/schemas/ReservedPlacement"}]}}},
                             "links": {"ReleaseLease": {"operationId": "releaseLease", "parameters": {"lease_id": "$response.body#/lease/id"}}},
                         },

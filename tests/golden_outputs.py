@@ -106,9 +106,11 @@ def place_requests(gpus: int) -> list[tuple[str, dict[str, Any]]]:
         ("alltoall", {"gpus": some, "pattern": "alltoall"}),
         ("pipeline", {"gpus": some, "pattern": "pipeline"}),
         ("single_numa", {"gpus": pair, "single_numa": True}),
-        ("nics", {"gpus": pair, "nics": 2}),
+        ("nics", {"gpus": pair, "nics": 2, "detail": ["bindings"]}),  # which NICs: in the bindings
         ("min_level", {"gpus": some, "min_level": "NV"}),
         ("too_many", {"gpus": gpus + 1}),  # never fits
+        # Answers are lean unless asked: the full one stays under review too.
+        ("detailed", {"gpus": some, "detail": ["bindings", "launch", "explain"]}),
     ]
 
 

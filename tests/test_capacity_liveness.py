@@ -166,7 +166,8 @@ def test_a_long_dry_run_is_off_the_loop_and_a_caller_without_the_token_gets_a_sh
     agent = start_agent(tmp_path, root=root)
     try:
         wait_ready(agent, timeout=120)
-        long = {"gpus": 16, "pattern": "allreduce", "deadline_ms": 3000}  # on this node: unproven at 3 s
+        # On this node: unproven at 3 s.  `explain` echoes the request as the agent ran it.
+        long = {"gpus": 16, "pattern": "allreduce", "deadline_ms": 3000, "detail": ["explain"]}
         asking, box = in_thread(lambda: agent.post("/place", long, token=agent.token))
         answered = healthz_answers_while(agent, asking)
         asking.join()

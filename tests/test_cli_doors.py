@@ -198,7 +198,7 @@ def test_place_help_states_the_defaults_and_the_batch_rules():
 
 
 def test_the_batch_deadline_the_help_states_is_the_one_used():
-    done = topoagent("place", "--root", DGX_A100, "--batch", stdin='{"gpus": 2}\n')
+    done = topoagent("place", "--root", DGX_A100, "--batch", stdin='{"gpus": 2, "detail": ["explain"]}\n')
     from topoagent.placement.request import SERVICE_DEADLINE_MS
 
     assert json.loads(done.stdout)["request"]["deadline_ms"] == SERVICE_DEADLINE_MS == 20

@@ -233,7 +233,7 @@ def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kub
         topo = agent.get("/topology").json()
         asked = [uuids[7], uuids[1], uuids[2], uuids[5]]  # kubelet's order carries no meaning
         env = allocate(kubelet, asked)
-        placed = agent.post("/place", {"gpus": 4, "include": [1, 2, 5, 7]}).json()["gpus"]
+        placed = agent.post("/place", {"gpus": 4, "include": [1, 2, 5, 7], "detail": ["bindings"]}).json()["gpus"]
         rank_order = [g["uuid"] for g in placed]
         assert sorted(rank_order) == sorted(asked)
         assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == ",".join(rank_order)

@@ -162,7 +162,7 @@ def test_direct_nvlinks_count_per_pair(tmp_path: Path) -> None:
 def test_json_has_the_documented_shapes(tmp_path: Path) -> None:
     two_socket(tmp_path)
     out = node_document(run(tmp_path))
-    assert out["schema_version"] == 2
+    assert out["schema_version"] == 3
     assert out["numa_nodes"][1] | {} == {"id": 1, "cpus": "4-7", "memory_bytes": 1073741824,
                                           "distances": [21, 10], "cpuless": False, "same_cpus_as": []}
     gpu = next(d for d in out["pci_devices"] if d["address"] == "0000:03:00.0")

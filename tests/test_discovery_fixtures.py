@@ -255,7 +255,7 @@ def discover_json(capsys: pytest.CaptureFixture[str], root: Path, *, timings: bo
 
 def test_discover_json_has_the_issue_shapes(capsys: pytest.CaptureFixture[str]) -> None:
     out = discover_json(capsys, SNAPSHOTS / "dgx-a100", timings=True)
-    assert out["schema_version"] == 2
+    assert out["schema_version"] == 3
     nodes = out["numa_nodes"]
     assert [n["id"] for n in nodes] == list(range(8))  # NPS4 on two sockets
     assert nodes[3]["cpus"] == "48-63,176-191"  # GPU0/1's node in the real capture

@@ -167,7 +167,7 @@ def test_topology_json_carries_neighbours_and_rails_and_matches_its_schema(tmp_p
 
 def test_each_rank_of_a_placement_names_the_rail_of_its_nic(tmp_path: Path) -> None:
     node = discover(rail_node(tmp_path))
-    answer = place(node.distance_matrix(), parse_request({"gpus": 4}))
+    answer = place(node.distance_matrix(), parse_request({"gpus": 4, "detail": ["bindings"]}))
     assert answer.fit
     for gpu in answer.gpus:
         assert gpu.nic == f"mlx5_{gpu.index}" and gpu.rail == gpu.index

@@ -264,7 +264,7 @@ def test_real_agents_over_http_and_a_dead_one_named(tmp_path: Path) -> None:
     # Not parsed as a number (Python refuses past 4300 digits): no node name is that long.
     ('{"schema_version": 2, "hostname": "gpu%s", "fabric": {"rails": []}}' % ("1" * 5000), "is not a Slurm node name"),
     ('{"schema_version": 999, "hostname": "gpu001", "fabric": {"rails": []}}',
-     "the document has schema_version 999; this build reads schema_version 2"),
+     "the document has schema_version 999; this build reads schema_version 2, 3"),
     ('{"schema_version": "2", "hostname": "gpu001", "fabric": {"rails": []}}', 'schema_version "2"'),
     ('{"hostname": "gpu001", "fabric": {"rails": []}}', "the document has no schema_version"),
     ('{"schema_version": 2, "hostname": "gpu001", "fabric": {"rails": []}, "nvlink_domain": {"cluster_uuid": "x", "clique_id": true}}',
@@ -292,6 +292,22 @@ def test_text_from_an_agent_cannot_add_lines_to_topology_conf(tmp_path: Path) ->
     done = cli("--topology-files", str(path))
     assert done.returncode == 0, done.stderr
     assert [line for line in done.stdout.splitlines() if not line.startswith("#")] == ["SwitchName=leaf-aa-SwitchName-evil-Nodes-gpu001 Nodes=gpu001"]
+
+
+def test_agents_of_schema_2_and_3_are_read_alike(tmp_path: Path) -> None:
+    """Version 3 changed placement answers only: during an upgrade, agents still on 2 and
+    those on 3 write one cluster topology; a version this build does not know is refused."""
+    files = write_documents(tmp_path, "dgx1-v100", ["gpu001", "gpu002"], fat_tree_cabling)
+    assert [json.loads(Path(f).read_text())["schema_version"] for f in files] == [3, 3]
+    both = cli("--topology-files", *files)
+    assert both.returncode == 0, both.stderr
+    older = json.loads(Path(files[0]).read_text()) | {"schema_version": 2}
+    Path(files[0]).write_text(json.dumps(older))
+    mixed = cli("--topology-files", *files)
+    assert mixed.returncode == 0 and mixed.stdout == both.stdout, mixed.stderr
+    Path(files[0]).write_text(json.dumps(older | {"schema_version": 1}))
+    refused = cli("--topology-files", *files)
+    assert refused.returncode == 1 and "schema_version 1; this build reads schema_version 2, 3" in refused.stderr
 
 
 def test_two_agents_with_one_hostname_are_refused(tmp_path: Path) -> None:

@@ -13,10 +13,36 @@ DGX1 = str(next(CORPUS.glob("dlperf-8xV100-SXM2-hybridcubemesh*")))
 
 
 def test_place_json(capsys):
-    assert main(["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--busy", "3,4,5,7", "--json"]) == 0
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", DGX1, "--busy", "3,4,5,7", "--json", "--detail", "bindings"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert [g["index"] for g in data["gpus"]] in ([1, 2], [2, 1])
     assert data["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(str(g["index"]) for g in data["gpus"])
+
+
+def test_place_json_is_lean_unless_details_are_asked(capsys):
+    """The lean answer is the choice; --detail adds the sections it names, `all` every one."""
+    base = ["place", "--gpus", "4", "--from-nvidia-smi", DGX1, "--json"]
+    assert main(base) == 0
+    lean = json.loads(capsys.readouterr().out)
+    assert set(lean) == {"schema_version", "fit", "gpus", "pattern", "bandwidth_gbps", "worst_level", "score", "objective",
+                         "affinity", "satisfaction", "proven_optimal", "bandwidth_bound_gbps", "unverified", "reasons"}
+    assert all(set(g) == {"rank", "index", "uuid", "pci_address", "numa_node"} for g in lean["gpus"])
+    assert "bottleneck" in lean["reasons"]
+    assert main([*base, "--detail", "launch,bindings"]) == 0
+    some = json.loads(capsys.readouterr().out)
+    assert set(some) - set(lean) == {"numa_nodes", "cpus", "nics", "env", "numactl", "launch"}
+    assert all({"cpus", "memory_node", "nic", "numactl"} <= set(g) for g in some["gpus"])
+    assert some["launch"]["srun"][0] == "--ntasks-per-node=4"
+    assert main([*base, "--detail", "all"]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert set(full) - set(some) == {"links", "broken_zones", "estimate", "explain", "request"}
+    assert full["request"]["detail"] == ["bindings", "launch", "explain"]
+    assert len(full["explain"]) == len(full["reasons"])
+    # The sections add to the lean answer and change nothing of it.
+    assert {k: full[k] for k in lean if k != "gpus"} == {k: v for k, v in lean.items() if k != "gpus"}
+    assert [{k: g[k] for k in lean["gpus"][0]} for g in full["gpus"]] == lean["gpus"]
+    assert main([*base, "--detail", "bindings,numa"]) == 2
+    assert "--detail: expected one of bindings, launch, explain, all, got \"numa\"" in capsys.readouterr().err
 
 
 def test_place_text_and_no_fit(capsys):
@@ -72,7 +98,7 @@ WITH_LEGEND = str(CORPUS / "sglang-20855-8xH100-NV18-8nic-misaligned-columns.txt
 
 def test_nic_labels_without_a_legend_stay_out_of_nccl_ib_hca(capsys):
     """NICn are nvidia-smi's labels, not RDMA devices: NCCL would match nothing."""
-    assert main(["place", "--gpus", "2", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]) == 0
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json", "--detail", "bindings,explain"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert "NCCL_IB_HCA" not in data["env"]
     assert any("NCCL_IB_HCA leaves out NIC" in line and "unknown" in line for line in data["explain"])
@@ -81,7 +107,7 @@ def test_nic_labels_without_a_legend_stay_out_of_nccl_ib_hca(capsys):
 
 
 def test_nics_named_by_the_legend_go_into_nccl_ib_hca(capsys):
-    assert main(["place", "--gpus", "2", "--from-nvidia-smi", WITH_LEGEND, "--json"]) == 0
+    assert main(["place", "--gpus", "2", "--from-nvidia-smi", WITH_LEGEND, "--json", "--detail", "bindings,explain"]) == 0
     data = json.loads(capsys.readouterr().out)
     hcas = data["env"]["NCCL_IB_HCA"].lstrip("=").split(",")
     assert hcas and all(name.startswith("mlx5_") for name in hcas)
@@ -123,7 +149,7 @@ def test_a_batch_line_names_left_out_gpus_as_the_flags_do(capsys, monkeypatch):
 
 def test_explain_names_gpus_and_numa_nodes_unambiguously(capsys):
     """'NUMA node {0,1}' read like NUMA ids; the zones now list GPUs, then what they share."""
-    argv = ["place", "--gpus", "2", "--include", "0,4", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]
+    argv = ["place", "--gpus", "2", "--include", "0,4", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json", "--detail", "explain"]
     assert main(argv) == 0
     explain = json.loads(capsys.readouterr().out)["explain"]
     assert "breaks whole free zones: GPUs 0,1,2,3 (all of NUMA node 0); GPUs 4,5,6 (all of NUMA node 1)" in explain
@@ -134,12 +160,12 @@ def test_explain_names_gpus_and_numa_nodes_unambiguously(capsys):
 
 def test_explain_says_when_include_forced_a_numa_split(capsys):
     argv = ["place", "--gpus", "3", "--include", "0", "--busy", "1,2,3", "--from-nvidia-smi", TRUNCATED_NO_LEGEND,
-            "--json"]
+            "--json", "--detail", "explain"]
     assert main(argv) == 0
     explain = json.loads(capsys.readouterr().out)["explain"]
     assert any(line.startswith("spans 2 NUMA nodes: forced by include GPUs 0") for line in explain)
     assert any("no free set of 3 holding GPUs 0 does better" in line for line in explain)
-    assert main(["place", "--gpus", "5", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json"]) == 0
+    assert main(["place", "--gpus", "5", "--from-nvidia-smi", TRUNCATED_NO_LEGEND, "--json", "--detail", "explain"]) == 0
     assert "spans 2 NUMA nodes: no set on fewer has the same bandwidth" in json.loads(capsys.readouterr().out)["explain"]
 
 
@@ -149,7 +175,7 @@ def test_explain_names_flags_in_text_and_fields_in_json(capsys):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "- spans 2 NUMA nodes: --include GPUs 0,4 alone span 2" in text
-    assert main([*argv, "--json"]) == 0
+    assert main([*argv, "--json", "--detail", "explain"]) == 0
     assert not any("--include" in line for line in json.loads(capsys.readouterr().out)["explain"])
 
 

@@ -49,7 +49,7 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
 
 
 def test_eight_gpus_on_a_dgx_a100_get_all_eight_compute_hcas():
-    out = cli("--gpus", "8", "--root", str(SNAPSHOTS / "dgx-a100"), "--json")
+    out = cli("--gpus", "8", "--root", str(SNAPSHOTS / "dgx-a100"), "--json", "--detail", "bindings")
     answer = json.loads(out.stdout)
     compute = [f"mlx5_{i}" for i in range(8)]  # mlx5_8/9 are the storage ports, on no GPU's switch
     assert sorted(answer["env"]["NCCL_IB_HCA"].removeprefix("=").split(",")) == compute
@@ -181,7 +181,7 @@ def test_torchrun_wrapper_runs_each_local_rank_under_its_own_numactl(tmp_path):
 def test_nvidia_smi_text_alone_gives_no_rankfile_and_never_splits_a_gpus_cpus():
     corpus = REPO.parent / "shared" / "corpus" / "nvidia-smi-topo"
     path = next(corpus.glob("sglang-24966-8xH20*"))
-    out = cli("--gpus", "4", "--from-nvidia-smi", str(path), "--json")
+    out = cli("--gpus", "4", "--from-nvidia-smi", str(path), "--json", "--detail", "bindings,launch")
     answer = json.loads(out.stdout)
     assert answer["launch"]["rankfile"] is None  # slots are core indices: no core map, no rankfile
     assert {g["cpus"] for g in answer["gpus"]} == {"0-47,96-143"}
@@ -360,8 +360,8 @@ def test_each_pattern_prints_its_own_model_and_follows_the_message_size():
 
 def test_batch_compares_four_local_gpus_with_eight_across_sockets():
     lines = "\n".join(json.dumps(r) for r in (
-        {"gpus": 4, "affinity": "best", "message_bytes": 1 << 26},
-        {"gpus": 8, "message_bytes": 1 << 26},
+        {"gpus": 4, "affinity": "best", "message_bytes": 1 << 26, "detail": ["explain"]},
+        {"gpus": 8, "message_bytes": 1 << 26, "detail": ["explain"]},
     )) + "\n"
     out = cli("--batch", "--root", str(SNAPSHOTS / "pcie-2socket"), stdin=lines)
     local, across = (json.loads(line) for line in out.stdout.splitlines())

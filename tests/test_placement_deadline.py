@@ -19,7 +19,7 @@ from topoagent.placement.ksets import small_table_if_built
 from topoagent.placement.search import warm
 from topoagent.placement.synthetic import irregular_mesh, nvswitch_16
 from topoagent.placement.tables import prepare
-from topoagent.vocabulary import Pattern
+from topoagent.vocabulary import Detail, Pattern
 
 HERE = Path(__file__).resolve().parent
 CORPUS = HERE.parents[0].parent / "shared" / "corpus" / "nvidia-smi-topo"
@@ -94,7 +94,7 @@ def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answ
 def test_adversarial_mesh_answers_by_the_deadline_with_a_valid_set_marked_not_proven(monkeypatch, pattern):
     monkeypatch.setattr(deadline_module, "clock", StepClock(1e-5))  # 1 ms: about 400 steps, on any machine
     busy = list(range(0, 128, 5))
-    request = Request(gpus=32, pattern=pattern, include=(1, 2), exclude=(3, 4), deadline_ms=1)
+    request = Request(gpus=32, pattern=pattern, include=(1, 2), exclude=(3, 4), deadline_ms=1, detail=(Detail.EXPLAIN,))
     answer = place(MESH, request, busy)
     assert isinstance(answer, Placement)
     assert_valid(MESH, request, busy, answer)

@@ -81,11 +81,11 @@ def test_without_a_slit_table_nodes_are_counted():
 
 def test_a_nic_with_no_active_port_is_never_chosen_nor_listed(capsys):
     root = str(SNAPSHOTS / "degraded")
-    assert main(["place", "--gpus", "1", "--nics", "1", "--include", "6", "--root", root, "--json"]) == 0
+    assert main(["place", "--gpus", "1", "--nics", "1", "--include", "6", "--root", root, "--json", "--detail", "bindings"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["nics"] and "mlx5_6" not in doc["nics"]
     assert all("mlx5_6" not in g["nearest_nics"] for g in doc["gpus"])
-    assert main(["place", "--gpus", "8", "--root", root, "--json"]) == 0
+    assert main(["place", "--gpus", "8", "--root", root, "--json", "--detail", "bindings"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert all("mlx5_6" not in g["nearest_nics"] for g in doc["gpus"])
     assert "mlx5_6" not in doc["env"].get("NCCL_IB_HCA", "")

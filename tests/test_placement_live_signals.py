@@ -216,11 +216,11 @@ def test_place_over_http_and_the_cli_pick_the_quiet_nic_and_say_why(tmp_path):
     agent = start_agent(tmp_path, root=root, config=FAST_TELEMETRY)
     try:
         def answered():
-            doc = agent.post("/place", {"gpus": 1, "include": [0]}).json()
+            doc = agent.post("/place", {"gpus": 1, "include": [0], "detail": ["bindings", "explain"]}).json()
             return doc if doc["gpus"][0]["nic"] == "mlx5_1" else None
 
         held = wait_for("an answer that weighs the counters' rates", answered, agent)
-        pair = agent.post("/place", {"gpus": 2}).json()
+        pair = agent.post("/place", {"gpus": 2, "detail": ["bindings", "explain"]}).json()
         fits = {fit["gpus"]: fit for fit in agent.get("/capacity").json()["fits"]}
     finally:
         agent.stop()
@@ -233,7 +233,7 @@ def test_place_over_http_and_the_cli_pick_the_quiet_nic_and_say_why(tmp_path):
     assert fits[2]["indices"] == [g["index"] for g in pair["gpus"]]
 
     def cli(*args: str) -> dict:
-        run = subprocess.run([sys.executable, "-m", "topoagent", "place", "--root", str(root), "--json", *args],
+        run = subprocess.run([sys.executable, "-m", "topoagent", "place", "--root", str(root), "--json", "--detail", "bindings,explain", *args],
                              capture_output=True, text=True, timeout=120, check=True)
         return json.loads(run.stdout)
 

@@ -25,6 +25,7 @@ from topoagent.documents.agent import answer_document
 from topoagent.node.levels import LevelKind
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement import Placement, Request, place
+from topoagent.vocabulary import Detail
 
 REPO = Path(__file__).resolve().parents[1]
 SNAPSHOTS = REPO / "fixtures" / "snapshots"
@@ -70,7 +71,7 @@ def test_every_rank_gets_a_nearest_chosen_nic_and_its_own_level(name):
     usable = [j for j, nic in enumerate(matrix.nics) if nic.active is not False]
     checked = 0
     for _, k, n in (c for c in CASES if c[0] == name):
-        answer = place(matrix, Request(gpus=k, nics=n))
+        answer = place(matrix, Request(gpus=k, nics=n, detail=(Detail.BINDINGS,)))
         assert isinstance(answer, Placement), (k, n, answer)
         chosen = [nic_pos[x] for x in answer.nics]
         assert len(chosen) == n and len(set(chosen)) == n
@@ -102,7 +103,7 @@ def test_every_rank_gets_a_nearest_chosen_nic_and_its_own_level(name):
 def test_dgx_a100_eight_gpus_four_nics_one_per_numa_pair_and_no_rank_across_sockets():
     """The issue's own case: ranks 4-7 were given mlx5_0..3 (SYS from them), printed PXB."""
     out = subprocess.run(
-        [sys.executable, "-P", "-m", "topoagent", "place", "--gpus", "8", "--nics", "4", "--json",
+        [sys.executable, "-P", "-m", "topoagent", "place", "--gpus", "8", "--nics", "4", "--json", "--detail", "bindings",
          "--root", str(SNAPSHOTS / "dgx-a100")],
         capture_output=True, text=True, timeout=60, cwd=REPO,
     )

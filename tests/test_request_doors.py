@@ -55,6 +55,10 @@ request_objects = st.fixed_dictionaries(
             st.integers(min_value=1, max_value=60_000),
             st.sampled_from([0, -1, 60_001, 20.0, 2.5, "20", None, True]),
         ),
+        "detail": st.one_of(
+            st.lists(st.sampled_from(["bindings", "launch", "explain", "all", "numa", "", "BINDINGS", 3, None]), max_size=3),
+            st.sampled_from(["bindings", "all", None, {"explain": True}]),
+        ),
         "colour": st.just("red"),  # an unknown field
     },
 ).map(lambda obj: {k: v for k, v in obj.items() if not (k == "gpus" and v == -3)})  # -3: "gpus" left out
@@ -117,5 +121,8 @@ def http_answer(agent, obj: dict) -> dict:
 @example(obj={"pattern": "ring"})
 @example(obj={"gpus": 4, "affinity": "best"})
 @example(obj={"gpus": 4, "affinity": "best", "fallback": True, "message_bytes": 1 << 20})
+@example(obj={"gpus": 4, "detail": ["bindings", "launch", "explain"]})
+@example(obj={"gpus": 9, "detail": ["all"]})  # a no fit's best answer and request, with every section
+@example(obj={"gpus": 2, "detail": ["bindings", "numa"]})
 def test_batch_and_http_doors_answer_alike(served, batch, obj):
     assert http_answer(served, obj) == batch_answer(batch, obj)

@@ -23,10 +23,52 @@ SNAPSHOTS = sorted(p for p in (FIXTURES / "snapshots").iterdir() if p.is_dir())
 
 
 def test_every_component_is_strict() -> None:
+    """Every field is required, but those of a placement answer's sections (`detail`):
+    present only when asked, and said so."""
     for document in (*DOCUMENTS, *AGENT_DOCUMENTS):
         schema = document.json_schema()
         assert schema["additionalProperties"] is False
-        assert set(schema["required"]) == set(schema["properties"]), document.name
+        on_request = {key for key, f in document.fields.items() if f.section is not None}
+        assert set(schema["required"]) == set(schema["properties"]) - on_request, document.name
+        assert all("Only when the request's `detail` names" in schema["properties"][key]["description"] for key in on_request)
+    assert {d.name for d in AGENT_DOCUMENTS if any(f.section for f in d.fields.values())} == {"Placement", "PlacedGpu", "NoFit"}
+
+
+class _Watched:
+    """An answer that notes which of its attributes a dump reads."""
+
+    def __init__(self, inner: object) -> None:
+        self._inner = inner
+        self.read: set[str] = set()
+
+    def __getattr__(self, name: str) -> object:
+        self.read.add(name)
+        return getattr(self._inner, name)
+
+
+@pytest.mark.parametrize("detail", [(), ("bindings",), ("launch",), ("explain",)])
+def test_an_answer_renders_only_the_sections_asked(detail: tuple[str, ...]) -> None:
+    """Launch forms and reasons in words are written when a door shows them, not for every
+    answer: a lean dump never reads them, nor any other section's field."""
+    from topoagent.documents.agent import answer_document
+    from topoagent.placement import Placement, Request, place
+    from topoagent.placement.synthetic import pcie_two_socket_8
+
+    answer = place(pcie_two_socket_8(), Request(gpus=4, nics=1, detail=detail))
+    assert isinstance(answer, Placement)
+    watched = _Watched(answer)
+    doc = answer_document(watched)
+    validate(doc, "Placement")
+    sections = {
+        "bindings": {"numa_nodes", "cpus", "nics", "env", "numactl"},
+        "launch": {"launch"},
+        "explain": {"links", "broken_zones", "estimate", "explain", "request"},
+    }
+    asked = set().union(*(sections[d] for d in detail))
+    unasked = set().union(*sections.values()) - asked
+    assert not (watched.read & unasked) - {"request"}  # the request itself is read: its pattern, its detail
+    assert asked <= set(doc) and not unasked & set(doc)
+    assert asked - {"request"} <= watched.read
 
 
 @pytest.mark.parametrize("root", SNAPSHOTS, ids=lambda p: p.name)

@@ -64,7 +64,7 @@ def test_topology_json_etag_and_304(agent):
     assert all(c["last_success_at"] >= doc["agent"]["built_at"] for c in doc["collectors"].values())
     # Every fact once: no second copy of findings or collector status under agent.
     assert set(doc["agent"]) == {"snapshot_version", "built_at", "stale", "error", "failed_at", "probe_figures"}
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == 3
     etag = first.headers["etag"]
     again = agent.get("/topology", headers={"If-None-Match": etag})
     assert again.status == 304 and again.body == b""
@@ -153,6 +153,24 @@ def test_reserve_list_release(fresh):
     assert fresh.request("DELETE", f"/leases/{lease['id']}", token=fresh.token).status == 404
 
 
+def test_place_is_lean_unless_the_request_names_details(fresh):
+    """A scheduler gets the choice; the bindings, launch forms and explanation come when the
+    request's `detail` names them, with a lease too; another name is refused, naming them all."""
+    lean = fresh.post("/place", {"gpus": 4}).json()
+    assert not {"env", "numactl", "cpus", "nics", "launch", "explain", "links", "request"} & set(lean)
+    assert all(set(g) == {"rank", "index", "uuid", "pci_address", "numa_node"} for g in lean["gpus"])
+    assert lean["reasons"] and lean["proven_optimal"] is True and "objective" in lean
+    granted = reserve(fresh, 2, detail=["bindings"]).json()
+    assert granted["lease"]["gpus"] == [g["index"] for g in granted["gpus"]]
+    assert granted["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, granted["lease"]["gpus"]))
+    assert all("numactl" in g for g in granted["gpus"]) and "launch" not in granted and "explain" not in granted
+    full = fresh.post("/place", {"gpus": 2, "detail": ["all"]}).json()
+    assert full["request"]["detail"] == ["bindings", "launch", "explain"] and full["launch"]["srun"] and full["explain"]
+    bad = fresh.post("/place", {"gpus": 2, "detail": ["bindings", "numa"]})
+    assert bad.status == 400
+    assert bad.json()["detail"] == 'detail[1]: expected one of bindings, launch, explain, all, got "numa"'
+
+
 def test_short_lease_expires(tmp_path):
     a = start_agent(tmp_path, config="[leases]\nsweep_s = 0.2\n")
     try:
@@ -200,6 +218,8 @@ BAD_BODIES = [
     (json.dumps({"gpus": 2, "reserve": {"owner": "", "ttl_s": 60}}).encode(), "reserve.owner"),
     (json.dumps({"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60, "x": 1}}).encode(), "x"),
     (json.dumps({"gpus": 2, "reserve": ["j", 60]}).encode(), "reserve"),
+    (json.dumps({"gpus": 2, "detail": ["bindings", "numa"]}).encode(), "detail[1]"),
+    (json.dumps({"gpus": 2, "detail": "bindings"}).encode(), "detail"),
 ]
 
 

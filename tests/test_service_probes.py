@@ -57,7 +57,7 @@ def test_measured_figures_reach_topology_metrics_and_place(probing):
 
     # The fake copies are far below what NV12 achieves: placement ranks the pair by the
     # measurement (on the levels' peak scale, issue 11), not by the expectation (300 GB/s).
-    placed = probing.post("/place", {"gpus": 2, "include": [int(a[3:]), int(b[3:])]}).json()
+    placed = probing.post("/place", {"gpus": 2, "include": [int(a[3:]), int(b[3:])], "detail": ["explain"]}).json()
     assert placed["links"][0]["gbps"] == pytest.approx(measured_pairs(probing)[(a, b)] / ACHIEVABLE_FRACTION, rel=1e-3)
     assert placed["links"][0]["gbps"] < 300
 

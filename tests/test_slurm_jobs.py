@@ -177,6 +177,8 @@ def test_prolog_leases_exactly_the_jobs_gpus_and_epilog_releases_them(agent, tmp
     assert sorted(lease["gpus"]) == [2, 3, 6]  # the DGX A100's index order is its bus order
     record = json.loads((tmp_path / "jobs" / "job-41.json").read_text())
     assert record["lease"] == lease["id"] and [r["index"] for r in record["ranks"]] == lease["gpus"]
+    # The prolog asked for the bindings (a lean answer has none): each rank's CPUs and memory node.
+    assert all(r["cpus"] and r["memory_node"] is not None for r in record["ranks"]), record["ranks"]
     # the task prolog of a one-task step: every GPU in the lease's rank order
     step = {"SLURM_JOB_ID": "41", "SLURM_STEP_GPUS": "2,3,6", "CUDA_VISIBLE_DEVICES": "2,3,6", "SLURM_STEP_TASKS_PER_NODE": "1"}
     told = slurm_verb("task-prolog", agent.url, tmp_path, step)
@@ -316,7 +318,7 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
             assert not (tmp_path / "jobs" / f"job-{job}.json").exists()
 
             # What each task should have been told: the agent's own placement of these GPUs.
-            expected = agent.post("/place", {"gpus": 4, "include": lease["gpus"]}).json()
+            expected = agent.post("/place", {"gpus": 4, "include": lease["gpus"], "detail": ["bindings"]}).json()
             assert [g["index"] for g in expected["gpus"]] == lease["gpus"]
             ports = nic_ports(agent.get("/topology").json())
             for env in envs:

@@ -269,7 +269,7 @@ def test_placement_keeps_off_gpus_the_counters_call_critical(tmp_path):
     try:
         scrape_with_telemetry(agent)
         assert ("gpu-xid", "GPU6") in {(f["kind"], f["subject"]) for f in telemetry_findings(agent)}
-        six = agent.post("/place", {"gpus": 6}).json()
+        six = agent.post("/place", {"gpus": 6, "detail": ["explain"]}).json()
         named = agent.post("/place", {"gpus": 2, "include": [6]}).json()
     finally:
         agent.stop()

@@ -138,6 +138,20 @@ class Affinity(enum.StrEnum):
         return tuple(order[order.index(self) + 1 :])
 
 
+class Detail(enum.StrEnum):
+    """The sections a placement answer adds when the request's ``detail`` names them; the
+    lean answer (the choice, its objective and reasons by code) is always there.  What each
+    section holds is said once, beside its fields (topoagent.documents.agent)."""
+
+    BINDINGS = "bindings"  # per rank: CPUs, memory node, NIC, numactl; the job's CPUs, NICs, NUMA nodes, numactl, env
+    LAUNCH = "launch"  # ready launcher forms: torchrun wrapper, srun options, Open MPI rankfile
+    EXPLAIN = "explain"  # the reasons in words, the pattern's links, the estimate, zones broken, the request as understood
+
+
+# In a request's ``detail``: every section (Detail) at once.
+DETAIL_ALL = "all"
+
+
 class ProbeKind(enum.StrEnum):
     """What a measurement copies (the plan's ``kind``)."""
 

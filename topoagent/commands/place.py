@@ -17,7 +17,7 @@ from topoagent.placement import Door, Live, NoFit, Placement, RequestError, pars
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import SERVICE_DEADLINE_MS, parse_gpu_indices
 from topoagent.text import cut
-from topoagent.vocabulary import Affinity, EstimateModel, Pattern
+from topoagent.vocabulary import DETAIL_ALL, Affinity, Detail, EstimateModel, Pattern
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -65,6 +65,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--deadline-ms", metavar="MS",
         help=f"answer by then with the best set found so far, saying whether it is proven optimal (default {CLI_DEADLINE_MS})",
     )
+    parser.add_argument(
+        "--detail", metavar="LIST",
+        help=f"--json: the answer's sections beyond the lean one, as POST /place's detail: {', '.join([*Detail, DETAIL_ALL])} "
+        "(default: none; the text output always shows them)",
+    )
     parser.add_argument("--json", action="store_true", help="print the answer as JSON")
     parser.add_argument(
         "--batch", action="store_true",
@@ -80,6 +85,7 @@ examples:
   topoagent place --gpus 2 --busy 0,3 --pattern alltoall --root RECORDED_NODE
   nvidia-smi topo -m > topo.txt
   topoagent place --gpus 4 --from-nvidia-smi topo.txt --json
+  topoagent place --gpus 4 --json --detail bindings,launch   # with each rank's CPUs, NICs, srun options
   printf '%s\\n' '{"gpus": 2, "busy": [0, 1]}' '{"gpus": 4, "nics": 1}' |
     topoagent place --batch
 
@@ -96,7 +102,7 @@ BATCH_LINE_FLAGS = {
     "gpus": "--gpus", "busy": "--busy", "pattern": "--pattern", "min_level": "--min-level",
     "single_numa": "--single-numa", "include": "--include", "exclude": "--exclude", "nics": "--nics",
     "affinity": "--affinity", "fallback": "--fallback", "message_bytes": "--message-bytes",
-    "deadline_ms": "--deadline-ms",
+    "deadline_ms": "--deadline-ms", "detail": "--detail",
 }
 
 
@@ -141,6 +147,8 @@ def request_fields(args: argparse.Namespace) -> dict[str, Any]:
     if args.message_bytes is not None:
         fields["message_bytes"] = flag_value(args.message_bytes)
     fields["deadline_ms"] = flag_value(args.deadline_ms) if args.deadline_ms is not None else CLI_DEADLINE_MS
+    if args.detail is not None:
+        fields["detail"] = flag_list(args.detail)
     return fields
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from topoagent.errors import TopoagentError
+from topoagent.vocabulary import Detail
 
 if TYPE_CHECKING:
     from topoagent.cluster.slurm import RankBinding
@@ -54,8 +55,8 @@ a reason starting "topoagent:": a drain of anyone else's stays.
 
 Slurm's GPU ids are gres indices: gres.conf must list the node's GPUs in PCI bus order, as
 `topoagent export gres` writes it. The prolog leases them with POST /place ("include": exactly
-those GPUs, "reserve": owner slurm-job-<id>, ttl_s the job's end when Slurm gives it, else
---ttl) and keeps the answer in --state-dir for the task prolog, which runs as the job's user.
+those GPUs, "detail": ["bindings"], "reserve": owner slurm-job-<id>, ttl_s the job's end when
+Slurm gives it, else --ttl) and keeps the answer in --state-dir for the task prolog, which runs as the job's user.
 Exit status: 0 done; 1 the GPUs are leased to someone else, the agent refused, or could not be
 reached (unless --if-agent-down allow); 2 bad input (the job's environment, flags, token file).
 """
@@ -313,7 +314,8 @@ def _placement(agent: AgentHttp, slurm_ids: tuple[int, ...], reserve: dict[str, 
     if not isinstance(topology, dict):
         raise AgentRefused("GET /topology: not a JSON object")
     to_agent = agent_indices(slurm_ids, gres_order(topology))
-    request: dict[str, Any] = {"gpus": len(slurm_ids), "include": sorted(to_agent.values())}
+    # Each rank's CPUs, memory node and NIC are what the task prolog exports: ask for them.
+    request: dict[str, Any] = {"gpus": len(slurm_ids), "include": sorted(to_agent.values()), "detail": [Detail.BINDINGS]}
     if reserve is not None:
         request["reserve"] = reserve
     answer = agent.request("POST", "/place", request)

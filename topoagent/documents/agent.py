@@ -38,7 +38,8 @@ from topoagent.documents.schema import (
     plain_list,
 )
 from topoagent.node.levels import LinkLevel
-from topoagent.vocabulary import Affinity, EstimateModel, Pattern, ProbeKind, Unit
+from topoagent.placement.explain import ReasonCode
+from topoagent.vocabulary import Affinity, Detail, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
     from topoagent.node.matrix import DistanceMatrix, Measurement
@@ -153,6 +154,7 @@ REQUEST = Document("Request", {
     "fallback": Field(BOOLEAN),
     "message_bytes": Field(nullable(INTEGER), description="null: the default size (256 MiB for allreduce's estimate, 1 MiB per alltoall/pipeline message)"),
     "deadline_ms": Field(nullable(INTEGER), description="when the search stops with its best so far; null: no limit"),
+    "detail": Field(array(one_of(Detail)), lambda r: list(r.detail), "the answer's sections asked for beyond the lean one (`all` spelt out)"),
 }, "The request as understood (defaults filled in).")
 
 PLACED_GPU = Document("PlacedGpu", {
@@ -161,14 +163,19 @@ PLACED_GPU = Document("PlacedGpu", {
     "uuid": Field(nullable(STRING)),
     "pci_address": Field(nullable(STRING)),
     "numa_node": Field(nullable(INTEGER)),
-    "nearest_nics": plain_list("nearest_nics", STRING, "the closest of the job's NICs to this GPU (with `nics` asked: of those chosen)"),
-    "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level), "the level between this GPU and `nic`"),
-    "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, no CPU in two ranks' lists"),
-    "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to"),
-    "nic": Field(nullable(STRING), description="this rank's NIC: the closest of the job's NICs with a port up, distinct ones where several are as close"),
-    "rail": Field(nullable(INTEGER), description="the rail of this rank's NIC (the node's fabric.rails); null when its leaf is unknown"),
-    "numactl": plain_list("numactl", STRING),
-})
+    # Detail.BINDINGS: the rank's binding.
+    "nearest_nics": plain_list("nearest_nics", STRING, "the closest of the job's NICs to this GPU (with `nics` asked: of those chosen)",
+                               section=Detail.BINDINGS),
+    "nic_level": Field(nullable(LEVEL), lambda g: level_text(g.nic_level), "the level between this GPU and `nic`", Detail.BINDINGS),
+    "cpus": Field(nullable(STRING), description="this rank's own CPUs: its share of its NUMA node's, hyperthreads of a core together, "
+                  "no CPU in two ranks' lists", section=Detail.BINDINGS),
+    "memory_node": Field(nullable(INTEGER), description="the NUMA node to bind this rank's memory to", section=Detail.BINDINGS),
+    "nic": Field(nullable(STRING), description="this rank's NIC: the closest of the job's NICs with a port up, distinct ones where "
+                 "several are as close", section=Detail.BINDINGS),
+    "rail": Field(nullable(INTEGER), description="the rail of this rank's NIC (the node's fabric.rails); null when its leaf is unknown",
+                  section=Detail.BINDINGS),
+    "numactl": plain_list("numactl", STRING, section=Detail.BINDINGS),
+}, "One rank: its GPU, and with `detail` `bindings` its CPUs, memory node and NIC.")
 
 ESTIMATE = Document("Estimate", {
     "model": Field(one_of(EstimateModel), description=(
@@ -215,6 +222,9 @@ OBJECTIVE = Document("Objective", {
         "(6) traffic now on the GPUs' nearest NICs, summed in tenths of each port's line rate (0 without telemetry)")),
 }, "The terms of the objective for this answer, in the order they count.")
 
+# A placement answer is lean unless the request's ``detail`` names sections (Detail): the
+# fields without a section are the choice a scheduler reads; a field with one is written,
+# and its rendering run, only when asked.
 PLACEMENT = Document("Placement", {
     "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda p: SCHEMA_VERSION),
     "fit": Field({"type": "boolean", "const": True}, lambda p: True),
@@ -222,28 +232,30 @@ PLACEMENT = Document("Placement", {
     "pattern": Field(one_of(Pattern), lambda p: p.request.pattern),
     "bandwidth_gbps": Field(nullable(NUMBER)),
     "worst_level": Field(nullable(LEVEL), lambda p: level_text(p.worst_level)),
-    "links": listed(PATTERN_LINK, "links"),
-    "numa_nodes": Field(array({"type": ["integer", "string"]}), lambda p: list(p.numa_nodes)),
-    "cpus": Field(nullable(STRING)),
-    "nics": plain_list("nics", STRING),
-    "env": Field({"type": "object", "additionalProperties": STRING}, lambda p: dict(p.env)),
-    "numactl": plain_list("numactl", STRING),
+    "links": listed(PATTERN_LINK, "links", section=Detail.EXPLAIN),
+    "numa_nodes": Field(array({"type": ["integer", "string"]}), lambda p: list(p.numa_nodes), section=Detail.BINDINGS),
+    "cpus": Field(nullable(STRING), section=Detail.BINDINGS),
+    "nics": plain_list("nics", STRING, section=Detail.BINDINGS),
+    "env": Field({"type": "object", "additionalProperties": STRING}, lambda p: dict(p.env), section=Detail.BINDINGS),
+    "numactl": plain_list("numactl", STRING, section=Detail.BINDINGS),
     "score": Field(NUMBER, description="10 x bandwidth - loss, comparable across nodes"),
     "objective": nested(OBJECTIVE, "objective"),
-    "broken_zones": plain_list("broken_zones", STRING),
+    "broken_zones": plain_list("broken_zones", STRING, section=Detail.EXPLAIN),
     "affinity": Field(one_of(Affinity), description="the strictest tier the answer meets: best, better or any"),
     "satisfaction": Field({"type": "number", "minimum": 0, "maximum": 1},
                           description="share of the pattern's links that are local (NVLink or one PCIe switch, PIX); 1 without links"),
-    "estimate": nested(ESTIMATE, "estimate", optional=True),
+    "estimate": nested(ESTIMATE, "estimate", optional=True, section=Detail.EXPLAIN),
     "proven_optimal": Field(BOOLEAN, description="false: the deadline stopped the search; this is the best set it found"),
     "bandwidth_bound_gbps": Field(nullable(NUMBER),
                                   description="when not proven: no set's pattern bandwidth exceeds this; null when proven or not bounded"),
     "unverified": plain_list("unverified", INTEGER, "chosen GPUs a job gave back that the probes have not checked since "
                                                      "(taken only when no set of verified GPUs has equal merit)"),
-    "launch": nested(LAUNCH, "launch"),
-    "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words"),
-    "request": nested(REQUEST, "request"),
-}, "Which GPUs, in rank order, with the CPUs, NICs and launch environment to use.")
+    "reasons": Field(array(one_of(ReasonCode)), lambda p: [r.code for r in p.reasons],
+                     "why the answer is what it is, by code, in the order `explain` words them"),
+    "launch": nested(LAUNCH, "launch", section=Detail.LAUNCH),
+    "explain": Field(array(STRING), lambda p: list(p.explain), "the reasons, in words", Detail.EXPLAIN),
+    "request": nested(REQUEST, "request", section=Detail.EXPLAIN),
+}, "Which GPUs, in rank order, and why by code; with the request's `detail`, the bindings, launch forms and explanation.")
 
 NOFIT = Document("NoFit", {
     "schema_version": Field({"type": "integer", "const": SCHEMA_VERSION}, lambda n: SCHEMA_VERSION),
@@ -255,13 +267,17 @@ NOFIT = Document("NoFit", {
         "and `reason` is the idle node's; false: it may fit once busy GPUs are given back")),
     "free": plain_list("free", INTEGER),
     "best_available": nested(PLACEMENT, "best_available", optional=True),
-    "request": nested(REQUEST, "request", optional=True),
-}, "Why the request cannot be met now (or ever, on this node), and the best answer without the failing constraint.")
+    "request": nested(REQUEST, "request", optional=True, section=Detail.EXPLAIN),
+}, "Why the request cannot be met now (or ever, on this node), and the best answer without the failing constraint "
+   "(with the sections the request's `detail` names).")
 
 
 def answer_document(answer: Placement | NoFit) -> dict[str, Any]:
-    """A placement answer at every door (HTTP, `place --json`, each `--batch` line)."""
-    return PLACEMENT.dump(answer) if answer.fit else NOFIT.dump(answer)
+    """A placement answer at every door (HTTP, `place --json`, each `--batch` line, the
+    scheduler integrations through HTTP): lean, with the sections its request's ``detail``
+    names (a NoFit's best answer too)."""
+    sections = answer.request.detail
+    return PLACEMENT.dump(answer, sections) if answer.fit else NOFIT.dump(answer, sections)
 
 
 REQUEST_ERROR_DETAIL = Document("RequestErrorDetail", {

@@ -15,6 +15,10 @@ real output from every door against it, so the two cannot drift.
 Version 2: findings and collector status appear once in /topology (``agent.findings``
 and ``agent.collectors`` are gone), one severity vocabulary (info, warning, critical),
 findings of measurements keep their figures in ``expected_gbps``/``measured_gbps``.
+Version 3: placement answers are lean unless the request's ``detail`` names sections
+(bindings, launch, explain), and say their reasons by code (``reasons``); it also covers
+answer fields added under 2 (``never_fits``; the estimate's ``model``, ``link_gbps``,
+``latency_us``).  The node's and /topology's shapes are those of version 2.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import enum
 import operator
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -39,10 +43,10 @@ if TYPE_CHECKING:
     from topoagent.node.matrix import Measurement
     from topoagent.node.model import CollectorStatus, Finding, NodeTopology, Pair
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 JsonSchema = dict[str, Any]
-Getter = Callable[[Any], Any]
+Getter = Callable[..., Any]  # (value), or (value, sections) for a Field with inner
 
 # --- the table machinery ------------------------------------------------------------------
 
@@ -72,11 +76,17 @@ def one_of(values: type[enum.Enum] | Iterable[str]) -> JsonSchema:
 
 @dataclass(frozen=True, slots=True)
 class Field:
-    """One row of a document's table: the field's JSON Schema, how to read it, what it means."""
+    """One row of a document's table: the field's JSON Schema, how to read it, what it means.
+
+    ``section``: the field is written only when the dump is asked for that section (a
+    placement answer's ``detail``), and its schema does not require it.  ``inner``: ``get``
+    writes documents of its own (nested, listed), so it takes the sections asked too."""
 
     schema: JsonSchema
     get: Getter | None = None  # None: the attribute of the same name, as it is
     description: str | None = None
+    section: str | None = None
+    inner: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,22 +97,36 @@ class Document:
     fields: dict[str, Field]
     description: str | None = None
     _getters: tuple[tuple[str, Getter | None], ...] = field(init=False, repr=False, compare=False)
+    _rows: tuple[tuple[str, Getter | None, str | None, bool], ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_getters", tuple((k, f.get) for k, f in self.fields.items()))
+        object.__setattr__(self, "_rows", tuple((k, f.get, f.section, f.inner) for k, f in self.fields.items()))
 
     @property
     def ref(self) -> JsonSchema:
         return {"$ref": f"#/components/schemas/{self.name}"}
 
-    def dump(self, value: Any) -> dict[str, Any]:
-        return {key: getattr(value, key) if get is None else get(value) for key, get in self._getters}
+    def dump(self, value: Any, sections: Collection[str] | None = None) -> dict[str, Any]:
+        """The JSON object: every field (``sections`` None), else the fields of no section
+        and those of the sections named, in nested documents too.  A field left out is never read."""
+        if sections is None:
+            return {key: getattr(value, key) if get is None else get(value) for key, get in self._getters}
+        return {
+            key: getattr(value, key) if get is None else get(value, sections) if inner else get(value)
+            for key, get, section, inner in self._rows if section is None or section in sections
+        }
 
     def json_schema(self) -> JsonSchema:
         properties = {}
         for key, f in self.fields.items():
-            properties[key] = {**f.schema, "description": f.description} if f.description else f.schema
-        schema: JsonSchema = {"type": "object", "additionalProperties": False, "required": list(self.fields), "properties": properties}
+            description = f.description
+            if f.section is not None:
+                only = f"Only when the request's `detail` names `{f.section}`."
+                description = f"{description.rstrip('.')}. {only}" if description else only
+            properties[key] = {**f.schema, "description": description} if description else f.schema
+        required = [key for key, f in self.fields.items() if f.section is None]
+        schema: JsonSchema = {"type": "object", "additionalProperties": False, "required": required, "properties": properties}
         if self.description:
             schema["description"] = self.description
         return schema
@@ -134,21 +158,22 @@ def dataclass_document(name: str, cls: type, *, renames: Mapping[str, str] = Map
     return Document(name, fields, description or (cls.__doc__ or "").strip().split("\n")[0] or None)
 
 
-def nested(document: Document, attr: str, *, optional: bool = False) -> Field:
+def nested(document: Document, attr: str, *, optional: bool = False, section: str | None = None) -> Field:
     """A field holding one ``document`` read from attribute ``attr``."""
     dump = document.dump
 
-    def get(value: Any) -> Any:
+    def get(value: Any, sections: Collection[str] | None = None) -> Any:
         inner = getattr(value, attr)
-        return None if inner is None else dump(inner)
+        return None if inner is None else dump(inner, sections)
 
-    return Field(nullable(document.ref) if optional else document.ref, get)
+    return Field(nullable(document.ref) if optional else document.ref, get, section=section, inner=True)
 
 
-def listed(document: Document, attr: str) -> Field:
+def listed(document: Document, attr: str, *, section: str | None = None) -> Field:
     """A field holding a list of ``document``s read from the iterable attribute ``attr``."""
     dump = document.dump
-    return Field(array(document.ref), lambda value: [dump(x) for x in getattr(value, attr)])
+    return Field(array(document.ref), lambda value, sections=None: [dump(x, sections) for x in getattr(value, attr)],
+                 section=section, inner=True)
 
 
 def level_text(level: LinkLevel | None) -> str | None:
@@ -163,8 +188,8 @@ def _hex(digits: int, attr: str) -> Field:
     return Field(nullable(STRING), get)
 
 
-def plain_list(attr: str, items: JsonSchema, description: str | None = None) -> Field:
-    return Field(array(items), lambda value: list(getattr(value, attr)), description)
+def plain_list(attr: str, items: JsonSchema, description: str | None = None, *, section: str | None = None) -> Field:
+    return Field(array(items), lambda value: list(getattr(value, attr)), description, section)
 
 
 LEVEL = {"type": "string", "pattern": PRINTED_LEVEL_PATTERN}

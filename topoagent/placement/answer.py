@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from topoagent.node.cpulist import format_cpulist
 from topoagent.node.levels import LevelKind, LinkLevel
-from topoagent.placement.binding import Launch, RankBinding, bind_ranks, launch_forms, rank_numactl, tables
+from topoagent.placement.binding import Launch, LaunchInput, RankBinding, bind_ranks, launch_input, rank_numactl, tables
 from topoagent.placement.explain import Door, Reason, ReasonCode, render
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES, link_time_us
 from topoagent.placement.live import LiveCosts
@@ -67,7 +67,9 @@ class Placement:
     objective: Objective
     broken_zones: tuple[str, ...]
     reasons: tuple[Reason, ...]
-    launch: Launch | None = None  # per-rank forms for torchrun, srun, mpirun (placement.binding)
+    # What the per-rank forms for torchrun, srun and mpirun are written from; ``launch``
+    # writes them, on request only (placement.binding).
+    launch_input: LaunchInput | None = None
     affinity: Affinity = Affinity.ANY  # the strictest tier the answer meets (placement.tiers)
     satisfaction: float = 1.0  # share of the pattern's links that are local (placement.tiers)
     estimate: Estimate | None = None  # the pattern's model (placement.tiers); None for one GPU or independent
@@ -87,6 +89,11 @@ class Placement:
     def explain(self) -> tuple[str, ...]:
         """The reasons in words, as JSON answers give them."""
         return render(self.reasons, Door.JSON)
+
+    @property
+    def launch(self) -> Launch | None:
+        """The launchers' forms of the bindings, written now (only a door that shows them asks)."""
+        return None if self.launch_input is None else self.launch_input.forms()
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +219,7 @@ class AnswerParts:
     # (chosen, passed over) NICs that traffic alone decided: build() words them with the
     # request's own read of the traffic, which these parts (cached by steps) must not hold.
     nic_passed: tuple[tuple[int, int], ...]
-    launch: Launch
+    launch: LaunchInput
     affinity: Affinity
     satisfaction: float
     ring: tuple[PatternLink, ...]  # allreduce: the ring through the ranks in order, for the estimate
@@ -268,7 +275,7 @@ def answer_parts(
     ring = links if pattern is Pattern.ALLREDUCE else []
     parts = AnswerParts(
         tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_forms(prep, order, bindings),
+        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_input(prep, order, bindings),
         tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
     if len(memo) >= 50_000:
@@ -472,7 +479,7 @@ def build(
         objective=objective,
         broken_zones=broken,
         reasons=tuple(reasons),
-        launch=parts.launch,
+        launch_input=parts.launch,
         affinity=parts.affinity,
         satisfaction=parts.satisfaction,
         estimate=estimate(prep, found.order, req.pattern, parts.ring, req.message_bytes),

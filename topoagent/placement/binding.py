@@ -203,33 +203,50 @@ def rank_numactl(prep: Prepared, binding: RankBinding) -> tuple[str, ...]:
     return got
 
 
-def launch_forms(prep: Prepared, order: tuple[int, ...], bindings: list[RankBinding]) -> Launch:
-    t = tables(prep)
+@dataclass(frozen=True, slots=True)
+class LaunchInput:
+    """What the launch forms are written from, taken from the bindings when the answer is
+    built (no reference to the tables, so an answer kept does not keep them); the forms
+    themselves are written only when asked (``forms``: a request's ``detail`` ``launch``)."""
+
+    hostname: str
+    gpus: tuple[int, ...]  # nvidia-smi indices, in rank order
+    commands: tuple[tuple[str, ...], ...]  # each rank's numactl
+    shares: tuple[Share | None, ...]
+
+    def forms(self) -> Launch:
+        k = len(self.gpus)
+        commands = self.commands
+        wrapper = None
+        if all(commands):
+            cases = "".join(f'  {r}) exec {" ".join(cmd)} "$@" ;;\n' for r, cmd in enumerate(commands))
+            wrapper = (
+                "#!/bin/sh\n"
+                f"# bind.sh: torchrun --nproc-per-node={k} --no-python ./bind.sh python train.py ...\n"
+                "# runs each local rank under its own CPUs and memory node (torchrun sets LOCAL_RANK).\n"
+                'case "$LOCAL_RANK" in\n'
+                f"{cases}"
+                "esac\n"
+                'echo "bind.sh: LOCAL_RANK=$LOCAL_RANK is not one of the placed ranks" >&2\n'
+                "exit 1\n"
+            )
+        srun = [f"--ntasks-per-node={k}"]
+        map_cpu = rankfile = None
+        shares = self.shares
+        if all(shares):
+            known = [s for s in shares if s is not None]  # all of them; spelled out for the type checker
+            srun.append("--cpu-bind=mask_cpu:" + ",".join(s.mask for s in known))
+            if len({s.first for s in known}) == len(known):  # one-thread tasks never on one CPU
+                map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
+            if all(s.slots for s in known):
+                rankfile = "".join(f"rank {r}={self.hostname} slot={s.slots}\n" for r, s in enumerate(known))
+        srun.append("--gpu-bind=map_gpu:" + ",".join(str(i) for i in self.gpus))
+        return Launch(wrapper, tuple(srun), map_cpu, rankfile)
+
+
+def launch_input(prep: Prepared, order: tuple[int, ...], bindings: list[RankBinding]) -> LaunchInput:
     gpus = prep.matrix.gpus
-    k = len(order)
-    commands = [rank_numactl(prep, b) for b in bindings]
-    wrapper = None
-    if all(commands):
-        cases = "".join(f'  {r}) exec {" ".join(cmd)} "$@" ;;\n' for r, cmd in enumerate(commands))
-        wrapper = (
-            "#!/bin/sh\n"
-            f"# bind.sh: torchrun --nproc-per-node={k} --no-python ./bind.sh python train.py ...\n"
-            "# runs each local rank under its own CPUs and memory node (torchrun sets LOCAL_RANK).\n"
-            'case "$LOCAL_RANK" in\n'
-            f"{cases}"
-            "esac\n"
-            'echo "bind.sh: LOCAL_RANK=$LOCAL_RANK is not one of the placed ranks" >&2\n'
-            "exit 1\n"
-        )
-    srun = [f"--ntasks-per-node={k}"]
-    map_cpu = rankfile = None
-    shares = [b.share for b in bindings]
-    if all(shares):
-        known = [s for s in shares if s is not None]  # all of them; spelled out for the type checker
-        srun.append("--cpu-bind=mask_cpu:" + ",".join(s.mask for s in known))
-        if len({s.first for s in known}) == len(known):  # one-thread tasks never on one CPU
-            map_cpu = "--cpu-bind=map_cpu:" + ",".join(str(s.first) for s in known)
-        if all(s.slots for s in known):
-            rankfile = "".join(f"rank {r}={t.hostname} slot={s.slots}\n" for r, s in enumerate(known))
-    srun.append("--gpu-bind=map_gpu:" + ",".join(str(gpus[pos].index) for pos in order))
-    return Launch(wrapper, tuple(srun), map_cpu, rankfile)
+    return LaunchInput(
+        tables(prep).hostname, tuple(gpus[pos].index for pos in order),
+        tuple(rank_numactl(prep, b) for b in bindings), tuple(b.share for b in bindings),
+    )

@@ -28,11 +28,11 @@ from topoagent.node.levels import (
     parse_gpu_pair_level,
 )
 from topoagent.text import cut, quoted
-from topoagent.vocabulary import GPU_INDEX_MAX, Affinity, Pattern
+from topoagent.vocabulary import DETAIL_ALL, GPU_INDEX_MAX, Affinity, Detail, Pattern
 
 REQUEST_FIELDS = (
     "gpus", "pattern", "min_level", "single_numa", "include", "exclude", "nics", "affinity", "fallback", "message_bytes",
-    "deadline_ms",
+    "deadline_ms", "detail",
 )
 # Bounds on what a request may ask; the same at every door and in the JSON Schema.
 REQUEST_LIMITS = {
@@ -130,6 +130,30 @@ def parse_gpu_indices(field_name: str, value: Any, gpu_indices: Collection[int] 
     return tuple(sorted(seen))
 
 
+def parse_detail(value: Any) -> tuple[Detail, ...]:
+    """The answer sections a request asks for (``detail``): a list of Detail names, or
+    ``all``; each once.  In Detail's order, whatever the order asked."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise RequestError("detail", f"expected a list of section names ({_DETAIL_NAMES}), got {quoted(value)}")
+    asked: set[Detail] = set()
+    seen: set[str] = set()
+    for n, raw in enumerate(value):
+        if raw == DETAIL_ALL:
+            asked.update(Detail)
+        elif isinstance(raw, str) and raw in _DETAIL_VALUES:
+            asked.add(Detail(raw))
+        else:
+            raise RequestError("detail", f"expected one of {_DETAIL_NAMES}, got {quoted(raw)}", n)
+        if raw in seen:
+            raise RequestError("detail", f"{raw} is listed twice", n)
+        seen.add(raw)
+    return tuple(d for d in Detail if d in asked)
+
+
+_DETAIL_VALUES = frozenset(Detail)
+_DETAIL_NAMES = ", ".join([*Detail, DETAIL_ALL])
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     """What a job asks for.  Construction validates (with the parser's own field rules);
@@ -148,6 +172,8 @@ class Request:
     # message their links are timed by (placement.latency); None: the defaults.
     message_bytes: int | None = None
     deadline_ms: int | None = None  # when the search stops with its best so far; None: no limit (the door's default)
+    # The answer's sections beyond the lean one (Detail): read by the rendering, never by the search.
+    detail: tuple[Detail, ...] = ()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -165,6 +191,7 @@ class Request:
             put(self, "message_bytes", _whole_number("message_bytes", self.message_bytes, 1, REQUEST_LIMITS["message_bytes_max"]))
         if self.deadline_ms is not None:
             put(self, "deadline_ms", _whole_number("deadline_ms", self.deadline_ms, 1, REQUEST_LIMITS["deadline_ms_max"]))
+        put(self, "detail", parse_detail(self.detail))
         if both := sorted(set(self.include) & set(self.exclude)):
             raise RequestError("include", f"GPU {both[0]} is both included and excluded")
         if len(self.include) > self.gpus:
@@ -207,6 +234,8 @@ def parse_request(obj: Any, *, gpu_indices: Collection[int] | None = None) -> Re
         fields["message_bytes"] = _whole_number("message_bytes", obj["message_bytes"], 1, REQUEST_LIMITS["message_bytes_max"])
     if "deadline_ms" in obj:  # null too is refused: leave it out for the door's default
         fields["deadline_ms"] = _whole_number("deadline_ms", obj["deadline_ms"], 1, REQUEST_LIMITS["deadline_ms_max"])
+    if "detail" in obj:
+        fields["detail"] = parse_detail(obj["detail"])
     return Request(**fields)
 
 
@@ -242,5 +271,12 @@ def request_json_schema() -> dict[str, Any]:
             "deadline_ms": {"type": "integer", "minimum": 1, "maximum": REQUEST_LIMITS["deadline_ms_max"],
                             "description": "When the search stops and answers with the best set found so far "
                                            "(`proven_optimal` false; default: the service's `[placement] deadline_ms`)."},
+            "detail": {"type": "array", "items": {"type": "string", "enum": [*Detail, DETAIL_ALL]}, "uniqueItems": True, "default": [],
+                       "description": "The answer's sections beyond the lean one (which always holds the GPUs in rank order, "
+                                      "the objective, `proven_optimal` and the reasons by code): "
+                                      "`bindings` (each rank's CPUs, memory node, NIC and numactl; the job's CPUs, NICs, NUMA nodes, "
+                                      "numactl and environment), `launch` (torchrun wrapper, srun options, rankfile), "
+                                      "`explain` (the reasons in words, the pattern's links, the estimate, the zones broken, "
+                                      "the request as understood); `all`: every one. Another name is 400."},
         },
     }

@@ -52,7 +52,7 @@ from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
 from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
 from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
-from topoagent.vocabulary import GPU_RESOURCE
+from topoagent.vocabulary import GPU_RESOURCE, Detail
 
 API_VERSION = "v1beta1"  # constants.go: Version
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -382,7 +382,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
         chosen = next((list(c.gpus) for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
         if chosen is not None:
             order = chosen  # the extender's rank order
-        body: dict[str, Any] = {"gpus": len(ids), "include": sorted(devices[d].index for d in ids)}
+        # Each rank's nearest NICs (NCCL_IB_HCA below) are in the answer's bindings: ask for them.
+        body: dict[str, Any] = {"gpus": len(ids), "include": sorted(devices[d].index for d in ids), "detail": [Detail.BINDINGS]}
         try:
             answer = await self.agent.place(body)
         except AgentError as exc:
