@@ -43,6 +43,9 @@ def test_place_json_is_lean_unless_details_are_asked(capsys):
     assert [{k: g[k] for k in lean["gpus"][0]} for g in full["gpus"]] == lean["gpus"]
     assert main([*base, "--detail", "bindings,numa"]) == 2
     assert "--detail: expected one of bindings, launch, explain, all, got \"numa\"" in capsys.readouterr().err
+    # Without --json the text shows every section: a --detail there is a mistake, said so.
+    assert main(["place", "--gpus", "4", "--from-nvidia-smi", DGX1, "--detail", "bindings"]) == 2
+    assert "add --json" in capsys.readouterr().err
 
 
 def test_place_text_and_no_fit(capsys):

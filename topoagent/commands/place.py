@@ -322,6 +322,9 @@ def _run(args: argparse.Namespace) -> int:
         return run_batch(matrix, recorded_live(args), left_out)
     if args.gpus is None:
         raise UsageError("--gpus K is required (or --batch)")
+    if args.detail is not None and not args.json:
+        # The text output shows every section already: a --detail there would say nothing.
+        raise UsageError("--detail chooses the sections of the --json answer; add --json (the text output shows them all)")
     matrix, left_out = load_matrix(args)
     on_node = {g.index for g in matrix.gpus}
     try:
