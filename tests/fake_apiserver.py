@@ -34,7 +34,9 @@ Every change gives the pod a new ``metadata.resourceVersion`` and a watch event;
 
 Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching pods answer 503,
 with ``fail_node_patches`` a Node patch answers 500, with ``node_watch_forbidden`` a Node
-watch 403 (RBAC without ``watch``).  ``fail_binding`` names pods whose binding fails (500);
+watch 403 (RBAC without ``watch``).  ``hold_node_lists`` (an Event) makes a Node LIST take
+its snapshot, then wait for the event before it answers (a slow list); ``hold_node_watches``
+makes a Node watch wait for it before it answers at all.  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -120,6 +122,8 @@ class FakeApiServer:
         self.fail_node_patches = False  # PATCH /api/v1/nodes/{name} answers 500, as etcd timing out
         self.node_cuts = 0  # node streams owed a cut inside an event (break_node_watches)
         self.node_ends = 0  # expire_node_watches() bumps it: every open node stream ends, no bookmark
+        self.hold_node_lists: threading.Event | None = None  # set: the held lists answer (their snapshot taken before)
+        self.hold_node_watches: threading.Event | None = None  # set: the held watches answer
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -146,6 +150,11 @@ class FakeApiServer:
                     if outer.node_watch_forbidden:
                         return self._send(403, status(403, "Forbidden", 'nodes is forbidden: User "system:serviceaccount:topoagent:'
                                                       'topoagent-extender" cannot watch resource "nodes" in API group "" at the cluster scope'))
+                    with outer.lock:
+                        outer.node_watches += 1
+                        held = outer.hold_node_watches
+                    if held is not None:
+                        held.wait()
                     try:
                         return self._node_watch(query)
                     except (BrokenPipeError, ConnectionResetError):  # the client went away
@@ -170,13 +179,19 @@ class FakeApiServer:
                             if start + limit < len(nodes):
                                 node_meta["continue"] = str(start + limit)
                             nodes = nodes[start:start + limit]
-                        return self._send(200, {"kind": "NodeList", "apiVersion": "v1", "metadata": node_meta, "items": nodes})
+                        node_list = {"kind": "NodeList", "apiVersion": "v1", "metadata": node_meta, "items": copy.deepcopy(nodes)}
+                        held = outer.hold_node_lists
+                        if held is None:
+                            return self._send(200, node_list)
                     if m := POD.fullmatch(url.path):
                         pod = outer.pods.get((m.group(1), m.group(2)))
                         return self._send(200, pod) if pod else self._send(404, status(404, "NotFound", f'pods "{m.group(2)}" not found'))
                     if m := NODE.fullmatch(url.path):
                         node = outer.nodes.get(m.group(1))
                         return self._send(200, node) if node else self._send(404, status(404, "NotFound", f'nodes "{m.group(1)}" not found'))
+                if url.path == "/api/v1/nodes":  # a held list: the snapshot above, answered once the test lets it go
+                    held.wait()
+                    return self._send(200, node_list)
                 self._send(404, status(404, "NotFound", "the server could not find the requested resource"))
 
             def _watch(self, query: dict[str, list[str]]) -> None:
@@ -212,7 +227,6 @@ class FakeApiServer:
                 deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
                 bookmarks = query.get("allowWatchBookmarks", [""])[0] in ("true", "1")
                 with outer.lock:
-                    outer.node_watches += 1
                     generation, ends = outer.watch_generation, outer.node_ends
                 self.protocol_version = "HTTP/1.1"  # chunked, as the real one streams
                 self.close_connection = True

@@ -84,26 +84,37 @@ class World:
     log: Path
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
-    work = tmp_path_factory.mktemp("watch")
+def start_extender(api: FakeApiServer, work: Path, agent_port: int, call_timeout: str = "1") -> tuple[subprocess.Popen, int, Path]:
+    """The extender child on ``api``, its agents on ``agent_port``: (process, port, log)."""
     (work / "token").write_text("extender-watch-token-0123456789\n")
     (work / "token").chmod(0o600)
-    net = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}"
-    port = _free_port(f"{net}.1")
-    one, two = Agent(f"{net}.1", port), Agent(f"{net}.2", port)
-    one.start()
-    two.start()
-    api = FakeApiServer(nodes=[unanswering_node("node-a", one.address)])
     log = work / "extender.log"
     with open(log, "w") as err:
         # A long watch (--node-resync 60): a stream ends only when a test ends it.
         proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-token-file", str(work / "token"),
-             "--kube-api", api.url, "--agent-url", f"http://{{address}}:{port}", "--node-resync", "60", "--requeue-interval", "0.2",
-             "--call-timeout", "1", "--agent-timeout", "5", "--concurrency", "4"],
+             "--kube-api", api.url, "--agent-url", f"http://{{address}}:{agent_port}", "--node-resync", "60", "--requeue-interval", "0.2",
+             "--call-timeout", call_timeout, "--agent-timeout", "5", "--concurrency", "4"],
             stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
-    extender_port = int(_wait_line(proc, "extender", log).split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
+    return proc, int(_wait_line(proc, "extender", log).split("http://127.0.0.1:", 1)[1].split("/", 1)[0]), log
+
+
+def agents_pair() -> tuple[Agent, Agent]:
+    """Two agents on one port at {net}.1 and {net}.2 of a random loopback net, started."""
+    net = f"127.{random.randint(1, 254)}.{random.randint(0, 254)}"
+    port = _free_port(f"{net}.1")
+    one, two = Agent(f"{net}.1", port), Agent(f"{net}.2", port)
+    one.start()
+    two.start()
+    return one, two
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
+    one, two = agents_pair()
+    api = FakeApiServer(nodes=[unanswering_node("node-a", one.address)])
+    proc, extender_port, log = start_extender(api, tmp_path_factory.mktemp("watch"), one.port)
+    net = one.address.rsplit(".", 1)[0]
     try:
         wait_for("the extender's Node watch", lambda: api.node_watches >= 1, log=log.read_text)
         yield World(api, net, one, two, extender_port, log)
@@ -245,6 +256,75 @@ def test_requeue_patches_are_counted_by_result(world: World) -> None:
         world.api.fail_node_patches = False
         world.two.free = 8
         world.api.remove_node("node-full")
+
+
+@pytest.mark.parametrize("answered", ["while the watch is open", "between two watches"])
+def test_a_list_the_watch_overtakes_never_brings_the_older_table_back(tmp_path: Path, answered: str) -> None:
+    """A call naming an unknown node lists while the watch is being renewed; the new watch
+    deletes one node and readdresses another before that list answers with its older
+    snapshot (while that watch is open, or once it has ended too).  The table keeps what the
+    watch said, for the call that waited for the list and for the next: the deleted node
+    refused as unknown, the other asked at its new address."""
+    one, two = agents_pair()
+    api = FakeApiServer(nodes=[unanswering_node("node-gone", one.address), unanswering_node("node-moved", one.address)])
+    # --call-timeout 30: the call that names node-unknown waits for the held list (up to 3/4 of it).
+    proc, port, log = start_extender(api, tmp_path, one.port, call_timeout="30")
+    watches_go, lists_go = threading.Event(), threading.Event()
+
+    def filtered_here(names: list[str]) -> dict:
+        status, result = call(port, "POST", "/scheduler/filter", {"Pod": gpu_pod(api), "NodeNames": names})
+        assert status == 200, result
+        return result
+
+    try:
+        wait_for("the extender's Node watch", lambda: api.node_watches >= 1, log=log.read_text)
+        # The watch ends as at its timeout; the next one is held: no watch is open meanwhile.
+        watches = api.node_watches
+        api.hold_node_watches = watches_go
+        api.close_watches()
+        wait_for("the renewed watch asked for", lambda: api.node_watches > watches, log=log.read_text)
+        # node-unknown makes the extender list now: the snapshot is taken, its answer held.
+        lists = api.node_lists
+        api.hold_node_lists = lists_go
+        answers: list[dict] = []
+        caller = threading.Thread(target=lambda: answers.append(filtered_here(["node-gone", "node-moved", "node-unknown"])))
+        caller.start()
+        wait_for("the list for node-unknown", lambda: api.node_lists > lists, log=log.read_text)
+        # Meanwhile node-gone is deleted and node-moved readdressed; the renewed watch brings both.
+        api.remove_node("node-gone")
+        api.set_node_address("node-moved", two.address)
+        api.hold_node_watches = None
+        watches_go.set()
+        wait_for("node-moved asked at its new address through the watch",
+                 lambda: filtered_here(["node-moved"])["NodeNames"] == ["node-moved"] and "/capacity" in two.seen, log=log.read_text)
+        assert "not among the API server's Node objects" in filtered_here(["node-gone"])["FailedNodes"].get("node-gone", "")
+        if answered == "between two watches":  # that watch ends too, and the next is held
+            watches, watches_go = api.node_watches, threading.Event()
+            api.hold_node_watches = watches_go
+            api.close_watches()
+            wait_for("the next watch asked for", lambda: api.node_watches > watches, log=log.read_text)
+        # Now the list answers, with both nodes as they were when it started.
+        one.seen.clear()
+        two.seen.clear()
+        api.hold_node_lists = None
+        lists_go.set()
+        caller.join(timeout=60)
+        assert answers, "the call that waited for the list never answered"
+        later = []
+        if answered == "while the watch is open":  # (between watches, the next call would list afresh)
+            later.append(filtered_here(["node-gone", "node-moved"]))
+        for answer in (answers[0], *later):
+            assert "not among the API server's Node objects" in answer["FailedNodes"].get("node-gone", ""), answer
+            assert "node-moved" in answer["NodeNames"], answer
+        assert "/capacity" in two.seen and not one.seen, "an agent was asked at an address the watch had replaced"
+        assert api.node_lists == lists + 1  # no later list put the table right
+    finally:
+        watches_go.set()
+        lists_go.set()
+        stop(proc)
+        one.stop()
+        two.stop()
+        api.close()
 
 
 # Last in the file: it leaves the watch failing, backing off, for a while.

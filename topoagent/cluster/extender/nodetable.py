@@ -17,6 +17,12 @@ a name the table does not know makes it list at once (at most every ``min_gap_s`
 that just joined is still found within a call.  While one is open, such a name waits up
 to ``min_gap_s`` for the watch to bring it.
 
+A list is a snapshot of its own moment, and the watch may apply an event while one is
+under way (a list for an unknown name starts between two watches, and the next watch opens
+without waiting for it): such a list is older than the table and is dropped, never applied.
+Otherwise a node deleted, or given another address, during the list would come back from
+it and stay, since the watch has gone on past its event.
+
 An event that cannot be read (not JSON, no type or object, a Node without a name, larger
 than ``MAX_EVENT_BYTES``) is skipped and counted; the table may then miss that change, so
 the next watch starts with a list.
@@ -75,6 +81,9 @@ class NodeTable:
         self._addresses: dict[str, str | None] = {}
         self._tried_at = float("-inf")  # monotonic time of the last list started, complete or not
         self._listing: asyncio.Task[str | None] | None = None
+        self._listing_after = 0  # the running list started after this many watch lines
+        # Watch lines taken, in order (a resourceVersion is opaque: a local count orders them).
+        self._lines = 0
         self._changed = asyncio.Event()  # set (and replaced) at each change the watch applies
         self.watching = False  # a watch stream is open: the table follows the API server
         self.lists = 0  # complete lists, for tests
@@ -130,23 +139,35 @@ class NodeTable:
         await self.list_now()
 
     async def list_now(self) -> str | None:
-        """The resourceVersion of a complete list that started now or later; None when it failed."""
-        if self._listing is None or self._listing.done():
+        """The resourceVersion of a complete list that started now or later; None when it
+        failed, or when a watch applied an event while it ran (the table is newer: the watch
+        that did so brings the rest)."""
+        if not self._joinable():
             wait = self.min_gap_s - (time.monotonic() - self._tried_at)
             if wait > 0:
                 await asyncio.sleep(wait)
-            if self._listing is None or self._listing.done():  # no other caller started one meanwhile
+            if not self._joinable():  # no other caller started one meanwhile
                 self._tried_at = time.monotonic()
-                self._listing = asyncio.create_task(self._list())
+                self._listing_after = self._lines
+                self._listing = asyncio.create_task(self._list(self._lines))
+        assert self._listing is not None
         return await asyncio.shield(self._listing)
 
-    async def _list(self) -> str | None:
+    def _joinable(self) -> bool:
+        """A list is running that no watch line has overtaken."""
+        return self._listing is not None and not self._listing.done() and self._listing_after == self._lines
+
+    async def _list(self, after: int) -> str | None:
         try:
             nodes, version = await asyncio.to_thread(self._list_all)
         except KubeError as exc:
             # Once a minute: unknown names in a flood of calls ask for a list twice a second.
             self._throttled("node_list_failed", "node_list_failed", logging.WARNING, error=exc,
                             kept=f"the last list's {len(self._addresses)} nodes")
+            return None
+        if self.watching or self._lines != after:
+            # The watch has gone on past this list's moment: applied, the list would bring back
+            # a node deleted since, or its old address.  The open watch brings what it holds.
             return None
         self.replace(nodes)
         return version
@@ -267,6 +288,7 @@ class NodeTable:
                     status = getattr(item, "status", None)
                     raise Gone("expired" if status == 410 else "broken", str(item) or type(item).__name__, status)
                 else:
+                    self._lines += 1  # before it applies: a list under way is older from here on
                     version = self._apply(item, version)
         finally:
             self.watching = False
