@@ -30,7 +30,6 @@ from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
-    from topoagent.collectors.counters import Family
     from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
     from topoagent.service.interface import Service
@@ -262,9 +261,9 @@ def telemetry_families(snapshot: Snapshot, *, per_link: bool = True, detail: fro
     telemetry = snapshot.telemetry
     families: dict[str, tuple[tuple[str, ...], GaugeMetricFamily | CounterMetricFamily]] = {}
     summed: dict[str, dict[tuple[str, ...], float]] = {}  # family -> labels without link -> sum
-    served_by: dict[str, Family] = {}
-    for declared in telemetry.families if telemetry else ():
-        served_by[declared.name] = declared
+    declarations = telemetry.families if telemetry else ()
+    served_by = {declared.name: declared for declared in declarations}  # the exporter names no collector
+    for declared in declarations:
         kind = CounterMetricFamily if declared.type == "counter" else GaugeMetricFamily
         served = declared.labels if per_link else tuple(k for k in declared.labels if k != "link")
         families[declared.name] = (declared.labels, kind(f"{NS}_{declared.name}", declared.help, labels=list(served)))
