@@ -35,3 +35,15 @@ def corpus() -> Path:
     if not CORPUS.is_dir():
         pytest.fail(f"shared corpus not found at {CORPUS}: the tests need ../shared beside the repo")
     return CORPUS
+
+
+# The files that take longest (the image build, real daemons, many agents) go to the workers
+# first: with whole files per worker (scripts/test: --dist loadfile), one started last would
+# leave the other worker idle for minutes at the end.
+SLOW_FIRST = ("test_image.py", "test_device_plugin.py", "test_page_live.py", "test_lease_integrity.py",
+              "test_golden_outputs.py", "test_extender.py", "test_examples.py", "test_slurm_jobs.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest keep their order
