@@ -37,6 +37,7 @@ from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateU
 from topoagent.service.leases import LeaseError
 from topoagent.service.served import Served, Snapshot, etag_of
 from topoagent.text import cut
+from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
 
 AGENT = web.AppKey("agent", Service)
 
@@ -374,7 +375,8 @@ async def topology(request: web.Request) -> web.StreamResponse:
 
 async def capacity(request: web.Request) -> web.Response:
     agent = request.app[AGENT]
-    _ready_snapshot(agent.served())
+    # A blocked node's GPUs look free (the fabric findings name no GPU): no figures, as /place.
+    _ready_for_placement(_ready_snapshot(agent.served()))
     served = await agent.current_capacity()  # computed off the loop; waits a bounded time
     if served is None:  # the first figures took longer than the wait: they are still coming
         raise ApiError(503, "capacity_pending", "the capacity figures are still being computed; ask again shortly",
@@ -530,7 +532,7 @@ def _ready_for_placement(snapshot: Snapshot, *, readyz: bool = False) -> None:
     if blockers:
         said = {"snapshot_version": snapshot.version, "stale": snapshot.stale} if readyz else {}
         raise ApiError(
-            503, "not_ready_for_placement", "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
+            503, NOT_READY_FOR_PLACEMENT, "; ".join(f"{f.kind} ({f.subject}): {f.message}" for f in blockers),
             {**said, "findings": [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
                                   for f in blockers]},
         )

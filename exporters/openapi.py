@@ -14,6 +14,7 @@ import topoagent
 from topoagent.documents.agent import LEASE, NOFIT, PLACEMENT, component_schemas
 from topoagent.documents.lease import OWNER_MAX_LEN, TTL_MAX_S, TTL_MIN_S
 from topoagent.placement.request import REQUEST_LIMITS, request_json_schema
+from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT as NOT_READY_FOR_PLACEMENT_CODE
 
 PLACE_LIMITS = {
     **REQUEST_LIMITS,  # the request's own, from the parser every door uses
@@ -87,7 +88,7 @@ NOT_READY_FOR_PLACEMENT = {
     "additionalProperties": False,
     "required": ["error", "detail", "findings"],  # GET /readyz adds snapshot_version and stale
     "properties": {
-        "error": {"type": "string", "enum": ["not_ready_for_placement"]},
+        "error": {"type": "string", "enum": [NOT_READY_FOR_PLACEMENT_CODE]},
         "detail": {"type": "string"},
         "snapshot_version": {"type": "integer"},
         "stale": {"type": "boolean"},
@@ -146,7 +147,12 @@ def openapi_document() -> dict[str, Any]:
                                         "the current ones still were, sent without an ETag and with `Cache-Control: no-store`: see docs/http-api.md).", "Capacity"), "headers": {"ETag": {"schema": {"type": "string"}}}},
                         "304": {"description": "Unchanged since the ETag given in If-None-Match."},
                         **READ_ERRORS,
-                        "503": _err("No topology loaded yet, or the first capacity figures are still being computed (`capacity_pending`, `Retry-After`)."),
+                        "503": {
+                            "description": "No topology loaded yet (`not_ready`); the first capacity figures are still being computed "
+                                           "(`capacity_pending`, `Retry-After`); or a critical finding makes placement answers "
+                                           "untrustworthy (`not_ready_for_placement`, as POST /place: which, and why).",
+                            "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"}, NOT_READY_FOR_PLACEMENT]}}},
+                        },
                     },
                 }
             },

@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector
 
 import topoagent
 from topoagent.log import log_event
+from topoagent.node.findings import placement_refusals
 from topoagent.probes.figures import ProbeKind
 from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import MetricsDetail, Status
@@ -388,9 +389,11 @@ class RuntimeCollector(Collector):
 
     def _capacity(self) -> Iterator[Metric]:
         """GET /capacity's figures (cached per snapshot and busy set), for cluster views: the
-        latest computed (the /metrics handler waits a bounded time for current ones first)."""
-        served = self.served.capacity
-        if served is None:
+        latest computed (the /metrics handler waits a bounded time for current ones first).
+        None while a finding blocks placement, as /capacity answers 503 then: a node whose
+        fabric is down would otherwise count every GPU free (topoagent_ready says why)."""
+        served, snapshot = self.served.capacity, self.served.snapshot
+        if served is None or snapshot is None or placement_refusals(snapshot.findings):
             return
         figures = served.capacity
         stale = GaugeMetricFamily(f"{NS}_capacity_stale", "1 when the capacity figures are of an earlier snapshot or busy set: the current ones were still being computed.")

@@ -233,7 +233,9 @@ def served_outputs(node: str) -> dict[str, str]:
             agent.wait_for("a topology loaded (GET /readyz)", lambda: loaded(*agent.request("GET", "/readyz")))
             discovery = set(json.loads(agent.request("GET", "/topology")[1])["collectors"])
             agent.wait_for("the recorded counters served", lambda: _counters_replayed(agent, discovery))
-            agent.wait_for("GET /capacity 200", lambda: agent.request("GET", "/capacity")[0] == 200)
+            # 200 with figures, or a node not ready for placement's 503 (it has none to give).
+            agent.wait_for("GET /capacity 200 (or 503 not_ready_for_placement)", lambda: (lambda status, body: status == 200 or (
+                status == 503 and b'"not_ready_for_placement"' in body))(*agent.request("GET", "/capacity")))
             status, topology = agent.request("GET", "/topology")
             assert status == 200, topology
             gpus = len(json.loads(topology)["gpus"])

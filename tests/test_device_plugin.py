@@ -131,6 +131,30 @@ def test_a_gpu_with_a_critical_finding_turns_unhealthy_and_back(tmp_path: Path, 
         stop(agent, plugin)
 
 
+def test_every_gpu_is_unhealthy_while_the_nvlink_fabric_is_down_and_healthy_again_after(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """A finding that blocks placement names the fabric, not a GPU: still, no GPU of the node
+    is offered to a pod while it stands (the agent answers /place 503 meanwhile)."""
+    root = make_root(tmp_path)
+    agent, plugin = running(tmp_path, kubelet, root=root)
+    try:
+        kubelet.next_registration()
+        assert {d.health for d in kubelet.wait_listing(lambda d: len(d) == 8)} == {"Healthy"}
+        for index in range(8):  # the fabric manager stopped: not one NVLink active behind the NVSwitches
+            set_gpu_links(root, index, False)
+        assert agent.post("/refresh", token=agent.token).status in (200, 202)
+        sick = kubelet.wait_listing(lambda d: len(d) == 8 and {x.health for x in d} == {"Unhealthy"})
+        assert len(sick) == 8
+        critical = [(f["kind"], f["subject"]) for f in agent.get("/topology").json()["findings"] if f["severity"] == "critical"]
+        assert critical == [("nvswitch-no-nvlink", "nvswitch")]  # no GPU named: the fabric rule alone took them all
+        for index in range(8):
+            set_gpu_links(root, index, True)
+        assert agent.post("/refresh", token=agent.token).status in (200, 202)
+        well = kubelet.wait_listing(lambda d: len(d) == 8 and {x.health for x in d} == {"Healthy"})
+        assert len(well) == 8
+    finally:
+        stop(agent, plugin)
+
+
 def test_registers_again_when_kubelet_restarts(tmp_path: Path, kubelet: FakeKubelet) -> None:
     agent, plugin = running(tmp_path, kubelet)
     try:

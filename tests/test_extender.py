@@ -27,6 +27,7 @@ from service_helpers import metric_value, promtool_complaints, wait_for
 
 from bench.cluster import (
     RESOURCE,
+    SNAPSHOTS,
     Cluster,
     CountOnly,
     Job,
@@ -384,6 +385,71 @@ def test_with_unanswered_pass_it_stays_with_the_lowest_score(c: Cluster, silent:
         assert scores["node-refuses"] == scores["node-hangs"] == scores["node-garbles"] == 0
         assert min(scores[n.name] for n in c.nodes) >= 1
         assert "event=agent_unanswered" in wait_for("the log line", lambda: log.read_text() if "treated_as=pass" in log.read_text() else "", log=log.read_text)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()
+
+
+@pytest.fixture
+def fabric_down(c: Cluster, tmp_path: Path) -> Iterator[dict]:
+    """A node whose agent answers, and says it is not ready for placement: the recorded DGX
+    A100 whose fabric manager never started (fixtures/snapshots/no-fabric-manager)."""
+    address = c.nodes[0].address.rsplit(".", 1)[0] + ".203"
+    log = tmp_path / "agent-fabric-down.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(SNAPSHOTS / "no-fabric-manager"),
+                                 "--listen", f"{address}:{c.nodes[0].port}", "--state-dir", str(tmp_path / "state")],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    try:
+        _wait_line(proc, "agent on no-fabric-manager", log)
+        node = unanswering_node("node-fabric-down", address)  # a Node object, as for the silent ones
+        c.api.add_node(node)
+
+        def blocked() -> bool:
+            conn = http.client.HTTPConnection(address, c.nodes[0].port, timeout=5)
+            try:
+                conn.request("GET", "/readyz")
+                return b"not_ready_for_placement" in conn.getresponse().read()
+            finally:
+                conn.close()
+        wait_for("the agent's first snapshot", blocked, log=log.read_text)
+        yield node
+    finally:
+        c.api.remove_node("node-fabric-down")
+        proc.terminate()
+        assert proc.wait(timeout=20) == 0
+        proc.stdout.close()
+
+
+def with_node(c: Cluster, pod: dict, node: dict) -> dict:
+    return {"Pod": pod, "Nodes": {"items": [*c.node_objects(), node]}, "NodeNames": None}
+
+
+def test_a_node_not_ready_for_placement_is_refused_with_the_agents_reason(c: Cluster, fabric_down: dict) -> None:
+    pod, name = new_pod(c, 1), fabric_down["metadata"]["name"]
+    for _ in range(2):  # an answer, not a silence: asked again every call, never quieted
+        result = c.extender.call("filter", with_node(c, pod, fabric_down))
+        assert name not in {n["metadata"]["name"] for n in result["Nodes"]["items"]}
+        assert name not in result["FailedNodes"]  # no preemption mends a fabric
+        reason = result["FailedAndUnresolvableNodes"][name]
+        assert reason.startswith("not ready for placement: nvswitch-no-nvlink (nvswitch): 6 NVSwitch(es) on the PCI bus"), reason
+    assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes}
+
+
+def test_with_unanswered_pass_a_node_not_ready_for_placement_is_still_refused(c: Cluster, fabric_down: dict, tmp_path: Path) -> None:
+    port = c.nodes[0].port
+    log = tmp_path / "extender.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{port}",
+                                 "--unanswered", "pass", "--kube-api", c.api.url], stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    try:
+        line = _wait_line(proc, "extender", log)
+        other = type(c.extender)(proc, "127.0.0.1", int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0]))
+        result = other.call("filter", with_node(c, new_pod(c, 1), fabric_down))
+        assert {n["metadata"]["name"] for n in result["Nodes"]["items"]} == {n.name for n in c.nodes}
+        assert result["FailedAndUnresolvableNodes"]["node-fabric-down"].startswith("not ready for placement: nvswitch-no-nvlink (nvswitch): ")
+        assert "agent_unanswered" not in log.read_text()  # it answered: not logged as "did not answer"
     finally:
         proc.terminate()
         assert proc.wait(timeout=20) == 0

@@ -144,8 +144,12 @@ def test_readyz_place_and_metrics_say_not_ready_and_why(name, tmp_path):
         # A placement is refused with the same reason: its GPUs may not even start CUDA.
         placed = agent.post("/place", {"gpus": 2})
         assert placed.status == 503 and placed.json() == {k: body[k] for k in ("error", "detail", "findings")}
+        # No capacity figures either: the fabric findings name no GPU, so every GPU would look free.
+        capacity = agent.get("/capacity")
+        assert capacity.status == 503 and capacity.json() == placed.json()
         page = agent.get("/metrics").body.decode()
         assert metric(page, "topoagent_ready") == "0.0"  # what /readyz says
+        assert "topoagent_capacity_" not in page
         for kind in kinds:
             assert metric(page, f'topoagent_findings{{kind="{kind}",severity="critical"}}') == "1.0"
         assert set(kinds) <= {f["kind"] for f in agent.get("/topology").json()["findings"]}
@@ -159,8 +163,16 @@ def test_topoagent_ready_follows_readyz_on_the_other_recordings(name, ready, tmp
     agent = start_agent(tmp_path, root=SNAPSHOTS / name)
     try:
         status = agent.get("/readyz").status
-        assert metric(agent.get("/metrics").body.decode(), "topoagent_ready") == ready
+        page = agent.get("/metrics").body.decode()
+        assert metric(page, "topoagent_ready") == ready
         assert status == (200 if ready == "1.0" else 503)
+        # /capacity and its gauges follow: figures only for a node ready for placement.
+        capacity = agent.get("/capacity")
+        assert capacity.status == status
+        assert (metric(page, "topoagent_capacity_free_gpus") is not None) == (ready == "1.0")
+        if status == 503:
+            assert capacity.json()["error"] == "not_ready_for_placement"
+            assert capacity.json()["detail"].startswith("gpu-stack-missing (gpu-stack): ")
     finally:
         assert agent.stop() == 0
 

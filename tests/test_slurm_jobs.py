@@ -239,6 +239,24 @@ def test_an_unreachable_agent_fails_the_prolog_unless_allowed(tmp_path):
     assert done.returncode == 0 and "--if-agent-down allow" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+def test_a_node_not_ready_for_placement_fails_the_prolog_at_once_even_when_allowed(tmp_path):
+    """Its fabric down, the agent answers 503 not_ready_for_placement: a no, not an agent
+    down to wait out or let pass, so the job never starts without a lease on a broken node
+    (exit 1: slurmd drains the node)."""
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "no-fabric-manager")
+    try:
+        job = {"SLURM_JOB_ID": "12", "SLURM_JOB_GPUS": "0,1"}
+        started = time.monotonic()
+        done = slurm_verb("prolog", agent.url, tmp_path, job, "--timeout", "40", "--if-agent-down", "allow")
+        assert time.monotonic() - started < 20  # not retried until the 40 s deadline
+        assert done.returncode == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.stderr.startswith("topoagent slurm prolog: POST /place for GPUs 0,1 (Slurm's 0,1): HTTP 503: "
+                                      "not ready for placement: nvswitch-no-nvlink (nvswitch): 6 NVSwitch(es)"), done.stderr
+        assert leases_of(agent, "slurm-job-12") == [] and not (tmp_path / "jobs" / "job-12.json").exists()
+    finally:
+        agent.stop()
+
+
 def test_bad_input_from_slurm_exits_2_in_one_line(tmp_path):
     for env, said in (({}, "SLURM_JOB_ID is not set"), ({"SLURM_JOB_ID": "1;rm"}, "not a Slurm job id"),
                       ({"SLURM_JOB_ID": "1", "SLURM_JOB_GPUS": "GPU-abc"}, "expected GPU indices")):

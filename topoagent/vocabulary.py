@@ -80,6 +80,19 @@ class FindingKind(enum.StrEnum):
     COUNTER_STUCK = "counter-stuck"  # a counter saturated, or frozen while its port carries traffic
 
 
+# Critical findings no placement can route around (it keeps off a GPU a finding names, but
+# not off a node whose GPUs it cannot see, nor one whose NVLink fabric is down or not yet
+# up, where CUDA itself may not start): while one stands, the node is not ready for
+# placement (GET /readyz says why), /capacity has no figures, exports that state every
+# pair's links are held back, and the device plugin reports every GPU Unhealthy.  Here,
+# beside the kinds, so the agent (topoagent.node.findings) and the cluster side read one set.
+PLACEMENT_BLOCKERS = frozenset({FindingKind.GPU_STACK_MISSING, FindingKind.NO_GPUS,
+                                FindingKind.NVSWITCH_NO_NVLINK, FindingKind.FABRIC_NOT_READY})
+# The error code of the 503 a blocked node answers (/readyz, /place, /capacity): a refusal
+# its clients (extender, Slurm prolog) pass on with the agent's detail, never a silence to retry.
+NOT_READY_FOR_PLACEMENT = "not_ready_for_placement"
+
+
 class FabricSource(enum.StrEnum):
     """Who said what is at the other end of a network port."""
 

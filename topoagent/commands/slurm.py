@@ -178,7 +178,8 @@ class Answer:
 
 class AgentHttp:
     """Requests to one agent within one deadline: a refused connection, 503 (not ready,
-    disk) and 429 (rate limit) are tried again until then; other answers are returned."""
+    disk) and 429 (rate limit) are tried again until then; other answers are returned,
+    503 ``not_ready_for_placement`` among them (a broken node does not mend in a prolog)."""
 
     def __init__(self, url: str, token: str | None, deadline: float):
         from urllib.parse import urlsplit
@@ -198,6 +199,7 @@ class AgentHttp:
         from topoagent.cluster.slurm import AgentDown, AgentRefused
         from topoagent.commands.agent_connection import AgentConnection
         from topoagent.text import cut
+        from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
 
         what = f"{method} {path}"
         pause = 0.05
@@ -233,6 +235,10 @@ class AgentHttp:
                     doc = None
                 detail = doc.get("detail") or doc.get("error") if isinstance(doc, dict) else None
                 text = cut(str(detail) if detail else raw.decode("utf-8", "replace").strip() or response.reason, 300)
+                if isinstance(doc, dict) and doc.get("error") == NOT_READY_FOR_PLACEMENT:
+                    # A 503 that will not pass by waiting (the fabric down, no GPU stack): the
+                    # agent answered no, whatever --if-agent-down says; Slurm drains the node.
+                    return Answer(response.status, doc, cut(f"not ready for placement: {text}", 300))
                 if response.status not in (429, 503):
                     return Answer(response.status, doc, text)
                 failure, limited = f"{what}: HTTP {response.status}: {text}", response.status == 429

@@ -13,7 +13,7 @@ from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
 from topoagent.node.facts import BRIDGE, GPU, PeerMemory
 from topoagent.node.model import Finding, GpuTopo, NicTopo, NodeTopology
-from topoagent.vocabulary import FindingKind, Severity, Status
+from topoagent.vocabulary import PLACEMENT_BLOCKERS, FindingKind, Severity, Status
 
 
 def collector_findings(results: Iterable[CollectorResult[Any]]) -> list[Finding]:
@@ -241,14 +241,6 @@ def witness_findings(
             "(and load it at boot)",
         ))
     return found
-
-
-# Critical findings no placement can route around (it keeps off a GPU a finding names, but
-# not off a node whose GPUs it cannot see, nor one whose NVLink fabric is down or not yet
-# up, where CUDA itself may not start): while one stands, the node is not ready for
-# placement (GET /readyz says why) and exports that state every pair's links are held back.
-PLACEMENT_BLOCKERS = frozenset({FindingKind.GPU_STACK_MISSING, FindingKind.NO_GPUS,
-                                FindingKind.NVSWITCH_NO_NVLINK, FindingKind.FABRIC_NOT_READY})
 
 
 def placement_blockers(findings: Iterable[Finding]) -> tuple[Finding, ...]:

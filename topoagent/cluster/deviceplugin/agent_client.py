@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from topoagent.documents.lease import LEASE_ID
-from topoagent.vocabulary import Severity
+from topoagent.vocabulary import PLACEMENT_BLOCKERS, Severity
 
 HEALTHY = "Healthy"
 UNHEALTHY = "Unhealthy"
@@ -30,7 +30,8 @@ class Gpu:
 
 
 def gpus_of(topology: Any) -> dict[str, Gpu]:
-    """The node's GPUs by UUID, each Unhealthy when a critical finding names it.
+    """The node's GPUs by UUID, each Unhealthy when a critical finding names it, and all of
+    them while a critical finding of a kind that blocks placement stands.
 
     Only findings about the GPU itself count (subject ``GPU3`` or its UUID): a critical
     link finding (``GPU0-GPU1``) is a slow path the placement already avoids, not a reason
@@ -43,6 +44,10 @@ def gpus_of(topology: Any) -> dict[str, Gpu]:
     if not isinstance(findings, list) or not isinstance(gpus, list):
         raise AgentAnswerError("GET /topology: expected lists of gpus and findings")
     critical = {f.get("subject") for f in findings if isinstance(f, dict) and f.get("severity") == Severity.CRITICAL}
+    # A finding that blocks placement (the NVLink fabric down, no GPU stack) names the node's
+    # fabric, not a GPU, yet no GPU of it can be trusted to a pod: all Unhealthy while it stands.
+    blocked = any(isinstance(f, dict) and f.get("severity") == Severity.CRITICAL and f.get("kind") in PLACEMENT_BLOCKERS
+                  for f in findings)
     out = {}
     for n, g in enumerate(gpus):
         if not isinstance(g, dict):
@@ -55,7 +60,7 @@ def gpus_of(topology: Any) -> dict[str, Gpu]:
             raise AgentAnswerError(f"GET /topology: gpus[{n}]: expected a string uuid and name, a whole index and numa_node")
         if uuid in out:
             raise AgentAnswerError(f"GET /topology: gpus[{n}]: UUID {uuid[:60]} twice")
-        sick = name in critical or uuid in critical
+        sick = blocked or name in critical or uuid in critical
         out[uuid] = Gpu(uuid, index, name, numa, UNHEALTHY if sick else HEALTHY)
     return out
 

@@ -48,6 +48,7 @@ from topoagent.cluster.extender.nodetable import NodeTable
 from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Candidate
 from topoagent.documents.lease import LEASE_ID
 from topoagent.text import cut
+from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
 
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a 1024-GPU node's /capacity is well below this
 REMEMBERED_NODES = 20_000  # node addresses and cached answers kept, least recently used out
@@ -68,6 +69,13 @@ class Refused(Exception):
     def __init__(self, reason: str, status: int) -> None:
         super().__init__(reason)
         self.reason, self.status = reason, status
+
+
+def _refuse_if_blocked(status: int, doc: Any) -> None:
+    """Refused when the agent answered 503 ``not_ready_for_placement`` (its fabric down, its
+    GPU stack missing): an answer, and a no, not a silence that ``--unanswered pass`` keeps."""
+    if status == 503 and isinstance(doc, dict) and doc.get("error") == NOT_READY_FOR_PLACEMENT and isinstance(doc.get("detail"), str):
+        raise Refused(cut(f"not ready for placement: {doc['detail']}", 300), status)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +203,7 @@ class Agents:
             self.asked["capacity_not_modified"] += counted
             self._capacity.move_to_end(node)
             return cached[0], cached[1]
+        _refuse_if_blocked(status, doc)
         if status != 200 or not isinstance(doc, dict) or not _is_count(doc.get("free_gpus")) or not _is_count(doc.get("gpus")):
             raise Unreachable(f"GET {url}: HTTP {status}, not a capacity document")
         etag = resp_headers.get("ETag", "")
@@ -239,6 +248,7 @@ class Agents:
             return doc
         if 400 <= status < 500 and isinstance(doc, dict) and isinstance(doc.get("detail"), str):
             raise Refused(cut(doc["detail"], 300), status)
+        _refuse_if_blocked(status, doc)
         raise Unreachable(f"POST {url}: HTTP {status}, not a placement")
 
     async def verdict(self, candidate: Candidate, request: Mapping[str, Any]) -> Verdict:
