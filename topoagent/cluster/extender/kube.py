@@ -98,16 +98,19 @@ class Kube:
 
     def list_nodes_page(self, limit: int, token: str | None) -> dict[str, Any]:
         """One page of the Node objects (a NodeList document), for the node table; blocking."""
-        what = "list nodes"
+        return self._list_page("list nodes", "NodeList", self._core.list_node, limit=limit, _continue=token or None)
+
+    def _list_page(self, what: str, kind: str, call: Any, **query: Any) -> dict[str, Any]:
+        """One page of a list call, read as JSON and checked to be a ``kind``; blocking."""
         try:
-            resp: Any = self._core.list_node(limit=limit, _continue=token or None, _preload_content=False, _request_timeout=self.timeout_s * 6)
+            resp: Any = call(**query, _preload_content=False, _request_timeout=self.timeout_s * 6)
             doc = json.loads(resp.data)
         except self._exception as exc:
             raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
         except self._transport_errors as exc:
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
-            raise KubeError(f"{what}: not a NodeList")
+            raise KubeError(f"{what}: not a {kind}")
         return doc
 
     # -- the pod watch's calls: blocking, run in the watch's own thread ------------------------
@@ -115,18 +118,8 @@ class Kube:
     def list_pods_page(self, limit: int, token: str | None, field_selector: str | None = None) -> dict[str, Any]:
         """One page of a consistent pod list (a PodList document; ``metadata.continue`` says
         whether more follow)."""
-        what = "list pods"
-        try:
-            resp: Any = self._core.list_pod_for_all_namespaces(limit=limit, _continue=token or None, field_selector=field_selector,
-                                                          _preload_content=False, _request_timeout=self.timeout_s * 6)
-            doc = json.loads(resp.data)
-        except self._exception as exc:
-            raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
-        except self._transport_errors as exc:
-            raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("items"), list):
-            raise KubeError(f"{what}: not a PodList")
-        return doc
+        return self._list_page("list pods", "PodList", self._core.list_pod_for_all_namespaces,
+                               limit=limit, _continue=token or None, field_selector=field_selector)
 
     def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, opened: list[Any],
                    field_selector: str | None = None) -> Iterator[dict[str, Any]]:
