@@ -313,6 +313,20 @@ def make_probe_app() -> web.Application:
     return app
 
 
+def while_serving(loop: Callable[[], Awaitable[None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup context that runs ``loop`` as a task while the app serves, and cancels it
+    (and waits for it to end) when the app stops."""
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.ensure_future(loop())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return lifetime
+
+
 def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard: ConnectionGuard | None = None,
              requeue: Requeue | None = None) -> web.Application:
     """The app; ``guard`` (the listener's) is told where each request starts and ends, to
@@ -335,37 +349,21 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
     app.cleanup_ctx.append(session_lifetime)
     if requeue is not None:
         app[REQUEUE] = requeue
-
-        async def requeue_lifetime(app: web.Application) -> AsyncIterator[None]:
-            task = asyncio.create_task(requeue.run())
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        app.cleanup_ctx.append(requeue_lifetime)
+        app.cleanup_ctx.append(while_serving(requeue.run))
     if agents.table.api is not None:
+        table = agents.table
+
         async def node_table_lifetime(app: web.Application) -> AsyncIterator[None]:
             # The first list before the first call: nodes are known from the start; the watch goes on from it.
-            task = asyncio.create_task(agents.table.run(await agents.table.list_now()))
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            version = await table.list_now()
+            async for _ in while_serving(lambda: table.run(version))(app):
+                yield
 
         app.cleanup_ctx.append(node_table_lifetime)
     if kube is not None and settings.pod_resync_s > 0:
         app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
-
-        async def pod_watch_lifetime(app: web.Application) -> AsyncIterator[None]:
-            # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
-            task = asyncio.create_task(watch.run())
-            yield
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-        app.cleanup_ctx.append(pod_watch_lifetime)
+        # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
+        app.cleanup_ctx.append(while_serving(watch.run))
     prefix = settings.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", filter_nodes)
     app.router.add_post(f"{prefix}/prioritize", prioritize)
