@@ -31,12 +31,18 @@ TOKEN = "extender-defences-token-0123456789"
 
 @dataclass
 class Recorder:
-    """An agent that answers like one and writes down every request: (method, path, Authorization)."""
+    """An agent that answers like one, with ``free`` of 8 GPUs free (its capacity ETag says
+    which), and writes down every request: (method, path, Authorization)."""
 
     address: str
     port: int
+    free: int = 8
     seen: list[tuple[str, str, str]] = field(default_factory=list)
     server: ThreadingHTTPServer | None = None
+
+    @property
+    def paths(self) -> list[str]:
+        return [path for _, path, _ in self.seen]
 
     def start(self) -> None:
         recorder = self
@@ -57,7 +63,7 @@ class Recorder:
 
             def do_GET(self) -> None:
                 self._note()
-                self._answer({"gpus": 8, "free_gpus": 8}, '"cap-1"')
+                self._answer({"gpus": 8, "free_gpus": recorder.free}, f'"free-{recorder.free}"')
 
             def do_POST(self) -> None:
                 self._note()

@@ -7,7 +7,6 @@ with that count unchanged came through the watch."""
 from __future__ import annotations
 
 import http.client
-import json
 import random
 import socket
 import subprocess
@@ -15,63 +14,16 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from fake_apiserver import FakeApiServer
 from service_helpers import metric_value, promtool_complaints, wait_for
+from test_extender_defences import Recorder as Agent
 from test_extender_defences import call, gpu_pod, stop
 
 from bench.cluster import _child_env, _free_port, _wait_line, unanswering_node
-
-
-@dataclass
-class Agent:
-    """An agent with ``free`` of 8 GPUs free (its capacity ETag says which), writing down who asked."""
-
-    address: str
-    port: int
-    free: int = 8
-    seen: list[str] = field(default_factory=list)  # paths asked
-    server: ThreadingHTTPServer | None = None
-
-    def start(self) -> None:
-        agent = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def _answer(self, doc: Any, etag: str | None = None) -> None:
-                data = json.dumps(doc).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                if etag:
-                    self.send_header("ETag", etag)
-                self.end_headers()
-                self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                agent.seen.append(self.path)
-                self._answer({"gpus": 8, "free_gpus": agent.free}, f'"free-{agent.free}"')
-
-            def do_POST(self) -> None:
-                agent.seen.append(self.path)
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-                self._answer({"gpus": [{"index": i, "uuid": f"GPU-{i}"} for i in range(body.get("gpus", 1))],
-                              "bandwidth_gbps": 100.0, "objective": {"numa_distance": 10, "damage": 0}})
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer((self.address, self.port), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        assert self.server is not None
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @dataclass
@@ -161,7 +113,7 @@ def test_nodes_added_readdressed_relabelled_and_deleted_are_seen_through_the_wat
 
     world.two.seen.clear()
     world.api.set_node_address("node-b", world.two.address)
-    wait_for("node-b asked at its new address", lambda: filtered(world, ["node-b"])["NodeNames"] == ["node-b"] and "/capacity" in world.two.seen)
+    wait_for("node-b asked at its new address", lambda: filtered(world, ["node-b"])["NodeNames"] == ["node-b"] and "/capacity" in world.two.paths)
 
     world.api.label_node("node-b", {"topoagent.io/test": "relabelled"})
     assert filtered(world, ["node-b"])["NodeNames"] == ["node-b"]
@@ -296,7 +248,7 @@ def test_a_list_the_watch_overtakes_never_brings_the_older_table_back(tmp_path: 
         api.hold_node_watches = None
         watches_go.set()
         wait_for("node-moved asked at its new address through the watch",
-                 lambda: filtered_here(["node-moved"])["NodeNames"] == ["node-moved"] and "/capacity" in two.seen, log=log.read_text)
+                 lambda: filtered_here(["node-moved"])["NodeNames"] == ["node-moved"] and "/capacity" in two.paths, log=log.read_text)
         assert "not among the API server's Node objects" in filtered_here(["node-gone"])["FailedNodes"].get("node-gone", "")
         if answered == "between two watches":  # that watch ends too, and the next is held
             watches, watches_go = api.node_watches, threading.Event()
@@ -316,7 +268,7 @@ def test_a_list_the_watch_overtakes_never_brings_the_older_table_back(tmp_path: 
         for answer in (answers[0], *later):
             assert "not among the API server's Node objects" in answer["FailedNodes"].get("node-gone", ""), answer
             assert "node-moved" in answer["NodeNames"], answer
-        assert "/capacity" in two.seen and not one.seen, "an agent was asked at an address the watch had replaced"
+        assert "/capacity" in two.paths and not one.seen, "an agent was asked at an address the watch had replaced"
         assert api.node_lists == lists + 1  # no later list put the table right
     finally:
         watches_go.set()
