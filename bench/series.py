@@ -5,7 +5,7 @@ size plain and gzipped, by default and with the [metrics] opt-ins.
 
 The node is tests/big_node.py's (16 hgx-h100 blocks: 128 GPUs, 128 ConnectX-7, 18 NVLinks
 a GPU), served by a real agent over loopback; a scrape is counted once the NVML counters'
-first read is in it.  tests/test_series_budget.py asserts the budget; this prints figures.
+first read and the capacity figures are in it.  tests/test_series_budget.py asserts the budget; this prints figures.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ def measure(root: Path, tmp: Path, name: str, keys: str) -> tuple[Counter[str], 
         line = proc.stdout.readline() if proc.stdout else ""
         base = "http://" + line.split("http://", 1)[1].split()[0].rstrip("/")
         deadline = time.monotonic() + 120
-        while True:  # poll until the counters are served, never a fixed wait
+        while True:  # poll until the counters and the capacity figures are served, never a fixed wait
             try:
                 page = _get(base + "/metrics").decode()
             except urllib.error.HTTPError:
                 page = ""
-            if 'collector="nvml_counters"' in page:
+            if 'collector="nvml_counters"' in page and "\ntopoagent_capacity_free_gpus " in page:
                 break
             if time.monotonic() > deadline:
                 raise SystemExit(f"{name}: the counters were never served")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -506,7 +507,10 @@ PCIE_TRANSMITTED = Family("pcie_transmitted_bytes_total", "Bytes a GPU sent over
 PCIE_RECEIVED = Family("pcie_received_bytes_total", "Bytes a GPU received over PCIe (NVML; Hopper and later).", COUNTER, _GPU, "bytes")
 TEMPERATURE = Family("gpu_temperature_celsius", "GPU core temperature.", GAUGE, _GPU, "celsius")
 POWER = Family("gpu_power_watts", "GPU power draw.", GAUGE, _GPU, "watts")
-POWER_LIMIT = Family("gpu_power_limit_watts", "GPU enforced power limit.", GAUGE, _GPU, "watts")
+# A setting, not a measurement (the throttle bitmask says when the cap holds clocks down):
+# served with [metrics] detail "settings" (the series budget).
+POWER_LIMIT = Family("gpu_power_limit_watts", "GPU enforced power limit ([metrics] detail \"settings\").", GAUGE, _GPU, "watts",
+                     detail=MetricsDetail.SETTINGS)
 MEMORY_USED = Family("gpu_memory_used_bytes", "GPU memory allocated (framebuffer; without the driver's reserve where NVML reports one).",
                      GAUGE, _GPU, "bytes")
 MEMORY_FREE = Family("gpu_memory_free_bytes", "GPU memory free (framebuffer).", GAUGE, _GPU, "bytes")
@@ -516,10 +520,11 @@ UTILIZATION = Family("gpu_utilization_ratio", "Share of NVML's last sample perio
                      GAUGE, _GPU, "ratio")
 MEMORY_UTILIZATION = Family("gpu_memory_utilization_ratio",
                             "Share of NVML's last sample period in which device memory was read or written.", GAUGE, _GPU, "ratio")
-ENCODER_UTILIZATION = Family("gpu_encoder_utilization_ratio", "Share of NVML's last sample period the video encoder was busy.",
-                             GAUGE, _GPU, "ratio")
-DECODER_UTILIZATION = Family("gpu_decoder_utilization_ratio", "Share of NVML's last sample period the video decoder was busy.",
-                             GAUGE, _GPU, "ratio")
+# The video engines sit idle on a training node: served with [metrics] detail "video".
+ENCODER_UTILIZATION = Family("gpu_encoder_utilization_ratio", "Share of NVML's last sample period the video encoder was busy "
+                             "([metrics] detail \"video\").", GAUGE, _GPU, "ratio", detail=MetricsDetail.VIDEO)
+DECODER_UTILIZATION = Family("gpu_decoder_utilization_ratio", "Share of NVML's last sample period the video decoder was busy "
+                             "([metrics] detail \"video\").", GAUGE, _GPU, "ratio", detail=MetricsDetail.VIDEO)
 SM_CLOCK = Family("gpu_sm_clock_hertz", "Current SM clock.", GAUGE, _GPU, "hertz")
 MEMORY_CLOCK = Family("gpu_memory_clock_hertz", "Current memory clock.", GAUGE, _GPU, "hertz")
 MEMORY_TEMPERATURE = Family("gpu_memory_temperature_celsius", "GPU memory (HBM) temperature.", GAUGE, _GPU, "celsius")
@@ -530,9 +535,13 @@ ECC_ERRORS = Family("gpu_ecc_errors_total", "ECC errors since the driver loaded 
                     COUNTER, (*_GPU, "type"), detail=MetricsDetail.ERRORS, default=(("type", frozenset({"uncorrected"})),))
 RETIRED_PAGES_PENDING = Family("gpu_retired_pages_pending", "1 when retired pages wait for a GPU reset (pre-Ampere page retirement).",
                                GAUGE, _GPU)
+# Rows remapped for correctable errors were remapped in time: counted, not judged, like
+# corrected ECC errors; with [metrics] detail "errors".  Uncorrectable, pending (a reset is
+# due) and failure (service) by default.
 REMAPPED_ROWS = Family("gpu_remapped_rows",
-                       "Remapped memory rows (Ampere and later): correctable, uncorrectable counts; pending, failure flags.",
-                       GAUGE, (*_GPU, "state"))
+                       "Remapped memory rows (Ampere and later): uncorrectable count; pending, failure flags; correctable count with "
+                       "[metrics] detail \"errors\".", GAUGE, (*_GPU, "state"), detail=MetricsDetail.ERRORS,
+                       default=(("state", frozenset({"uncorrectable", "pending", "failure"})),))
 # The series budget (issue #29): per GPU, the throttle bitmask as dcgm-exporter serves it and
 # the Xids by class; one series per reason bit and per Xid with [metrics] detail.
 THROTTLE_MASK = Family("gpu_clock_throttle_reasons", "Why the GPU's clocks are held down now: NVML's clocks throttle reasons "
@@ -620,7 +629,10 @@ def dcgm_table() -> str:
     for f in DCGM_FIELDS:
         ours = f"`{f.family.name}{f.select}`" if f.family is not None else "—"
         factor = f.factor if f.family is not None else "—"
-        lines.append(f"| `{f.field}` | {f.unit or '—'} | {ours} | {factor} | {f.note} |")
+        note = f.note
+        if f.family is not None and not f.family.served(tuple(re.findall(r'(\w+)="([^"]*)"', f.select)), frozenset()):
+            note = "; ".join(filter(None, (f'with `[metrics] detail = ["{f.family.detail}"]`', note)))
+        lines.append(f"| `{f.field}` | {f.unit or '—'} | {ours} | {factor} | {note} |")
     return "\n".join(lines) + "\n"
 
 

@@ -31,12 +31,43 @@ from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
+    from topoagent.collectors.counters import Family as CounterFamily
     from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
     from topoagent.service.interface import Service
 
 NS = "topoagent"
 GB = 1e9  # the matrix speaks GB/s (10^9 bytes/s); Prometheus wants bytes/s
+
+# The families below (not the counters': collectors' Family.detail says theirs) that
+# /metrics serves only when [metrics] detail names their word: the series budget (issue #29).
+SERVED_WITH_DETAIL = {
+    "pcie_link_degraded": MetricsDetail.PCIE_LINK,  # by default the pcie-degraded finding says it
+    "pcie_link_speed_transfers_per_second": MetricsDetail.PCIE_LINK,
+    "pcie_link_width_lanes": MetricsDetail.PCIE_LINK,
+    "infiniband_port_rate_bytes_per_second": MetricsDetail.SETTINGS,  # GET /topology has every port's rate
+    "capacity_fits": MetricsDetail.CAPACITY,  # k fits while k <= capacity_free_gpus; GET /capacity has the rest
+}
+
+
+def _served(detail: frozenset[str], *families: Metric) -> Iterator[Metric]:
+    """The families [metrics] ``detail`` serves (SERVED_WITH_DETAIL), in order."""
+    for family in families:
+        word = SERVED_WITH_DETAIL.get(family.name.removeprefix(f"{NS}_"))
+        if word is None or word in detail:
+            yield family
+
+
+def detail_table(counter_families: Iterable[CounterFamily]) -> str:
+    """docs/telemetry.md's table of what each [metrics] detail word serves (markdown), from
+    ``counter_families`` (the counter sources' declarations) and SERVED_WITH_DETAIL."""
+    lines = ["| `detail` | brings back (`topoagent_`) |", "|---|---|"]
+    for word in MetricsDetail:
+        names = [f"`{f.name}`" + "".join(f" (by default only {label} {', '.join(sorted(values))})" for label, values in f.default)
+                 for f in counter_families if f.detail == word]
+        names += [f"`{name}`" for name, served_by in SERVED_WITH_DETAIL.items() if served_by == word]
+        lines.append(f'| `"{word}"` | {", ".join(names)} |')
+    return "\n".join(lines) + "\n"
 
 
 def _opt(value: object) -> str:
@@ -58,8 +89,8 @@ class SnapshotCollector(Collector):
     pairwise), n^2 series that never change between discoveries and are in /topology
     anyway; `per_link`: one series per NVLink ([metrics] per_link) instead of per GPU.
     Both off by default: at 128 GPUs they are 50k of a 56k-series page.  `detail` ([metrics]
-    detail): the per-counter, per-Xid, per-reason series and PCIe speeds beside the defaults
-    (MetricsDetail says which); none by default, for a ~5k-series page at 128 GPUs."""
+    detail): the series each word brings back beside the defaults (detail_table() says
+    which); none by default, for a page under 5k series at 128 GPUs."""
 
     def __init__(self, snapshot: Snapshot, *, pairwise: bool = False, per_link: bool = False,
                  detail: frozenset[str] = frozenset()) -> None:
@@ -159,11 +190,10 @@ class SnapshotCollector(Collector):
         if self.pairwise:
             yield affinity
 
-        # Whether the link lost lanes, by default (one series a device); its figures with detail pcie_link.
         degraded = GaugeMetricFamily(
             f"{NS}_pcie_link_degraded",
-            "1 when a device's PCIe link trained narrower than it supports (the pcie-degraded finding's test; its speed, which "
-            "falls on an idle GPU, with [metrics] detail pcie_link); no series where a width is unknown.",
+            "1 when a device's PCIe link trained narrower than it supports (the pcie-degraded finding's test; its speed falls "
+            "on an idle GPU); no series where a width is unknown.",
             labels=["device", "role"],
         )
         speed = GaugeMetricFamily(
@@ -186,9 +216,7 @@ class SnapshotCollector(Collector):
                         speed.add_metric([dev.pci_address, role, state], gts * 1e9)
                     if lanes is not None:
                         width.add_metric([dev.pci_address, role, state], lanes)
-        yield degraded
-        if MetricsDetail.PCIE_LINK in self.detail:
-            yield from (speed, width)
+        yield from _served(self.detail, degraded, speed, width)
 
         active = GaugeMetricFamily(f"{NS}_gpu_nvlinks_active", "NVLinks of a GPU that are active.", labels=["gpu"])
         nvlink = GaugeMetricFamily(f"{NS}_nvlink_up", "1 when an NVLink of a GPU is active.", labels=["gpu", "link"])
@@ -210,7 +238,8 @@ class SnapshotCollector(Collector):
                 ib_state.add_metric([device, str(port.number), state], 1.0 if state.upper() == "ACTIVE" else 0.0)
                 if port.rate_gbps is not None:
                     ib_rate.add_metric([device, str(port.number)], port.rate_gbps * 1e9 / 8)
-        yield from (ib_state, ib_rate)
+        yield ib_state
+        yield from _served(self.detail, ib_rate)
 
         findings = GaugeMetricFamily(f"{NS}_findings", "Findings of the last discovery, by kind and severity.", labels=["kind", "severity"])
         counts: dict[tuple[str, str], int] = {}
@@ -322,8 +351,9 @@ PROBE_OUTCOMES = ("ok", "timeout", "crash", "oom", "cuda_error", "unavailable", 
 
 
 class RuntimeCollector(Collector):
-    def __init__(self, served: Served) -> None:
+    def __init__(self, served: Served, detail: frozenset[str] = frozenset()) -> None:
         self.served = served
+        self.detail = detail  # [metrics] detail
 
     def collect(self) -> Iterator[Metric]:
         served = self.served
@@ -408,7 +438,8 @@ class RuntimeCollector(Collector):
         fits = GaugeMetricFamily(f"{NS}_capacity_fits", "1 when a k-GPU job fits on the free GPUs now.", labels=["k"])
         for fit in figures.fits:
             fits.add_metric([str(fit.gpus)], 1.0 if fit.fits else 0.0)
-        yield from (free, zone, fragmentation, fits)
+        yield from (free, zone, fragmentation)
+        yield from _served(self.detail, fits)
 
     def _probes(self, now: float) -> Iterator[Metric]:
         probes = self.served.probes
@@ -485,11 +516,11 @@ class MetricsPage:
         served = self.service.served()  # one value for the whole page
         snapshot = served.snapshot
         static = b""
+        config = self.service.config  # read per page: a SIGHUP reload may change [metrics]
         if snapshot is not None:
-            config = self.service.config  # read per page: a SIGHUP reload may change [metrics]
             key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link, config.metrics_detail)
             if self._cached is None or self._cached[0] != key:
                 self._cached = (key, _render(SnapshotCollector(snapshot, pairwise=config.metrics_pairwise, per_link=config.metrics_per_link,
                                                                detail=config.metrics_detail)))
             static = self._cached[1]
-        return static + _render(RuntimeCollector(served)) + (_render(self._http) if self._http is not None else b"")
+        return static + _render(RuntimeCollector(served, config.metrics_detail)) + (_render(self._http) if self._http is not None else b"")

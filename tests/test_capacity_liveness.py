@@ -90,7 +90,7 @@ def assert_fits_valid(doc: dict) -> None:
 def test_big_node_capacity_is_off_the_loop_and_within_its_budget(tmp_path):
     root = random_recording(tmp_path, 64, seed=21440)
     budget_ms = 3000  # long enough that /healthz is asked many times while it runs
-    agent = start_agent(tmp_path, root=root, config=budget_config(budget_ms))
+    agent = start_agent(tmp_path, root=root, config=budget_config(budget_ms) + '[metrics]\ndetail = ["capacity"]\n')
     try:
         started = time.monotonic()
         asking, box = in_thread(lambda: agent.get("/capacity"))
@@ -111,7 +111,8 @@ def test_big_node_capacity_is_off_the_loop_and_within_its_budget(tmp_path):
         validate(doc, "Capacity")
         assert doc["gpus"] == 64 and doc["free_gpus"] == 64
         assert_fits_valid(doc)
-        # Concurrent scrapes and reads share the computed figures: /metrics says the same.
+        # Concurrent scrapes and reads share the computed figures: /metrics says the same
+        # (per job size with [metrics] detail "capacity").
         page = agent.get("/metrics").body.decode()
         assert metric_value(page, "topoagent_capacity_free_gpus") == 64
         assert metric_value(page, "topoagent_capacity_fits", {"k": "64"}) == 1

@@ -146,7 +146,7 @@ def test_any_text_loads_or_is_one_config_error(text):
         ("[http]\nrate_limit_per_s = nan\n", "http.rate_limit_per_s"),
         ("[http]\nrate_limit_burst = 0\n", "http.rate_limit_burst"),
         ('["a\\nb"]\nc = 1\n', "'a\\nb': unknown section"),
-        ('[metrics]\ndetail = ["xids"]\n', "metrics.detail: expected a list of xid, throttle, errors, packets, pcie_link, got ['xids']"),
+        ('[metrics]\ndetail = ["xids"]\n', "metrics.detail: expected a list of xid, throttle, errors, packets, pcie_link, settings, video, capacity, got ['xids']"),
         ('[metrics]\ndetail = "xid"\n', "metrics.detail: expected a list of"),
     ],
 )

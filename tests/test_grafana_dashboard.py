@@ -20,6 +20,7 @@ from conftest import FIXTURES, REPO
 from service_helpers import CPU_PROBES, Agent, metric_value, start_agent, wait_for
 
 from topoagent.collectors.registry import FAMILIES
+from topoagent.exporters.prometheus import SERVED_WITH_DETAIL
 
 DASHBOARD = REPO / "systemd" / "grafana-dashboard.json"
 RULES = REPO / "systemd" / "topoagent-alerts.yml"
@@ -33,8 +34,7 @@ pairwise = true
 """ + CPU_PROBES
 PAIRWISE = ("topoagent_gpu_pair_link_level", "topoagent_gpu_pair_expected_bandwidth_bytes_per_second", "topoagent_gpu_nic_link_level")
 # Families a default agent serves none of: [metrics] detail brings them back.
-DETAIL_ONLY = {f"topoagent_{f.name}" for f in FAMILIES if f.detail and not f.default} | {
-    "topoagent_pcie_link_speed_transfers_per_second", "topoagent_pcie_link_width_lanes"}
+DETAIL_ONLY = {f"topoagent_{f.name}" for f in FAMILIES if f.detail and not f.default} | {f"topoagent_{name}" for name in SERVED_WITH_DETAIL}
 WAIT_S = 90
 
 

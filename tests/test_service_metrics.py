@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent
 
 from topoagent.config import Config
-from topoagent.exporters.prometheus import MetricsPage
+from topoagent.exporters.prometheus import SERVED_WITH_DETAIL, MetricsPage
 from topoagent.node.matrix import Measurement
 from topoagent.placement import Request
 from topoagent.service.agent import Agent
@@ -152,12 +152,13 @@ def test_degraded_node_shows_its_faults(tmp_path):
     assert metric_value(text, "topoagent_nvlink_up", {"gpu": "5", "link": "7"}) == 0
     assert metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "5"}) == metric_value(text, "topoagent_gpu_nvlinks_active", {"gpu": "4"}) - 1
     assert metric_value(text, "topoagent_infiniband_port_active", {"device": "mlx5_6", "state": "DOWN"}) == 0
+    # By default the finding says a link lost lanes; the link, with its lane counts, with
+    # [metrics] detail = ["pcie_link"]; port rates with "settings".
+    assert not any(f"topoagent_{name}" in text for name in SERVED_WITH_DETAIL)
+    text = metrics_of("degraded", tmp_path, metrics_detail=frozenset({MetricsDetail.PCIE_LINK, MetricsDetail.SETTINGS}))
     assert metric_value(text, "topoagent_infiniband_port_rate_bytes_per_second", {"device": "mlx5_0"}) == 50e9
-    # The link that lost lanes, by default; its lane counts with [metrics] detail = ["pcie_link"].
     assert metric_value(text, "topoagent_pcie_link_degraded", {"role": "gpu", "device": "0000:5d:00.0"}) == 1
     assert metric_value(text, "topoagent_pcie_link_degraded", {"role": "gpu", "device": "0000:18:00.0"}) == 0
-    assert "topoagent_pcie_link_width_lanes" not in text and "topoagent_pcie_link_speed_transfers_per_second" not in text
-    text = metrics_of("degraded", tmp_path, metrics_detail=frozenset({MetricsDetail.PCIE_LINK}))
     assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "current", "device": "0000:5d:00.0"}) == 8
     assert metric_value(text, "topoagent_pcie_link_width_lanes", {"role": "gpu", "state": "max", "device": "0000:5d:00.0"}) == 16
 

@@ -201,8 +201,12 @@ class MetricsDetail(enum.StrEnum):
     """What ``[metrics] detail`` brings back to /metrics beyond its default series budget
     (each family says which of these serves it: collectors/counters.py ``Family.detail``)."""
 
-    XID = "xid"  # gpu_xid_errors_total{xid}: one series per Xid (by default: per class)
-    THROTTLE = "throttle"  # gpu_clock_throttle_reason{reason}: one 0/1 series per bit (by default: the bitmask)
-    ERRORS = "errors"  # every error counter, not only those the agent judges (IB, NVLink CRC, AER correctable)
+    # Which families each word serves: exporters/prometheus.py detail_table() (docs/telemetry.md).
+    XID = "xid"  # one series per Xid (by default: per class)
+    THROTTLE = "throttle"  # one 0/1 series per throttle reason (by default: the bitmask)
+    ERRORS = "errors"  # every error counter, not only those the agent judges
     PACKETS = "packets"  # InfiniBand packet counters (by default: bytes only)
-    PCIE_LINK = "pcie_link"  # PCIe speed and width, current and max (by default: degraded or not)
+    PCIE_LINK = "pcie_link"  # each device's PCIe link (by default: the pcie-degraded finding)
+    SETTINGS = "settings"  # what the node is set to, not what it does: power limits, port rates
+    VIDEO = "video"  # the video engines' utilisation (dcgm-exporter's ENC/DEC_UTIL): idle on training nodes
+    CAPACITY = "capacity"  # capacity_fits by job size (GET /capacity has it; by default: free GPUs, largest zone)
