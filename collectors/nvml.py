@@ -43,9 +43,12 @@ class NvLink:
     remote_type: str | None  # "gpu", "switch", "cpu" or None
 
 
-# nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.
+# nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.  A number nvml.h does not name (a
+# newer driver's) is written "unknown": a state nobody can read is not taken as completed.
 _FABRIC_STATES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
 FABRIC_COMPLETED = "completed"
+FABRIC_UNKNOWN = "unknown"
+_RECORDED_FABRIC_STATES = (*_FABRIC_STATES.values(), FABRIC_UNKNOWN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,7 @@ class GpuFabric:
 
     cluster_uuid: str | None  # the NVLink domain's cluster, "6f1e...-..."; None when all zero
     clique_id: int | None  # the partition (clique) within the cluster
-    state: str | None  # "completed", "in_progress", "not_started", "not_supported"
+    state: str | None  # "completed", "in_progress", "not_started", "not_supported", "unknown"
     status: int | None  # nvmlReturn_t of the registration: 0 = success
 
     @property
@@ -196,8 +199,8 @@ def _fabric(raw: object, where: str) -> GpuFabric | None:
         raise SourceError(f"{where}: expected an object")
     uuid = _field(raw, "cluster_uuid", str, where)
     state = _field(raw, "state", str, where)
-    if state is not None and state not in _FABRIC_STATES.values():
-        raise SourceError(f"{where}: state {state[:40]!r} is not one of {', '.join(_FABRIC_STATES.values())}")
+    if state is not None and state not in _RECORDED_FABRIC_STATES:
+        raise SourceError(f"{where}: state {state[:40]!r} is not one of {', '.join(_RECORDED_FABRIC_STATES)}")
     return GpuFabric(
         cluster_uuid=None if uuid is None or not uuid.strip("0-") else uuid.lower(),  # all zero: no cluster
         clique_id=_field(raw, "clique_id", int, where),
@@ -350,7 +353,7 @@ def _fabric_answer(info: object) -> dict | None:
     return {
         "cluster_uuid": uuid,
         "clique_id": clique if isinstance(clique, int) else None,
-        "state": _FABRIC_STATES.get(state) if isinstance(state, int) else None,
+        "state": _FABRIC_STATES.get(state, FABRIC_UNKNOWN) if isinstance(state, int) else None,
         "status": status if isinstance(status, int) else None,
     }
 

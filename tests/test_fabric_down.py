@@ -93,6 +93,7 @@ def gpu(index: int, fabric: dict | None, active: bool = True) -> dict:
     ({"state": "completed", "status": 999}, "completed with error 999: GPU0"),
     ({"state": "in_progress", "status": None}, "in_progress: GPU0"),
     ({"state": "not_started"}, "not_started: GPU0"),
+    ({"state": "unknown", "status": 0}, "unknown: GPU0"),  # a state number nvml.h does not name: never taken as completed
 ])
 def test_the_fabric_state_rule(fabric, said):
     nvml = parse_nvml({"gpus": [gpu(0, fabric), gpu(1, {"state": "completed", "status": 0})]})

@@ -80,8 +80,9 @@ def _nvswitch_no_nvlink(nvml: NvmlInfo, nvswitches: int) -> Finding | None:
 
 def fabric_findings(nvml: NvmlInfo) -> list[Finding]:
     """GPUs whose NVLink fabric registration (NVML's GPU fabric state) has not completed, or
-    completed with an error: CUDA does not start on them until it does.  A GPU that reports
-    no fabric state, or ``not_supported``, says nothing either way: nothing is said of it."""
+    completed with an error, or whose state NVML gave as a number nvml.h does not name
+    (``unknown``): CUDA does not start on them until it completes.  A GPU that reports no
+    fabric state, or ``not_supported``, says nothing either way: nothing is said of it."""
     pending: dict[str, list[str]] = {}
     for g in nvml.gpus:
         f = g.fabric
