@@ -71,6 +71,9 @@ class Threshold:
     kind: FindingKind
     severity: Severity
     what: str
+    # Where the judged family is served only with [metrics] detail: the family the default
+    # page serves the same events in (the Xids by class for the Xids one by one).
+    summed_in: Family | None = None
 
     @property
     def metric(self) -> str:

@@ -570,7 +570,7 @@ THRESHOLDS = (
     Threshold("nvlink_recovery_per_s", NVLINK_ERRORS, label_is("counter", "recovery"), 0.0,
               FindingKind.NVLINK_ERRORS_RISING, Severity.CRITICAL, "NVLink recoveries"),
     Threshold("xid_per_s", XID_ERRORS, {"xid": ACTIONABLE_XIDS}, 0.0,
-              FindingKind.GPU_XID, Severity.CRITICAL, "Xid events that need action"),
+              FindingKind.GPU_XID, Severity.CRITICAL, "Xid events that need action", summed_in=XID_EVENTS),
     Threshold("ecc_uncorrected_per_s", ECC_ERRORS, label_is("type", "uncorrected"), 0.0,
               FindingKind.GPU_ECC_UNCORRECTED, Severity.CRITICAL, "uncorrectable ECC errors"),
     Threshold("remapped_rows_failure", REMAPPED_ROWS, label_is("state", "failure"), 0.0,

@@ -112,11 +112,16 @@ def check_declarations(sources: Iterable[CounterSource]) -> None:
         for rule in source.thresholds:
             if rule.family not in source.families:
                 raise ValueError(f"threshold {rule.key} of {source.name} is on {rule.family.name}, a family {source.name} does not declare")
-            # What the agent judges is served by default (its alert rules read it); a family
-            # served by default only in part (``default``) must cover every judged series.
+            # What the agent judges is served by default (its alert rules read it): a family
+            # served by default only in part (``default``) must cover every judged series, and
+            # one served only with a detail needs a default family that sums its events.
             default = dict(rule.family.default)
             if default and not all(values <= default.get(label, frozenset()) for label, values in rule.match.items()):
                 raise ValueError(f"threshold {rule.key} judges series of {rule.family.name} that /metrics does not serve by default")
+            if rule.family.detail and not default and (rule.summed_in is None or rule.summed_in.detail
+                                                        or rule.summed_in not in source.families):
+                raise ValueError(f"threshold {rule.key} judges {rule.family.name}, which /metrics serves only with a detail, "
+                                 "and names no family of its source served by default that sums it")
             if rule.key in keys:
                 raise ValueError(f"threshold key {rule.key} is declared twice")
             keys.add(rule.key)

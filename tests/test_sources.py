@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -24,7 +25,7 @@ from topoagent.config import Config
 from topoagent.exporters.prometheus import MetricsPage
 from topoagent.service.agent import Agent
 from topoagent.service.telemetry import History, Sample, served
-from topoagent.vocabulary import FindingKind, Severity
+from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 SNAPSHOTS = FIXTURES / "snapshots"
 RECORDED = sorted(p.name for p in SNAPSHOTS.iterdir() if (p / "telemetry.json").is_file())
@@ -86,6 +87,14 @@ def test_the_table_refuses_declarations_that_would_mislead():
     foreign = Threshold("x_per_s", aer.ERRORS, label_is("severity", "fatal"), 0.0, FindingKind.PCIE_AER_ERRORS, Severity.CRITICAL, "x")
     with pytest.raises(ValueError, match="a family x does not declare"):
         check_declarations([_source((mine,), (foreign,))])
+    # What the agent judges reaches the default page: a threshold on a family served only with
+    # a detail names the default family that sums the same events, else it is refused.
+    detailed = Family("x_errors_total", "Errors, one series per code.", COUNTER, ("device", "code"), detail=MetricsDetail.XID)
+    summed = Family("x_error_events_total", "Errors by class.", COUNTER, ("device", "class"))
+    judged = Threshold("x_errors_per_s", detailed, {}, 0.0, FindingKind.GPU_XID, Severity.CRITICAL, "errors")
+    with pytest.raises(ValueError, match="names no family of its source served by default that sums it"):
+        check_declarations([_source((detailed, summed), (judged,))])
+    check_declarations([_source((detailed, summed), (dataclasses.replace(judged, summed_in=summed),))])
 
 
 def test_each_metric_name_is_written_once_in_the_source_that_owns_it():
