@@ -7,7 +7,8 @@ agent's nvidia-smi indices.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,6 +86,18 @@ class AgentAnswerError(AgentError):
     """The agent answered, with something that is not the document asked for."""
 
 
+@contextlib.contextmanager
+def _asking(what: str, not_json: type[AgentError] = AgentError) -> Iterator[None]:
+    """One exchange with the agent: a failure to ask is AgentError naming ``what``; an
+    answer that is not JSON is ``not_json`` (the poller tells a lying agent apart)."""
+    try:
+        yield
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        raise AgentError(f"{what}: {exc or type(exc).__name__}") from exc
+    except (ValueError, RecursionError) as exc:
+        raise not_json(f"{what}: not JSON: {str(exc)[:120]}") from exc
+
+
 class AgentClient:
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 10.0):
         self.url = url.rstrip("/")
@@ -105,29 +118,21 @@ class AgentClient:
     async def topology(self, etag: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
         """(ETag, document), or (etag, None) when it has not changed since ``etag``."""
         headers = {"If-None-Match": etag} if etag else {}
-        try:
+        with _asking("GET /topology", not_json=AgentAnswerError):
             async with self._http().get(f"{self.url}/topology", headers=headers) as resp:
                 if resp.status == 304:
                     return etag, None
                 if resp.status != 200:
                     raise AgentError(f"GET /topology: HTTP {resp.status}")
                 return resp.headers.get("ETag"), await resp.json()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AgentError(f"GET /topology: {exc or type(exc).__name__}") from exc
-        except (ValueError, RecursionError) as exc:
-            raise AgentAnswerError(f"GET /topology: not JSON: {str(exc)[:120]}") from exc
 
     async def leases(self) -> list[dict[str, Any]]:
         """The leases the agent holds (``GET /leases``)."""
-        try:
+        with _asking("GET /leases"):
             async with self._http().get(f"{self.url}/leases") as resp:
                 if resp.status != 200:
                     raise AgentError(f"GET /leases: HTTP {resp.status}")
                 doc = await resp.json()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AgentError(f"GET /leases: {exc or type(exc).__name__}") from exc
-        except (ValueError, RecursionError) as exc:
-            raise AgentError(f"GET /leases: not JSON: {str(exc)[:120]}") from exc
         held = doc.get("leases") if isinstance(doc, dict) else None
         if not isinstance(held, list):
             raise AgentError("GET /leases: not a list of leases")
@@ -156,17 +161,13 @@ class AgentClient:
     async def place(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
         """The agent's placement for a dry-run request, or None when nothing fits (409 now,
         422 ever)."""
-        try:
+        with _asking("POST /place"):
             async with self._http().post(f"{self.url}/place", json=dict(request)) as resp:
                 if resp.status in (409, 422):
                     return None
                 if resp.status != 200:
                     raise AgentError(f"POST /place: HTTP {resp.status}: {(await resp.text())[:200]}")
                 answer = await resp.json()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise AgentError(f"POST /place: {exc or type(exc).__name__}") from exc
-        except (ValueError, RecursionError) as exc:
-            raise AgentError(f"POST /place: not JSON: {str(exc)[:120]}") from exc
         if not isinstance(answer, dict):
             raise AgentError("POST /place: not a placement")
         return answer
