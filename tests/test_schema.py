@@ -15,6 +15,7 @@ from schema_check import validate
 
 from topoagent.cli import main
 from topoagent.documents.agent import DOCUMENTS as AGENT_DOCUMENTS
+from topoagent.documents.agent import sections_table
 from topoagent.documents.schema import DOCUMENTS, SCHEMA_VERSION, node_document
 from topoagent.node.discovery import discover
 from topoagent.node.host import Host
@@ -116,3 +117,11 @@ def test_place_answers_hold_to_their_schemas(capsys: pytest.CaptureFixture[str],
     validate(bad_index, "BatchError")
     validate(not_json, "BatchError")
     assert bad_index["error"]["field"] == "include[0]"
+
+
+def test_the_docs_table_of_detail_sections_is_what_the_answer_writes() -> None:
+    """docs/placement.md's table of what each `detail` section adds is rendered from the
+    answer's field list: a field that moves between sections moves there too."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "placement.md").read_text()
+    table = text.split("<!-- detail-sections -->\n", 1)[1].split("<!-- /detail-sections -->", 1)[0]
+    assert table == sections_table(), "docs/placement.md's sections table is out of date; paste documents/agent.py's sections_table()"

@@ -153,12 +153,13 @@ class Affinity(enum.StrEnum):
 
 class Detail(enum.StrEnum):
     """The sections a placement answer adds when the request's ``detail`` names them; the
-    lean answer (the choice, its objective and reasons by code) is always there.  What each
-    section holds is said once, beside its fields (topoagent.documents.agent)."""
+    lean answer (the choice, its objective and reasons by code) is always there.  Which fields
+    each section holds is said once, beside the fields (topoagent.documents.agent; its
+    sections_table() renders docs/placement.md's table)."""
 
-    BINDINGS = "bindings"  # per rank: CPUs, memory node, NIC, numactl; the job's CPUs, NICs, NUMA nodes, numactl, env
-    LAUNCH = "launch"  # ready launcher forms: torchrun wrapper, srun options, Open MPI rankfile
-    EXPLAIN = "explain"  # the reasons in words, the pattern's links, the estimate, zones broken, the request as understood
+    BINDINGS = "bindings"  # how to bind each rank, and the job's environment
+    LAUNCH = "launch"  # ready launcher forms
+    EXPLAIN = "explain"  # the answer in words
 
 
 # In a request's ``detail``: every section (Detail) at once.

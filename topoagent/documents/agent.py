@@ -39,7 +39,7 @@ from topoagent.documents.schema import (
 )
 from topoagent.node.levels import LinkLevel
 from topoagent.placement.explain import ReasonCode
-from topoagent.vocabulary import Affinity, Detail, EstimateModel, Pattern, ProbeKind, Unit
+from topoagent.vocabulary import DETAIL_ALL, Affinity, Detail, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
     from topoagent.node.matrix import DistanceMatrix, Measurement
@@ -270,6 +270,19 @@ NOFIT = Document("NoFit", {
     "request": nested(REQUEST, "request", optional=True, section=Detail.EXPLAIN),
 }, "Why the request cannot be met now (or ever, on this node), and the best answer without the failing constraint "
    "(with the sections the request's `detail` names).")
+
+
+def sections_table() -> str:
+    """docs/placement.md's table of what each section a request's ``detail`` names adds to
+    the answer (markdown), from the fields' own sections above."""
+    lines = ["| section | adds |", "|---|---|"]
+    for section in Detail:
+        rank = [f"`{name}`" for name, f in PLACED_GPU.fields.items() if f.section == section]
+        job = [f"`{name}`" for name, f in PLACEMENT.fields.items() if f.section == section]
+        said = ([f"per rank: {', '.join(rank)}"] if rank else []) + ([("for the job: " if rank else "") + ", ".join(job)] if job else [])
+        lines.append(f"| `{section}` | {'; '.join(said)} |")
+    lines.append(f"| `{DETAIL_ALL}` | every section above |")
+    return "\n".join(lines) + "\n"
 
 
 def answer_document(answer: Placement | NoFit) -> dict[str, Any]:
