@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.big_node import write_big_node
-from tests.service_helpers import start_agent
+from tests.service_helpers import start_agent, wait_for
 from topoagent.collectors import ib_counters, nvml
 from topoagent.collectors.registry import FAMILIES
 from topoagent.exporters.prometheus import detail_table
@@ -134,15 +135,17 @@ ADDS = {
 
 
 def test_each_detail_brings_back_its_own_series_and_no_other(tmp_path):
-    pages = {}
-    for detail in (None, *MetricsDetail):
-        config = FAST + (f'[metrics]\ndetail = ["{detail}"]\n' if detail else "")
-        (tmp_path / str(detail)).mkdir()
-        agent = start_agent(tmp_path / str(detail), root=SNAPSHOTS / "degraded", config=config)
-        try:
+    # One agent, its [metrics] changed by SIGHUP reloads: /metrics reads the config per page.
+    agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config=FAST)
+    try:
+        pages = {None: families(scrape_with_counters(agent))}
+        for reloads, detail in enumerate(MetricsDetail, start=1):
+            (tmp_path / "topoagent.toml").write_text(FAST + f'[metrics]\ndetail = ["{detail}"]\n')
+            agent.proc.send_signal(signal.SIGHUP)
+            wait_for(f"reload {reloads}", lambda n=reloads: agent.log().count("event=reloaded") >= n or None, agent, 30, 0.05)
             pages[detail] = families(scrape_with_counters(agent))
-        finally:
-            agent.stop()
+    finally:
+        agent.stop()
     default = pages.pop(None)
     for detail, count in pages.items():
         grown = {name for name in count if count[name] > default[name]}
