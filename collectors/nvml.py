@@ -43,12 +43,14 @@ class NvLink:
     remote_type: str | None  # "gpu", "switch", "cpu" or None
 
 
-# nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.  A number nvml.h does not name (a
-# newer driver's) is written "unknown": a state nobody can read is not taken as completed.
-_FABRIC_STATES = {0: "not_supported", 1: "not_started", 2: "in_progress", 3: "completed"}
-FABRIC_COMPLETED = "completed"
-FABRIC_UNKNOWN = "unknown"
+# nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.  A state nobody can read (a number
+# nvml.h does not name, a newer driver's; an NVML error other than "no such answer") is
+# written "unknown", with what NVML said: never taken as completed.
+FABRIC_NOT_SUPPORTED, FABRIC_COMPLETED, FABRIC_UNKNOWN = "not_supported", "completed", "unknown"
+_FABRIC_STATES = {0: FABRIC_NOT_SUPPORTED, 1: "not_started", 2: "in_progress", 3: FABRIC_COMPLETED}
 _RECORDED_FABRIC_STATES = (*_FABRIC_STATES.values(), FABRIC_UNKNOWN)
+# nvmlReturn_t: NOT_SUPPORTED (3), FUNCTION_NOT_FOUND (13, a driver before R550): no fabric answer.
+_NO_FABRIC_ANSWER = frozenset({3, 13})
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +61,7 @@ class GpuFabric:
     clique_id: int | None  # the partition (clique) within the cluster
     state: str | None  # "completed", "in_progress", "not_started", "not_supported", "unknown"
     status: int | None  # nvmlReturn_t of the registration: 0 = success
+    unknown: str | None = None  # with state "unknown": what NVML said ("state 7", "error 4")
 
     @property
     def registered(self) -> bool:
@@ -201,11 +204,13 @@ def _fabric(raw: object, where: str) -> GpuFabric | None:
     state = _field(raw, "state", str, where)
     if state is not None and state not in _RECORDED_FABRIC_STATES:
         raise SourceError(f"{where}: state {state[:40]!r} is not one of {', '.join(_RECORDED_FABRIC_STATES)}")
+    unknown = _field(raw, "unknown", str, where)
     return GpuFabric(
         cluster_uuid=None if uuid is None or not uuid.strip("0-") else uuid.lower(),  # all zero: no cluster
         clique_id=_field(raw, "clique_id", int, where),
         state=state,
         status=_field(raw, "status", int, where),
+        unknown=None if unknown is None else unknown[:80],
     )
 
 
@@ -300,7 +305,7 @@ def _read_all(nv: Any) -> dict:
         util = ask(nv.nvmlDeviceGetUtilizationRates, handle)
         processes = ask(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
         numa = ask(nv.nvmlDeviceGetNumaNodeId, handle)
-        fabric = ask(nv.nvmlDeviceGetGpuFabricInfo, handle)  # None before R550 or where unsupported
+        fabric = _fabric_info(nv, handle)
         gpus.append(
             {
                 "index": index,
@@ -312,7 +317,7 @@ def _read_all(nv: Any) -> dict:
                 "cpu_affinity": _affinity_to_cpulist(affinity),
                 "nvlinks": links,
                 "p2p": p2p,
-                "fabric": _fabric_answer(fabric),
+                "fabric": fabric,
                 "health": {
                     "temperature_c": ask(nv.nvmlDeviceGetTemperature, handle, 0),
                     "power_w": round(power / 1000.0, 1) if isinstance(power, (int, float)) else None,
@@ -335,6 +340,23 @@ def _read_all(nv: Any) -> dict:
     }
 
 
+def _fabric_info(nv: Any, handle: Any) -> dict | None:
+    """The GPU's fabric answer in nvml.json's shape: None where NVML has none (the call not
+    supported, or a driver or pynvml without it); "unknown" for any other error."""
+    call = getattr(nv, "nvmlDeviceGetGpuFabricInfo", None)
+    if call is None:
+        return None
+    try:
+        info = call(handle)
+    except Exception as exc:  # pynvml's NVMLError carries the nvmlReturn_t in .value
+        code = getattr(exc, "value", None)
+        if code in _NO_FABRIC_ANSWER:
+            return None
+        said = f"error {code}" if isinstance(code, int) else type(exc).__name__
+        return {"cluster_uuid": None, "clique_id": None, "state": FABRIC_UNKNOWN, "status": None, "unknown": said}
+    return _fabric_answer(info)
+
+
 def _fabric_answer(info: object) -> dict | None:
     """nvmlGpuFabricInfo_t -> nvml.json's ``fabric``; clusterUuid's 16 bytes as a UUID."""
     if info is None:
@@ -350,12 +372,15 @@ def _fabric_answer(info: object) -> dict | None:
     state = getattr(info, "state", None)
     status = getattr(info, "status", None)
     clique = getattr(info, "cliqueId", None)
-    return {
+    answer = {
         "cluster_uuid": uuid,
         "clique_id": clique if isinstance(clique, int) else None,
         "state": _FABRIC_STATES.get(state, FABRIC_UNKNOWN) if isinstance(state, int) else None,
         "status": status if isinstance(status, int) else None,
     }
+    if answer["state"] == FABRIC_UNKNOWN:
+        answer["unknown"] = f"state {state}"
+    return answer
 
 
 def _memory_info(nv: Any, handle: Any) -> Any:

@@ -93,7 +93,6 @@ def gpu(index: int, fabric: dict | None, active: bool = True) -> dict:
     ({"state": "completed", "status": 999}, "completed with error 999: GPU0"),
     ({"state": "in_progress", "status": None}, "in_progress: GPU0"),
     ({"state": "not_started"}, "not_started: GPU0"),
-    ({"state": "unknown", "status": 0}, "unknown: GPU0"),  # a state number nvml.h does not name: never taken as completed
 ])
 def test_the_fabric_state_rule(fabric, said):
     nvml = parse_nvml({"gpus": [gpu(0, fabric), gpu(1, {"state": "completed", "status": 0})]})
@@ -104,6 +103,18 @@ def test_the_fabric_state_rule(fabric, said):
         (f,) = found
         assert f.kind == "fabric-not-ready" and f.severity == "critical"
         assert f.message.startswith(f"NVLink fabric registration not completed on 1 of 2 GPUs ({said}):")
+
+
+def test_a_fabric_state_nobody_can_read_is_not_taken_as_completed():
+    """A state number nvml.h does not name (a newer driver's), or an NVML error: judged not
+    ready, saying what NVML said, beside the GPUs still registering."""
+    nvml = parse_nvml({"gpus": [gpu(0, {"state": "unknown", "status": 0, "unknown": "state 7"}), gpu(1, {"state": "in_progress"}),
+                                gpu(2, {"state": "completed", "status": 0})]})
+    (f,) = fabric_findings(nvml)
+    assert f.kind == "fabric-not-ready" and f.severity == "critical"
+    assert f.message.startswith("NVLink fabric registration not completed on 1 of 3 GPUs (in_progress: GPU1)")
+    assert "NVLink fabric state unreadable on 1 of 3 GPUs (GPU0 (state 7)): not known to be registered" in f.message
+    assert "upgrade topoagent" in f.message
 
 
 def test_the_gb200_tray_with_one_gpu_still_registering_names_that_gpu():

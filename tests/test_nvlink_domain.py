@@ -12,7 +12,7 @@ from fakenode import FakeNode
 from schema_check import validate
 
 from topoagent.collectors.base import SourceError
-from topoagent.collectors.nvml import _fabric_answer, parse_nvml
+from topoagent.collectors.nvml import _fabric_answer, _fabric_info, parse_nvml
 from topoagent.documents.schema import node_document
 from topoagent.exporters.nfd import nfd_features
 from topoagent.exporters.prometheus import SnapshotCollector
@@ -82,4 +82,28 @@ def test_nvml_fabric_struct_is_written_in_the_recording_shape():
     assert _fabric_answer(struct) == {"cluster_uuid": CLUSTER, "clique_id": 32766, "state": "completed", "status": 0}
     assert _fabric_answer(None) is None
     # A state a newer driver may add is recorded as one nobody can read, not dropped as "no answer".
-    assert _fabric_answer(SimpleNamespace(clusterUuid=None, cliqueId=0, state=7, status=0))["state"] == "unknown"
+    unknown = _fabric_answer(SimpleNamespace(clusterUuid=None, cliqueId=0, state=7, status=0))
+    assert unknown is not None and (unknown["state"], unknown["unknown"]) == ("unknown", "state 7")
+
+
+class NvmlError(Exception):
+    """pynvml's NVMLError: the nvmlReturn_t in .value."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.value = value
+
+
+@pytest.mark.parametrize(("call", "recorded"), [
+    (None, None),  # a pynvml without the call
+    (NvmlError(3), None),  # NOT_SUPPORTED: the GPU has no fabric answer (A100, PCIe GPUs)
+    (NvmlError(13), None),  # FUNCTION_NOT_FOUND: a driver before R550
+    (NvmlError(4), {"cluster_uuid": None, "clique_id": None, "state": "unknown", "status": None, "unknown": "error 4"}),
+    (RuntimeError("boom"), {"cluster_uuid": None, "clique_id": None, "state": "unknown", "status": None, "unknown": "RuntimeError"}),
+])
+def test_an_nvml_error_other_than_no_answer_is_a_fabric_state_nobody_can_read(call, recorded):
+    def ask(handle: object) -> object:
+        raise call
+
+    nv = SimpleNamespace() if call is None else SimpleNamespace(nvmlDeviceGetGpuFabricInfo=ask)
+    assert _fabric_info(nv, "handle0") == recorded

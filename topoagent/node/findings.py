@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult
-from topoagent.collectors.nvml import FABRIC_COMPLETED, NvmlInfo
+from topoagent.collectors.nvml import FABRIC_COMPLETED, FABRIC_NOT_SUPPORTED, FABRIC_UNKNOWN, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
@@ -80,29 +80,37 @@ def _nvswitch_no_nvlink(nvml: NvmlInfo, nvswitches: int) -> Finding | None:
 
 def fabric_findings(nvml: NvmlInfo) -> list[Finding]:
     """GPUs whose NVLink fabric registration (NVML's GPU fabric state) has not completed, or
-    completed with an error, or whose state NVML gave as a number nvml.h does not name
-    (``unknown``): CUDA does not start on them until it completes.  A GPU that reports no
-    fabric state, or ``not_supported``, says nothing either way: nothing is said of it."""
+    completed with an error: CUDA does not start on them until it does.  A GPU whose state
+    nobody can read (``unknown``: a number nvml.h does not name, an NVML error) is not taken
+    as completed.  A GPU that reports no fabric state, or ``not_supported``, says nothing
+    either way: nothing is said of it."""
     pending: dict[str, list[str]] = {}
+    unread: list[str] = []
     for g in nvml.gpus:
         f = g.fabric
-        if f is None or f.state is None or f.state == "not_supported":
+        if f is None or f.state is None or f.state == FABRIC_NOT_SUPPORTED:
             continue
-        if f.state != FABRIC_COMPLETED:
+        if f.state == FABRIC_UNKNOWN:
+            unread.append(f"GPU{g.index} ({f.unknown or 'no detail'})")
+        elif f.state != FABRIC_COMPLETED:
             pending.setdefault(f.state, []).append(f"GPU{g.index}")
         elif f.status is not None and f.status != 0:
             pending.setdefault(f"completed with error {f.status}", []).append(f"GPU{g.index}")
-    if not pending:
-        return []
-    said = "; ".join(f"{state}: {', '.join(gpus)}" for state, gpus in pending.items())
-    count = sum(len(gpus) for gpus in pending.values())
-    return [Finding(
-        FindingKind.FABRIC_NOT_READY, Severity.CRITICAL, NVLINK_FABRIC,
-        f"NVLink fabric registration not completed on {count} of {len(nvml.gpus)} GPUs ({said}): CUDA fails on "
-        "them with 'system not yet initialized' until it completes. Remedy: check that the fabric manager runs "
-        "(systemctl status nvidia-fabricmanager; its version must be the driver's) and, if the state stays "
-        "in_progress, read its log (/var/log/fabricmanager.log)",
-    )]
+    said = []  # one finding for the fabric, naming each kind of trouble
+    if pending:
+        count = sum(len(gpus) for gpus in pending.values())
+        states = "; ".join(f"{state}: {', '.join(gpus)}" for state, gpus in pending.items())
+        said.append(
+            f"NVLink fabric registration not completed on {count} of {len(nvml.gpus)} GPUs ({states}): CUDA fails on them with "
+            "'system not yet initialized' until it completes. Remedy: check that the fabric manager runs (systemctl status "
+            "nvidia-fabricmanager; its version must be the driver's) and, if the state stays in_progress, read its log "
+            "(/var/log/fabricmanager.log)")
+    if unread:
+        said.append(
+            f"NVLink fabric state unreadable on {len(unread)} of {len(nvml.gpus)} GPUs ({', '.join(unread)}): not known to "
+            "be registered, so judged not ready. Remedy: a state number this topoagent does not know comes from a newer "
+            "driver (upgrade topoagent); for an NVML error see nvidia-smi -q (Fabric)")
+    return [Finding(FindingKind.FABRIC_NOT_READY, Severity.CRITICAL, NVLINK_FABRIC, ". ".join(said))] if said else []
 
 
 def pcie_findings(
