@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from topoagent.config import Config
 from topoagent.log import log_event
 from topoagent.node.discovery_process import discover_in_child
-from topoagent.node.findings import placement_refusals
 from topoagent.node.host import Host, HostError
 from topoagent.placement import Live, Request, place
 from topoagent.service.activity_loop import ActivityLoop
@@ -201,11 +200,7 @@ class Agent:
 
     async def current_capacity(self) -> ServedCapacity | None:
         """GET /capacity and /metrics: the figures of the current (snapshot, busy set),
-        waiting a bounded time for them (see CapacityLoop).  None, and nothing computed,
-        while a finding blocks placement: no door serves figures of a node not ready."""
-        snapshot = self.board.served.snapshot
-        if snapshot is not None and placement_refusals(snapshot.findings):
-            return None
+        waiting a bounded time for them (see CapacityLoop)."""
         return await self.capacity_loop.current()
 
     def _with_deadline(self, request: Request) -> Request:

@@ -35,7 +35,10 @@ class CapacityLoop:
         figures are served marked stale (None when there are none yet); the computation
         goes on for the next request."""
         served = self.board.served
-        if served.latest_capacity is not None and served.latest_capacity.key == served.capacity_key():
+        key = served.capacity_key()
+        if key is None:  # nothing to compute (no snapshot, or a node not ready for placement)
+            return None
+        if served.latest_capacity is not None and served.latest_capacity.key == key:
             return served.latest_capacity
         task = self.task
         if task is None or task.done():

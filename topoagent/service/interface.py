@@ -31,7 +31,8 @@ class Service(Protocol):
 
     async def current_capacity(self) -> ServedCapacity | None:
         """The capacity figures of the current served value, waiting a bounded time
-        (then the latest, marked stale; None before the first)."""
+        (then the latest, marked stale; None before the first, and while a finding blocks
+        placement)."""
         ...
 
     async def place(self, request: Request) -> Answer:

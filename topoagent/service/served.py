@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from topoagent.node.findings import placement_blockers
+from topoagent.node.findings import placement_blockers, placement_refusals
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.node.model import CollectorStatus, Finding, NodeTopology
 from topoagent.probes.figures import ProbeFigure
@@ -229,8 +229,9 @@ class Served:
         return frozenset(self.holding().holder) | self.running
 
     def capacity_key(self) -> tuple | None:
-        """What the capacity figures depend on; None before the first snapshot."""
-        if self.snapshot is None:
+        """What the capacity figures depend on; None when there are none to compute: before
+        the first snapshot, and while a finding blocks placement (no door serves them)."""
+        if self.snapshot is None or placement_refusals(self.snapshot.findings):
             return None
         # The counters' rates are the snapshot's (a read swaps a new version in); unverified GPUs are not.
         return (self.snapshot.version, frozenset(self.holding().holder), self.running, self.unverified)
