@@ -157,9 +157,17 @@ class Detail(enum.StrEnum):
     each section holds is said once, beside the fields (topoagent.documents.agent; its
     sections_table() renders docs/placement.md's table)."""
 
-    BINDINGS = "bindings"  # how to bind each rank, and the job's environment
-    LAUNCH = "launch"  # ready launcher forms
-    EXPLAIN = "explain"  # the answer in words
+    BINDINGS = "bindings"
+    LAUNCH = "launch"
+    EXPLAIN = "explain"
+
+
+# What each section is for (docs/placement.md's table says it beside the fields it adds).
+DETAIL_PURPOSE = {
+    Detail.BINDINGS: "how to bind each rank, and the job's environment (CUDA_VISIBLE_DEVICES, NCCL_IB_HCA or NCCL_SOCKET_IFNAME)",
+    Detail.LAUNCH: "ready launcher forms of the bindings: a torchrun wrapper, srun options, an Open MPI rankfile",
+    Detail.EXPLAIN: "the answer in words: the reasons, the pattern's links, zones broken, a time estimate, the request as understood",
+}
 
 
 # In a request's ``detail``: every section (Detail) at once.

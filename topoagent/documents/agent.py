@@ -39,7 +39,7 @@ from topoagent.documents.schema import (
 )
 from topoagent.node.levels import LinkLevel
 from topoagent.placement.explain import ReasonCode
-from topoagent.vocabulary import DETAIL_ALL, Affinity, Detail, EstimateModel, Pattern, ProbeKind, Unit
+from topoagent.vocabulary import DETAIL_ALL, DETAIL_PURPOSE, Affinity, Detail, EstimateModel, Pattern, ProbeKind, Unit
 
 if TYPE_CHECKING:
     from topoagent.node.matrix import DistanceMatrix, Measurement
@@ -272,16 +272,26 @@ NOFIT = Document("NoFit", {
    "(with the sections the request's `detail` names).")
 
 
+def _holds(field: Field) -> str:
+    """The fields of the document a nested or listed field holds, as " (`a`, `b`)"."""
+    schema = field.schema.get("items", field.schema)
+    refs = [part["$ref"] for part in (schema, *schema.get("anyOf", ())) if "$ref" in part]
+    if not refs:
+        return ""
+    document = next(d for d in DOCUMENTS if d.ref["$ref"] == refs[0])
+    return " (" + ", ".join(f"`{name}`" for name in document.fields) + ")"
+
+
 def sections_table() -> str:
     """docs/placement.md's table of what each section a request's ``detail`` names adds to
     the answer (markdown), from the fields' own sections above."""
-    lines = ["| section | adds |", "|---|---|"]
+    lines = ["| section | for | adds |", "|---|---|---|"]
     for section in Detail:
-        rank = [f"`{name}`" for name, f in PLACED_GPU.fields.items() if f.section == section]
-        job = [f"`{name}`" for name, f in PLACEMENT.fields.items() if f.section == section]
+        rank = [f"`{name}`{_holds(f)}" for name, f in PLACED_GPU.fields.items() if f.section == section]
+        job = [f"`{name}`{_holds(f)}" for name, f in PLACEMENT.fields.items() if f.section == section]
         said = ([f"per rank: {', '.join(rank)}"] if rank else []) + ([("for the job: " if rank else "") + ", ".join(job)] if job else [])
-        lines.append(f"| `{section}` | {'; '.join(said)} |")
-    lines.append(f"| `{DETAIL_ALL}` | every section above |")
+        lines.append(f"| `{section}` | {DETAIL_PURPOSE[section]} | {'; '.join(said)} |")
+    lines.append(f"| `{DETAIL_ALL}` | every section | |")
     return "\n".join(lines) + "\n"
 
 
