@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -611,7 +610,12 @@ class DcgmField:
     field: str  # DCGM_FI_...
     unit: str  # dcgm-exporter's unit, as its help text gives it ("" for a count)
     family: Family | None  # None: NVML does not give it (DCGM's profiling fields, vGPU licences)
-    select: str = ""  # a label selector on our family, where one of its series is DCGM's field
+    labels: tuple[tuple[str, str], ...] = ()  # the series of our family that is DCGM's field, where it has several
+
+    @property
+    def select(self) -> str:
+        """``labels`` as a PromQL selector: ``{state="failure"}``."""
+        return "{" + ",".join(f'{k}="{v}"' for k, v in self.labels) + "}" if self.labels else ""
     factor: str = "1"  # ours = DCGM's × factor (our names carry base units)
     note: str = ""
 
@@ -638,9 +642,9 @@ DCGM_FIELDS = (
     DcgmField("DCGM_FI_DEV_NVLINK_BANDWIDTH_TOTAL", "", None,
               note="a count over all links; ours are bytes per link: `nvlink_transmitted_bytes_total`, `_received_`"),
     DcgmField("DCGM_FI_DEV_VGPU_LICENSE_STATUS", "", None, note="vGPU only"),
-    DcgmField("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, '{state="uncorrectable"}'),
-    DcgmField("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, '{state="correctable"}'),
-    DcgmField("DCGM_FI_DEV_ROW_REMAP_FAILURE", "", REMAPPED_ROWS, '{state="failure"}'),
+    DcgmField("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, (("state", "uncorrectable"),)),
+    DcgmField("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "", REMAPPED_ROWS, (("state", "correctable"),)),
+    DcgmField("DCGM_FI_DEV_ROW_REMAP_FAILURE", "", REMAPPED_ROWS, (("state", "failure"),)),
     DcgmField("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
     DcgmField("DCGM_FI_PROF_PIPE_TENSOR_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
     DcgmField("DCGM_FI_PROF_DRAM_ACTIVE", "ratio", None, note="profiling: needs DCGM"),
@@ -658,7 +662,7 @@ def dcgm_table() -> str:
         ours = f"`{f.family.name}{f.select}`" if f.family is not None else "—"
         factor = f.factor if f.family is not None else "—"
         note = f.note
-        if f.family is not None and not f.family.served(tuple(re.findall(r'(\w+)="([^"]*)"', f.select)), frozenset()):
+        if f.family is not None and not f.family.served(f.labels, frozenset()):
             note = "; ".join(filter(None, (f'with `[metrics] detail = ["{f.family.detail}"]`', note)))
         lines.append(f"| `{f.field}` | {f.unit or '—'} | {ours} | {factor} | {note} |")
     return "\n".join(lines) + "\n"

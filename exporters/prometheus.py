@@ -46,7 +46,8 @@ SERVED_WITH_DETAIL = {
     "pcie_link_speed_transfers_per_second": MetricsDetail.PCIE_LINK,
     "pcie_link_width_lanes": MetricsDetail.PCIE_LINK,
     "infiniband_port_rate_bytes_per_second": MetricsDetail.SETTINGS,  # GET /topology has every port's rate
-    "capacity_fits": MetricsDetail.CAPACITY,  # k fits while k <= capacity_free_gpus; GET /capacity has the rest
+    # k fits while k <= capacity_free_gpus, unless its search ran out of budget (GET /capacity's proven_optimal)
+    "capacity_fits": MetricsDetail.CAPACITY,
 }
 
 

@@ -68,7 +68,7 @@ def test_an_idle_recorded_node_counts_pcie_switch_groups_as_zones(name, zone, fr
 
 @pytest.fixture
 def served(tmp_path) -> Agent:
-    agent = start_agent(tmp_path)
+    agent = start_agent(tmp_path, config='[metrics]\ndetail = ["capacity"]\n')
     yield agent
     assert agent.stop() == 0
 
@@ -98,5 +98,6 @@ def test_capacity_endpoint_etag_and_metrics_follow_leases(served):
     assert metric_value(page, "topoagent_capacity_free_gpus") == 5
     assert metric_value(page, "topoagent_capacity_largest_free_zone_gpus") == 5
     assert metric_value(page, "topoagent_capacity_fragmentation") == 0
-    # Per job size only with [metrics] detail "capacity" (the series budget): k fits while k <= free.
-    assert metric_value(page, "topoagent_capacity_fits", {"k": "5"}) is None
+    # Per job size with [metrics] detail "capacity" (by default the budget leaves it out).
+    assert metric_value(page, "topoagent_capacity_fits", {"k": "5"}) == 1
+    assert metric_value(page, "topoagent_capacity_fits", {"k": "6"}) == 0

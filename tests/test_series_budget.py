@@ -24,7 +24,7 @@ from tests.big_node import write_big_node
 from tests.service_helpers import start_agent, wait_for
 from topoagent.collectors import ib_counters, nvml
 from topoagent.collectors.registry import FAMILIES
-from topoagent.exporters.prometheus import detail_table
+from topoagent.exporters.prometheus import SERVED_WITH_DETAIL, detail_table
 from topoagent.service.served import etag_of
 from topoagent.vocabulary import MetricsDetail
 
@@ -38,7 +38,7 @@ DETAIL = {"topoagent_gpu_xid_errors_total": GPUS * len(nvml.ACTIONABLE_XIDS), "t
           "topoagent_infiniband_port_rate_bytes_per_second": NICS, "topoagent_gpu_encoder_utilization_ratio": GPUS,
           "topoagent_gpu_decoder_utilization_ratio": GPUS}
 # What a default scrape of the 128-GPU node may hold (issue #29: ~5,000): 4,933 when this was
-# written.  Most of it is ~26 families of one series per GPU or port (dcgm-exporter's own
+# written, less than one per-GPU family (128) below it: a new default family comes with a cut.  Most of it is ~26 families of one series per GPU or port (dcgm-exporter's own
 # defaults are ~3.2k for the GPUs alone); the largest are the judged IB error counters (4 a
 # port) and AER by severity (2 a GPU or NIC).
 BUDGET = 5_000
@@ -88,7 +88,7 @@ def test_a_default_scrape_of_128_gpus_keeps_to_the_budget_and_topology_gzips_und
     assert count["topoagent_gpu_remapped_rows"] == GPUS * 3 and "topoagent_gpu_retired_pages_pending" not in count
     assert not set(PAIRWISE) & set(count) and "topoagent_nvlink_up" not in count
     assert not set(DETAIL) & set(count), set(DETAIL) & set(count)
-    assert "topoagent_capacity_fits" not in count  # k fits while k <= capacity_free_gpus
+    assert "topoagent_capacity_fits" not in count  # GET /capacity has it (and [metrics] detail "capacity")
     assert max(count.values()) <= 4 * (GPUS + NICS), count.most_common(3)  # a few per device, never n x n
     assert sum(count.values()) <= BUDGET, count.most_common(10)
     # /topology keeps every pairwise level; gzipped it is far from cluster-topology's 8 MiB cap.
@@ -146,6 +146,8 @@ def test_each_detail_brings_back_its_own_series_and_no_other(tmp_path):
             pages[detail] = families(scrape_with_counters(agent))
     finally:
         agent.stop()
+    # Each family the exporter gates by a word (its names written there) is one a word here adds.
+    assert {f"topoagent_{name}" for name in SERVED_WITH_DETAIL} <= set().union(*ADDS.values())
     default = pages.pop(None)
     for detail, count in pages.items():
         grown = {name for name in count if count[name] > default[name]}

@@ -97,7 +97,7 @@ class Config:
     # [metrics]: what /metrics serves beyond its default series budget (exporters/prometheus.py)
     metrics_pairwise: bool = False  # GPU-GPU and GPU-NIC link levels, expected bandwidth (n^2 series)
     metrics_per_link: bool = False  # one series per NVLink, not per GPU
-    metrics_detail: frozenset[MetricsDetail] = frozenset()  # the per-counter, per-Xid, per-reason series beside the defaults
+    metrics_detail: frozenset[MetricsDetail] = frozenset()  # the series served beside the default page (MetricsDetail)
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
     # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)

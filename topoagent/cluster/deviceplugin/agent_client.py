@@ -87,15 +87,15 @@ class AgentAnswerError(AgentError):
 
 
 @contextlib.contextmanager
-def _asking(what: str, not_json: type[AgentError] = AgentError) -> Iterator[None]:
+def _asking(what: str) -> Iterator[None]:
     """One exchange with the agent: a failure to ask is AgentError naming ``what``; an
-    answer that is not JSON is ``not_json`` (the poller tells a lying agent apart)."""
+    answer that is not JSON is AgentAnswerError (the poller tells a lying agent apart)."""
     try:
         yield
     except (aiohttp.ClientError, TimeoutError) as exc:
         raise AgentError(f"{what}: {exc or type(exc).__name__}") from exc
     except (ValueError, RecursionError) as exc:
-        raise not_json(f"{what}: not JSON: {str(exc)[:120]}") from exc
+        raise AgentAnswerError(f"{what}: not JSON: {str(exc)[:120]}") from exc
 
 
 class AgentClient:
@@ -118,7 +118,7 @@ class AgentClient:
     async def topology(self, etag: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
         """(ETag, document), or (etag, None) when it has not changed since ``etag``."""
         headers = {"If-None-Match": etag} if etag else {}
-        with _asking("GET /topology", not_json=AgentAnswerError):
+        with _asking("GET /topology"):
             async with self._http().get(f"{self.url}/topology", headers=headers) as resp:
                 if resp.status == 304:
                     return etag, None
@@ -135,7 +135,7 @@ class AgentClient:
                 doc = await resp.json()
         held = doc.get("leases") if isinstance(doc, dict) else None
         if not isinstance(held, list):
-            raise AgentError("GET /leases: not a list of leases")
+            raise AgentAnswerError("GET /leases: not a list of leases")
         return [x for x in held if isinstance(x, dict)]
 
     async def reserve(self, indices: list[int], owner: str, ttl_s: float) -> dict[str, Any] | None:
@@ -169,5 +169,5 @@ class AgentClient:
                     raise AgentError(f"POST /place: HTTP {resp.status}: {(await resp.text())[:200]}")
                 answer = await resp.json()
         if not isinstance(answer, dict):
-            raise AgentError("POST /place: not a placement")
+            raise AgentAnswerError("POST /place: not a placement")
         return answer
