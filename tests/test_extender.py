@@ -31,6 +31,7 @@ from bench.cluster import (
     Cluster,
     CountOnly,
     Job,
+    Node,
     Placed,
     ThroughExtender,
     _child_env,
@@ -244,6 +245,35 @@ def test_a_pod_that_fills_a_node_exactly_goes_there_first(c: Cluster) -> None:
     finally:
         for node, lease in leased:
             assert node.request("DELETE", f"/leases/{lease}", token=c.token)[0] == 200
+
+
+def test_at_the_same_ring_a_pod_keeps_the_largest_block_a_node_can_give_then_fills_the_fullest(c: Cluster) -> None:
+    """Two DGX A100s give a 2-GPU pod the same ring (the degraded HGXs, which give more, are
+    full).  With 4 and 6 free it goes to the one with 6: 4 are left there, still a block of 4
+    for a 4-GPU pod, where the other would keep only 2.  With 6 and 7 free both keep a block of
+    4, and it goes to the one with 6: the fuller node, so the other's larger block stays."""
+    a100s = [n for n in c.nodes if n.fixture == "dgx-a100"]
+    full = [(n, n.gpus) for n in c.nodes if n.fixture == "degraded"]
+
+    def winner(held: list[tuple[Node, int]]) -> tuple[str, dict[str, int]]:
+        leased = []
+        try:
+            for node, gpus in held:
+                status, doc = node.request("POST", "/place", {"gpus": gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
+                assert status == 200, doc
+                leased.append((node, doc["lease"]["id"]))
+            assert {n.request("POST", "/place", {"gpus": 2})[1]["bandwidth_gbps"] for n in a100s} == {300.0}
+            scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 2)))}
+            return max(scores, key=lambda n: (scores[n], [-ord(ch) for ch in n])), scores
+        finally:
+            for node, lease in leased:
+                assert node.request("DELETE", f"/leases/{lease}", token=c.token)[0] == 200
+
+    # a100s[0] is the lower name: the one the scheduler would take at equal scores.
+    best, scores = winner([*full, (a100s[0], 4), (a100s[1], 2)])
+    assert best == a100s[1].name and scores[a100s[1].name] > scores[a100s[0].name], scores
+    best, scores = winner([*full, (a100s[0], 1), (a100s[1], 2)])
+    assert best == a100s[1].name and scores[a100s[1].name] > scores[a100s[0].name], scores
 
 
 def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:

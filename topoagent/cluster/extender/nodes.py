@@ -22,13 +22,15 @@ bandwidth the agent delivers for it, then the least NUMA distance.  Then what pl
 breaks for the pods after it.  A node the pod fills exactly breaks nothing: it comes
 first.  A 1-GPU pod gets no ring, so it goes where the best pair of free GPUs is worth
 least (the ring bandwidth the agent would give a 2-GPU pod there): a PCIe node before an
-NVLink one.  Then, every pod, a node holding the most free GPUs of the nodes that fit
-comes after the others: the cluster's largest free block stays whole for the next large
-pod, as long as another node takes this one at the same merit.  Nodes still equal score
-alike (the scheduler picks among them).  Within the node the agent has already chosen the
-GPUs that break its own free zones least; its damage figure is on each node's own scale,
-not comparable across kinds of node, so it does not rank nodes.  The best key scores 10,
-each next distinct key one less, down to 1; an unanswered node passed on scores 0.
+NVLink one.  Then, every pod, the node whose largest free block shrinks least: the most
+GPUs, a power of two, it can still give one pod (``largest_block``; pods ask for 1, 2, 4
+or 8), so a 1-GPU pod takes a node with 7, 6 or 5 free (its block of 4 stays) before an
+idle one (8 becomes 4).  Then the node with the fewest free GPUs (best fit), so the
+larger free blocks elsewhere stay whole for the larger pods after it.  Nodes still equal
+score alike (the scheduler picks among them).  Within the node the agent has already
+chosen the GPUs that break its own free zones least; its damage figure is on each node's
+own scale, not comparable across kinds of node, so it does not rank nodes.  The best key
+scores 10, each next distinct key one less, down to 1; an unanswered node passed on scores 0.
 """
 
 from __future__ import annotations
@@ -93,12 +95,19 @@ class Verdict:
     free: int = 0  # the node's free GPUs
     wanted: int = 0  # the pod's GPUs
 
-    def key(self, most_free: int) -> tuple[float, float, bool, float, bool]:
-        """Smaller is better; ``most_free``: the most free GPUs any node that fits holds."""
+    def key(self) -> tuple[float, float, bool, float, int, int]:
+        """Smaller is better (the module docstring says why each term)."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
+        block_lost = largest_block(self.free) - largest_block(self.free - self.wanted)
         return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), self.free != self.wanted,
-                self.pair_value, self.free == most_free)
+                self.pair_value, block_lost, self.free)
+
+
+def largest_block(free: int) -> int:
+    """The most GPUs, a power of two, a node with ``free`` GPUs can still give one pod (0 for
+    none): pods ask for powers of two (ranks per node, tensor- and data-parallel degrees)."""
+    return 1 << (free.bit_length() - 1) if free > 0 else 0
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,10 +127,9 @@ def scores(verdicts: Iterable[Verdict]) -> dict[str, int]:
     """Every node's score: 10 for the best key among those that fit, one less for each
     next distinct key (at least 1); 0 for nodes that do not fit or did not answer."""
     verdicts = list(verdicts)
-    most_free = max((v.free for v in verdicts if v.fits), default=0)
-    keys = sorted({v.key(most_free) for v in verdicts if v.fits})
+    keys = sorted({v.key() for v in verdicts if v.fits})
     rank = {key: n for n, key in enumerate(keys)}
-    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key(most_free)]) if v.fits else 0 for v in verdicts}
+    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key()]) if v.fits else 0 for v in verdicts}
 
 
 class _Remembered(OrderedDict[str, Any]):
