@@ -34,6 +34,7 @@ from bench.cluster import (
     Node,
     Placed,
     ThroughExtender,
+    ZoneFirst,
     _child_env,
     _free_port,
     _wait_line,
@@ -43,6 +44,7 @@ from bench.cluster import (
     replay,
     unanswering_node,
 )
+from bench.cluster_replay import LocalExtender, LocalZoneFirst, local_cluster
 from topoagent.cluster.deviceplugin.pods import ANNOTATION
 from topoagent.cluster.extender.nodetable import NodeTable
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION, PodError, PodRef, gpus_wanted, node_address, pod_ref, pod_request
@@ -274,6 +276,20 @@ def test_at_the_same_ring_a_pod_keeps_the_largest_block_a_node_can_give_then_fil
     assert best == a100s[1].name and scores[a100s[1].name] > scores[a100s[0].name], scores
     best, scores = winner([*full, (a100s[0], 1), (a100s[1], 2)])
     assert best == a100s[1].name and scores[a100s[1].name] > scores[a100s[0].name], scores
+
+
+def test_the_in_process_replay_makes_the_real_extenders_choices(c: Cluster) -> None:
+    """bench.cluster_replay judges scores over hundreds of streams: only worth it while it
+    places each pod where the real extender, over loopback, binds it (and so does zone-first)."""
+    jobs = job_stream(40, sum(n.gpus for n in c.nodes), load=0.9, seed=2)  # pods wait under both: retries replayed too
+    local = local_cluster([n.fixture for n in c.nodes])
+    assert [n.gpus for n in local.nodes] == [n.gpus for n in c.nodes]
+    for real_policy, local_policy in ((ThroughExtender, LocalExtender), (ZoneFirst, LocalZoneFirst)):
+        real = replay(c, real_policy(c), jobs)
+        mine = replay(local, local_policy(local), jobs)  # type: ignore[arg-type]  (a LocalCluster)
+        assert [(p.job.id, p.node, p.gpus) for p in mine.placed] == [(p.job.id, p.node, p.gpus) for p in real.placed]
+        assert (mine.waited, mine.ring_gbps) == (real.waited, real.ring_gbps) and real.waited > 0
+    assert all(not held for held in leases(c).values())
 
 
 def test_a_full_node_and_a_too_small_node_say_why(c: Cluster) -> None:
