@@ -52,7 +52,7 @@ from bench.cluster import (
     table,
 )
 from bench.stats import percentile
-from topoagent.cluster.extender.nodes import Verdict, ranked, scores
+from topoagent.cluster.extender.nodes import Verdict, all_local, ranked, scores
 from topoagent.commands.discover import open_host
 from topoagent.documents.agent import answer_document
 from topoagent.node.discovery import COUNTER_SOURCES, discover_sync
@@ -178,7 +178,12 @@ def verdict(node: LocalNode, request: dict[str, Any]) -> Verdict:
         pair = node.answer({"gpus": 2})
         if isinstance(pair, Placement):
             pair_value = float(pair.bandwidth_gbps or 0.0)
-    return Verdict(node.name, True, answer=ranked(answer_document(answer)), pair_value=pair_value, free=free, wanted=wanted)
+    breaks_whole = False
+    if wanted < free == total:
+        whole = node.answer({"gpus": total})
+        breaks_whole = isinstance(whole, Placement) and all_local(ranked(answer_document(whole)))
+    return Verdict(node.name, True, answer=ranked(answer_document(answer)), pair_value=pair_value, free=free, wanted=wanted,
+                   breaks_whole=breaks_whole)
 
 
 class LocalExtender(InProcess):
