@@ -21,9 +21,11 @@ three policies without HTTP:
   placement; ``count-only`` and ``zone-first`` are bench.cluster's own classes, their
   agent calls answered here.
 
-It matched bench.cluster seed for seed on seeds 1-5 at eb15c2a (every figure of the table but the
-extender's cycle times, which only the real run measures); rerun ``--tables`` beside
-``python -m bench.cluster --seeds ...`` after changing the score or the agent's answers.
+It matched bench.cluster figure for figure on seeds 1-5 (every figure of the table but the
+extender's cycle times, which only the real run measures), under the score before issue #28
+item 3 and under its new one; tests/test_extender.py checks its choices against the real
+extender's on a short stream.  Rerun ``--tables`` beside ``python -m bench.cluster --seeds
+...`` after changing what the extender reads or the agents answer.
 """
 
 from __future__ import annotations
