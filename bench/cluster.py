@@ -570,10 +570,16 @@ def median_table(outcomes: dict[int, list[Outcome]], nodes: int, jobs: int) -> s
 
 
 def seed_list(text: str) -> list[int]:
-    try:
-        seeds = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seeds as integers separated by commas (7,8,9), got {text!r}") from None
+    """Seeds as ``7,8,9``, a range ``1-200``, or both (``1-5,9``)."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        low, dash, high = part.partition("-")
+        try:
+            seeds += list(range(int(low), int(high) + 1)) if dash else [int(part)]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected seeds as integers separated by commas (7,8,9) or a range (1-200), got {text!r}") from None
+    if not seeds:
+        raise argparse.ArgumentTypeError(f"no seed in {text!r}")
     if len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"a seed is named twice in {text!r}")
     return seeds
@@ -586,7 +592,7 @@ def main() -> None:
     parser.add_argument("--pods", type=int, help="pods in the stream (default 300; --quick 80)")
     parser.add_argument("--load", type=float, default=0.9, help="offered load, share of the cluster's GPUs (default 0.9)")
     parser.add_argument("--seed", type=int, default=7, help="the stream's seed (default 7)")
-    parser.add_argument("--seeds", type=seed_list, metavar="S1,S2,...",
+    parser.add_argument("--seeds", type=seed_list, metavar="S1,S2,...|FIRST-LAST",
                         help="several streams, one table each and a table of the medians over them (instead of --seed)")
     parser.add_argument("--markdown", action="store_true", help="print only the table (the figures:cluster block in docs/benchmarks.md; with --seeds the medians)")
     args = parser.parse_args()

@@ -17,18 +17,25 @@ connection or answers something that is not its document is *unanswered*: the ca
 treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
 asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
-Ranking (the extender's score, 0..10): first the pod's own placement, the best ring
-bandwidth the agent delivers for it, then the least NUMA distance.  Then what placing it
-breaks for the pods after it.  A node the pod fills exactly breaks nothing: it comes
-first.  A 1-GPU pod gets no ring, so it goes where the best pair of free GPUs is worth
-least (the ring bandwidth the agent would give a 2-GPU pod there): a PCIe node before an
-NVLink one.  Then, every pod, a node holding the most free GPUs of the nodes that fit
-comes after the others: the cluster's largest free block stays whole for the next large
-pod, as long as another node takes this one at the same merit.  Nodes still equal score
-alike (the scheduler picks among them).  Within the node the agent has already chosen the
-GPUs that break its own free zones least; its damage figure is on each node's own scale,
-not comparable across kinds of node, so it does not rank nodes.  The best key scores 10,
-each next distinct key one less, down to 1; an unanswered node passed on scores 0.
+Ranking (the extender's score, 0..10): first, a pod that does not fill a *whole* node
+(every GPU free and healthy) whose GPUs all share local links (the agent's ring through
+all of them has ``satisfaction`` 1: NVLink, NVSwitch or one PCIe switch) goes elsewhere
+when another node takes it: such a node is what the largest pods need, and a pod that
+breaks it for less sends the next 8-GPU pod to wait, or to a PCIe node across sockets.
+Then the pod's own placement, the best ring bandwidth the agent delivers for it, then
+the least NUMA distance.  Then what placing it breaks for the pods after it.  A node the
+pod fills exactly breaks nothing: it comes first.  A 1-GPU pod gets no ring, so it goes
+where the best pair of free GPUs is worth least (the ring bandwidth the agent would give
+a 2-GPU pod there): a PCIe node before an NVLink one.  Then, every pod, the node whose
+largest free block shrinks least: the most GPUs, a power of two, it can still give one
+pod (``largest_block``; pods ask for 1, 2, 4 or 8), so a 1-GPU pod takes a node with 7,
+6 or 5 free (its block of 4 stays) before an idle one (8 becomes 4).  Then the node with
+the fewest free GPUs (best fit), so the larger free blocks elsewhere stay whole for the
+larger pods after it.  Nodes still equal score alike (the scheduler picks among them).
+Within the node the agent has already chosen the GPUs that break its own free zones
+least; its damage figure is on each node's own scale, not comparable across kinds of
+node, so it does not rank nodes.  The best key scores 10, each next distinct key one
+less, down to 1; an unanswered node passed on scores 0.
 """
 
 from __future__ import annotations
@@ -92,22 +99,36 @@ class Verdict:
     pair_value: float = 0.0  # for a 1-GPU pod: ring GB/s of the best pair of the node's free GPUs (0: one free, or not asked)
     free: int = 0  # the node's free GPUs
     wanted: int = 0  # the pod's GPUs
+    breaks_whole: bool = False  # the pod would break a whole node whose GPUs all share local links
 
-    def key(self, most_free: int) -> tuple[float, float, bool, float, bool]:
-        """Smaller is better; ``most_free``: the most free GPUs any node that fits holds."""
+    def key(self) -> tuple[bool, float, float, bool, float, int, int]:
+        """Smaller is better (the module docstring says why each term)."""
         answer = self.answer or {}
         objective = answer.get("objective") or {}
-        return (-_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")), self.free != self.wanted,
-                self.pair_value, self.free == most_free)
+        block_lost = largest_block(self.free) - largest_block(self.free - self.wanted)
+        return (self.breaks_whole, -_number(answer.get("bandwidth_gbps")), _number(objective.get("numa_distance")),
+                self.free != self.wanted, self.pair_value, block_lost, self.free)
+
+
+def largest_block(free: int) -> int:
+    """The most GPUs, a power of two, a node with ``free`` GPUs can still give one pod (0 for
+    none): pods ask for powers of two (ranks per node, tensor- and data-parallel degrees)."""
+    return 1 << (free.bit_length() - 1) if free > 0 else 0
 
 
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
-    """The parts of a /place answer that Verdict.key reads: all the cache keeps of it.  A
+    """The parts of a /place answer that Verdict reads: all the cache keeps of it.  A
     whole answer is kilobytes; kept for up to ANSWERS_PER_NODE requests on each of
     REMEMBERED_NODES nodes, whole answers would outgrow any memory limit."""
     objective = answer.get("objective")
     objective = objective if isinstance(objective, dict) else {}
-    return {"bandwidth_gbps": answer.get("bandwidth_gbps"), "objective": {"numa_distance": objective.get("numa_distance")}}
+    return {"bandwidth_gbps": answer.get("bandwidth_gbps"), "objective": {"numa_distance": objective.get("numa_distance")},
+            "satisfaction": answer.get("satisfaction")}
+
+
+def all_local(answer: Mapping[str, Any]) -> bool:
+    """Whether every link of the answer's ring is local (``satisfaction`` 1)."""
+    return _number(answer.get("satisfaction")) >= 1.0
 
 
 def _number(value: Any) -> float:
@@ -118,10 +139,9 @@ def scores(verdicts: Iterable[Verdict]) -> dict[str, int]:
     """Every node's score: 10 for the best key among those that fit, one less for each
     next distinct key (at least 1); 0 for nodes that do not fit or did not answer."""
     verdicts = list(verdicts)
-    most_free = max((v.free for v in verdicts if v.fits), default=0)
-    keys = sorted({v.key(most_free) for v in verdicts if v.fits})
+    keys = sorted({v.key() for v in verdicts if v.fits})
     rank = {key: n for n, key in enumerate(keys)}
-    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key(most_free)]) if v.fits else 0 for v in verdicts}
+    return {v.node: max(1, MAX_EXTENDER_PRIORITY - rank[v.key()]) if v.fits else 0 for v in verdicts}
 
 
 class _Remembered(OrderedDict[str, Any]):
@@ -282,6 +302,10 @@ class Agents:
                     if wanted > free:
                         return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
                     answer = await self.dry_run(name, etag, request)
+                    breaks_whole = False
+                    if wanted < free == total:  # a whole node: all its GPUs together, cached with the ETag like any dry run
+                        with contextlib.suppress(Refused):
+                            breaks_whole = all_local(await self.dry_run(name, etag, {"gpus": total}))
                     pair_value = 0.0
                     if wanted == 1 and free >= 2:  # what the next 2-GPU pod would get here: cached with the ETag like any dry run
                         with contextlib.suppress(Refused):
@@ -294,7 +318,7 @@ class Agents:
                 return Verdict(name, False, f"the node's agent did not answer: {exc}", answered=False)
             except Refused as refused:
                 return Verdict(name, False, refused.reason, resolvable=refused.status == 409)
-        return Verdict(name, True, answer=answer, pair_value=pair_value, free=free, wanted=wanted)
+        return Verdict(name, True, answer=answer, pair_value=pair_value, free=free, wanted=wanted, breaks_whole=breaks_whole)
 
     async def verdicts(self, candidates: Iterable[Candidate], request: Mapping[str, Any], budget_s: float = float("inf")) -> list[Verdict]:
         """Every candidate's verdict within ``budget_s``: those not answered by then are
