@@ -145,6 +145,17 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     return agent
 
 
+def without_leases(agent: Agent) -> Agent:
+    """A module's shared agent as a fresh one starts for the next test: still running, and
+    not one lease held (each released through the API, as a job's end releases it)."""
+    assert agent.proc.poll() is None, f"the shared agent exited {agent.proc.returncode}:\n{agent.log()[-2000:]}"
+    for lease in agent.get("/leases", token=agent.token).json()["leases"]:
+        released = agent.request("DELETE", f"/leases/{lease['id']}", token=agent.token)
+        assert released.status == 200, released.body
+    assert agent.get("/leases", token=agent.token).json()["leases"] == []
+    return agent
+
+
 def _limit_files(n: int) -> None:
     import resource
 

@@ -22,7 +22,7 @@ from conftest import NOT_READY
 from fake_apiserver import FakeApiServer
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
-from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_counters_read, wait_for
+from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_counters_read, wait_for, without_leases
 
 from topoagent.cluster.deviceplugin import api_pb2
 from topoagent.node.discovery import discover
@@ -54,9 +54,7 @@ def dgx_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 @pytest.fixture
 def agent(dgx_agent: Agent) -> Agent:
     """The module's agent as a fresh one starts: running, and not one lease held."""
-    assert dgx_agent.proc.poll() is None, dgx_agent.log()[-2000:]
-    for lease in dgx_agent.get("/leases").json()["leases"]:
-        assert dgx_agent.request("DELETE", f"/leases/{lease['id']}", token=dgx_agent.token).status == 200
+    without_leases(dgx_agent)
     assert dgx_agent.get("/capacity").json()["free_gpus"] == 8
     return dgx_agent
 
