@@ -17,12 +17,10 @@ import asyncio
 import json
 import os
 import xml.etree.ElementTree as ET
-from collections.abc import Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Iterator
 
 import pytest
-from browser import Browser
+from browser import Browser, SharedBrowser
 from conftest import FIXTURES, REPO
 from service_helpers import start_agent, wait_counters_read
 
@@ -33,7 +31,6 @@ SNAPSHOTS = FIXTURES / "snapshots"
 ARTIFACTS = REPO / "test-artifacts"
 ALL = sorted(p.name for p in SNAPSHOTS.iterdir())
 SVG_NS = "{http://www.w3.org/2000/svg}"
-T = TypeVar("T")
 
 # Every text box of the picture as laid out by Chromium, in CSS px of the window.
 LAYOUT = """(() => {
@@ -76,25 +73,6 @@ def golden_texts(name: str, texts: list[str]) -> None:
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(texts, indent=0, ensure_ascii=False) + "\n")
     assert texts == json.loads(path.read_text()), f"the picture's text differs from {path} (re-record with TOPOAGENT_WRITE_GOLDEN=1 if meant)"
-
-
-class SharedBrowser:
-    """One Chromium window (1366x900) for the module's pages, driven from one event loop:
-    a launch costs about a second of CPU, and each page is loaded afresh by navigation."""
-
-    def __init__(self, profile: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.browser = Browser(profile, 1366, 900)
-        self.run(self.browser.__aenter__())
-
-    def run(self, work: Coroutine[Any, Any, T]) -> T:
-        return self.loop.run_until_complete(work)
-
-    def close(self) -> None:
-        try:
-            self.run(self.browser.__aexit__(None, None, None))
-        finally:
-            self.loop.close()
 
 
 @pytest.fixture(scope="module")
