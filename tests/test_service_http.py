@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from service_helpers import (
@@ -43,9 +44,11 @@ def fresh(tmp_path) -> Agent:
 
 
 @pytest.fixture
-def clean(agent) -> Agent:
-    """The module's agent holding no lease, as a fresh one starts (a start costs seconds)."""
-    return without_leases(agent)
+def clean(agent) -> Iterator[Agent]:
+    """The module's agent holding no lease, as a fresh one starts (a start costs seconds);
+    its leases released after too, so the read-only tests find nothing busy."""
+    yield without_leases(agent)
+    without_leases(agent)
 
 
 def reserve(agent: Agent, gpus: int, owner: str = "job-42", ttl_s: float = 600, **extra):
