@@ -10,11 +10,14 @@ import json
 import shutil
 import subprocess
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 import pytest
+
+T = TypeVar("T")
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -102,3 +105,26 @@ class Browser:
         png = base64.b64decode((await self.send("Page.captureScreenshot", **params))["data"])
         path.write_bytes(png)
         return png
+
+
+class SharedBrowser:
+    """One Chromium window for a test module's pages, driven from one event loop of its own
+    (``run``): a launch costs about a second, and each page is loaded afresh by navigation."""
+
+    def __init__(self, profile: Path, width: int = 1366, height: int = 900) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.browser = Browser(profile, width, height)
+        try:
+            self.run(self.browser.__aenter__())
+        except BaseException:
+            self.loop.close()
+            raise
+
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(work)
+
+    def close(self) -> None:
+        try:
+            self.run(self.browser.__aexit__(None, None, None))
+        finally:
+            self.loop.close()

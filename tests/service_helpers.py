@@ -69,6 +69,7 @@ class Agent:
     root: Path
     state_dir: Path
     log_path: Path
+    token_file: Path | None = None
 
     def request(self, method: str, path: str, body=None, *, token: str | None = None, headers: dict | None = None, raw: bytes | None = None) -> Reply:
         conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
@@ -116,7 +117,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
     args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
-    token_text = None
+    token_text = token_file = None
     if token:
         token_text = token_value or secrets.token_urlsafe(24)
         token_file = tmp / "token"
@@ -139,8 +140,19 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         proc.kill()
         proc.wait()
         raise AssertionError(f"agent did not start: {line!r}\n{log_path.read_text()}")
-    agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path)
+    agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path, token_file)
     wait_ready(agent, ready_timeout)
+    return agent
+
+
+def without_leases(agent: Agent) -> Agent:
+    """A module's shared agent as a fresh one starts for the next test: still running, and
+    not one lease held (each released through the API, as a job's end releases it)."""
+    assert agent.proc.poll() is None, f"the shared agent exited {agent.proc.returncode}:\n{agent.log()[-2000:]}"
+    for lease in agent.get("/leases", token=agent.token).json()["leases"]:
+        released = agent.request("DELETE", f"/leases/{lease['id']}", token=agent.token)
+        assert released.status == 200, released.body
+    assert agent.get("/leases", token=agent.token).json()["leases"] == []
     return agent
 
 

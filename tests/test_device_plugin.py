@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import random
+import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -20,7 +22,7 @@ from conftest import NOT_READY
 from fake_apiserver import FakeApiServer
 from fake_kubelet import FakeKubelet, PluginProcess, start_plugin
 from placement_oracle import best_keys, numa_distance, numa_key, pattern_key
-from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_counters_read, wait_for
+from service_helpers import DGX_A100, Agent, make_root, start_agent, wait_counters_read, wait_for, without_leases
 
 from topoagent.cluster.deviceplugin import api_pb2
 from topoagent.node.discovery import discover
@@ -40,6 +42,23 @@ def kubelet() -> Iterator[FakeKubelet]:
     k.close()
 
 
+@pytest.fixture(scope="module")
+def dgx_agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    """One agent on the recorded DGX A100 (read only) for every test that leaves the node
+    as recorded: a start costs seconds of CPU, and what a test changes is its leases."""
+    agent = start_agent(tmp_path_factory.mktemp("dgx-agent"))
+    yield agent
+    assert agent.stop() == 0, agent.log()[-2000:]
+
+
+@pytest.fixture
+def agent(dgx_agent: Agent) -> Agent:
+    """The module's agent as a fresh one starts: running, and not one lease held."""
+    without_leases(dgx_agent)
+    assert dgx_agent.get("/capacity").json()["free_gpus"] == 8
+    return dgx_agent
+
+
 def running(tmp: Path, kubelet: FakeKubelet, *, root: Path = DGX_A100, extra: list[str] | None = None) -> tuple[Agent, PluginProcess]:
     agent = start_agent(tmp, root=root)
     plugin = start_plugin(tmp, kubelet, agent.url, extra=extra)
@@ -47,10 +66,15 @@ def running(tmp: Path, kubelet: FakeKubelet, *, root: Path = DGX_A100, extra: li
 
 
 def stop(agent: Agent, plugin: PluginProcess) -> None:
+    """Both stopped at once (each takes about a second to drain); each must exit 0."""
+    agent.proc.send_signal(signal.SIGTERM)
     try:
         assert plugin.stop() == 0, plugin.log()
     finally:
-        agent.stop()
+        try:
+            agent.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            agent.stop()  # kills it and fails, with its log
 
 
 def kept_off_by_findings(agent: Agent) -> set[int]:
@@ -73,8 +97,8 @@ def allocate(kubelet: FakeKubelet, ids: list[str]) -> dict[str, str]:
     return dict(reply.container_responses[0].envs)
 
 
-def test_registers_and_lists_the_gpus_by_uuid(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    agent, plugin = running(tmp_path, kubelet)
+def test_registers_and_lists_the_gpus_by_uuid(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         reg = kubelet.next_registration()
         assert (reg.version, reg.resource_name, reg.endpoint) == ("v1beta1", "nvidia.com/gpu", "topoagent.sock")
@@ -87,18 +111,18 @@ def test_registers_and_lists_the_gpus_by_uuid(tmp_path: Path, kubelet: FakeKubel
         options = kubelet.plugin().GetDevicePluginOptions(api_pb2.Empty(), timeout=10)
         assert options.get_preferred_allocation_available
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
     assert not (kubelet.dir / "topoagent.sock").exists()  # its socket goes with it
 
 
-def test_resource_name_and_socket_are_configurable(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    agent, plugin = running(tmp_path, kubelet, extra=["--resource-name", "topoagent.io/gpu", "--socket-name", "ta.sock"])
+def test_resource_name_and_socket_are_configurable(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--resource-name", "topoagent.io/gpu", "--socket-name", "ta.sock"])
     try:
         reg = kubelet.next_registration()
         assert (reg.resource_name, reg.endpoint) == ("topoagent.io/gpu", "ta.sock")
         assert len(kubelet.wait_listing(lambda d: len(d) > 0)) == 8
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
 
 
 def set_gpu_links(root: Path, index: int, active: bool) -> None:
@@ -155,8 +179,8 @@ def test_every_gpu_is_unhealthy_while_the_nvlink_fabric_is_down_and_healthy_agai
         stop(agent, plugin)
 
 
-def test_registers_again_when_kubelet_restarts(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    agent, plugin = running(tmp_path, kubelet)
+def test_registers_again_when_kubelet_restarts(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         kubelet.next_registration()
         kubelet.wait_listing(lambda d: len(d) == 8)
@@ -168,19 +192,19 @@ def test_registers_again_when_kubelet_restarts(tmp_path: Path, kubelet: FakeKube
         assert (kubelet.dir / again.endpoint).is_socket()
         assert kubelet.plugin().GetDevicePluginOptions(api_pb2.Empty(), timeout=10).get_preferred_allocation_available
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
 
 
-def test_waits_for_kubelet_then_registers(tmp_path: Path) -> None:
+def test_waits_for_kubelet_then_registers(tmp_path: Path, agent: Agent) -> None:
     """Started before kubelet (a node booting): registers once kubelet's socket appears."""
     kubelet = FakeKubelet()
-    agent, plugin = running(tmp_path, kubelet)
+    plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         assert kubelet.registrations.empty()
         kubelet.start()
         assert kubelet.next_registration().resource_name == "nvidia.com/gpu"
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
         kubelet.close()
 
 
@@ -249,8 +273,8 @@ def test_preferred_allocations_are_optimal_on_every_fixture(name: str, tmp_path:
         stop(agent, plugin)
 
 
-def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    agent, plugin = running(tmp_path, kubelet)
+def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         kubelet.next_registration()
         uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
@@ -273,7 +297,7 @@ def test_allocate_gives_the_container_its_gpus_in_rank_order(tmp_path: Path, kub
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "GPU-not-on-this-node" in refused.value.details()
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
 
 
 def pod(name: str, gpus: list[str], lease: str, uid: str | None = None, namespace: str = "default") -> dict:
@@ -290,11 +314,11 @@ def lease_for(agent: Agent, indices: list[int], owner: str) -> str:
     return reply.json()["lease"]["id"]
 
 
-def test_the_extenders_choice_wins_when_it_is_the_one_that_fits(tmp_path: Path, kubelet: FakeKubelet) -> None:
+def test_the_extenders_choice_wins_when_it_is_the_one_that_fits(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     uuids = [g["uuid"] for g in json.loads((DGX_A100 / "nvml.json").read_text())["gpus"]]
     chosen = [uuids[6], uuids[0]]  # not what the agent would pick for 2 GPUs, in the extender's rank order
     api = FakeApiServer()
-    agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
     try:
         kubelet.next_registration()
         kubelet.wait_listing(lambda d: len(d) == 8)
@@ -313,16 +337,16 @@ def test_the_extenders_choice_wins_when_it_is_the_one_that_fits(tmp_path: Path, 
         assert api.queries[0]["path"] == "/api/v1/pods"
         assert api.queries[0]["fieldSelector"] == ["spec.nodeName=gpu-node-1,status.phase=Pending"]
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
         api.close()
 
 
-def test_an_annotation_counts_only_with_the_agents_lease_for_that_pod(tmp_path: Path, kubelet: FakeKubelet) -> None:
+def test_an_annotation_counts_only_with_the_agents_lease_for_that_pod(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """Anyone who can edit a pod can annotate it: any pending pod on the node, in any
     namespace, must not steer another pod's GPUs without the lease the extender took."""
     uuids = [g["uuid"] for g in json.loads((DGX_A100 / "nvml.json").read_text())["gpus"]]
     api = FakeApiServer()
-    agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
     try:
         kubelet.next_registration()
         kubelet.wait_listing(lambda d: len(d) == 8)
@@ -342,7 +366,7 @@ def test_an_annotation_counts_only_with_the_agents_lease_for_that_pod(tmp_path: 
         assert allocate(kubelet, steer)["NVIDIA_VISIBLE_DEVICES"].split(",") == agents_order
         assert plugin.log().count("event=annotation_ignored") >= 2
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
         api.close()
 
 
@@ -352,11 +376,10 @@ def gpu_pod(name: str, gpus: int, namespace: str = "team-b", annotations: dict |
             "status": {"phase": "Pending"}}
 
 
-def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_path: Path, kubelet: FakeKubelet) -> None:
+def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     api = FakeApiServer()
-    agent = start_agent(tmp_path)
     plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
-                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "2"])
+                                                                "--agent-token-file", str(agent.token_file), "--pod-resync", "2"])
     held = lambda: agent.get("/leases").json()["leases"]  # noqa: E731
     try:
         kubelet.next_registration()
@@ -396,21 +419,19 @@ def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_pat
         try:
             assert plugin.stop() == 0, plugin.log()
         finally:
-            agent.stop()
             api.close()
 
 
-def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet: FakeKubelet) -> None:
+def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """Pods deleted while no watch ran (the plugin restarting): the resync finds their leases."""
     api = FakeApiServer()
-    agent = start_agent(tmp_path)
     gone = lease_for(agent, [0, 1], f"team-b/gone/{uuid.uuid4()}")
     alive = gpu_pod("alive", 2)
     api.add_pod(alive)
     kept = lease_for(agent, [2, 3], f"team-b/alive/{alive['metadata']['uid']}")
     by_hand = lease_for(agent, [6], "someone-by-hand")
     plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
-                                                                "--agent-token-file", str(tmp_path / "token"), "--pod-resync", "1"])
+                                                                "--agent-token-file", str(agent.token_file), "--pod-resync", "1"])
     ids = lambda: {x["id"] for x in agent.get("/leases").json()["leases"]}  # noqa: E731
     try:
         wait_for("the gone pod's lease swept", lambda: gone not in ids(), timeout=10, log=plugin.log)
@@ -419,7 +440,6 @@ def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet:
         try:
             assert plugin.stop() == 0, plugin.log()
         finally:
-            agent.stop()
             api.close()
 
 
@@ -497,14 +517,12 @@ def test_a_malformed_topology_is_logged_and_polling_goes_on(tmp_path: Path, kube
         assert "event=agent_reachable" in plugin.log()
     finally:
         try:
-            assert plugin.stop() == 0, plugin.log()
+            stop(agent, plugin)
         finally:
             liar.close()
-            agent.stop()
 
 
-def test_a_lying_agent_and_bad_requests_never_reach_kubelet(tmp_path: Path, kubelet: FakeKubelet) -> None:
-    agent = start_agent(tmp_path)
+def test_a_lying_agent_and_bad_requests_never_reach_kubelet(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     liar = LyingAgent(agent)
     plugin = start_plugin(tmp_path, kubelet, liar.url)
     try:
@@ -538,7 +556,6 @@ def test_a_lying_agent_and_bad_requests_never_reach_kubelet(tmp_path: Path, kube
             assert plugin.stop() == 0, plugin.log()
         finally:
             liar.close()
-            agent.stop()
 
 
 def test_help_does_not_import_grpc_and_a_bad_flag_exits_2() -> None:
@@ -553,11 +570,11 @@ def test_help_does_not_import_grpc_and_a_bad_flag_exits_2() -> None:
     assert bad.returncode == 2 and "--poll-interval" in bad.stderr
 
 
-def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, kubelet: FakeKubelet) -> None:
+def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """A pod bound past the extender (an outage with ignorable: true, another scheduler)
     must not start on GPUs leased to a Slurm job or to a pod already running."""
     api = FakeApiServer()
-    agent, plugin = running(tmp_path, kubelet, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
+    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1"])
     try:
         kubelet.next_registration()
         uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
@@ -579,5 +596,5 @@ def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, 
         assert allocate(kubelet, [by_index[3]])["NVIDIA_VISIBLE_DEVICES"] == by_index[3]
         assert plugin.log().count("event=allocate_refused") == 2 and set(by_index.values()) == set(uuids)
     finally:
-        stop(agent, plugin)
+        assert plugin.stop() == 0, plugin.log()
         api.close()

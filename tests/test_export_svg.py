@@ -7,10 +7,12 @@ import shutil
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from browser import Browser, SharedBrowser
 from conftest import FIXTURES, REPO
 
 from topoagent.commands.discover import discover_root
@@ -64,22 +66,42 @@ def test_findings_are_marked_on_their_devices():
     assert len([e for e in root.iter() if e.get("class") == "finding"]) == 3  # one per fault
 
 
+@pytest.fixture(scope="module")
+def window(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedBrowser]:
+    """One Chromium for the module's pages (a launch each, twice a page, cost 40 s a run)."""
+    shared = SharedBrowser(tmp_path_factory.mktemp("chromium") / "profile")
+    yield shared
+    shared.close()
+
+
+async def load_dom(browser: Browser, url: str) -> str:
+    """The page's DOM once loaded, serialised as `chromium --dump-dom` prints it."""
+    await browser.send("Emulation.setDeviceMetricsOverride", width=1366, height=900, deviceScaleFactor=1, mobile=False)
+    await browser.goto(url)
+    return await browser.eval("document.documentElement.outerHTML")
+
+
+async def screenshot(browser: Browser, url: str, path: Path, width: int, height: int) -> bytes:
+    """The page loaded afresh in a window of this size, as `chromium --screenshot` takes it."""
+    await browser.send("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+    await browser.goto(url)
+    return await browser.screenshot(path)
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_page_loads_in_headless_chromium_and_is_kept_as_a_screenshot(name, tmp_path):
+def test_page_loads_in_headless_chromium_and_is_kept_as_a_screenshot(name, tmp_path, window):
     topology = discover_root(str(SNAPSHOTS / name))
     page = tmp_path / f"{name}.html"
     page.write_text(render_page(topology))
-    dom = chromium(["--dump-dom", page.as_uri()], tmp_path / "profile")
-    assert dom.returncode == 0, dom.stderr[-2000:]
-    found = re.findall(r'<rect class="device (gpu|nic)" data-device="([A-Z]+\d+)"', dom.stdout)
+    dom = window.run(load_dom(window.browser, page.as_uri()))
+    found = re.findall(r'<rect class="device (gpu|nic)" data-device="([A-Z]+\d+)"', dom)
     assert sorted(d for _, d in found) == sorted([g.name for g in topology.gpus] + [n.name for n in topology.nics])
-    width, height = map(int, re.search(r'<svg[^>]*width="(\d+)" height="(\d+)"', dom.stdout).groups())
+    width, height = map(int, re.search(r'<svg[^>]*width="(\d+)" height="(\d+)"', dom).groups())
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / f"{name}.png"
     shot.unlink(missing_ok=True)
-    done = chromium([f"--screenshot={shot}", f"--window-size={width + 40},{height + 90}", page.as_uri()],
-                    tmp_path / "profile")
-    assert done.returncode == 0 and shot.stat().st_size > 10_000, done.stderr[-2000:]
+    window.run(screenshot(window.browser, page.as_uri(), shot, width + 40, height + 90))
+    assert shot.stat().st_size > 10_000
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -17,9 +17,10 @@ import asyncio
 import json
 import os
 import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 
 import pytest
-from browser import Browser
+from browser import Browser, SharedBrowser
 from conftest import FIXTURES, REPO
 from service_helpers import start_agent, wait_counters_read
 
@@ -74,23 +75,30 @@ def golden_texts(name: str, texts: list[str]) -> None:
     assert texts == json.loads(path.read_text()), f"the picture's text differs from {path} (re-record with TOPOAGENT_WRITE_GOLDEN=1 if meant)"
 
 
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedBrowser]:
+    shared = SharedBrowser(tmp_path_factory.mktemp("chromium") / "profile")
+    yield shared
+    shared.close()
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_served_page_is_legible_at_1366_px_on_every_fixture(name, tmp_path):
+def test_served_page_is_legible_at_1366_px_on_every_fixture(name, tmp_path, chromium):
     """`topoagent serve --root <fixture>`, `/` in Chromium at 1366x900, screenshot kept."""
     topology = discover_root(str(SNAPSHOTS / name))
     devices = [g.name for g in topology.gpus] + [n.name for n in topology.nics]
     agent = start_agent(tmp_path, root=SNAPSHOTS / name)
-    wait_counters_read(agent)  # the recorded counters' findings are part of the picture
 
     async def look() -> dict:
-        async with Browser(tmp_path / "profile", 1366, 900) as browser:
-            await browser.goto(f"{agent.url}/")
-            ARTIFACTS.mkdir(exist_ok=True)
-            await browser.screenshot(ARTIFACTS / f"page-{name}-1366.png")
-            return await browser.eval(LAYOUT)
+        browser = chromium.browser
+        await browser.goto(f"{agent.url}/")
+        ARTIFACTS.mkdir(exist_ok=True)
+        await browser.screenshot(ARTIFACTS / f"page-{name}-1366.png")
+        return await browser.eval(LAYOUT)
 
     try:
-        layout = asyncio.run(look())
+        wait_counters_read(agent)  # the recorded counters' findings are part of the picture
+        layout = chromium.run(look())
     finally:
         assert agent.stop() == 0
     check_layout(layout, devices)
@@ -137,28 +145,28 @@ def test_a_lease_shows_on_the_open_page_without_a_reload(tmp_path):
         assert agent.stop() == 0
 
 
-def test_hover_on_a_gpu_highlights_its_hybrid_cube_mesh_links(tmp_path):
+def test_hover_on_a_gpu_highlights_its_hybrid_cube_mesh_links(tmp_path, chromium):
     """DGX-1: GPU0 links to GPU1, GPU2, GPU3 and GPU4; the mouse over GPU0 turns those red
     and dims the other twelve links."""
     page = tmp_path / "dgx1.html"
     page.write_text(render_page(discover_root(str(SNAPSHOTS / "dgx1-v100"))))
 
     async def hover() -> tuple[dict, dict]:
-        async with Browser(tmp_path / "profile", 1366, 900) as browser:
-            await browser.goto(page.as_uri())
-            look = """Object.fromEntries([...document.querySelectorAll('path.direct-link')].map(p =>
-                       [p.dataset.pair, [getComputedStyle(p).stroke, getComputedStyle(p).opacity]]))"""
-            still = await browser.eval(look)
-            x, y = await browser.eval("(() => { const r = document.querySelector('[data-device=GPU0]')"
-                                      ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
-            await browser.hover(x, y)
-            await browser.wait_for("document.querySelector('[data-hover=GPU0]').matches(':hover')")
-            moved = await browser.eval(look)
-            await browser.screenshot(ARTIFACTS / "page-dgx1-v100-hover-GPU0.png")
-            return still, moved
+        browser = chromium.browser
+        await browser.goto(page.as_uri())
+        look = """Object.fromEntries([...document.querySelectorAll('path.direct-link')].map(p =>
+                   [p.dataset.pair, [getComputedStyle(p).stroke, getComputedStyle(p).opacity]]))"""
+        still = await browser.eval(look)
+        x, y = await browser.eval("(() => { const r = document.querySelector('[data-device=GPU0]')"
+                                  ".getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        await browser.hover(x, y)
+        await browser.wait_for("document.querySelector('[data-hover=GPU0]').matches(':hover')")
+        moved = await browser.eval(look)
+        await browser.screenshot(ARTIFACTS / "page-dgx1-v100-hover-GPU0.png")
+        return still, moved
 
     ARTIFACTS.mkdir(exist_ok=True)
-    still, moved = asyncio.run(hover())
+    still, moved = chromium.run(hover())
     mine = {p for p in moved if "GPU0" in p.split("-")}
     assert mine == {"GPU0-GPU1", "GPU0-GPU2", "GPU0-GPU3", "GPU0-GPU4"}
     assert {still[p][0] for p in still} == {"rgb(47, 125, 28)"}  # all NVLink green at rest

@@ -21,7 +21,8 @@ import topoagent.placement.deadline as deadline_module
 from topoagent.commands.discover import discover_root
 from topoagent.documents.agent import answer_document
 from topoagent.node.matrix import DistanceMatrix, LatencyMeasurement
-from topoagent.placement import Placement, ReasonCode, Request, place
+from topoagent.placement import Placement, ReasonCode, Request, place, warm_answers
+from topoagent.placement.answer import built_answer_parts
 from topoagent.placement.ksets import small_table_if_built
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.search import warm
@@ -161,6 +162,17 @@ def test_warm_builds_the_timed_tables_so_the_first_request_builds_none(monkeypat
         assert isinstance(answer, Placement) and isinstance(before, Placement)
         assert answer.indices == before.indices and answer.proven_optimal  # warming changes no answer
         assert place(node, Request(gpus=15, pattern=pattern)).proven_optimal
+
+
+def test_warming_answers_ends_as_soon_as_the_agent_stops():
+    """The agent warms answers in a thread it cannot cancel, and its exit waits for that
+    thread: told to stop (SIGTERM), the warming builds nothing more."""
+    node = irregular_mesh(8)
+    prep = warm(node)
+    warm_answers(node, stopped=lambda: True)
+    assert built_answer_parts(prep) == {}
+    warm_answers(node, stopped=lambda: False)
+    assert len(built_answer_parts(prep)) > 8  # not stopped: every set's answer is built ahead
 
 
 def test_a_request_building_timed_tables_keeps_to_its_deadline(monkeypatch):

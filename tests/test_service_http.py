@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 from service_helpers import (
@@ -21,6 +22,7 @@ from service_helpers import (
     wait_for,
     wedge,
     wedge_env,
+    without_leases,
 )
 
 GPUS = list(range(8))  # the recorded DGX A100
@@ -35,9 +37,18 @@ def agent(tmp_path_factory) -> Agent:
 
 @pytest.fixture
 def fresh(tmp_path) -> Agent:
+    """An agent of its own: for tests that count requests in /metrics or read the log."""
     a = start_agent(tmp_path)
     yield a
     a.stop()
+
+
+@pytest.fixture
+def clean(agent) -> Iterator[Agent]:
+    """The module's agent holding no lease, as a fresh one starts (a start costs seconds);
+    its leases released after too, so the read-only tests find nothing busy."""
+    yield without_leases(agent)
+    without_leases(agent)
 
 
 def reserve(agent: Agent, gpus: int, owner: str = "job-42", ttl_s: float = 600, **extra):
@@ -119,13 +130,13 @@ def test_metrics_cover_the_node(agent):
 
 # -- placement and leases ------------------------------------------------------------------
 
-def test_dry_run_places_without_holding(fresh):
-    reply = fresh.post("/place", {"gpus": 4})
+def test_dry_run_places_without_holding(clean):
+    reply = clean.post("/place", {"gpus": 4})
     assert reply.status == 200, reply.body
     gpus = [g["index"] for g in reply.json()["gpus"]]
     assert len(gpus) == 4 and set(gpus) <= set(GPUS)
-    assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
-    nofit = fresh.post("/place", {"gpus": 9})
+    assert clean.get("/leases").json() == {"leases": [], "orphaned": []}
+    nofit = clean.post("/place", {"gpus": 9})
     assert nofit.status == 422  # more than the node has: never fits (409 is for busy now)
     assert nofit.json()["error"] == "never_fits" and nofit.json()["nofit"]["constraint"] == "gpus"
     assert nofit.json()["detail"] == "never fits this node: gpus: 9 GPUs requested, 8 free of 8"
@@ -153,20 +164,20 @@ def test_reserve_list_release(fresh):
     assert fresh.request("DELETE", f"/leases/{lease['id']}", token=fresh.token).status == 404
 
 
-def test_place_is_lean_unless_the_request_names_details(fresh):
+def test_place_is_lean_unless_the_request_names_details(clean):
     """A scheduler gets the choice; the bindings, launch forms and explanation come when the
     request's `detail` names them, with a lease too; another name is refused, naming them all."""
-    lean = fresh.post("/place", {"gpus": 4}).json()
+    lean = clean.post("/place", {"gpus": 4}).json()
     assert not {"env", "numactl", "cpus", "nics", "launch", "explain", "links", "request"} & set(lean)
     assert all(set(g) == {"rank", "index", "uuid", "pci_address", "numa_node"} for g in lean["gpus"])
     assert lean["reasons"] and lean["proven_optimal"] is True and "objective" in lean
-    granted = reserve(fresh, 2, detail=["bindings"]).json()
+    granted = reserve(clean, 2, detail=["bindings"]).json()
     assert granted["lease"]["gpus"] == [g["index"] for g in granted["gpus"]]
     assert granted["env"]["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, granted["lease"]["gpus"]))
     assert all("numactl" in g for g in granted["gpus"]) and "launch" not in granted and "explain" not in granted
-    full = fresh.post("/place", {"gpus": 2, "detail": ["all"]}).json()
+    full = clean.post("/place", {"gpus": 2, "detail": ["all"]}).json()
     assert full["request"]["detail"] == ["bindings", "launch", "explain"] and full["launch"]["srun"] and full["explain"]
-    bad = fresh.post("/place", {"gpus": 2, "detail": ["bindings", "numa"]})
+    bad = clean.post("/place", {"gpus": 2, "detail": ["bindings", "numa"]})
     assert bad.status == 400
     assert bad.json()["detail"] == 'detail[1]: expected one of bindings, launch, explain, all, got "numa"'
 
@@ -247,19 +258,19 @@ def test_min_level_reads_like_the_cli(agent):
     assert agent.post("/place", {"gpus": 2, "min_level": "NV18"}).json()["nofit"]["constraint"] == "min_level"
 
 
-def test_busy_gpu_409_says_leased(fresh):
-    granted = reserve(fresh, 1, include=[3]).json()["lease"]
-    reply = fresh.post("/place", {"gpus": 1, "include": [3]})
+def test_busy_gpu_409_says_leased(clean):
+    granted = reserve(clean, 1, include=[3]).json()["lease"]
+    reply = clean.post("/place", {"gpus": 1, "include": [3]})
     assert reply.status == 409
     detail = reply.json()["detail"]
     assert "GPU 3 is leased" in detail and granted["id"] in detail and "running processes" not in detail
 
 
-def test_refresh_takes_no_fields(fresh):
-    reply = fresh.post("/refresh", {"force": True, "colour": 1}, token=fresh.token)
+def test_refresh_takes_no_fields(clean):
+    reply = clean.post("/refresh", {"force": True, "colour": 1}, token=clean.token)
     assert reply.status == 400 and "colour, force" in reply.json()["detail"]
-    assert fresh.post("/refresh", {}, token=fresh.token).status == 200
-    assert fresh.post("/refresh", token=fresh.token).status == 200
+    assert clean.post("/refresh", {}, token=clean.token).status == 200
+    assert clean.post("/refresh", token=clean.token).status == 200
 
 
 def test_long_values_are_cut_with_an_ellipsis(agent):
@@ -269,27 +280,27 @@ def test_long_values_are_cut_with_an_ellipsis(agent):
     assert detail.endswith("…") and len(detail) < 100
 
 
-def test_oversized_body_is_413(fresh):
+def test_oversized_body_is_413(clean):
     big = json.dumps({"gpus": 1, "include": [0] * 10000}).encode()
     assert len(big) > 16 * 1024
-    reply = fresh.request("POST", "/place", raw=big, token=fresh.token)
+    reply = clean.request("POST", "/place", raw=big, token=clean.token)
     assert reply.status == 413
     assert reply.json()["error"] == "payload_too_large"
-    assert fresh.get("/leases").json() == {"leases": [], "orphaned": []}
+    assert clean.get("/leases").json() == {"leases": [], "orphaned": []}
 
 
-def test_token_is_required_to_mutate(fresh):
+def test_token_is_required_to_mutate(clean):
     body = {"gpus": 2, "reserve": {"owner": "j", "ttl_s": 60}}
     for token in (None, "wrong-token-wrong-token", ""):
-        reply = fresh.post("/place", body, token=token)
+        reply = clean.post("/place", body, token=token)
         assert reply.status == 401, token
         assert reply.headers["www-authenticate"] == "Bearer"
-    granted = reserve(fresh, 2).json()["lease"]
-    assert fresh.request("DELETE", f"/leases/{granted['id']}").status == 401
-    assert fresh.request("DELETE", f"/leases/{granted['id']}", token="nope").status == 401
-    assert fresh.post("/refresh").status == 401
-    assert [l["id"] for l in fresh.get("/leases").json()["leases"]] == [granted["id"]]
-    assert fresh.token not in fresh.log()
+    granted = reserve(clean, 2).json()["lease"]
+    assert clean.request("DELETE", f"/leases/{granted['id']}").status == 401
+    assert clean.request("DELETE", f"/leases/{granted['id']}", token="nope").status == 401
+    assert clean.post("/refresh").status == 401
+    assert [l["id"] for l in clean.get("/leases").json()["leases"]] == [granted["id"]]
+    assert clean.token not in clean.log()
 
 
 def test_without_token_file_mutating_endpoints_are_off(tmp_path):
@@ -315,9 +326,9 @@ def test_config_can_require_token_for_reads(tmp_path):
         a.stop()
 
 
-def test_refresh_on_demand(fresh):
-    before = fresh.get("/readyz").json()["snapshot_version"]
-    reply = fresh.post("/refresh", token=fresh.token)
+def test_refresh_on_demand(clean):
+    before = clean.get("/readyz").json()["snapshot_version"]
+    reply = clean.post("/refresh", token=clean.token)
     assert reply.status == 200
     assert reply.json()["snapshot_version"] > before and reply.json()["stale"] is False
 

@@ -63,11 +63,10 @@ def node_reason(cluster: SlurmCluster) -> tuple[str, str]:
     return state, reason
 
 
-@pytest.fixture
-def agents(tmp_path):
-    sick_dir, well_dir = tmp_path / "sick", tmp_path / "well"
-    sick_dir.mkdir()
-    well_dir.mkdir()
+@pytest.fixture(scope="module")
+def agents(tmp_path_factory: pytest.TempPathFactory):
+    """A blind node's agent and a well one's, read only: both tests ask them the same."""
+    sick_dir, well_dir = tmp_path_factory.mktemp("sick"), tmp_path_factory.mktemp("well")
     sick = start_agent(sick_dir, root=SNAPSHOTS / "no-gpu-stack", token=False)
     try:
         well = start_agent(well_dir, token=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, WITHOUT_GPU_STACK
-from service_helpers import start_agent
+from service_helpers import start_agent, without_leases
 from slurm_cluster import SlurmCluster, SlurmNode, gres_device_files
 from test_slurm import DGX_A100_HARDWARE, DGX_A100_SOCKETS, synthetic_cpus
 
@@ -162,11 +163,19 @@ def leases_of(agent, owner: str) -> list[dict]:
     return [lease for lease in agent.get("/leases").json()["leases"] if lease["owner"] == owner]
 
 
-@pytest.fixture
-def agent(tmp_path):
-    running = start_agent(tmp_path)
+@pytest.fixture(scope="module")
+def shared_agent(tmp_path_factory):
+    running = start_agent(tmp_path_factory.mktemp("agent"))
     yield running
     running.stop()
+
+
+@pytest.fixture
+def agent(shared_agent, tmp_path):
+    """The module's agent holding no lease, as a fresh one starts (a start costs seconds),
+    with its token where the verbs read it."""
+    shutil.copy2(shared_agent.token_file, tmp_path / "token")  # its mode (0600) too
+    return without_leases(shared_agent)
 
 
 def test_prolog_leases_exactly_the_jobs_gpus_and_epilog_releases_them(agent, tmp_path):

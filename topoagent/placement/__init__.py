@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 from topoagent.node.levels import LinkLevel
@@ -92,12 +92,13 @@ WARM_NICS = 2  # answers are built ahead for jobs asking up to this many NICs
 WARM_ANSWER_GPUS = 8
 
 
-def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
+def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0, stopped: Callable[[], bool] | None = None) -> None:
     """Build the answer pieces (ranks' bindings, NICs, launch forms, tier, estimate) of
     every set of up to WARM_ANSWER_GPUS GPUs the matrix's small tables hold -- on an 8-GPU
     node at most 255 sets -- so a request there builds no answer.  The agent runs this in the background after it swaps
     a snapshot in (``search.warm`` builds the tables before); ``budget_s`` bounds it, and
-    what it leaves is built on first use."""
+    what it leaves is built on first use.  ``stopped()`` true ends it early: an agent told to
+    stop must not wait for answers no request will read (a thread cannot be cancelled)."""
     until = time.monotonic() + budget_s
     prep = prepare(matrix, None)
     # With measured latency reordering links, alltoall and pipeline read tables of their
@@ -107,7 +108,7 @@ def warm_answers(matrix: DistanceMatrix, budget_s: float = 2.0) -> None:
         for tables in (prep,) if latency_ordered is prep else (prep, latency_ordered):
             for pattern, rows in built_small_tables(tables):
                 for mask, _rank, _span, _nodes, order in rows:
-                    if time.monotonic() > until:
+                    if time.monotonic() > until or (stopped is not None and stopped()):
                         return
                     if len(order) <= WARM_ANSWER_GPUS:
                         answer_parts(tables, order, mask, pattern, nics)

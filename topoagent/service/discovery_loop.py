@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
@@ -49,6 +50,7 @@ class DiscoveryLoop:
         self._refresh_again = False
         self._debounce: asyncio.TimerHandle | None = None
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
+        self._stopping = threading.Event()  # ends a warming thread: exit would wait for it
 
     def request_refresh(self, reason: str) -> asyncio.Task:
         """Start a discovery run, or join the one running (then run once more after it)."""
@@ -71,6 +73,7 @@ class DiscoveryLoop:
 
     def pending(self) -> list[asyncio.Task]:
         """What stop() must end besides the loops."""
+        self._stopping.set()
         if self._debounce:
             self._debounce.cancel()
         return [self._refresh_task] if self._refresh_task else []
@@ -134,7 +137,7 @@ class DiscoveryLoop:
     def warm_answers(self, snapshot: Snapshot) -> None:
         """Build the new matrix's answers in the background: requests need not wait for
         it (they build what is missing), and the swap did not."""
-        self._warming = asyncio.ensure_future(asyncio.to_thread(warm_answers, snapshot.matrix))
+        self._warming = asyncio.ensure_future(asyncio.to_thread(warm_answers, snapshot.matrix, stopped=self._stopping.is_set))
         self._warming.add_done_callback(_log_warm_failure)
 
     def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
