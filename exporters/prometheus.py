@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -31,7 +31,6 @@ from topoagent.service.served import Served, Snapshot
 from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
-    from topoagent.collectors.counters import Family as CounterFamily
     from topoagent.connections import ConnectionGuard
     from topoagent.probes.figures import ProbeFigure
     from topoagent.service.interface import Service
@@ -59,7 +58,15 @@ def _served(detail: frozenset[str], *families: Metric) -> Iterator[Metric]:
             yield family
 
 
-def detail_table(counter_families: Iterable[CounterFamily]) -> str:
+class Declared(Protocol):
+    """What the exporter reads of a counter family's declaration (it names no collector)."""
+
+    name: str
+    detail: str
+    default: tuple[tuple[str, frozenset[str]], ...]
+
+
+def detail_table(counter_families: Iterable[Declared]) -> str:
     """docs/telemetry.md's table of what each [metrics] detail word serves (markdown), from
     ``counter_families`` (the counter sources' declarations) and SERVED_WITH_DETAIL."""
     lines = ["| `detail` | brings back (`topoagent_`) |", "|---|---|"]

@@ -14,6 +14,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -101,8 +102,12 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
 
     try:
         held = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-a", "ttl_s": 3600}}, token=agent.token).json()["lease"]
-        state_file.rename(state_file.with_name("kept"))
-        state_file.symlink_to(state_file.name)  # from now on every read of the book fails (ELOOP)
+        # From now on every read of the book fails (ELOOP): a link to itself takes the file's place
+        # in one rename, so no sweep in between reads a missing book (that is, an empty one).
+        shutil.copy2(state_file, state_file.with_name("kept"))
+        loop = state_file.with_name("loop")
+        loop.symlink_to(state_file.name)
+        loop.rename(state_file)
         wait_for("the sweeps failing", failed_lines, agent)
         assert "loop=lease_sweep" in failed_lines()[0] and "Too many levels of symbolic links" in failed_lines()[0]
         refused = agent.post("/place", {"gpus": 1, "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
