@@ -6,6 +6,7 @@ names), as bench/cluster.py replays them."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
@@ -249,23 +250,29 @@ def test_an_eight_gpu_pod_still_finds_an_nvswitch_node_whole_after_a_stream_of_s
     assert all(not held for held in leases(c).values())
 
 
-def test_a_pod_that_fills_a_node_exactly_goes_there_first(c: Cluster) -> None:
-    """At the same ring, a 2-GPU pod takes the DGX A100 with exactly 2 GPUs free (it breaks
-    nothing there) over the one with 4 free."""
-    a100s = [n for n in c.nodes if n.fixture == "dgx-a100"]
-    held = [(n, n.gpus) for n in c.nodes if n.fixture == "degraded"] + [(a100s[0], 6), (a100s[1], 4)]
+@contextlib.contextmanager
+def holding(c: Cluster, held: list[tuple[Node, int]]) -> Iterator[None]:
+    """Another job leases that many GPUs of each node for the block; released after it."""
     leased = []
     try:
         for node, gpus in held:
             status, doc = node.request("POST", "/place", {"gpus": gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
             assert status == 200, doc
             leased.append((node, doc["lease"]["id"]))
-        scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 2)))}
-        assert {n.request("POST", "/place", {"gpus": 2})[1]["bandwidth_gbps"] for n in a100s} == {300.0}
-        assert scores[a100s[0].name] == 10 and scores[a100s[1].name] < 10, scores
+        yield
     finally:
         for node, lease in leased:
             assert node.request("DELETE", f"/leases/{lease}", token=c.token)[0] == 200
+
+
+def test_a_pod_that_fills_a_node_exactly_goes_there_first(c: Cluster) -> None:
+    """At the same ring, a 2-GPU pod takes the DGX A100 with exactly 2 GPUs free (it breaks
+    nothing there) over the one with 4 free."""
+    a100s = [n for n in c.nodes if n.fixture == "dgx-a100"]
+    with holding(c, [(n, n.gpus) for n in c.nodes if n.fixture == "degraded"] + [(a100s[0], 6), (a100s[1], 4)]):
+        scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 2)))}
+        assert {n.request("POST", "/place", {"gpus": 2})[1]["bandwidth_gbps"] for n in a100s} == {300.0}
+        assert scores[a100s[0].name] == 10 and scores[a100s[1].name] < 10, scores
 
 
 def test_at_the_same_ring_a_pod_keeps_the_largest_block_a_node_can_give_then_fills_the_fullest(c: Cluster) -> None:
@@ -277,18 +284,10 @@ def test_at_the_same_ring_a_pod_keeps_the_largest_block_a_node_can_give_then_fil
     full = [(n, n.gpus) for n in c.nodes if n.fixture == "degraded"]
 
     def winner(held: list[tuple[Node, int]]) -> tuple[str, dict[str, int]]:
-        leased = []
-        try:
-            for node, gpus in held:
-                status, doc = node.request("POST", "/place", {"gpus": gpus, "reserve": {"owner": "someone-else", "ttl_s": 600}}, token=c.token)
-                assert status == 200, doc
-                leased.append((node, doc["lease"]["id"]))
+        with holding(c, held):
             assert {n.request("POST", "/place", {"gpus": 2})[1]["bandwidth_gbps"] for n in a100s} == {300.0}
             scores = {p["Host"]: p["Score"] for p in c.extender.call("prioritize", args_for(c, new_pod(c, 2)))}
             return max(scores, key=lambda n: (scores[n], [-ord(ch) for ch in n])), scores
-        finally:
-            for node, lease in leased:
-                assert node.request("DELETE", f"/leases/{lease}", token=c.token)[0] == 200
 
     # a100s[0] is the lower name: the one the scheduler would take at equal scores.
     best, scores = winner([*full, (a100s[0], 4), (a100s[1], 2)])
