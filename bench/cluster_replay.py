@@ -54,7 +54,7 @@ from bench.cluster import (
     table,
 )
 from bench.stats import percentile
-from topoagent.cluster.extender.nodes import Verdict, all_local, ranked, scores
+from topoagent.cluster.extender.nodes import Verdict, all_local, by_count, follow_ups, ranked, scores
 from topoagent.commands.discover import open_host
 from topoagent.documents.agent import answer_document
 from topoagent.node.discovery import COUNTER_SOURCES, discover_sync
@@ -168,21 +168,21 @@ class LocalZoneFirst(InProcess, ZoneFirst):
 def verdict(node: LocalNode, request: dict[str, Any]) -> Verdict:
     """What ``nodes.Agents._ask`` makes of the node's answers (its agent always answers here)."""
     wanted, free, total = request["gpus"], len(node.free()), node.matrix.size
-    if wanted > total:
-        return Verdict(node.name, False, f"the node has {total} GPUs; the pod needs {wanted}", resolvable=False)
-    if wanted > free:
-        return Verdict(node.name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
+    refused_by_count = by_count(node.name, wanted, free, total)
+    if refused_by_count is not None:
+        return refused_by_count
     answer = node.answer(request)
     if not isinstance(answer, Placement):
         return Verdict(node.name, False, answer.reason)
+    whole_request, pair_request = follow_ups(wanted, free, total)
     pair_value = 0.0
-    if wanted == 1 and free >= 2:
-        pair = node.answer({"gpus": 2})
+    if pair_request is not None:
+        pair = node.answer(pair_request)
         if isinstance(pair, Placement):
             pair_value = float(pair.bandwidth_gbps or 0.0)
     breaks_whole = False
-    if wanted < free == total:
-        whole = node.answer({"gpus": total})
+    if whole_request is not None:
+        whole = node.answer(whole_request)
         breaks_whole = isinstance(whole, Placement) and all_local(ranked(answer_document(whole)))
     return Verdict(node.name, True, answer=ranked(answer_document(answer)), pair_value=pair_value, free=free, wanted=wanted,
                    breaks_whole=breaks_whole)

@@ -116,6 +116,22 @@ def largest_block(free: int) -> int:
     return 1 << (free.bit_length() - 1) if free > 0 else 0
 
 
+def by_count(name: str, wanted: int, free: int, total: int) -> Verdict | None:
+    """The verdict the node's GPU counts alone give (None: ask its agent)."""
+    if wanted > total:
+        return Verdict(name, False, f"the node has {total} GPUs; the pod needs {wanted}", resolvable=False)
+    if wanted > free:
+        return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
+    return None
+
+
+def follow_ups(wanted: int, free: int, total: int) -> tuple[dict[str, int] | None, dict[str, int] | None]:
+    """The dry runs a verdict needs beside the pod's own: the whole node, when the pod would
+    break an idle one (``breaks_whole``); a pair, for a 1-GPU pod (``pair_value``: what the
+    next 2-GPU pod would get there)."""
+    return ({"gpus": total} if wanted < free == total else None), ({"gpus": 2} if wanted == 1 and free >= 2 else None)
+
+
 def ranked(answer: Mapping[str, Any]) -> dict[str, Any]:
     """The parts of a /place answer that Verdict reads: all the cache keeps of it.  A
     whole answer is kilobytes; kept for up to ANSWERS_PER_NODE requests on each of
@@ -297,19 +313,19 @@ class Agents:
                 async with asyncio.timeout(self.timeout_s):
                     etag, capacity = await self.capacity(name)
                     wanted, free, total = request["gpus"], capacity["free_gpus"], capacity["gpus"]
-                    if wanted > total:
-                        return Verdict(name, False, f"the node has {total} GPUs; the pod needs {wanted}", resolvable=False)
-                    if wanted > free:
-                        return Verdict(name, False, f"{free} of {total} GPUs free; the pod needs {wanted}")
+                    refused_by_count = by_count(name, wanted, free, total)
+                    if refused_by_count is not None:
+                        return refused_by_count
                     answer = await self.dry_run(name, etag, request)
+                    whole, pair = follow_ups(wanted, free, total)  # each cached with the ETag like any dry run
                     breaks_whole = False
-                    if wanted < free == total:  # a whole node: all its GPUs together, cached with the ETag like any dry run
+                    if whole is not None:
                         with contextlib.suppress(Refused):
-                            breaks_whole = all_local(await self.dry_run(name, etag, {"gpus": total}))
+                            breaks_whole = all_local(await self.dry_run(name, etag, whole))
                     pair_value = 0.0
-                    if wanted == 1 and free >= 2:  # what the next 2-GPU pod would get here: cached with the ETag like any dry run
+                    if pair is not None:
                         with contextlib.suppress(Refused):
-                            pair_value = _number((await self.dry_run(name, etag, {"gpus": 2})).get("bandwidth_gbps"))
+                            pair_value = _number((await self.dry_run(name, etag, pair)).get("bandwidth_gbps"))
             except TimeoutError:
                 self.asked["unanswered"] += 1
                 return Verdict(name, False, f"the node's agent did not answer within {self.timeout_s:g} s", answered=False)
