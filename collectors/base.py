@@ -59,6 +59,9 @@ class CollectorResult(Generic[T]):
     # An optional source (the fabric's neighbours): its failure is a warning, not a fault
     # of the node's facts.
     optional: bool = False
+    # The read raised what no read means to raise: a fault of topoagent's, never a fact
+    # about the node (no finding may read it as the machine's).
+    bug: bool = False
 
     @property
     def ok(self) -> bool:
@@ -103,10 +106,17 @@ async def run_collector(
 
 
 def crashed(name: str, exc: Exception, seconds: float = 0.0, *, optional: bool = False) -> CollectorResult[Any]:
-    """The ``error`` result of a collector that raised what no read means to raise (a bug).
+    """The ``error`` result of a collector that raised what no read means to raise (a bug)."""
+    return CollectorResult(name, ERROR, None, report_bug(name, exc), seconds, optional=optional, bug=True)
 
-    The message names the exception's type, so the finding says "a bug", not "a damaged
-    file"; the traceback is logged at debug level (``--log-level debug``) for the report.
+
+def report_bug(source: str, exc: Exception) -> str:
+    """Log a source's exception that no read means to raise (a fault of ours), with its
+    traceback at error level, and say it in one line.
+
+    The line names the exception's type and where it was raised (its notes: "in
+    pynvml.nvmlDeviceGetGpuFabricInfoV"), so a finding says "a bug", not "a damaged file"
+    or "the GPU said no".
     """
     import logging
     import traceback
@@ -114,7 +124,8 @@ def crashed(name: str, exc: Exception, seconds: float = 0.0, *, optional: bool =
     from topoagent.log import log_event
 
     said = str(exc).splitlines()[0][:200] if str(exc) else ""
-    message = f"collector crashed ({type(exc).__name__}{f': {said}' if said else ''}); this is a topoagent bug, please report it"
-    log_event("collector_crashed", logging.DEBUG, collector=name, error=type(exc).__name__,
+    where = "; ".join(getattr(exc, "__notes__", ()))
+    log_event("collector_crashed", logging.ERROR, collector=source, error=type(exc).__name__,
               traceback="".join(traceback.format_exception(exc)))
-    return CollectorResult(name, ERROR, None, message, seconds, optional=optional)
+    return (f"collector crashed ({type(exc).__name__}{f': {said}' if said else ''}{f', {where}' if where else ''}); "
+            "this is a topoagent bug, please report it")

@@ -2,16 +2,17 @@
 
 ``read_live()`` asks the NVML library and answers in the ``nvml.json`` schema of
 docs/snapshot-format.md; a replayed node serves the same dict from its recording, so
-the rest of the agent sees one shape whichever way it came.  pynvml is imported only
-inside ``read_live`` so importing this module never needs the library; every NVML call
-is guarded because any one of them can be unsupported on a given GPU or driver.
+the rest of the agent sees one shape whichever way it came.  pynvml is imported only in
+``NvmlSession.open``, so importing this module never needs the library.  Every NVML call
+goes through ``NvmlSession.ask``: any one of them can be unsupported on a given GPU or
+driver (the binding's ``NVMLError``: that field has no value), and anything else a call
+raises is a fault of ours, raised for the collector to report as one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,8 +49,6 @@ class NvLink:
 FABRIC_NOT_SUPPORTED, FABRIC_COMPLETED, FABRIC_UNKNOWN = "not_supported", "completed", "unknown"
 _FABRIC_STATES = {0: FABRIC_NOT_SUPPORTED, 1: "not_started", 2: "in_progress", 3: FABRIC_COMPLETED}
 _RECORDED_FABRIC_STATES = (*_FABRIC_STATES.values(), FABRIC_UNKNOWN)
-# nvmlReturn_t: NOT_SUPPORTED (3), FUNCTION_NOT_FOUND (13, a driver before R550): no fabric answer.
-_NO_FABRIC_ANSWER = frozenset({3, 13})
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,66 +225,136 @@ def _address(value: object, where: str) -> str | None:
 
 
 # --- live reader ---------------------------------------------------------------------
+#
+# Every NVML call goes through ``NvmlSession.ask``: the binding's own ``NVMLError`` is NVML's
+# answer ("not supported", "GPU is lost", ...: that field has no value); any other exception
+# is a fault of ours (a wrong signature, a handle used as a dict key) and is raised, with the
+# call named, so the collector fails loudly as ``collector-error`` -- never read as a fact
+# about the GPU.  Handles are ctypes pointers: not hashable, not comparable by value, so
+# they are kept in lists by NVML index and matched by the address they point at.
+
+# nvmlReturn_t codes that mean "this GPU or driver has no such answer".
+NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND = 3, 13
+_NO_ANSWER = frozenset({NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_FUNCTION_NOT_FOUND})
+# The library the binding loads (pynvml's _LoadNvmlLibrary on Linux).
+NVML_LIBRARY = "libnvidia-ml.so.1"
 
 
 def _text(value: object) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def driver_present() -> bool:
-    """Whether NVML can answer here: the NVIDIA driver's /proc entry or its control device
-    (as containers get them), or WSL's GPU device.  Asked before importing pynvml, which
-    costs a one-shot command on a node without GPUs a tenth of its start-up."""
-    return any(os.path.exists(p) for p in ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg"))
+def nvml_library_present() -> bool:
+    """Whether NVML's library loads here: asked before importing pynvml, which costs a
+    one-shot command on a node without GPUs a tenth of its start-up.  The library, not a
+    driver file, is what the binding needs (a container gets the library from the NVIDIA
+    runtime; a test suite puts its stand-in on the loader's path)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        return False
+    return True
+
+
+class NvmlSession:
+    """NVML initialised, and the one way to call it (see above)."""
+
+    def __init__(self, nv: Any) -> None:
+        self.nv = nv
+
+    @classmethod
+    def open(cls) -> NvmlSession:
+        """nvmlInit through the binding; NoData where there is no library, no binding or no
+        driver (what NVML said, by the binding's own error)."""
+        if not nvml_library_present():
+            raise NoData(NO_NVML)
+        try:
+            import pynvml  # the only import of pynvml in the agent
+        except ImportError:
+            raise NoData(NO_NVML + " (nvidia-ml-py is not installed)") from None
+        try:
+            pynvml.nvmlInit()
+        except pynvml.NVMLError as exc:  # LibraryNotFound, DriverNotLoaded, NoPermission, ...
+            raise NoData(f"{NO_NVML} (nvmlInit: {_said(exc)})") from None
+        return cls(pynvml)
+
+    def close(self) -> None:
+        with contextlib.suppress(self.nv.NVMLError):  # already shut down, or the driver went away
+            self.nv.nvmlShutdown()
+
+    def ask(self, call: str, *args: Any) -> Any:
+        """``pynvml.<call>(*args)``; None where NVML said no (its code in ``refused``)."""
+        answer, _code = self.ask_with_code(call, *args)
+        return answer
+
+    def ask_with_code(self, call: str, *args: Any) -> tuple[Any, int | None]:
+        """``(answer, None)``, or ``(None, nvmlReturn_t)`` where NVML said no."""
+        try:
+            return getattr(self.nv, call)(*args), None
+        except self.nv.NVMLError as exc:
+            return None, _code(exc)
+        except Exception as exc:  # ours, not NVML's: raised, with the call named
+            exc.add_note(f"in pynvml.{call}")
+            raise
+
+    def handles(self) -> list[Any]:
+        """Each GPU's handle by NVML index (None where NVML gave none)."""
+        count = self.ask("nvmlDeviceGetCount") or 0
+        return [self.ask("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+
+
+def _code(exc: BaseException) -> int | None:
+    value = getattr(exc, "value", None)  # pynvml's NVMLError keeps the nvmlReturn_t in .value
+    return value if isinstance(value, int) else None
+
+
+def _said(exc: BaseException) -> str:
+    code = _code(exc)
+    return f"{exc} (error {code})" if code is not None else str(exc)
+
+
+def handle_address(handle: Any) -> int:
+    """What a handle points at: the one thing two handles of one GPU share."""
+    import ctypes
+
+    return ctypes.addressof(handle.contents)
 
 
 def read_live() -> dict | None:
     """Ask the NVML library; None when there is no library or no driver (no data)."""
-    if not driver_present():
+    try:
+        session = NvmlSession.open()
+    except NoData:
         return None
     try:
-        import pynvml  # the only import of pynvml in the agent
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return None
-    try:
-        return _read_all(pynvml)
+        return _read_all(session)
     finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
+        session.close()
 
 
-def _read_all(nv: Any) -> dict:
-    def ask(call: Callable[..., Any], *args: Any) -> Any:
-        # Any single NVML call may be unsupported on this GPU/driver: that field is null.
-        try:
-            return call(*args)
-        except Exception:
-            return None
-
-    count = ask(nv.nvmlDeviceGetCount) or 0
-    handles = [ask(nv.nvmlDeviceGetHandleByIndex, i) for i in range(count)]
+def _read_all(nvml: NvmlSession) -> dict:
+    ask = nvml.ask
+    handles = nvml.handles()
     gpus = []
     for index, handle in enumerate(handles):
         if handle is None:
             continue
-        pci = ask(nv.nvmlDeviceGetPciInfo, handle)
-        memory = _memory_info(nv, handle)
+        pci = ask("nvmlDeviceGetPciInfo", handle)
+        memory = _memory_info(nvml, handle)
         links = []
         for link in range(_MAX_NVLINKS):
-            state = ask(nv.nvmlDeviceGetNvLinkState, handle, link)
+            state = ask("nvmlDeviceGetNvLinkState", handle, link)
             if state is None:
                 continue  # link does not exist on this GPU
-            remote = ask(nv.nvmlDeviceGetNvLinkRemotePciInfo, handle, link)
-            remote_type = ask(nv.nvmlDeviceGetNvLinkRemoteDeviceType, handle, link)
+            remote = ask("nvmlDeviceGetNvLinkRemotePciInfo", handle, link)
+            remote_type = ask("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
             links.append(
                 {
                     "link": link,
                     "active": bool(state),
-                    "version": ask(nv.nvmlDeviceGetNvLinkVersion, handle, link),
+                    "version": ask("nvmlDeviceGetNvLinkVersion", handle, link),
                     "remote_pci_bus_id": _bus_id(remote),
                     "remote_type": _REMOTE_TYPES.get(remote_type) if remote_type is not None else None,
                 }
@@ -294,31 +363,30 @@ def _read_all(nv: Any) -> dict:
         for peer_index, peer in enumerate(handles):
             if peer is None or peer_index == index:
                 continue
-            status = ask(nv.nvmlDeviceGetP2PStatus, handle, peer, 0)  # 0 = P2P read caps
+            status = ask("nvmlDeviceGetP2PStatus", handle, peer, _P2P_CAPS_READ)
             if status is not None:
                 p2p[str(peer_index)] = _P2P_STATUS.get(status, str(status))
-        affinity = ask(nv.nvmlDeviceGetCpuAffinity, handle, 64)
-        ecc_u = ask(nv.nvmlDeviceGetTotalEccErrors, handle, 1, 0)  # uncorrected, volatile
-        ecc_c = ask(nv.nvmlDeviceGetTotalEccErrors, handle, 0, 0)
-        power = ask(nv.nvmlDeviceGetPowerUsage, handle)
-        util = ask(nv.nvmlDeviceGetUtilizationRates, handle)
-        processes = ask(nv.nvmlDeviceGetComputeRunningProcesses, handle) or []
-        numa = ask(nv.nvmlDeviceGetNumaNodeId, handle)
-        fabric = _fabric_info(nv, handle)
+        affinity = ask("nvmlDeviceGetCpuAffinity", handle, _AFFINITY_WORDS)
+        ecc_u = ask("nvmlDeviceGetTotalEccErrors", handle, _ECC_UNCORRECTED, _ECC_VOLATILE)
+        ecc_c = ask("nvmlDeviceGetTotalEccErrors", handle, _ECC_CORRECTED, _ECC_VOLATILE)
+        power = ask("nvmlDeviceGetPowerUsage", handle)
+        util = ask("nvmlDeviceGetUtilizationRates", handle)
+        processes = ask("nvmlDeviceGetComputeRunningProcesses", handle) or []
+        numa = ask("nvmlDeviceGetNumaNodeId", handle)
         gpus.append(
             {
                 "index": index,
-                "uuid": _maybe_text(ask(nv.nvmlDeviceGetUUID, handle)),
-                "name": _maybe_text(ask(nv.nvmlDeviceGetName, handle)),
+                "uuid": _maybe_text(ask("nvmlDeviceGetUUID", handle)),
+                "name": _maybe_text(ask("nvmlDeviceGetName", handle)),
                 "pci_bus_id": _bus_id(pci),
                 "memory_total_bytes": getattr(memory, "total", None),
                 "numa_node": numa if isinstance(numa, int) and numa >= 0 else None,
                 "cpu_affinity": _affinity_to_cpulist(affinity),
                 "nvlinks": links,
                 "p2p": p2p,
-                "fabric": fabric,
+                "fabric": _fabric_info(nvml, handle),
                 "health": {
-                    "temperature_c": ask(nv.nvmlDeviceGetTemperature, handle, 0),
+                    "temperature_c": ask("nvmlDeviceGetTemperature", handle, _TEMPERATURE_GPU),
                     "power_w": round(power / 1000.0, 1) if isinstance(power, (int, float)) else None,
                     "memory_used_bytes": getattr(memory, "used", None),
                     "memory_free_bytes": getattr(memory, "free", None),
@@ -332,27 +400,33 @@ def _read_all(nv: Any) -> dict:
             }
         )
     return {
-        "driver_version": _maybe_text(ask(nv.nvmlSystemGetDriverVersion)),
-        "cuda_driver_version": ask(nv.nvmlSystemGetCudaDriverVersion),
-        "nvml_version": _maybe_text(ask(nv.nvmlSystemGetNVMLVersion)),
+        "driver_version": _maybe_text(ask("nvmlSystemGetDriverVersion")),
+        "cuda_driver_version": ask("nvmlSystemGetCudaDriverVersion"),
+        "nvml_version": _maybe_text(ask("nvmlSystemGetNVMLVersion")),
         "gpus": gpus,
     }
 
 
-def _fabric_info(nv: Any, handle: Any) -> dict | None:
-    """The GPU's fabric answer in nvml.json's shape: None where NVML has none (the call not
-    supported, or a driver or pynvml without it); "unknown" for any other error."""
-    call = getattr(nv, "nvmlDeviceGetGpuFabricInfo", None)
-    if call is None:
+_AFFINITY_WORDS = 64  # 64-bit words of CPU affinity asked: 4,096 CPUs
+
+
+def _fabric_info(nvml: NvmlSession, handle: Any) -> dict | None:
+    """The GPU's fabric answer in nvml.json's shape.  The binding fills a struct the caller
+    makes, passed by reference: ``nvmlDeviceGetGpuFabricInfoV`` (R550+, versioned), else the
+    first form on a driver without it.  None where NVML has no answer (not supported, a
+    driver before R535); "unknown", with NVML's code, for any other NVML error."""
+    from ctypes import byref
+
+    nv = nvml.nv
+    info = nv.c_nvmlGpuFabricInfoV_t()
+    _, code = nvml.ask_with_code("nvmlDeviceGetGpuFabricInfoV", handle, byref(info))
+    if code == NVML_ERROR_FUNCTION_NOT_FOUND:
+        info = nv.c_nvmlGpuFabricInfo_t()
+        _, code = nvml.ask_with_code("nvmlDeviceGetGpuFabricInfo", handle, byref(info))
+    if code in _NO_ANSWER:
         return None
-    try:
-        info = call(handle)
-    except Exception as exc:  # pynvml's NVMLError carries the nvmlReturn_t in .value
-        code = getattr(exc, "value", None)
-        if code in _NO_FABRIC_ANSWER:
-            return None
-        said = f"error {code}" if isinstance(code, int) else type(exc).__name__
-        return {"cluster_uuid": None, "clique_id": None, "state": FABRIC_UNKNOWN, "status": None, "unknown": said}
+    if code is not None:
+        return {"cluster_uuid": None, "clique_id": None, "state": FABRIC_UNKNOWN, "status": None, "unknown": f"error {code}"}
     return _fabric_answer(info)
 
 
@@ -361,10 +435,7 @@ def _fabric_answer(info: object) -> dict | None:
     if info is None:
         return None
     raw = getattr(info, "clusterUuid", None)
-    try:
-        digits = bytes(bytearray(raw)).hex() if raw is not None else None
-    except (TypeError, ValueError):
-        digits = None
+    digits = bytes(bytearray(raw)).hex() if raw is not None else None
     uuid = None
     if digits is not None and len(digits) == 32:
         uuid = f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
@@ -382,16 +453,14 @@ def _fabric_answer(info: object) -> dict | None:
     return answer
 
 
-def _memory_info(nv: Any, handle: Any) -> Any:
+def _memory_info(nvml: NvmlSession, handle: Any) -> Any:
     """nvmlDeviceGetMemoryInfo_v2 where the driver has it (R510+): its ``used`` leaves out
     the memory the driver reserves, and ``reserved`` says how much, as DCGM's FB_USED and
     FB_RESERVED do; else v1, whose ``used`` includes the reserved part and has no ``reserved``."""
-    version = getattr(nv, "nvmlMemory_v2", None)
-    if version is not None:
-        answer = _ask(nv.nvmlDeviceGetMemoryInfo, handle, version)
-        if answer is not None:
-            return answer
-    return _ask(nv.nvmlDeviceGetMemoryInfo, handle)
+    answer = nvml.ask("nvmlDeviceGetMemoryInfo", handle, nvml.nv.nvmlMemory_v2)
+    if answer is not None:
+        return answer
+    return nvml.ask("nvmlDeviceGetMemoryInfo", handle)
 
 
 def _maybe_text(value: object) -> str | None:
@@ -419,39 +488,24 @@ def _affinity_to_cpulist(words: Iterable[int] | None) -> str | None:
 def read_live_activity() -> dict | None:
     """Just what each GPU is doing now (utilization, compute processes), in the
     nvml.json shape: two NVML calls per GPU, cheap enough to ask every few seconds."""
-    if not driver_present():
-        return None
     try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:
+        nvml = NvmlSession.open()
+    except NoData:
         return None
     try:
         gpus = []
-        for index in range(_ask(pynvml.nvmlDeviceGetCount) or 0):
-            handle = _ask(pynvml.nvmlDeviceGetHandleByIndex, index)
+        for index, handle in enumerate(nvml.handles()):
             if handle is None:
                 continue
-            util = _ask(pynvml.nvmlDeviceGetUtilizationRates, handle)
-            processes = _ask(pynvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
+            util = nvml.ask("nvmlDeviceGetUtilizationRates", handle)
+            processes = nvml.ask("nvmlDeviceGetComputeRunningProcesses", handle) or []
             gpus.append({"index": index, "health": {
                 "utilization_gpu_percent": getattr(util, "gpu", None),
                 "processes": [getattr(p, "pid", None) for p in processes],
             }})
         return {"gpus": gpus}
     finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-
-
-def _ask(call: Callable[..., Any], *args: Any) -> Any:
-    try:
-        return call(*args)
-    except Exception:
-        return None
+        nvml.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -505,11 +559,14 @@ _FI_PCIE_COUNT_TX_BYTES = 197  # Hopper and later
 _FI_PCIE_COUNT_RX_BYTES = 198
 _FI_DEV_MEMORY_TEMP = 82  # HBM temperature, degrees C
 _CLOCK_SM, _CLOCK_MEM = 1, 2  # nvmlClockType_t
+_TEMPERATURE_GPU = 0  # nvmlTemperatureSensors_t
+_ECC_CORRECTED, _ECC_UNCORRECTED, _ECC_VOLATILE = 0, 1, 0  # nvmlMemoryErrorType_t, nvmlEccCounterType_t
+_P2P_CAPS_READ = 0  # nvmlGpuP2PCapsIndex_t
 # nvmlNvLinkErrorCounter_t -> the `counter` label
 _NVLINK_ERRORS = {0: "replay", 1: "recovery", 2: "crc_flit", 3: "crc_data"}
 _EVENT_XID = 0x8  # nvmlEventTypeXidCriticalError
 _NVML_SUCCESS = 0
-# nvmlClocksThrottleReason* bits -> the `reason` label
+# nvmlClocksEventReason* bits (formerly "throttle reasons") -> the `reason` label
 THROTTLE_REASONS = {
     0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
     0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
@@ -674,108 +731,96 @@ class LiveCounterReader:
     are counted here, per GPU and Xid, since the agent started)."""
 
     def __init__(self) -> None:
-        self._nv: Any = None
+        self._nvml: NvmlSession | None = None
         self._events: Any = None
         self._xids: dict[tuple[int, int], int] = {}
         self._last_xid: dict[int, int] = {}  # GPU index -> its last Xid
 
-    def _open(self) -> Any:
-        if self._nv is None:
-            if not driver_present():
-                raise NoData(NO_NVML)
-            try:
-                import pynvml
-            except ImportError:
-                raise NoData(NO_NVML) from None
-            try:
-                pynvml.nvmlInit()
-            except Exception:
-                raise NoData(NO_NVML) from None
-            self._nv = pynvml
-            with contextlib.suppress(Exception):
-                self._events = pynvml.nvmlEventSetCreate()
-                for index in range(pynvml.nvmlDeviceGetCount()):
-                    with contextlib.suppress(Exception):  # not every GPU supports Xid events
-                        pynvml.nvmlDeviceRegisterEvents(pynvml.nvmlDeviceGetHandleByIndex(index), _EVENT_XID, self._events)
-        return self._nv
+    def _open(self) -> NvmlSession:
+        if self._nvml is None:
+            nvml = NvmlSession.open()
+            self._nvml = nvml
+            self._events = nvml.ask("nvmlEventSetCreate")
+            if self._events is not None:
+                for handle in nvml.handles():
+                    if handle is not None:  # a GPU without Xid events (NOT_SUPPORTED) is simply not registered
+                        nvml.ask("nvmlDeviceRegisterEvents", handle, _EVENT_XID, self._events)
+        return self._nvml
 
     def close(self) -> None:
-        if self._nv is not None:
-            with contextlib.suppress(Exception):
-                if self._events is not None:
-                    self._nv.nvmlEventSetFree(self._events)
-                self._nv.nvmlShutdown()
-        self._nv = self._events = None
+        if self._nvml is not None:
+            if self._events is not None:
+                self._nvml.ask("nvmlEventSetFree", self._events)
+            self._nvml.close()
+        self._nvml = self._events = None
 
-    def _drain_events(self, nv: Any, index_of: dict[Any, int]) -> None:
-        # A zero timeout returns what is queued; NVML raises Timeout when the queue is empty.
+    def _drain_events(self, nvml: NvmlSession, index_of: dict[int, int]) -> None:
+        """Count the Xids queued since the last read.  A zero timeout returns what is
+        queued; NVML answers TIMEOUT (or any other error) when nothing more is."""
         for _ in range(10_000):
-            try:
-                event = nv.nvmlEventSetWait_v2(self._events, 0)
-            except Exception:
+            event = nvml.ask("nvmlEventSetWait_v2", self._events, 0)
+            if event is None:
                 return
-            index = index_of.get(getattr(event.device, "value", event.device), -1)
+            index = index_of.get(handle_address(event.device), -1)
             key = (index, int(event.eventData))
             self._xids[key] = self._xids.get(key, 0) + 1
             self._last_xid[index] = key[1]
 
     def read(self) -> dict:
-        nv = self._open()
-        count = _ask(nv.nvmlDeviceGetCount) or 0
-        handles = {i: _ask(nv.nvmlDeviceGetHandleByIndex, i) for i in range(count)}
+        nvml = self._open()
+        handles = nvml.handles()
         if self._events is not None:
-            self._drain_events(nv, {getattr(h, "value", h): i for i, h in handles.items() if h is not None})
-        gpus = []
-        for index, handle in handles.items():
-            if handle is not None:
-                gpus.append(self._gpu(nv, index, handle))
-        return {"gpus": gpus}
+            self._drain_events(nvml, {handle_address(h): i for i, h in enumerate(handles) if h is not None})
+        return {"gpus": [self._gpu(nvml, index, handle) for index, handle in enumerate(handles) if handle is not None]}
 
-    def _gpu(self, nv: Any, index: int, handle: Any) -> dict:
+    def _gpu(self, nvml: NvmlSession, index: int, handle: Any) -> dict:
+        ask = nvml.ask
+
         def field_values(ids: list[Any]) -> list[int | None]:
-            values = _ask(nv.nvmlDeviceGetFieldValues, handle, ids)
+            values = ask("nvmlDeviceGetFieldValues", handle, ids)
             if values is None:
                 return [None] * len(ids)
             return [_field_int(v) for v in values]
 
         links = []
         for link in range(_MAX_NVLINKS):
-            if _ask(nv.nvmlDeviceGetNvLinkState, handle, link) is None:
+            if ask("nvmlDeviceGetNvLinkState", handle, link) is None:
                 continue
             tx, rx = field_values([(_FI_NVLINK_THROUGHPUT_DATA_TX, link), (_FI_NVLINK_THROUGHPUT_DATA_RX, link)])
-            errors = {name: _ask(nv.nvmlDeviceGetNvLinkErrorCounter, handle, link, code) for code, name in _NVLINK_ERRORS.items()}
+            errors = {name: ask("nvmlDeviceGetNvLinkErrorCounter", handle, link, code) for code, name in _NVLINK_ERRORS.items()}
             links.append({"link": link, "tx_bytes_total": None if tx is None else tx * 1024,
                           "rx_bytes_total": None if rx is None else rx * 1024, "errors": errors})
         replays, pcie_tx, pcie_rx, memory_temp = field_values(
             [_FI_PCIE_REPLAY_COUNTER, _FI_PCIE_COUNT_TX_BYTES, _FI_PCIE_COUNT_RX_BYTES, _FI_DEV_MEMORY_TEMP])
-        memory = _memory_info(nv, handle)
-        util = _ask(nv.nvmlDeviceGetUtilizationRates, handle)
-        encoder = _ask(nv.nvmlDeviceGetEncoderUtilization, handle)  # [percent, sampling period in µs]
-        decoder = _ask(nv.nvmlDeviceGetDecoderUtilization, handle)
-        power = _ask(nv.nvmlDeviceGetPowerUsage, handle)
-        limit = _ask(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
-        remapped = _ask(nv.nvmlDeviceGetRemappedRows, handle)  # (correctable, uncorrectable, pending, failure)
-        pending = _ask(nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+        memory = _memory_info(nvml, handle)
+        util = ask("nvmlDeviceGetUtilizationRates", handle)
+        encoder = ask("nvmlDeviceGetEncoderUtilization", handle)  # [percent, sampling period in µs]
+        decoder = ask("nvmlDeviceGetDecoderUtilization", handle)
+        power = ask("nvmlDeviceGetPowerUsage", handle)
+        limit = ask("nvmlDeviceGetEnforcedPowerLimit", handle)
+        remapped = ask("nvmlDeviceGetRemappedRows", handle)  # (correctable, uncorrectable, pending, failure)
+        pending = ask("nvmlDeviceGetRetiredPagesPendingStatus", handle)
         counters = {
-            "temperature_c": _ask(nv.nvmlDeviceGetTemperature, handle, 0),
+            "temperature_c": ask("nvmlDeviceGetTemperature", handle, _TEMPERATURE_GPU),
             "power_w": power / 1000.0 if isinstance(power, (int, float)) else None,
             "power_limit_w": limit / 1000.0 if isinstance(limit, (int, float)) else None,
             "memory_temperature_c": memory_temp,
-            "energy_mj_total": _ask(nv.nvmlDeviceGetTotalEnergyConsumption, handle),
+            "energy_mj_total": ask("nvmlDeviceGetTotalEnergyConsumption", handle),
             "utilization_gpu_percent": getattr(util, "gpu", None),
             "utilization_memory_percent": getattr(util, "memory", None),
             "encoder_utilization_percent": encoder[0] if isinstance(encoder, list) and encoder else None,
             "decoder_utilization_percent": decoder[0] if isinstance(decoder, list) and decoder else None,
-            "sm_clock_mhz": _ask(nv.nvmlDeviceGetClockInfo, handle, _CLOCK_SM),
-            "memory_clock_mhz": _ask(nv.nvmlDeviceGetClockInfo, handle, _CLOCK_MEM),
+            "sm_clock_mhz": ask("nvmlDeviceGetClockInfo", handle, _CLOCK_SM),
+            "memory_clock_mhz": ask("nvmlDeviceGetClockInfo", handle, _CLOCK_MEM),
             "memory_used_bytes": getattr(memory, "used", None),
             "memory_free_bytes": getattr(memory, "free", None),
             "memory_reserved_bytes": getattr(memory, "reserved", None),
-            "ecc_corrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 0, 0),
-            "ecc_uncorrected_total": _ask(nv.nvmlDeviceGetTotalEccErrors, handle, 1, 0),
+            "ecc_corrected_total": ask("nvmlDeviceGetTotalEccErrors", handle, _ECC_CORRECTED, _ECC_VOLATILE),
+            "ecc_uncorrected_total": ask("nvmlDeviceGetTotalEccErrors", handle, _ECC_UNCORRECTED, _ECC_VOLATILE),
             "retired_pages_pending": None if pending is None else bool(pending),
             "remapped_rows": None if not isinstance(remapped, tuple) else dict(zip(("correctable", "uncorrectable", "pending", "failure"), remapped, strict=False)),
-            "throttle_reasons": _ask(nv.nvmlDeviceGetCurrentClocksThrottleReasons, handle),
+            # The "event reasons" name; "throttle reasons" is its deprecated alias (R535+).
+            "throttle_reasons": ask("nvmlDeviceGetCurrentClocksEventReasons", handle),
             "pcie_replays_total": replays,
             "pcie_tx_bytes_total": pcie_tx,
             "pcie_rx_bytes_total": pcie_rx,
@@ -785,13 +830,18 @@ class LiveCounterReader:
         return {"index": index, "counters": counters, "nvlinks": links}
 
 
+# nvmlValueType_t -> the member of nvmlValue_t the driver wrote (a union: reading another
+# member reads bytes it did not write).
+_FIELD_MEMBERS = {1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal"}
+
+
 def _field_int(value: Any) -> int | None:
-    if getattr(value, "nvmlReturn", 1) != _NVML_SUCCESS:
+    if value.nvmlReturn != _NVML_SUCCESS:
         return None
-    for member in ("ullVal", "ulVal", "uiVal", "sllVal", "siVal"):
-        with contextlib.suppress(AttributeError):
-            return int(getattr(value.value, member))
-    return None
+    member = _FIELD_MEMBERS.get(value.valueType)
+    if member is None:  # a double, or a type this reader does not know: no integer
+        return None
+    return int(getattr(value.value, member))
 
 
 def _number(value: Any) -> float | None:

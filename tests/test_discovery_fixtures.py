@@ -378,9 +378,9 @@ SMI_TEXT = str(Path(__file__).resolve().parents[1] / "fixtures/nvidia-smi/hgx-h2
 
 def _no_driver() -> set[str]:
     """pynvml, on a machine where NVML cannot answer (it is asked only where it can)."""
-    from topoagent.collectors.nvml import driver_present
+    from topoagent.collectors.nvml import nvml_library_present
 
-    return set() if driver_present() else {"pynvml"}
+    return set() if nvml_library_present() else {"pynvml"}
 
 
 @pytest.mark.parametrize(("argv", "also_never", "proof"), [

@@ -251,7 +251,8 @@ def served(history: History, overrides: Mapping[str, float], node: NodeTopology 
 
 def read_live(source: CounterSource, context: Context) -> Sample:
     """One read of one source; a failure is the sample's error (never raised)."""
-    from topoagent.collectors.base import NoData
+    from topoagent.collectors.base import NoData, report_bug
+    from topoagent.errors import TopoagentError
 
     started = time.perf_counter()
     taken_at = time.monotonic()
@@ -259,8 +260,10 @@ def read_live(source: CounterSource, context: Context) -> Sample:
         raw = source.read(context)
     except NoData as exc:
         return Sample(source.name, taken_at, None, str(exc), time.perf_counter() - started, absent=True)
-    except Exception as exc:  # OSError, HostError, NVML: this source fails alone
+    except (TopoagentError, OSError) as exc:  # the source could not be read: it fails alone
         return Sample(source.name, taken_at, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
+    except Exception as exc:  # a fault of ours (a wrong NVML call): it fails alone, loudly
+        return Sample(source.name, taken_at, None, report_bug(source.name, exc), time.perf_counter() - started)
     return Sample(source.name, taken_at, raw, None, time.perf_counter() - started)
 
 
