@@ -96,7 +96,7 @@ def gpu(index: int, fabric: dict | None, active: bool = True) -> dict:
 ])
 def test_the_fabric_state_rule(fabric, said):
     nvml = parse_nvml({"gpus": [gpu(0, fabric), gpu(1, {"state": "completed", "status": 0})]})
-    found = fabric_findings(nvml)
+    found = fabric_findings(nvml, 0)  # GPU1's completed state says a fabric exists
     if said is None:
         assert found == []
     else:
@@ -110,16 +110,39 @@ def test_a_fabric_state_nobody_can_read_is_not_taken_as_completed():
     ready, saying what NVML said, beside the GPUs still registering."""
     nvml = parse_nvml({"gpus": [gpu(0, {"state": "unknown", "status": 0, "unknown": "state 7"}), gpu(1, {"state": "in_progress"}),
                                 gpu(2, {"state": "completed", "status": 0})]})
-    (f,) = fabric_findings(nvml)
+    (f,) = fabric_findings(nvml, 0)
     assert f.kind == "fabric-not-ready" and f.severity == "critical"
     assert f.message.startswith("NVLink fabric registration not completed on 1 of 3 GPUs (in_progress: GPU1)")
-    assert "NVLink fabric state unreadable on 1 of 3 GPUs (GPU0 (state 7)): not known to be registered" in f.message
+    assert "NVLink fabric state unreadable on 1 of 3 GPUs (GPU0 (state 7)): a state number this topoagent does not know" in f.message
     assert "upgrade topoagent" in f.message
+
+
+def test_an_nvml_error_for_the_fabric_state_on_an_nvswitch_node_blocks_with_the_drivers_remedy():
+    """On NVSwitches an unreadable state still blocks: CUDA may not start.  The remedy is
+    the driver's and the fabric manager's, not "upgrade topoagent" (that is for a state
+    number we do not know)."""
+    nvml = parse_nvml({"gpus": [gpu(0, {"state": "unknown", "unknown": "error 15"}), gpu(1, {"state": "completed", "status": 0})]})
+    (f,) = fabric_findings(nvml, 6)
+    assert f.kind == "fabric-not-ready" and f.severity == "critical"
+    assert "unreadable on 1 of 2 GPUs (GPU0 (error 15)): NVML answered an error" in f.message
+    assert "nvidia-fabricmanager" in f.message and "upgrade topoagent" not in f.message
+
+
+@pytest.mark.parametrize("fabric", [
+    {"state": "unknown", "unknown": "error 999"},  # NVML said an error
+    {"state": "not_supported", "status": 0, "clique_id": 0},  # the real H200's answer
+    None,
+])
+def test_a_pcie_gpu_without_a_fabric_is_never_judged_by_its_fabric_state(fabric):
+    """No NVSwitch, no NVLink to a switch, no GPU that NVML says is on a fabric: the fabric
+    state is no fact this node's placement needs, whatever NVML answered for it."""
+    raw = {"gpus": [{"index": 0, "nvlinks": [], **({"fabric": fabric} if fabric else {})}]}
+    assert fabric_findings(parse_nvml(raw), 0) == []
 
 
 def test_the_gb200_tray_with_one_gpu_still_registering_names_that_gpu():
     nvml = parse_nvml(json.loads((FIXTURES / "nvml" / "gb200-nvl72-tray.json").read_text()))
-    (f,) = fabric_findings(nvml)
+    (f,) = fabric_findings(nvml, 0)  # its switches are in other trays: NVML says the fabric
     assert "on 1 of 4 GPUs (in_progress: GPU3)" in f.message
 
 

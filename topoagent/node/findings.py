@@ -78,38 +78,64 @@ def _nvswitch_no_nvlink(nvml: NvmlInfo, nvswitches: int) -> Finding | None:
     )
 
 
-def fabric_findings(nvml: NvmlInfo) -> list[Finding]:
+def on_nvlink_fabric(nvml: NvmlInfo, nvswitches: int) -> bool:
+    """Whether the GPUs sit on an NVLink fabric that a fabric manager brings up: NVSwitches
+    on the PCI bus (HGX, DGX), an NVLink to a switch (the switches of an NVL72 rack are in
+    other trays), or NVML saying a fabric exists (any state but not supported)."""
+    if nvswitches:
+        return True
+    for g in nvml.gpus:
+        if any(link.remote_type == "switch" for link in g.nvlinks):
+            return True
+        if g.fabric is not None and g.fabric.state not in (None, FABRIC_NOT_SUPPORTED, FABRIC_UNKNOWN):
+            return True
+    return False
+
+
+def fabric_findings(nvml: NvmlInfo, nvswitches: int) -> list[Finding]:
     """GPUs whose NVLink fabric registration (NVML's GPU fabric state) has not completed, or
-    completed with an error: CUDA does not start on them until it does.  A GPU whose state
-    nobody can read (``unknown``: a number nvml.h does not name, an NVML error) is not taken
-    as completed.  A GPU that reports no fabric state, or ``not_supported``, says nothing
-    either way: nothing is said of it."""
+    completed with an error: CUDA does not start on them until it does.  Judged only where
+    the GPUs sit on such a fabric (``on_nvlink_fabric``): a PCIe or single GPU answers "not
+    supported", or nothing, and its fabric state is no fact its placement needs.  There, a
+    GPU whose state nobody can read (``unknown``: an NVML error, a number nvml.h does not
+    name) is not taken as completed."""
+    if not on_nvlink_fabric(nvml, nvswitches):
+        return []
     pending: dict[str, list[str]] = {}
-    unread: list[str] = []
+    nvml_errors: list[str] = []
+    unnamed_states: list[str] = []
     for g in nvml.gpus:
         f = g.fabric
         if f is None or f.state is None or f.state == FABRIC_NOT_SUPPORTED:
             continue
         if f.state == FABRIC_UNKNOWN:
-            unread.append(f"GPU{g.index} ({f.unknown or 'no detail'})")
+            detail = f.unknown or "no detail"
+            (unnamed_states if detail.startswith("state ") else nvml_errors).append(f"GPU{g.index} ({detail})")
         elif f.state != FABRIC_COMPLETED:
             pending.setdefault(f.state, []).append(f"GPU{g.index}")
         elif f.status is not None and f.status != 0:
             pending.setdefault(f"completed with error {f.status}", []).append(f"GPU{g.index}")
-    said = []  # one finding for the fabric, naming each kind of trouble
+    said = []  # one finding for the fabric, naming each kind of trouble with its own remedy
+    total = len(nvml.gpus)
     if pending:
         count = sum(len(gpus) for gpus in pending.values())
         states = "; ".join(f"{state}: {', '.join(gpus)}" for state, gpus in pending.items())
         said.append(
-            f"NVLink fabric registration not completed on {count} of {len(nvml.gpus)} GPUs ({states}): CUDA fails on them with "
+            f"NVLink fabric registration not completed on {count} of {total} GPUs ({states}): CUDA fails on them with "
             "'system not yet initialized' until it completes. Remedy: check that the fabric manager runs (systemctl status "
             "nvidia-fabricmanager; its version must be the driver's) and, if the state stays in_progress, read its log "
             "(/var/log/fabricmanager.log)")
-    if unread:
+    if nvml_errors:
         said.append(
-            f"NVLink fabric state unreadable on {len(unread)} of {len(nvml.gpus)} GPUs ({', '.join(unread)}): not known to "
-            "be registered, so judged not ready. Remedy: a state number this topoagent does not know comes from a newer "
-            "driver (upgrade topoagent); for an NVML error see nvidia-smi -q (Fabric)")
+            f"NVLink fabric state unreadable on {len(nvml_errors)} of {total} GPUs ({', '.join(nvml_errors)}): NVML answered "
+            "an error, so the GPUs are not known to be registered and are judged not ready. Remedy: nvidia-smi -q (the "
+            "Fabric section) and the kernel log (dmesg: Xid, NVRM) show what the driver says; check the fabric manager "
+            "(systemctl status nvidia-fabricmanager)")
+    if unnamed_states:
+        said.append(
+            f"NVLink fabric state unreadable on {len(unnamed_states)} of {total} GPUs ({', '.join(unnamed_states)}): a state "
+            "number this topoagent does not know (from a newer driver), so judged not ready. Remedy: upgrade topoagent; "
+            "nvidia-smi -q (Fabric) says what the driver means by it")
     return [Finding(FindingKind.FABRIC_NOT_READY, Severity.CRITICAL, NVLINK_FABRIC, ". ".join(said))] if said else []
 
 
@@ -221,7 +247,9 @@ def witness_findings(
     found: list[Finding] = []
     on_bus = tree.of_kind(GPU) if tree is not None else ()
     answered = [results[name] for name in ("nvml", "nvidia_smi") if name in results]
-    if on_bus and answered and not any(r.ok for r in answered):
+    # A source that crashed (our bug: its collector-error says so) is no witness that the
+    # stack is missing: one of our faults must not read as the machine's.
+    if on_bus and answered and not any(r.ok or r.bug for r in answered):
         said = "; ".join(f"{r.name}: {r.message or r.status}" for r in answered)
         unbound = [d for d in on_bus if d.driver is None]
         if len(unbound) == len(on_bus):

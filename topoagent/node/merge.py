@@ -259,7 +259,7 @@ def _nvlinks(facts: _Facts, findings: list[Finding]) -> dict[tuple[int, int], in
         switches = {d.address for d in facts.tree.of_kind(NVSWITCH)} if facts.tree else set()
         nv_counts, fabric, per_gpu = nvlink_levels(facts.nvml, switches)
         findings.extend(nvlink_findings(facts.nvml, fabric, per_gpu, len(switches)))
-        findings.extend(fabric_findings(facts.nvml))
+        findings.extend(fabric_findings(facts.nvml, len(switches)))
         return nv_counts
     declared = facts.declared
     if declared is not None and any(lvl is not None and lvl.is_nvlink for row in declared.levels for lvl in row):
