@@ -23,6 +23,10 @@ FABRIC_DOWN = frozenset({"no-fabric-manager", "fabric-not-started", "fabric-in-p
 # The recorded nodes GET /readyz calls not ready for placement: tests of placement answers
 # and of the files that state every link leave them out.
 NOT_READY = WITHOUT_GPU_STACK | FABRIC_DOWN
+# Recorded nodes that are real, recorded by `topoagent snapshot` on the hardware and copied
+# as recorded (fixtures/build_snapshots.py RECORDED): tests of what the generator writes into
+# every generated node (its two counter samples 10 s apart, an RDMA NIC on each) leave them out.
+REAL_NODES = frozenset({"h200-vm"})
 # The suite checks this checkout, in process and in the commands it starts (they run
 # `python -P -m topoagent`, which ignores the working directory but not PYTHONPATH), so
 # a change is tested without reinstalling; tests/test_packaging.py checks the install.

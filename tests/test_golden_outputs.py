@@ -33,7 +33,7 @@ def served() -> dict[str, dict[str, str]]:
 
 
 def test_every_recorded_node_has_golden_outputs():
-    assert len(NODES) == 15  # tests/test_fixtures.py names them
+    assert len(NODES) == 16  # tests/test_fixtures.py names them
     for node in NODES:
         held = sorted(p.name for p in (SNAPSHOTS / node / "expected").iterdir())
         assert held == sorted([*FILES, PAGE_TEXT]), f"{node}/expected holds {held}"

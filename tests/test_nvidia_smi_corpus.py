@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from conftest import CORPUS
+from conftest import CORPUS, FIXTURES
 
 from topoagent.collectors.nvidia_smi import parse_topo_matrix
+from topoagent.node.levels import LevelKind
 
 TOPO_DIR = CORPUS / "nvidia-smi-topo"
 
@@ -182,3 +183,17 @@ def test_fragment_without_header_says_what_it_inferred(corpus):
     assert any("inferred" in note and "GPU6" in note for note in topo.notes)
     # GPU2 lost its NVLinks: no NV level to any peer.
     assert all(not topo.level("GPU2", f"GPU{i}").is_nvlink for i in range(8) if i != 2)
+
+
+def test_a_real_driver_580_output_is_read_with_its_header_and_no_warning():
+    """nvidia-smi 580.159.04 on an H200 (fixtures/SOURCES.md) underlines its header line with
+    terminal escape codes and prints a GPU NUMA ID column: the header is read as one, and the
+    row's three values land in their columns, with nothing to warn about."""
+    text = (FIXTURES / "nvidia-smi" / "h200-vm-1gpu-drv580-escape-codes.txt").read_text()
+    assert text.startswith("\t\x1b[4mGPU0\t") and "GPU NUMA ID\x1b[0m\n" in text  # the driver's own bytes
+    topo = parse_topo_matrix(text)
+    assert [(d.name, d.kind) for d in topo.devices] == [("GPU0", "gpu")]
+    assert topo.level("GPU0", "GPU0").kind is LevelKind.SELF
+    gpu = topo.gpus[0]
+    assert (gpu.cpu_affinity, gpu.numa_affinity, gpu.gpu_numa_id) == ("0-15", "0", None)  # GPU NUMA ID: N/A
+    assert topo.notes == () and topo.missing_rows == ()

@@ -162,6 +162,31 @@ def test_mangled_complete_outputs_give_typed_error_or_a_consistent_parse(corpus,
             _consistent(original, got)
 
 
+# Terminal escape sequences as terminals and nvidia-smi print them: SGR (the driver's own
+# underline, colours), cursor and erase controls, window titles and hyperlinks (OSC, ended by
+# BEL or ST), charset and keypad switches.
+escape_sequences = st.one_of(
+    st.sampled_from(["\x1b[4m", "\x1b[0m", "\x1b[m", "\x1b[1;31m", "\x1b[38;5;208m", "\x1b[K", "\x1b[2J",
+                     "\x1b[?25l", "\x1b]0;gpu-node\x07", "\x1b]8;;https://example.com\x1b\\", "\x1b(B", "\x1b7",
+                     "\x1b="]),
+    st.builds(lambda params, final: f"\x1b[{params}{final}", st.from_regex(r"[0-9;?]{0,8}", fullmatch=True),
+              st.characters(min_codepoint=0x40, max_codepoint=0x7E)),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(COMPLETE), st.lists(st.tuples(st.integers(0, 100_000), escape_sequences), max_size=12))
+def test_terminal_escape_codes_anywhere_change_nothing(name, inserts):
+    """A capture with escape sequences put anywhere, even inside a value, parses as the
+    plain capture does: the same devices, levels, columns and notes."""
+    text = (CORPUS / "nvidia-smi-topo" / name).read_text()
+    coloured = text
+    # From the end backwards: each goes between characters of the capture, never inside another.
+    for at, sequence in sorted(((where % (len(text) + 1), seq) for where, seq in inserts), reverse=True):
+        coloured = coloured[:at] + sequence + coloured[at:]
+    assert parse_topo_matrix(coloured) == parse_topo_matrix(text)
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(ALL), st.binary(max_size=64), st.integers(0, 10_000))
 def test_random_bytes_never_escape_as_anything_but_the_typed_error(name, junk, where):
