@@ -450,6 +450,52 @@ class StubNode:
                 EVENTS_ENV: str(self.events_path)}
 
 
+# --- nvml.h's struct layouts, for the contract test ------------------------------------------
+
+# The structs the agent hands the binding: pynvml's ctypes class -> nvml.h's type and fields.
+STRUCTS = {
+    "c_nvmlMemory_t": ("nvmlMemory_t", ("total", "free", "used")),
+    "c_nvmlMemory_v2_t": ("nvmlMemory_v2_t", ("version", "total", "reserved", "free", "used")),
+    "nvmlPciInfo_t": ("nvmlPciInfo_t", ("busIdLegacy", "domain", "bus", "device", "pciDeviceId", "pciSubSystemId", "busId")),
+    "c_nvmlUtilization_t": ("nvmlUtilization_t", ("gpu", "memory")),
+    "c_nvmlProcessInfo_v3_t": ("nvmlProcessInfo_t", ("pid", "usedGpuMemory", "gpuInstanceId", "computeInstanceId")),
+    "c_nvmlFieldValue_t": ("nvmlFieldValue_t", ("fieldId", "scopeId", "timestamp", "latencyUsec", "valueType", "nvmlReturn", "value")),
+    "c_nvmlEventData_t": ("nvmlEventData_t", ("device", "eventType", "eventData", "gpuInstanceId", "computeInstanceId")),
+    "c_nvmlGpuFabricInfo_t": ("nvmlGpuFabricInfo_t", ("clusterUuid", "status", "cliqueId", "state")),
+    "c_nvmlGpuFabricInfoV_t": ("nvmlGpuFabricInfo_v2_t", ("version", "clusterUuid", "status", "cliqueId", "state", "healthMask")),
+}
+
+
+@functools.cache
+def nvml_h_layouts() -> dict[str, list]:
+    """{pynvml class name: [sizeof, {field: offsetof}]} as nvml.h lays the C types out."""
+    header = nvml_header()
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <nvml.h>", "int main(void) {", 'printf("{");']
+    for i, (name, (c_type, fields)) in enumerate(STRUCTS.items()):
+        offsets = ", ".join(f'\\"{f}\\": %zu' for f in fields)
+        values = ", ".join(f"offsetof({c_type}, {f})" for f in fields)
+        lines.append(f'printf("{"," if i else ""}\\"{name}\\": [%zu, {{{offsets}}}]", sizeof({c_type}), {values});')
+    lines += ['printf("}\\n");', "return 0; }"]
+    with tempfile.TemporaryDirectory() as work:
+        source, program = Path(work) / "layouts.c", Path(work) / "layouts"
+        source.write_text("\n".join(lines) + "\n")
+        gcc = shutil.which("gcc") or "/usr/bin/gcc"
+        subprocess.run([gcc, "-Wall", "-Werror", "-Wno-deprecated-declarations", f"-I{header.parent}", "-o", str(program),
+                        str(source)], check=True, capture_output=True)
+        return json.loads(subprocess.run([str(program)], check=True, capture_output=True, text=True).stdout)
+
+
+def binding_layouts(pynvml: Any) -> dict[str, list]:
+    """The same, as a pynvml module's ctypes classes lay them out (None where it lacks one)."""
+    layouts: dict[str, list] = {}
+    for name, (_, fields) in STRUCTS.items():
+        cls = getattr(pynvml, name, None)
+        if cls is not None:
+            declared = {f[0] for f in cls._fields_}
+            layouts[name] = [ctypes.sizeof(cls), {f: getattr(cls, f).offset for f in fields if f in declared}]
+    return layouts
+
+
 # --- the binding versions the project admits ---------------------------------------------
 
 
