@@ -44,6 +44,8 @@ What the stub cannot express (tests of these need another stand-in, or none):
 - values that change between two calls without the test rewriting the file (the file is re-read
   only when it changed, at nvmlDeviceGetCount and nvmlDeviceGetHandleByIndex);
 - events other than Xid (registering another type answers NOT_SUPPORTED); MIG instances;
+- events lost before a set existed: each event set reads the events file from its start, so a
+  test may add an Xid before the agent registers (NVML would drop it);
 - P2P caps other than those recorded (nvml.json records the read caps only);
 - a field value of another type than unsigned long long; negative numbers;
 - an NVML symbol it does not export: pynvml then raises NVMLError_FunctionNotFound, as with an
@@ -210,8 +212,8 @@ def _whole(value: Any, what: str) -> int | None:
 def _text(value: Any, what: str) -> str | None:
     if value is None:
         return None
-    if not isinstance(value, str) or not value or len(value) > _MAX_TEXT or any(c in value for c in "\r\n\0"):
-        raise ValueError(f"{what}: {value!r} is not a one-line text of 1-{_MAX_TEXT} characters")
+    if not isinstance(value, str) or not value or len(value) > _MAX_TEXT or not all(" " <= c <= "~" for c in value):
+        raise ValueError(f"{what}: {value!r} is not 1-{_MAX_TEXT} characters of printable ASCII (what NVML answers)")
     return value
 
 

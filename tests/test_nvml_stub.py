@@ -6,6 +6,7 @@ binding (run in a child process) reads the same node as the installed one."""
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import functools
 import json
 import os
@@ -593,8 +594,9 @@ def test_a_child_process_given_env_loads_the_stub(nvml_stub: stub.StubNode, monk
         monkeypatch.delenv(key)
     child = _run_child("import pynvml; pynvml.nvmlInit(); print(pynvml.nvmlDeviceGetCount())", nvml_stub.env())
     assert (child.returncode, child.stdout) == (0, "8\n"), child.stderr
-    without = _run_child("import pynvml\ntry: pynvml.nvmlInit()\nexcept pynvml.NVMLError as e: print(type(e).__name__)", {})
-    assert without.stdout == "NVMLError_LibraryNotFound\n", without.stderr
+    if ctypes.util.find_library("nvidia-ml") is None:  # a machine with no driver of its own: env() is what loads it
+        without = _run_child("import pynvml\ntry: pynvml.nvmlInit()\nexcept pynvml.NVMLError as e: print(type(e).__name__)", {})
+        assert without.stdout == "NVMLError_LibraryNotFound\n", without.stderr
 
 
 @pytest.mark.parametrize("snapshot", ["dgx-a100", "h200"])

@@ -204,16 +204,23 @@ static int load_node(const char *path, struct node *out) {
     if (!f) { say("cannot open node file %s: %s", path, strerror(errno)); return 0; }
     struct entry *entries = calloc(MAX_ENTRIES, sizeof *entries);
     if (!entries) { fclose(f); say("out of memory"); return 0; }
-    char line[MAX_LINE + 2];
+    char line[MAX_LINE + 1];
     size_t count = 0, lineno = 0, bytes = 0;
-    int ok = 1;
-    while (ok && fgets(line, sizeof line, f)) {
+    int ok = 1, c = 0;
+    while (ok && c != EOF) {
+        size_t len = 0;
+        int printable = 1;
         lineno++;
-        size_t len = strlen(line);
-        bytes += len;
+        while ((c = getc(f)) != EOF && c != '\n') {
+            if (++bytes > MAX_FILE_BYTES) break;
+            if (c < 0x20 || c > 0x7e) printable = 0; /* the driver answers ASCII: so must the node */
+            if (len == MAX_LINE) break;
+            line[len++] = (char)c;
+        }
         if (bytes > MAX_FILE_BYTES) { say("%s: larger than %d bytes", path, MAX_FILE_BYTES); ok = 0; break; }
-        if (len > 0 && line[len - 1] == '\n') line[--len] = '\0';
-        else if (!feof(f)) { say("%s:%zu: line longer than %d", path, lineno, MAX_LINE); ok = 0; break; }
+        if (len == MAX_LINE) { say("%s:%zu: line longer than %d", path, lineno, MAX_LINE - 1); ok = 0; break; }
+        if (!printable) { say("%s:%zu: not printable ASCII", path, lineno); ok = 0; break; }
+        line[len] = '\0';
         if (len == 0 || line[0] == '#') continue;
         char *space = strchr(line, ' ');
         if (!space) { say("%s:%zu: expected 'key value'", path, lineno); ok = 0; break; }
@@ -828,29 +835,30 @@ EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
     LEAVE();
 }
 
-/* The next whole line of the events file for a GPU this set registered, advancing its offset. */
+/* The next event in the events file for a GPU this set registered, advancing its offset past
+ * every whole line read; a line still being written (no newline yet) waits for its end. */
 static int next_event(nvmlEventSet_t set, nvmlEventData_t *data) {
     if (!events_path[0]) return 0;
     FILE *f = fopen(events_path, "r");
     if (!f) return 0;
     int found = 0;
-    char line[MAX_EVENT_LINE + 2];
-    while (!found && fseek(f, set->offset, SEEK_SET) == 0 && fgets(line, sizeof line, f)) {
-        size_t len = strlen(line);
-        if (line[len - 1] != '\n') {
-            if (len <= MAX_EVENT_LINE) break; /* a line still being written: wait for its end */
-            say("%s: line longer than %d skipped", events_path, MAX_EVENT_LINE);
-            int c;
-            while ((c = fgetc(f)) != EOF && c != '\n') {}
-            set->offset = ftell(f);
-            continue;
+    while (!found && fseek(f, set->offset, SEEK_SET) == 0) {
+        char line[MAX_EVENT_LINE + 1];
+        size_t len = 0;
+        int c, complete = 0, bad = 0;
+        while ((c = fgetc(f)) != EOF) {
+            if (c == '\n') { complete = 1; break; }
+            if (len < MAX_EVENT_LINE && c >= 0x20 && c <= 0x7e) line[len++] = (char)c;
+            else bad = 1; /* too long, or not printable */
         }
-        set->offset += (long)len;
+        if (!complete) break;
+        set->offset = ftell(f);
+        line[len] = '\0';
         unsigned gpu;
         unsigned long long xid;
         char tail;
-        if (sscanf(line, "%u %llu %c", &gpu, &xid, &tail) != 2) {
-            say("%s: malformed event line skipped: %.*s", events_path, (int)len - 1, line);
+        if (bad || sscanf(line, "%u %llu %c", &gpu, &xid, &tail) != 2) {
+            say("%s: malformed event line skipped", events_path);
             continue;
         }
         if (gpu >= node.gpu_count || !(set->registered[gpu] & XID_EVENT)) continue; /* not for this set */
