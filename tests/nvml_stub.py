@@ -12,7 +12,8 @@ Use in a test::
     def test_x(nvml_stub):                          # tests/conftest.py's fixture
         nvml_stub.serve_recording(FIXTURES / "snapshots/dgx-a100")
         ... pynvml / the agent in this process ...  # the library is preloaded, env set
-        subprocess.run([...], env={**os.environ, **nvml_stub.env()})   # or a child process
+        subprocess.run([...])                       # children inherit the fixture's env too
+        subprocess.run([...], env={**os.environ, **node.env()})   # a StubNode made by hand
 
     nvml_stub.serve(nvml, counters, errors={"nvmlDeviceGetPowerUsage.0": 15})  # GPU_IS_LOST
     nvml_stub.add_xid(gpu=0, xid=79)                # one Xid event, delivered once
@@ -48,12 +49,16 @@ What the stub cannot express (tests of these need another stand-in, or none):
   test may add an Xid before the agent registers (NVML would drop it);
 - P2P caps other than those recorded (nvml.json records the read caps only);
 - a field value of another type than unsigned long long; negative numbers;
-- an NVML symbol it does not export: pynvml then raises NVMLError_FunctionNotFound, as with an
-  old driver, so plant ``error.<function> 13`` to say "this driver lacks it" instead.
-- A struct passed by value where the binding wants ``byref``: ctypes then hands C a pointer to
-  libffi's own scratch memory, as it would to the driver.  A versioned struct then fails with
-  NVMLError_ArgumentVersionMismatch; an unversioned one (nvmlDeviceGetGpuFabricInfo's) "succeeds",
-  written into that scratch memory while the caller's struct stays zero: assert the values.
+- a driver without a symbol: ``error.<function> 13`` makes the call raise pynvml's
+  NVMLError_FunctionNotFound, but the symbol is still there for ``hasattr(pynvml.nvmlLib, ...)``.
+
+What it shows as a driver would (tests/test_nvml_stub.py):
+- a struct passed by value where the binding wants ``byref``: ctypes hands C a pointer to
+  libffi's own scratch memory.  A versioned struct is refused (NVMLError_ArgumentVersionMismatch);
+  an unversioned one (nvmlDeviceGetGpuFabricInfo's) is written into that memory, never into the
+  caller's struct, and the process may die of it (SIGSEGV here);
+- the binding's own defects: nvidia-ml-py 12.550.52's fabric structs are not nvml.h's (see
+  BINDING_DEFECTS there), and pynvml's NVML_P2P_CAPS_INDEX_READ is the tuple ``(0,)``.
 """
 
 from __future__ import annotations
@@ -374,6 +379,8 @@ def node_lines(nvml: Mapping[str, Any], counters: Mapping[str, Any] | None = Non
         "nvml_version": _text(nvml.get("nvml_version"), "nvml_version"),
         "cuda_driver_version": nvml.get("cuda_driver_version"),
     }
+    if not isinstance(keys["cuda_driver_version"], int | None) or isinstance(keys["cuda_driver_version"], bool):
+        raise ValueError(f"cuda_driver_version: {keys['cuda_driver_version']!r} is not an integer")
     gpus = nvml.get("gpus") or []
     indices = [g["index"] for g in gpus]
     count = max(indices, default=-1) + 1
