@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ REAL_NODES = frozenset({"h200-vm"})
 sys.path[:0] = [str(TESTS), str(REPO)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
+import nvml_stub as nvml_stub_module  # noqa: E402 (needs TESTS on sys.path)
+
 
 @pytest.fixture(scope="session")
 def corpus() -> Path:
@@ -51,3 +54,25 @@ SLOW_FIRST = ("test_image.py", "test_device_plugin.py", "test_page_live.py", "te
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest keep their order
+
+
+@pytest.fixture
+def nvml_stub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[nvml_stub_module.StubNode]:
+    """The suite's NVML in this process: the stub libnvidia-ml.so.1 (tests/nvml_stub.py)
+    preloaded for the real pynvml, serving a node file in tmp_path (empty until the test
+    calls ``serve``/``serve_recording``); its variables set for child processes too.
+    NVML is shut down afterwards, so the next test's init reads its own file."""
+    nvml_stub_module.preload()
+    nvml_stub_module.check_pynvml_loads_stub()
+    node = nvml_stub_module.StubNode(tmp_path / "nvml-stub")
+    for key, value in node.env().items():
+        monkeypatch.setenv(key, value)
+    yield node
+    nvml_stub_module.shutdown_all()
+
+
+@pytest.fixture(params=nvml_stub_module.admitted_versions(), ids=lambda v: f"nvidia-ml-py-{v}")
+def nvml_binding(request: pytest.FixtureRequest) -> nvml_stub_module.Binding:
+    """Each nvidia-ml-py the project admits (pyproject's lower bound, the installed one), as a
+    PYTHONPATH directory for a child process: ``env={**os.environ, **nvml_binding.env()}``."""
+    return nvml_stub_module.binding(request.param)
