@@ -437,7 +437,7 @@ def _fabric_answer(info: object) -> dict | None:
     raw = getattr(info, "clusterUuid", None)
     digits = bytes(bytearray(raw)).hex() if raw is not None else None
     uuid = None
-    if digits is not None and len(digits) == 32:
+    if digits is not None and len(digits) == 32 and digits.strip("0"):  # all zero: no cluster
         uuid = f"{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
     state = getattr(info, "state", None)
     status = getattr(info, "status", None)

@@ -71,8 +71,9 @@ def nvml_stub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[nvml_
     nvml_stub_module.shutdown_all()
 
 
-@pytest.fixture(params=nvml_stub_module.admitted_versions(), ids=lambda v: f"nvidia-ml-py-{v}")
+@pytest.fixture(params=sorted(set(nvml_stub_module.admitted_versions())), ids=lambda v: f"nvidia-ml-py-{v}")
 def nvml_binding(request: pytest.FixtureRequest) -> nvml_stub_module.Binding:
-    """Each nvidia-ml-py the project admits (pyproject's lower bound, the installed one), as a
+    """Each nvidia-ml-py the project admits (pyproject's lower bound, the installed one: one
+    version while they are the same), as a
     PYTHONPATH directory for a child process: ``env={**os.environ, **nvml_binding.env()}``."""
     return nvml_stub_module.binding(request.param)

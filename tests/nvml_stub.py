@@ -57,8 +57,10 @@ What it shows as a driver would (tests/test_nvml_stub.py):
   libffi's own scratch memory.  A versioned struct is refused (NVMLError_ArgumentVersionMismatch);
   an unversioned one (nvmlDeviceGetGpuFabricInfo's) is written into that memory, never into the
   caller's struct, and the process may die of it (SIGSEGV here);
-- the binding's own defects: nvidia-ml-py 12.550.52's fabric structs are not nvml.h's (see
-  BINDING_DEFECTS there), and pynvml's NVML_P2P_CAPS_INDEX_READ is the tuple ``(0,)``.
+- the binding's own defects: before nvidia-ml-py 13.615.71 (pyproject's bound since) its fabric
+  structs were not nvml.h's (12.550.52's clusterUuid was 80 bytes: state, status and clique read
+  from the wrong place; the v1 struct stayed wrong up to 13.610.43), and pynvml's
+  NVML_P2P_CAPS_INDEX_READ is the tuple ``(0,)``.
 """
 
 from __future__ import annotations

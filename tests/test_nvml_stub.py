@@ -610,13 +610,6 @@ def test_each_admitted_binding_reads_the_recording_in_a_child(
     assert child.stdout.strip() == f"checked {nvml_binding.pythonpath}"
 
 
-# Where an admitted nvidia-ml-py's ctypes struct is not nvml.h's (found by the layout test
-# below; strict: fixed upstream or the bound raised, the mark must go).  12.550.52 declares
-# clusterUuid as c_char * 80 where nvml.h has unsigned char[16]: status, cliqueId and state are
-# read 64 bytes past where the driver wrote them (state always 0, "not supported") and the UUID
-# comes back as text (a UnicodeDecodeError for most UUIDs).  The v1 struct keeps the 80 bytes up
-# to 13.610.43 at least; 13.615.71 has both right.
-BINDING_DEFECTS = {("12.550.52", "c_nvmlGpuFabricInfo_t"), ("12.550.52", "c_nvmlGpuFabricInfoV_t")}
 
 
 @functools.cache
@@ -628,18 +621,12 @@ def _binding_layouts(binding: stub.Binding) -> dict[str, list]:
 
 @pytest.mark.parametrize("struct", list(stub.STRUCTS))
 def test_each_admitted_binding_lays_out_the_agents_structs_as_nvml_h(
-        nvml_binding: stub.Binding, struct: str, request: pytest.FixtureRequest) -> None:
-    if (nvml_binding.version, struct) in BINDING_DEFECTS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"nvidia-ml-py {nvml_binding.version}'s {struct} is not nvml.h's"))
+        nvml_binding: stub.Binding, struct: str) -> None:
     assert _binding_layouts(nvml_binding).get(struct) == stub.nvml_h_layouts()[struct]
 
 
 def test_each_admitted_binding_reads_every_fabric_state_in_a_child(
-        nvml_stub: stub.StubNode, nvml_binding: stub.Binding, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    if {(nvml_binding.version, "c_nvmlGpuFabricInfo_t"), (nvml_binding.version, "c_nvmlGpuFabricInfoV_t")} & BINDING_DEFECTS:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            f"nvidia-ml-py {nvml_binding.version}'s fabric structs are not nvml.h's: "
-            "raise pyproject's nvidia-ml-py bound, or read the fabric through a struct of our own")))
+        nvml_stub: stub.StubNode, nvml_binding: stub.Binding, tmp_path: Path) -> None:
     nvml, counters = stub.recording(DGX_A100)
     for gpu, fabric in enumerate([
             {"cluster_uuid": "6f1e2a3b-4c5d-6e7f-8091-a2b3c4d5e6f7", "clique_id": 7, "state": "completed", "status": 0},
