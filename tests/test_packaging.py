@@ -103,7 +103,7 @@ def test_the_wheel_carries_licence_types_deployment_files_and_honest_metadata(wh
     assert metadata["License-File"] == "LICENSE"
     requires = metadata.get_all("Requires-Dist")
     assert {r for r in requires if "extra ==" not in r} == {
-        "aiohttp>=3.9", "prometheus-client>=0.14", "nvidia-ml-py>=12.550.52", "pyudev>=0.16"}
+        "aiohttp>=3.9", "prometheus-client>=0.14", "nvidia-ml-py>=13.615.71", "pyudev>=0.16"}
     assert 'torch<3,>=2.1; extra == "probes"' in requires
     assert "Typing :: Typed" in metadata.get_all("Classifier")
     assert any(url.startswith("Homepage, ") for url in metadata.get_all("Project-URL"))
