@@ -423,7 +423,7 @@ def recording(snapshot_dir: Path, sample: int = 0) -> tuple[dict, dict | None]:
     counters = None
     if telemetry.is_file():
         samples = json.loads(telemetry.read_text()).get("samples") or []
-        found = samples[sample].get("sources", {}).get("nvml_counters") if sample < len(samples) else None
+        found = samples[sample].get("sources", {}).get("nvml_counters") if -len(samples) <= sample < len(samples) else None
         counters = found if isinstance(found, dict) else None
     return nvml, counters
 

@@ -1,0 +1,97 @@
+"""The real H200 served live: `topoagent serve --root /` runs as it ran on that node, in a mount
+namespace of its own where /sys, /proc/driver and /proc/cpuinfo are the ones recorded there,
+`nvidia-smi topo -m` prints what the real one printed, and NVML is the suite's C-ABI stand-in
+(tests/nvml_stub) serving that GPU's answers under the real nvidia-ml-py.  Nothing of the agent
+is replaced: it reads the live node its own way, discovery's child process included."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import FIXTURES
+from nvml_stub import StubNode
+from service_helpers import Agent, metric_value, wait_counters_read, wait_for
+from test_real_h200 import DEFAULT_PAGE, recorded_counters
+
+H200 = FIXTURES / "snapshots" / "h200-vm"
+
+# As on the node: the recorded trees mounted where the kernel keeps them, then the agent.
+IN_A_BOX = """set -e
+mount --bind "$1/sys" /sys
+mount --bind "$1/proc/driver" /proc/driver
+mount --bind "$1/proc/cpuinfo" /proc/cpuinfo
+shift
+exec "$@"
+"""
+
+
+def fake_nvidia_smi(bindir: Path) -> None:
+    """`nvidia-smi topo -m` printing what the real one printed on the node (escape codes kept)."""
+    bindir.mkdir()
+    script = bindir / "nvidia-smi"
+    script.write_text(f'#!/bin/sh\n[ "$1 $2" = "topo -m" ] && exec cat {H200 / "commands" / "nvidia-smi_topo_-m.out"}\n'
+                      'echo "nvidia-smi stand-in: only topo -m was recorded" >&2; exit 2\n')
+    script.chmod(0o755)
+
+
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    unshare = shutil.which("unshare")
+    assert unshare is not None, "util-linux's unshare is needed to mount the recorded /sys for this agent alone"
+    tmp = tmp_path_factory.mktemp("h200")
+    node = StubNode(tmp / "nvml")
+    node.serve_recording(H200, sample=-1)  # the sample the replay tests compare with (recorded_counters)
+    fake_nvidia_smi(tmp / "bin")
+    state = tmp / "state"
+    state.mkdir(mode=0o700)
+    env = {**os.environ, **node.env(), "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
+    log_path = tmp / "agent.log"
+    args = [unshare, "--mount", "--propagation", "private", "sh", "-c", IN_A_BOX, "sh", str(H200),
+            sys.executable, "-P", "-m", "topoagent", "serve", "--root", "/", "--listen", "127.0.0.1:0", "--state-dir", str(state)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    line = proc.stdout.readline() if proc.stdout else ""
+    match = re.search(r"on http://([\d.]+):(\d+)", line)
+    if not match:
+        proc.kill()
+        proc.wait()
+        raise AssertionError(f"the agent did not start: {line!r}\n{log_path.read_text()}")
+    agent = Agent(proc, match.group(1), int(match.group(2)), None, Path("/"), state, log_path)
+    agent.listening_at = time.monotonic()  # type: ignore[attr-defined]
+    yield agent
+    agent.stop()
+
+
+def test_the_live_h200_is_ready_and_places_its_gpu(h200: Agent):
+    wait_for("/readyz 200", lambda: h200.get("/readyz").status == 200, h200, timeout=60)
+    # A figure for the record, not a test (tests assert no times): how long from listening to ready.
+    print(f"ready {time.monotonic() - h200.listening_at:.2f} s after listening")  # type: ignore[attr-defined]
+    topology = h200.get("/topology").json()
+    assert [g["uuid"] for g in topology["gpus"]] == ["GPU-8aa1497e-909b-15e4-767c-dcfa583dff29"]
+    assert [f for f in topology["findings"] if f["severity"] != "info"] == []
+    assert topology["collectors"]["nvml"]["status"] == "ok" and topology["collectors"]["nvidia_smi"]["status"] == "ok"
+    placed = h200.post("/place", {"gpus": 1})
+    assert placed.status == 200 and [g["index"] for g in placed.json()["gpus"]] == [0], placed.body
+    assert h200.post("/place", {"gpus": 2}).status == 422
+
+
+def test_every_gpu_family_the_h200_answered_is_on_metrics_with_its_value(h200: Agent):
+    wait_for("/readyz 200", lambda: h200.get("/readyz").status == 200, h200, timeout=60)
+    wait_counters_read(h200)
+    page = h200.get("/metrics").body.decode()
+    assert metric_value(page, "topoagent_collector_success", {"collector": "nvml_counters"}) == 1
+    counters = recorded_counters()
+    served = 0
+    for key, (name, labels, factor) in DEFAULT_PAGE.items():
+        if counters[key] is not None:
+            assert metric_value(page, name, {"gpu": "0", **labels}) == pytest.approx(counters[key] * factor), (key, name)
+            served += 1
+    assert served >= 18
