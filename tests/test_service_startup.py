@@ -123,3 +123,15 @@ def test_a_discovery_that_fails_after_a_good_one_is_retried_while_readyz_stays_r
         assert "discovery" not in agent.get("/readyz").json()
     finally:
         agent.stop()
+
+
+def test_a_discovery_child_that_imported_another_topoagent_says_so_and_discovers_nothing(tmp_path):
+    """The child checks that the topoagent it imported is the agent's own."""
+    from topoagent.node.discovery_process import CHILD_BOOT, PACKAGE_DIR
+
+    elsewhere = str(tmp_path / "other" / "topoagent")
+    done = subprocess.run([sys.executable, "-P", "-c", CHILD_BOOT, os.path.dirname(PACKAGE_DIR), elsewhere, str(DGX_A100)],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 1 and done.stdout == b""
+    assert done.stderr.decode().strip() == (
+        f"DiscoveryFailed: the discovery process imported topoagent from {PACKAGE_DIR}, not the agent's own {elsewhere}")
