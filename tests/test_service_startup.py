@@ -8,6 +8,7 @@ hide the bug the real H200 met."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -67,6 +68,12 @@ def test_serve_from_a_checkout_found_only_through_the_cwd_becomes_ready(tmp_path
         assert "discovery_failed" not in agent.log()
     finally:
         assert agent.stop() == 0
+    # The probe worker, the other child, finds it too (the CPU backend: no GPU here).
+    probe = subprocess.run([python, "-m", "topoagent", "probe", "--backend", "cpu", "--json", "--no-progress"], cwd=REPO,
+                           env=plain_env(), capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr
+    round_ = json.loads(probe.stdout)
+    assert round_["worker"]["type"] == "hello" and round_["figures"], probe.stdout[:2000]
 
 
 def test_a_failed_start_up_discovery_is_retried_with_back_off_and_readyz_says_why(tmp_path):
@@ -125,13 +132,26 @@ def test_a_discovery_that_fails_after_a_good_one_is_retried_while_readyz_stays_r
         agent.stop()
 
 
-def test_a_discovery_child_that_imported_another_topoagent_says_so_and_discovers_nothing(tmp_path):
-    """The child checks that the topoagent it imported is the agent's own."""
-    from topoagent.node.discovery_process import CHILD_BOOT, PACKAGE_DIR
+def test_a_child_that_imported_another_topoagent_says_so_and_runs_nothing(tmp_path):
+    """The child (discovery, the probe worker) checks that the topoagent it imported is the agent's own."""
+    from topoagent.child import PACKAGE_DIR, module_command
 
     elsewhere = str(tmp_path / "other" / "topoagent")
-    done = subprocess.run([sys.executable, "-P", "-c", CHILD_BOOT, os.path.dirname(PACKAGE_DIR), elsewhere, str(DGX_A100)],
-                          capture_output=True, timeout=60)
+    command = module_command("topoagent.node.discovery_process", str(DGX_A100), package_dir=elsewhere)
+    done = subprocess.run(command, capture_output=True, timeout=60)
     assert done.returncode == 1 and done.stdout == b""
     assert done.stderr.decode().strip() == (
-        f"DiscoveryFailed: the discovery process imported topoagent from {PACKAGE_DIR}, not the agent's own {elsewhere}")
+        f"ImportError: this child process imported topoagent from {PACKAGE_DIR}, not the agent's own {elsewhere}")
+
+
+def test_the_child_runs_its_module_as_python_m_would(tmp_path):
+    """Its argv and exit status are the module's: discovery pickles the recorded node on stdout."""
+    import pickle
+
+    from topoagent.child import module_command
+
+    done = subprocess.run(module_command("topoagent.node.discovery_process", str(DGX_A100)), capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert len(pickle.loads(done.stdout).gpus) == 8
+    bad = subprocess.run(module_command("topoagent.node.discovery_process", str(tmp_path / "nothing")), capture_output=True, timeout=60)
+    assert bad.returncode == 1 and bad.stdout == b"" and len(bad.stderr.decode().strip().splitlines()) == 1

@@ -8,19 +8,17 @@ agent's own size does not depend on what the node (or a recording) holds.
 
 Run as ``python -m topoagent.node.discovery_process ROOT``: it discovers ROOT and writes the
 pickled NodeTopology on stdout, or one line ``Type: message`` on stderr and exits 1.  The
-agent starts it through ``CHILD_BOOT`` instead, so that the child imports the very topoagent
-the agent runs, wherever that came from (an install, or a checkout found through the cwd).
+agent starts it so (``topoagent.child``), with its own topoagent, from a checkout too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import pickle
 import resource
 import sys
 
-import topoagent
+from topoagent.child import module_command
 from topoagent.errors import TopoagentError
 from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
@@ -32,24 +30,6 @@ MEMORY_LIMIT_BYTES = 1 << 30
 # What the parent takes back on stdout: the pickled 16-GPU DGX-2 is 63 KB.
 MAX_RESULT_BYTES = 64 << 20
 
-# The agent's topoagent: its package directory, and the directory that holds it.
-PACKAGE_DIR = os.path.dirname(os.path.abspath(topoagent.__file__))
-# How the agent starts the child: ``python -P -c CHILD_BOOT HOME PACKAGE_DIR ROOT``.  -P keeps
-# the cwd off the child's import path (a file there named like a module must not be run);
-# HOME goes first instead, so a checkout found through the agent's cwd (``python -m
-# topoagent serve`` in it) is found by the child too -- with ``-m`` alone it was not.
-# HOME is already on the path where topoagent is installed: then it stays where it was, and
-# no site-packages goes ahead of the standard library.  The child checks that what it
-# imported is the agent's own (``main`` below).
-CHILD_BOOT = (
-    "import sys\n"
-    "home = sys.argv[1]\n"
-    "if home not in sys.path: sys.path.insert(0, home)\n"
-    "from topoagent.node.discovery_process import main\n"
-    "sys.exit(main(sys.argv[3:], package_dir=sys.argv[2]))\n"
-)
-
-
 class DiscoveryFailed(TopoagentError):
     """The child reported an error, ran out of memory or was killed; the message says which."""
 
@@ -58,7 +38,7 @@ async def discover_in_child(host: Host) -> NodeTopology:
     """Discover ``host`` in a child process; cancelling this (a timeout) kills the child."""
     root = "/" if host.live else str(host.root)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-P", "-c", CHILD_BOOT, os.path.dirname(PACKAGE_DIR), PACKAGE_DIR, root,
+        *module_command(__name__, root),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:
@@ -83,12 +63,7 @@ async def discover_in_child(host: Host) -> NodeTopology:
     return node
 
 
-def main(argv: list[str], package_dir: str | None = None) -> int:
-    """``package_dir``: the agent's topoagent, which this one must be."""
-    if package_dir is not None and package_dir != PACKAGE_DIR:
-        print(f"DiscoveryFailed: the discovery process imported topoagent from {PACKAGE_DIR}, "
-              f"not the agent's own {package_dir}", file=sys.stderr)
-        return 1
+def main(argv: list[str]) -> int:
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     limit = MEMORY_LIMIT_BYTES if hard == resource.RLIM_INFINITY else min(MEMORY_LIMIT_BYTES, hard)
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
