@@ -22,6 +22,17 @@ from service_helpers import DGX_A100, Agent, make_root, metric_value, start_agen
 WEDGED = Path("sys/devices/system/node/node0/cpulist")  # what wedge() hangs by default
 
 
+def readyz_as_declared(reply) -> dict:
+    """GET /readyz's body, held to the schema /openapi.json declares for its status."""
+    import jsonschema
+    from schema_check import OPENAPI
+
+    schema = OPENAPI["paths"]["/readyz"]["get"]["responses"][str(reply.status)]["content"]["application/json"]["schema"]
+    body = reply.json()
+    jsonschema.Draft202012Validator({**schema, "components": OPENAPI["components"]}).validate(body)
+    return body
+
+
 def bare_python(tmp: Path) -> Path:
     """A venv's python that reaches this suite's dependencies and no topoagent: not the
     editable install's finder, not its .pth, not PYTHONPATH."""
@@ -84,7 +95,7 @@ def test_a_failed_start_up_discovery_is_retried_with_back_off_and_readyz_says_wh
     try:
         def failing(at_least: int):
             reply = agent.get("/readyz")
-            body = reply.json()
+            body = readyz_as_declared(reply)
             retry = body.get("discovery")
             return (reply.status, body) if retry and retry["failures"] >= at_least else None
 
@@ -102,7 +113,7 @@ def test_a_failed_start_up_discovery_is_retried_with_back_off_and_readyz_says_wh
         (root / WEDGED).unlink()
         (root / WEDGED).write_bytes(healthy)
         wait_for("ready after the cause went away", lambda: agent.get("/readyz").status == 200, agent, timeout=60)
-        ready = agent.get("/readyz").json()
+        ready = readyz_as_declared(agent.get("/readyz"))
         assert "discovery" not in ready and ready["stale"] is False  # the retries stopped
         page = agent.get("/metrics").body.decode()
         assert metric_value(page, "topoagent_discovery_runs_total", {"outcome": "failure"}) >= 2
@@ -121,7 +132,7 @@ def test_a_discovery_that_fails_after_a_good_one_is_retried_while_readyz_stays_r
         wedge(root)
         assert agent.post("/refresh", token=agent.token).json()["stale"] is True
         ready = agent.get("/readyz")
-        assert ready.status == 200 and ready.json()["stale"] is True
+        assert ready.status == 200 and readyz_as_declared(ready)["stale"] is True
         retry = ready.json()["discovery"]
         assert retry["failures"] == 1 and "timed out" in retry["error"] and retry["retry_at"] - retry["failed_at"] <= 5
         (root / WEDGED).unlink()

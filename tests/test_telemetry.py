@@ -13,8 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REPO
+from schema_check import OPENAPI
 from service_helpers import metric_value, promtool_complaints, start_agent, wait_for, wedge
 
 from topoagent.collectors import aer, ib_counters, nvml
@@ -258,6 +260,8 @@ def test_a_source_whose_every_read_fails_is_a_finding_and_a_readyz_warning(tmp_p
 
         ready = wait_for("a failing source on /readyz", warned, agent)
         assert ready.status == 200, ready.body
+        schema = OPENAPI["paths"]["/readyz"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.Draft202012Validator(schema).validate(ready.json())
         [warning] = ready.json()["warnings"]
         assert warning["kind"] == "collector-error" and warning["severity"] == "warning"
         assert warning["subject"] == "infiniband_counters"
