@@ -109,9 +109,21 @@ def save(url: str, out: Path) -> int:
     return 0 if status in (200, 503) else 1
 
 
+def known_fields() -> list[str]:
+    """The QUERY fields this driver's nvidia-smi answers: one it does not know (an older
+    driver's `clocks_throttle_reasons`) fails the whole query, so each is asked alone once."""
+    known = []
+    for name, _family, _factor in QUERY:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={name}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode == 0:
+            known.append(name)
+    return known
+
+
 def sample(base: str, out: Path, count: int, every: float) -> int:
     out.mkdir(parents=True, exist_ok=True)
-    fields = ",".join(q[0] for q in QUERY)
+    fields = ",".join(known_fields())
     with open(out / "nvidia-smi-query.csv", "w") as smi, open(out / "agent-metrics-samples.txt", "w") as agent:
         smi.write("index," + fields + "\n")
         for n in range(1, count + 1):
@@ -200,7 +212,9 @@ def _timed(fn: Callable[[], Any], n: int) -> dict[str, Any]:
 def http_costs(base: str, out: Path) -> int:
     def answered(url: str, body: bytes | None = None) -> None:
         status, text = get(url, body)
-        if status != 200:  # a refusal is timed too, and said beside the figure
+        # 409: it does not fit now (a GPU still counted busy): an answer all the same.  Any
+        # other refusal is timed too, and said beside the figure.
+        if status not in (200, 409):
             raise RuntimeError(f"{status} {text[:200].decode(errors='replace')}")
 
     figures = {

@@ -95,6 +95,7 @@ if URL=$("$PY" bench/gpu_check.py wait-ready "$OUT/serve.out" 60); then
   "$PY" bench/gpu_check.py save "$URL/readyz" "$OUT/readyz.json"
   "$PY" bench/gpu_check.py save "$URL/topology" "$OUT/topology.json"
   "$PY" bench/gpu_check.py sample "$URL" "$OUT/idle" 2 3 || fail "idle samples"
+  "$PY" bench/gpu_check.py http-costs "$URL" "$OUT/http-costs-ms.json" > /dev/null || fail "timing /metrics and /place (see http-costs-ms.json)"
   "$PY" bench/gpu_check.py load 60 "$OUT/load.started" > "$OUT/load.log" 2>&1 &
   LOAD=$!
   for _ in $(seq 1 600); do
@@ -108,7 +109,6 @@ if URL=$("$PY" bench/gpu_check.py wait-ready "$OUT/serve.out" 60); then
     fail "the load did not start (load.log: $(tail -n 1 "$OUT/load.log"))"
   fi
   kill "$LOAD" 2>/dev/null; wait "$LOAD" 2>/dev/null; LOAD=""
-  "$PY" bench/gpu_check.py http-costs "$URL" "$OUT/http-costs-ms.json" > /dev/null || fail "timing /metrics and /place"
   "$PY" bench/gpu_check.py save "$URL/metrics" "$OUT/metrics-after-load.prom"
 else
   fail "topoagent serve never loaded a topology (serve.log: $(tail -n 1 "$OUT/serve.log"))"
@@ -117,7 +117,8 @@ kill "$SERVE" 2>/dev/null; wait "$SERVE"; rc=$?; SERVE=""
 [ "$rc" = 0 ] || fail "topoagent serve exited $rc on SIGTERM"
 
 # 6. One probe round on CUDA, its figures beside the physical limits.
-timeout 150 "${TOPOAGENT[@]}" probe --backend cuda --root / --timeout 120 --json --no-progress > "$OUT/probe.json" 2> "$OUT/probe.log"
+PROBE_TIMEOUT="${PROBE_TIMEOUT:-120}"  # the round's limit; a big node's full round may want more
+timeout "$((PROBE_TIMEOUT + 30))" "${TOPOAGENT[@]}" probe --backend cuda --root / --timeout "$PROBE_TIMEOUT" --json --no-progress > "$OUT/probe.json" 2> "$OUT/probe.log"
 rc=$?
 echo "probe exit status: $rc"
 [ "$rc" = 0 ] || fail "topoagent probe --backend cuda exited $rc (see probe.log: $(tail -n 1 "$OUT/probe.log"))"
