@@ -15,6 +15,7 @@ import ipaddress
 import json
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import Any
@@ -35,9 +36,9 @@ from topoagent.node.findings import placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
 from topoagent.service.leases import LeaseError
-from topoagent.service.served import Served, Snapshot, etag_of
+from topoagent.service.served import DiscoveryRetry, Served, Snapshot, etag_of
 from topoagent.text import cut
-from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
+from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT, FindingKind
 
 AGENT = web.AppKey("agent", Service)
 
@@ -221,11 +222,26 @@ async def read_auth(request: web.Request, handler: Handler) -> web.StreamRespons
     return await handler(request)
 
 
-def _ready_snapshot(served: Served) -> Snapshot:
+def _ready_snapshot(served: Served, *, readyz: bool = False) -> Snapshot:
+    """The snapshot, or 503 ``not_ready`` before the first: discovery is running, or it
+    failed and is tried again (why, and when; /readyz adds it as ``discovery``)."""
     snapshot = served.snapshot
     if snapshot is None:
-        raise ApiError(503, "not_ready", "no topology loaded yet; discovery is running")
+        retry = served.discovery_retry
+        if retry is None:
+            raise ApiError(503, "not_ready", "no topology loaded yet; discovery is running")
+        raise ApiError(
+            503, "not_ready",
+            f"no topology loaded yet: discovery failed ({retry.failures} in a row): {retry.error}; "
+            f"next try in {max(0.0, retry.retry_at - time.time()):.1f} s",
+            {"discovery": _discovery_retry(retry)} if readyz else None,
+        )
     return snapshot
+
+
+def _discovery_retry(retry: DiscoveryRetry) -> dict[str, Any]:
+    return {"error": retry.error, "failures": retry.failures, "failed_at": retry.failed_at, "retry_at": retry.retry_at,
+            "retry_in_s": round(max(0.0, retry.retry_at - time.time()), 1)}
 
 
 # -- request validation -------------------------------------------------------------------
@@ -538,12 +554,29 @@ def _ready_for_placement(snapshot: Snapshot, *, readyz: bool = False) -> None:
         )
 
 
+def _warnings(snapshot: Snapshot) -> list[dict[str, str]]:
+    """What /readyz names beside its answer without letting it decide: the sources that
+    fail (``collector-error``: a counter source none of whose reads worked, a source
+    discovery could not read).  No placement needs them, so they never make it 503."""
+    return [{"kind": str(f.kind), "severity": str(f.severity), "subject": f.subject, "message": f.message}
+            for f in snapshot.findings if f.kind is FindingKind.COLLECTOR_ERROR]
+
+
 async def readyz(request: web.Request) -> web.Response:
     """Ready for placement: a topology is loaded and no finding makes its answers
-    untrustworthy; /healthz alone says the process lives."""
-    snapshot = _ready_snapshot(request.app[AGENT].served())
-    _ready_for_placement(snapshot, readyz=True)
-    return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale})
+    untrustworthy; /healthz alone says the process lives.  Ready or not, the body says what
+    else is wrong: failing sources (``warnings``) and a failing discovery (``discovery``:
+    the facts served are older, and when it is tried again)."""
+    served = request.app[AGENT].served()
+    snapshot = _ready_snapshot(served, readyz=True)
+    retry = {"discovery": _discovery_retry(served.discovery_retry)} if served.discovery_retry else {}
+    try:
+        _ready_for_placement(snapshot, readyz=True)
+    except ApiError as exc:
+        exc.extra.update(retry, warnings=_warnings(snapshot))
+        raise
+    return web.json_response({"status": "ready", "snapshot_version": snapshot.version, "stale": snapshot.stale,
+                              "warnings": _warnings(snapshot), **retry})
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -83,20 +83,55 @@ NEVER_FITS_ERROR = {
 
 # GET /readyz's and POST /place's 503 once a topology is loaded: the findings that make
 # answers untrustworthy.
+FINDINGS = {"type": "array", "items": {
+    "type": "object", "additionalProperties": False, "required": ["kind", "severity", "subject", "message"],
+    "properties": {k: {"type": "string"} for k in ("kind", "severity", "subject", "message")},
+}}
+# GET /readyz, while the last discovery run failed: why, and when it runs again.
+DISCOVERY_RETRY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "failures", "failed_at", "retry_at", "retry_in_s"],
+    "properties": {
+        "error": {"type": "string", "description": "why the last run failed"},
+        "failures": {"type": "integer", "minimum": 1, "description": "runs failed in a row"},
+        "failed_at": {"type": "number", "description": "Unix time of the last failure"},
+        "retry_at": {"type": "number", "description": "Unix time of the next run"},
+        "retry_in_s": {"type": "number", "minimum": 0},
+    },
+}
 NOT_READY_FOR_PLACEMENT = {
     "type": "object",
     "additionalProperties": False,
-    "required": ["error", "detail", "findings"],  # GET /readyz adds snapshot_version and stale
+    "required": ["error", "detail", "findings"],  # GET /readyz adds snapshot_version, stale, warnings (and discovery)
     "properties": {
         "error": {"type": "string", "enum": [NOT_READY_FOR_PLACEMENT_CODE]},
         "detail": {"type": "string"},
         "snapshot_version": {"type": "integer"},
         "stale": {"type": "boolean"},
-        "findings": {"type": "array", "items": {
-            "type": "object", "additionalProperties": False, "required": ["kind", "severity", "subject", "message"],
-            "properties": {k: {"type": "string"} for k in ("kind", "severity", "subject", "message")},
-        }},
+        "findings": FINDINGS,
+        "warnings": FINDINGS,
+        "discovery": DISCOVERY_RETRY,
     },
+}
+# GET /readyz's 200, and its 503 before a topology is loaded.
+READY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["status", "snapshot_version", "stale", "warnings"],
+    "properties": {
+        "status": {"type": "string", "enum": ["ready"]},
+        "snapshot_version": {"type": "integer"},
+        "stale": {"type": "boolean"},
+        "warnings": {**FINDINGS, "description": "failing sources (collector-error findings): said, never a reason to refuse"},
+        "discovery": DISCOVERY_RETRY,
+    },
+}
+NOT_READY = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail"],
+    "properties": {"error": {"type": "string", "enum": ["not_ready"]}, "detail": {"type": "string"}, "discovery": DISCOVERY_RETRY},
 }
 
 
@@ -281,11 +316,13 @@ def openapi_document() -> dict[str, Any]:
                 "get": {
                     "summary": "Ready for placement: a topology is loaded and no finding makes its answers untrustworthy.",
                     "responses": {
-                        "200": {"description": "Ready.", "content": {"application/json": {"schema": {"type": "object"}}}},
+                        "200": {"description": "Ready; `warnings` names failing sources, `discovery` a failing discovery (the facts are older).",
+                                "content": {"application/json": {"schema": READY}}},
                         "503": {
-                            "description": "No topology loaded yet (`not_ready`), or one is loaded but a critical finding "
+                            "description": "No topology loaded yet (`not_ready`; `discovery` says why the last run failed and when "
+                                           "the next runs), or one is loaded but a critical finding "
                                            "makes placement answers untrustworthy (`not_ready_for_placement`: which, and why).",
-                            "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/Error"}, NOT_READY_FOR_PLACEMENT]}}},
+                            "content": {"application/json": {"schema": {"oneOf": [NOT_READY, NOT_READY_FOR_PLACEMENT]}}},
                         },
                         **HOST_ERRORS,
                     },

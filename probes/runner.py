@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from topoagent.child import module_command
 from topoagent.probes.figures import (
     FailureKind,
     FigureKey,
@@ -110,7 +111,8 @@ def torch_missing() -> str | None:
 
 
 def worker_command() -> list[str]:
-    return [sys.executable, "-P", "-m", WORKER_MODULE]
+    """``python -P -m topoagent.probes.worker`` with the agent's own topoagent (a checkout too)."""
+    return module_command(WORKER_MODULE)
 
 
 def worker_env() -> dict[str, str]:

@@ -13,8 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+import jsonschema
 import pytest
 from conftest import FIXTURES, REAL_NODES, REPO
+from schema_check import OPENAPI
 from service_helpers import metric_value, promtool_complaints, start_agent, wait_for, wedge
 
 from topoagent.collectors import aer, ib_counters, nvml
@@ -238,6 +240,61 @@ def test_a_hung_source_times_out_alone_and_metrics_still_answer(tmp_path):
     assert metric_value(text, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
     assert metric_value(again, "topoagent_collector_success", {"collector": "infiniband_counters"}) == 0
     assert metric_value(again, "topoagent_collector_success", {"collector": "pcie_aer"}) == 1  # absent here: quiet
+
+
+def test_a_source_whose_every_read_fails_is_a_finding_and_a_readyz_warning(tmp_path):
+    """On the real H200 every NVML counter read failed and collector_success 0 was the only
+    trace.  A source none of whose reads worked is a collector-error warning, named on
+    /readyz, which stays 200: no placement needs a counter."""
+    root = tmp_path / "root"
+    shutil.copytree(SNAPSHOTS / "dgx-a100", root, symlinks=True)
+    (root / "telemetry.json").unlink()  # read the recorded sysfs, as live
+    counters = (root / "sys/class/infiniband/mlx5_0").resolve() / "ports" / "1" / "counters"
+    counters.mkdir(parents=True)
+    wedge(root, counters / "symbol_error")  # every read of the source times out
+    agent = start_agent(tmp_path, root=root, config=FAST + "timeout_s = 0.2\n")
+    try:
+        def warned():
+            reply = agent.get("/readyz")
+            return reply if reply.status != 200 or reply.json()["warnings"] else None
+
+        ready = wait_for("a failing source on /readyz", warned, agent)
+        assert ready.status == 200, ready.body
+        schema = OPENAPI["paths"]["/readyz"]["get"]["responses"]["200"]["content"]["application/json"]["schema"]
+        jsonschema.Draft202012Validator(schema).validate(ready.json())
+        [warning] = ready.json()["warnings"]
+        assert warning["kind"] == "collector-error" and warning["severity"] == "warning"
+        assert warning["subject"] == "infiniband_counters"
+        assert "every read of this counter source has failed (3 in a row" in warning["message"]
+        assert "last error: " in warning["message"] and ("timed out" in warning["message"] or "has not returned" in warning["message"])
+        found = [f for f in telemetry_findings(agent) if f["kind"] == "collector-error"]
+        assert [(f["subject"], f["severity"]) for f in found] == [("infiniband_counters", "warning")]
+        page = agent.get("/metrics").body.decode()
+        assert metric_value(page, "topoagent_ready") == 1
+        assert metric_value(page, "topoagent_findings", {"kind": "collector-error", "severity": "warning"}) == 1
+        assert agent.post("/place", {"gpus": 2}).status == 200
+    finally:
+        agent.stop()
+
+
+def test_a_source_that_worked_once_or_failed_twice_is_no_finding():
+    history = History()
+    parse = nvml.COUNTERS.parse
+    fail = [Sample("nvml_counters", t, None, "NVMLError_Unknown: Unknown Error") for t in (1.0, 2.0, 3.0, 4.0)]
+    for sample in fail[:2]:
+        history.add(sample, parse)
+    assert history.never_read() == {}
+    history.add(fail[2], parse)
+    assert history.never_read() == {"nvml_counters": 3}
+    assert history.statuses["nvml_counters"].message == "NVMLError_Unknown: Unknown Error"
+    history.add(Sample("nvml_counters", 5.0, {"gpus": []}), parse)
+    for sample in fail:
+        history.add(sample, parse)
+    assert history.never_read() == {}  # it worked once: collector_success says the rest
+    absent = History()
+    for t in (1.0, 2.0, 3.0):
+        absent.add(Sample("nvml_counters", t, None, "no NVML on this node", absent=True), parse)
+    assert absent.never_read() == {}  # not on this node: quiet
 
 
 def test_telemetry_off_serves_no_counters(tmp_path):

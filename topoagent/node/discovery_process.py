@@ -7,7 +7,8 @@ process is killed and reaped instead, and its memory is capped by the kernel, so
 agent's own size does not depend on what the node (or a recording) holds.
 
 Run as ``python -m topoagent.node.discovery_process ROOT``: it discovers ROOT and writes the
-pickled NodeTopology on stdout, or one line ``Type: message`` on stderr and exits 1.
+pickled NodeTopology on stdout, or one line ``Type: message`` on stderr and exits 1.  The
+agent starts it so (``topoagent.child``), with its own topoagent, from a checkout too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pickle
 import resource
 import sys
 
+from topoagent.child import module_command
 from topoagent.errors import TopoagentError
 from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
@@ -28,7 +30,6 @@ MEMORY_LIMIT_BYTES = 1 << 30
 # What the parent takes back on stdout: the pickled 16-GPU DGX-2 is 63 KB.
 MAX_RESULT_BYTES = 64 << 20
 
-
 class DiscoveryFailed(TopoagentError):
     """The child reported an error, ran out of memory or was killed; the message says which."""
 
@@ -37,7 +38,7 @@ async def discover_in_child(host: Host) -> NodeTopology:
     """Discover ``host`` in a child process; cancelling this (a timeout) kills the child."""
     root = "/" if host.live else str(host.root)
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-P", "-m", __name__, root,
+        *module_command(__name__, root),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     try:

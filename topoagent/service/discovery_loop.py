@@ -2,7 +2,9 @@
 events (debounced; live root only) and on demand, and publishes each new snapshot.
 
 A run that hangs is cut off by its timeout; a run that fails leaves the last good
-snapshot in place, marked stale, with the error recorded."""
+snapshot in place, marked stale, with the error recorded, and is tried again soon (a
+back-off from RETRY_FIRST_S, doubling, up to RETRY_MAX_S) until one succeeds; then the
+timer's schedule alone runs it again."""
 
 from __future__ import annotations
 
@@ -22,10 +24,23 @@ from topoagent.placement import warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.service.activity_loop import ActivityLoop
 from topoagent.service.probe_loop import ProbeLoop
-from topoagent.service.served import Board, Snapshot, counted
+from topoagent.service.served import Board, DiscoveryRetry, Snapshot, counted
 from topoagent.vocabulary import Status
 
 Discover = Callable[[Host], Awaitable[NodeTopology]]
+
+# After a failed run the next one comes this soon, then twice as late after each failure in
+# a row, up to RETRY_MAX_S (and never later than the timer would run it anyway).  A minute:
+# a node whose start-up discovery failed (a driver still loading, a device wedged for a
+# while) is ready within a minute of the cause going away, and a cause that stays costs one
+# run a minute -- a run takes under a second on a real node, and at most [discovery] timeout_s.
+RETRY_FIRST_S = 2.0
+RETRY_MAX_S = 60.0
+
+
+def retry_delay(failures: int, interval_s: float) -> float:
+    """How long after the ``failures``-th failed run in a row the next one starts."""
+    return min(RETRY_FIRST_S * 2 ** min(failures - 1, 16), RETRY_MAX_S, interval_s)
 
 
 def _log_warm_failure(done: asyncio.Future) -> None:
@@ -49,6 +64,7 @@ class DiscoveryLoop:
         self._refresh_task: asyncio.Task | None = None
         self._refresh_again = False
         self._debounce: asyncio.TimerHandle | None = None
+        self._retry: asyncio.TimerHandle | None = None  # the next run after a failure
         self._warming: asyncio.Future | None = None  # the latest snapshot's answers being built
         self._stopping = threading.Event()  # ends a warming thread: exit would wait for it
 
@@ -76,6 +92,7 @@ class DiscoveryLoop:
         self._stopping.set()
         if self._debounce:
             self._debounce.cancel()
+        self._cancel_retry()
         return [self._refresh_task] if self._refresh_task else []
 
     async def _refresh(self, reason: str) -> Snapshot | None:
@@ -86,7 +103,13 @@ class DiscoveryLoop:
                 return self.board.served.snapshot
             reason = "coalesced"
 
+    def _cancel_retry(self) -> None:
+        if self._retry:
+            self._retry.cancel()
+            self._retry = None
+
     async def _refresh_once(self, reason: str) -> None:
+        self._cancel_retry()  # this run is the retry, whatever started it
         host = self.host()
         assert host is not None
         started = time.time()
@@ -129,7 +152,7 @@ class DiscoveryLoop:
         await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
         await asyncio.to_thread(warm_tables, snapshot.matrix)  # the first /place is as fast as the rest
         self.board.version += 1
-        self.board.publish(snapshot=snapshot, discovery_runs=counted(self.board.served.discovery_runs, "success"))
+        self.board.publish(snapshot=snapshot, discovery_runs=counted(self.board.served.discovery_runs, "success"), discovery_retry=None)
         self.warm_answers(snapshot)
         log_event("discovery_ok", reason=reason, version=self.board.version, gpus=len(node.gpus), findings=len(snapshot.findings),
                   seconds=f"{time.time() - started:.3f}")
@@ -141,9 +164,16 @@ class DiscoveryLoop:
         self._warming.add_done_callback(_log_warm_failure)
 
     def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
-        self.board.publish(discovery_runs=counted(self.board.served.discovery_runs, "failure"))
-        elapsed = time.time() - started
-        log_event("discovery_failed", logging.ERROR, reason=reason, error=error, seconds=f"{elapsed:.3f}")
+        last = self.board.served.discovery_retry
+        failures = (last.failures if last else 0) + 1
+        delay = retry_delay(failures, self.config().interval_s)
+        now = time.time()
+        self._retry = asyncio.get_running_loop().call_later(delay, self.request_refresh, "retry")
+        self.board.publish(discovery_runs=counted(self.board.served.discovery_runs, "failure"),
+                           discovery_retry=DiscoveryRetry(error, failures, now, now + delay))
+        elapsed = now - started
+        log_event("discovery_failed", logging.ERROR, reason=reason, error=error, seconds=f"{elapsed:.3f}",
+                  failures=failures, retry_in_s=f"{delay:g}")
         current = self.board.served.snapshot
         if current is None:
             return

@@ -192,6 +192,17 @@ class ProbeState:
     in_progress: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class DiscoveryRetry:
+    """The last discovery run failed: why, how many in a row, and when the next one runs
+    (the discovery loop's back-off; GET /readyz says it)."""
+
+    error: str
+    failures: int  # runs failed in a row
+    failed_at: float  # Unix time
+    retry_at: float  # Unix time of the next run
+
+
 @dataclass(frozen=True)
 class Served:
     """Everything the doors serve, one immutable value: the node's snapshot and what the
@@ -208,6 +219,7 @@ class Served:
     probes: ProbeState = ProbeState()
     placement_requests: Mapping[str, int] = field(default_factory=lambda: NO_COUNTS)  # by outcome
     discovery_runs: Mapping[str, int] = field(default_factory=lambda: NO_COUNTS)  # by outcome
+    discovery_retry: DiscoveryRetry | None = None  # None: the last run succeeded, or none failed yet
     latest_capacity: ServedCapacity | None = None  # the latest computed, of whatever key
 
     def active_leases(self) -> list[Lease]:

@@ -84,19 +84,35 @@ class Reading:
     rate_per_s: float | None  # None: a gauge, a first sample, or a reset
 
 
+# A counter source whose last this many reads all failed, and none succeeded since the
+# agent started, is a finding (``collector-error``): its collector_success 0 was the only
+# trace of an NVML whose every counter read failed.  Three: one bad read (a timeout under
+# load) is no finding, and at the default 10 s interval it is said within half a minute.
+FAILING_READS = 3
+
+
 class History:
-    """The last two samples of every series, by source, with their monotonic times."""
+    """The last two samples of every series, by source, with their monotonic times, and
+    the failed reads of each source in a row."""
 
     def __init__(self) -> None:
         self._latest: dict[str, tuple[float, dict[Key, float]]] = {}
         self._previous: dict[str, tuple[float, dict[Key, float]]] = {}
         self.statuses: dict[str, CollectorStatus] = {}
+        self.failed_in_row: dict[str, int] = {}  # source -> reads failed in a row, up to the latest
+
+    def _failed(self, source: str, error: str | None, seconds: float) -> None:
+        self.statuses[source] = CollectorStatus(source, Status.ERROR, error, seconds)
+        self.failed_in_row[source] = self.failed_in_row.get(source, 0) + 1
 
     def add(self, sample: Sample, parse: Callable[[Any], list[Series]]) -> None:
         if sample.raw is None:
             # Failed: its collector_success goes to 0; the last values stay as they were.
-            status = Status.NO_DATA if sample.absent else Status.ERROR
-            self.statuses[sample.source] = CollectorStatus(sample.source, status, sample.error, sample.seconds)
+            if sample.absent:  # not on this node: quiet, not failed
+                self.statuses[sample.source] = CollectorStatus(sample.source, Status.NO_DATA, sample.error, sample.seconds)
+                self.failed_in_row.pop(sample.source, None)
+            else:
+                self._failed(sample.source, sample.error, sample.seconds)
             return
         latest = self._latest.get(sample.source)
         if latest is not None and sample.taken_at <= latest[0]:
@@ -104,12 +120,18 @@ class History:
         try:
             values = {(metric, labels): value for metric, labels, value in parse(sample.raw)}
         except Exception as exc:  # a damaged recording, a parser's bug: this source fails alone
-            self.statuses[sample.source] = CollectorStatus(sample.source, Status.ERROR, f"{type(exc).__name__}: {exc}", sample.seconds)
+            self._failed(sample.source, f"{type(exc).__name__}: {exc}", sample.seconds)
             return
         if latest is not None:
             self._previous[sample.source] = latest
         self._latest[sample.source] = (sample.taken_at, values)
         self.statuses[sample.source] = CollectorStatus(sample.source, Status.OK, None, sample.seconds)
+        self.failed_in_row[sample.source] = 0
+
+    def never_read(self) -> dict[str, int]:
+        """The sources whose every read failed since the start, at least FAILING_READS of
+        them: source -> how many."""
+        return {source: n for source, n in self.failed_in_row.items() if n >= FAILING_READS and source not in self._latest}
 
     def readings(self) -> list[Reading]:
         out: list[Reading] = []
@@ -239,11 +261,23 @@ def nic_traffic(telemetry: Telemetry | None) -> dict[str, float]:
     return out
 
 
+def failing_sources(history: History) -> tuple[Finding, ...]:
+    """A warning per counter source whose every read failed (History.never_read): its
+    series are missing from /metrics, and nothing else would say so.  Not critical: no
+    placement needs a counter."""
+    return tuple(
+        Finding(FindingKind.COLLECTOR_ERROR, Severity.WARNING, source,
+                f"every read of this counter source has failed ({n} in a row since the agent started), so its series "
+                f"are missing; last error: {history.statuses[source].message or 'failed'}", source="telemetry")
+        for source, n in sorted(history.never_read().items())
+    )
+
+
 def served(history: History, overrides: Mapping[str, float], node: NodeTopology | None) -> Telemetry:
     readings = tuple(history.readings())
     gpus = {g.pci_address: g.name for g in node.gpus if g.pci_address} if node else {}
     return Telemetry(time.time(), readings, tuple(history.statuses[k] for k in sorted(history.statuses)),
-                     findings_from(readings, overrides, gpus) + stuck_findings(readings, gpus))
+                     findings_from(readings, overrides, gpus) + stuck_findings(readings, gpus) + failing_sources(history))
 
 
 # --- reading: live, or from a recording ------------------------------------------------
