@@ -263,8 +263,11 @@ class SnapshotCollector(Collector):
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
         last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
+        crashed = GaugeMetricFamily(f"{NS}_collector_crashed", "1 when the collector's last run failed through a fault of topoagent's own "
+                                    "(a bug, not the node's: the log has its traceback, event=collector_crashed).", labels=["collector"])
         for c in snapshot.collectors:
             success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            crashed.add_metric([c.name], 1.0 if c.bug else 0.0)
             duration.add_metric([c.name], c.seconds)
             last_success_at = snapshot.last_success_at.get(c.name)
             if last_success_at is not None:
@@ -272,8 +275,9 @@ class SnapshotCollector(Collector):
         # The counter sources (telemetry loop): no_data is quiet, as for discovery's.
         for c in snapshot.telemetry.sources if snapshot.telemetry else ():
             success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            crashed.add_metric([c.name], 1.0 if c.bug else 0.0)
             duration.add_metric([c.name], c.seconds)
-        yield from (success, duration, last_ok)
+        yield from (success, crashed, duration, last_ok)
 
         yield from _probe_figures(snapshot.probe_figures)
 
