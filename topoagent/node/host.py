@@ -34,8 +34,9 @@ from topoagent.errors import TopoagentError
 from topoagent.smallfile import file_kind
 
 if TYPE_CHECKING:
-    import tarfile
     import tempfile
+
+    from topoagent.node.tarball import BoundedTarFile
 
 _MAX_SYMLINK_HOPS = 40
 # Components one resolution may walk, link targets included: PATH_MAX (4096) allows ~2,048
@@ -162,10 +163,12 @@ class Host:
         import tarfile  # only recordings given as tarballs need it (6 ms of every start-up)
         import tempfile  # likewise (1 ms: it brings random)
 
+        from topoagent.node.tarball import HeadersTooLarge, open_bounded
+
         self._tempdir = tempfile.TemporaryDirectory(prefix="topoagent-root-")
         dest = Path(self._tempdir.name)
         try:
-            with tarfile.open(tarball) as archive:
+            with open_bounded(tarball) as archive:
                 _check_tarball_size(tarball, archive)
                 # The 'data' filter keeps relative symlinks and refuses members (or link
                 # targets) that would land outside dest, absolute paths and devices.
@@ -173,6 +176,9 @@ class Host:
         except HostError:
             self.close()
             raise
+        except HeadersTooLarge as exc:
+            self.close()
+            raise HostError(f"{tarball}: {exc}; not a recorded node") from None
         except tarfile.FilterError as exc:
             self.close()
             raise HostError(f"{tarball}: refusing unsafe member: {exc}") from None
@@ -663,19 +669,20 @@ def _scan(directory: str | int) -> dict[str, str]:
         return {e.name: _kind(e) for e in entries}
 
 
-def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
+def _check_tarball_size(tarball: Path, archive: BoundedTarFile) -> None:
     """Refuse an archive that would unpack into more than a recorded node ever holds.
 
     Members are read one header at a time, so a million-member archive is refused after
     MAX_TARBALL_MEMBERS of them, and sizes are summed from the headers before any byte
-    is written.
+    is written: the members' data and their extended headers (PAX records, GNU long
+    names), which tarfile keeps in memory.
     """
-    total = 0
+    data = 0
     for count, member in enumerate(archive, start=1):
-        total += member.size
+        data += member.size
         if count > MAX_TARBALL_MEMBERS:
             raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
-        if total > MAX_TARBALL_BYTES:
+        if data + archive.extended_header_bytes > MAX_TARBALL_BYTES:
             raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
 
 
