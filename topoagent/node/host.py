@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
 from topoagent.smallfile import file_kind
+from topoagent.text import REPLACEMENT, is_safe, machine_data, machine_text
 
 if TYPE_CHECKING:
     import tempfile
@@ -399,7 +400,7 @@ class Host:
         """The node's name: the kernel's (/proc/sys/kernel/hostname, which `topoagent
         snapshot` now records too); on a recording without that file, the name its
         snapshot.json keeps.  None when there is none, or none that is a name (blank, over
-        253 characters, or holding spaces or control characters)."""
+        253 characters, or holding spaces, control characters or what was one)."""
         name = self.read_optional("/proc/sys/kernel/hostname")
         if name is None and not self.live:
             try:
@@ -409,7 +410,8 @@ class Host:
             recorded = meta.get("hostname") if isinstance(meta, dict) else None
             name = recorded if isinstance(recorded, str) else None
         name = name.strip() if name else ""
-        return name if name and len(name) <= 253 and name.isprintable() and not any(c.isspace() for c in name) else None
+        safe = name.isprintable() and REPLACEMENT not in name and not any(c.isspace() for c in name)
+        return name if name and len(name) <= 253 and safe else None
 
     def _record_links(self, path: str) -> None:
         """Note every symlink met on the way to ``path`` (paths as the node sees them)."""
@@ -444,7 +446,7 @@ class Host:
         if self.recording is not None:
             self._record_links(path)
             self.recording.files[self._real(path)] = data
-        return data.decode("utf-8", errors="replace")
+        return machine_text(data.decode("utf-8", errors="replace"))
 
     def read_optional(self, path: str) -> str | None:
         """The file's stripped text, or None when it does not exist or cannot be read."""
@@ -493,7 +495,7 @@ class Host:
             parent, name = os.path.split(path.rstrip("/"))
             self._record_links(parent)
             self.recording.symlinks[os.path.join(self._real(parent), name)] = target
-        return target
+        return machine_text(target)  # a driver's or a device's name is read from its link
 
     def listdir(self, path: str) -> list[str]:
         """Sorted entry names; an empty list when the directory does not exist."""
@@ -520,7 +522,9 @@ class Host:
         if self.recording is not None:
             self._record_links(path)
             self.recording.dirs[self._real(path)] = found
-        return sorted(found)
+        # A name that is not safe text (bytes that are not UTF-8, a control character) is no
+        # name the kernel gives a device: left out, not carried into every label it would name.
+        return sorted(name for name in found if is_safe(name))
 
     # --- commands and NVML ------------------------------------------------------------
 
@@ -570,8 +574,8 @@ class Host:
             raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
         result = CommandResult(
             tuple(argv),
-            out.decode("utf-8", errors="replace"),
-            err.decode("utf-8", errors="replace"),
+            machine_text(out.decode("utf-8", errors="replace")),
+            machine_text(err.decode("utf-8", errors="replace")),
             process.returncode if process.returncode is not None else -1,
         )
         if self.recording is not None:
@@ -595,8 +599,8 @@ class Host:
             raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
         result = CommandResult(
             tuple(argv),
-            done.stdout.decode("utf-8", errors="replace"),
-            done.stderr.decode("utf-8", errors="replace"),
+            machine_text(done.stdout.decode("utf-8", errors="replace")),
+            machine_text(done.stderr.decode("utf-8", errors="replace")),
             done.returncode,
         )
         if self.recording is not None:
@@ -621,7 +625,7 @@ class Host:
                 rc = int(rc_text)
             except ValueError:
                 raise HostError(f"{stem}.rc: exit code {rc_text[:20]!r} is not a number") from None
-        return CommandResult(tuple(argv), stdout.decode("utf-8", errors="replace"), stderr, rc)
+        return CommandResult(tuple(argv), machine_text(stdout.decode("utf-8", errors="replace")), stderr, rc)
 
     def _optional_present(self, path: str) -> bool:
         try:
@@ -633,7 +637,7 @@ class Host:
     def _optional_recorded(self, path: str, limit: int) -> str:
         """A recorded side file (.err, .rc): empty when absent; errors name the file."""
         try:
-            return self.read_bytes(path, limit).decode("utf-8", errors="replace")
+            return machine_text(self.read_bytes(path, limit).decode("utf-8", errors="replace"))
         except FileNotFoundError:
             return ""
         except OSError as exc:
@@ -650,7 +654,7 @@ class Host:
         except OSError as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc.strerror or exc}") from None
         try:
-            data = json.loads(text)
+            data = machine_data(json.loads(text))  # JSON's escapes can carry any code point, NUL and lone surrogates too
         except (ValueError, RecursionError) as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):
