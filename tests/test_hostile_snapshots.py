@@ -238,6 +238,35 @@ def test_a_200_mb_extended_header_is_refused_before_it_is_read(tmp_path, kind):
     assert "Traceback" not in done.stderr
 
 
+def pax_record(key: str, value: str) -> bytes:
+    """One PAX record, "LEN key=value\\n", LEN counting its own digits too."""
+    body = f" {key}={value}\n"
+    length = len(body) + 1
+    while len(f"{length}{body}") != length:
+        length += 1
+    return f"{length}{body}".encode()
+
+
+def test_a_sparse_map_without_end_is_refused_within_the_header_bound(tmp_path):
+    # A PAX 1.0 sparse member: its map (count, then offset/size pairs) opens its data, and
+    # tarfile reads it block by block until the count is reached: here 10^9 entries, 50 MB.
+    bomb = tmp_path / "sparse.tar.gz"
+    pax = tarfile.TarInfo("././@PaxHeader")
+    records = b"".join(pax_record(k, v) for k, v in (("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0")))
+    pax.type, pax.size = tarfile.XHDTYPE, len(records)
+    member = tarfile.TarInfo("node/sys/sparse")
+    member.size = 50 << 20
+    with gzip.open(bomb, "wb", compresslevel=1) as out:
+        out.write(pax.tobuf(tarfile.USTAR_FORMAT) + records + b"\0" * (-len(records) % tarfile.BLOCKSIZE))
+        out.write(member.tobuf(tarfile.USTAR_FORMAT))
+        out.write(b"100000000\n" + b"1\n" * 251)
+        block = b"1\n" * (tarfile.BLOCKSIZE // 2)
+        for _ in range((50 << 20) // tarfile.BLOCKSIZE):
+            out.write(block)
+    with pytest.raises(HostError, match=r"headers .* exceed 64 KiB; not a recorded node"):
+        Host(bomb)
+
+
 def test_extended_headers_count_in_the_unpacked_size(tmp_path, monkeypatch):
     # 40 members of 100 bytes each, with 4 KiB of PAX headers each: 160 KiB of headers.
     padded = tmp_path / "padded.tar.gz"

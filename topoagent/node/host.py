@@ -183,7 +183,8 @@ class Host:
         except tarfile.FilterError as exc:
             self.close()
             raise HostError(f"{tarball}: refusing unsafe member: {exc}") from None
-        except (tarfile.TarError, OSError, EOFError) as exc:
+        except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+            # ValueError: tarfile's own, for a sparse map that is not numbers.
             self.close()
             raise HostError(f"{tarball}: cannot extract: {exc}") from None
         # hwloc's tarballs (and `tar czf x.tar.gz node/`) hold one top directory.
