@@ -8,6 +8,7 @@ page.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -88,3 +89,21 @@ def test_every_export_keeps_its_own_grammar(hostile_root: Path) -> None:
     ElementTree.fromstring(xml)  # well-formed: no control character, even escaped
     for what in ("svg", "html"):
         assert not UNSAFE.search(export(hostile_root, what))
+
+
+def test_sysfs_files_link_targets_directory_names_and_recorded_outputs_enter_safe(tmp_path: Path) -> None:
+    from topoagent.node.host import Host
+
+    root = make_root(tmp_path)
+    hostile = b"mlx5\x00\xe2\x80\xae\xed\xb3\xbf_0\n"  # a NUL, U+202E, a surrogate encoded in UTF-8
+    (root / "sys" / "class" / "hostile").mkdir(parents=True)
+    (root / "sys" / "class" / "hostile" / "board_id").write_bytes(hostile)
+    (root / "sys" / "class" / "hostile" / "driver").symlink_to("../../bus/pci/drivers/nv\u202eidia")
+    (root / "sys" / "class" / "hostile" / "\u202eevil").mkdir()
+    (root / "commands" / "lspci_-vvv.out").write_bytes(hostile)
+    with Host(root) as host:
+        assert host.read_text("/sys/class/hostile/board_id") == "mlx5\ufffd\ufffd\ufffd\ufffd\ufffd_0\n"
+        assert host.readlink("/sys/class/hostile/driver").endswith("nv\ufffdidia")
+        assert host.listdir("/sys/class/hostile") == ["board_id", "driver"]
+        replayed = asyncio.run(host.run(["lspci", "-vvv"]))
+        assert replayed.stdout == "mlx5\ufffd\ufffd\ufffd\ufffd\ufffd_0\n"
