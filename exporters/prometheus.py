@@ -28,6 +28,7 @@ from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.probes.figures import ProbeKind
 from topoagent.service.served import Served, Snapshot
+from topoagent.text import one_line
 from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
@@ -512,8 +513,23 @@ class HttpCollector(Collector):
 
 def _render(collector: Collector) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    registry.register(_OneLineLabels(collector))
     return generate_latest(registry)
+
+
+class _OneLineLabels(Collector):
+    """``collector``'s metrics with every label value made one line of encodable text: the
+    Host made the machine's text safe where it entered, and this page keeps its own grammar
+    too, so one bad value (generate_latest cannot encode a lone surrogate) costs that value,
+    never the page."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.collector.collect():
+            metric.samples = [s._replace(labels={k: one_line(v) for k, v in s.labels.items()}) for s in metric.samples]
+            yield metric
 
 
 class MetricsPage:

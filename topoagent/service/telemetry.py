@@ -38,6 +38,7 @@ from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, STUCK, THRE
 from topoagent.errors import TopoagentError
 from topoagent.node.host import HostError
 from topoagent.node.model import CollectorStatus, Finding
+from topoagent.text import machine_data
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
@@ -311,7 +312,7 @@ def recorded_samples(host: Host) -> list[Sample] | None:
     if host.live or not host.exists(TELEMETRY_FILE):
         return None
     try:
-        document = json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
+        document = machine_data(json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES)))
         samples: list[Sample] = []
         for entry in document.get("samples", []):
             taken_at = float(entry["monotonic_s"])
