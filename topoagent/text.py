@@ -22,10 +22,25 @@ _UNSAFE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\u061c\u200e\u200f\u20
 # The same and tab, newline and carriage return: for a value an output keeps on one line.
 _UNSAFE_IN_LINE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 REPLACEMENT = "\ufffd"
+# Terminal escape sequences (ECMA-48, 7-bit).  nvidia-smi underlines its header line
+# ('\x1b[4m' ... '\x1b[0m': driver 580.159.04 does), and a paste from a coloured terminal
+# may carry others.  None of them is text: each is dropped whole (not replaced, or the
+# header would no longer read as one), and none spans a line end, so line numbers stay.
+_ESCAPE_SEQUENCE = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: SGR (colour, underline), cursor moves, erases
+    r"|\x1b[\]P^_X][^\x07\x1b\n]*(?:\x07|\x1b\\)?"  # OSC, DCS, PM, APC, SOS: up to BEL or ST
+    r"|\x1b[ -/]*[0-~]"  # the rest: ESC then a final byte ('\x1b(B', '\x1b7', '\x1b=')
+)
+
+
+def without_terminal_escapes(text: str) -> str:
+    return _ESCAPE_SEQUENCE.sub("", text) if "\x1b" in text else text
 
 
 def machine_text(text: str) -> str:
-    """``text`` with every character that cannot be safe in an output replaced by U+FFFD."""
+    """``text`` with terminal escape sequences dropped, and every other character that
+    cannot be safe in an output replaced by U+FFFD."""
+    text = without_terminal_escapes(text)
     return _UNSAFE.sub(REPLACEMENT, text) if _UNSAFE.search(text) else text
 
 
@@ -37,7 +52,7 @@ def one_line(text: str) -> str:
 
 def is_safe(text: str) -> bool:
     """Whether ``machine_text`` leaves ``text`` as it is."""
-    return _UNSAFE.search(text) is None
+    return _UNSAFE.search(text) is None and "\x1b" not in text
 
 
 def machine_data(value: Any) -> Any:
