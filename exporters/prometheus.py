@@ -391,7 +391,7 @@ class RuntimeCollector(Collector):
         leases = GaugeMetricFamily(f"{NS}_leases", "Leases currently held.")
         leases.add_metric([], len(active))
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
-        leased.add_metric([], sum(len(l.gpus) for l in active))
+        leased.add_metric([], len({g for lease in active for g in lease.gpus}))  # each GPU once, however many leases name it
         satisfaction = GaugeMetricFamily(
             f"{NS}_lease_topology_satisfaction",
             "Share of a live lease's pattern links that are local (NVLink or one PCIe switch), from its placement.",

@@ -37,6 +37,7 @@ class LeaseLoop:
         self._ended = ended  # a lease expired: its GPUs are probed before the next job
         self.store: LeaseStore | None = None
         self._said_corrupt: Path | None = None  # the moved-aside state file already logged
+        self._said_quarantine: str | None = None  # the quarantine file's problem already logged
         self._published = -1  # the number of the store's read last published (numbered_leases)
 
     def open(self, state_dir: str, health: LoopHealth) -> None:
@@ -65,8 +66,12 @@ class LeaseLoop:
         recovery = None
         if store.recovered_from is not None:
             recovery = LeaseRecovery(str(store.path), str(store.recovered_from), store.recovery_error)
-        quarantine = LeaseQuarantine(str(store.quarantine_path), tuple(quarantine_report(store)))
+        quarantine = LeaseQuarantine(str(store.quarantine_path), tuple(quarantine_report(store)), store.quarantine_error)
         self.board.publish(leases=leases, lease_recovery=recovery, lease_quarantine=quarantine)
+        if store.quarantine_error != self._said_quarantine:  # once per problem, not per read
+            self._said_quarantine = store.quarantine_error
+            if store.quarantine_error is not None:
+                log_event("lease_quarantine_unreadable", logging.ERROR, file=store.quarantine_path, error=store.quarantine_error)
         return leases
 
     async def sweep(self) -> None:
