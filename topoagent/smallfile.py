@@ -30,8 +30,7 @@ class NotRegularFile(OSError):
 def file_kind(mode: int) -> str | None:
     """What a non-regular file is, in words; None for a regular file."""
     for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISLNK, "a symbolic link")):
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
         if test(mode):
             return name
     return None if stat.S_ISREG(mode) else "not a regular file"
