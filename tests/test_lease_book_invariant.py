@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from service_helpers import DGX_A100, metric_value, start_agent
+from service_helpers import DGX_A100, metric_value, start_agent, wait_for
 
 from topoagent.commands.discover import discover_root
 from topoagent.service.leases import LeaseStore
@@ -44,17 +44,25 @@ def quarantine_lines(agent) -> list[str]:
     return [line for line in agent.log().splitlines() if "event=lease_quarantined" in line]
 
 
+SWEEP = "[leases]\nsweep_s = 0.1\n"  # a read of the book soon after discovery says where each GPU sits
+
+
+def quarantined(agent) -> list[dict]:
+    """The quarantine records, once a read of the book after discovery has made one."""
+    return wait_for("an entry quarantined", lambda: agent.get("/leases").json().get("quarantined", {}).get("entries"), agent)
+
+
 def test_one_gpu_by_uuid_and_by_index_is_held_once(tmp_path, uuids):
     """An entry by UUID and one by index alone, both GPU 0, used to load side by side:
     /leases listed GPU 0 under two owners and topoagent_leased_gpus counted it twice."""
     state = tmp_path / "state"
     write_book(state, entry("byuuid", "job-a", [0, 1], [uuids[0], uuids[1]]), entry("byindex", "job-b", [0]))
-    agent = start_agent(tmp_path, state_dir=state)
+    agent = start_agent(tmp_path, state_dir=state, config=SWEEP)
     try:
+        (record,) = quarantined(agent)
         doc = agent.get("/leases").json()
         assert held_gpus(agent) == [0, 1], doc
         assert [lease["owner"] for lease in doc["leases"]] == ["job-a"]
-        (record,) = doc["quarantined"]["entries"]
         assert "GPU 0 is also in lease byuuid" in record["error"] and record["held_by"] is None  # its GPU is held already
         text = agent.get("/metrics").body.decode()
         assert metric_value(text, "topoagent_leased_gpus") == 2
@@ -69,10 +77,28 @@ def test_one_gpu_by_uuid_and_by_index_is_held_once(tmp_path, uuids):
 def test_the_index_entry_first_still_holds_the_gpu_once(tmp_path, uuids):
     state = tmp_path / "state"
     write_book(state, entry("byindex", "job-b", [3]), entry("byuuid", "job-a", [3], [uuids[3]]))
-    agent = start_agent(tmp_path, state_dir=state)
+    agent = start_agent(tmp_path, state_dir=state, config=SWEEP)
     try:
+        quarantined(agent)
         assert held_gpus(agent) == [3]
         assert [lease["owner"] for lease in agent.get("/leases").json()["leases"]] == ["job-b"]
+    finally:
+        assert agent.stop() == 0
+
+
+def test_a_lease_whose_gpu_was_renumbered_keeps_it_beside_one_by_index(tmp_path, uuids):
+    """Not a clash: the UUID lease was recorded at index 3, but its GPU sits at 5 now (a
+    renumbering), and the lease by index holds whatever GPU is at 3.  Both stay, each GPU
+    held once: quarantining one would free a GPU its job holds."""
+    state = tmp_path / "state"
+    write_book(state, entry("byuuid", "job-a", [3], [uuids[5]]), entry("byindex", "job-b", [3]))
+    agent = start_agent(tmp_path, state_dir=state, config=SWEEP)
+    try:
+        taken = agent.post("/place", {"gpus": 6, "reserve": {"owner": "job-c", "ttl_s": 60}}, token=agent.token)
+        assert taken.status == 200 and not {3, 5} & set(taken.json()["lease"]["gpus"]), taken.body
+        doc = agent.get("/leases").json()
+        assert {lease["id"] for lease in doc["leases"]} >= {"byuuid", "byindex"} and "quarantined" not in doc
+        assert metric_value(agent.get("/metrics").body.decode(), "topoagent_leased_gpus") == 8
     finally:
         assert agent.stop() == 0
 

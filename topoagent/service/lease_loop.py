@@ -74,11 +74,19 @@ class LeaseLoop:
                 log_event("lease_quarantine_unreadable", logging.ERROR, file=store.quarantine_path, error=store.quarantine_error)
         return leases
 
+    def _know_node(self, store: LeaseStore) -> None:
+        """Tell the store where each GPU sits now, from the latest discovery: how it tells a
+        lease by UUID and one by index alone apart on loading (one GPU, one lease)."""
+        snapshot = self.board.served.snapshot
+        if snapshot is not None:
+            store.gpus_now = {g.uuid: g.index for g in snapshot.matrix.gpus if g.uuid}
+
     async def sweep(self) -> None:
         """Drop expired leases from the file and take up what other processes sharing the
         state directory changed.  On a disk error this raises and the leases stay."""
         assert self.store is not None
         store = self.store
+        self._know_node(store)
         before = {lease.id: lease for lease in self.board.served.leases or ()}
         leases = self._took(await asyncio.to_thread(lambda: (store.expire(), store.numbered_leases())[1]))
         self._say_if_corrupt()
@@ -112,6 +120,7 @@ class LeaseLoop:
     async def release(self, lease_id: str) -> Lease | None:
         assert self.store is not None
         store = self.store
+        self._know_node(store)
 
         def work() -> tuple[Lease | None, tuple[int, tuple[Lease, ...]]]:
             held = {lease.id: lease for lease in store.leases()}

@@ -244,6 +244,9 @@ class LeaseStore:
         self._unsaved = False  # loading applied a clock step or a reboot: write it back
         self.quarantine_path = self.state_dir / QUARANTINE_FILE
         self.quarantine_error: str | None = None  # why the quarantine file cannot be read (the owner logs it)
+        # The node's GPUs, UUID -> index, as the owner last saw them (None: not known yet):
+        # how a lease by UUID and one by index alone are told to name the same GPU or not.
+        self.gpus_now: Mapping[str, int] | None = None
         # What the quarantine file holds (newest last), for /leases and /metrics to report.
         self.quarantined: list[dict[str, Any]] = self._read_quarantine()
         try:
@@ -330,13 +333,13 @@ class LeaseStore:
         same_boot = self.boot_id is not None and file_boot == self.boot_id
         wall, mono = self.clock(), self.monotonic()
         leases: dict[str, Lease] = {}
-        holders: dict[str, str] = {}
+        claims = _Claims(self.gpus_now)
         refused: list[tuple[Any, str]] = []
         changed = False
         for n, item in enumerate(items):
             try:
                 lease, persisted = _lease_from_json(item, n)
-                _claim(lease, n, leases, holders)
+                _claim(lease, n, leases, claims)
             except (StateCorrupt, KeyError, TypeError, OverflowError) as exc:
                 refused.append((item, " ".join(str(exc).split())[:500]))
                 continue
@@ -358,12 +361,12 @@ class LeaseStore:
         without it.  The quarantine file is written first: a crash between the two
         quarantines the entry again, never loses it.  A disk error raises, changing nothing."""
         wall, mono = self.clock(), self.monotonic()
-        holders: dict[str, str] = {}
+        claims = _Claims(self.gpus_now)
         for lease in leases.values():
-            _hold(_named(lease), lease.id, holders)
+            claims.hold(_named(lease), lease.id)
         records = []
         for item, reason in refused:
-            gpus = [(g, u) for g, u in _readable_gpus(item) if _clash([(g, u)], holders) is None]
+            gpus = [(g, u) for g, u in _readable_gpus(item) if claims.clash([(g, u)]) is None]
             hold = None
             left = _readable_number(item, "expires_at")
             ttl = TTL_MAX_S if left is None else min(left - wall, TTL_MAX_S)
@@ -372,7 +375,7 @@ class LeaseStore:
                 hold = Lease(secrets.token_hex(8), QUARANTINE_OWNER, tuple(g for g, _ in gpus), wall, wall + ttl,
                              mono + ttl, None, tuple(u for _, u in gpus) if any(u for _, u in gpus) else ())
                 leases[hold.id] = hold
-                _hold(gpus, hold.id, holders)
+                claims.hold(gpus, hold.id)
             try:
                 entry_text = json.dumps(item, allow_nan=False)
                 whole = len(entry_text) <= QUARANTINE_ENTRY_MAX_CHARS
@@ -472,6 +475,7 @@ class LeaseStore:
         """Place ``request`` around what is leased or running, and lease the answer --
         one step under the lock, so two callers cannot get the same GPU."""
         _check(owner, ttl_s)
+        self.gpus_now = {g.uuid: g.index for g in matrix.gpus if g.uuid}
         with self._locked():
             self._expire(self.monotonic())
             # Leases hold GPUs by UUID: one whose GPU left the node blocks nothing here, and
@@ -536,10 +540,10 @@ class LeaseStore:
         lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction, uuids)
         # The book's own rule as loading applies it (by UUID or by index): never write what
         # the next read would quarantine as a GPU in two leases.
-        holders: dict[str, str] = {}
+        claims = _Claims(self.gpus_now)
         for other in self._leases.values():
-            _hold(_named(other), other.id, holders)
-        book_clash = _clash(_named(lease), holders)
+            claims.hold(_named(other), other.id)
+        book_clash = claims.clash(_named(lease))
         if book_clash:
             holder = self._leases[book_clash[1]]
             raise LeaseConflict(f"GPU {book_clash[0]} is leased to {holder.owner} (lease {holder.id})")
@@ -627,29 +631,40 @@ def _readable_number(obj: object, key: str) -> float | None:
         return None
 
 
-def _claims(gpu: int, uuid: str | None) -> tuple[list[str], list[str]]:
-    """What holding one GPU claims in the book, and which earlier claims it clashes with.
+class _Claims:
+    """Who holds which GPU in a book being read or written, so that one GPU is in one lease.
+
     A GPU named by UUID is that GPU wherever it sits now; one named by index alone is
-    whatever GPU has that index.  So two UUIDs clash only when equal (an orphaned lease may
-    keep an index a new GPU has since taken), and an index alone clashes with any entry
-    recorded at that index, by UUID or not: fail-closed, one GPU is never in two leases."""
-    if uuid:
-        return [f"uuid {uuid}", f"at {gpu}"], [f"uuid {uuid}", f"index {gpu}"]
-    return [f"index {gpu}"], [f"index {gpu}", f"at {gpu}"]
+    whatever GPU has that index now.  So two UUIDs clash when equal, two indices when equal,
+    and a UUID and an index when the node has that UUID at that index now (``where``: UUID
+    -> index, from the node's last discovery).  While the node is not known (``where`` None:
+    at start-up, before discovery) only the first two are checked: a recorded index is no
+    fact about the node now (a GPU renumbered, or gone, leaves its lease's index behind), and
+    refusing on it would drop a lease whose GPU no other lease holds."""
 
+    def __init__(self, where: Mapping[str, int] | None) -> None:
+        self.where = where
+        self.holders: dict[str, str] = {}  # claim -> the id of the lease that made it
 
-def _clash(gpus: Iterable[tuple[int, str | None]], holders: Mapping[str, str]) -> tuple[int, str] | None:
-    """The first of these GPUs an earlier claim holds, and the holder's id; None if none."""
-    for gpu, uuid in gpus:
-        for key in _claims(gpu, uuid)[1]:
-            if key in holders:
-                return gpu, holders[key]
-    return None
+    def _keys(self, gpu: int, uuid: str | None) -> tuple[list[str], list[str]]:
+        """What holding this GPU claims, and which claims it clashes with."""
+        if not uuid:
+            return [f"index {gpu}"], [f"index {gpu}", f"at {gpu}"]
+        now = self.where.get(uuid) if self.where is not None else None
+        at = [] if now is None else [f"at {now}"]
+        return [f"uuid {uuid}", *at], [f"uuid {uuid}", *([f"index {now}"] if now is not None else [])]
 
+    def clash(self, gpus: Iterable[tuple[int, str | None]]) -> tuple[int, str] | None:
+        """The first of these GPUs a lease already claimed holds, and that lease's id; None if none."""
+        for gpu, uuid in gpus:
+            for key in self._keys(gpu, uuid)[1]:
+                if key in self.holders:
+                    return gpu, self.holders[key]
+        return None
 
-def _hold(gpus: Iterable[tuple[int, str | None]], lease_id: str, holders: dict[str, str]) -> None:
-    for gpu, uuid in gpus:
-        holders.update(dict.fromkeys(_claims(gpu, uuid)[0], lease_id))
+    def hold(self, gpus: Iterable[tuple[int, str | None]], lease_id: str) -> None:
+        for gpu, uuid in gpus:
+            self.holders.update(dict.fromkeys(self._keys(gpu, uuid)[0], lease_id))
 
 
 def _named(lease: Lease) -> list[tuple[int, str | None]]:
@@ -657,19 +672,19 @@ def _named(lease: Lease) -> list[tuple[int, str | None]]:
     return list(zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus)))
 
 
-def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], holders: dict[str, str]) -> None:
+def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], claims: _Claims) -> None:
     """Refuse a lease listed twice, naming one GPU twice (by index or UUID) or holding a GPU
-    an earlier one holds (the rule: ``_claims``); else note its GPUs in ``holders``."""
+    an earlier one holds (the rule: ``_Claims``); else note its GPUs in ``claims``."""
     if lease.id in leases:
         raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
     named = _named(lease)
     uuids = [uuid for _, uuid in named if uuid]
     if len(set(uuids)) != len(uuids):
         raise StateCorrupt(f"leases[{n}]: a GPU UUID is listed twice")
-    clash = _clash(named, holders)
+    clash = claims.clash(named)
     if clash:
         raise StateCorrupt(f"leases[{n}]: GPU {clash[0]} is also in lease {clash[1]}")
-    _hold(named, lease.id, holders)
+    claims.hold(named, lease.id)
 
 
 def state_unwritable(store: LeaseStore, exc: OSError) -> str:
