@@ -42,8 +42,8 @@ nested too deep, larger than ``MAX_STATE_BYTES``, a non-finite constant (``NaN``
 ``Infinity``), not an object of our schema -- is moved aside (``leases.json.corrupt-<ms>``)
 with the reason recorded in ``LeaseStore.recovered_from`` and ``recovery_error`` (the
 owner logs it): that is disk corruption, not one bad input.  An *entry* that breaks a rule
-(a field of the wrong type or out of range, an id listed twice, a GPU already in an earlier
-lease) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
+(a field of the wrong type or out of range, an id listed twice, a GPU listed twice or already
+in an earlier lease, by UUID or by index: ``_Claims``) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
 file with the reason, logged (``event=lease_quarantined``), listed in ``GET /leases`` under
 ``quarantined`` and counted by ``topoagent_leases_quarantined``; every other lease is kept.
 
