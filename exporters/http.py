@@ -479,9 +479,11 @@ async def list_leases(request: web.Request) -> web.Response:
         # Leases granted before this start may be lost: say so where schedulers look.
         body["recovered_from_corrupt_state"] = {"file": recovery.file, "moved_to": recovery.moved_to, "error": recovery.error}
     quarantine = served.lease_quarantine
-    if quarantine is not None and quarantine.entries:
+    if quarantine is not None and (quarantine.entries or quarantine.unreadable):
         # Entries the store refused on loading; the GPUs they named are held (see docs/service.md, Leases).
         body["quarantined"] = {"file": quarantine.file, "entries": list(quarantine.entries)}
+        if quarantine.unreadable:
+            body["quarantined"]["unreadable"] = quarantine.unreadable
     return web.json_response(body)
 
 

@@ -239,7 +239,7 @@ def openapi_document() -> dict[str, Any]:
                                     "type": "object",
                                     "required": ["file", "entries"],
                                     "description": "Present only when the state file had entries the agent refused: each is kept in `file`, and the GPUs it named stay held by the lease `held_by` (owner topoagent-quarantine).",
-                                    "properties": {"file": {"type": "string"}, "entries": {"type": "array", "items": {"type": "object", "properties": {
+                                    "properties": {"file": {"type": "string"}, "unreadable": {"type": "string", "description": "Present only when the quarantine file cannot be read (a FIFO, a link, a directory in its place): why. Its records are not shown; the GPUs they named stay held."}, "entries": {"type": "array", "items": {"type": "object", "properties": {
                                         "quarantined_at": {"type": ["number", "null"]}, "error": {"type": ["string", "null"]},
                                         "held_by": {"type": ["string", "null"]}, "gpus": {"type": ["array", "null"], "items": {"type": "integer"}},
                                     }}}},

@@ -395,8 +395,9 @@ class RuntimeCollector(Collector):
         active = served.active_leases()
         leases = GaugeMetricFamily(f"{NS}_leases", "Leases currently held.")
         leases.add_metric([], len(active))
+        holding = served.holding()
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
-        leased.add_metric([], sum(len(l.gpus) for l in active))
+        leased.add_metric([], len(holding.holder))  # the node's GPUs each once, found by UUID, however many leases name one
         satisfaction = GaugeMetricFamily(
             f"{NS}_lease_topology_satisfaction",
             "Share of a live lease's pattern links that are local (NVLink or one PCIe switch), from its placement.",
@@ -405,7 +406,6 @@ class RuntimeCollector(Collector):
         for lease in active:
             if lease.satisfaction is not None:
                 satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
-        holding = served.holding()
         orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases whose GPU left the node: they block nothing until released or expired.")
         orphaned.add_metric([], len(holding.orphaned))
         yield from (leases, leased, satisfaction, orphaned)
