@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb, factorial
 from pathlib import Path
@@ -304,7 +304,8 @@ def pod(name: str, gpus: list[str], lease: str, uid: str | None = None, namespac
     """A pending pod as the extender's bind leaves it: its GPUs and its lease on it."""
     return {"metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()),
                          "annotations": {"topoagent.io/gpus": ",".join(gpus), "topoagent.io/lease": lease}},
-            "spec": {"nodeName": "gpu-node-1"}, "status": {"phase": "Pending"}}
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(len(gpus))}}}]},
+            "status": {"phase": "Pending"}}
 
 
 def lease_for(agent: Agent, indices: list[int], owner: str) -> str:
@@ -400,11 +401,13 @@ def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_pat
         wait_for("the deleted pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
         print(f"device plugin: deleted pod -> lease released in {time.monotonic() - t0:.2f} s")
         assert agent.get("/capacity").json()["free_gpus"] == 8
-        # Two pods that could be the one kubelet allocates for: none is guessed.
+        # Two pods that could be the one kubelet allocates for: none is guessed, the allocation is refused.
         api.add_pod(gpu_pod("one", 1))
         api.add_pod(gpu_pod("other", 1))
-        allocate(kubelet, [uuids[0]])
-        assert held() == [] and "kubelet does not say which" in plugin.log()
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(kubelet, [uuids[0]])
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell which" in refused.value.details()
+        assert held() == []
         api.delete_pod("one", "team-b")
         api.delete_pod("other", "team-b")
         # The extender's lease already holds a pod's GPUs: no second one; it ends with the pod too.
@@ -450,6 +453,9 @@ class LyingAgent:
         self.agent = agent
         self.override: dict[str, tuple[int, bytes]] = {}
         self.asked: dict[str, int] = {}
+        self.hang: set[str] = set()  # paths answered only when the proxy closes (a hung agent)
+        self.after: dict[str, Callable[[], None]] = {}  # run once the agent has answered, before the answer is passed on
+        self.closing = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -458,6 +464,8 @@ class LyingAgent:
                 body = self.rfile.read(length) if length else None
                 path = self.path.split("?", 1)[0]
                 outer.asked[path] = outer.asked.get(path, 0) + 1
+                if path in outer.hang:
+                    outer.closing.wait()
                 if path in outer.override:
                     status, raw = outer.override[path]
                     headers = {"Content-Type": "application/json"}
@@ -469,6 +477,8 @@ class LyingAgent:
                     status, raw = resp.status, resp.read()
                     headers = {k: v for k, v in resp.getheaders() if k.lower() in ("content-type", "etag")}
                     conn.close()
+                    if path in outer.after:
+                        outer.after.pop(path)()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -482,6 +492,9 @@ class LyingAgent:
             def do_POST(self) -> None:
                 self._relay("POST")
 
+            def do_DELETE(self) -> None:
+                self._relay("DELETE")
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -490,6 +503,7 @@ class LyingAgent:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -598,3 +612,205 @@ def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, 
     finally:
         assert plugin.stop() == 0, plugin.log()
         api.close()
+
+
+# -- #40: what kubelet allocates is exactly what a lease holds, for exactly that pod -----------
+
+
+def leasing_plugin(tmp_path: Path, kubelet: FakeKubelet, agent: Agent, api: FakeApiServer, *, agent_url: str | None = None,
+                   resync_s: int = 2) -> PluginProcess:
+    """The plugin as a cluster runs it: pods read from the API server, leases taken at Allocate."""
+    return start_plugin(tmp_path, kubelet, agent_url or agent.url, extra=[
+        "--kube-api", api.url, "--node-name", "gpu-node-1", "--agent-token-file", str(agent.token_file), "--pod-resync", str(resync_s)])
+
+
+def holders(agent: Agent) -> dict[str, str]:
+    """Who the agent leases each GPU to, by UUID."""
+    return {u: x["owner"] for x in agent.get("/leases").json()["leases"] for u in x["gpu_uuids"]}
+
+
+def owner(pod: dict) -> str:
+    meta = pod["metadata"]
+    return f"{meta['namespace']}/{meta['name']}/{meta['uid']}"
+
+
+def extender_bound(agent: Agent, name: str, gpus: list[str], indices: list[int], namespace: str = "team-a") -> dict:
+    """A pending pod as the extender's bind leaves it: a lease on these GPUs, and the annotations naming it."""
+    uid = str(uuid.uuid4())
+    lease = lease_for(agent, indices, f"{namespace}/{name}/{uid}")
+    return gpu_pod(name, len(indices), namespace, uid=uid, annotations={"topoagent.io/gpus": ",".join(gpus), "topoagent.io/lease": lease})
+
+
+def refusal(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def test_a_pod_bound_past_the_extender_is_never_put_on_another_pods_lease(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 1: pod x holds the extender's lease on GPUs 0,1; pod y (2 GPUs, bound past
+    the extender) is admitted first.  kubelet does not say which pod it admits."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        x = extender_bound(agent, "x", [uuids[1], uuids[0]], [0, 1])
+        api.add_pod(x)
+        y = gpu_pod("y", 2)
+        api.add_pod(y)
+        got = preferred(kubelet, uuids, [], 2)
+        assert not set(got) & {uuids[0], uuids[1]}, "y steered onto x's GPUs"
+        assert "event=preferred_allocation_unattributed" in plugin.log()  # it says it cannot tell
+        refused = refusal(lambda: allocate(kubelet, got))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: owner(x), uuids[1]: owner(x)}  # y's allocation is nobody's, x's lease untouched
+        # kubelet fails y's admission; x is admitted next, onto its own GPUs in the extender's order.
+        api.set_phase("y", "Failed", "team-b")
+        assert preferred(kubelet, uuids, [], 2) == [uuids[1], uuids[0]]
+        assert allocate(kubelet, [uuids[0], uuids[1]])["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[1]},{uuids[0]}"
+        # A pod bound past the extender, the only one kubelet can be admitting: leased before the answer.
+        z = gpu_pod("z", 2)
+        api.add_pod(z)
+        got = preferred(kubelet, uuids[2:], [], 2)
+        allocate(kubelet, got)
+        assert holders(agent) == {uuids[0]: owner(x), uuids[1]: owner(x), got[0]: owner(z), got[1]: owner(z)}
+        assert "allocation_not_leased" not in plugin.log()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_two_same_size_pods_run_on_the_gpus_their_leases_hold(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 2: two 1-GPU pods bound by the extender at once (leases on GPU 0 and 1).
+    Preference and Allocate name the pod by the GPUs its lease holds; nothing is counted."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        a = extender_bound(agent, "a", [uuids[0]], [0])
+        b = extender_bound(agent, "b", [uuids[1]], [1])
+        api.add_pod(a)
+        api.add_pod(b)
+        first = preferred(kubelet, uuids, [], 1)
+        assert first in ([uuids[0]], [uuids[1]]), first
+        allocate(kubelet, first)
+        second = preferred(kubelet, [u for u in uuids if u not in first], [], 1)
+        assert sorted(first + second) == sorted(uuids[:2]), second
+        allocate(kubelet, second)
+        assert holders(agent) == {uuids[0]: owner(a), uuids[1]: owner(b)}  # no second lease, none idle
+        for index in (0, 1):  # a Slurm job cannot take a GPU a pod runs on
+            assert agent.post("/place", {"gpus": 1, "include": [index], "reserve": {"owner": "slurm/job-77", "ttl_s": 60}},
+                              token=agent.token).status == 409
+        assert "allocation_not_leased" not in plugin.log()
+        # Two pods bound past the extender, same size: the plugin cannot tell which kubelet admits.
+        c, d = gpu_pod("c", 1), gpu_pod("d", 1)
+        api.add_pod(c)
+        api.add_pod(d)
+        got = preferred(kubelet, uuids[2:], [], 1)
+        assert "event=preferred_allocation_unattributed" in plugin.log()
+        refused = refusal(lambda: allocate(kubelet, got))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell" in refused.details()
+        assert holders(agent) == {uuids[0]: owner(a), uuids[1]: owner(b)}
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_allocate_leases_before_it_answers_and_a_reserver_in_between_wins(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 3: a Slurm job reserves the GPU right after the plugin read who holds
+    what; Allocate must not answer success with the GPU leased to the job."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
+        api.add_pod(gpu_pod("y", 1))
+        liar.after["/leases"] = lambda: lease_for(agent, [2], "slurm/job-77")
+        refused = refusal(lambda: allocate(kubelet, [uuids[2]]))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "slurm/job-77" in refused.details(), refused.details()
+        assert not liar.after  # the reserve did come in between
+        assert holders(agent) == {uuids[2]: "slurm/job-77"}
+        assert "allocation_not_leased" not in plugin.log()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()
+
+
+def test_a_pods_own_lease_gives_it_its_nics(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 4: the GPUs leased to the very pod being allocated are no conflict."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        x = extender_bound(agent, "x", [uuids[0], uuids[3]], [0, 3])
+        api.add_pod(x)
+        lease = x["metadata"]["annotations"]["topoagent.io/lease"]
+        assert agent.post("/place", {"gpus": 2, "include": [0, 3], "detail": ["bindings"]}).status == 409  # leased: to anyone else
+        own = agent.post("/place", {"gpus": 2, "include": [0, 3], "detail": ["bindings"], "lease": lease})
+        assert own.status == 200, own.text
+        nics = {g["uuid"]: g["nearest_nics"][0] for g in own.json()["gpus"]}
+        env = allocate(kubelet, [uuids[3], uuids[0]])
+        assert env["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[0]},{uuids[3]}"
+        assert env["NCCL_IB_HCA"] == f"={nics[uuids[0]]},{nics[uuids[3]]}"
+        # A pod bound past the extender gets its NICs from the lease taken for it.
+        z = gpu_pod("z", 2)
+        api.add_pod(z)
+        env = allocate(kubelet, [uuids[5], uuids[6]])
+        assert holders(agent)[uuids[5]] == owner(z) and env["NCCL_IB_HCA"].startswith("=")
+        assert len(env["NCCL_IB_HCA"].removeprefix("=").split(",")) == 2
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_allocate_fails_closed_when_the_agent_or_the_pods_cannot_be_read(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 6: an answer the plugin cannot read refuses Allocate, with the reason,
+    within the plugin's own bound (5 s), never lets a GPU through unchecked."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
+        lease_for(agent, [0], "slurm/job-42")
+        api.add_pod(gpu_pod("y", 1))
+        for status, body in ((500, b'{"error": "internal"}'), (200, b"not json"), (200, b'{"leases": 5}')):
+            liar.override["/leases"] = (status, body)
+            for ids in ([uuids[0]], [uuids[3]]):
+                refused = refusal(lambda ids=ids: allocate(kubelet, ids))
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE and "GET /leases" in refused.details(), refused.details()
+        del liar.override["/leases"]
+        liar.hang.add("/leases")
+        refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "within 5 s" in refused.details(), refused.details()
+        liar.hang.clear()
+        api.hold_pod_lists = threading.Event()
+        try:
+            refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        finally:
+            api.hold_pod_lists.set()
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "pods" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: "slurm/job-42"}  # nothing let through, nothing leased
+        allocate(kubelet, [uuids[3]])  # all readable again: y gets its GPU, under its lease
+        assert holders(agent)[uuids[3]].startswith("team-b/y/")
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()
