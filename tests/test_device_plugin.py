@@ -201,8 +201,12 @@ def test_waits_for_kubelet_then_registers(tmp_path: Path, agent: Agent) -> None:
     plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         assert kubelet.registrations.empty()
+        # It says which socket it waits for (a wrong --plugin-dir is seen at once), and says so once.
+        wait_for("the plugin to name kubelet's socket", lambda: f"event=waiting_for_kubelet socket={kubelet.socket}" in plugin.log(),
+                 log=plugin.log)
         kubelet.start()
         assert kubelet.next_registration().resource_name == "nvidia.com/gpu"
+        assert plugin.log().count("event=waiting_for_kubelet") == 1
     finally:
         assert plugin.stop() == 0, plugin.log()
         kubelet.close()
@@ -813,4 +817,36 @@ def test_allocate_fails_closed_when_the_agent_or_the_pods_cannot_be_read(tmp_pat
             assert plugin.stop() == 0, plugin.log()
         finally:
             liar.close()
+            api.close()
+
+
+def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 7: one Allocate for a pod of two 1-GPU containers, the second on a GPU a
+    Slurm job holds: refused whole, the first container's lease given back."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        lease_for(agent, [0], "slurm/job-42")
+        pair = gpu_pod("pair", 1)
+        pair["spec"]["containers"].append({"name": "side", "resources": {"limits": {"nvidia.com/gpu": "1"}}})
+        api.add_pod(pair)
+
+        def both(first: str, second: str) -> dict:
+            containers = [api_pb2.ContainerAllocateRequest(devices_ids=[d]) for d in (first, second)]
+            return kubelet.plugin().Allocate(api_pb2.AllocateRequest(container_requests=containers), timeout=30)
+
+        refused = refusal(lambda: both(uuids[2], uuids[0]))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "slurm/job-42" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: "slurm/job-42"}  # GPU 2's lease, taken for the first container, is gone
+        refused = refusal(lambda: both(uuids[3], uuids[3]))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "two containers" in refused.details()
+        reply = both(uuids[3], uuids[4])  # the pod's two containers, each its own GPU, each under the pod's lease
+        assert [c.envs["NVIDIA_VISIBLE_DEVICES"] for c in reply.container_responses] == [uuids[3], uuids[4]]
+        assert holders(agent) == {uuids[0]: "slurm/job-42", uuids[3]: owner(pair), uuids[4]: owner(pair)}
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
             api.close()

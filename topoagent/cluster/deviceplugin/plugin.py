@@ -532,11 +532,16 @@ class DevicePlugin:
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def serve_and_register_forever(self) -> None:
+        waiting = False
         while not self.stopping.is_set():
             kubelet = _identity(self.settings.kubelet_socket)
             if kubelet is None:
+                if not waiting:  # once per absence: a wrong --plugin-dir is seen at once
+                    log_event("waiting_for_kubelet", socket=str(self.settings.kubelet_socket))
+                waiting = True
                 await self._sleep(self.settings.watch_interval_s)
                 continue
+            waiting = False
             await self.start_server()
             if not await self.register():
                 await self.stop_server()
