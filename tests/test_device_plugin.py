@@ -765,6 +765,9 @@ def test_a_pods_own_lease_gives_it_its_nics(tmp_path: Path, kubelet: FakeKubelet
         own = agent.post("/place", {"gpus": 2, "include": [0, 3], "detail": ["bindings"], "lease": lease})
         assert own.status == 200, own.text
         nics = {g["uuid"]: g["nearest_nics"][0] for g in own.json()["gpus"]}
+        reserve = {"owner": "me", "ttl_s": 60}
+        for bad in ({"gpus": 1, "lease": "not an id!"}, {"gpus": 1, "lease": lease, "reserve": reserve}):
+            assert agent.post("/place", bad, token=agent.token).status == 400, bad  # a dry run's field, a lease id
         env = allocate(kubelet, [uuids[3], uuids[0]])
         assert env["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[0]},{uuids[3]}"
         assert env["NCCL_IB_HCA"] == f"={nics[uuids[0]]},{nics[uuids[3]]}"
