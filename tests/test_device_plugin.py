@@ -853,3 +853,122 @@ def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu
             assert plugin.stop() == 0, plugin.log()
         finally:
             api.close()
+
+
+def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40, done when: a mixed stream of extender-bound, unannotated and same-size pods, pods
+    ending, and a Slurm job reserving and releasing GPUs beside them; a watcher checks that
+    every GPU a started pod runs on is leased to that pod the whole time.  kubelet is played as
+    it admits: one pod at a time, oldest first, offering the GPUs it has not allocated; a
+    refused admission fails the pod."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    rng = random.Random(40)
+    running: dict[str, tuple[dict, list[str]]] = {}  # pod name -> (pod, its GPUs), set only after Allocate answered
+    lock = threading.Lock()
+    violations: list[str] = []
+    done = threading.Event()
+
+    def check() -> None:
+        with lock:
+            table = {name: (owner(pod), gpus) for name, (pod, gpus) in running.items()}
+        held = holders(agent)
+        with lock:  # a pod ended meanwhile is no longer the test's to check
+            table = {name: row for name, row in table.items() if name in running}
+        for name, (who, gpus) in table.items():
+            for gpu in gpus:
+                if held.get(gpu) != who:
+                    violations.append(f"{name} runs on {gpu[-8:]}, leased to {held.get(gpu)}")
+
+    def watcher() -> None:
+        while not done.is_set():
+            check()
+            done.wait(0.05)
+
+    slurm_grants = []
+
+    def slurm() -> None:
+        job = 0
+        while not done.is_set():
+            job += 1
+            reply = agent.post("/place", {"gpus": 1, "include": [rng.randrange(8)], "reserve": {"owner": f"slurm/job-{job}", "ttl_s": 60}},
+                               token=agent.token)
+            if reply.status == 200:
+                slurm_grants.append(job)
+                done.wait(0.1)
+                agent.request("DELETE", f"/leases/{reply.json()['lease']['id']}", token=agent.token)
+            done.wait(0.05)
+
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        threads = [threading.Thread(target=watcher, daemon=True), threading.Thread(target=slurm, daemon=True)]
+        for t in threads:
+            t.start()
+        started = {"extender": 0, "unannotated": 0}
+        refused_count = 0
+        clock = 0
+        for _round in range(30):
+            # New pods, bound to this node at about the same time.
+            batch = []
+            for _ in range(rng.randint(1, 3)):
+                clock += 1
+                size, name = rng.choice((1, 1, 2)), f"p{clock}"
+                created = f"2026-12-04T20:{clock // 60:02d}:{clock % 60:02d}Z"
+                if rng.random() < 0.6:  # the extender's bind: a lease first, then the annotations
+                    uid = str(uuid.uuid4())
+                    reply = agent.post("/place", {"gpus": size, "reserve": {"owner": f"team-a/{name}/{uid}", "ttl_s": 600}}, token=agent.token)
+                    if reply.status != 200:
+                        continue  # no room on this node: the extender binds it elsewhere
+                    lease = reply.json()["lease"]
+                    pod = gpu_pod(name, size, "team-a", uid=uid, annotations={
+                        "topoagent.io/gpus": ",".join(g["uuid"] for g in reply.json()["gpus"]), "topoagent.io/lease": lease["id"]})
+                    kind = "extender"
+                else:
+                    pod, kind = gpu_pod(name, size, "team-a"), "unannotated"
+                pod["metadata"]["creationTimestamp"] = created
+                api.add_pod(pod)
+                batch.append((pod, kind))
+            for pod, kind in batch:  # kubelet admits them one at a time, oldest first
+                size = int(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+                with lock:
+                    allocated = {g for _, gpus in running.values() for g in gpus}
+                offered = [u for u in uuids if u not in allocated]
+                name = pod["metadata"]["name"]
+                try:
+                    if len(offered) < size:
+                        raise LookupError("no room")
+                    ids = preferred(kubelet, offered, [], size)
+                    env = allocate(kubelet, ids)
+                except (grpc.RpcError, LookupError):
+                    refused_count += 1
+                    api.set_phase(name, "Failed", "team-a")  # kubelet rejects the pod
+                    continue
+                with lock:
+                    running[name] = (pod, env["NVIDIA_VISIBLE_DEVICES"].split(","))
+                started[kind] += 1
+                api.set_phase(name, "Running", "team-a")
+                check()
+            # Some pods end: the test stops counting them first, then kubelet reports the end.
+            with lock:
+                ending = [n for n in running if rng.random() < 0.4]
+                for n in ending:
+                    del running[n]
+            for n in ending:
+                if rng.random() < 0.5:
+                    api.set_phase(n, "Succeeded", "team-a")
+                else:
+                    api.delete_pod(n, "team-a")
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+        check()
+        assert not violations, violations[:10]
+        assert started["extender"] >= 5 and started["unannotated"] >= 2 and slurm_grants, (started, len(slurm_grants))
+        print(f"device plugin watcher: started {started}, refused {refused_count}, slurm leases {len(slurm_grants)}")
+    finally:
+        done.set()
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
