@@ -459,6 +459,7 @@ class LyingAgent:
         self.asked: dict[str, int] = {}
         self.hang: set[str] = set()  # paths answered only when the proxy closes (a hung agent)
         self.after: dict[str, Callable[[], None]] = {}  # run once the agent has answered, before the answer is passed on
+        self.cycle: dict[str, list[tuple[int, bytes]]] = {}  # answered in turn, one per request
         self.closing = threading.Event()
         outer = self
 
@@ -470,7 +471,11 @@ class LyingAgent:
                 outer.asked[path] = outer.asked.get(path, 0) + 1
                 if path in outer.hang:
                     outer.closing.wait()
-                if path in outer.override:
+                if path in outer.cycle:
+                    turns = outer.cycle[path]
+                    status, raw = turns[(outer.asked[path] - 1) % len(turns)]
+                    headers = {"Content-Type": "application/json"}
+                elif path in outer.override:
                     status, raw = outer.override[path]
                     headers = {"Content-Type": "application/json"}
                 else:
@@ -972,3 +977,32 @@ def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: 
             assert plugin.stop() == 0, plugin.log()
         finally:
             api.close()
+
+
+def test_a_finding_flapping_every_poll_moves_no_gpu_health(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 7: a critical finding on GPU2 that comes and goes at every poll sends kubelet
+    nothing; one that holds (3 polls) marks GPU2 Unhealthy."""
+    liar = LyingAgent(agent)
+    plugin = start_plugin(tmp_path, kubelet, liar.url)
+    try:
+        kubelet.next_registration()
+        devices = kubelet.wait_listing(lambda d: len(d) == 8 and {x.health for x in d} == {"Healthy"})
+        well = agent.get("/topology").json()
+        sick = {**well, "findings": [*well["findings"], {"severity": "critical", "kind": "gpu-outside-fabric", "subject": "GPU2",
+                                                       "message": "GPU2 has no active NVLink"}]}
+        well_body, sick_body = json.dumps(well).encode(), json.dumps(sick).encode()
+        liar.cycle["/topology"] = [(200, sick_body), (200, well_body)]
+        asked = liar.asked.get("/topology", 0)
+        wait_for("40 polls of a flapping finding", lambda: liar.asked.get("/topology", 0) >= asked + 40, log=plugin.log)
+        liar.cycle["/topology"] = [(200, well_body)]
+        asked = liar.asked.get("/topology", 0)
+        wait_for("the plugin to poll the steady answer", lambda: liar.asked.get("/topology", 0) >= asked + 3, log=plugin.log)
+        assert kubelet.listings.empty(), "a flapping finding reached kubelet"
+        liar.cycle["/topology"] = [(200, sick_body)]
+        sick_listing = kubelet.wait_listing(lambda d: {x.ID: x.health for x in d}.get(devices[2].ID) == "Unhealthy")
+        assert [d.ID for d in sick_listing if d.health == "Unhealthy"] == [devices[2].ID]
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()

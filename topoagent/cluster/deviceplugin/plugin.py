@@ -77,6 +77,9 @@ class Settings:
     agent_token: str | None = None
     poll_interval_s: float = 5.0  # how soon a finding reaches kubelet; one cheap 304 per poll
     watch_interval_s: float = 1.0  # how soon a kubelet restart is noticed
+    # A GPU's health and the node's condition change once the new one holds this many polls
+    # in a row: a finding flapping every poll moves neither kubelet nor the Node object.
+    health_polls: int = 3
     lease_ttl_s: float = 86400.0  # a lease taken at Allocate; the pod watch ends it with the pod
 
     @property
@@ -86,6 +89,30 @@ class Settings:
     @property
     def socket(self) -> Path:
         return self.plugin_dir / self.socket_name
+
+
+class Damper:
+    """Each key's value as said: a new one once it has been seen ``polls`` times in a row
+    (the first value of a key at once)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.said: dict[str, Any] = {}
+        self.coming: dict[str, tuple[Any, int]] = {}  # key -> (a new value, polls seen in a row)
+
+    def settle(self, key: str, value: Any) -> Any:
+        if key not in self.said or value == self.said[key]:
+            self.said.setdefault(key, value)
+            self.coming.pop(key, None)
+            return value
+        before, seen = self.coming.get(key, (None, 0))
+        seen = seen + 1 if before == value else 1
+        if seen >= self.polls:
+            self.said[key] = value
+            self.coming.pop(key, None)
+        else:
+            self.coming[key] = (value, seen)
+        return self.said[key]
 
 
 class Devices:
@@ -504,15 +531,19 @@ class DevicePlugin:
         still reach kubelet).  Each new problem is logged once; the last list stands."""
         etag: str | None = None
         problem: tuple[str, str] | None = None
+        damper = Damper(self.settings.health_polls)
+        gpus: dict[str, Gpu] = {}
+        health = None
         while True:
             now: tuple[str, str] | None = None
             try:
                 seen, doc = await self.agent.topology(etag)
-                if doc is not None:
-                    await self.devices.update(gpus_of(doc))
-                    if self.reporter is not None:
-                        self.reporter.set(node_health(doc))
+                if doc is not None:  # else unchanged (304): the same answer counts again
+                    gpus, health = gpus_of(doc), node_health(doc)
                 etag = seen
+                await self.devices.update({u: replace(g, health=damper.settle(u, g.health)) for u, g in gpus.items()})
+                if self.reporter is not None and health is not None:
+                    self.reporter.set(damper.settle("node", health))
             except AgentAnswerError as exc:
                 now = ("agent_answer_refused", str(exc))
             except AgentError as exc:
@@ -523,7 +554,7 @@ class DevicePlugin:
             if now is not None:
                 etag = None  # ask for the whole document again next time
                 if self.reporter is not None:
-                    self.reporter.set(UNREACHABLE)
+                    self.reporter.set(damper.settle("node", UNREACHABLE))
                 if now != problem:
                     log_event(now[0], logging.WARNING, url=self.settings.agent_url, error=now[1], kept="the last device list")
             elif problem is not None:
