@@ -860,12 +860,14 @@ def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu
             api.close()
 
 
-def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: Path, kubelet: FakeKubelet) -> None:
     """#40, done when: a mixed stream of extender-bound, unannotated and same-size pods, pods
     ending, and a Slurm job reserving and releasing GPUs beside them; a watcher checks that
     every GPU a started pod runs on is leased to that pod the whole time.  kubelet is played as
     it admits: one pod at a time, oldest first, offering the GPUs it has not allocated; a
-    refused admission fails the pod."""
+    refused admission fails the pod.  Its own agent: every caller here shares one loopback
+    address, more changes a second than the default rate limit lets through."""
+    agent = start_agent(tmp_path, config="[http]\nrate_limit_per_s = 1000\nrate_limit_burst = 10000\n")
     api = FakeApiServer()
     plugin = leasing_plugin(tmp_path, kubelet, agent, api)
     rng = random.Random(40)
@@ -974,7 +976,7 @@ def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: 
     finally:
         done.set()
         try:
-            assert plugin.stop() == 0, plugin.log()
+            stop(agent, plugin)
         finally:
             api.close()
 

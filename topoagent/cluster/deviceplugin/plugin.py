@@ -13,11 +13,17 @@ the agent stops seeing stays listed as Unhealthy, so kubelet stops offering it i
 forgetting it (it was allocated to pods that may still run).  An answer the poller cannot
 use (not JSON, not a topology) is logged and the last list stands; polling goes on.
 
-Inputs are checked before anything reaches kubelet: a request with a device twice, or a
-size outside 1..offered, is refused (INVALID_ARGUMENT); the agent's placement is used only
-when it names distinct offered devices, the must-haves among them, as many as asked (else
-the index-order fallback); the extender's annotation only when the agent's lease backs it
-(``pods``).
+Inputs are checked before anything reaches kubelet: a request with a device twice (or one
+device for two containers), or a size outside 1..offered, is refused (INVALID_ARGUMENT);
+the agent's placement is used only when it names distinct offered devices, the must-haves
+among them, as many as asked (else the index-order fallback); the extender's annotation
+only when the agent's lease backs it (``pods``).
+
+With leasing (a token and an API server), every allocation is leased to the pod kubelet is
+admitting before Allocate answers: ``admission`` tells the pod by the GPUs its lease holds;
+Allocate confirms that lease or reserves, and refuses what it cannot tell, what the agent
+will not lease (409) and what it cannot read within ``ANSWER_BUDGET_S``, giving back what it
+took.
 """
 
 from __future__ import annotations
@@ -75,7 +81,7 @@ class Settings:
     socket_name: str = "topoagent.sock"
     agent_url: str = DEFAULT_AGENT_URL
     agent_token: str | None = None
-    poll_interval_s: float = 5.0  # how soon a finding reaches kubelet; one cheap 304 per poll
+    poll_interval_s: float = 5.0  # a finding reaches kubelet after health_polls of these; one cheap 304 each
     watch_interval_s: float = 1.0  # how soon a kubelet restart is noticed
     # A GPU's health and the node's condition change once the new one holds this many polls
     # in a row: a finding flapping every poll moves neither kubelet nor the Node object.
@@ -338,18 +344,26 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             log_event("allocate_refused", logging.WARNING, error=message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
         taken: list[str] = []  # leases this call took: released if it is refused after all
-        before = dict(self.allocated)
+        noted: dict[str, frozenset[str] | None] = {}  # pod UID -> what self.allocated held before this call
         try:
             async with asyncio.timeout(self.budget_s):
-                answers = [await self.allocate(ids, taken) for ids in wants]
+                answers = [await self.allocate(ids, taken, noted) for ids in wants]
             return api_pb2.AllocateResponse(container_responses=answers)
         except TimeoutError:
             refused = Refused(grpc.StatusCode.UNAVAILABLE, f"the agent or the API server did not answer within {self.budget_s:g} s")
         except Refused as exc:
             refused = exc
-        self.allocated = before
+        for uid, before in noted.items():
+            if before is None:
+                self.allocated.pop(uid, None)
+            else:
+                self.allocated[uid] = before
         for lease_id in taken:
-            if not await self.agent.release(lease_id):
+            released = False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.budget_s):
+                    released = await self.agent.release(lease_id)
+            if not released:  # its pod fails admission: the watch's sweep ends the lease with it
                 log_event("lease_release_failed", logging.WARNING, lease=lease_id, reason="its Allocate was refused",
                           retry="the pod watch's sweep ends it with the pod")
         # Two jobs on one GPU, or a GPU nobody holds, is worse than a pod that fails to start.
@@ -372,8 +386,9 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             seen.update(ids)
         return ""
 
-    async def allocate(self, ids: list[str], taken: list[str]) -> api_pb2.ContainerAllocateResponse:
-        """One container's answer, its GPUs leased to its pod first (Refused when they cannot be)."""
+    async def allocate(self, ids: list[str], taken: list[str], noted: dict[str, frozenset[str] | None]) -> api_pb2.ContainerAllocateResponse:
+        """One container's answer, its GPUs leased to its pod first (Refused when they cannot be);
+        the leases it takes go into ``taken``, the pods it notes as allocated into ``noted``."""
         known = await self.read_facts()
         if self.leasing is None:
             return await self.allocate_unleased(ids, known)
@@ -399,6 +414,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             covers = answer["lease"].get("gpu_uuids")
             if not isinstance(covers, list) or sorted(map(str, covers)) != sorted(ids):
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"the agent's lease {lease_id} holds {covers!r:.200}, not the GPUs kubelet allocated")
+        noted.setdefault(pod.ref.uid, self.allocated.get(pod.ref.uid))
         self.allocated[pod.ref.uid] = self.allocated.get(pod.ref.uid, frozenset()) | set(ids)
         self.leasing.watch.track(Held(pod.ref.namespace, pod.ref.name, pod.ref.uid, self.leasing.node, lease_id))
         log_event("allocation_leased", pod=str(pod), lease=lease_id, by=by, devices=devices)
