@@ -1008,3 +1008,30 @@ def test_a_finding_flapping_every_poll_moves_no_gpu_health(tmp_path: Path, kubel
             assert plugin.stop() == 0, plugin.log()
         finally:
             liar.close()
+
+
+def test_a_lease_the_agent_answers_is_checked_against_the_gpus_kubelet_allocated(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 5: a reserve answered with a lease on other GPUs than kubelet allocated is no
+    lease for this allocation: refused, never answered success."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        api.add_pod(gpu_pod("y", 1))
+        other = {"gpus": [{"index": 4, "uuid": uuids[4]}], "lease": {"id": "lease-elsewhere", "owner": "team-b/y", "gpus": [4],
+                                                                      "gpu_uuids": [uuids[4]]}}
+        liar.override["/place"] = (200, json.dumps(other).encode())
+        refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "not the GPUs kubelet allocated" in refused.details(), refused.details()
+        assert liar.asked.get("/leases/lease-elsewhere") == 1  # what it was given is given back
+        del liar.override["/place"]
+        allocate(kubelet, [uuids[3]])
+        assert holders(agent)[uuids[3]].startswith("team-b/y/")
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()
