@@ -154,12 +154,12 @@ def prefer(facts: Facts, available: Sequence[str], must: Sequence[str], size: in
     unleased = [c for c in pods if not c.own]
     if unleased:
         return Preference(None, None, f"cannot tell which of {_names(pods)} kubelet is admitting: {_names(unleased)} holds no lease")
-    offered = set(available)
+    offered, needed = set(available), set(must)
     for pod in sorted(pods, key=lambda c: (c.created, str(c))):  # kubelet admits a batch oldest first
         mine = [g for g in pod.own if g in offered and g not in pod.allocated]
-        if not set(must) <= set(mine):
+        if not needed <= set(mine):
             continue
-        picked = set([*must, *(g for g in mine if g not in set(must))][:size])
+        picked = set([*must, *(g for g in mine if g not in needed)][:size])
         chosen = [g for g in mine if g in picked]
         if len(chosen) == size:
             return Preference(pod, chosen)
@@ -188,9 +188,11 @@ def attribute(facts: Facts, ids: Sequence[str]) -> Attribution:
     if held:
         lease = facts.holder[held[0]]
         pod = next((c for c in pods if lease in c.leases), None)
-        if pod is not None:
+        if pod is not None and unleased:
             return Attribution(refused=f"device {held[0][:80]} is leased to {pod}, and {_names(unleased)} may be the pod being admitted: "
                                        "cannot tell which kubelet is admitting")
+        if pod is not None:
+            return Attribution(refused=f"device {held[0][:80]} is leased to {pod}, whose lease does not hold all of these GPUs")
         return Attribution(refused=f"device {held[0][:80]} is held by the agent's lease {lease.id[:64]} for {lease.owner[:120]}, "
                                    "not for the pod kubelet is admitting")
     if not pods:
