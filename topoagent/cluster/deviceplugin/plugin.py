@@ -34,7 +34,7 @@ import logging
 import os
 import re
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +236,15 @@ class Refused(Exception):
         self.message = message
 
 
+@dataclass
+class Done:
+    """What one Allocate has done so far, undone when it is refused."""
+
+    taken: list[str] = field(default_factory=list)  # leases it took
+    noted: dict[str, frozenset[str] | None] = field(default_factory=dict)  # pod UID -> its allocated GPUs before
+    held: list[Held] = field(default_factory=list)  # the pods' leases, for the pod watch once it answers
+
+
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
     def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None, leasing: Leasing | None = None,
                  resource: str = DEFAULT_RESOURCE, budget_s: float = ANSWER_BUDGET_S):
@@ -343,22 +352,25 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             # kubelet fails the pod's start with this message; nothing is half-allocated.
             log_event("allocate_refused", logging.WARNING, error=message)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        taken: list[str] = []  # leases this call took: released if it is refused after all
-        noted: dict[str, frozenset[str] | None] = {}  # pod UID -> what self.allocated held before this call
+        done = Done()
         try:
             async with asyncio.timeout(self.budget_s):
-                answers = [await self.allocate(ids, taken, noted) for ids in wants]
-            return api_pb2.AllocateResponse(container_responses=answers)
+                answers = [await self.allocate(ids, done) for ids in wants]
         except TimeoutError:
             refused = Refused(grpc.StatusCode.UNAVAILABLE, f"the agent or the API server did not answer within {self.budget_s:g} s")
         except Refused as exc:
             refused = exc
-        for uid, before in noted.items():
+        else:
+            if self.leasing is not None:
+                for held in done.held:  # released with its pod, by the pod watch
+                    self.leasing.watch.track(held)
+            return api_pb2.AllocateResponse(container_responses=answers)
+        for uid, before in done.noted.items():
             if before is None:
                 self.allocated.pop(uid, None)
             else:
                 self.allocated[uid] = before
-        for lease_id in taken:
+        for lease_id in done.taken:
             released = False
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.budget_s):
@@ -367,7 +379,7 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
                 log_event("lease_release_failed", logging.WARNING, lease=lease_id, reason="its Allocate was refused",
                           retry="the pod watch's sweep ends it with the pod")
         # Two jobs on one GPU, or a GPU nobody holds, is worse than a pod that fails to start.
-        log_event("allocate_refused", logging.WARNING, error=refused.message, released=",".join(taken))
+        log_event("allocate_refused", logging.WARNING, error=refused.message, released=",".join(done.taken))
         await context.abort(refused.code, refused.message)
         raise AssertionError("abort returned")  # pragma: no cover - abort raises
 
@@ -386,9 +398,8 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             seen.update(ids)
         return ""
 
-    async def allocate(self, ids: list[str], taken: list[str], noted: dict[str, frozenset[str] | None]) -> api_pb2.ContainerAllocateResponse:
-        """One container's answer, its GPUs leased to its pod first (Refused when they cannot be);
-        the leases it takes go into ``taken``, the pods it notes as allocated into ``noted``."""
+    async def allocate(self, ids: list[str], done: Done) -> api_pb2.ContainerAllocateResponse:
+        """One container's answer, its GPUs leased to its pod first (Refused when they cannot be)."""
         known = await self.read_facts()
         if self.leasing is None:
             return await self.allocate_unleased(ids, known)
@@ -410,13 +421,13 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             if answer is None:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"the agent would not lease these GPUs to {pod}: {why}")
             lease_id, by, order = answer["lease"]["id"], "device-plugin", None
-            taken.append(lease_id)
+            done.taken.append(lease_id)
             covers = answer["lease"].get("gpu_uuids")
             if not isinstance(covers, list) or sorted(map(str, covers)) != sorted(ids):
                 raise Refused(grpc.StatusCode.UNAVAILABLE, f"the agent's lease {lease_id} holds {covers!r:.200}, not the GPUs kubelet allocated")
-        noted.setdefault(pod.ref.uid, self.allocated.get(pod.ref.uid))
+        done.noted.setdefault(pod.ref.uid, self.allocated.get(pod.ref.uid))
         self.allocated[pod.ref.uid] = self.allocated.get(pod.ref.uid, frozenset()) | set(ids)
-        self.leasing.watch.track(Held(pod.ref.namespace, pod.ref.name, pod.ref.uid, self.leasing.node, lease_id))
+        done.held.append(Held(pod.ref.namespace, pod.ref.name, pod.ref.uid, self.leasing.node, lease_id))
         log_event("allocation_leased", pod=str(pod), lease=lease_id, by=by, devices=devices)
         return api_pb2.ContainerAllocateResponse(envs=self.container_env(ids, answer, order))
 
