@@ -51,6 +51,10 @@ PLACE_REQUEST = {
     **_REQUEST,
     "properties": {
         **_REQUEST["properties"],
+        "lease": {
+            "type": "string", "pattern": "^[0-9A-Za-z_-]{1,64}$",
+            "description": "A dry run only: the GPUs of this lease count as free, as its holder asks (a pod's own GPUs and their bindings).",
+        },
         "reserve": {
             "type": "object",
             "additionalProperties": False,
