@@ -94,8 +94,9 @@ def test_every_metric_an_alert_reads_is_in_a_real_scrape(tmp_path):
     assert not missing, f"alerts read metrics the exporter does not emit: {sorted(missing)}"
 
 
-def test_findings_panel_reads_zero_on_a_healthy_node_and_the_count_on_a_degraded_one(tmp_path):
-    """Evaluated by Prometheus's own engine (promtool's PromQL unit tests) on two nodes."""
+def test_findings_panel_reads_zero_on_a_healthy_node_the_count_on_a_degraded_one_and_nothing_on_a_blind_one(tmp_path):
+    """Evaluated by Prometheus's own engine (promtool's PromQL unit tests) on three nodes: the
+    blind one serves no topology (its discovery never ran), so no healthy-looking 0."""
     (expr,) = panel_exprs("Findings")
     expr = expr.replace("$instance", ".*")
     test = tmp_path / "findings_test.yml"
@@ -103,10 +104,12 @@ def test_findings_panel_reads_zero_on_a_healthy_node_and_the_count_on_a_degraded
 tests:
   - interval: 1m
     input_series:
-      - series: 'topoagent_ready{{instance="healthy:9477", job="topoagent"}}'
-        values: '1x5'
-      - series: 'topoagent_ready{{instance="degraded:9477", job="topoagent"}}'
-        values: '1x5'
+      - series: 'topoagent_snapshot_timestamp_seconds{{instance="healthy:9477", job="topoagent"}}'
+        values: '1.7e9x5'
+      - series: 'topoagent_snapshot_timestamp_seconds{{instance="degraded:9477", job="topoagent"}}'
+        values: '1.7e9x5'
+      - series: 'topoagent_ready{{instance="blind:9477", job="topoagent"}}'
+        values: '0x5'
       - series: 'topoagent_findings{{instance="degraded:9477", job="topoagent", kind="nvlink-down", severity="warning"}}'
         values: '2x5'
       - series: 'topoagent_findings{{instance="degraded:9477", job="topoagent", kind="gpu-xid", severity="critical"}}'
