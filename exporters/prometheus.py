@@ -96,10 +96,11 @@ def nvml_bus_id(address: str | None) -> str:
 def dcgm_identity(snapshot: Snapshot) -> dict[str, dict[str, str]]:
     """GPU index -> the identity labels dcgm-exporter puts on each of its series, in its
     spellings ([metrics] dcgm_labels): a query written for it joins ours without relabelling.
-    Its releases write `Hostname`, its main branch `hostname` (which gpu_info always has)."""
+    Its releases write `Hostname`, its main branch `hostname`: both, so a query written for
+    either works."""
     node = snapshot.node
     return {str(info.index): {"UUID": _opt(info.uuid), "modelName": _opt(info.model), "pci_bus_id": nvml_bus_id(info.pci_address),
-                              "device": f"nvidia{info.index}", "Hostname": _opt(node.hostname),
+                              "device": f"nvidia{info.index}", "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname),
                               "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version)}
             for info in snapshot.matrix.gpus}
 
