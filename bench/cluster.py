@@ -180,6 +180,16 @@ class Cluster:
     token: str
     work: Path
     unanswering: list[tuple[str, str]] = field(default_factory=list)  # (node name, address): nothing answers there
+    extender_argv: list[str] = field(default_factory=list)
+    procs: list[subprocess.Popen] = field(default_factory=list)  # every child, stopped on the way out
+
+    def stop_extender(self) -> None:
+        self.extender.proc.terminate()
+        assert self.extender.proc.wait(timeout=20) == 0
+
+    def start_extender(self) -> None:
+        """A new extender with the same arguments (after ``stop_extender``): one that remembers nothing."""
+        self.extender = _start_extender(self.extender_argv, self.work / "extender.log", self.procs)
 
     def node(self, name: str) -> Node:
         return next(n for n in self.nodes if n.name == name)
@@ -189,6 +199,15 @@ class Cluster:
         for name, address in self.unanswering:
             objects[name] = unanswering_node(name, address)
         return [objects[n] for n in (names if names is not None else sorted(objects))]
+
+
+def _start_extender(argv: list[str], log: Path, procs: list[subprocess.Popen]) -> Extender:
+    """The extender child (stopped with ``procs`` on the way out), once it listens."""
+    with open(log, "a") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
+    procs.append(proc)
+    line = _wait_line(proc, "extender", log)
+    return Extender(proc, "127.0.0.1", int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0]))
 
 
 def unanswering_node(name: str, address: str) -> dict[str, Any]:
@@ -235,16 +254,9 @@ def cluster(fixtures: list[str], extender_args: list[str] | None = None, work: P
             topo = _get_ok(node, "/topology")
             node.uuid_index = {g["uuid"]: g["index"] for g in topo["gpus"] if g.get("uuid")}
             node.gpus = _get_ok(node, "/capacity")["free_gpus"]
-        log = work / "extender.log"
-        with open(log, "w") as err:
-            proc = subprocess.Popen(
-                [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{port}",
-                 "--agent-token-file", str(token_file), "--bind", "--kube-api", api.url, "--lease-ttl", "86400", *(extender_args or [])],
-                stdout=subprocess.PIPE, stderr=err, text=True, env=_child_env())
-        procs.append(proc)
-        line = _wait_line(proc, "extender", log)
-        ext_port = int(line.split("http://127.0.0.1:", 1)[1].split("/", 1)[0])
-        yield Cluster(nodes, Extender(proc, "127.0.0.1", ext_port), api, token, work)
+        argv = [sys.executable, "-P", "-m", "topoagent", "extender", "--listen", "127.0.0.1:0", "--agent-url", f"http://{{address}}:{port}",
+                "--agent-token-file", str(token_file), "--bind", "--kube-api", api.url, "--lease-ttl", "86400", *(extender_args or [])]
+        yield Cluster(nodes, _start_extender(argv, work / "extender.log", procs), api, token, work, extender_argv=argv, procs=procs)
     finally:
         for proc in procs:
             if proc.poll() is None:

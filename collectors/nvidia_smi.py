@@ -18,6 +18,7 @@ from topoagent.errors import TopoagentError
 from topoagent.node.cpulist import CpuListError, parse_cpulist
 from topoagent.node.host import CommandNotFound, Host
 from topoagent.node.levels import LevelError, LevelKind, LinkLevel
+from topoagent.text import without_terminal_escapes
 
 
 class TopoParseError(TopoagentError, ValueError):  # ValueError: callers that parse corpora catch it
@@ -107,15 +108,6 @@ _TRAILING_RE = re.compile("|".join(re.escape(c) for c in _TRAILING_COLUMNS))
 _NUMA_ID = re.compile(r"-?[0-9]+")
 _NIC_LEGEND_ENTRY = re.compile(r"(NIC[0-9]+)\s*:\s*(\S+)")
 _NOT_AVAILABLE = {"N/A", "NA", ""}
-# Terminal escape sequences (ECMA-48, 7-bit).  nvidia-smi underlines its header line
-# ('\x1b[4m' ... '\x1b[0m': driver 580.159.04 does), and a paste from a coloured terminal
-# may carry others.  None of them is text: each is dropped whole, and none spans a line end,
-# so line numbers stay those of the input.
-_ESCAPE_SEQUENCE = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: SGR (colour, underline), cursor moves, erases
-    r"|\x1b[\]P^_X][^\x07\x1b\n]*(?:\x07|\x1b\\)?"  # OSC, DCS, PM, APC, SOS: up to BEL or ST
-    r"|\x1b[ -/]*[0-~]"  # the rest: ESC then a final byte ('\x1b(B', '\x1b7', '\x1b=')
-)
 
 
 def _is_level(token: str) -> bool:
@@ -223,7 +215,7 @@ def parse_topo_matrix(text: str) -> TopoMatrix:
         )
     if "\x00" in text:
         raise TopoParseError("input holds NUL bytes; this is not nvidia-smi text output")
-    text = _ESCAPE_SEQUENCE.sub("", text)
+    text = without_terminal_escapes(text)  # a paste; what the Host reads has none left
     lines = text.splitlines()
 
     rows: list[_Row] = []

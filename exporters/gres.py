@@ -68,9 +68,11 @@ class GresLine:
 
 
 def slurm_type(model: str | None) -> str | None:
+    """NVML's name as Slurm's autodetection spells it, restricted to ``[a-z0-9_.-]``: gres.conf
+    has no quoting, and a NUL ends Slurm's string there.  Any other character becomes ``_``."""
     if not model:
         return None
-    return re.sub(r"\s+", "_", model.strip()).lower()
+    return re.sub(r"[^a-z0-9_.-]", "_", re.sub(r"\s+", "_", model.strip()).lower()) or None
 
 
 def bus_order(gpus: tuple[GpuTopo, ...]) -> list[GpuTopo]:

@@ -26,7 +26,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler
 from topoagent.config import Config
 from topoagent.connections import ConnectionGuard
 from topoagent.documents.agent import answer_document, lease_document
-from topoagent.documents.lease import owner_problem, ttl_problem
+from topoagent.documents.lease import LEASE_ID, owner_problem, ttl_problem
 from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
@@ -249,20 +249,35 @@ def _discovery_retry(retry: DiscoveryRetry) -> dict[str, Any]:
 
 def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[str, Any] | None]:
     """The typed request (by the one request parser every door uses) and HTTP's own
-    `reserve` part, or ApiError 400 naming the field.
+    `reserve` part, or ApiError 400 naming the field (HTTP's `lease` part: ``holder_lease``).
 
     Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
     for well-formed requests this node cannot satisfy now (busy or leased GPUs), 422 for
     those it could not satisfy with every GPU free (the CLI's exit 3)."""
     if not isinstance(doc, dict):  # the HTTP body, before its `reserve` part is split off
         raise ApiError(400, "bad_request", "body: expected a JSON object")
-    fields = {key: value for key, value in doc.items() if key != "reserve"}
+    fields = {key: value for key, value in doc.items() if key not in ("reserve", "lease")}
     try:
         req = parse_request(fields, gpu_indices=known_gpus)
     except RequestError as exc:
         raise ApiError(400, "bad_request", f"{exc.location}: {exc.message}") from None
     reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
+    if "lease" in doc:
+        holder_lease(doc)  # its own 400s
+        if reserve is not None:
+            raise ApiError(400, "bad_request", "lease: a dry run's field; a reserve takes only free GPUs")
     return req, reserve
+
+
+def holder_lease(doc: dict[str, Any]) -> str | None:
+    """A dry run's `lease`: the id of a lease whose GPUs count as free for this answer, as
+    its holder asks (the device plugin, for the bindings of a pod's own GPUs); None without."""
+    lease = doc.get("lease")
+    if lease is None:
+        return None
+    if not isinstance(lease, str) or not LEASE_ID.fullmatch(lease):
+        raise ApiError(400, "bad_request", "lease: expected a lease id")
+    return lease
 
 
 def _parse_reserve(reserve: Any) -> dict[str, Any]:
@@ -426,7 +441,7 @@ async def place(request: web.Request) -> web.Response:
         if (req.deadline_ms or 0) > OPEN_DEADLINE_MS_MAX and not _token_ok(request):
             # A dry run needs no token; a long search is CPU anyone could spend without one.
             req = replace(req, deadline_ms=OPEN_DEADLINE_MS_MAX)
-        answer = await agent.place(req)
+        answer = await agent.place(req, holder_lease(doc))
         lease = None
     else:
         try:
@@ -479,9 +494,11 @@ async def list_leases(request: web.Request) -> web.Response:
         # Leases granted before this start may be lost: say so where schedulers look.
         body["recovered_from_corrupt_state"] = {"file": recovery.file, "moved_to": recovery.moved_to, "error": recovery.error}
     quarantine = served.lease_quarantine
-    if quarantine is not None and quarantine.entries:
+    if quarantine is not None and (quarantine.entries or quarantine.unreadable):
         # Entries the store refused on loading; the GPUs they named are held (see docs/service.md, Leases).
         body["quarantined"] = {"file": quarantine.file, "entries": list(quarantine.entries)}
+        if quarantine.unreadable:
+            body["quarantined"]["unreadable"] = quarantine.unreadable
     return web.json_response(body)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from topoagent.errors import TopoagentError
 from topoagent.node.facts import NVSWITCH
 from topoagent.node.model import GpuTopo, NicTopo, NodeTopology, PciDevice
+from topoagent.text import machine_text
 
 NVSWITCH_CLASS = "0x068000"
 GPU_CLASS = "0x030200"
@@ -253,7 +254,8 @@ def render_nccl_xml(topology: NodeTopology) -> str:
     root = build_nccl_xml(topology)
     ET.indent(root, space="  ")
     # NCCL writes empty elements as `<x a="1"/>`; ElementTree puts a space before the slash.
-    return ET.tostring(root, encoding="unicode").replace(" />", "/>") + "\n"
+    # XML 1.0 allows no control character but tab and line ends, not even escaped.
+    return machine_text(ET.tostring(root, encoding="unicode").replace(" />", "/>")) + "\n"
 
 
 __all__ = ["NcclXmlError", "build_nccl_xml", "cpumap", "render_nccl_xml", "sm_for_model",

@@ -51,6 +51,10 @@ PLACE_REQUEST = {
     **_REQUEST,
     "properties": {
         **_REQUEST["properties"],
+        "lease": {
+            "type": "string", "pattern": "^[0-9A-Za-z_-]{1,64}$",
+            "description": "A dry run only: the GPUs of this lease count as free, as its holder asks (a pod's own GPUs and their bindings).",
+        },
         "reserve": {
             "type": "object",
             "additionalProperties": False,
@@ -239,7 +243,7 @@ def openapi_document() -> dict[str, Any]:
                                     "type": "object",
                                     "required": ["file", "entries"],
                                     "description": "Present only when the state file had entries the agent refused: each is kept in `file`, and the GPUs it named stay held by the lease `held_by` (owner topoagent-quarantine).",
-                                    "properties": {"file": {"type": "string"}, "entries": {"type": "array", "items": {"type": "object", "properties": {
+                                    "properties": {"file": {"type": "string"}, "unreadable": {"type": "string", "description": "Present only when the quarantine file cannot be read (a FIFO, a link, a directory in its place): why. Its records are not shown; the GPUs they named stay held."}, "entries": {"type": "array", "items": {"type": "object", "properties": {
                                         "quarantined_at": {"type": ["number", "null"]}, "error": {"type": ["string", "null"]},
                                         "held_by": {"type": ["string", "null"]}, "gpus": {"type": ["array", "null"], "items": {"type": "integer"}},
                                     }}}},

@@ -29,6 +29,7 @@ from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.probes.figures import ProbeKind
 from topoagent.service.served import Served, Snapshot
+from topoagent.text import one_line
 from topoagent.vocabulary import MetricsDetail, Status
 
 if TYPE_CHECKING:
@@ -283,8 +284,11 @@ class SnapshotCollector(Collector):
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
         last_ok = GaugeMetricFamily(f"{NS}_collector_last_success_timestamp_seconds", "When the collector last succeeded (Unix time).", labels=["collector"])
+        crashed = GaugeMetricFamily(f"{NS}_collector_crashed", "1 when the collector's last run failed through a fault of topoagent's own "
+                                    "(a bug, not the node's: the log has its traceback, event=collector_crashed).", labels=["collector"])
         for c in snapshot.collectors:
             success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            crashed.add_metric([c.name], 1.0 if c.bug else 0.0)
             duration.add_metric([c.name], c.seconds)
             last_success_at = snapshot.last_success_at.get(c.name)
             if last_success_at is not None:
@@ -292,8 +296,9 @@ class SnapshotCollector(Collector):
         # The counter sources (telemetry loop): no_data is quiet, as for discovery's.
         for c in snapshot.telemetry.sources if snapshot.telemetry else ():
             success.add_metric([c.name], 0.0 if c.status is Status.ERROR else 1.0)
+            crashed.add_metric([c.name], 1.0 if c.bug else 0.0)
             duration.add_metric([c.name], c.seconds)
-        yield from (success, duration, last_ok)
+        yield from (success, crashed, duration, last_ok)
 
         yield from _probe_figures(snapshot.probe_figures)
 
@@ -417,8 +422,9 @@ class RuntimeCollector(Collector):
         active = served.active_leases()
         leases = GaugeMetricFamily(f"{NS}_leases", "Leases currently held.")
         leases.add_metric([], len(active))
+        holding = served.holding()
         leased = GaugeMetricFamily(f"{NS}_leased_gpus", "GPUs currently held by a lease.")
-        leased.add_metric([], sum(len(l.gpus) for l in active))
+        leased.add_metric([], len(holding.holder))  # the node's GPUs each once, found by UUID, however many leases name one
         satisfaction = GaugeMetricFamily(
             f"{NS}_lease_topology_satisfaction",
             "Share of a live lease's pattern links that are local (NVLink or one PCIe switch), from its placement.",
@@ -427,7 +433,6 @@ class RuntimeCollector(Collector):
         for lease in active:
             if lease.satisfaction is not None:
                 satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
-        holding = served.holding()
         orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases whose GPU left the node: they block nothing until released or expired.")
         orphaned.add_metric([], len(holding.orphaned))
         yield from (leases, leased, satisfaction, orphaned)
@@ -543,8 +548,23 @@ class HttpCollector(Collector):
 
 def _render(collector: Collector) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(collector)
+    registry.register(_OneLineLabels(collector))
     return generate_latest(registry)
+
+
+class _OneLineLabels(Collector):
+    """``collector``'s metrics with every label value made one line of encodable text: the
+    Host made the machine's text safe where it entered, and this page keeps its own grammar
+    too, so one bad value (generate_latest cannot encode a lone surrogate) costs that value,
+    never the page."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.collector.collect():
+            metric.samples = [s._replace(labels={k: one_line(v) for k, v in s.labels.items()}) for s in metric.samples]
+            yield metric
 
 
 class MetricsPage:

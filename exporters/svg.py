@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.node.model import Finding, GpuTopo, NicTopo, NodeTopology
+from topoagent.text import machine_text
 
 GPU_W, GPU_H = 92, 64
 NIC_W, NIC_H = 92, 50
@@ -78,7 +79,8 @@ class _Switch:
 
 
 def _esc(text: object) -> str:
-    return html.escape(str(text), quote=True)
+    """Text for the page: escaped, and safe even if it did not come through the Host."""
+    return html.escape(machine_text(str(text)), quote=True)
 
 
 def _short_model(model: str | None) -> str:

@@ -33,7 +33,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from topoagent.smallfile import read_small_file
 from topoagent.statefile import write_json_atomically
+
+MAX_BOOK_BYTES = 16 << 20  # a figure per link of the largest node, and the leases' figures, many times over
 
 STATE_FILE = "probe-baselines.json"
 SCHEMA = 1
@@ -65,10 +68,19 @@ class BaselineBook:
 
     # --- the file ---------------------------------------------------------------------
     def _load(self) -> None:
-        if self.path is None or not self.path.exists():
+        if self.path is None:
             return
         try:
-            doc = json.loads(self.path.read_text(encoding="utf-8"))
+            raw, _ = read_small_file(self.path, MAX_BOOK_BYTES, follow_links=False)
+        except FileNotFoundError:
+            return
+        except OSError as exc:  # a FIFO, a link, a directory in its place: said, never waited on
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            return
+        try:
+            if len(raw) > MAX_BOOK_BYTES:
+                raise ValueError(f"larger than {MAX_BOOK_BYTES} bytes")
+            doc = json.loads(raw)
             if doc.get("schema") != SCHEMA:
                 raise ValueError(f"schema {doc.get('schema')!r}, this agent reads {SCHEMA}")
             links = {str(k): LinkHistory(**v) for k, v in doc.get("links", {}).items()}

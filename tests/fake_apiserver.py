@@ -36,7 +36,7 @@ Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching po
 with ``fail_node_patches`` a Node patch answers 500, with ``node_watch_forbidden`` a Node
 watch 403 (RBAC without ``watch``).  ``hold_node_lists`` (an Event) makes a Node LIST take
 its snapshot, then wait for the event before it answers (a slow list); ``hold_node_watches``
-makes a Node watch wait for it before it answers at all.  ``fail_binding`` names pods whose binding fails (500);
+makes a Node watch wait for it before it answers at all; ``hold_pod_lists`` does so for a pods LIST.  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -115,6 +115,7 @@ class FakeApiServer:
         self.node_lists = 0  # GET /api/v1/nodes served
         self.node_patch_times: list[tuple[str, float, Any]] = []  # (node, monotonic time, patch): when each landed
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
+        self.hold_pod_lists: threading.Event | None = None  # set: a pods LIST answers only once it is set (a hung API server)
         self.node_events: list[tuple[int, bytes]] = []  # (resourceVersion, the event's line), the last KEPT_EVENTS
         self.node_compacted = 0  # a node watch from below this resourceVersion gets 410
         self.node_watches = 0  # node watch requests served
@@ -142,6 +143,8 @@ class FakeApiServer:
             def do_GET(self) -> None:
                 url = urlparse(self.path)
                 query = parse_qs(url.query)
+                if url.path == "/api/v1/pods" and outer.hold_pod_lists is not None and query.get("watch", [""])[0] not in ("true", "1"):
+                    outer.hold_pod_lists.wait()  # a hung API server: the list answers only once set
                 if url.path == "/api/v1/pods" and outer.pods_unavailable:
                     return self._send(503, status(503, "ServiceUnavailable", "the server is currently unable to handle the request"))
                 if url.path == "/api/v1/pods" and query.get("watch", [""])[0] in ("true", "1"):

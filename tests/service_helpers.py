@@ -7,6 +7,7 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -134,7 +135,9 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
     # The child keeps its own copy of the descriptor; ours is closed once it is handed over.
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
-    line = proc.stdout.readline()
+    # Bounded: an agent that hangs before it listens (a FIFO in its state directory) fails the test.
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    line = proc.stdout.readline() if ready else "(no line: it hung before listening)"
     match = re.search(r"on http://([\d.]+):(\d+)", line)
     if not match:
         proc.kill()

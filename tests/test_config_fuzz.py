@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from service_helpers import DGX_A100
 
-from topoagent.config import SCHEMA, THRESHOLD_PREFIX, Config, ConfigError, Listen, config_from_toml, parse_listen
+from topoagent.config import SCHEMA, SECONDS_BOUNDS, THRESHOLD_PREFIX, Config, ConfigError, Listen, config_from_toml, parse_listen
 from topoagent.service.telemetry import THRESHOLD_KEYS
 from topoagent.vocabulary import MetricsDetail
 
@@ -141,6 +141,7 @@ def test_any_text_loads_or_is_one_config_error(text):
         ('[http]\nlisten = "::1:80"\n', "http.listen: write an IPv6 address in brackets"),
         ("[http]\nmax_connections = 4\n", "http.max_connections"),
         ("[http]\nheader_timeout_s = 0\n", "http.header_timeout_s"),
+        ("[http]\nheader_timeout_s = 0.000001\n", "http.header_timeout_s: expected a number of seconds from 0.5 to 600"),
         ('[http]\nallowed_hosts = ["evil example"]\n', "http.allowed_hosts"),
         ('[http]\nallowed_hosts = "node7"\n', "http.allowed_hosts"),
         ("[http]\nrate_limit_per_s = nan\n", "http.rate_limit_per_s"),
@@ -159,7 +160,12 @@ def test_values_that_gave_tracebacks_or_passed_are_refused(text, named):
 
 # -- good values still load ------------------------------------------------------------------
 
-SECONDS = st.floats(min_value=0.001, max_value=7 * 24 * 3600) | st.integers(1, 7 * 24 * 3600)
+def seconds(key: str) -> st.SearchStrategy:
+    """Any duration within the key's bounds (topoagent.config.SECONDS_BOUNDS)."""
+    floor, ceiling = SECONDS_BOUNDS[key]
+    return st.floats(min_value=floor, max_value=ceiling) | st.integers(math.ceil(floor), int(ceiling))
+
+
 HOSTNAME = st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9](\.[a-z][a-z0-9]{0,8}){0,3}", fullmatch=True)
 GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("http", "listen"): st.builds(lambda ip, port: f"{ip}:{port}", st.ip_addresses(v=4).map(str), st.integers(0, 65535))
@@ -168,26 +174,26 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("http", "token_file"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("http", "require_token_for_reads"): st.booleans(),
     ("http", "max_body_bytes"): st.integers(256, 16 * 1024 * 1024),
-    ("http", "drain_timeout_s"): SECONDS,
+    ("http", "drain_timeout_s"): seconds("http.drain_timeout_s"),
     ("http", "max_connections"): st.integers(8, 65536),
-    ("http", "header_timeout_s"): SECONDS,
-    ("http", "keepalive_timeout_s"): SECONDS,
+    ("http", "header_timeout_s"): seconds("http.header_timeout_s"),
+    ("http", "keepalive_timeout_s"): seconds("http.keepalive_timeout_s"),
     ("http", "allowed_hosts"): st.lists(HOSTNAME, max_size=5),
     ("http", "rate_limit_per_s"): st.floats(min_value=0.001, max_value=10000) | st.integers(1, 10000),
     ("http", "rate_limit_burst"): st.integers(1, 100000),
     ("discovery", "root"): st.from_regex(r"/[a-z0-9_./-]{0,40}", fullmatch=True),
-    ("discovery", "interval_s"): SECONDS,
-    ("discovery", "timeout_s"): SECONDS,
+    ("discovery", "interval_s"): seconds("discovery.interval_s"),
+    ("discovery", "timeout_s"): seconds("discovery.timeout_s"),
     ("discovery", "udev"): st.booleans(),
-    ("discovery", "udev_debounce_s"): SECONDS,
-    ("discovery", "activity_interval_s"): SECONDS,
+    ("discovery", "udev_debounce_s"): seconds("discovery.udev_debounce_s"),
+    ("discovery", "activity_interval_s"): seconds("discovery.activity_interval_s"),
     ("leases", "state_dir"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
-    ("leases", "sweep_s"): SECONDS,
+    ("leases", "sweep_s"): seconds("leases.sweep_s"),
     ("probes", "enabled"): st.booleans(),
     ("probes", "backend"): st.sampled_from(["cuda", "cpu"]),
     ("probes", "duty_cycle"): st.floats(min_value=1e-6, max_value=1.0),
-    ("probes", "timeout_s"): SECONDS,
-    ("probes", "startup_delay_s"): SECONDS,
+    ("probes", "timeout_s"): seconds("probes.timeout_s"),
+    ("probes", "startup_delay_s"): seconds("probes.startup_delay_s"),
     ("probes", "min_interval_s"): st.floats(min_value=1, max_value=900),
     ("probes", "max_interval_s"): st.floats(min_value=900, max_value=7 * 24 * 3600),
     ("probes", "busy_utilization_percent"): st.floats(min_value=0, max_value=100),
@@ -195,7 +201,7 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("probes", "repetitions"): st.integers(1, 1000),
     ("exports", "nfd_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("exports", "nfd_prefix"): st.sampled_from(["topoagent.io", "topoagent.feature.node.kubernetes.io", "example.org"]),
-    ("exports", "nfd_expiry_s"): SECONDS,
+    ("exports", "nfd_expiry_s"): seconds("exports.nfd_expiry_s"),
     ("exports", "nfd_topograph_labels"): st.booleans(),
     ("exports", "gres_path"): st.from_regex(r"/[a-z0-9_./-]{1,40}", fullmatch=True),
     ("exports", "gres_node_name"): st.from_regex(r"[a-z][a-z0-9-]{0,20}", fullmatch=True),
@@ -207,8 +213,8 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("metrics", "dcgm_labels"): st.booleans(),
     ("metrics", "detail"): st.lists(st.sampled_from([d.value for d in MetricsDetail]), max_size=5),
     ("telemetry", "enabled"): st.booleans(),
-    ("telemetry", "interval_s"): SECONDS,
-    ("telemetry", "timeout_s"): SECONDS,
+    ("telemetry", "interval_s"): seconds("telemetry.interval_s"),
+    ("telemetry", "timeout_s"): seconds("telemetry.timeout_s"),
     **{("telemetry", key): st.floats(min_value=0, max_value=1e6) | st.integers(0, 10**6) for key in THRESHOLD_KEYS},
 }
 

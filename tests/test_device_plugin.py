@@ -11,7 +11,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb, factorial
 from pathlib import Path
@@ -201,8 +201,12 @@ def test_waits_for_kubelet_then_registers(tmp_path: Path, agent: Agent) -> None:
     plugin = start_plugin(tmp_path, kubelet, agent.url)
     try:
         assert kubelet.registrations.empty()
+        # It says which socket it waits for (a wrong --plugin-dir is seen at once), and says so once.
+        wait_for("the plugin to name kubelet's socket", lambda: f"event=waiting_for_kubelet socket={kubelet.socket}" in plugin.log(),
+                 log=plugin.log)
         kubelet.start()
         assert kubelet.next_registration().resource_name == "nvidia.com/gpu"
+        assert plugin.log().count("event=waiting_for_kubelet") == 1
     finally:
         assert plugin.stop() == 0, plugin.log()
         kubelet.close()
@@ -304,7 +308,8 @@ def pod(name: str, gpus: list[str], lease: str, uid: str | None = None, namespac
     """A pending pod as the extender's bind leaves it: its GPUs and its lease on it."""
     return {"metadata": {"name": name, "namespace": namespace, "uid": uid or str(uuid.uuid4()),
                          "annotations": {"topoagent.io/gpus": ",".join(gpus), "topoagent.io/lease": lease}},
-            "spec": {"nodeName": "gpu-node-1"}, "status": {"phase": "Pending"}}
+            "spec": {"nodeName": "gpu-node-1", "containers": [{"name": "main", "resources": {"limits": {"nvidia.com/gpu": str(len(gpus))}}}]},
+            "status": {"phase": "Pending"}}
 
 
 def lease_for(agent: Agent, indices: list[int], owner: str) -> str:
@@ -400,11 +405,13 @@ def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_pat
         wait_for("the deleted pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
         print(f"device plugin: deleted pod -> lease released in {time.monotonic() - t0:.2f} s")
         assert agent.get("/capacity").json()["free_gpus"] == 8
-        # Two pods that could be the one kubelet allocates for: none is guessed.
+        # Two pods that could be the one kubelet allocates for: none is guessed, the allocation is refused.
         api.add_pod(gpu_pod("one", 1))
         api.add_pod(gpu_pod("other", 1))
-        allocate(kubelet, [uuids[0]])
-        assert held() == [] and "kubelet does not say which" in plugin.log()
+        with pytest.raises(grpc.RpcError) as refused:
+            allocate(kubelet, [uuids[0]])
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell which" in refused.value.details()
+        assert held() == []
         api.delete_pod("one", "team-b")
         api.delete_pod("other", "team-b")
         # The extender's lease already holds a pod's GPUs: no second one; it ends with the pod too.
@@ -450,6 +457,10 @@ class LyingAgent:
         self.agent = agent
         self.override: dict[str, tuple[int, bytes]] = {}
         self.asked: dict[str, int] = {}
+        self.hang: set[str] = set()  # paths answered only when the proxy closes (a hung agent)
+        self.after: dict[str, Callable[[], None]] = {}  # run once the agent has answered, before the answer is passed on
+        self.cycle: dict[str, list[tuple[int, bytes]]] = {}  # answered in turn, one per request
+        self.closing = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -458,7 +469,13 @@ class LyingAgent:
                 body = self.rfile.read(length) if length else None
                 path = self.path.split("?", 1)[0]
                 outer.asked[path] = outer.asked.get(path, 0) + 1
-                if path in outer.override:
+                if path in outer.hang:
+                    outer.closing.wait()
+                if path in outer.cycle:
+                    turns = outer.cycle[path]
+                    status, raw = turns[(outer.asked[path] - 1) % len(turns)]
+                    headers = {"Content-Type": "application/json"}
+                elif path in outer.override:
                     status, raw = outer.override[path]
                     headers = {"Content-Type": "application/json"}
                 else:
@@ -469,6 +486,8 @@ class LyingAgent:
                     status, raw = resp.status, resp.read()
                     headers = {k: v for k, v in resp.getheaders() if k.lower() in ("content-type", "etag")}
                     conn.close()
+                    if path in outer.after:
+                        outer.after.pop(path)()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -482,6 +501,9 @@ class LyingAgent:
             def do_POST(self) -> None:
                 self._relay("POST")
 
+            def do_DELETE(self) -> None:
+                self._relay("DELETE")
+
             def log_message(self, *args: object) -> None:
                 pass
 
@@ -490,6 +512,7 @@ class LyingAgent:
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
     def close(self) -> None:
+        self.closing.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -598,3 +621,417 @@ def test_allocate_refuses_gpus_the_agent_holds_for_someone_else(tmp_path: Path, 
     finally:
         assert plugin.stop() == 0, plugin.log()
         api.close()
+
+
+# -- #40: what kubelet allocates is exactly what a lease holds, for exactly that pod -----------
+
+
+def leasing_plugin(tmp_path: Path, kubelet: FakeKubelet, agent: Agent, api: FakeApiServer, *, agent_url: str | None = None,
+                   resync_s: int = 2) -> PluginProcess:
+    """The plugin as a cluster runs it: pods read from the API server, leases taken at Allocate."""
+    return start_plugin(tmp_path, kubelet, agent_url or agent.url, extra=[
+        "--kube-api", api.url, "--node-name", "gpu-node-1", "--agent-token-file", str(agent.token_file), "--pod-resync", str(resync_s)])
+
+
+def holders(agent: Agent) -> dict[str, str]:
+    """Who the agent leases each GPU to, by UUID."""
+    return {u: x["owner"] for x in agent.get("/leases").json()["leases"] for u in x["gpu_uuids"]}
+
+
+def owner(pod: dict) -> str:
+    meta = pod["metadata"]
+    return f"{meta['namespace']}/{meta['name']}/{meta['uid']}"
+
+
+def extender_bound(agent: Agent, name: str, gpus: list[str], indices: list[int], namespace: str = "team-a") -> dict:
+    """A pending pod as the extender's bind leaves it: a lease on these GPUs, and the annotations naming it."""
+    uid = str(uuid.uuid4())
+    lease = lease_for(agent, indices, f"{namespace}/{name}/{uid}")
+    return gpu_pod(name, len(indices), namespace, uid=uid, annotations={"topoagent.io/gpus": ",".join(gpus), "topoagent.io/lease": lease})
+
+
+def refusal(call: Callable[[], object]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as refused:
+        call()
+    return refused.value
+
+
+def test_a_pod_bound_past_the_extender_is_never_put_on_another_pods_lease(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 1: pod x holds the extender's lease on GPUs 0,1; pod y (2 GPUs, bound past
+    the extender) is admitted first.  kubelet does not say which pod it admits."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        x = extender_bound(agent, "x", [uuids[1], uuids[0]], [0, 1])
+        api.add_pod(x)
+        y = gpu_pod("y", 2)
+        api.add_pod(y)
+        got = preferred(kubelet, uuids, [], 2)
+        assert not set(got) & {uuids[0], uuids[1]}, "y steered onto x's GPUs"
+        assert "event=preferred_allocation_unattributed" in plugin.log()  # it says it cannot tell
+        refused = refusal(lambda: allocate(kubelet, got))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: owner(x), uuids[1]: owner(x)}  # y's allocation is nobody's, x's lease untouched
+        # kubelet fails y's admission; x is admitted next, onto its own GPUs in the extender's order.
+        api.set_phase("y", "Failed", "team-b")
+        assert preferred(kubelet, uuids, [], 2) == [uuids[1], uuids[0]]
+        assert allocate(kubelet, [uuids[0], uuids[1]])["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[1]},{uuids[0]}"
+        # A pod bound past the extender, the only one kubelet can be admitting: leased before the answer.
+        z = gpu_pod("z", 2)
+        api.add_pod(z)
+        got = preferred(kubelet, uuids[2:], [], 2)
+        allocate(kubelet, got)
+        assert holders(agent) == {uuids[0]: owner(x), uuids[1]: owner(x), got[0]: owner(z), got[1]: owner(z)}
+        assert "allocation_not_leased" not in plugin.log()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_two_same_size_pods_run_on_the_gpus_their_leases_hold(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 2: two 1-GPU pods bound by the extender at once (leases on GPU 0 and 1).
+    Preference and Allocate name the pod by the GPUs its lease holds; nothing is counted."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        a = extender_bound(agent, "a", [uuids[0]], [0])
+        b = extender_bound(agent, "b", [uuids[1]], [1])
+        api.add_pod(a)
+        api.add_pod(b)
+        first = preferred(kubelet, uuids, [], 1)
+        assert first in ([uuids[0]], [uuids[1]]), first
+        allocate(kubelet, first)
+        second = preferred(kubelet, [u for u in uuids if u not in first], [], 1)
+        assert sorted(first + second) == sorted(uuids[:2]), second
+        allocate(kubelet, second)
+        assert holders(agent) == {uuids[0]: owner(a), uuids[1]: owner(b)}  # no second lease, none idle
+        for index in (0, 1):  # a Slurm job cannot take a GPU a pod runs on
+            assert agent.post("/place", {"gpus": 1, "include": [index], "reserve": {"owner": "slurm/job-77", "ttl_s": 60}},
+                              token=agent.token).status == 409
+        assert "allocation_not_leased" not in plugin.log()
+        # Two pods bound past the extender, same size: the plugin cannot tell which kubelet admits.
+        c, d = gpu_pod("c", 1), gpu_pod("d", 1)
+        api.add_pod(c)
+        api.add_pod(d)
+        got = preferred(kubelet, uuids[2:], [], 1)
+        assert "event=preferred_allocation_unattributed" in plugin.log()
+        refused = refusal(lambda: allocate(kubelet, got))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell" in refused.details()
+        assert holders(agent) == {uuids[0]: owner(a), uuids[1]: owner(b)}
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_allocate_leases_before_it_answers_and_a_reserver_in_between_wins(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 3: a Slurm job reserves the GPU right after the plugin read who holds
+    what; Allocate must not answer success with the GPU leased to the job."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
+        api.add_pod(gpu_pod("y", 1))
+        liar.after["/leases"] = lambda: lease_for(agent, [2], "slurm/job-77")
+        refused = refusal(lambda: allocate(kubelet, [uuids[2]]))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "slurm/job-77" in refused.details(), refused.details()
+        assert not liar.after  # the reserve did come in between
+        assert holders(agent) == {uuids[2]: "slurm/job-77"}
+        assert "allocation_not_leased" not in plugin.log()
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()
+
+
+def test_a_pods_own_lease_gives_it_its_nics(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 4: the GPUs leased to the very pod being allocated are no conflict."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        x = extender_bound(agent, "x", [uuids[0], uuids[3]], [0, 3])
+        api.add_pod(x)
+        lease = x["metadata"]["annotations"]["topoagent.io/lease"]
+        assert agent.post("/place", {"gpus": 2, "include": [0, 3], "detail": ["bindings"]}).status == 409  # leased: to anyone else
+        own = agent.post("/place", {"gpus": 2, "include": [0, 3], "detail": ["bindings"], "lease": lease})
+        assert own.status == 200, own.text
+        nics = {g["uuid"]: g["nearest_nics"][0] for g in own.json()["gpus"]}
+        reserve = {"owner": "me", "ttl_s": 60}
+        for bad in ({"gpus": 1, "lease": "not an id!"}, {"gpus": 1, "lease": lease, "reserve": reserve}):
+            assert agent.post("/place", bad, token=agent.token).status == 400, bad  # a dry run's field, a lease id
+        env = allocate(kubelet, [uuids[3], uuids[0]])
+        assert env["NVIDIA_VISIBLE_DEVICES"] == f"{uuids[0]},{uuids[3]}"
+        assert env["NCCL_IB_HCA"] == f"={nics[uuids[0]]},{nics[uuids[3]]}"
+        # A pod bound past the extender gets its NICs from the lease taken for it.
+        z = gpu_pod("z", 2)
+        api.add_pod(z)
+        env = allocate(kubelet, [uuids[5], uuids[6]])
+        assert holders(agent)[uuids[5]] == owner(z) and env["NCCL_IB_HCA"].startswith("=")
+        assert len(env["NCCL_IB_HCA"].removeprefix("=").split(",")) == 2
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_allocate_fails_closed_when_the_agent_or_the_pods_cannot_be_read(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 scenario 6: an answer the plugin cannot read refuses Allocate, with the reason,
+    within the plugin's own bound (5 s), never lets a GPU through unchecked."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
+        lease_for(agent, [0], "slurm/job-42")
+        api.add_pod(gpu_pod("y", 1))
+        for status, body in ((500, b'{"error": "internal"}'), (200, b"not json"), (200, b'{"leases": 5}')):
+            liar.override["/leases"] = (status, body)
+            for ids in ([uuids[0]], [uuids[3]]):
+                refused = refusal(lambda ids=ids: allocate(kubelet, ids))
+                assert refused.code() == grpc.StatusCode.UNAVAILABLE and "GET /leases" in refused.details(), refused.details()
+        del liar.override["/leases"]
+        liar.hang.add("/leases")
+        refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "within 5 s" in refused.details(), refused.details()
+        liar.hang.clear()
+        api.hold_pod_lists = threading.Event()
+        try:
+            refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        finally:
+            api.hold_pod_lists.set()
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "pods" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: "slurm/job-42"}  # nothing let through, nothing leased
+        allocate(kubelet, [uuids[3]])  # all readable again: y gets its GPU, under its lease
+        assert holders(agent)[uuids[3]].startswith("team-b/y/")
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()
+
+
+def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 7: one Allocate for a pod of two 1-GPU containers, the second on a GPU a
+    Slurm job holds: refused whole, the first container's lease given back."""
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        lease_for(agent, [0], "slurm/job-42")
+        pair = gpu_pod("pair", 1)
+        pair["spec"]["containers"].append({"name": "side", "resources": {"limits": {"nvidia.com/gpu": "1"}}})
+        api.add_pod(pair)
+
+        def both(first: str, second: str) -> dict:
+            containers = [api_pb2.ContainerAllocateRequest(devices_ids=[d]) for d in (first, second)]
+            return kubelet.plugin().Allocate(api_pb2.AllocateRequest(container_requests=containers), timeout=30)
+
+        refused = refusal(lambda: both(uuids[2], uuids[0]))
+        assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "slurm/job-42" in refused.details(), refused.details()
+        assert holders(agent) == {uuids[0]: "slurm/job-42"}  # GPU 2's lease, taken for the first container, is gone
+        refused = refusal(lambda: both(uuids[3], uuids[3]))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "two containers" in refused.details()
+        reply = both(uuids[3], uuids[4])  # the pod's two containers, each its own GPU, each under the pod's lease
+        assert [c.envs["NVIDIA_VISIBLE_DEVICES"] for c in reply.container_responses] == [uuids[3], uuids[4]]
+        assert holders(agent) == {uuids[0]: "slurm/job-42", uuids[3]: owner(pair), uuids[4]: owner(pair)}
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            api.close()
+
+
+def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: Path, kubelet: FakeKubelet) -> None:
+    """#40, done when: a mixed stream of extender-bound, unannotated and same-size pods, pods
+    ending, and a Slurm job reserving and releasing GPUs beside them; a watcher checks that
+    every GPU a started pod runs on is leased to that pod the whole time.  kubelet is played as
+    it admits: one pod at a time, oldest first, offering the GPUs it has not allocated; a
+    refused admission fails the pod.  Its own agent: every caller here shares one loopback
+    address, more changes a second than the default rate limit lets through."""
+    agent = start_agent(tmp_path, config="[http]\nrate_limit_per_s = 1000\nrate_limit_burst = 10000\n")
+    api = FakeApiServer()
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
+    rng = random.Random(40)
+    running: dict[str, tuple[dict, list[str]]] = {}  # pod name -> (pod, its GPUs), set only after Allocate answered
+    lock = threading.Lock()
+    violations: list[str] = []
+    done = threading.Event()
+
+    def check() -> None:
+        with lock:
+            table = {name: (owner(pod), gpus) for name, (pod, gpus) in running.items()}
+        held = holders(agent)
+        with lock:  # a pod ended meanwhile is no longer the test's to check
+            table = {name: row for name, row in table.items() if name in running}
+        for name, (who, gpus) in table.items():
+            for gpu in gpus:
+                if held.get(gpu) != who:
+                    violations.append(f"{name} runs on {gpu[-8:]}, leased to {held.get(gpu)}")
+
+    def watcher() -> None:
+        while not done.is_set():
+            check()
+            done.wait(0.05)
+
+    slurm_grants = []
+
+    def slurm() -> None:
+        job = 0
+        while not done.is_set():
+            job += 1
+            reply = agent.post("/place", {"gpus": 1, "include": [rng.randrange(8)], "reserve": {"owner": f"slurm/job-{job}", "ttl_s": 60}},
+                               token=agent.token)
+            if reply.status == 200:
+                slurm_grants.append(job)
+                done.wait(0.1)
+                agent.request("DELETE", f"/leases/{reply.json()['lease']['id']}", token=agent.token)
+            done.wait(0.05)
+
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        threads = [threading.Thread(target=watcher, daemon=True), threading.Thread(target=slurm, daemon=True)]
+        for t in threads:
+            t.start()
+        started = {"extender": 0, "unannotated": 0}
+        refused_count = 0
+        clock = 0
+        for _round in range(30):
+            # New pods, bound to this node at about the same time.
+            batch = []
+            for _ in range(rng.randint(1, 3)):
+                clock += 1
+                size, name = rng.choice((1, 1, 2)), f"p{clock}"
+                created = f"2026-12-04T20:{clock // 60:02d}:{clock % 60:02d}Z"
+                if rng.random() < 0.6:  # the extender's bind: a lease first, then the annotations
+                    uid = str(uuid.uuid4())
+                    reply = agent.post("/place", {"gpus": size, "reserve": {"owner": f"team-a/{name}/{uid}", "ttl_s": 600}}, token=agent.token)
+                    if reply.status != 200:
+                        continue  # no room on this node: the extender binds it elsewhere
+                    lease = reply.json()["lease"]
+                    pod = gpu_pod(name, size, "team-a", uid=uid, annotations={
+                        "topoagent.io/gpus": ",".join(g["uuid"] for g in reply.json()["gpus"]), "topoagent.io/lease": lease["id"]})
+                    kind = "extender"
+                else:
+                    pod, kind = gpu_pod(name, size, "team-a"), "unannotated"
+                pod["metadata"]["creationTimestamp"] = created
+                api.add_pod(pod)
+                batch.append((pod, kind))
+            for pod, kind in batch:  # kubelet admits them one at a time, oldest first
+                size = int(pod["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+                with lock:
+                    allocated = {g for _, gpus in running.values() for g in gpus}
+                offered = [u for u in uuids if u not in allocated]
+                name = pod["metadata"]["name"]
+                try:
+                    if len(offered) < size:
+                        raise LookupError("no room")
+                    ids = preferred(kubelet, offered, [], size)
+                    env = allocate(kubelet, ids)
+                except (grpc.RpcError, LookupError):
+                    refused_count += 1
+                    api.set_phase(name, "Failed", "team-a")  # kubelet rejects the pod
+                    continue
+                with lock:
+                    running[name] = (pod, env["NVIDIA_VISIBLE_DEVICES"].split(","))
+                started[kind] += 1
+                api.set_phase(name, "Running", "team-a")
+                check()
+            # Some pods end: the test stops counting them first, then kubelet reports the end.
+            with lock:
+                ending = [n for n in running if rng.random() < 0.4]
+                for n in ending:
+                    del running[n]
+            for n in ending:
+                if rng.random() < 0.5:
+                    api.set_phase(n, "Succeeded", "team-a")
+                else:
+                    api.delete_pod(n, "team-a")
+        done.set()
+        for t in threads:
+            t.join(timeout=30)
+        check()
+        assert not violations, violations[:10]
+        assert started["extender"] >= 5 and started["unannotated"] >= 2 and slurm_grants, (started, len(slurm_grants))
+        print(f"device plugin watcher: started {started}, refused {refused_count}, slurm leases {len(slurm_grants)}")
+    finally:
+        done.set()
+        try:
+            stop(agent, plugin)
+        finally:
+            api.close()
+
+
+def test_a_finding_flapping_every_poll_moves_no_gpu_health(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 7: a critical finding on GPU2 that comes and goes at every poll sends kubelet
+    nothing; one that holds (3 polls) marks GPU2 Unhealthy."""
+    liar = LyingAgent(agent)
+    plugin = start_plugin(tmp_path, kubelet, liar.url)
+    try:
+        kubelet.next_registration()
+        devices = kubelet.wait_listing(lambda d: len(d) == 8 and {x.health for x in d} == {"Healthy"})
+        well = agent.get("/topology").json()
+        sick = {**well, "findings": [*well["findings"], {"severity": "critical", "kind": "gpu-outside-fabric", "subject": "GPU2",
+                                                       "message": "GPU2 has no active NVLink"}]}
+        well_body, sick_body = json.dumps(well).encode(), json.dumps(sick).encode()
+        liar.cycle["/topology"] = [(200, sick_body), (200, well_body)]
+        asked = liar.asked.get("/topology", 0)
+        wait_for("40 polls of a flapping finding", lambda: liar.asked.get("/topology", 0) >= asked + 40, log=plugin.log)
+        liar.cycle["/topology"] = [(200, well_body)]
+        asked = liar.asked.get("/topology", 0)
+        wait_for("the plugin to poll the steady answer", lambda: liar.asked.get("/topology", 0) >= asked + 3, log=plugin.log)
+        assert kubelet.listings.empty(), "a flapping finding reached kubelet"
+        liar.cycle["/topology"] = [(200, sick_body)]
+        sick_listing = kubelet.wait_listing(lambda d: {x.ID: x.health for x in d}.get(devices[2].ID) == "Unhealthy")
+        assert [d.ID for d in sick_listing if d.health == "Unhealthy"] == [devices[2].ID]
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+
+
+def test_a_lease_the_agent_answers_is_checked_against_the_gpus_kubelet_allocated(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
+    """#40 item 5: a reserve answered with a lease on other GPUs than kubelet allocated is no
+    lease for this allocation: refused, never answered success."""
+    api = FakeApiServer()
+    liar = LyingAgent(agent)
+    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url)
+    try:
+        kubelet.next_registration()
+        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        api.add_pod(gpu_pod("y", 1))
+        other = {"gpus": [{"index": 4, "uuid": uuids[4]}], "lease": {"id": "lease-elsewhere", "owner": "team-b/y", "gpus": [4],
+                                                                      "gpu_uuids": [uuids[4]]}}
+        liar.override["/place"] = (200, json.dumps(other).encode())
+        refused = refusal(lambda: allocate(kubelet, [uuids[3]]))
+        assert refused.code() == grpc.StatusCode.UNAVAILABLE and "not the GPUs kubelet allocated" in refused.details(), refused.details()
+        assert liar.asked.get("/leases/lease-elsewhere") == 1  # what it was given is given back
+        del liar.override["/place"]
+        allocate(kubelet, [uuids[3]])
+        assert holders(agent)[uuids[3]].startswith("team-b/y/")
+    finally:
+        try:
+            assert plugin.stop() == 0, plugin.log()
+        finally:
+            liar.close()
+            api.close()

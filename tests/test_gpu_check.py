@@ -136,3 +136,19 @@ def test_parity_fails_when_the_page_has_no_gpu_counter(tmp_path):
     rc, said = parity(tmp_path, dead.replace('nvml_counters"} 1.0', 'nvml_counters"} 0.0') + "\n")
     assert rc == 1
     assert "FAILED: /metrics carried no GPU counter family" in said
+
+
+def test_the_nvml_cost_step_reads_a_gpu_through_the_binding_without_one_failure(nvml_stub, tmp_path):
+    """The NVML timing step of the GPU check, on the suite's C-ABI NVML serving the real H200:
+    the binding's calls and the agent's counter read each succeed 100 times (the landed code's
+    read failed every time on that GPU)."""
+    import json
+
+    nvml_stub.serve_recording(REPO / "fixtures" / "snapshots" / "h200-vm")
+    out = tmp_path / "nvml-costs.json"
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "nvml-costs", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    figures = json.loads(out.read_text())
+    assert "agent counter read (nvml_counters)" in figures and "nvmlDeviceGetPowerUsage" in figures
+    assert not [name for name, figure in figures.items() if "error" in figure]

@@ -6,6 +6,7 @@ is replaced: it reads the live node its own way, discovery's child process inclu
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -42,20 +43,26 @@ def fake_nvidia_smi(bindir: Path) -> None:
     script.chmod(0o755)
 
 
-@pytest.fixture(scope="module")
-def h200(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+def in_the_box(tmp: Path, *topoagent: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that run ``topoagent ...`` on the H200 as recorded."""
     unshare = shutil.which("unshare")
     assert unshare is not None, "util-linux's unshare is needed to mount the recorded /sys for this agent alone"
-    tmp = tmp_path_factory.mktemp("h200")
     node = StubNode(tmp / "nvml")
     node.serve_recording(H200, sample=-1)  # the sample the replay tests compare with (recorded_counters)
     fake_nvidia_smi(tmp / "bin")
+    env = {**os.environ, **node.env(), "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
+    args = [unshare, "--mount", "--propagation", "private", "sh", "-c", IN_A_BOX, "sh", str(H200),
+            sys.executable, "-P", "-m", "topoagent", *topoagent]
+    return args, env
+
+
+@pytest.fixture(scope="module")
+def h200(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    tmp = tmp_path_factory.mktemp("h200")
     state = tmp / "state"
     state.mkdir(mode=0o700)
-    env = {**os.environ, **node.env(), "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
+    args, env = in_the_box(tmp, "serve", "--root", "/", "--listen", "127.0.0.1:0", "--state-dir", str(state))
     log_path = tmp / "agent.log"
-    args = [unshare, "--mount", "--propagation", "private", "sh", "-c", IN_A_BOX, "sh", str(H200),
-            sys.executable, "-P", "-m", "topoagent", "serve", "--root", "/", "--listen", "127.0.0.1:0", "--state-dir", str(state)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     line = proc.stdout.readline() if proc.stdout else ""
@@ -78,6 +85,7 @@ def test_the_live_h200_is_ready_and_places_its_gpu(h200: Agent):
     assert [g["uuid"] for g in topology["gpus"]] == ["GPU-8aa1497e-909b-15e4-767c-dcfa583dff29"]
     assert [f for f in topology["findings"] if f["severity"] != "info"] == []
     assert topology["collectors"]["nvml"]["status"] == "ok" and topology["collectors"]["nvidia_smi"]["status"] == "ok"
+    assert {name: c["warnings"] for name, c in topology["collectors"].items() if c["warnings"]} == {}  # the real topo output too
     placed = h200.post("/place", {"gpus": 1})
     assert placed.status == 200 and [g["index"] for g in placed.json()["gpus"]] == [0], placed.body
     assert h200.post("/place", {"gpus": 2}).status == 422
@@ -95,3 +103,19 @@ def test_every_gpu_family_the_h200_answered_is_on_metrics_with_its_value(h200: A
             assert metric_value(page, name, {"gpu": "0", **labels}) == pytest.approx(counters[key] * factor), (key, name)
             served += 1
     assert served >= 18
+
+
+def test_a_snapshot_of_the_live_h200_records_what_nvml_answered_there(tmp_path: Path):
+    """`topoagent snapshot` on the node: its nvml.json is the real one (what the recording holds),
+    and its counter samples read with no error -- the landed code recorded a TypeError in both."""
+    out = tmp_path / "again"
+    args, env = in_the_box(tmp_path, "snapshot", "--counter-interval", "0", str(out))
+    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    recorded = json.loads((H200 / "nvml.json").read_text())
+    again = json.loads((out / "nvml.json").read_text())
+    health = ("health",)
+    assert [{k: v for k, v in g.items() if k not in health} for g in again["gpus"]] == [
+        {k: v for k, v in g.items() if k not in health} for g in recorded["gpus"]]
+    samples = json.loads((out / "telemetry.json").read_text())["samples"]
+    assert len(samples) == 2 and all("nvml_counters" in s["sources"] and "nvml_counters" not in s["errors"] for s in samples)

@@ -8,6 +8,7 @@ outside its root, and keep its leases.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import resource
@@ -177,6 +178,109 @@ def test_tarballs_are_capped_in_members_and_size(tmp_path, monkeypatch):
         Host(many)
     with pytest.raises(HostError, match="unpacks to more than"):
         Host(big)
+
+
+def header_bomb(path: Path, kind: bytes, size: int) -> Path:
+    """A gzip tarball of one extended header of ``size`` bytes (``kind``: a PAX header, a GNU
+    long name or long link) before one empty file: a few hundred KB that tarfile would read
+    whole into memory."""
+    header = tarfile.TarInfo("././@PaxHeader" if kind in (tarfile.XHDTYPE, tarfile.XGLTYPE) else "././@LongLink")
+    header.type, header.size = kind, size
+    if kind in (tarfile.XHDTYPE, tarfile.XGLTYPE):  # one well-formed record: "LEN comment=aaa...\n"
+        head, filler = f"{size} comment=".encode(), size - len(f"{size} comment=") - 1
+        tail = b"\n"
+    else:
+        head, filler, tail = b"", size - 1, b"\0"
+    chunk = b"a" * (1 << 20)
+    with gzip.open(path, "wb", compresslevel=1) as out:
+        out.write(header.tobuf(tarfile.USTAR_FORMAT))
+        out.write(head)
+        while filler > 0:
+            out.write(chunk[: min(filler, len(chunk))])
+            filler -= len(chunk)
+        out.write(tail + b"\0" * (-size % tarfile.BLOCKSIZE))
+        out.write(tarfile.TarInfo("node/sys/after").tobuf(tarfile.USTAR_FORMAT) + b"\0" * (2 * tarfile.BLOCKSIZE))
+    return path
+
+
+def peak_rss_of_cli_mb(*args: str) -> tuple[subprocess.CompletedProcess[str], int]:
+    """`topoagent ARGS` run from a fresh process whose only child it is: (its result, the
+    child's peak RSS in MB, from that process's RUSAGE_CHILDREN)."""
+    measure = (
+        "import resource, subprocess, sys, json\n"
+        "done = subprocess.run(sys.argv[1:], capture_output=True, text=True, timeout=120)\n"
+        "print(json.dumps([done.returncode, done.stdout[-2000:], done.stderr[-2000:],"
+        " resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))\n"
+    )
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (CLI_ADDRESS_SPACE, CLI_ADDRESS_SPACE))
+
+    ran = subprocess.run([sys.executable, "-c", measure, sys.executable, "-P", "-m", "topoagent", *args],
+                         capture_output=True, text=True, timeout=180, preexec_fn=limit, check=True)
+    code, out, err, peak_kb = json.loads(ran.stdout)
+    return subprocess.CompletedProcess(args, code, out, err), peak_kb // 1024
+
+
+# A `topoagent discover` of a small recording peaks at ~40 MB; the bombs below are 200 MB.
+CLI_MEMORY_BOUND_MB = 150
+
+
+@pytest.mark.parametrize("kind", [tarfile.XHDTYPE, tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK],
+                         ids=["pax", "gnu-long-name", "gnu-long-link"])
+def test_a_200_mb_extended_header_is_refused_before_it_is_read(tmp_path, kind):
+    bomb = header_bomb(tmp_path / "bomb.tar.gz", kind, 200 << 20)
+    assert bomb.stat().st_size < 2 << 20
+    done, peak_mb = peak_rss_of_cli_mb("discover", "--root", str(bomb))
+    assert peak_mb < CLI_MEMORY_BOUND_MB, f"discover of a {bomb.stat().st_size:,}-byte bomb peaked at {peak_mb} MB"
+    assert done.returncode != 0
+    assert "headers" in done.stderr and "not a recorded node" in done.stderr, done.stderr[-300:]
+    assert "Traceback" not in done.stderr
+
+
+def pax_record(key: str, value: str) -> bytes:
+    """One PAX record, "LEN key=value\\n", LEN counting its own digits too."""
+    body = f" {key}={value}\n"
+    length = len(body) + 1
+    while len(f"{length}{body}") != length:
+        length += 1
+    return f"{length}{body}".encode()
+
+
+def test_a_sparse_map_without_end_is_refused_within_the_header_bound(tmp_path):
+    # A PAX 1.0 sparse member: its map (count, then offset/size pairs) opens its data, and
+    # tarfile reads it block by block until the count is reached: here 10^9 entries, 50 MB.
+    bomb = tmp_path / "sparse.tar.gz"
+    pax = tarfile.TarInfo("././@PaxHeader")
+    records = b"".join(pax_record(k, v) for k, v in (("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0")))
+    pax.type, pax.size = tarfile.XHDTYPE, len(records)
+    member = tarfile.TarInfo("node/sys/sparse")
+    member.size = 50 << 20
+    with gzip.open(bomb, "wb", compresslevel=1) as out:
+        out.write(pax.tobuf(tarfile.USTAR_FORMAT) + records + b"\0" * (-len(records) % tarfile.BLOCKSIZE))
+        out.write(member.tobuf(tarfile.USTAR_FORMAT))
+        out.write(b"100000000\n" + b"1\n" * 251)
+        block = b"1\n" * (tarfile.BLOCKSIZE // 2)
+        for _ in range((50 << 20) // tarfile.BLOCKSIZE):
+            out.write(block)
+    with pytest.raises(HostError, match=r"headers .* exceed 64 KiB; not a recorded node"):
+        Host(bomb)
+
+
+def test_extended_headers_count_in_the_unpacked_size(tmp_path, monkeypatch):
+    # 40 members of 100 bytes each, with 4 KiB of PAX headers each: 160 KiB of headers.
+    padded = tmp_path / "padded.tar.gz"
+    with tarfile.open(padded, "w:gz", format=tarfile.PAX_FORMAT) as archive:
+        for n in range(40):
+            member = tarfile.TarInfo(f"node/sys/f{n}")
+            member.size, member.pax_headers = 100, {"comment": "x" * 4000}
+            archive.addfile(member, fileobj=BytesIO(b"y" * 100))
+    monkeypatch.setattr(host_module, "MAX_TARBALL_BYTES", 64 << 10)
+    with pytest.raises(HostError, match="unpacks to more than"):
+        Host(padded)
+    monkeypatch.setattr(host_module, "MAX_TARBALL_BYTES", 1 << 20)
+    with Host(padded) as host:
+        assert host.read_text("/sys/f0") == "y" * 100
 
 
 # --- class 4: --root confined ----------------------------------------------------------------

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import stat
+import tempfile
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -10,6 +14,7 @@ import yaml
 from conftest import REPO
 
 from topoagent.cli import build_parser
+from topoagent.statefile import state_dir_problem
 
 DEPLOY = REPO / "deploy" / "kubernetes"
 # The newest Kubernetes the installed kubernetes-validate has schemas for.
@@ -215,14 +220,31 @@ def test_the_agents_state_dir_is_on_the_node_and_the_agent_can_write_it() -> Non
     assert "emptyDir" not in volume
     assert volume["hostPath"] == {"path": "/var/lib/topoagent", "type": "DirectoryOrCreate"}
     # The init container that hands the directory over: it runs (it is Python the image
-    # has) and, with no capability, can only give it to a group the pod puts it in.
+    # has), with the one capability that needs (CAP_CHOWN), and leaves a directory the
+    # agent's own rule accepts for the agent's user: its own, no one else may write it.
     (init,) = [c for c in spec["initContainers"] if any(m["name"] == mount["name"] for m in c.get("volumeMounts", []))]
     assert init["command"][:2] == ["python", "-c"] and state_dir in init["command"][2]
-    compile(init["command"][2], "state-dir", "exec")
-    group = spec["securityContext"]["fsGroup"]
-    assert f"os.chown('{state_dir}', -1, {group})" in init["command"][2] and "0o2770" in init["command"][2]
-    assert agent["securityContext"]["runAsUser"] == group  # and the image's group is the same (Containerfile)
-    assert f"USER {group}:{group}" in (REPO / "Containerfile").read_text()
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+    user, group = agent["securityContext"]["runAsUser"], agent["securityContext"]["runAsGroup"]
+    # A group of its own (issue #37): not nogroup, which any host process may have; the
+    # token Secret is read through it too.
+    assert group not in (0, 65534) and spec["securityContext"]["fsGroup"] == group
+    assert f"USER {user}:" in (REPO / "Containerfile").read_text()  # the image's user is the agent's
+    if os.geteuid() == 0:  # run it, on a directory of ours, as kubelet leaves it (root's, 0755)
+        with tempfile.TemporaryDirectory(dir="/tmp") as parent:
+            os.chmod(parent, 0o755)  # the agent's user may look inside
+            made = Path(parent) / "state"
+            made.mkdir(mode=0o755)
+            exec(compile(init["command"][2].replace(state_dir, str(made)), "state-dir", "exec"), {})
+            info = made.stat()
+            assert (info.st_uid, info.st_gid) == (user, group) and stat.S_IMODE(info.st_mode) & 0o022 == 0
+            os.setegid(group)
+            os.seteuid(user)
+            try:  # the agent's own rule, as the agent's user
+                assert state_dir_problem(made) is None
+            finally:
+                os.seteuid(0)
+                os.setegid(0)
 
 
 def test_every_container_uses_the_one_image_and_has_a_memory_limit() -> None:

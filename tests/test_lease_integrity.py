@@ -172,7 +172,7 @@ def read_only_switch(state: Path):
         yield lambda ro: state.chmod(0o555 if ro else 0o755)
         state.chmod(0o755)
         return
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(state)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m,mode=0700", "tmpfs", str(state)], check=True)  # a tmpfs is 1777 unless told: refused
     try:
         yield lambda ro: subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", str(state)], check=True)
     finally:

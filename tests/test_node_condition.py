@@ -32,6 +32,8 @@ def test_a_critical_finding_reads_as_a_false_condition_in_kubernetes_words():
     assert node_health({"findings": doc["findings"][:1]}).status == "True"
     assert len(node_health({"findings": [{"severity": "critical", "kind": "k", "message": "m" * 5000}]}).message) == 1024
     assert camel("gpu-stack-missing") == "GpuStackMissing" and camel("--") == "CriticalFinding"
+    forged = node_health({"findings": [{"severity": "critical", "kind": "k\x1b[31m", "message": "bad\x00\r\nReady=True\x7f\u2028x"}]})
+    assert forged.message.isprintable() and forged.message == "k [31m: bad Ready=True x"  # #40: no control reaches the Node
 
 
 def test_taints_are_read_as_kubectl_writes_them_and_refused_in_words():

@@ -23,7 +23,7 @@ from topoagent.collectors.base import CollectorResult, NoData
 from topoagent.collectors.nvml import COUNTERS, LiveCounterReader, parse_counters, parse_nvml, read_live, read_live_activity
 from topoagent.node.findings import collector_findings, fabric_findings, placement_blockers, witness_findings
 from topoagent.node.host import Host
-from topoagent.service.telemetry import Context
+from topoagent.service.telemetry import Context, History
 from topoagent.service.telemetry import read_live as read_source
 from topoagent.vocabulary import Status
 
@@ -234,6 +234,10 @@ def test_a_counter_reader_fault_is_a_failed_source_saying_it_is_ours(nvml_stub: 
     assert sample.error is not None and sample.error.startswith("collector crashed (TypeError: unhashable type")
     assert "this is a topoagent bug" in sample.error
     assert "event=collector_crashed collector=nvml_counters error=TypeError" in caplog.text
+    history = History()
+    history.add(sample, COUNTERS.parse)
+    status = history.statuses["nvml_counters"]
+    assert status.status == Status.ERROR and status.bug  # topoagent_collector_crashed{collector="nvml_counters"} 1
 
 
 # --- the contract with each admitted nvidia-ml-py ------------------------------------

@@ -228,3 +228,22 @@ def test_two_binds_of_one_pod_at_once_leave_it_with_the_lease_that_holds(c: Clus
         assert annotations[ANNOTATION].split(",") == held[0][1]["gpu_uuids"]
         c.api.delete_pod(name, "gpu")
         gone_within(c, "the race winner's lease released", lambda: not leases_of(c, meta["uid"]))
+
+
+def test_a_pod_deleted_while_the_extender_was_stopped_is_released_by_the_next_one(tmp_path: Path) -> None:
+    """The new extender has bound nothing and the node carries no other leased pod: only
+    asking every Node's agent for its leases finds this one (issue #37, item 9)."""
+    with cluster(["hgx-h100"], extender_args=["--pod-resync", "2"], work=tmp_path) as c:
+        pod = recorded_pod(c, "w4-orphan")
+        uid = pod["metadata"]["uid"]
+        node, answer = schedule(c, pod)
+        assert answer == {"Error": ""} and leases_of(c, uid)
+        before = free(c, node)
+        c.stop_extender()
+        c.api.delete_pod("w4-orphan", "gpu")  # no extender is watching: nobody hears of it
+        assert leases_of(c, uid)
+        c.start_extender()
+        # Released within one resync after the start (2 s), the sweep's own time, the start-up.
+        wait_for("the orphaned lease released by the new extender", lambda: not leases_of(c, uid), timeout=15,
+                 log=lambda: (c.work / "extender.log").read_text())
+        assert free(c, node) == before + 4

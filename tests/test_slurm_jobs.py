@@ -248,6 +248,51 @@ def test_an_unreachable_agent_fails_the_prolog_unless_allowed(tmp_path):
     assert done.returncode == 0 and "--if-agent-down allow" in done.stderr and len(done.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize("verb", ["prolog", "epilog"])
+def test_a_wedged_agent_is_not_a_down_agent_and_fails_even_when_allowed(tmp_path, verb):
+    """An agent that takes the connection and answers nothing (its store waiting on a FIFO,
+    say) used to read as "down": --if-agent-down allow exited 0 and the job ran on GPUs a pod
+    may hold.  A real listening socket on loopback that never answers stands for it."""
+    import socket
+
+    (tmp_path / "token").write_text("t\n")
+    (tmp_path / "token").chmod(0o600)
+    with socket.socket() as wedged:
+        wedged.bind(("127.0.0.1", 0))
+        wedged.listen(16)  # the kernel completes each connection; nothing ever reads or answers
+        url = f"http://127.0.0.1:{wedged.getsockname()[1]}"
+        job = {"SLURM_JOB_ID": "5", "SLURM_JOB_GPUS": "0"}
+        done = slurm_verb(verb, url, tmp_path, job, "--timeout", "1", "--if-agent-down", "allow")
+    assert done.returncode == 1, (done.returncode, done.stderr)
+    assert done.stderr.startswith(f"topoagent slurm {verb}: agent wedged, not down (--if-agent-down allow does not cover it): "), done.stderr
+    assert "answered nothing in time" in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
+    assert not (tmp_path / "jobs" / "job-5.json").exists()
+
+
+def test_a_records_directory_others_may_write_is_refused_before_any_lease(agent, tmp_path):
+    """Whoever may write --state-dir may replace a job's record and bind its tasks elsewhere."""
+    jobs = tmp_path / "jobs"
+    jobs.mkdir()
+    jobs.chmod(0o777)
+    done = slurm_verb("prolog", agent.url, tmp_path, {"SLURM_JOB_ID": "43", "SLURM_JOB_GPUS": "1"})
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "writable by anyone" in done.stderr and f"chmod 700 {jobs}" in done.stderr, done.stderr
+    assert leases_of(agent, "slurm-job-43") == []
+
+
+def test_a_link_at_a_jobs_record_is_not_followed_by_the_task_prolog(agent, tmp_path):
+    job = {"SLURM_JOB_ID": "44", "SLURM_JOB_GPUS": "2", "CUDA_VISIBLE_DEVICES": "2"}
+    assert slurm_verb("prolog", agent.url, tmp_path, job).returncode == 0
+    record = tmp_path / "jobs" / "job-44.json"
+    elsewhere = tmp_path / "elsewhere.json"
+    record.rename(elsewhere)
+    record.symlink_to(elsewhere)
+    step = {"SLURM_JOB_ID": "44", "SLURM_STEP_GPUS": "2", "CUDA_VISIBLE_DEVICES": "2", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    told = slurm_verb("task-prolog", agent.url, tmp_path, step)
+    assert told.returncode == 2 and "symbolic link" in told.stderr, (told.returncode, told.stderr)
+    assert slurm_verb("epilog", agent.url, tmp_path, {"SLURM_JOB_ID": "44"}).returncode == 0
+
+
 def test_a_node_not_ready_for_placement_fails_the_prolog_at_once_even_when_allowed(tmp_path):
     """Its fabric down, the agent answers 503 not_ready_for_placement: a no, not an agent
     down to wait out or let pass, so the job never starts without a lease on a broken node
@@ -325,8 +370,10 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
                          gres="gpu:nvidia_a100-sxm4-40gb:8", devices=gres_device_files(gres))
         with SlurmCluster(tmp_path / "slurm", [node], gres_conf=gres, extra_conf=conf) as cluster:
             diagnose = lambda: cluster.log("slurmd")[-3000:] + agent.log()[-2000:]  # noqa: E731
-            # Four tasks, one per GPU; each writes its environment, then waits for the test.
-            task = f'env > {out}/task.$SLURM_PROCID.env; while [ ! -e {out}/go ]; do sleep 0.05; done'
+            # Four tasks, one per GPU; each writes its environment (whole: renamed into place, so the
+            # poll never reads half of it), then waits for the test.
+            task = (f'env > {out}/part.$SLURM_PROCID && mv {out}/part.$SLURM_PROCID {out}/task.$SLURM_PROCID.env; '
+                    f'while [ ! -e {out}/go ]; do sleep 0.05; done')
             srun = subprocess.Popen(["srun", "--gres=gpu:4", "-n", "4", "sh", "-c", task], env=cluster.env, cwd=tmp_path,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:

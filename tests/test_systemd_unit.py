@@ -57,6 +57,14 @@ def test_unit_runs_what_the_issue_asks():
         assert line in text, line
 
 
+def test_the_state_directory_is_the_agents_own_user_and_group_and_no_one_elses():
+    """Issue #37: a group of its own, not nogroup; no group or other bit (the agent refuses a
+    state directory others may write: topoagent.statefile.state_dir_problem)."""
+    settings = dict(re.findall(r"^(User|Group|StateDirectory|StateDirectoryMode|DynamicUser)=(\S+)$", UNIT.read_text(), re.M))
+    assert settings["DynamicUser"] == "yes" and settings["User"] == settings["Group"] == settings["StateDirectory"] == "topoagent"
+    assert int(settings["StateDirectoryMode"], 8) & 0o077 == 0
+
+
 
 def test_the_units_group_opens_a_group_only_node_inside_a_private_user_namespace():
     """The unit's promise under PrivateUsers=yes: systemd sets SupplementaryGroups= first,

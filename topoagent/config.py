@@ -138,11 +138,34 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
-def _positive_seconds(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(f"{key}: expected a number of seconds > 0, got {_shown(value)}")
-    if value > 7 * 24 * 3600:
-        raise ConfigError(f"{key}: {value} s is more than a week")
+# Every duration's floor and ceiling, in seconds, by its TOML key: a value outside them is
+# refused at start-up and by a reload (which keeps the running config), as max_connections
+# is.  A floor is the least that still works (a microsecond header timeout answered every
+# request with an empty reply); a ceiling, the most that is not a typo.
+WEEK_S = 7 * 24 * 3600.0
+SECONDS_BOUNDS: dict[str, tuple[float, float]] = {
+    "http.drain_timeout_s": (0.1, 600.0),
+    "http.header_timeout_s": (0.5, 600.0),  # a slow client's head on a loaded node still arrives
+    "http.keepalive_timeout_s": (0.5, 3600.0),
+    "discovery.interval_s": (1.0, WEEK_S),
+    "discovery.timeout_s": (0.1, 3600.0),
+    "discovery.udev_debounce_s": (0.01, 600.0),
+    "discovery.activity_interval_s": (0.1, 3600.0),
+    "leases.sweep_s": (0.05, 3600.0),
+    "probes.timeout_s": (0.01, 24 * 3600.0),
+    "probes.startup_delay_s": (0.01, WEEK_S),
+    "probes.min_interval_s": (1.0, WEEK_S),
+    "probes.max_interval_s": (1.0, WEEK_S),
+    "telemetry.interval_s": (0.1, 3600.0),
+    "telemetry.timeout_s": (0.1, 600.0),
+    "exports.nfd_expiry_s": (60.0, WEEK_S),  # NFD must not drop the labels between two writes
+}
+
+
+def _seconds(key: str, value: Any) -> float:
+    floor, ceiling = SECONDS_BOUNDS[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not floor <= value <= ceiling:
+        raise ConfigError(f"{key}: expected a number of seconds from {floor:g} to {ceiling:g}, got {_shown(value)}")
     return float(value)
 
 
@@ -296,49 +319,49 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "token_file": ("token_file", _path),
         "require_token_for_reads": ("require_token_for_reads", _bool),
         "max_body_bytes": ("max_body_bytes", _body_limit),
-        "drain_timeout_s": ("drain_timeout_s", _positive_seconds),
+        "drain_timeout_s": ("drain_timeout_s", _seconds),
         "max_connections": ("max_connections", _connections),
-        "header_timeout_s": ("header_timeout_s", _positive_seconds),
-        "keepalive_timeout_s": ("keepalive_timeout_s", _positive_seconds),
+        "header_timeout_s": ("header_timeout_s", _seconds),
+        "keepalive_timeout_s": ("keepalive_timeout_s", _seconds),
         "allowed_hosts": ("allowed_hosts", _hosts),
         "rate_limit_per_s": ("rate_limit_per_s", _request_rate),
         "rate_limit_burst": ("rate_limit_burst", _burst),
     },
     "discovery": {
         "root": ("root", _path),
-        "interval_s": ("interval_s", _positive_seconds),
-        "timeout_s": ("timeout_s", _positive_seconds),
+        "interval_s": ("interval_s", _seconds),
+        "timeout_s": ("timeout_s", _seconds),
         "udev": ("udev", _bool),
-        "udev_debounce_s": ("udev_debounce_s", _positive_seconds),
-        "activity_interval_s": ("activity_interval_s", _positive_seconds),
+        "udev_debounce_s": ("udev_debounce_s", _seconds),
+        "activity_interval_s": ("activity_interval_s", _seconds),
     },
     "leases": {
         "state_dir": ("state_dir", _path),
-        "sweep_s": ("lease_sweep_s", _positive_seconds),
+        "sweep_s": ("lease_sweep_s", _seconds),
     },
     "probes": {
         "enabled": ("probes_enabled", _bool),
         "backend": ("probe_backend", _backend),
         "duty_cycle": ("probe_duty_cycle", _fraction),
-        "timeout_s": ("probe_timeout_s", _positive_seconds),
-        "startup_delay_s": ("probe_startup_delay_s", _positive_seconds),
-        "min_interval_s": ("probe_min_interval_s", _positive_seconds),
-        "max_interval_s": ("probe_max_interval_s", _positive_seconds),
+        "timeout_s": ("probe_timeout_s", _seconds),
+        "startup_delay_s": ("probe_startup_delay_s", _seconds),
+        "min_interval_s": ("probe_min_interval_s", _seconds),
+        "max_interval_s": ("probe_max_interval_s", _seconds),
         "busy_utilization_percent": ("probe_busy_utilization_percent", _percent),
         "sizes_bytes": ("probe_sizes_bytes", _sizes),
         "repetitions": ("probe_repetitions", _repetitions),
     },
     "telemetry": {
         "enabled": ("telemetry_enabled", _bool),
-        "interval_s": ("telemetry_interval_s", _positive_seconds),
-        "timeout_s": ("telemetry_timeout_s", _positive_seconds),
+        "interval_s": ("telemetry_interval_s", _seconds),
+        "timeout_s": ("telemetry_timeout_s", _seconds),
         # One key per row of topoagent.service.telemetry.THRESHOLDS, gathered into telemetry_thresholds.
         **{key: (f"{THRESHOLD_PREFIX}{key}", _rate) for key in THRESHOLD_KEYS},
     },
     "exports": {
         "nfd_path": ("export_nfd_path", _absolute_path),
         "nfd_prefix": ("export_nfd_prefix", _label_prefix),
-        "nfd_expiry_s": ("export_nfd_expiry_s", _positive_seconds),
+        "nfd_expiry_s": ("export_nfd_expiry_s", _seconds),
         "nfd_topograph_labels": ("export_nfd_topograph_labels", _bool),
         "gres_path": ("export_gres_path", _absolute_path),
         "gres_node_name": ("export_gres_node_name", _node_name),

@@ -10,7 +10,9 @@ The loop: list the pods (paged: a consistent snapshot without holding the whole 
 in one body), then watch from the list's resourceVersion for ``resync_s`` seconds, then
 list again.  A stream the API server closes early, a 410 Gone or an unreadable event
 start the next list at once (at most one a second): no event is lost for long, and the
-list repairs anything missed.  Each list also sweeps the agents: a lease whose owner
+list repairs anything missed.  Each list also sweeps the agents (every node of the
+cluster when the caller knows them, as the extender does: after a restart it has bound
+nothing yet, and a pod that ended while it was down is on no list of its own): a lease whose owner
 names a pod (``namespace/name/uid``, the extender's owner form) and whose pod is not in
 two lists in a row, or has finished, is released.  The agents' leases are read *before*
 each list starts, so a lease seen at one resync was granted to a pod that existed before
@@ -33,7 +35,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -48,6 +50,7 @@ LIST_PAGE = 500
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # etcd keeps objects below 1.5 MiB; a Pod as JSON stays well below this
 MAX_TRACKED = 200_000
 MAX_PAUSE_S = 30.0
+SWEEP_CONCURRENCY = 32  # agents asked for their leases at once, at each resync
 
 
 class PodApi(Protocol):
@@ -119,9 +122,12 @@ def owner_pod_uid(owner: Any) -> str | None:
 
 class PodWatch:
     def __init__(self, api: PodApi, keeper: Keeper, *, resync_s: float = 60.0, field_selector: str | None = None,
-                 max_tracked: int = MAX_TRACKED, who: str = "extender") -> None:
+                 max_tracked: int = MAX_TRACKED, who: str = "extender", cluster_nodes: Callable[[], Iterable[str]] | None = None) -> None:
         self.api = api
         self.keeper = keeper
+        # Every node of the cluster (the extender's Node table): all swept at each resync, so a
+        # lease whose pod ended while no watch ran is found whoever bound it, restart or not.
+        self.cluster_nodes = cluster_nodes
         self.resync_s = resync_s
         self.field_selector = field_selector
         self.max_tracked = max_tracked
@@ -254,13 +260,21 @@ class PodWatch:
         self.note_node(held.node)
 
     async def _pod_owned_leases(self) -> list[tuple[str, str, str]]:
-        out = []
-        for node in list(self.nodes):
-            for lease in await self.keeper.leases(node) or []:
-                uid = owner_pod_uid(lease.get("owner"))
-                lease_id = lease.get("id")
-                if uid is not None and isinstance(lease_id, str):
-                    out.append((node, lease_id, uid))
+        """(node, lease id, pod UID) of every pod-owned lease on the nodes swept: those noted,
+        and every node of the cluster when known; SWEEP_CONCURRENCY agents asked at a time."""
+        nodes = dict.fromkeys(self.nodes)
+        if self.cluster_nodes is not None:
+            nodes.update(dict.fromkeys(self.cluster_nodes()))
+        out: list[tuple[str, str, str]] = []
+        pending = list(nodes)
+        for start in range(0, len(pending), SWEEP_CONCURRENCY):
+            batch = pending[start:start + SWEEP_CONCURRENCY]
+            for node, leases in zip(batch, await asyncio.gather(*(self.keeper.leases(n) for n in batch)), strict=True):
+                for lease in leases or []:
+                    uid = owner_pod_uid(lease.get("owner"))
+                    lease_id = lease.get("id")
+                    if uid is not None and isinstance(lease_id, str):
+                        out.append((node, lease_id, uid))
         return out
 
     def _list_all(self, interesting: set[str]) -> tuple[str, set[str], dict[str, Held], list[Held]]:

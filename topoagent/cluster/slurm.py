@@ -36,7 +36,13 @@ class SlurmJobError(TopoagentError):
 
 
 class AgentDown(TopoagentError):
-    """The agent could not be reached, or was not ready, within the deadline."""
+    """The agent could not be reached (no connection), or was not ready, within the deadline."""
+
+
+class AgentSilent(TopoagentError):
+    """The agent took the connection and answered nothing in time: it runs, but is wedged
+    (its store waiting on something, say).  Not "down": what it holds is unknown, so
+    ``--if-agent-down allow`` does not cover it."""
 
 
 class AgentRefused(TopoagentError):
@@ -293,7 +299,7 @@ def health_action(reason: str | None, state: str, current_reason: str) -> tuple[
 
 
 __all__ = [
-    "DRAIN_PREFIX", "OWNER_PREFIX", "AgentDown", "AgentRefused", "RankBinding", "SlurmJobError", "agent_indices",
+    "DRAIN_PREFIX", "OWNER_PREFIX", "AgentDown", "AgentRefused", "AgentSilent", "RankBinding", "SlurmJobError", "agent_indices",
     "critical_reason", "cuda_numbering", "export_lines", "gres_order", "health_action", "nic_ports", "owner_of", "parse_gpu_ids", "ranks_from_document",
     "ranks_of", "split_ranks", "task_exports", "tasks_on_node",
 ]

@@ -57,8 +57,9 @@ Slurm's GPU ids are gres indices: gres.conf must list the node's GPUs in PCI bus
 `topoagent export gres` writes it. The prolog leases them with POST /place ("include": exactly
 those GPUs, "detail": ["bindings"], "reserve": owner slurm-job-<id>, ttl_s the job's end when
 Slurm gives it, else --ttl) and keeps the answer in --state-dir for the task prolog, which runs as the job's user.
-Exit status: 0 done; 1 the GPUs are leased to someone else, the agent refused, or could not be
-reached (unless --if-agent-down allow); 2 bad input (the job's environment, flags, token file).
+Exit status: 0 done; 1 the GPUs are leased to someone else, the agent refused, could not be
+reached (unless --if-agent-down allow), or took the connection and answered nothing in --timeout
+(wedged: never allowed); 2 bad input (the job's environment, flags, token file, --state-dir).
 """
 
 
@@ -87,8 +88,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             verb.add_argument("--state-dir", metavar="DIR", default=DEFAULT_STATE_DIR,
                               help=f"where the prolog keeps each job's placement for its task prolog (default: {DEFAULT_STATE_DIR})")
         verb.add_argument("--if-agent-down", choices=("fail", "allow"), default="fail",
-                          help="when the agent cannot be reached in --timeout: fail (exit 1, default: Slurm drains "
-                               "or requeues per its rules) or allow (one warning line, exit 0, nothing leased)")
+                          help="when the agent cannot be reached in --timeout (no connection): fail (exit 1, default: Slurm drains "
+                               "or requeues per its rules) or allow (one warning line, exit 0, nothing leased); an agent "
+                               "that takes the connection and answers nothing is wedged, not down: always exit 1")
         verb.add_argument("--timeout", metavar="SECONDS", type=float, default=20.0,
                           help="give the agent this long, retries of a restarting or rate-limiting agent included (default: 20)")
         if name == "prolog":
@@ -99,7 +101,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.cluster.slurm import AgentDown, AgentRefused, SlurmJobError
+    from topoagent.cluster.slurm import AgentDown, AgentRefused, AgentSilent, SlurmJobError
     from topoagent.errors import UsageError
 
     if not 0 < args.timeout <= 3600:
@@ -116,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         return _fail(args, str(exc), 2)
     except AgentRefused as exc:
         return _fail(args, str(exc), 1)
+    except AgentSilent as exc:  # never under --if-agent-down allow: it is not down
+        return _fail(args, f"agent wedged, not down (--if-agent-down allow does not cover it): {exc}", 1)
     except AgentDown as exc:
         if args.if_agent_down == "allow":
             _say(args, f"agent unreachable, going on (--if-agent-down allow): {exc}")
@@ -196,7 +200,7 @@ class AgentHttp:
     def request(self, method: str, path: str, body: Any = None) -> Answer:
         import http.client
 
-        from topoagent.cluster.slurm import AgentDown, AgentRefused
+        from topoagent.cluster.slurm import AgentDown, AgentRefused, AgentSilent
         from topoagent.commands.agent_connection import AgentConnection
         from topoagent.text import cut
         from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
@@ -204,10 +208,12 @@ class AgentHttp:
         what = f"{method} {path}"
         pause = 0.05
         while True:
-            failure, limited = "", False
+            failure, limited, connected = "", False, False
             try:
                 connection = AgentConnection(self.netloc, self.deadline, tls=self.tls)
                 try:
+                    connection.connect()
+                    connected = True  # from here a silence is the agent's, not a missing agent
                     headers = {"Accept": "application/json"}
                     if self.token:
                         headers["Authorization"] = f"Bearer {self.token}"
@@ -222,7 +228,10 @@ class AgentHttp:
                 finally:
                     connection.close()
             except TimeoutError:
-                raise AgentDown(f"{what}: no answer from {self.netloc} in time") from None
+                if connected:
+                    raise AgentSilent(f"{what}: {self.netloc} took the connection and answered nothing in time: "
+                                      "the agent runs but is wedged; what it holds is unknown") from None
+                raise AgentDown(f"{what}: no connection to {self.netloc} in time") from None
             except (OSError, http.client.HTTPException) as exc:
                 failure = f"{what}: {self.netloc}: {exc.strerror if isinstance(exc, OSError) and exc.strerror else exc or type(exc).__name__}"
             else:
@@ -333,8 +342,22 @@ def _placement(agent: AgentHttp, slurm_ids: tuple[int, ...], reserve: dict[str, 
     return ranks, answer.body
 
 
+def _check_state_dir(path: Path) -> None:
+    """Make the records' directory (0755: the task prolog reads it as the job's user) and
+    refuse it when others may write it: a record they replace binds a task elsewhere.
+    OSError, naming the fix, as the agent refuses its own state directory."""
+    import errno
+
+    from topoagent.statefile import state_dir_problem
+
+    path.mkdir(mode=0o755, parents=True, exist_ok=True)
+    problem = state_dir_problem(path)
+    if problem:
+        raise OSError(errno.EPERM, problem, str(path))
+
+
 def prolog(args: argparse.Namespace) -> int:
-    from topoagent.cluster.slurm import AgentRefused
+    from topoagent.cluster.slurm import AgentRefused, SlurmJobError
     from topoagent.statefile import write_json_atomically
 
     job_id, owner = _job_owner()
@@ -342,6 +365,10 @@ def prolog(args: argparse.Namespace) -> int:
     record = _record_path(args, job_id)
     if found is None or not found[1]:
         return 0  # a job without GPUs on this node: nothing to lease
+    try:  # before leasing: a record nobody else can replace, or no lease
+        _check_state_dir(record.parent)
+    except OSError as exc:
+        raise SlurmJobError(f"--state-dir {record.parent}: {exc.strerror or exc}") from None
     agent = _agent(args, token_needed=True)
     # A requeued job runs its prolog again under the same id: what it held before is its own.
     _release_owned(agent, owner)
@@ -351,9 +378,9 @@ def prolog(args: argparse.Namespace) -> int:
     if lease_id is None:
         raise AgentRefused("POST /place: granted, but the answer holds no lease")
     try:
-        record.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-        write_json_atomically(record, {"job_id": job_id, "owner": owner, "lease": lease_id, "ranks": [r.document() for r in ranks]})
-        record.chmod(0o644)  # the task prolog runs as the job's user
+        _check_state_dir(record.parent)
+        # 0644: the task prolog runs as the job's user.
+        write_json_atomically(record, {"job_id": job_id, "owner": owner, "lease": lease_id, "ranks": [r.document() for r in ranks]}, mode=0o644)
     except OSError as exc:
         with contextlib.suppress(TopoagentError):
             agent.json("DELETE", f"/leases/{lease_id}", ok=(200, 404))  # no lease without its record
@@ -375,7 +402,7 @@ def _read_record(path: Path, job_id: str) -> tuple[list[RankBinding], str | None
     from topoagent.smallfile import read_small_file
 
     try:
-        raw, _ = read_small_file(str(path), MAX_RECORD_BYTES)
+        raw, _ = read_small_file(path, MAX_RECORD_BYTES, follow_links=False)
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -32,10 +32,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
 from topoagent.smallfile import file_kind
+from topoagent.text import REPLACEMENT, is_safe, machine_data, machine_text
 
 if TYPE_CHECKING:
-    import tarfile
     import tempfile
+
+    from topoagent.node.tarball import BoundedTarFile
 
 _MAX_SYMLINK_HOPS = 40
 # Components one resolution may walk, link targets included: PATH_MAX (4096) allows ~2,048
@@ -162,10 +164,12 @@ class Host:
         import tarfile  # only recordings given as tarballs need it (6 ms of every start-up)
         import tempfile  # likewise (1 ms: it brings random)
 
+        from topoagent.node.tarball import HeadersTooLarge, open_bounded
+
         self._tempdir = tempfile.TemporaryDirectory(prefix="topoagent-root-")
         dest = Path(self._tempdir.name)
         try:
-            with tarfile.open(tarball) as archive:
+            with open_bounded(tarball) as archive:
                 _check_tarball_size(tarball, archive)
                 # The 'data' filter keeps relative symlinks and refuses members (or link
                 # targets) that would land outside dest, absolute paths and devices.
@@ -173,10 +177,14 @@ class Host:
         except HostError:
             self.close()
             raise
+        except HeadersTooLarge as exc:
+            self.close()
+            raise HostError(f"{tarball}: {exc}; not a recorded node") from None
         except tarfile.FilterError as exc:
             self.close()
             raise HostError(f"{tarball}: refusing unsafe member: {exc}") from None
-        except (tarfile.TarError, OSError, EOFError) as exc:
+        except (tarfile.TarError, OSError, EOFError, ValueError) as exc:
+            # ValueError: tarfile's own, for a sparse map that is not numbers.
             self.close()
             raise HostError(f"{tarball}: cannot extract: {exc}") from None
         # hwloc's tarballs (and `tar czf x.tar.gz node/`) hold one top directory.
@@ -393,7 +401,7 @@ class Host:
         """The node's name: the kernel's (/proc/sys/kernel/hostname, which `topoagent
         snapshot` now records too); on a recording without that file, the name its
         snapshot.json keeps.  None when there is none, or none that is a name (blank, over
-        253 characters, or holding spaces or control characters)."""
+        253 characters, or holding spaces, control characters or what was one)."""
         name = self.read_optional("/proc/sys/kernel/hostname")
         if name is None and not self.live:
             try:
@@ -403,7 +411,8 @@ class Host:
             recorded = meta.get("hostname") if isinstance(meta, dict) else None
             name = recorded if isinstance(recorded, str) else None
         name = name.strip() if name else ""
-        return name if name and len(name) <= 253 and name.isprintable() and not any(c.isspace() for c in name) else None
+        safe = name.isprintable() and REPLACEMENT not in name and not any(c.isspace() for c in name)
+        return name if name and len(name) <= 253 and safe else None
 
     def _record_links(self, path: str) -> None:
         """Note every symlink met on the way to ``path`` (paths as the node sees them)."""
@@ -438,7 +447,7 @@ class Host:
         if self.recording is not None:
             self._record_links(path)
             self.recording.files[self._real(path)] = data
-        return data.decode("utf-8", errors="replace")
+        return machine_text(data.decode("utf-8", errors="replace"))
 
     def read_optional(self, path: str) -> str | None:
         """The file's stripped text, or None when it does not exist or cannot be read."""
@@ -487,7 +496,7 @@ class Host:
             parent, name = os.path.split(path.rstrip("/"))
             self._record_links(parent)
             self.recording.symlinks[os.path.join(self._real(parent), name)] = target
-        return target
+        return machine_text(target)  # a driver's or a device's name is read from its link
 
     def listdir(self, path: str) -> list[str]:
         """Sorted entry names; an empty list when the directory does not exist."""
@@ -514,7 +523,9 @@ class Host:
         if self.recording is not None:
             self._record_links(path)
             self.recording.dirs[self._real(path)] = found
-        return sorted(found)
+        # A name that is not safe text (bytes that are not UTF-8, a control character) is no
+        # name the kernel gives a device: left out, not carried into every label it would name.
+        return sorted(name for name in found if is_safe(name))
 
     # --- commands and NVML ------------------------------------------------------------
 
@@ -564,8 +575,8 @@ class Host:
             raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
         result = CommandResult(
             tuple(argv),
-            out.decode("utf-8", errors="replace"),
-            err.decode("utf-8", errors="replace"),
+            machine_text(out.decode("utf-8", errors="replace")),
+            machine_text(err.decode("utf-8", errors="replace")),
             process.returncode if process.returncode is not None else -1,
         )
         if self.recording is not None:
@@ -589,8 +600,8 @@ class Host:
             raise CommandTimeout(f"{' '.join(argv)}: no answer within {timeout:g} s") from None
         result = CommandResult(
             tuple(argv),
-            done.stdout.decode("utf-8", errors="replace"),
-            done.stderr.decode("utf-8", errors="replace"),
+            machine_text(done.stdout.decode("utf-8", errors="replace")),
+            machine_text(done.stderr.decode("utf-8", errors="replace")),
             done.returncode,
         )
         if self.recording is not None:
@@ -615,7 +626,7 @@ class Host:
                 rc = int(rc_text)
             except ValueError:
                 raise HostError(f"{stem}.rc: exit code {rc_text[:20]!r} is not a number") from None
-        return CommandResult(tuple(argv), stdout.decode("utf-8", errors="replace"), stderr, rc)
+        return CommandResult(tuple(argv), machine_text(stdout.decode("utf-8", errors="replace")), stderr, rc)
 
     def _optional_present(self, path: str) -> bool:
         try:
@@ -627,7 +638,7 @@ class Host:
     def _optional_recorded(self, path: str, limit: int) -> str:
         """A recorded side file (.err, .rc): empty when absent; errors name the file."""
         try:
-            return self.read_bytes(path, limit).decode("utf-8", errors="replace")
+            return machine_text(self.read_bytes(path, limit).decode("utf-8", errors="replace"))
         except FileNotFoundError:
             return ""
         except OSError as exc:
@@ -644,7 +655,7 @@ class Host:
         except OSError as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc.strerror or exc}") from None
         try:
-            data = json.loads(text)
+            data = machine_data(json.loads(text))  # JSON's escapes can carry any code point, NUL and lone surrogates too
         except (ValueError, RecursionError) as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):
@@ -663,19 +674,20 @@ def _scan(directory: str | int) -> dict[str, str]:
         return {e.name: _kind(e) for e in entries}
 
 
-def _check_tarball_size(tarball: Path, archive: tarfile.TarFile) -> None:
+def _check_tarball_size(tarball: Path, archive: BoundedTarFile) -> None:
     """Refuse an archive that would unpack into more than a recorded node ever holds.
 
     Members are read one header at a time, so a million-member archive is refused after
     MAX_TARBALL_MEMBERS of them, and sizes are summed from the headers before any byte
-    is written.
+    is written: the members' data and their extended headers (PAX records, GNU long
+    names), which tarfile keeps in memory.
     """
-    total = 0
+    data = 0
     for count, member in enumerate(archive, start=1):
-        total += member.size
+        data += member.size
         if count > MAX_TARBALL_MEMBERS:
             raise HostError(f"{tarball}: more than {MAX_TARBALL_MEMBERS:,} members; not a recorded node")
-        if total > MAX_TARBALL_BYTES:
+        if data + archive.extended_header_bytes > MAX_TARBALL_BYTES:
             raise HostError(f"{tarball}: unpacks to more than {MAX_TARBALL_BYTES >> 20} MiB; not a recorded node")
 
 

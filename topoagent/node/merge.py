@@ -62,7 +62,7 @@ from topoagent.vocabulary import FindingKind, Severity
 
 
 def _status(result: CollectorResult[Any]) -> CollectorStatus:
-    return CollectorStatus(result.name, result.status, result.message, result.seconds, result.warnings)
+    return CollectorStatus(result.name, result.status, result.message, result.seconds, result.warnings, result.bug)
 
 
 def _natural(name: str) -> tuple:

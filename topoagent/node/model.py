@@ -59,6 +59,7 @@ class CollectorStatus:
     message: str | None
     seconds: float
     warnings: tuple[str, ...] = ()
+    bug: bool = False  # failed through a fault of topoagent's own, not of the node (the log has its traceback)
 
 
 @dataclass(frozen=True, slots=True)

@@ -216,14 +216,16 @@ class Agent:
         """A /place request refused as malformed (400): counted with the others."""
         self._count("invalid")
 
-    async def place(self, request: Request) -> Answer:
+    async def place(self, request: Request, holder_lease: str | None = None) -> Answer:
         """A dry run.  ``request`` was parsed against this snapshot's GPUs.  The search runs
         off the event loop, as a reservation's does: for as long as its deadline allows, a
-        search on the loop held /healthz and every other request (15 s at 64 GPUs)."""
+        search on the loop held /healthz and every other request (15 s at 64 GPUs).  The
+        GPUs of ``holder_lease`` are free to it: a pod's own lease is no conflict for its bindings."""
         served = self.board.served
         assert served.snapshot is not None
         matrix = served.snapshot.matrix
-        busy = served.busy() & {g.index for g in matrix.gpus}
+        own = {gpu for gpu, lease in served.holding().holder.items() if lease.id == holder_lease} if holder_lease else set()
+        busy = (served.busy() - own) & {g.index for g in matrix.gpus}
         answer = await asyncio.to_thread(place, matrix, self._with_deadline(request), busy, live=self.live())
         self._count("placed" if answer.fit else "nofit")
         return answer

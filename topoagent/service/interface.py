@@ -35,8 +35,8 @@ class Service(Protocol):
         placement)."""
         ...
 
-    async def place(self, request: Request) -> Answer:
-        """A dry run, counted by outcome."""
+    async def place(self, request: Request, holder_lease: str | None = None) -> Answer:
+        """A dry run, counted by outcome; the GPUs of ``holder_lease`` count as free (its holder asks)."""
         ...
 
     async def reserve(self, request: Request, owner: str, ttl_s: float) -> tuple[Answer, Lease | None]:

@@ -37,6 +37,7 @@ class LeaseLoop:
         self._ended = ended  # a lease expired: its GPUs are probed before the next job
         self.store: LeaseStore | None = None
         self._said_corrupt: Path | None = None  # the moved-aside state file already logged
+        self._said_quarantine: str | None = None  # the quarantine file's problem already logged
         self._published = -1  # the number of the store's read last published (numbered_leases)
 
     def open(self, state_dir: str, health: LoopHealth) -> None:
@@ -65,15 +66,27 @@ class LeaseLoop:
         recovery = None
         if store.recovered_from is not None:
             recovery = LeaseRecovery(str(store.path), str(store.recovered_from), store.recovery_error)
-        quarantine = LeaseQuarantine(str(store.quarantine_path), tuple(quarantine_report(store)))
+        quarantine = LeaseQuarantine(str(store.quarantine_path), tuple(quarantine_report(store)), store.quarantine_error)
         self.board.publish(leases=leases, lease_recovery=recovery, lease_quarantine=quarantine)
+        if store.quarantine_error != self._said_quarantine:  # once per problem, not per read
+            self._said_quarantine = store.quarantine_error
+            if store.quarantine_error is not None:
+                log_event("lease_quarantine_unreadable", logging.ERROR, file=store.quarantine_path, error=store.quarantine_error)
         return leases
+
+    def _know_node(self, store: LeaseStore) -> None:
+        """Tell the store where each GPU sits now, from the latest discovery: how it tells a
+        lease by UUID and one by index alone apart on loading (one GPU, one lease)."""
+        snapshot = self.board.served.snapshot
+        if snapshot is not None:
+            store.gpus_now = {g.uuid: g.index for g in snapshot.matrix.gpus if g.uuid}
 
     async def sweep(self) -> None:
         """Drop expired leases from the file and take up what other processes sharing the
         state directory changed.  On a disk error this raises and the leases stay."""
         assert self.store is not None
         store = self.store
+        self._know_node(store)
         before = {lease.id: lease for lease in self.board.served.leases or ()}
         leases = self._took(await asyncio.to_thread(lambda: (store.expire(), store.numbered_leases())[1]))
         self._say_if_corrupt()
@@ -107,6 +120,7 @@ class LeaseLoop:
     async def release(self, lease_id: str) -> Lease | None:
         assert self.store is not None
         store = self.store
+        self._know_node(store)
 
         def work() -> tuple[Lease | None, tuple[int, tuple[Lease, ...]]]:
             held = {lease.id: lease for lease in store.leases()}

@@ -42,8 +42,8 @@ nested too deep, larger than ``MAX_STATE_BYTES``, a non-finite constant (``NaN``
 ``Infinity``), not an object of our schema -- is moved aside (``leases.json.corrupt-<ms>``)
 with the reason recorded in ``LeaseStore.recovered_from`` and ``recovery_error`` (the
 owner logs it): that is disk corruption, not one bad input.  An *entry* that breaks a rule
-(a field of the wrong type or out of range, an id listed twice, a GPU already in an earlier
-lease) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
+(a field of the wrong type or out of range, an id listed twice, a GPU listed twice or already
+in an earlier lease, by UUID or by index: ``_Claims``) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
 file with the reason, logged (``event=lease_quarantined``), listed in ``GET /leases`` under
 ``quarantined`` and counted by ``topoagent_leases_quarantined``; every other lease is kept.
 
@@ -58,8 +58,15 @@ The store never crashes on a bad file and never silently pretends it was empty. 
 error (a read-only or full disk, no descriptors left) is not corruption: the call raises
 ``OSError``, nothing is moved, and the next call tries again (the service answers 503
 naming the state directory).  Temporary files a killed writer left
-(``.leases.json.<pid>.<tid>.tmp``) are removed at start, under the lock, when no writer
+(``.leases.json.<random>.tmp``) are removed at start, under the lock, when no writer
 can be using one.
+
+**The directory is the agent's alone.**  It is refused at start when it is not owned by the
+agent's user (or root) or when others may write it (``topoagent.statefile.state_dir_problem``).
+Every file in it is opened without blocking and without following a link, checked to be a
+regular file and read to a bound (``topoagent.smallfile``); a FIFO, link or device in a
+file's place is refused, never waited on.  An unreadable quarantine file is said
+(``quarantine_error``, logged ``event=lease_quarantine_unreadable``) and the book works on.
 """
 
 from __future__ import annotations
@@ -95,8 +102,8 @@ from topoagent.node.matrix import DistanceMatrix, GpuInfo
 from topoagent.placement import Live, NoFit, Placement, Request, place
 from topoagent.placement.live import NO_LIVE
 from topoagent.placement.request import REQUEST_LIMITS
-from topoagent.smallfile import file_kind
-from topoagent.statefile import write_json_atomically
+from topoagent.smallfile import NotRegularFile, file_kind, open_no_link, read_small_file
+from topoagent.statefile import state_dir_problem, write_json_atomically
 
 STATE_FILE = "leases.json"
 LOCK_FILE = "leases.lock"
@@ -219,7 +226,10 @@ class LeaseStore:
         on and ``boot_id`` the boot it counts from (read from /proc when not given);
         tests pass their own to step one without the other."""
         self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        problem = state_dir_problem(self.state_dir)
+        if problem:  # whoever else may write it may replace the lease book
+            raise StateUnusable(self.state_dir, f"state directory: {problem}")
         self.path = self.state_dir / STATE_FILE
         self.clock = clock
         self.monotonic = monotonic
@@ -233,6 +243,10 @@ class LeaseStore:
         self._reads = 0
         self._unsaved = False  # loading applied a clock step or a reboot: write it back
         self.quarantine_path = self.state_dir / QUARANTINE_FILE
+        self.quarantine_error: str | None = None  # why the quarantine file cannot be read (the owner logs it)
+        # The node's GPUs, UUID -> index, as the owner last saw them (None: not known yet):
+        # how a lease by UUID and one by index alone are told to name the same GPU or not.
+        self.gpus_now: Mapping[str, int] | None = None
         # What the quarantine file holds (newest last), for /leases and /metrics to report.
         self.quarantined: list[dict[str, Any]] = self._read_quarantine()
         try:
@@ -254,12 +268,14 @@ class LeaseStore:
         with self._lock:
             self._reads += 1
             lock_path = self.state_dir / LOCK_FILE
-            # Without blocking: a FIFO put in the lock's place must not hang the agent in open().
-            flags = os.O_NONBLOCK | os.O_CLOEXEC
+            # Without blocking: a FIFO put in the lock's place must not hang the agent in open();
+            # nor following a link, which would lock (or create) a file elsewhere.
             try:
-                fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | flags, 0o600)
-            except OSError:
-                fd = os.open(lock_path, os.O_RDONLY | flags)  # a read-only directory: reading still works
+                fd = open_no_link(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise StateUnusable(lock_path, "a symbolic link, not a regular file; remove it (the agent creates the lock file)") from None
+                fd = open_no_link(lock_path, os.O_RDONLY)  # a read-only directory: reading still works
             try:
                 kind = file_kind(os.fstat(fd).st_mode)
                 if kind is not None:  # flock on it would lock nothing another agent shares reliably
@@ -271,22 +287,15 @@ class LeaseStore:
                 os.close(fd)  # closing drops the flock
 
     def _load(self) -> dict[str, Lease]:
+        # Without blocking or following a link (smallfile): a FIFO in the file's place must not
+        # hang the agent in open(); a link's target is not the agent's book.
+        kind = None
         try:
-            # Without blocking: a FIFO in the file's place must not hang the agent in open().
-            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            raw, _ = read_small_file(self.path, MAX_STATE_BYTES, follow_links=False)
         except FileNotFoundError:
             return {}
-        try:
-            kind = file_kind(os.fstat(fd).st_mode)
-        except OSError:
-            os.close(fd)
-            raise
-        if kind is not None:
-            os.close(fd)  # fdopen() refuses a directory: never hand it one
-            raw = b""
-        else:
-            with os.fdopen(fd, "rb") as handle:
-                raw = handle.read(MAX_STATE_BYTES + 1)
+        except NotRegularFile as exc:
+            kind, raw = exc.kind, b""
         try:
             if kind is not None:  # a directory, a FIFO: no leases can be read from it; as corrupt
                 raise StateCorrupt(f"{kind}, not a regular file")
@@ -324,13 +333,13 @@ class LeaseStore:
         same_boot = self.boot_id is not None and file_boot == self.boot_id
         wall, mono = self.clock(), self.monotonic()
         leases: dict[str, Lease] = {}
-        holders: dict[str, str] = {}
+        claims = _Claims(self.gpus_now)
         refused: list[tuple[Any, str]] = []
         changed = False
         for n, item in enumerate(items):
             try:
                 lease, persisted = _lease_from_json(item, n)
-                _claim(lease, n, leases, holders)
+                _claim(lease, n, leases, claims)
             except (StateCorrupt, KeyError, TypeError, OverflowError) as exc:
                 refused.append((item, " ".join(str(exc).split())[:500]))
                 continue
@@ -352,11 +361,12 @@ class LeaseStore:
         without it.  The quarantine file is written first: a crash between the two
         quarantines the entry again, never loses it.  A disk error raises, changing nothing."""
         wall, mono = self.clock(), self.monotonic()
-        holders = {uuid or f"index {gpu}": lease.id for lease in leases.values()
-                   for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus))}
+        claims = _Claims(self.gpus_now)
+        for lease in leases.values():
+            claims.hold(_named(lease), lease.id)
         records = []
         for item, reason in refused:
-            gpus = [(g, u) for g, u in _readable_gpus(item) if (u or f"index {g}") not in holders]
+            gpus = [(g, u) for g, u in _readable_gpus(item) if claims.clash([(g, u)]) is None]
             hold = None
             left = _readable_number(item, "expires_at")
             ttl = TTL_MAX_S if left is None else min(left - wall, TTL_MAX_S)
@@ -365,7 +375,7 @@ class LeaseStore:
                 hold = Lease(secrets.token_hex(8), QUARANTINE_OWNER, tuple(g for g, _ in gpus), wall, wall + ttl,
                              mono + ttl, None, tuple(u for _, u in gpus) if any(u for _, u in gpus) else ())
                 leases[hold.id] = hold
-                holders.update({u or f"index {g}": hold.id for g, u in gpus})
+                claims.hold(gpus, hold.id)
             try:
                 entry_text = json.dumps(item, allow_nan=False)
                 whole = len(entry_text) <= QUARANTINE_ENTRY_MAX_CHARS
@@ -381,7 +391,7 @@ class LeaseStore:
             })
         kept = (self._read_quarantine() + records)[-QUARANTINE_KEEP:]
         write_json_atomically(self.quarantine_path, {"schema": SCHEMA, "entries": kept}, readable=False)
-        self.quarantined = kept
+        self.quarantined, self.quarantine_error = kept, None  # a regular file of ours now stands there
         self._leases = leases
         self._save()
         for record in records:
@@ -390,11 +400,20 @@ class LeaseStore:
 
     def _read_quarantine(self) -> list[dict[str, Any]]:
         """The quarantine file's records; none when it is absent or unreadable (it is a
-        report: the GPUs its entries named are held in the state file itself)."""
+        report: the GPUs its entries named are held in the state file itself).  What makes
+        it unreadable -- a FIFO, a link, a directory in its place, a disk error -- is kept in
+        ``quarantine_error`` for the owner to say; it is never waited on."""
+        self.quarantine_error = None
         try:
-            with open(self.quarantine_path, "rb") as handle:
-                data = json.loads(handle.read(MAX_STATE_BYTES * 2), parse_constant=_refuse_constant)
-        except (OSError, ValueError, RecursionError):
+            raw, _ = read_small_file(self.quarantine_path, MAX_STATE_BYTES * 2, follow_links=False)
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            self.quarantine_error = f"{exc.strerror or exc}; its records are not shown (the GPUs they named stay held)"
+            return []
+        try:
+            data = json.loads(raw, parse_constant=_refuse_constant)
+        except (ValueError, RecursionError):
             return []
         entries = data.get("entries") if isinstance(data, dict) else None
         return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
@@ -456,6 +475,7 @@ class LeaseStore:
         """Place ``request`` around what is leased or running, and lease the answer --
         one step under the lock, so two callers cannot get the same GPU."""
         _check(owner, ttl_s)
+        self.gpus_now = {g.uuid: g.index for g in matrix.gpus if g.uuid}
         with self._locked():
             self._expire(self.monotonic())
             # Leases hold GPUs by UUID: one whose GPU left the node blocks nothing here, and
@@ -486,6 +506,8 @@ class LeaseStore:
         with self._locked():
             if self._expire(self.monotonic()) or self._unsaved:
                 self._save()
+            if self.quarantine_error is not None:  # until someone removes what stands there
+                self.quarantined = self._read_quarantine()
             return len(self._leases)
 
     def busy(self, gpus_with_processes: Iterable[int] = ()) -> set[int]:
@@ -516,6 +538,15 @@ class LeaseStore:
             holder = taken[clash[0]]
             raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
         lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction, uuids)
+        # The book's own rule as loading applies it (by UUID or by index): never write what
+        # the next read would quarantine as a GPU in two leases.
+        claims = _Claims(self.gpus_now)
+        for other in self._leases.values():
+            claims.hold(_named(other), other.id)
+        book_clash = claims.clash(_named(lease))
+        if book_clash:
+            holder = self._leases[book_clash[1]]
+            raise LeaseConflict(f"GPU {book_clash[0]} is leased to {holder.owner} (lease {holder.id})")
         try:  # the loader's own rules, on exactly what will be written and read back
             _lease_from_json(json.loads(json.dumps(self._document(lease))), 0)
         except StateCorrupt as exc:
@@ -573,7 +604,9 @@ def _readable_gpus(obj: object) -> list[tuple[int, str | None]]:
     for n, gpu in enumerate(obj["gpus"][: REQUEST_LIMITS["gpu_index_max"] + 1]):
         if gpus_problem([gpu]) is None:
             uuid = uuids[n] if n < len(uuids) else None
-            found.append((gpu, uuid if uuid and uuid_problem(uuid) is None else None))
+            uuid = uuid if uuid and uuid_problem(uuid) is None else None
+            if all(gpu != g and (uuid is None or uuid != u) for g, u in found):  # each GPU once: the hold must load
+                found.append((gpu, uuid))
     return found
 
 
@@ -598,17 +631,60 @@ def _readable_number(obj: object, key: str) -> float | None:
         return None
 
 
-def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], holders: dict[str, str]) -> None:
-    """Refuse a lease listed twice or holding a GPU an earlier one holds; else note its GPUs.
-    A GPU is held once: by UUID where known (an orphaned lease may keep an index that a new
-    GPU has since taken), else by index."""
+class _Claims:
+    """Who holds which GPU in a book being read or written, so that one GPU is in one lease.
+
+    A GPU named by UUID is that GPU wherever it sits now; one named by index alone is
+    whatever GPU has that index now.  So two UUIDs clash when equal, two indices when equal,
+    and a UUID and an index when the node has that UUID at that index now (``where``: UUID
+    -> index, from the node's last discovery).  While the node is not known (``where`` None:
+    at start-up, before discovery) only the first two are checked: a recorded index is no
+    fact about the node now (a GPU renumbered, or gone, leaves its lease's index behind), and
+    refusing on it would drop a lease whose GPU no other lease holds."""
+
+    def __init__(self, where: Mapping[str, int] | None) -> None:
+        self.where = where
+        self.holders: dict[str, str] = {}  # claim -> the id of the lease that made it
+
+    def _keys(self, gpu: int, uuid: str | None) -> tuple[list[str], list[str]]:
+        """What holding this GPU claims, and which claims it clashes with."""
+        if not uuid:
+            return [f"index {gpu}"], [f"index {gpu}", f"at {gpu}"]
+        now = self.where.get(uuid) if self.where is not None else None
+        at = [] if now is None else [f"at {now}"]
+        return [f"uuid {uuid}", *at], [f"uuid {uuid}", *([f"index {now}"] if now is not None else [])]
+
+    def clash(self, gpus: Iterable[tuple[int, str | None]]) -> tuple[int, str] | None:
+        """The first of these GPUs a lease already claimed holds, and that lease's id; None if none."""
+        for gpu, uuid in gpus:
+            for key in self._keys(gpu, uuid)[1]:
+                if key in self.holders:
+                    return gpu, self.holders[key]
+        return None
+
+    def hold(self, gpus: Iterable[tuple[int, str | None]], lease_id: str) -> None:
+        for gpu, uuid in gpus:
+            self.holders.update(dict.fromkeys(self._keys(gpu, uuid)[0], lease_id))
+
+
+def _named(lease: Lease) -> list[tuple[int, str | None]]:
+    """A lease's GPUs as (index, UUID or None) pairs."""
+    return list(zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus)))
+
+
+def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], claims: _Claims) -> None:
+    """Refuse a lease listed twice, naming one GPU twice (by index or UUID) or holding a GPU
+    an earlier one holds (the rule: ``_Claims``); else note its GPUs in ``claims``."""
     if lease.id in leases:
         raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
-    keys = [uuid or f"index {gpu}" for gpu, uuid in zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus))]
-    for gpu, key in zip(lease.gpus, keys):
-        if key in holders:
-            raise StateCorrupt(f"leases[{n}]: GPU {gpu} is also in lease {holders[key]}")
-    holders.update(dict.fromkeys(keys, lease.id))
+    named = _named(lease)
+    uuids = [uuid for _, uuid in named if uuid]
+    if len(set(uuids)) != len(uuids):
+        raise StateCorrupt(f"leases[{n}]: a GPU UUID is listed twice")
+    clash = claims.clash(named)
+    if clash:
+        raise StateCorrupt(f"leases[{n}]: GPU {clash[0]} is also in lease {clash[1]}")
+    claims.hold(named, lease.id)
 
 
 def state_unwritable(store: LeaseStore, exc: OSError) -> str:

@@ -178,6 +178,7 @@ class LeaseQuarantine:
 
     file: str
     entries: tuple[dict[str, Any], ...]  # as topoagent.service.leases.quarantine_report gives them
+    unreadable: str | None = None  # why the file could not be read (a FIFO, a link ...), else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from topoagent.collectors import ib_counters
+from topoagent.collectors.base import report_bug
 from topoagent.collectors.counters import (
     GAUGE,
     Context,  # where the agent and snapshot take it from
@@ -34,8 +35,10 @@ from topoagent.collectors.counters import (
     Series,
 )
 from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, STUCK, THRESHOLDS
+from topoagent.errors import TopoagentError
 from topoagent.node.host import HostError
 from topoagent.node.model import CollectorStatus, Finding
+from topoagent.text import machine_data
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
@@ -59,6 +62,7 @@ class Sample:
     error: str | None = None
     seconds: float = 0.0
     absent: bool = False  # the source is not on this node (no HCA, no NVML): quiet, not failed
+    bug: bool = False  # the read failed through a fault of topoagent's own (report_bug logged it)
 
 
 def rate(previous: float, current: float, seconds: float) -> float | None:
@@ -101,8 +105,8 @@ class History:
         self.statuses: dict[str, CollectorStatus] = {}
         self.failed_in_row: dict[str, int] = {}  # source -> reads failed in a row, up to the latest
 
-    def _failed(self, source: str, error: str | None, seconds: float) -> None:
-        self.statuses[source] = CollectorStatus(source, Status.ERROR, error, seconds)
+    def _failed(self, source: str, error: str | None, seconds: float, bug: bool = False) -> None:
+        self.statuses[source] = CollectorStatus(source, Status.ERROR, error, seconds, bug=bug)
         self.failed_in_row[source] = self.failed_in_row.get(source, 0) + 1
 
     def add(self, sample: Sample, parse: Callable[[Any], list[Series]]) -> None:
@@ -112,15 +116,18 @@ class History:
                 self.statuses[sample.source] = CollectorStatus(sample.source, Status.NO_DATA, sample.error, sample.seconds)
                 self.failed_in_row.pop(sample.source, None)
             else:
-                self._failed(sample.source, sample.error, sample.seconds)
+                self._failed(sample.source, sample.error, sample.seconds, sample.bug)
             return
         latest = self._latest.get(sample.source)
         if latest is not None and sample.taken_at <= latest[0]:
             return  # a replayed sample already taken in
         try:
             values = {(metric, labels): value for metric, labels, value in parse(sample.raw)}
-        except Exception as exc:  # a damaged recording, a parser's bug: this source fails alone
+        except TopoagentError as exc:  # a damaged recording: this source fails alone
             self._failed(sample.source, f"{type(exc).__name__}: {exc}", sample.seconds)
+            return
+        except Exception as exc:  # the parser's bug (met on odd input): this source fails alone, loudly
+            self._failed(sample.source, report_bug(sample.source, exc), sample.seconds, bug=True)
             return
         if latest is not None:
             self._previous[sample.source] = latest
@@ -285,8 +292,7 @@ def served(history: History, overrides: Mapping[str, float], node: NodeTopology 
 
 def read_live(source: CounterSource, context: Context) -> Sample:
     """One read of one source; a failure is the sample's error (never raised)."""
-    from topoagent.collectors.base import NoData, report_bug
-    from topoagent.errors import TopoagentError
+    from topoagent.collectors.base import NoData
 
     started = time.perf_counter()
     taken_at = time.monotonic()
@@ -297,7 +303,7 @@ def read_live(source: CounterSource, context: Context) -> Sample:
     except (TopoagentError, OSError) as exc:  # the source could not be read: it fails alone
         return Sample(source.name, taken_at, None, f"{type(exc).__name__}: {exc}", time.perf_counter() - started)
     except Exception as exc:  # a fault of ours (a wrong NVML call): it fails alone, loudly
-        return Sample(source.name, taken_at, None, report_bug(source.name, exc), time.perf_counter() - started)
+        return Sample(source.name, taken_at, None, report_bug(source.name, exc), time.perf_counter() - started, bug=True)
     return Sample(source.name, taken_at, raw, None, time.perf_counter() - started)
 
 
@@ -306,7 +312,7 @@ def recorded_samples(host: Host) -> list[Sample] | None:
     if host.live or not host.exists(TELEMETRY_FILE):
         return None
     try:
-        document = json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
+        document = machine_data(json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES)))
         samples: list[Sample] = []
         for entry in document.get("samples", []):
             taken_at = float(entry["monotonic_s"])

@@ -8,6 +8,7 @@ agent's nvidia-smi indices.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -138,15 +139,17 @@ class AgentClient:
             raise AgentAnswerError("GET /leases: not a list of leases")
         return [x for x in held if isinstance(x, dict)]
 
-    async def reserve(self, indices: list[int], owner: str, ttl_s: float) -> dict[str, Any] | None:
-        """A lease on exactly these GPUs (the lease document), or None when the agent
-        holds some of them already (409)."""
-        body = {"gpus": len(indices), "include": indices, "reserve": {"owner": owner, "ttl_s": ttl_s}}
-        answer = await self.place(body)
+    async def reserve(self, indices: list[int], owner: str, ttl_s: float, detail: list[str] | None = None) -> tuple[dict[str, Any] | None, str]:
+        """(the placement with its ``lease``, "") for a lease on exactly these GPUs, or (None,
+        the agent's reason) when it holds some of them already (409) or never could (422)."""
+        body: dict[str, Any] = {"gpus": len(indices), "include": indices, "reserve": {"owner": owner, "ttl_s": ttl_s}}
+        if detail:
+            body["detail"] = detail
+        answer, why = await self._place(body)
         lease = answer.get("lease") if answer is not None else None
         if answer is not None and not (isinstance(lease, dict) and isinstance(lease.get("id"), str)):
             raise AgentAnswerError("POST /place: a reserve answered without its lease")
-        return lease
+        return answer, why
 
     async def release(self, lease_id: str) -> bool:
         """Whether the lease is gone now (released, or already ended)."""
@@ -161,13 +164,28 @@ class AgentClient:
     async def place(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
         """The agent's placement for a dry-run request, or None when nothing fits (409 now,
         422 ever)."""
+        return (await self._place(request))[0]
+
+    async def _place(self, request: Mapping[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """(placement, "") or, on 409 and 422, (None, the agent's reason)."""
         with _asking("POST /place"):
             async with self._http().post(f"{self.url}/place", json=dict(request)) as resp:
                 if resp.status in (409, 422):
-                    return None
+                    return None, _reason(await resp.text())
                 if resp.status != 200:
                     raise AgentError(f"POST /place: HTTP {resp.status}: {(await resp.text())[:200]}")
                 answer = await resp.json()
         if not isinstance(answer, dict):
             raise AgentAnswerError("POST /place: not a placement")
-        return answer
+        return answer, ""
+
+
+def _reason(text: str) -> str:
+    """The ``detail`` of the agent's error body, printable and short; the body's start without one."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
+        doc = None
+    detail = doc.get("detail") if isinstance(doc, dict) else None
+    said = detail if isinstance(detail, str) else text
+    return "".join(c if c.isprintable() else " " for c in said[:300])

@@ -92,7 +92,8 @@ def node_health(topology: dict[str, Any]) -> Health:
         return Health("True", "NoCriticalFinding", "topoagent reports no critical finding")
     kind, message = str(critical[0].get("kind") or "critical"), str(critical[0].get("message") or "")
     more = f" (+{len(critical) - 1} more)" if len(critical) > 1 else ""
-    text = " ".join(f"{kind}{more}: {message}".split())
+    # A finding's text is the node's, not ours: controls (an escape, a NUL) never reach the Node.
+    text = " ".join("".join(c if c.isprintable() else " " for c in f"{kind}{more}: {message}").split())
     return Health("False", camel(kind), text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "...")
 
 

@@ -13,11 +13,17 @@ the agent stops seeing stays listed as Unhealthy, so kubelet stops offering it i
 forgetting it (it was allocated to pods that may still run).  An answer the poller cannot
 use (not JSON, not a topology) is logged and the last list stands; polling goes on.
 
-Inputs are checked before anything reaches kubelet: a request with a device twice, or a
-size outside 1..offered, is refused (INVALID_ARGUMENT); the agent's placement is used only
-when it names distinct offered devices, the must-haves among them, as many as asked (else
-the index-order fallback); the extender's annotation only when the agent's lease backs it
-(``pods``).
+Inputs are checked before anything reaches kubelet: a request with a device twice (or one
+device for two containers), or a size outside 1..offered, is refused (INVALID_ARGUMENT);
+the agent's placement is used only when it names distinct offered devices, the must-haves
+among them, as many as asked (else the index-order fallback); the extender's annotation
+only when the agent's lease backs it (``pods``).
+
+With leasing (a token and an API server), every allocation is leased to the pod kubelet is
+admitting before Allocate answers: ``admission`` tells the pod by the GPUs its lease holds;
+Allocate confirms that lease or reserves, and refuses what it cannot tell, what the agent
+will not lease (409) and what it cannot read within ``ANSWER_BUDGET_S``, giving back what it
+took.
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +42,7 @@ import grpc
 import grpc.aio
 
 from topoagent.cluster.deviceplugin import api_pb2, api_pb2_grpc
+from topoagent.cluster.deviceplugin.admission import Facts, attribute, facts, leases_of, prefer
 from topoagent.cluster.deviceplugin.agent_client import (
     HEALTHY,
     UNHEALTHY,
@@ -47,8 +54,8 @@ from topoagent.cluster.deviceplugin.agent_client import (
     placed_uuids,
 )
 from topoagent.cluster.deviceplugin.node import UNREACHABLE, NodeReporter, node_health
-from topoagent.cluster.deviceplugin.pods import Choice, PodSource, container_counts
-from topoagent.cluster.extender.wire import PodError, gpus_wanted, pod_ref
+from topoagent.cluster.deviceplugin.pods import PodSource, PodsUnreadable
+from topoagent.cluster.extender.wire import pod_ref
 from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
 from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
@@ -59,6 +66,12 @@ DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_RESOURCE = GPU_RESOURCE
 DEFAULT_AGENT_URL = "http://127.0.0.1:9477"
+# How long Allocate and GetPreferredAllocation wait for the agent and the API server before
+# they refuse (or, for a preference, fall back): kubelet admits a node's pods one at a time
+# and waits on these calls, so a hung agent must not hold every admission behind it; its own
+# deadline for a plugin call is 30 s (PreStartContainer's), and a healthy answer takes
+# milliseconds.  The pods read gives up sooner (PodSource: 3 s), to be named as the cause.
+ANSWER_BUDGET_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -68,8 +81,11 @@ class Settings:
     socket_name: str = "topoagent.sock"
     agent_url: str = DEFAULT_AGENT_URL
     agent_token: str | None = None
-    poll_interval_s: float = 5.0  # how soon a finding reaches kubelet; one cheap 304 per poll
+    poll_interval_s: float = 5.0  # a finding reaches kubelet after health_polls of these; one cheap 304 each
     watch_interval_s: float = 1.0  # how soon a kubelet restart is noticed
+    # A GPU's health and the node's condition change once the new one holds this many polls
+    # in a row: a finding flapping every poll moves neither kubelet nor the Node object.
+    health_polls: int = 3
     lease_ttl_s: float = 86400.0  # a lease taken at Allocate; the pod watch ends it with the pod
 
     @property
@@ -79,6 +95,30 @@ class Settings:
     @property
     def socket(self) -> Path:
         return self.plugin_dir / self.socket_name
+
+
+class Damper:
+    """Each key's value as said: a new one once it has been seen ``polls`` times in a row
+    (the first value of a key at once)."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+        self.said: dict[str, Any] = {}
+        self.coming: dict[str, tuple[Any, int]] = {}  # key -> (a new value, polls seen in a row)
+
+    def settle(self, key: str, value: Any) -> Any:
+        if key not in self.said or value == self.said[key]:
+            self.said.setdefault(key, value)
+            self.coming.pop(key, None)
+            return value
+        before, seen = self.coming.get(key, (None, 0))
+        seen = seen + 1 if before == value else 1
+        if seen >= self.polls:
+            self.said[key] = value
+            self.coming.pop(key, None)
+        else:
+            self.coming[key] = (value, seen)
+        return self.said[key]
 
 
 class Devices:
@@ -129,7 +169,8 @@ def check_preferred(available: Sequence[str], must: Sequence[str], size: int) ->
             raise RequestRefused(f"{name}: device {twice[:80]} twice")
     if not 1 <= size <= len(available):
         raise RequestRefused(f"allocation_size {size}: expected 1 to {len(available)} (the devices offered)")
-    missing = [d for d in must if d not in set(available)]
+    offered = set(available)
+    missing = [d for d in must if d not in offered]
     if missing:
         raise RequestRefused(f"must_include_deviceIDs: {missing[0][:80]} is not among the devices offered")
     if len(must) > size:
@@ -151,9 +192,13 @@ def _repeated(ids: Sequence[str]) -> str | None:
     return None
 
 
-def fallback_choice(available: Sequence[str], must: Sequence[str], size: int, devices: dict[str, Gpu]) -> list[str]:
-    """When the agent cannot answer: what kubelet must have, then the rest in index order."""
-    rest = sorted((d for d in available if d not in must), key=lambda d: devices[d].index if d in devices else 1 << 30)
+def fallback_choice(available: Sequence[str], must: Sequence[str], size: int, devices: dict[str, Gpu],
+                    covered: Collection[str] = ()) -> list[str]:
+    """When the agent cannot answer: what kubelet must have, then GPUs no lease covers, then
+    the rest, each in index order."""
+    needed = set(must)
+    rest = sorted((d for d in available if d not in needed),
+                  key=lambda d: (d in covered, devices[d].index if d in devices else 1 << 30))
     return [*must, *rest][:size]
 
 
@@ -164,7 +209,6 @@ class Leasing:
     watch: PodWatch
     node: str
     ttl_s: float
-    resource: str
 
 
 class LocalAgent:
@@ -183,12 +227,34 @@ class LocalAgent:
             return None
 
 
+class Refused(Exception):
+    """Allocate cannot be answered: kubelet gets ``code`` and this message (the pod does not start)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class Done:
+    """What one Allocate has done so far, undone when it is refused."""
+
+    taken: list[str] = field(default_factory=list)  # leases it took
+    noted: dict[str, frozenset[str] | None] = field(default_factory=dict)  # pod UID -> its allocated GPUs before
+    held: list[Held] = field(default_factory=list)  # the pods' leases, for the pod watch once it answers
+
+
 class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
-    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None, leasing: Leasing | None = None):
+    def __init__(self, devices: Devices, agent: AgentClient, pods: PodSource | None, leasing: Leasing | None = None,
+                 resource: str = DEFAULT_RESOURCE, budget_s: float = ANSWER_BUDGET_S):
         self.devices = devices
+        self.resource = resource
         self.agent = agent
         self.pods = pods
         self.leasing = leasing
+        self.budget_s = budget_s
+        self.allocated: dict[str, frozenset[str]] = {}  # pod UID -> the GPUs allocated to it, while it is Pending
 
     async def GetDevicePluginOptions(self, request: api_pb2.Empty, context: Any) -> api_pb2.DevicePluginOptions:
         return api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
@@ -211,47 +277,57 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             except RequestRefused as exc:
                 log_event("preferred_allocation_refused", logging.WARNING, error=str(exc))
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=await self.preferred(available, must, size)))
+            try:
+                async with asyncio.timeout(self.budget_s):
+                    chosen = await self.preferred(available, must, size)
+            except TimeoutError:
+                log_event("preferred_allocation_failed", logging.WARNING, error=f"no answer within {self.budget_s:g} s")
+                chosen = fallback_choice(available, must, size, self.devices.by_uuid)
+            answers.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=chosen))
         return api_pb2.PreferredAllocationResponse(container_responses=answers)
 
-    async def verified_choices(self) -> list[Choice]:
-        """The pending pods' annotated choices that the agent's leases back: lease
-        ``topoagent.io/lease`` held for this pod's UID on exactly the annotated GPUs."""
-        if self.pods is None:
-            return []
-        choices = await self.pods.choices()
-        if not choices:
-            return []
+    async def read_facts(self) -> Facts:
+        """The agent's leases and this node's Pending pods (none without an API server);
+        Refused (UNAVAILABLE, kubelet may try again) naming what could not be read."""
         try:
-            leases = {x.get("id"): x for x in await self.agent.leases()}
+            leases = leases_of(await self.agent.leases())
         except AgentError as exc:
-            log_event("annotations_unchecked", logging.WARNING, error=str(exc), used="none")
-            return []
-        out = []
-        for choice in choices:
-            lease = leases.get(choice.lease)
-            uuids = lease.get("gpu_uuids") if lease is not None else None
-            if lease is not None and owner_pod_uid(lease.get("owner")) == choice.uid and isinstance(uuids, list) and sorted(map(str, uuids)) == sorted(choice.gpus):
-                out.append(choice)
-            else:
-                log_event("annotation_ignored", logging.WARNING, pod=f"{choice.namespace}/{choice.name}", lease=choice.lease[:64],
-                          reason="the agent holds no such lease for this pod on these GPUs")
-        return out
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"cannot read who holds the GPUs: {exc}") from exc
+        pods: list[dict[str, Any]] = []
+        if self.pods is not None:
+            try:
+                pods = await self.pods.pending()
+            except PodsUnreadable as exc:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"cannot read this node's pods: {exc}") from exc
+            pending = {pod_ref(p).uid for p in pods}
+            for uid in [u for u in self.allocated if u not in pending]:  # started or gone: kubelet admits it no more
+                del self.allocated[uid]
+        return facts(pods, leases, self.resource, self.allocated)
 
     async def preferred(self, available: list[str], must: list[str], size: int) -> list[str]:
         devices = self.devices.by_uuid
-        fitting = {c.gpus for c in await self.verified_choices() if fits(c.gpus, available, must, size)}
-        if len({frozenset(c) for c in fitting}) == 1:  # one pod it can be; two alike: the agent answers
-            chosen = list(next(iter(fitting)))
-            log_event("preferred_allocation", source="extender", devices=",".join(chosen))
-            return chosen
+        covered: set[str] = set()
+        if self.pods is not None:
+            try:
+                known = await self.read_facts()
+            except Refused as exc:
+                log_event("preferred_allocation_unattributed", logging.WARNING, reason=exc.message, preferring="GPUs no lease covers")
+            else:
+                covered = set(known.holder)
+                choice = prefer(known, available, must, size)
+                if choice.gpus is not None and choice.pod is not None:
+                    log_event("preferred_allocation", source="lease", pod=str(choice.pod), devices=",".join(choice.gpus))
+                    return choice.gpus
+                if choice.unattributed:
+                    log_event("preferred_allocation_unattributed", logging.WARNING, reason=choice.unattributed, preferring="GPUs no lease covers")
         if any(d not in devices for d in available):
-            return fallback_choice(available, must, size, devices)
+            return fallback_choice(available, must, size, devices, covered)
         offered = set(available)
         body = {
             "gpus": size,
             "include": sorted(devices[d].index for d in must),
-            # "only these": every GPU of the node kubelet did not offer is excluded.
+            # "only these": every GPU of the node kubelet did not offer is excluded; the agent
+            # keeps off leased GPUs itself.
             "exclude": sorted(g.index for u, g in devices.items() if u not in offered),
         }
         try:
@@ -260,154 +336,157 @@ class DevicePluginService(api_pb2_grpc.DevicePluginServicer):
             log_event("preferred_allocation_failed", logging.WARNING, error=str(exc))
             answer = None
         if answer is None:
-            return fallback_choice(available, must, size, devices)
+            return fallback_choice(available, must, size, devices, covered)
         placed = placed_uuids(answer)
         if placed is None or not fits(placed, available, must, size):
             # Not what was asked (a device twice, one not offered, another count): never to kubelet.
             log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed or [])[:400], size=size)
-            return fallback_choice(available, must, size, devices)
+            return fallback_choice(available, must, size, devices, covered)
         log_event("preferred_allocation", source="agent", devices=",".join(placed))
         return placed
 
     async def Allocate(self, request: api_pb2.AllocateRequest, context: Any) -> api_pb2.AllocateResponse:
-        answers = []
-        for want in request.container_requests:
-            ids = list(want.devices_ids)
-            unknown = [d for d in ids if d not in self.devices.by_uuid]
-            twice = _repeated(ids)
+        wants = [list(want.devices_ids) for want in request.container_requests]
+        message = self.malformed(wants)
+        if message:
             # kubelet fails the pod's start with this message; nothing is half-allocated.
-            message = ("no devices asked" if not ids else f"device {twice[:80]} asked twice" if twice is not None
-                       else f"unknown device {unknown[0][:80]}: not one of this node's GPUs" if unknown else "")
-            if message:
-                log_event("allocate_refused", logging.WARNING, error=message)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-            taken = await self.held_for_someone_else(ids)
-            if taken:
-                # Two jobs on one GPU is worse than a pod that fails to start: kube-scheduler
-                # bound it without the extender (an outage with ignorable: true, or another scheduler).
-                log_event("allocate_refused", logging.WARNING, error=taken)
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, taken)
-            answers.append(api_pb2.ContainerAllocateResponse(envs=await self.container_env(ids)))
-            await self.lease_allocation(ids)
-        return api_pb2.AllocateResponse(container_responses=answers)
-
-    async def held_for_someone_else(self, ids: list[str]) -> str:
-        """Why these GPUs are not this allocation's to take, or "": a lease of the agent holds
-        one for an owner that is no pod (a Slurm job, a manual reservation) or for a pod that
-        is not Pending on this node (kubelet allocates only for a pod being admitted, which
-        is).  When the agent or the pods cannot be read, nothing is refused (logged): a
-        refused Allocate fails the pod for good."""
+            log_event("allocate_refused", logging.WARNING, error=message)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        done = Done()
         try:
-            leases = await self.agent.leases()
-        except AgentError as exc:
-            log_event("allocate_unchecked", logging.WARNING, devices=",".join(ids)[:400], reason=str(exc))
-            return ""
-        wanted, pending = set(ids), None
-        for lease in leases:
-            uuids = lease.get("gpu_uuids")
-            taken = sorted(wanted & {str(u) for u in uuids}) if isinstance(uuids, list) else []
-            if not taken:
-                continue
-            owner = lease.get("owner")
-            uid = owner_pod_uid(owner)
-            if uid is not None:
-                if pending is None:
-                    pending = {pod_ref(pod).uid for pod in await self.pods.pending()} if self.pods is not None else set()
-                if not pending or uid in pending:  # unknown (no pods read), or possibly this very pod
-                    continue
-            return (f"device {taken[0][:80]} is held by the agent's lease {str(lease.get('id'))[:64]} for "
-                    f"{str(owner)[:120]}, not for a pod starting on this node")
+            async with asyncio.timeout(self.budget_s):
+                answers = [await self.allocate(ids, done) for ids in wants]
+        except TimeoutError:
+            refused = Refused(grpc.StatusCode.UNAVAILABLE, f"the agent or the API server did not answer within {self.budget_s:g} s")
+        except Refused as exc:
+            refused = exc
+        else:
+            if self.leasing is not None:
+                for held in done.held:  # released with its pod, by the pod watch
+                    self.leasing.watch.track(held)
+            return api_pb2.AllocateResponse(container_responses=answers)
+        for uid, before in done.noted.items():
+            if before is None:
+                self.allocated.pop(uid, None)
+            else:
+                self.allocated[uid] = before
+        for lease_id in done.taken:
+            released = False
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.budget_s):
+                    released = await self.agent.release(lease_id)
+            if not released:  # its pod fails admission: the watch's sweep ends the lease with it
+                log_event("lease_release_failed", logging.WARNING, lease=lease_id, reason="its Allocate was refused",
+                          retry="the pod watch's sweep ends it with the pod")
+        # Two jobs on one GPU, or a GPU nobody holds, is worse than a pod that fails to start.
+        log_event("allocate_refused", logging.WARNING, error=refused.message, released=",".join(done.taken))
+        await context.abort(refused.code, refused.message)
+        raise AssertionError("abort returned")  # pragma: no cover - abort raises
+
+    def malformed(self, wants: list[list[str]]) -> str:
+        """Why kubelet's request cannot be what it means, or ""."""
+        seen: set[str] = set()
+        for ids in wants:
+            twice = _repeated(ids)
+            unknown = next((d for d in ids if d not in self.devices.by_uuid), None)
+            again = next((d for d in ids if d in seen), None)
+            message = ("no devices asked" if not ids else f"device {twice[:80]} asked twice" if twice is not None
+                       else f"unknown device {unknown[:80]}: not one of this node's GPUs" if unknown is not None
+                       else f"device {again[:80]} asked for two containers" if again is not None else "")
+            if message:
+                return message
+            seen.update(ids)
         return ""
 
-    async def lease_allocation(self, ids: list[str]) -> None:
-        """Lease what kubelet allocated, for the pod it is for, so that callers of the agent
-        see these GPUs taken while the pod lives.
-
-        kubelet does not say which pod: it is the pod whose extender lease holds exactly
-        these GPUs (nothing more to lease), else the one Pending pod on this node with a
-        container asking this many GPUs and fewer leased than it asks.  When none or
-        several are, nothing is leased, and the log says why."""
-        leasing, pods = self.leasing, self.pods
-        if leasing is None or pods is None:
-            return
-        devices = ",".join(ids)
-        covering = next((c for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
-        if covering is not None:
-            leasing.watch.track(Held(covering.namespace, covering.name, covering.uid, leasing.node, covering.lease))
-            log_event("allocation_leased", pod=f"{covering.namespace}/{covering.name}", lease=covering.lease, by="extender", devices=devices)
-            return
-        try:
-            held: dict[str, int] = {}
-            for known in await self.agent.leases():
-                uid, uuids = owner_pod_uid(known.get("owner")), known.get("gpu_uuids")
-                if uid is not None and isinstance(uuids, list):
-                    held[uid] = held.get(uid, 0) + len(uuids)
-        except AgentError as exc:
-            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=str(exc))
-            return
-        candidates = []
-        for pod in await pods.pending():
-            ref = pod_ref(pod)
+    async def allocate(self, ids: list[str], done: Done) -> api_pb2.ContainerAllocateResponse:
+        """One container's answer, its GPUs leased to its pod first (Refused when they cannot be)."""
+        known = await self.read_facts()
+        if self.leasing is None:
+            return await self.allocate_unleased(ids, known)
+        who = attribute(known, ids)
+        if who.refused or who.pod is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, who.refused)
+        pod, devices = who.pod, ",".join(ids)
+        if who.lease is not None:  # its own lease holds them: nothing to take, its bindings to ask
+            lease_id = who.lease.id
+            answer = await self.bindings(ids, lease_id)
+            by = "extender" if lease_id == pod.annotated else "device-plugin"
+            order = [g for g in pod.own if g in set(ids)] if by == "extender" else None
+        else:
+            indices = sorted(self.devices.by_uuid[d].index for d in ids)
             try:
-                wanted = gpus_wanted(pod, leasing.resource)
-            except PodError:
-                continue
-            if ref.uid and len(ids) in container_counts(pod, leasing.resource) and held.get(ref.uid, 0) < wanted:
-                candidates.append(ref)
-        if len(candidates) != 1:
-            why = (f"no Pending pod on this node asks for {len(ids)} GPUs" if not candidates
-                   else f"{len(candidates)} Pending pods on this node ask for {len(ids)} GPUs; kubelet does not say which")
-            log_event("allocation_not_leased", logging.WARNING, devices=devices, reason=why)
-            return
-        ref = candidates[0]
-        try:
-            lease = await self.agent.reserve(sorted(self.devices.by_uuid[d].index for d in ids), ref.owner(OWNER_MAX_LEN), leasing.ttl_s)
-        except AgentError as exc:
-            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason=str(exc))
-            return
-        if lease is None:
-            log_event("allocation_not_leased", logging.WARNING, devices=devices, pod=str(ref), reason="the agent holds some of these GPUs for another owner")
-            return
-        leasing.watch.track(Held(ref.namespace, ref.name, ref.uid, leasing.node, lease["id"]))
-        log_event("allocation_leased", pod=str(ref), lease=lease["id"], by="device-plugin", devices=devices)
+                answer, why = await self.agent.reserve(indices, pod.ref.owner(OWNER_MAX_LEN), self.leasing.ttl_s, [Detail.BINDINGS])
+            except AgentError as exc:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"cannot lease {devices[:400]} for {pod}: {exc}") from exc
+            if answer is None:
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"the agent would not lease these GPUs to {pod}: {why}")
+            lease_id, by, order = answer["lease"]["id"], "device-plugin", None
+            done.taken.append(lease_id)
+            covers = answer["lease"].get("gpu_uuids")
+            if not isinstance(covers, list) or sorted(map(str, covers)) != sorted(ids):
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"the agent's lease {lease_id} holds {covers!r:.200}, not the GPUs kubelet allocated")
+        done.noted.setdefault(pod.ref.uid, self.allocated.get(pod.ref.uid))
+        self.allocated[pod.ref.uid] = self.allocated.get(pod.ref.uid, frozenset()) | set(ids)
+        done.held.append(Held(pod.ref.namespace, pod.ref.name, pod.ref.uid, self.leasing.node, lease_id))
+        log_event("allocation_leased", pod=str(pod), lease=lease_id, by=by, devices=devices)
+        return api_pb2.ContainerAllocateResponse(envs=self.container_env(ids, answer, order))
 
-    async def container_env(self, ids: list[str]) -> dict[str, str]:
-        """The container's environment, GPUs in rank order.
+    async def allocate_unleased(self, ids: list[str], known: Facts) -> api_pb2.ContainerAllocateResponse:
+        """Without leasing (no token or no API server): refuse GPUs another owner holds; a
+        lease of a pod Pending here may be this pod's (its bindings are asked as its holder)."""
+        pending = {c.ref.uid: c for c in known.pods}
+        lease_ids = set()
+        for d in ids:
+            lease = known.holder.get(d)
+            if lease is None:
+                continue
+            uid = owner_pod_uid(lease.owner)
+            if uid is None or (self.pods is not None and uid not in pending):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"device {d[:80]} is held by the agent's lease {lease.id[:64]} for {lease.owner[:120]}, "
+                              "not for a pod starting on this node")
+            lease_ids.add(lease.id)
+        lease_id = next(iter(lease_ids)) if len(lease_ids) == 1 else None
+        answer = await self.bindings(ids, lease_id)
+        pod = next((c for c in pending.values() if c.annotated and c.annotated == lease_id), None)
+        order = [g for g in pod.own if g in set(ids)] if pod is not None and set(ids) <= set(pod.own) else None
+        return api_pb2.ContainerAllocateResponse(envs=self.container_env(ids, answer, order))
+
+    async def bindings(self, ids: list[str], lease_id: str | None) -> dict[str, Any] | None:
+        """The agent's rank order and nearest NICs for exactly these GPUs, asked as the holder of
+        ``lease_id`` (its GPUs are no conflict to it); None when it cannot say."""
+        body: dict[str, Any] = {"gpus": len(ids), "include": sorted(self.devices.by_uuid[d].index for d in ids),
+                                "detail": [Detail.BINDINGS]}
+        if lease_id is not None:
+            body["lease"] = lease_id
+        try:
+            return await self.agent.place(body)
+        except AgentError as exc:
+            log_event("allocate_order_failed", logging.WARNING, error=str(exc))
+            return None
+
+    def container_env(self, ids: list[str], answer: dict[str, Any] | None, order: list[str] | None) -> dict[str, str]:
+        """The container's environment, GPUs in rank order (``order``, else the agent's).
 
         ``CUDA_VISIBLE_DEVICES`` by UUID too: the runtime renumbers the container's GPUs by
         PCI bus order, so only UUIDs keep CUDA device 0 the rank-0 GPU."""
-        devices = self.devices.by_uuid
-        order: list[str] = ids
         env: dict[str, str] = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        chosen = next((list(c.gpus) for c in await self.verified_choices() if sorted(c.gpus) == sorted(ids)), None)
-        if chosen is not None:
-            order = chosen  # the extender's rank order
-        # Each rank's nearest NICs (NCCL_IB_HCA below) are in the answer's bindings: ask for them.
-        body: dict[str, Any] = {"gpus": len(ids), "include": sorted(devices[d].index for d in ids), "detail": [Detail.BINDINGS]}
-        try:
-            answer = await self.agent.place(body)
-        except AgentError as exc:
-            log_event("allocate_order_failed", logging.WARNING, error=str(exc))
-            answer = None
         placed = placed_uuids(answer) if answer is not None else None
         if placed is not None and sorted(placed) != sorted(ids):
             log_event("agent_answer_refused", logging.WARNING, devices=",".join(placed)[:400], asked=",".join(ids))
-            placed = None
-        if answer is not None and placed is None:
-            answer = None  # another set than kubelet allocated: neither its order nor its NICs
+            placed = None  # another set than kubelet allocated: neither its order nor its NICs
+        if answer is None or placed is None:
+            log_event("allocate_order_unknown", logging.WARNING, devices=",".join(ids))
+        rank = order or placed or ids
         if answer is not None and placed is not None:
-            if chosen is None:
-                order = placed
             by_uuid = {g["uuid"]: g for g in answer["gpus"]}
             # One NIC per rank, the nearest to that rank's GPU, in rank order.
-            nics = _unique(n for n in (_nearest_nic(by_uuid[u]) for u in order) if n is not None)
+            nics = _unique(n for n in (_nearest_nic(by_uuid[u]) for u in rank) if n is not None)
             if nics:
                 env["NCCL_IB_HCA"] = "=" + ",".join(nics)
-        else:
-            log_event("allocate_order_unknown", logging.WARNING, devices=",".join(ids))
-        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(order)
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(order)
-        log_event("allocate", devices=",".join(order), nccl_ib_hca=env.get("NCCL_IB_HCA", ""))
+        env["NVIDIA_VISIBLE_DEVICES"] = ",".join(rank)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(rank)
+        log_event("allocate", devices=",".join(rank), nccl_ib_hca=env.get("NCCL_IB_HCA", ""))
         return env
 
     async def PreStartContainer(self, request: api_pb2.PreStartContainerRequest, context: Any) -> api_pb2.PreStartContainerResponse:
@@ -446,8 +525,8 @@ class DevicePlugin:
             self.watch = PodWatch(kube, LocalAgent(self.agent), resync_s=pod_resync_s, field_selector=f"spec.nodeName={node}",
                                   who="device-plugin")
             self.watch.note_node(node)  # its agent is swept from the first resync
-            leasing = Leasing(self.watch, node, settings.lease_ttl_s, settings.resource_name)
-        self.service = DevicePluginService(self.devices, self.agent, pods, leasing)
+            leasing = Leasing(self.watch, node, settings.lease_ttl_s)
+        self.service = DevicePluginService(self.devices, self.agent, pods, leasing, settings.resource_name)
         self.server: grpc.aio.Server | None = None
         self.stopping = asyncio.Event()
 
@@ -479,15 +558,19 @@ class DevicePlugin:
         still reach kubelet).  Each new problem is logged once; the last list stands."""
         etag: str | None = None
         problem: tuple[str, str] | None = None
+        damper = Damper(self.settings.health_polls)
+        gpus: dict[str, Gpu] = {}
+        health = None
         while True:
             now: tuple[str, str] | None = None
             try:
                 seen, doc = await self.agent.topology(etag)
-                if doc is not None:
-                    await self.devices.update(gpus_of(doc))
-                    if self.reporter is not None:
-                        self.reporter.set(node_health(doc))
+                if doc is not None:  # else unchanged (304): the same answer counts again
+                    gpus, health = gpus_of(doc), node_health(doc)
                 etag = seen
+                await self.devices.update({u: replace(g, health=damper.settle(u, g.health)) for u, g in gpus.items()})
+                if self.reporter is not None and health is not None:
+                    self.reporter.set(damper.settle("node", health))
             except AgentAnswerError as exc:
                 now = ("agent_answer_refused", str(exc))
             except AgentError as exc:
@@ -498,7 +581,7 @@ class DevicePlugin:
             if now is not None:
                 etag = None  # ask for the whole document again next time
                 if self.reporter is not None:
-                    self.reporter.set(UNREACHABLE)
+                    self.reporter.set(damper.settle("node", UNREACHABLE))
                 if now != problem:
                     log_event(now[0], logging.WARNING, url=self.settings.agent_url, error=now[1], kept="the last device list")
             elif problem is not None:
@@ -507,11 +590,16 @@ class DevicePlugin:
             await asyncio.sleep(self.settings.poll_interval_s)
 
     async def serve_and_register_forever(self) -> None:
+        waiting = False
         while not self.stopping.is_set():
             kubelet = _identity(self.settings.kubelet_socket)
             if kubelet is None:
+                if not waiting:  # once per absence: a wrong --plugin-dir is seen at once
+                    log_event("waiting_for_kubelet", socket=str(self.settings.kubelet_socket))
+                waiting = True
                 await self._sleep(self.settings.watch_interval_s)
                 continue
+            waiting = False
             await self.start_server()
             if not await self.register():
                 await self.stop_server()

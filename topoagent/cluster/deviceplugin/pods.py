@@ -1,20 +1,16 @@
-"""GPUs a scheduler extender already chose for a pod, read from the pod's annotation.
+"""This node's Pending pods, read from the API server, and the extender's choice on them.
 
-kubelet does not tell a device plugin which pod it allocates for, so the plugin looks at
-the pods bound to this node that are still Pending and carry ``topoagent.io/gpus`` (GPU
-UUIDs, comma-separated, in rank order) and ``topoagent.io/lease``, both written by the
-extender's bind.  Anyone who can edit a pod can write annotations, so a choice counts only
-when the node's agent holds that lease for that pod (owner ``namespace/name/uid`` with the
-pod's UID) on exactly those GPUs: only the extender, with the agents' token, makes such a
-lease (see ``DevicePluginService.verified_choices``).  A choice is used only when it is the
-one verified choice that fits kubelet's request (same size, all offered, the must-haves in
-it): with two pending pods whose choices both fit, the plugin cannot tell them apart and
-answers from the agent instead, as it does when the API server cannot be reached.
+kubelet does not tell a device plugin which pod it allocates for, so the plugin reads the
+pods bound to this node that are still Pending (``admission`` tells the pod from them and
+the agent's leases).  The extender's bind leaves ``topoagent.io/gpus`` (GPU UUIDs,
+comma-separated, in rank order) and ``topoagent.io/lease`` on a pod.  Anyone who can edit a
+pod can write annotations, so a choice counts only when the node's agent holds that lease
+for that pod (owner ``namespace/name/uid`` with the pod's UID) on exactly those GPUs: only
+the extender, with the agents' token, makes such a lease.
 """
 
 from __future__ import annotations
 
-import logging
 import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,7 +20,6 @@ from typing import Any
 import aiohttp
 
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
-from topoagent.log import log_event
 
 ANNOTATION = "topoagent.io/gpus"
 MAX_CHOICE_GPUS = 4096  # more than any node has: a longer annotation is no extender's
@@ -64,26 +59,27 @@ def pod_choice(pod: Any) -> Choice | None:
     return Choice(namespace if isinstance(namespace, str) else "default", name if isinstance(name, str) else "", uid, lease, tuple(gpus))
 
 
+class PodsUnreadable(Exception):
+    """This node's pods could not be read: no answer, another status, not a PodList."""
+
+
 class PodSource:
-    def __init__(self, api_url: str, node_name: str, token_file: Path | None = None, ca_file: Path | None = None, timeout_s: float = 5.0):
+    def __init__(self, api_url: str, node_name: str, token_file: Path | None = None, ca_file: Path | None = None, timeout_s: float = 3.0):
+        """``timeout_s`` below the plugin's Allocate bound: a hung API server is named as such."""
         self.api_url = api_url.rstrip("/")
         self.node_name = node_name
         self.token_file = token_file
         self.ssl: ssl.SSLContext | bool = ssl.create_default_context(cafile=str(ca_file)) if ca_file else True
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
 
-    async def choices(self) -> list[Choice]:
-        """The annotated choices of this node's Pending pods; [] when they cannot be read."""
-        return [c for c in map(pod_choice, await self.pending()) if c is not None]
-
     async def pending(self) -> list[dict[str, Any]]:
-        """This node's Pending pods; [] when they cannot be read."""
+        """This node's Pending pods; PodsUnreadable saying why when they cannot be read."""
         headers = {}
-        if self.token_file is not None:
-            # Read each time: projected service account tokens are rotated on disk.
-            headers["Authorization"] = f"Bearer {self.token_file.read_text().strip()}"
         params = {"fieldSelector": f"spec.nodeName={self.node_name},status.phase=Pending"}
         try:
+            if self.token_file is not None:
+                # Read each time: projected service account tokens are rotated on disk.
+                headers["Authorization"] = f"Bearer {self.token_file.read_text().strip()}"
             async with (
                 aiohttp.ClientSession(timeout=self.timeout) as http,
                 http.get(f"{self.api_url}/api/v1/pods", params=params, headers=headers, ssl=self.ssl) as resp,
@@ -92,12 +88,10 @@ class PodSource:
                     raise aiohttp.ClientError(f"HTTP {resp.status}")
                 doc = await resp.json()
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, RecursionError) as exc:
-            log_event("pods_unreadable", logging.WARNING, api=self.api_url, error=str(exc) or type(exc).__name__)
-            return []
+            raise PodsUnreadable(f"GET {self.api_url}/api/v1/pods: {str(exc) or type(exc).__name__}") from exc
         pods = doc.get("items") if isinstance(doc, dict) else None
         if not isinstance(pods, list):
-            log_event("pods_unreadable", logging.WARNING, api=self.api_url, error="not a PodList")
-            return []
+            raise PodsUnreadable(f"GET {self.api_url}/api/v1/pods: not a PodList")
         return [pod for pod in pods if isinstance(pod, dict)]
 
 

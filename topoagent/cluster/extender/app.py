@@ -361,7 +361,7 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
 
         app.cleanup_ctx.append(node_table_lifetime)
     if kube is not None and settings.pod_resync_s > 0:
-        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s)
+        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s, cluster_nodes=agents.table.names)
         # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
         app.cleanup_ctx.append(while_serving(watch.run))
     prefix = settings.prefix.rstrip("/")

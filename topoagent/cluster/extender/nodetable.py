@@ -100,6 +100,10 @@ class NodeTable:
     def __len__(self) -> int:
         return len(self._addresses)
 
+    def names(self) -> list[str]:
+        """Every node the table holds (a copy: the watch may change the table meanwhile)."""
+        return list(self._addresses)
+
     def address(self, name: str) -> str | None:
         """The node's address (InternalIP, else ExternalIP, else Hostname); None when the
         Node has none usable or the table does not know the node."""
