@@ -122,8 +122,10 @@ def owner_pod_uid(owner: Any) -> str | None:
 
 class PodWatch:
     def __init__(self, api: PodApi, keeper: Keeper, *, resync_s: float = 60.0, field_selector: str | None = None,
-                 max_tracked: int = MAX_TRACKED, who: str = "extender", cluster_nodes: Callable[[], Iterable[str]] | None = None) -> None:
+                 max_tracked: int = MAX_TRACKED, who: str = "extender", cluster_nodes: Callable[[], Iterable[str]] | None = None,
+                 on_event: Callable[[str, Mapping[str, Any]], None] | None = None) -> None:
         self.api = api
+        self.on_event = on_event  # told every pod event first (the extender's holds)
         self.keeper = keeper
         # Every node of the cluster (the extender's Node table): all swept at each resync, so a
         # lease whose pod ended while no watch ran is found whoever bound it, restart or not.
@@ -188,6 +190,8 @@ class PodWatch:
     # -- one event --------------------------------------------------------------------------
 
     async def observe(self, kind: str, pod: Mapping[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, pod)
         uid = pod_uid(pod)
         if not uid:
             return
