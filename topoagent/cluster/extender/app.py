@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
-from topoagent.cluster.extender.holds import Holds, keep
+from topoagent.cluster.extender.holds import Holds, NodeLoad, keep
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
 from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, Verdict, scores
@@ -200,26 +200,13 @@ async def filter_nodes(request: web.Request) -> web.Response:
     _log_unanswered(settings, verdicts)
     holds = request.app.get(HOLDS)
     if holds is not None:
-        _honour_holds(holds, pod_ref(args.pod), wanted["gpus"], passed, unresolvable)
+        holds.honour(pod_ref(args.pod), wanted["gpus"], passed, unresolvable)
     requeue = request.app.get(REQUEUE)
     if requeue is not None:
         for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one
             if not verdict.fits and verdict.node in agents.table and (verdict.resolvable or not verdict.answered):
                 requeue.rejected(verdict.node)
     return web.json_response(filter_result(args, passed, failed, unresolvable))
-
-
-def _honour_holds(holds: Holds, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str]) -> None:
-    """Keep the pod off the nodes held for another (it still passes the others); note a
-    large pod that fits no node."""
-    if holds.held:
-        for node in list(passed):
-            hold = holds.blocking(node, pod.uid, gpus)
-            if hold is not None:
-                passed.remove(node)
-                unresolvable[node] = holds.reason(hold)  # no preemption on the node lets the pod in
-    if not passed:
-        holds.unplaced(pod, gpus)
 
 
 async def prioritize(request: web.Request) -> web.Response:
@@ -328,18 +315,22 @@ async def list_holds(request: web.Request) -> web.Response:
     return web.json_response(holds.document())
 
 
-async def capacities(agents: Agents) -> dict[str, tuple[int, int]]:
-    """(GPUs in all, GPUs free) of every node whose agent answers now (304s mostly), 16 asked at once."""
+async def node_loads(agents: Agents) -> dict[str, NodeLoad]:
+    """The GPU counts and leases of every node whose agent answers now, 16 asked at once:
+    only while a large pod is due a hold."""
     gate = asyncio.Semaphore(16)
 
-    async def one(node: str) -> tuple[str, tuple[int, int]] | None:
+    async def one(node: str) -> tuple[str, NodeLoad] | None:
         async with gate:
             try:
                 async with asyncio.timeout(agents.timeout_s):
                     _, counts = await agents.capacity(node, counted=False)
             except (TimeoutError, Unreachable, Refused):  # silent or not ready: not a node to hold
                 return None
-        return node, (counts["gpus"], counts["free_gpus"])
+            leases = await agents.leases(node) if counts["free_gpus"] < counts["gpus"] else []
+        held = tuple((lease["created_at"], len(lease["gpus"])) for lease in leases or []
+                     if isinstance(lease.get("created_at"), (int, float)) and isinstance(lease.get("gpus"), list))
+        return node, NodeLoad(counts["gpus"], counts["free_gpus"], held)
 
     answers = await asyncio.gather(*(one(node) for node in agents.table.names()))
     return dict(a for a in answers if a is not None)
@@ -417,7 +408,7 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
         if settings.hold_after_s > 0:  # the pod watch tells when a holder binds, ends or is deleted
             app[HOLDS] = holds = Holds(min_gpus=settings.hold_min_gpus, after_s=settings.hold_after_s, ttl_s=settings.hold_ttl_s,
                                        resource=settings.resource)
-            app.cleanup_ctx.append(while_serving(lambda: keep(holds, lambda: capacities(agents))))
+            app.cleanup_ctx.append(while_serving(lambda: keep(holds, lambda: node_loads(agents))))
         app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s, cluster_nodes=agents.table.names,
                                       on_event=holds.observe if holds is not None else None)
         # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.

@@ -12,8 +12,9 @@ extender can, because it sees every pod's placement:
   count of the GPUs already leaves no node);
 * once it has waited ``after_s``, it *holds* one node: among the nodes with at least as many
   GPUs in all as it asks for (a node that can never fit it is never held) and held by no other
-  pod, the one with the most GPUs free now (the fewest to drain), then the fewest GPUs in all,
-  then the lowest name;
+  pod, the one that would free up soonest: its leases ending oldest first (pods of a stream
+  live alike), the one whose last lease to end before the pod fits was granted earliest; then
+  the most GPUs free, the fewest GPUs in all, the lowest name;
 * while held, the node drains: every other pod asking for no more GPUs than the holder is
   filtered off it (``FailedAndUnresolvableNodes``: no preemption on the node can let it in),
   with a reason naming the holder; on every other node it passes as before;
@@ -51,6 +52,28 @@ class Waiting:
     pod: PodRef
     gpus: int
     since: float  # the clock's time it was first seen fitting no node
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoad:
+    """What the holds read of a node: its agent's ``/capacity`` counts and ``/leases``."""
+
+    gpus: int
+    free: int
+    leases: tuple[tuple[float, int], ...] = ()  # (created_at, GPUs) of each lease
+
+    def frees_at(self, wanted: int) -> float:
+        """When the lease granted last among those that must end for ``wanted`` GPUs to be free
+        was granted, the leases ending oldest first (-inf: it fits now; inf: the leases alone
+        cannot free enough, some GPUs are busy or unhealthy without one)."""
+        needed = wanted - self.free
+        if needed <= 0:
+            return float("-inf")
+        for created, gpus in sorted(self.leases):
+            needed -= gpus
+            if needed <= 0:
+                return created
+        return float("inf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +174,19 @@ class Holds:
         hold = self.held[holder]
         return hold if gpus <= hold.gpus else None
 
+    def honour(self, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str]) -> None:
+        """The filter's part: keep the pod off the nodes held for another (it still passes the
+        others), the reason in ``unresolvable`` (no preemption on the node lets it in); note a
+        large pod that fits no node."""
+        if self.held:
+            for node in list(passed):
+                hold = self.blocking(node, pod.uid, gpus)
+                if hold is not None:
+                    passed.remove(node)
+                    unresolvable[node] = self.reason(hold)
+        if not passed:
+            self.unplaced(pod, gpus)
+
     @staticmethod
     def reason(hold: Hold) -> str:
         return (f"held for pod {hold.pod}, which asks for {hold.gpus} GPUs and found no node for longer than the others: "
@@ -164,22 +200,22 @@ class Holds:
         return sorted((w for w in self.waiting.values() if now - w.since >= self.after_s and w.pod.uid not in self.held),
                       key=lambda w: w.since)
 
-    def take(self, capacities: Mapping[str, tuple[int, int]]) -> list[Hold]:
-        """Holds for the due pods, from each node's (GPUs in all, GPUs free) now; the holds taken."""
+    def take(self, loads: Mapping[str, NodeLoad]) -> list[Hold]:
+        """Holds for the due pods, from each node's load now; the holds taken."""
         taken = []
         for waiting in self.due():
-            nodes = [(node, total, free) for node, (total, free) in capacities.items()
-                     if total >= waiting.gpus and node not in self._by_node]
+            nodes = {node: load for node, load in loads.items() if load.gpus >= waiting.gpus and node not in self._by_node}
             if not nodes:
-                if not any(total >= waiting.gpus for total, _ in capacities.values()) and capacities:
+                if loads and not any(load.gpus >= waiting.gpus for load in loads.values()):
                     self.waiting.pop(waiting.pod.uid)  # no node has that many GPUs: no hold can help
                     log_event("hold_impossible", logging.WARNING, pod=str(waiting.pod), gpus=waiting.gpus,
-                              largest=max(total for total, _ in capacities.values()))
+                              largest=max(load.gpus for load in loads.values()))
                 continue
-            node, total, free = min(nodes, key=lambda n: (-n[2], n[1], n[0]))
-            now = self.clock()
-            why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; {node} has the most free "
-                   f"({free} of {total}) of the nodes with {waiting.gpus} GPUs or more")
+            node = min(nodes, key=lambda n: (nodes[n].frees_at(waiting.gpus), -nodes[n].free, nodes[n].gpus, n))
+            load, now = nodes[node], self.clock()
+            why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; of the nodes with "
+                   f"{waiting.gpus} GPUs or more, {node} ({load.free} of {load.gpus} free) would free up soonest, its "
+                   f"oldest leases ending first")
             hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why)
             self.held[waiting.pod.uid] = hold
             self._by_node[node] = waiting.pod.uid
@@ -226,17 +262,17 @@ class Holds:
 
 
 
-Capacities = Callable[[], Awaitable[dict[str, tuple[int, int]]]]
+Loads = Callable[[], Awaitable[dict[str, NodeLoad]]]
 
 
-async def keep(holds: Holds, capacities: Capacities) -> None:
-    """While a pod waits or holds: take the holds due (asking ``capacities`` only then) and
+async def keep(holds: Holds, loads: Loads) -> None:
+    """While a pod waits or holds: take the holds due (asking for the ``loads`` only then) and
     end those expired, every ``interval_s``; otherwise asleep on ``holds.wake``."""
     while True:
         await holds.wake.wait()
         while holds.busy():
             holds.expire()
             if holds.due():
-                holds.take(await capacities())
+                holds.take(await loads())
             await asyncio.sleep(holds.interval_s())
         holds.wake.clear()
