@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.cluster.extender.wire import PodRef, WireError, gpus_wanted, pod_ref
-from topoagent.log import log_event
+from topoagent.log import log, log_event
 
 FINISHED = frozenset({"Succeeded", "Failed"})
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
@@ -271,8 +271,11 @@ async def keep(holds: Holds, loads: Loads) -> None:
     while True:
         await holds.wake.wait()
         while holds.busy():
-            holds.expire()
-            if holds.due():
-                holds.take(await loads())
+            try:
+                holds.expire()
+                if holds.due():
+                    holds.take(await loads())
+            except Exception as exc:  # a bug of ours: said loudly, and the holds go on
+                log.exception("holds_keeper_crashed error=%s", f"{type(exc).__name__}: {exc}"[:300])
             await asyncio.sleep(holds.interval_s())
         holds.wake.clear()
