@@ -465,6 +465,13 @@ class FakeApiServer:
             pod.setdefault("status", {})["phase"] = phase
             self._changed("MODIFIED", pod)
 
+    def set_node_name(self, name: str, node: str, namespace: str = "default") -> None:
+        """The pod bound to ``node`` by someone else (kube-scheduler's own bind)."""
+        with self.lock:
+            pod = self.pods[(namespace, name)]
+            pod.setdefault("spec", {})["nodeName"] = node
+            self._changed("MODIFIED", pod)
+
     def set_pod_condition(self, name: str, condition: dict, namespace: str = "default") -> None:
         """A status condition on the pod, by type (kube-scheduler's PodScheduled after a failed try)."""
         with self.lock:

@@ -167,6 +167,15 @@ def test_a_deleted_pods_hold_ends(c: Cluster) -> None:
     assert unresolvable(c, small, [dgx]) == {}  # 5 free: it fits again
 
 
+def test_a_pod_bound_by_kube_scheduler_itself_ends_its_hold(c: Cluster) -> None:
+    """Without the extender's bind verb (kube-scheduler binding), the pod watch sees the bind."""
+    waiting_big_pod(c, "big-bound-elsewhere")
+    released = metric(c, "topoagent_extender_holds_released_total", '{reason="bound"}')
+    c.api.set_node_name("big-bound-elsewhere", c.nodes[0].name, "jobs")
+    wait_for("the bound pod's hold gone", lambda: holds(c) == ([], []), timeout=WITHIN_S, log=lambda: log(c))
+    assert metric(c, "topoagent_extender_holds_released_total", '{reason="bound"}') == released + 1
+
+
 def test_kube_schedulers_unschedulable_mark_counts_as_waiting(c: Cluster) -> None:
     """kube-scheduler calls no extender when its own count leaves no node: the pod watch's
     PodScheduled=False, Unschedulable is then what says the pod waits."""
