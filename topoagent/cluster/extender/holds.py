@@ -43,7 +43,7 @@ from topoagent.log import log, log_event
 
 FINISHED = frozenset({"Succeeded", "Failed"})
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
-MAX_EXPIRED = 10_000  # pods whose hold expired, kept so they do not hold again
+MAX_NEVER = 10_000  # pods that hold no node again, remembered; the oldest out past it
 RELEASES = ("bound", "deleted", "ended")  # why a hold ended other than expiry, for /metrics
 
 
@@ -113,7 +113,7 @@ class Holds:
         self.waiting: dict[str, Waiting] = {}  # pod UID -> since when it fits no node
         self.held: dict[str, Hold] = {}  # pod UID -> its hold
         self._by_node: dict[str, str] = {}  # node -> the UID of the pod holding it
-        self._expired: dict[str, None] = {}  # UIDs whose hold expired: they hold no node again
+        self._never: dict[str, None] = {}  # UIDs that hold no node again: their hold expired, or no node has their GPUs
         self.wake = asyncio.Event()  # set when a pod starts waiting: the keeper loop runs
         # For /metrics.
         self.taken = 0
@@ -127,7 +127,7 @@ class Holds:
 
     def unplaced(self, pod: PodRef, gpus: int) -> None:
         """The pod fits no node now (each of its scheduling attempts that fails)."""
-        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._expired or pod.uid in self.waiting:
+        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never or pod.uid in self.waiting:
             return
         if len(self.waiting) >= MAX_WAITING:
             self.waiting.pop(next(iter(self.waiting)))
@@ -156,7 +156,7 @@ class Holds:
     def forget(self, uid: str, reason: str) -> Hold | None:
         """The pod bound, was deleted or ended: its hold (returned) ends, it waits no more."""
         self.waiting.pop(uid, None)
-        self._expired.pop(uid, None)
+        self._never.pop(uid, None)
         hold = self.held.pop(uid, None)
         if hold is not None:
             self._by_node.pop(hold.node, None)
@@ -208,6 +208,7 @@ class Holds:
             if not nodes:
                 if loads and not any(load.gpus >= waiting.gpus for load in loads.values()):
                     self.waiting.pop(waiting.pod.uid)  # no node has that many GPUs: no hold can help
+                    self._hold_never(waiting.pod.uid)
                     log_event("hold_impossible", logging.WARNING, pod=str(waiting.pod), gpus=waiting.gpus,
                               largest=max(load.gpus for load in loads.values()))
                 continue
@@ -232,12 +233,15 @@ class Holds:
             del self.held[hold.pod.uid]
             self._by_node.pop(hold.node, None)
             self.waiting.pop(hold.pod.uid, None)
-            if len(self._expired) >= MAX_EXPIRED:
-                self._expired.pop(next(iter(self._expired)))
-            self._expired[hold.pod.uid] = None
+            self._hold_never(hold.pod.uid)
             self.expired += 1
             log_event("hold_expired", logging.WARNING, pod=str(hold.pod), node=hold.node, held_s=f"{now - hold.since:.1f}")
         return ended
+
+    def _hold_never(self, uid: str) -> None:
+        if len(self._never) >= MAX_NEVER:
+            self._never.pop(next(iter(self._never)))
+        self._never[uid] = None
 
     def interval_s(self) -> float:
         """How often the keeper looks while a pod waits: a fifth of ``after_s``, 50 ms to 1 s."""
