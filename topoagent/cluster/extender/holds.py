@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.cluster.extender.wire import PodRef, WireError, gpus_wanted, pod_ref
+from topoagent.cluster.podwatch import object_field, text_field
 from topoagent.log import log, log_event
 
 FINISHED = frozenset({"Succeeded", "Failed"})
@@ -87,19 +88,9 @@ class Hold:
     why: str
 
 
-def _text(doc: Mapping[str, Any], key: str) -> str:
-    value = doc.get(key)
-    return value if isinstance(value, str) else ""
-
-
-def _object(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
-    value = doc.get(key)
-    return value if isinstance(value, dict) else {}
-
-
 def unschedulable(pod: Mapping[str, Any]) -> bool:
     """kube-scheduler's verdict on the pod's last try: no node fit (``PodScheduled`` False, ``Unschedulable``)."""
-    conditions = _object(pod, "status").get("conditions")
+    conditions = object_field(pod, "status").get("conditions")
     for condition in conditions if isinstance(conditions, list) else []:
         if isinstance(condition, dict) and condition.get("type") == "PodScheduled":
             return condition.get("status") == "False" and condition.get("reason") == "Unschedulable"
@@ -141,10 +132,10 @@ class Holds:
         ref = pod_ref(pod)
         if not ref.uid:
             return
-        phase = _text(_object(pod, "status"), "phase")
+        phase = text_field(object_field(pod, "status"), "phase")
         if kind == "DELETED" or phase in FINISHED:
             self.forget(ref.uid, "deleted" if kind == "DELETED" else "ended")
-        elif _text(_object(pod, "spec"), "nodeName"):
+        elif text_field(object_field(pod, "spec"), "nodeName"):
             self.forget(ref.uid, "bound")
         elif unschedulable(pod):
             try:
