@@ -133,7 +133,7 @@ def test_and_lists_split_outside_quotes_only() -> None:
 
 # --- install lines and the ready venv ------------------------------------------------------
 
-HAS = {"aiohttp": "3.13.0", "prometheus-client": "0.21.0", "nvidia-ml-py": "13.0", "pyudev": "0.24"}
+HAS = {"aiohttp": "3.13.0", "prometheus-client": "0.21.0", "nvidia-ml-py": "13.615.71", "pyudev": "0.24"}
 
 
 def test_install_lines_are_checked_against_what_the_venv_holds() -> None:
