@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 import topoagent
+from topoagent.documents.lease import owner_kind
 from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.probes.figures import ProbeKind
@@ -93,20 +94,45 @@ def nvml_bus_id(address: str | None) -> str:
     return f"{int(domain, 16):08X}:{rest.upper()}"
 
 
+def dcgm_identity(snapshot: Snapshot) -> dict[str, dict[str, str]]:
+    """GPU index -> the identity labels dcgm-exporter puts on each of its series, in its
+    spellings ([metrics] dcgm_labels): a query written for it joins ours without relabelling.
+    Its releases write `Hostname`, its main branch `hostname`: both, so a query written for
+    either works."""
+    node = snapshot.node
+    return {str(info.index): {"UUID": _opt(info.uuid), "modelName": _opt(info.model), "pci_bus_id": nvml_bus_id(info.pci_address),
+                              "device": f"nvidia{info.index}", "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname),
+                              "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version)}
+            for info in snapshot.matrix.gpus}
+
+
+def _with_dcgm_labels(families: Iterable[Metric], identity: dict[str, dict[str, str]] | None) -> Iterator[Metric]:
+    """``families``, each series of a GPU (a ``gpu`` label) with ``identity``'s labels added:
+    none a series has already (gpu_nic_link_level's `device` is its NIC's)."""
+    for family in families:
+        if identity is not None:
+            family.samples = [sample._replace(labels={**sample.labels, **{k: v for k, v in identity.get(sample.labels.get("gpu", ""), {}).items()
+                                                                                       if k not in sample.labels}})
+                              for sample in family.samples]
+        yield family
+
+
 class SnapshotCollector(Collector):
     """`pairwise`: the GPU-pair and GPU-NIC link levels and expected bandwidths ([metrics]
     pairwise), n^2 series that never change between discoveries and are in /topology
     anyway; `per_link`: one series per NVLink ([metrics] per_link) instead of per GPU.
     Both off by default: at 128 GPUs they are 50k of a 56k-series page.  `detail` ([metrics]
     detail): the series each word brings back beside the defaults (detail_table() says
-    which); none by default, for a page under 5k series at 128 GPUs."""
+    which); none by default, for a page under 5k series at 128 GPUs.  `dcgm_labels` ([metrics]
+    dcgm_labels): dcgm-exporter's identity labels on every series of a GPU."""
 
     def __init__(self, snapshot: Snapshot, *, pairwise: bool = False, per_link: bool = False,
-                 detail: frozenset[str] = frozenset()) -> None:
+                 detail: frozenset[str] = frozenset(), dcgm_labels: bool = False) -> None:
         self.snapshot = snapshot
         self.pairwise = pairwise
         self.per_link = per_link
         self.detail = detail
+        self.dcgm = dcgm_identity(snapshot) if dcgm_labels else None
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
@@ -114,18 +140,14 @@ class SnapshotCollector(Collector):
 
         gpu_info = InfoMetricFamily(f"{NS}_gpu", "Identity of each GPU.", labels=["gpu"])
         for info in matrix.gpus:
-            gpu_info.add_metric(
-                [str(info.index)],
-                {"uuid": _opt(info.uuid), "pci_address": _opt(info.pci_address), "model": _opt(info.model), "numa_node": _opt(info.numa_node),
-                 # dcgm-exporter's names and spellings for the same GPU, so a PromQL join needs
-                 # no relabelling (its `gpu` is the NVML index, as ours is, and its `device`
-                 # is "nvidia" and that index).  Both spellings of the hostname: its releases
-                 # write `Hostname`, its main branch `hostname` (README).
-                 "UUID": _opt(info.uuid), "pci_bus_id": nvml_bus_id(info.pci_address), "modelName": _opt(info.model),
-                 "device": f"nvidia{info.index}", "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version),
-                 "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname)},
-            )
-        yield gpu_info
+            # One spelling of each, snake_case (promtool check metrics is clean); `gpu` is the
+            # NVML index and `device` "nvidia" and that index, as dcgm-exporter writes both, and
+            # `hostname` as its main branch does.  [metrics] dcgm_labels adds its other spellings.
+            identity = {"uuid": _opt(info.uuid), "model": _opt(info.model), "pci_address": _opt(info.pci_address),
+                        "numa_node": _opt(info.numa_node), "device": f"nvidia{info.index}", "hostname": _opt(node.hostname),
+                        "driver_version": _opt(node.driver_version)}
+            gpu_info.add_metric([str(info.index)], identity)
+        yield from _with_dcgm_labels([gpu_info], self.dcgm)
 
         if node.nvlink_domain is not None:  # absent, not empty, where NVML reports no domain
             domain = InfoMetricFamily(f"{NS}_nvlink_domain", "The multi-node NVLink domain this node's GPUs are registered in.",
@@ -197,7 +219,7 @@ class SnapshotCollector(Collector):
                         [str(matrix.gpus[i].index), nic_info.name, _opt(nic_info.device), str(nic_level)], int(nic_level.kind)
                     )
         if self.pairwise:
-            yield affinity
+            yield from _with_dcgm_labels([affinity], self.dcgm)
 
         degraded = GaugeMetricFamily(
             f"{NS}_pcie_link_degraded",
@@ -234,9 +256,7 @@ class SnapshotCollector(Collector):
                 active.add_metric([str(gpu.index)], sum(1 for nl in gpu.nvlinks if nl.active))
             for nl in gpu.nvlinks if self.per_link else ():
                 nvlink.add_metric([str(gpu.index), str(nl.link)], 1.0 if nl.active else 0.0)
-        yield active
-        if self.per_link:
-            yield nvlink
+        yield from _with_dcgm_labels([active, nvlink] if self.per_link else [active], self.dcgm)
 
         ib_state = GaugeMetricFamily(f"{NS}_infiniband_port_active", "1 when an InfiniBand port is ACTIVE; the state label says what it is.", labels=["device", "port", "state"])
         ib_rate = GaugeMetricFamily(f"{NS}_infiniband_port_rate_bytes_per_second", "Data rate of an InfiniBand port (its Gb/s rate over 8).", labels=["device", "port"])
@@ -259,7 +279,7 @@ class SnapshotCollector(Collector):
             findings.add_metric([kind, severity], count)
         yield findings
 
-        yield from telemetry_families(snapshot, per_link=self.per_link, detail=self.detail)
+        yield from _with_dcgm_labels(telemetry_families(snapshot, per_link=self.per_link, detail=self.detail), self.dcgm)
 
         success = GaugeMetricFamily(f"{NS}_collector_success", "1 when the collector's last run succeeded.", labels=["collector"])
         duration = GaugeMetricFamily(f"{NS}_collector_duration_seconds", "How long the collector's last run took.", labels=["collector"])
@@ -364,9 +384,10 @@ PROBE_OUTCOMES = ("ok", "timeout", "crash", "oom", "cuda_error", "unavailable", 
 
 
 class RuntimeCollector(Collector):
-    def __init__(self, served: Served, detail: frozenset[str] = frozenset()) -> None:
+    def __init__(self, served: Served, detail: frozenset[str] = frozenset(), dcgm_labels: bool = False) -> None:
         self.served = served
         self.detail = detail  # [metrics] detail
+        self.dcgm = dcgm_identity(served.snapshot) if dcgm_labels and served.snapshot is not None else None
 
     def collect(self) -> Iterator[Metric]:
         served = self.served
@@ -379,7 +400,13 @@ class RuntimeCollector(Collector):
         up = GaugeMetricFamily(f"{NS}_ready", "1 when the node is ready for placement (GET /readyz answers 200): a "
                                "topology is loaded and no critical finding leaves its answers untrustworthy; else 0.")
         up.add_metric([], 1.0 if served.snapshot is not None and not served.snapshot.placement_blockers else 0.0)
-        yield up
+        why = GaugeMetricFamily(f"{NS}_not_ready_reason", "Why topoagent_ready is 0, one series a reason: no_topology (no discovery has "
+                                "succeeded yet: topoagent_discovery_runs_total and GET /readyz's discovery say why), or the kind of "
+                                "each finding that blocks placement.", labels=["reason"])
+        reasons = ["no_topology"] if served.snapshot is None else sorted({str(f.kind) for f in served.snapshot.placement_blockers})
+        for reason in reasons:
+            why.add_metric([reason], 1.0)
+        yield from (up, why)
         if served.snapshot is not None:
             age = GaugeMetricFamily(f"{NS}_snapshot_age_seconds", "Seconds since the served topology was collected.")
             age.add_metric([], max(0.0, now - served.snapshot.built_at))
@@ -421,12 +448,20 @@ class RuntimeCollector(Collector):
         )
         quarantined.add_metric([], float(len(served.lease_quarantine.entries)) if served.lease_quarantine is not None else 0.0)
         yield quarantined
-        busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it).", labels=["gpu", "reason"])
-        leased_set = set(holding.holder)
+        # Who holds a leased GPU, for a join by (instance, gpu): the pod and namespace of a pod's
+        # lease (owner namespace/name/uid), which dcgm-exporter needs kubelet's pod-resources
+        # API for.  Labels on this series, not a family of their own: no series added.
+        busy = GaugeMetricFamily(f"{NS}_gpu_busy", "1 when a GPU is leased or NVML sees a process on it (placement keeps off it); "
+                                 "a leased one names its lease and owner kind (pod, slurm_job, other), and a pod's namespace and name.",
+                                 labels=["gpu", "reason", "lease", "owner_kind", "namespace", "pod"])
         running = served.running
-        for gpu in sorted(leased_set | running):
-            busy.add_metric([str(gpu), "lease" if gpu in leased_set else "processes"], 1.0)
-        yield busy
+        for gpu in sorted(set(holding.holder) | running):
+            holder = holding.holder.get(gpu)
+            if holder is None:
+                busy.add_metric([str(gpu), "processes", "", "", "", ""], 1.0)
+            else:
+                busy.add_metric([str(gpu), "lease", holder.id, *owner_kind(holder.owner)], 1.0)
+        yield from _with_dcgm_labels([busy], self.dcgm)
         yield from self._capacity()
         yield from self._probes(now)
 
@@ -538,7 +573,7 @@ class MetricsPage:
     def __init__(self, service: Service, http: HttpCollector | None = None) -> None:
         self.service = service
         self._http = http
-        self._cached: tuple[tuple[int, bool, bool, frozenset[MetricsDetail]], bytes] | None = None
+        self._cached: tuple[tuple[int, bool, bool, frozenset[MetricsDetail], bool], bytes] | None = None
 
     def render(self) -> bytes:
         served = self.service.served()  # one value for the whole page
@@ -546,9 +581,10 @@ class MetricsPage:
         static = b""
         config = self.service.config  # read per page: a SIGHUP reload may change [metrics]
         if snapshot is not None:
-            key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link, config.metrics_detail)
+            key = (snapshot.version, config.metrics_pairwise, config.metrics_per_link, config.metrics_detail, config.metrics_dcgm_labels)
             if self._cached is None or self._cached[0] != key:
                 self._cached = (key, _render(SnapshotCollector(snapshot, pairwise=config.metrics_pairwise, per_link=config.metrics_per_link,
-                                                               detail=config.metrics_detail)))
+                                                               detail=config.metrics_detail, dcgm_labels=config.metrics_dcgm_labels)))
             static = self._cached[1]
-        return static + _render(RuntimeCollector(served, config.metrics_detail)) + (_render(self._http) if self._http is not None else b"")
+        runtime = RuntimeCollector(served, config.metrics_detail, dcgm_labels=config.metrics_dcgm_labels)
+        return static + _render(runtime) + (_render(self._http) if self._http is not None else b"")

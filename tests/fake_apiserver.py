@@ -465,6 +465,21 @@ class FakeApiServer:
             pod.setdefault("status", {})["phase"] = phase
             self._changed("MODIFIED", pod)
 
+    def set_node_name(self, name: str, node: str, namespace: str = "default") -> None:
+        """The pod bound to ``node`` by someone else (kube-scheduler's own bind)."""
+        with self.lock:
+            pod = self.pods[(namespace, name)]
+            pod.setdefault("spec", {})["nodeName"] = node
+            self._changed("MODIFIED", pod)
+
+    def set_pod_condition(self, name: str, condition: dict, namespace: str = "default") -> None:
+        """A status condition on the pod, by type (kube-scheduler's PodScheduled after a failed try)."""
+        with self.lock:
+            pod = self.pods[(namespace, name)]
+            status = pod.setdefault("status", {})
+            status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != condition.get("type")] + [dict(condition)]
+            self._changed("MODIFIED", pod)
+
     def close_watches(self) -> None:
         """End every open watch stream, as an API server does at its timeout or restart."""
         with self.lock:

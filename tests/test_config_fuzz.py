@@ -210,6 +210,7 @@ GOOD: dict[tuple[str, str], st.SearchStrategy] = {
     ("placement", "capacity_budget_ms"): st.integers(1, 60000),
     ("metrics", "pairwise"): st.booleans(),
     ("metrics", "per_link"): st.booleans(),
+    ("metrics", "dcgm_labels"): st.booleans(),
     ("metrics", "detail"): st.lists(st.sampled_from([d.value for d in MetricsDetail]), max_size=5),
     ("telemetry", "enabled"): st.booleans(),
     ("telemetry", "interval_s"): seconds("telemetry.interval_s"),

@@ -55,8 +55,8 @@ def test_nothing_of_the_machine_running_the_test_leaks_in(served):
         recorded = json.loads((SNAPSHOTS / node / "snapshot.json").read_text())["hostname"]
         topology = json.loads(files["topology.json"])
         assert topology["hostname"] == recorded
-        # Hostname labels the GPU series (dcgm-exporter's): a node without GPUs has none.
-        assert set(re.findall(r'Hostname="([^"]*)"', files["metrics.txt"])) == ({recorded} if topology["gpus"] else set())
+        # hostname labels gpu_info: a node without GPUs has none.
+        assert set(re.findall(r'hostname="([^"]*)"', files["metrics.txt"])) == ({recorded} if topology["gpus"] else set())
         for name, text in files.items():
             assert str(golden_outputs.REPO) not in text and "golden-" not in text, f"{node}/{name} names a local path"
 

@@ -82,7 +82,9 @@ def real_scrape_names(tmp: Path) -> set[str]:
         text = agent.get("/metrics").body.decode()
     finally:
         agent.stop()
-    return {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    families = list(text_string_to_metric_families(text))
+    # A gauge family served empty counts too: topoagent_not_ready_reason has series only while not ready.
+    return {s.name for family in families for s in family.samples} | {f.name for f in families if f.type == "gauge"}
 
 
 def test_dashboard_is_grafana_json_with_unique_panels():
@@ -148,7 +150,8 @@ def free_port() -> int:
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, target: str) -> None:
+    def __init__(self, tmp: Path, target: str | list[str]) -> None:
+        targets = [target] if isinstance(target, str) else target
         binary = shutil.which("prometheus")
         if binary is None:
             raise AssertionError("prometheus not found: install the Debian package 'prometheus' (scripts/test does)")
@@ -158,7 +161,7 @@ global: {{scrape_interval: 1s, evaluation_interval: 1s}}
 rule_files: ["{RULES}"]
 scrape_configs:
   - job_name: topoagent
-    static_configs: [{{targets: ["{target}"]}}]
+    static_configs: [{{targets: {json.dumps(targets)}}}]
 """)
         self.port = free_port()
         self.log = tmp / "prometheus.log"
@@ -204,7 +207,7 @@ def prometheus(tmp_path_factory):
 
 
 def grafana_to_promql(expr: str, rate_interval: str = "1m") -> str:
-    return expr.replace("$instance", ".*").replace("$gpu", ".*").replace("$__rate_interval", rate_interval)
+    return expr.replace("$instance", ".*").replace("$gpu", ".*").replace("$__rate_interval", rate_interval).replace("$__range", rate_interval)
 
 
 def test_every_panel_query_answers_with_series_from_a_real_scrape(prometheus):
@@ -219,6 +222,8 @@ def test_every_panel_query_answers_with_series_from_a_real_scrape(prometheus):
             assert answer["status"] == "success", f"{p['title']}: {asked}: {answer}"
             if not answer["data"]["result"]:
                 silent[p["title"]] = asked
+    # The agent is ready: no reason it is not (the real pages below have them).
+    assert prometheus.query("topoagent_ready == 1")["data"]["result"] and silent.pop("Not ready because", None)
     assert not silent, f"panels with no data on a real scrape: {silent}"
 
 
@@ -249,3 +254,136 @@ def test_the_alert_rules_load_and_the_degraded_node_raises_its_critical_findings
     assert served_at_zero and float(served_at_zero[0]["value"][1]) >= 7
     (last,) = prometheus.query("topoagent_gpu_xid_last")["data"]["result"]  # which Xid it was, as dcgm-exporter says it
     assert last["metric"]["gpu"] == "6" and last["value"][1] == "79"
+
+
+# --- the pages of a real H200 node (tests/data/h200-vm-scrapes), scraped by a real Prometheus --
+
+PAGES = REPO / "tests" / "data" / "h200-vm-scrapes"
+
+
+class PageServer:
+    """One recorded /metrics page, served as the agent served it, on its own port."""
+
+    def __init__(self, page: Path) -> None:
+        import http.server
+        import threading
+
+        body = page.read_bytes()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # http.server's name
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def real_pages(tmp_path_factory):
+    """Prometheus scraping the four pages, each its own target: (prometheus, page -> instance)."""
+    tmp = tmp_path_factory.mktemp("real-pages")
+    servers = {page.stem: PageServer(page) for page in sorted(PAGES.glob("*.prom"))}
+    prom = Prometheus(tmp, [s.target for s in servers.values()])
+    try:
+        wait_for("three scrapes of each page", lambda: len((prom.query("count_over_time(topoagent_build_info[1m]) >= 3").get("data") or {}).get("result") or []) == len(servers),
+                 timeout=WAIT_S, interval=0.2, log=lambda: prom.log.read_text())
+        yield prom, {name: server.target for name, server in servers.items()}
+    finally:
+        prom.stop()
+        for server in servers.values():
+            server.stop()
+
+
+def answers_by_instance(prom: Prometheus, expr: str) -> dict[str, list[dict]]:
+    answer = prom.query(grafana_to_promql(expr))
+    assert answer["status"] == "success", (expr, answer)
+    found: dict[str, list[dict]] = {}
+    for series in answer["data"]["result"]:
+        found.setdefault(series["metric"].get("instance", ""), []).append(series)
+    return found
+
+
+def test_no_healthy_zero_where_the_agent_knows_nothing(real_pages):
+    """discovery-never-ran.prom: no topology, so Findings, Critical findings and Busy GPUs
+    show no data (they showed 0, a healthy node's look); the healthy page shows its 0."""
+    prom, instance = real_pages
+    for title in ("Findings", "Critical findings", "Busy GPUs"):
+        (expr,) = [t["expr"] for p in board()["panels"] if p["title"] == title and p["type"] == "stat" for t in p["targets"]]
+        found = answers_by_instance(prom, expr)
+        assert instance["discovery-never-ran"] not in found, (title, found)
+        assert float(found[instance["nvml-read-right-after-load"]][0]["value"][1]) == {"Findings": 1, "Critical findings": 0, "Busy GPUs": 1}[title]
+        assert float(found[instance["as-landed-nvml-dead"]][0]["value"][1]) == {"Findings": 1, "Critical findings": 1, "Busy GPUs": 0}[title]
+    (ready,) = panel_exprs("Ready for placement")
+    assert float(answers_by_instance(prom, ready)[instance["discovery-never-ran"]][0]["value"][1]) == 0
+
+
+def test_a_panel_empty_on_a_real_page_says_why(real_pages):
+    """On the real single-GPU PCIe node (no NVLink, no InfiniBand, no pairwise series) and
+    on its broken agents, every panel without data says in its description when it has none."""
+    prom, instance = real_pages
+    unexplained = {}
+    for p in board()["panels"]:
+        answered = set()
+        for t in p["targets"]:
+            answered |= set(answers_by_instance(prom, t["expr"]))
+        for page, target in instance.items():
+            if target not in answered and "No data" not in p.get("description", ""):
+                unexplained.setdefault(page, []).append(p["title"])
+    assert not unexplained, unexplained
+    # The healthy page leaves the NVLink, InfiniBand and pairwise rows empty: each says so.
+    for title, why in (("Active NVLinks per GPU", "no GPU with NVLinks"), ("InfiniBand ports active", "no InfiniBand or RoCE port"),
+                       ("GPU pair link levels", "[metrics] pairwise = false")):
+        (p,) = [p for p in board()["panels"] if p["title"] == title]
+        assert not answers_by_instance(prom, p["targets"][0]["expr"]).get(instance["nvml-read-right-idle"]) and why in p["description"], title
+
+
+def test_probe_bandwidth_memory_energy_and_throttle_panels_show_the_real_h200(real_pages):
+    prom, instance = real_pages
+    loaded = instance["nvml-read-right-after-load"]
+
+    def values(title: str) -> dict[str, float]:
+        (p,) = [p for p in board()["panels"] if p["title"] == title]
+        got = {}
+        for t in p["targets"]:
+            for series in answers_by_instance(prom, t["expr"]).get(loaded, []):
+                legend = re.sub(r"\{\{(\w+)\}\}", lambda m: series["metric"].get(m.group(1), ""), t["legendFormat"])
+                got[legend.removeprefix(f"{loaded} ")] = float(series["value"][1])
+        return got
+
+    probe = values("Probe bandwidth")  # probe-cuda.json: device-local 2,096 GB/s, h2d 51.5-55 GB/s
+    assert probe["local_copy 0"] == pytest.approx(2.09e12, rel=0.01) and probe["h2d node0->0"] == pytest.approx(54.6e9, rel=0.01)
+    memory = values("GPU memory")  # nvidia-smi said 1139 MiB used
+    assert memory["GPU0 used"] == 1_194_131_456 and memory["GPU0 used"] + memory["GPU0 free"] + memory["GPU0 reserved"] == pytest.approx(143_771 * 2**20, rel=0.01)
+    assert set(values("GPU energy over the time range")) == {"GPU0"}
+    throttle = values("GPU clocks held down, by reason")  # nvidia-smi: 0x4, the software power cap under full load
+    assert {reason for reason, held in throttle.items() if held} == {"GPU0 sw_power_cap"} and len(throttle) == 9
+    # The idle page's GPU is not probed since the agent started: no bandwidth, said so.
+    (p,) = [p for p in board()["panels"] if p["title"] == "Probe bandwidth"]
+    assert instance["nvml-read-right-idle"] not in answers_by_instance(prom, p["targets"][0]["expr"])
+
+
+def test_the_not_ready_panel_says_why_as_the_alert_does(real_pages):
+    """Its query is TopoagentNotReady's (the dashboard's pickers aside), and on the real pages
+    it names no topology for the agent whose discovery never ran and the finding that blocked
+    the landed one; nothing for the healthy ones."""
+    import yaml
+
+    (p,) = [p for p in board()["panels"] if p["title"] == "Not ready because"]
+    (alert,) = [r["expr"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if r.get("alert") == "TopoagentNotReady"]
+    ours = p["targets"][0]["expr"].replace('{instance=~"$instance"}', "").replace('instance=~"$instance", ', "")
+    assert " ".join(ours.replace("( ", "(").split()) == " ".join(alert.split()).replace("(instance, job, reason)", "(instance, reason)").replace("( ", "(")
+    prom, instance = real_pages
+    found = {i: sorted(s["metric"]["reason"] for s in series) for i, series in answers_by_instance(prom, p["targets"][0]["expr"]).items()}
+    assert found == {instance["discovery-never-ran"]: ["no_topology"], instance["as-landed-nvml-dead"]: ["fabric-not-ready"]}

@@ -212,6 +212,9 @@ def test_a_wrong_nvml_call_is_a_collector_error_naming_the_call_not_a_hardware_f
     # ... and no witness reads it as a GPU stack that is missing (nvidia-smi silent too).
     silent = CollectorResult("nvidia_smi", Status.ERROR, None, "nvidia-smi: exit code 9")
     assert witness_findings(None, {"nvml": result, "nvidia_smi": silent}, 1, 0, None) == []
+    # ... nor as a node with no GPU, where the PCI reader crashed too and saw none.
+    pci = CollectorResult("pci", Status.ERROR, None, "collector crashed (KeyError)", bug=True)
+    assert witness_findings(None, {"pci": pci, "nvml": result, "nvidia_smi": silent}, 0, 0, None) == []
 
 
 def _collect(host: Host) -> CollectorResult:

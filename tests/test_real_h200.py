@@ -145,10 +145,11 @@ def test_metrics_serve_every_gpu_counter_the_recording_holds():
     for key, (_word, name, labels) in DETAIL_ONLY.items():
         assert counters[key] is not None
         assert metric_value(metrics, name, {"gpu": "0", **labels}) is None, f"{name} is served only with its detail word"
-    # Labelled as dcgm-exporter labels it, with what NVML said of the GPU.
+    # Named once, in snake_case, with what NVML said of the GPU (dcgm-exporter's spellings
+    # only with [metrics] dcgm_labels).
     info = next(line for line in metrics.splitlines() if line.startswith("topoagent_gpu_info{"))
-    assert 'DCGM_FI_DRIVER_VERSION="580.159.04"' in info and 'modelName="NVIDIA H200"' in info
-    assert 'UUID="GPU-8aa1497e-909b-15e4-767c-dcfa583dff29"' in info
+    assert 'driver_version="580.159.04"' in info and 'model="NVIDIA H200"' in info
+    assert 'uuid="GPU-8aa1497e-909b-15e4-767c-dcfa583dff29"' in info and "UUID" not in info and "modelName" not in info
 
 
 def test_the_fixture_replays_as_the_recording_it_was_copied_from():

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
-from service_helpers import ACCEPTED_LINT, metric_value, promtool_complaints, start_agent, wait_counters_read
+from service_helpers import DCGM_LABELS_LINT, metric_value, promtool_complaints, start_agent, wait_counters_read
 
 from topoagent.config import Config
 from topoagent.exporters.prometheus import SERVED_WITH_DETAIL, MetricsPage
@@ -46,25 +46,27 @@ def metrics_of(snapshot: str, tmp_path, measured: bool = False, root: str | None
 
 
 @pytest.mark.parametrize("snapshot", ["dgx-a100", "degraded", "pcie-2socket", "vm-1gpu"])
-def test_promtool_finds_nothing_but_the_dcgm_label_spelling(snapshot, tmp_path):
+def test_promtool_finds_nothing_on_the_default_page(snapshot, tmp_path):
     text = metrics_of(snapshot, tmp_path, measured=snapshot == "dgx-a100")
     assert promtool_complaints(text.encode()) == []
 
 
-def test_promtool_says_exactly_what_the_readme_says_it_does(tmp_path):
-    """Exit 3 and one camelCase line per GPU (modelName, dcgm-exporter's), nothing else;
-    the docs quote that line in the endpoint table (http-api.md) and beside the dcgm-exporter
-    join (telemetry.md)."""
-    text = metrics_of("dgx-a100", tmp_path)
+def test_promtool_lints_only_the_camel_case_of_dcgm_labels_and_the_docs_say_so(tmp_path):
+    """With [metrics] dcgm_labels = true, promtool exits 3 with one line per GPU family for
+    dcgm-exporter's modelName, and nothing else; the default page is clean (exit 0), as the
+    endpoint table (http-api.md) and the telemetry page say."""
+    text = metrics_of("dgx-a100", tmp_path, metrics_dcgm_labels=True)
     done = subprocess.run([shutil.which("promtool") or "promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30)
     said = [line for line in (done.stdout + done.stderr).decode().splitlines() if line.strip()]
-    assert done.returncode == 3 and said == [ACCEPTED_LINT] * 8, (done.returncode, said)
+    gpu_families = sorted({f.name + ("_total" if f.type == "counter" else "") for f in text_string_to_metric_families(text)
+                           if any("gpu" in s.labels for s in f.samples)})
+    assert done.returncode == 3 and sorted(set(said)) == [DCGM_LABELS_LINT.format(family=name) for name in gpu_families], (done.returncode, said)
     assert promtool_complaints(text.replace("modelName=", "model_name=").encode()) == []  # that label alone
     api = " ".join((REPO / "docs" / "http-api.md").read_text().split())
     telemetry = " ".join((REPO / "docs" / "telemetry.md").read_text().split())
     cell = api.split("| `GET /metrics` |", 1)[1].split(" |", 1)[0]  # the endpoint table's row
-    assert ACCEPTED_LINT in cell and "finds nothing" not in cell, cell
-    assert api.count(ACCEPTED_LINT) == 1 and telemetry.count(ACCEPTED_LINT) == 1 and "modelName" in telemetry
+    assert "exit 0" in cell and "dcgm_labels" in cell, cell
+    assert "dcgm_labels = true" in telemetry and DCGM_LABELS_LINT.format(family="topoagent_gpu_info") in telemetry
 
 
 def series_labels(text: str, name: str) -> list[dict[str, str]]:
@@ -85,24 +87,59 @@ DCGM_MAIN_GPU0 = DCGM_GPU0.replace("Hostname=", "hostname=")
 DGX_A100_DRIVER = json.loads((SNAPSHOTS / "dgx-a100" / "nvml.json").read_text())["driver_version"]
 
 
-def test_gpu_info_carries_dcgm_exporters_identity_labels_so_a_join_needs_no_relabelling(tmp_path):
+def test_gpu_info_names_each_gpu_once_and_dcgm_labels_put_dcgm_exporters_identity_on_every_gpu_series(tmp_path):
     root = shutil.copytree(SNAPSHOTS / "dgx-a100", tmp_path / "node", symlinks=True)
     (root / "proc/sys/kernel").mkdir(parents=True)
     (root / "proc/sys/kernel/hostname").write_text("gpu01\n")
     info = {s["gpu"]: s for s in series_labels(metrics_of("dgx-a100", tmp_path, root=str(root)), "topoagent_gpu_info")}
     assert info["0"] == {
         "gpu": "0", "uuid": "GPU-a13ea39b-79e0-dde4-386c-854e124e28d7", "pci_address": "0000:07:00.0",
-        "model": "NVIDIA A100-SXM4-40GB", "numa_node": "3",
-        "UUID": "GPU-a13ea39b-79e0-dde4-386c-854e124e28d7", "pci_bus_id": "00000000:07:00.0",
-        "modelName": "NVIDIA A100-SXM4-40GB", "device": "nvidia0", "DCGM_FI_DRIVER_VERSION": DGX_A100_DRIVER,
-        "Hostname": "gpu01", "hostname": "gpu01"}
+        "model": "NVIDIA A100-SXM4-40GB", "numa_node": "3", "device": "nvidia0", "hostname": "gpu01", "driver_version": DGX_A100_DRIVER}
+    assert info["7"]["device"] == "nvidia7"
+    # The opt-in: each GPU series carries what dcgm-exporter's do, so a dcgm query joins
+    # on its own labels (UUID, Hostname) without group_left.
+    text = metrics_of("dgx-a100", tmp_path / "dcgm", root=str(root), metrics_dcgm_labels=True)
     for sample in (DCGM_GPU0, DCGM_MAIN_GPU0):
         dcgm = series_labels(sample.replace("@DRIVER@", DGX_A100_DRIVER), "DCGM_FI_DEV_GPU_UTIL")[0]
-        for key in dcgm:
-            assert info["0"][key] == dcgm[key], key
-    assert info["7"]["device"] == "nvidia7"
+        for name in ("topoagent_gpu_info", "topoagent_gpu_nvlinks_active"):
+            (ours,) = [s for s in series_labels(text, name) if s["gpu"] == "0"]
+            assert {key: ours.get(key) for key in dcgm} == dcgm, name
     # NVML writes hex digits upper case: the B7 bus of GPU 6 (sysfs 0000:b7:00.0).
-    assert info["6"]["pci_address"] == "0000:b7:00.0" and info["6"]["pci_bus_id"] == "00000000:B7:00.0"
+    (six,) = [s for s in series_labels(text, "topoagent_gpu_info") if s["gpu"] == "6"]
+    assert six["pci_address"] == "0000:b7:00.0" and six["pci_bus_id"] == "00000000:B7:00.0"
+    # Every series with a gpu label has them, and no other series does.
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            assert ("UUID" in s.labels) == ("gpu" in s.labels), (s.name, s.labels)
+
+
+def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
+    """The join dcgm-exporter needs kubelet's pod-resources API for: a pod's lease (owner
+    namespace/name/uid, as the extender and the device plugin write it) names the pod on the
+    GPU's busy series; a Slurm job's or a person's lease says its kind only."""
+    pod = "ml-team/trainer-0/0f6c1b2e-3a4d-4e5f-8a9b-0c1d2e3f4a5b"
+
+    async def run() -> tuple[str, dict[str, str]]:
+        agent = Agent(Config(root=str(SNAPSHOTS / "dgx-a100"), state_dir=str(tmp_path / "state"), udev=False))
+        await agent.start()
+        try:
+            await agent.request_refresh("test")
+            ids = {}
+            for owner, gpus in ((pod, 2), ("slurm-job-4711", 1), ("alice", 1)):
+                _, lease = await agent.reserve(Request(gpus=gpus), owner, 600)
+                assert lease is not None
+                ids[owner] = lease.id
+            return MetricsPage(agent).render().decode(), ids
+        finally:
+            await agent.stop()
+
+    text, ids = asyncio.run(run())
+    busy = series_labels(text, "topoagent_gpu_busy")
+    by_kind = sorted((s["owner_kind"], s.get("namespace", ""), s.get("pod", ""), s["lease"]) for s in busy)
+    assert by_kind == sorted([("pod", "ml-team", "trainer-0", ids[pod])] * 2 + [("slurm_job", "", "", ids["slurm-job-4711"]),
+                                                                               ("other", "", "", ids["alice"])])
+    assert all(s["reason"] == "lease" for s in busy)
+    assert promtool_complaints(text.encode()) == []
 
 
 def test_pairwise_topology_and_per_link_series_only_when_asked(tmp_path):

@@ -98,6 +98,7 @@ class Config:
     metrics_pairwise: bool = False  # GPU-GPU and GPU-NIC link levels, expected bandwidth (n^2 series)
     metrics_per_link: bool = False  # one series per NVLink, not per GPU
     metrics_detail: frozenset[MetricsDetail] = frozenset()  # the series served beside the default page (MetricsDetail)
+    metrics_dcgm_labels: bool = False  # dcgm-exporter's identity labels (UUID, modelName, Hostname...) on every GPU series
     # [placement]: a request without deadline_ms gets this one (ms)
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
     # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
@@ -370,6 +371,7 @@ SCHEMA: dict[str, dict[str, tuple[str, Any]]] = {
         "pairwise": ("metrics_pairwise", _bool),
         "per_link": ("metrics_per_link", _bool),
         "detail": ("metrics_detail", _details),
+        "dcgm_labels": ("metrics_dcgm_labels", _bool),
     },
     "placement": {
         "deadline_ms": ("placement_deadline_ms", _deadline_ms),

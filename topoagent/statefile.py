@@ -54,10 +54,17 @@ def state_dir_problem(path: str | os.PathLike[str]) -> str | None:
     info = os.stat(path)  # the directory a link names: systemd's StateDirectory= is one under DynamicUser
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory"
+    return owner_or_mode_problem(info, chown=f"chown {os.geteuid()} {os.fspath(path)}", chmod=f"chmod 700 {os.fspath(path)}")
+
+
+def owner_or_mode_problem(info: os.stat_result, *, chown: str, chmod: str) -> str | None:
+    """The rule for whatever the agent trusts on disk (its state directory, its token file):
+    owned by this process's user or root, and no group or other write bit.  ``chown`` and
+    ``chmod`` are the fix each failure names."""
     uid = os.geteuid()
     if info.st_uid not in (uid, 0):
-        return f"owned by uid {info.st_uid}, not by this agent's user (uid {uid}) or root; chown {uid} {os.fspath(path)}"
+        return f"owned by uid {info.st_uid}, not by this agent's user (uid {uid}) or root; {chown}"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         who = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
-        return f"writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}); chmod 700 {os.fspath(path)}"
+        return f"writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}); {chmod}"
     return None

@@ -84,32 +84,34 @@ class Held:
         return f"{self.namespace}/{self.name}"
 
 
-def _text(doc: Mapping[str, Any], key: str) -> str:
+def text_field(doc: Mapping[str, Any], key: str) -> str:
+    """``doc[key]`` where it is text, else "": an API object's field, never trusted to be there."""
     value = doc.get(key)
     return value if isinstance(value, str) else ""
 
 
-def _object(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+def object_field(doc: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``doc[key]`` where it is an object, else {}."""
     value = doc.get(key)
     return value if isinstance(value, dict) else {}
 
 
 def pod_uid(pod: Mapping[str, Any]) -> str:
-    return _text(_object(pod, "metadata"), "uid")
+    return text_field(object_field(pod, "metadata"), "uid")
 
 
 def held_lease(pod: Mapping[str, Any]) -> Held | None:
     """The lease the pod holds by its annotation, on the node it is bound to; None without."""
-    meta = _object(pod, "metadata")
-    lease, node = _text(_object(meta, "annotations"), LEASE_ANNOTATION), _text(_object(pod, "spec"), "nodeName")
-    uid = _text(meta, "uid")
+    meta = object_field(pod, "metadata")
+    lease, node = text_field(object_field(meta, "annotations"), LEASE_ANNOTATION), text_field(object_field(pod, "spec"), "nodeName")
+    uid = text_field(meta, "uid")
     if not lease or not node or not uid:
         return None
-    return Held(_text(meta, "namespace") or "default", _text(meta, "name"), uid, node, lease)
+    return Held(text_field(meta, "namespace") or "default", text_field(meta, "name"), uid, node, lease)
 
 
 def finished(pod: Mapping[str, Any]) -> bool:
-    return _text(_object(pod, "status"), "phase") in FINISHED
+    return text_field(object_field(pod, "status"), "phase") in FINISHED
 
 
 def owner_pod_uid(owner: Any) -> str | None:
@@ -122,8 +124,10 @@ def owner_pod_uid(owner: Any) -> str | None:
 
 class PodWatch:
     def __init__(self, api: PodApi, keeper: Keeper, *, resync_s: float = 60.0, field_selector: str | None = None,
-                 max_tracked: int = MAX_TRACKED, who: str = "extender", cluster_nodes: Callable[[], Iterable[str]] | None = None) -> None:
+                 max_tracked: int = MAX_TRACKED, who: str = "extender", cluster_nodes: Callable[[], Iterable[str]] | None = None,
+                 on_event: Callable[[str, Mapping[str, Any]], None] | None = None) -> None:
         self.api = api
+        self.on_event = on_event  # told every pod event first (the extender's holds)
         self.keeper = keeper
         # Every node of the cluster (the extender's Node table): all swept at each resync, so a
         # lease whose pod ended while no watch ran is found whoever bound it, restart or not.
@@ -188,6 +192,8 @@ class PodWatch:
     # -- one event --------------------------------------------------------------------------
 
     async def observe(self, kind: str, pod: Mapping[str, Any]) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, pod)
         uid = pod_uid(pod)
         if not uid:
             return
@@ -196,7 +202,7 @@ class PodWatch:
             held = held or self.tracked.get(uid)
             self.tracked.pop(uid, None)
             if held is not None:
-                await self._release(held, "deleted" if kind == "DELETED" else _text(_object(pod, "status"), "phase"))
+                await self._release(held, "deleted" if kind == "DELETED" else text_field(object_field(pod, "status"), "phase"))
             return
         if held is not None:
             await self._follow(held)
@@ -299,10 +305,10 @@ class PodWatch:
                     ended.append(self.tracked[uid])
                 elif held is not None:
                     annotated[uid] = held
-            meta = _object(page, "metadata")
-            token = _text(meta, "continue") or None
+            meta = object_field(page, "metadata")
+            token = text_field(meta, "continue") or None
             if token is None:
-                return _text(meta, "resourceVersion"), live, annotated, ended
+                return text_field(meta, "resourceVersion"), live, annotated, ended
 
     async def watch(self, version: str) -> None:
         """Events from ``version`` on, until the stream ends (resync_s at the latest)."""
@@ -346,4 +352,4 @@ class PodWatch:
 
 
 def cut_status(status: Mapping[str, Any]) -> str:
-    return f"{_text(status, 'reason') or 'error'} {status.get('code', '')}: {_text(status, 'message')[:160]}"
+    return f"{text_field(status, 'reason') or 'error'} {status.get('code', '')}: {text_field(status, 'message')[:160]}"

@@ -64,6 +64,12 @@ With --bind the chosen GPUs are written on the pod as topoagent.io/gpus (UUIDs i
 order, read by `topoagent device-plugin`) and the agent's lease as topoagent.io/lease,
 both in the pod's Binding; the lease is released when the pod ends or is deleted
 (a pod watch; RBAC: pods get, list, watch).
+
+Holds (with --bind): a pod asking for --hold-min-gpus or more that has fit no node for
+--hold-after (its filter failed on every node, or kube-scheduler marked it Unschedulable)
+holds one node; smaller pods are filtered off that node only (FailedAndUnresolvableNodes,
+naming the pod) until it binds, is deleted, ends, or --hold-for passes. GET /holds lists
+them; /metrics counts them.
 """
 
 
@@ -124,6 +130,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="with --bind: watch the pods and release a pod's lease when it ends or is deleted; list them again and sweep "
              "the agents for leases whose pod is gone this often (default 60; 0: no watch, leases end at --lease-ttl only)",
     )
+    holds = parser.add_argument_group("holds (with --bind: big pods do not starve; GET /holds lists them)")
+    holds.add_argument("--hold-min-gpus", type=int, default=8, metavar="N",
+                       help="a pod asking for this many GPUs or more may hold a node (default 8: the whole NVLink domain of an "
+                            "8-GPU NVSwitch node, the largest block pods ask for)")
+    holds.add_argument("--hold-after", type=float, default=30.0, metavar="SECONDS",
+                       help="once such a pod has fit no node this long it holds the node with the most GPUs free among those "
+                            "that can ever take it: smaller pods are filtered off that node until the pod binds, is deleted "
+                            "or ends (default 30; 0: no holds)")
+    holds.add_argument("--hold-for", type=float, default=300.0, metavar="SECONDS",
+                       help="a hold ends after this, its pod still unbound; that pod holds no node again (default 300)")
     parser.add_argument("--kube-api", metavar="URL", help="API server (Node objects; binds), as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
     parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
     guard = parser.add_argument_group("connections (as the agent's [http] settings)")
@@ -210,6 +226,12 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--lease-ttl must be from {TTL_MIN_S} s to a week ({TTL_MAX_S})")
     if not (args.pod_resync == 0 or 1 <= args.pod_resync <= 24 * 3600):
         raise UsageError("--pod-resync must be 0 (no pod watch) or between 1 and 86400 seconds")
+    if not 1 <= args.hold_min_gpus <= 4096:
+        raise UsageError("--hold-min-gpus must be from 1 to 4096")
+    if not (args.hold_after == 0 or 0.1 <= args.hold_after <= 24 * 3600):
+        raise UsageError("--hold-after must be 0 (no holds) or between 0.1 and 86400 seconds")
+    if not 1 <= args.hold_for <= 7 * 24 * 3600:
+        raise UsageError("--hold-for must be between 1 second and a week")
     if not args.path_prefix.startswith("/"):
         raise UsageError("--path-prefix must start with /")
     tls = _tls_context(args)
@@ -237,7 +259,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"no Kubernetes API to read the Node objects from: {exc} (give --kube-api or --kubeconfig)") from None
     settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
                         prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file), pod_resync_s=args.pod_resync,
-                        max_nodes=args.max_nodes, call_timeout_s=args.call_timeout, body_timeout_s=args.header_timeout)
+                        max_nodes=args.max_nodes, call_timeout_s=args.call_timeout, body_timeout_s=args.header_timeout,
+                        hold_min_gpus=args.hold_min_gpus, hold_after_s=args.hold_after, hold_ttl_s=args.hold_for)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if exposed and not args.client_ca_file:
         from topoagent.log import log_event

@@ -102,13 +102,9 @@ def token_file_problem(info: os.stat_result) -> str | None:
     """Why a token file cannot be trusted, or None."""
     if not stat.S_ISREG(info.st_mode):
         return "not a regular file"
-    uid = os.geteuid()
-    if info.st_uid not in (uid, 0):
-        return f"owned by uid {info.st_uid}, not by this agent's user (uid {uid}) or root; chown it"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        who = "anyone" if info.st_mode & stat.S_IWOTH else "its group"
-        return f"writable by {who} (mode {stat.S_IMODE(info.st_mode):04o}); chmod 0600 it"
-    return None
+    from topoagent.statefile import owner_or_mode_problem
+
+    return owner_or_mode_problem(info, chown="chown it", chmod="chmod 0600 it")
 
 
 def checked(config: Config, token: bytes) -> Config:

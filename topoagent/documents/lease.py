@@ -13,6 +13,10 @@ TTL_MAX_S = 7 * 24 * 3600
 OWNER_MAX_LEN = 128
 UUID_MAX_LEN = 128  # NVML's are 40 characters (GPU-8-4-4-4-12)
 LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+# The owners the cluster side writes: a pod's ``namespace/name/uid`` (the extender and the
+# device plugin, by the pod's Kubernetes UID) and a Slurm job's ``slurm-job-ID``.
+POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+SLURM_JOB_OWNER = re.compile(r"slurm-job-[0-9]+")
 
 
 def _shown(value: object) -> str:
@@ -32,6 +36,18 @@ def owner_problem(owner: object) -> str | None:
         return ("must name someone in printable text (no control, format, line or paragraph "
                 "separator characters, no lone surrogates)")
     return None
+
+
+def owner_kind(owner: str) -> tuple[str, str, str]:
+    """(kind, namespace, pod) of a lease owner: ``pod`` with the pod's namespace and name
+    (``namespace/name/uid``), ``slurm_job``, or ``other`` (any name a client chose)."""
+    namespace, _, rest = owner.partition("/")
+    name, _, uid = rest.rpartition("/")
+    if namespace and name and POD_UID.fullmatch(uid):
+        return "pod", namespace, name
+    if SLURM_JOB_OWNER.fullmatch(owner):
+        return "slurm_job", "", ""
+    return "other", "", ""
 
 
 def ttl_problem(ttl_s: object) -> str | None:

@@ -264,7 +264,9 @@ def witness_findings(
             f"{len(on_bus)} NVIDIA GPU(s) on the PCI bus {cause} ({said}): link levels between GPUs, "
             f"NVLink and GPU identities are unknown. Remedy: {remedy}",
         ))
-    if not gpus and not on_bus:
+    # "No GPU" needs every witness to have looked: one that crashed (our bug) saw nothing.
+    looked = not any(r.bug for name, r in results.items() if name in ("pci", "nvml", "nvidia_smi"))
+    if not gpus and not on_bus and looked:
         found.append(Finding(
             FindingKind.NO_GPUS, Severity.CRITICAL, NODE,
             "no GPU found: none on the PCI bus, none from NVML or nvidia-smi. Remedy: run topoagent on GPU nodes "

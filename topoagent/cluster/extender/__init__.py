@@ -11,6 +11,7 @@ them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and bi
   the nodes that fit;
 - ``nodetable``: the nodes and their addresses, from the API server's Node objects only;
 - ``kube``: the API server calls (Node list, bind; the ``kubernetes`` client);
+- ``holds``: a node kept for a large pod that fits no node, so smaller pods cannot starve it;
 - ``tls``: HTTPS, and the client certificates (kube-scheduler's) it asks callers for;
 - ``app``: the HTTP service.
 """

@@ -1,5 +1,6 @@
 """The extender's HTTP service (aiohttp): ``{prefix}/filter``, ``{prefix}/prioritize``,
-``{prefix}/bind`` (with a Kubernetes API to bind through), ``/metrics``, ``/healthz`` and ``/readyz``.
+``{prefix}/bind`` (with a Kubernetes API to bind through), ``/holds`` (see ``holds``), ``/metrics``,
+``/healthz`` and ``/readyz``.
 
 With client certificates required (``--client-ca-file``, see ``tls``) a caller without one
 never completes the handshake; the middleware refusing one (403) is a second guard.  The
@@ -28,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
+from topoagent.cluster.extender.holds import Holds, NodeLoad, keep
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
 from topoagent.cluster.extender.nodes import Agents, Refused, Unreachable, Verdict, scores
@@ -75,6 +77,11 @@ class Settings:
     call_timeout_s: float = 4.0
     # A request body must arrive within this of its head.
     body_timeout_s: float = 10.0
+    # Holds (see ``holds``; with the pod watch only): a pod asking for this many GPUs or more that
+    # fit no node for hold_after_s holds the node it may drain for hold_ttl_s at most (0: no holds).
+    hold_min_gpus: int = 8
+    hold_after_s: float = 30.0
+    hold_ttl_s: float = 300.0
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -84,6 +91,7 @@ AGENTS = web.AppKey("agents", Agents)
 KUBE = web.AppKey("kube", Kube)
 WATCH = web.AppKey("pod_watch", PodWatch)
 REQUEUE = web.AppKey("requeue", Requeue)
+HOLDS = web.AppKey("holds", Holds)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -190,6 +198,9 @@ async def filter_nodes(request: web.Request) -> web.Response:
         else:
             unresolvable[verdict.node] = verdict.reason
     _log_unanswered(settings, verdicts)
+    holds = request.app.get(HOLDS)
+    if holds is not None:
+        holds.honour(pod_ref(args.pod), wanted["gpus"], passed, unresolvable)
     requeue = request.app.get(REQUEUE)
     if requeue is not None:
         for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one
@@ -221,6 +232,9 @@ async def bind(request: web.Request) -> web.Response:
 
     def _bind_result(error: str = "") -> web.Response:
         request.app[BINDS]["failed" if error else "bound"] += 1
+        holds = request.app.get(HOLDS)
+        if holds is not None and not error:
+            holds.forget(args.pod_uid, "bound")
         return web.json_response({"Error": error})
 
     pod_name = f"{args.pod_namespace}/{args.pod_name}"
@@ -289,8 +303,37 @@ async def _reserve_and_bind(app: web.Application, ref: PodRef, version: str | No
 
 
 async def metrics(request: web.Request) -> web.Response:
-    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS], request.app.get(REQUEUE)))
+    page = render(ExtenderCollector(request.app[AGENTS], request.app[VERBS], request.app[BINDS], request.app.get(REQUEUE),
+                                    request.app.get(HOLDS)))
     return web.Response(body=page, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def list_holds(request: web.Request) -> web.Response:
+    holds = request.app.get(HOLDS)
+    if holds is None:
+        raise web.HTTPNotFound(text="holds are off: they need --bind (its pod watch) and --hold-after above 0")
+    return web.json_response(holds.document())
+
+
+async def node_loads(agents: Agents) -> dict[str, NodeLoad]:
+    """The GPU counts and leases of every node whose agent answers now, 16 asked at once:
+    only while a large pod is due a hold."""
+    gate = asyncio.Semaphore(16)
+
+    async def one(node: str) -> tuple[str, NodeLoad] | None:
+        async with gate:
+            try:
+                async with asyncio.timeout(agents.timeout_s):
+                    _, counts = await agents.capacity(node, counted=False)
+            except (TimeoutError, Unreachable, Refused):  # silent or not ready: not a node to hold
+                return None
+            leases = await agents.leases(node) if counts["free_gpus"] < counts["gpus"] else []
+        held = tuple((lease["created_at"], len(lease["gpus"])) for lease in leases or []
+                     if isinstance(lease.get("created_at"), (int, float)) and isinstance(lease.get("gpus"), list))
+        return node, NodeLoad(counts["gpus"], counts["free_gpus"], held)
+
+    answers = await asyncio.gather(*(one(node) for node in agents.table.names()))
+    return dict(a for a in answers if a is not None)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -361,13 +404,20 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
 
         app.cleanup_ctx.append(node_table_lifetime)
     if kube is not None and settings.pod_resync_s > 0:
-        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s, cluster_nodes=agents.table.names)
+        holds = None
+        if settings.hold_after_s > 0:  # the pod watch tells when a holder binds, ends or is deleted
+            app[HOLDS] = holds = Holds(min_gpus=settings.hold_min_gpus, after_s=settings.hold_after_s, ttl_s=settings.hold_ttl_s,
+                                       resource=settings.resource)
+            app.cleanup_ctx.append(while_serving(lambda: keep(holds, lambda: node_loads(agents))))
+        app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s, cluster_nodes=agents.table.names,
+                                      on_event=holds.observe if holds is not None else None)
         # After the agents' session: cleanup runs in reverse, so the watch stops before it closes.
         app.cleanup_ctx.append(while_serving(watch.run))
     prefix = settings.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", filter_nodes)
     app.router.add_post(f"{prefix}/prioritize", prioritize)
     app.router.add_post(f"{prefix}/bind", bind)
+    app.router.add_get("/holds", list_holds)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)

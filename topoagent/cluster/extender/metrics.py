@@ -11,9 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from topoagent.cluster.extender.holds import RELEASES, Holds
 from topoagent.cluster.extender.nodes import Agents
 from topoagent.cluster.extender.nodetable import RESTARTS
 from topoagent.cluster.extender.requeue import RESULTS, Requeue
@@ -22,8 +23,9 @@ NS = "topoagent_extender"
 
 
 class ExtenderCollector(Collector):
-    def __init__(self, agents: Agents, verbs: dict[str, int], binds: dict[str, int], requeue: Requeue | None = None) -> None:
-        self.agents, self.verbs, self.binds, self.requeue = agents, verbs, binds, requeue
+    def __init__(self, agents: Agents, verbs: dict[str, int], binds: dict[str, int], requeue: Requeue | None = None,
+                 holds: Holds | None = None) -> None:
+        self.agents, self.verbs, self.binds, self.requeue, self.holds = agents, verbs, binds, requeue, holds
 
     def collect(self) -> Iterator[Metric]:
         asked = self.agents.asked
@@ -64,6 +66,19 @@ class ExtenderCollector(Collector):
         for result, count in sorted(self.binds.items()):
             binds.add_metric([result], count)
         yield binds
+        if self.holds is not None:
+            yield from self._holds(self.holds)
+
+    def _holds(self, holds: Holds) -> Iterator[Metric]:
+        yield GaugeMetricFamily(f"{NS}_holds", "nodes held now for a large pod that fit no node (GET /holds lists them)", value=len(holds.held))
+        yield GaugeMetricFamily(f"{NS}_pods_waiting", "large pods fitting no node now that hold no node (yet)",
+                                value=sum(1 for uid in holds.waiting if uid not in holds.held))
+        yield CounterMetricFamily(f"{NS}_holds_taken", "holds taken", value=holds.taken)
+        yield CounterMetricFamily(f"{NS}_hold_expired", "holds that ended at --hold-for, their pod still unbound", value=holds.expired)
+        released = CounterMetricFamily(f"{NS}_holds_released", "holds that ended with their pod, by why (bound, deleted, ended)", labels=["reason"])
+        for reason in RELEASES:
+            released.add_metric([reason], holds.released[reason])
+        yield released
 
 
 def render(collector: ExtenderCollector) -> bytes:
