@@ -150,7 +150,8 @@ def overlay(
     under_load: Collection[frozenset[int]] = (),
 ) -> DistanceMatrix:
     """The matrix with fresh measurements, judged against their levels (see module doc),
-    leaving out figures taken under load (``under_load``: the targets' GPU sets);
+    leaving out figures taken under load (``under_load``: the targets' GPU sets) and a
+    stand-in backend's (``evidence``);
     ``previous`` is the matrix placement read before, for each pair's last verdict."""
     figures = evidence(figures, under_load)
     return matrix.with_measurements(measurements_from_figures(matrix, figures, previous), latencies_from_figures(matrix, figures))

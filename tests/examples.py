@@ -291,7 +291,7 @@ _VENV = re.compile(r"^python3(\.\d+)? -m venv \.venv$")
 
 # The README's install prefix, the one the systemd unit's ExecStart names.
 INSTALL_PREFIX = "/opt/topoagent"
-_PIP_WHEEL = re.compile(r"^(\S*pip) wheel ")
+_PIP_WHEEL = re.compile(r"^\S*pip wheel ")
 _PIP_INSTALL_WHEEL = re.compile(r"^(\S*/bin/pip) install (.*\.whl)$")
 
 
