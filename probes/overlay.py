@@ -22,7 +22,9 @@ placement ranks by — returns the measurement while it is fresh.
 
 Figures taken under load (a forced round while a busy GPU shared the probe's PCIe path,
 ``under_load``) are no evidence of a fault: they neither enter the matrix nor become
-findings.
+findings.  Nor are a stand-in backend's (``STAND_IN_BACKENDS``: the cpu backend copies host
+memory in place of GPUs): they say nothing about a GPU's links, so they are never judged
+against the rates those links promise.
 
 ``apply_verdicts`` acts on *confirmed* findings (seen in ``CONFIRM_ROUNDS`` rounds of
 their target in a row; ``topoagent.probes.service`` counts): a NUMA mismatch moves the
@@ -131,9 +133,14 @@ def target_gpus(figure: ProbeFigure) -> frozenset[int]:
     return frozenset(g for g in (figure.src, figure.dst, figure.device) if g is not None)
 
 
-def without_load(figures: Iterable[ProbeFigure], under_load: Collection[frozenset[int]]) -> list[ProbeFigure]:
-    """The figures not taken under load (``under_load``: the targets' GPU sets)."""
-    return [f for f in figures if target_gpus(f) not in under_load]
+# Backends whose copies stand in for GPUs (host memory): their figures are no evidence about a GPU link.
+STAND_IN_BACKENDS = frozenset({"cpu"})
+
+
+def evidence(figures: Iterable[ProbeFigure], under_load: Collection[frozenset[int]]) -> list[ProbeFigure]:
+    """The figures that are evidence about the node's links: taken by a GPU backend, not
+    under load (``under_load``: the targets' GPU sets)."""
+    return [f for f in figures if target_gpus(f) not in under_load and f.backend not in STAND_IN_BACKENDS]
 
 
 def overlay(
@@ -143,9 +150,10 @@ def overlay(
     under_load: Collection[frozenset[int]] = (),
 ) -> DistanceMatrix:
     """The matrix with fresh measurements, judged against their levels (see module doc),
-    leaving out figures taken under load (``under_load``: the targets' GPU sets);
+    leaving out figures taken under load (``under_load``: the targets' GPU sets) and a
+    stand-in backend's (``evidence``);
     ``previous`` is the matrix placement read before, for each pair's last verdict."""
-    figures = without_load(figures, under_load)
+    figures = evidence(figures, under_load)
     return matrix.with_measurements(measurements_from_figures(matrix, figures, previous), latencies_from_figures(matrix, figures))
 
 
@@ -317,7 +325,7 @@ def findings_for(
     figures = list(figures)
     name = {g.index: g.name for g in matrix.gpus}
     found = _under_load_findings(figures, under_load, name)
-    figures = without_load(figures, under_load)
+    figures = evidence(figures, under_load)
 
     for (a, b), seen in sorted(unidirectional_by_pair(figures).items()):
         try:

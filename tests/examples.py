@@ -22,8 +22,13 @@ The ready `.venv`: install lines (`python3 -m venv .venv`, `.venv/bin/pip instal
 not run; the test checks that the venv it provides already holds what each asks for (the
 package's own dependencies for `.`, its extras for `.[x]`, torch's CPU build for a line that
 names PyTorch's CPU index) and drops them.  `.venv/bin/topoagent` and `.venv/bin/python` are
-this test environment's Python, running the checkout.  That the wheel really installs and runs
-from a fresh venv is tests/test_packaging.py's job.
+this test environment's Python, running the checkout.
+
+The install prefix `/opt/topoagent` (README "Install", the systemd unit's ExecStart) is
+`opt/topoagent` in the scratch directory, and what a block does there runs for real, offline:
+`pip wheel` builds with this environment's pip and setuptools (--no-build-isolation --no-index), and a
+`pip install` of a built wheel into the prefix installs the wheel alone (--no-deps --no-index),
+its dependencies borrowed from this environment by a .pth line, as tests/test_packaging.py does.
 """
 
 from __future__ import annotations
@@ -284,6 +289,27 @@ def split_and(command: str) -> list[str]:
 _VENV = re.compile(r"^python3(\.\d+)? -m venv \.venv$")
 
 
+# The README's install prefix, the one the systemd unit's ExecStart names.
+INSTALL_PREFIX = "/opt/topoagent"
+_PIP_WHEEL = re.compile(r"^\S*pip wheel ")
+_PIP_INSTALL_WHEEL = re.compile(r"^(\S*/bin/pip) install (.*\.whl)$")
+
+
+def offline(step: str, scratch: Path) -> str:
+    """``step`` as the examples test runs it: the install prefix inside ``scratch``, and the
+    wheel built and installed offline (see the module's docstring)."""
+    import sysconfig
+
+    prefix = str(scratch / INSTALL_PREFIX.lstrip("/"))
+    step = step.replace(INSTALL_PREFIX, prefix)
+    step = _PIP_WHEEL.sub(f"{sys.executable} -m pip wheel --no-build-isolation --no-index ", step)
+    if (install := _PIP_INSTALL_WHEEL.match(step)) and install[1].startswith(prefix):
+        borrow = (f"import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'examples-borrowed.pth')"
+                  f".write_text({sysconfig.get_paths()['purelib']!r} + chr(10))")
+        step = f"{install[1]} install --no-deps --no-index {install[2]} && {prefix}/bin/python -c {shlex.quote(borrow)}"
+    return step
+
+
 def is_install(step: str) -> bool:
     return bool(_VENV.match(step)) or step.startswith(".venv/bin/pip install ")
 
@@ -439,7 +465,8 @@ class Outcome:
 # run; its block needs `not run — REASON` or a rewrite that works in its scratch directory.
 SYSTEM_COMMANDS = frozenset({"sudo", "su", "systemctl", "apt-get", "apt", "dpkg", "kubectl", "helm", "srun", "sbatch",
                              "salloc", "scontrol", "scancel", "slurmd", "slurmctld", "reboot", "shutdown", "modprobe", "pytest"})
-ALLOWED_ROOTS = ("/dev/null", "/dev/stdin", "/dev/stdout", "/dev/stderr", "/tmp/", "/proc/")
+# /opt/topoagent: the install prefix, which a block sees in its scratch directory (offline()).
+ALLOWED_ROOTS = ("/dev/null", "/dev/stdin", "/dev/stdout", "/dev/stderr", "/tmp/", "/proc/", INSTALL_PREFIX)
 
 
 def refusal(command: str) -> str | None:
@@ -488,6 +515,7 @@ def run_sh(block: Block, scratch: Path, *, keep_serving: bool = False, timeout: 
                 break
             steps = [s for s in steps if not is_install(s)]
             refused = next(filter(None, map(refusal, steps)), None)
+            steps = [offline(s, scratch) for s in steps]
             if refused is not None:
                 step.status = None
                 outcome.failure = f"refused: {refused}"

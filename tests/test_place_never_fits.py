@@ -35,9 +35,18 @@ def test_the_core_decides_never_fits_by_searching_the_idle_node():
         for busy in ((), (0, 1, 2, 3, 4, 5)):
             answer = place(matrix, Request(**fields), busy)
             assert isinstance(answer, NoFit) and answer.never_fits, (fields, busy)
-            # The reason is the idle node's, whatever is busy now.
-            assert answer.constraint == constraint and answer.reason.startswith(reason)
+            # The reason is the idle node's, whatever is busy now; its count is what is free now.
+            assert answer.constraint == constraint and answer.reason.startswith(reason.replace("8 free", f"{8 - len(busy)} free"))
             assert answer.free == tuple(i for i in range(8) if i not in busy)
+
+
+def test_a_never_fits_answer_counts_the_gpus_free_now_beside_their_list():
+    """Issue #36: with 4 of 8 leased it said "8 free of 8" beside "free": [4, 5, 6, 7]."""
+    matrix = discover_root(str(DGX_A100)).distance_matrix()
+    answer = place(matrix, Request(gpus=9), busy=[0, 1, 2, 3])
+    assert isinstance(answer, NoFit) and answer.never_fits
+    assert answer.free == (4, 5, 6, 7)
+    assert answer.reason == "9 GPUs requested, 4 free of 8"
 
 
 @pytest.fixture(scope="module")

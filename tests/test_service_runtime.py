@@ -1,13 +1,23 @@
-"""The runtime's own rules: hotplug bursts are debounced, lost sources keep old facts."""
+"""The runtime's own rules: hotplug bursts are debounced, lost sources keep old facts, a replay
+keeps its leases to itself."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
+import secrets
+import select
+import subprocess
+import sys
 import tarfile
+import tempfile
+import urllib.request
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
-from service_helpers import DGX_A100, start_agent
+from service_helpers import DGX_A100, FIXTURES, start_agent
 
 from topoagent.config import Config
 from topoagent.node.discovery_process import discover_in_child
@@ -142,3 +152,44 @@ def test_a_changed_topology_tells_the_probe_schedule_to_probe_soon(tmp_path, fac
         await agent.stop()
 
     asyncio.run(scenario())
+
+
+VM_1GPU = FIXTURES / "snapshots" / "vm-1gpu"
+
+
+def banner_lines(proc: subprocess.Popen, until: str) -> list[str]:
+    """serve's start-up lines, up to and including the one starting with ``until``."""
+    lines: list[str] = []
+    while not lines or not lines[-1].lstrip().startswith(until):
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        line = proc.stdout.readline() if ready else ""
+        assert line, f"no {until!r} line; printed: {lines}"
+        lines.append(line)
+    return lines
+
+
+def test_a_replay_without_state_dir_keeps_its_leases_in_a_temporary_directory_it_names(tmp_path):
+    """Issue #36: a replay (--root a recording) made /var/lib/topoagent; and its banner
+    suggested reserving 4 GPUs on a 1-GPU node."""
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(24))
+    token.chmod(0o600)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(VM_1GPU), "--listen", "127.0.0.1:0",
+                             "--token-file", str(token)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = banner_lines(proc, "reserve")
+        (state,) = [line.split()[1] for line in lines if line.lstrip().startswith("state ")]
+        assert Path(state).parent == Path(tempfile.gettempdir()) and Path(state).is_dir()
+        assert (Path(state).stat().st_mode & 0o077) == 0  # the agent's own, as any state directory
+        # The example reserves what the node has (one GPU), and the lease lands in the named directory.
+        example = re.search(r"-d '([^']+)' (http://\S+)", lines[-1])
+        assert example and json.loads(example[1])["gpus"] == 1
+        request = urllib.request.Request(example[2], data=example[1].encode(), headers={"Authorization": f"Bearer {token.read_text()}"})
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 200 and json.load(reply)["lease"]["gpus"] == [0]
+        assert any(Path(state).iterdir())
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-2000:]
+    assert f"state_dir={state}" in err and not Path(state).exists()  # logged, and gone with the replay

@@ -1,7 +1,7 @@
 """`topoagent install-files DIR`: write the deployment files the wheel carries.
 
 The systemd unit, the example config, the Grafana dashboard and its alert rules travel inside the package
-(topoagent/data, the repository's systemd/ folder), so `pip install topoagent` is all a
+(topoagent/data, the repository's systemd/ folder), so installing the wheel (README, "Install") is all a
 node needs; this writes them out where the operator wants them.  The alert rules name the
 agent's scrape targets by the operator's selector (--alert-selector).
 """

@@ -232,8 +232,8 @@ def run(args: argparse.Namespace) -> int:
         findings = findings_for(matrix, figures)
         if args.backend == "cpu":
             print(
-                "note: the cpu backend copies host memory in place of GPUs; "
-                "its findings compare those copies with GPU link expectations",
+                "note: the cpu backend copies host memory in place of GPUs: its figures are shown, "
+                "never judged against the GPU links' rates (no link finding, no measured bandwidth)",
                 file=sys.stderr,
             )
     if args.json:

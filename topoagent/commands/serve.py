@@ -6,17 +6,23 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import stat
 import sys
+import tempfile
+import tomllib
 from dataclasses import replace
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from topoagent.commands.token import warn_if_readable_by_others
 from topoagent.config import DEFAULT_LISTEN, Config, ConfigError, load_config
 from topoagent.errors import UsageError
 from topoagent.smallfile import read_small_file
+
+if TYPE_CHECKING:
+    from topoagent.service.agent import Agent
 
 EPILOG = f"""\
 examples:
@@ -136,7 +142,7 @@ HTTP_LOGGER = "topoagent.http"  # aiohttp's server logger for this agent (AppRun
 
 
 def run(args: argparse.Namespace) -> int:
-    from topoagent.log import level_named
+    from topoagent.log import level_named, log_event
 
     setup_logging(level_named(getattr(args, "log_level", None), logging.INFO))
     try:
@@ -147,12 +153,28 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     from topoagent.service.agent import RootError
 
+    temporary = replaying_without_state_dir(config, args)
+    if temporary:  # a recording's leases are the replay's alone: never the node's /var/lib/topoagent
+        config = replace(config, state_dir=tempfile.mkdtemp(prefix="topoagent-replay-"))
+        log_event("temporary_state_dir", state_dir=config.state_dir, reason="a replay (--root) without --state-dir")
     try:
-        return asyncio.run(serve(config, token, args))
+        return asyncio.run(serve(config, token, args, temporary_state_dir=temporary))
     except RootError as exc:
         raise UsageError(str(exc)) from None
     except OSError as exc:  # anything not caught in serve(): still name what failed
         raise UsageError(f"cannot start: {os_error_text(exc, '-')}") from None
+    finally:
+        if temporary:  # the replay's leases end with it
+            shutil.rmtree(config.state_dir)
+
+
+def replaying_without_state_dir(config: Config, args: argparse.Namespace) -> bool:
+    """A replay (--root a recording) whose state directory neither --state-dir nor the
+    config file's [leases] state_dir chose."""
+    if config.live or args.state_dir is not None:
+        return False
+    # The file was read and checked by load_config already.
+    return args.config is None or "state_dir" not in tomllib.loads(Path(args.config).read_text(encoding="utf-8")).get("leases", {})
 
 
 def os_error_text(exc: OSError, context: str) -> str:
@@ -166,7 +188,17 @@ def os_error_text(exc: OSError, context: str) -> str:
     return f"{context}: {reason}"
 
 
-async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
+async def print_reserve_example(agent: Agent, base: str, token_file: str | None) -> None:
+    """The banner's reserve line, asking for as many GPUs as the node has, 4 at most."""
+    await agent.board.has_snapshot.wait()
+    snapshot = agent.snapshot
+    gpus = min(4, len(snapshot.node.gpus)) if snapshot is not None else 0
+    if gpus:
+        example = f'{{"gpus": {gpus}, "reserve": {{"owner": "me", "ttl_s": 600}}}}'
+        print(f"  reserve   curl -H \"Authorization: Bearer $(cat {token_file})\" -d '{example}' {base}/place", flush=True)
+
+
+async def serve(config: Config, token: bytes, args: argparse.Namespace, *, temporary_state_dir: bool = False) -> int:
     from aiohttp import web
 
     from topoagent.connections import ConnectionGuard, Throttled, loop_exception_handler, raise_open_file_limit
@@ -211,20 +243,23 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     print(f"topoagent serving {config.root} on {base}", flush=True)
     for label, path in (("picture", "/"), ("topology", "/topology"), ("matrix", "/topology?format=matrix"), ("metrics", "/metrics"), ("leases", "/leases"), ("API", "/openapi.json")):
         print(f"  {label:9} {base}{path}", flush=True)
-    if token:
-        example = '{"gpus": 4, "reserve": {"owner": "me", "ttl_s": 600}}'
-        print(f"  reserve   curl -H \"Authorization: Bearer $(cat {config.token_file})\" -d '{example}' {base}/place", flush=True)
-    else:
+    if temporary_state_dir:
+        print(f"  state     {config.state_dir} (a replay without --state-dir: a temporary directory)", flush=True)
+    if not token:
         print("  (no --token-file: reservations are off; POST /place answers dry runs)", flush=True)
     if config.probes_enabled:
         print(f"  probes    {config.probe_backend} backend; POST {base}/probe (token) measures now", flush=True)
     print("  Ctrl-C or SIGTERM stops it; SIGHUP reloads the config", flush=True)
+    # The example request once the node's GPUs are known: one that fits it.
+    example = asyncio.create_task(print_reserve_example(agent, base, config.token_file)) if token else None
 
     stop = asyncio.Event()
 
     def on_hup() -> None:
         try:
             new = with_credential_token(load_config(args.config, _overrides(args)))
+            if temporary_state_dir:  # still the replay's own
+                new = replace(new, state_dir=config.state_dir)
             new_token = read_token(new.token_file)
             checked(new, new_token)
         except ConfigError as exc:
@@ -239,6 +274,8 @@ async def serve(config: Config, token: bytes, args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGINT, stop.set)
     loop.add_signal_handler(signal.SIGHUP, on_hup)
     await stop.wait()
+    if example is not None:
+        example.cancel()
     log_event("draining", timeout_s=config.drain_timeout_s)
     agent.begin_stop()  # requests waiting for capacity figures answer now
     listener.close()  # no new connections; those open are drained by the runner

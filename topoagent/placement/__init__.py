@@ -152,7 +152,10 @@ def place(
             return answer
     if isinstance(idle, Placement):
         return answer  # busy now: it fits once GPUs are given back
-    return replace(answer, why=idle.why, constraint=idle.constraint, never_fits=True)
+    why = idle.why
+    if why.code is ReasonCode.TOO_FEW_FREE:  # its count is what is free now, as `free` lists
+        why = replace(why, params={**why.params, "free": len(answer.free)})
+    return replace(answer, why=why, constraint=idle.constraint, never_fits=True)
 
 
 def _deadline(request: Request) -> Deadline | None:

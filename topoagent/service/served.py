@@ -12,6 +12,7 @@ the nvidia-smi-style text are computed once per snapshot, not per request.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Callable, Mapping
@@ -266,7 +267,10 @@ class Board:
     def __init__(self) -> None:
         self.served = Served()
         self.version = 0  # the newest snapshot version handed out
+        self.has_snapshot = asyncio.Event()  # set at the first snapshot (serve's banner waits for it)
 
     def publish(self, **parts: Any) -> Served:
         self.served = replace(self.served, **parts)
+        if self.served.snapshot is not None:
+            self.has_snapshot.set()
         return self.served
