@@ -537,6 +537,7 @@ class Search(Bounds):
             return None
         forced = 0
         short = 0
+        lacking = 0  # the members taken with fewer than 2 links among the taken
         left = taken
         while left:
             low = left & -left
@@ -551,8 +552,11 @@ class Search(Bounds):
             inside = (eff[v] & taken).bit_count()
             if inside < 2:
                 short += 2 - inside
+                lacking |= low
         forced &= ~taken
         if short > 2 * rem + ends or forced.bit_count() > rem:
+            return None
+        if short > ends and not self._newcomers_cover(cand, lacking, rem, short - ends):
             return None
         runs = rem + ends // 2
         if taken.bit_count() > runs and _more_components(taken, eff, runs):
@@ -564,6 +568,27 @@ class Search(Bounds):
             if taken & ~comp or comp.bit_count() < self.k:
                 return None
         return cand, forced, (reach, comp)
+
+    def _newcomers_cover(self, cand: int, lacking: int, rem: int, short: int) -> bool:
+        """Whether ``rem`` candidates can bring the ``short`` links the members taken still
+        lack: a newcomer links to a member once and has two ring links, so it brings at
+        most min(2, its links to ``lacking``)."""
+        eff = self.eff
+        assert eff is not None
+        twos = ones = 0
+        pairs = (short + 1) // 2  # newcomers bringing two that would do
+        while cand:
+            low = cand & -cand
+            cand ^= low
+            brings = (eff[low.bit_length() - 1] & lacking).bit_count()
+            if brings >= 2:
+                twos += 1
+                if twos >= pairs or twos >= rem:
+                    break
+            elif brings:
+                ones += 1
+        most = 2 * min(twos, rem) + min(ones, rem - min(twos, rem))
+        return most >= short
 
     def _cut(
         self, taken: int, cand: int, rem: int, dmg: int, forced: int, limit: Key, strict: bool
