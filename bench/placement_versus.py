@@ -189,7 +189,7 @@ def mesh_worker(samples: int) -> None:
 
 
 def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:
-    print(f"## irregular mesh, deadline_ms={MESH_DEADLINE_MS}: old = {old_name}, new = {new_name}")
+    print(f"Irregular NVLink mesh (synthetic.irregular_mesh), deadline_ms={MESH_DEADLINE_MS}: old = {old_name}, new = {new_name}.")
     print(f"{args.samples} requests per size and side, {args.rounds} round(s) of one child per side (alternating first), "
           f"{args.spinners} busy loop(s) beside; load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} after.")
     print("proven = share proven optimal (median over rounds; each round's in brackets); late = answers past the deadline"
@@ -218,7 +218,7 @@ def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: 
         print(f"| {n} | {shares(proven['old'])} | {shares(proven['new'])} | {', '.join(map(str, late['old']))} |"
               f" {', '.join(map(str, late['new']))} | {p99['old']:.1f} | {p99['new']:.1f} |"
               f" {statistics.median(ratios) if ratios else float('nan'):.2f} ({spread[0]:.2f}-{spread[-1]:.2f}) | {len(ratios)} | {differ} |")
-    print(f"\ntook {took_s:.0f} s")
+    print(f"\nTook {took_s:.0f} s.")
 
 
 def _spin(stop: Any) -> None:
