@@ -575,20 +575,24 @@ class Search(Bounds):
         most min(2, its links to ``lacking``)."""
         eff = self.eff
         assert eff is not None
-        twos = ones = 0
-        pairs = (short + 1) // 2  # newcomers bringing two that would do
-        while cand:
-            low = cand & -cand
-            cand ^= low
-            brings = (eff[low.bit_length() - 1] & lacking).bit_count()
-            if brings >= 2:
+        near = 0  # the candidates linked to a member that lacks links
+        left = lacking
+        while left:
+            low = left & -left
+            left ^= low
+            near |= eff[low.bit_length() - 1]
+        near &= cand
+        ones = near.bit_count()
+        if min(ones, rem) >= short:
+            return True  # one link each is enough
+        twos = 0
+        while near:
+            low = near & -near
+            near ^= low
+            if (eff[low.bit_length() - 1] & lacking).bit_count() >= 2:
                 twos += 1
-                if twos >= pairs or twos >= rem:
-                    break
-            elif brings:
-                ones += 1
-        most = 2 * min(twos, rem) + min(ones, rem - min(twos, rem))
-        return most >= short
+        twos = min(twos, rem)
+        return 2 * twos + min(ones - twos, rem - twos) >= short
 
     def _cut(
         self, taken: int, cand: int, rem: int, dmg: int, forced: int, limit: Key, strict: bool
