@@ -61,9 +61,9 @@ def wall_clock_stands_still(monkeypatch):
 def test_a_deadline_is_the_wall_clock_less_the_answer_at_the_share_of_a_core_the_search_gets(monkeypatch):
     """The caller waits by the wall clock: the search stops before the deadline by the time
     building the answer will take -- its CPU reserve stretched by the share of a core the
-    thread has had (half the deadline at most, for a thread starved outright).  With the
-    wall clock frozen (as these tests run) the CPU clock alone stops it at the same point
-    a search with a core to itself stops."""
+    thread has had -- and by the longest wait for a core seen between two reads (half the
+    deadline at most, for a thread starved outright).  With the wall clock frozen (as these
+    tests run) the CPU clock alone stops it where a search with a core to itself stops."""
     def reads_until_reached(deadline: deadline_module.Deadline) -> int:
         for reads in range(1, 100_000):
             try:
@@ -73,7 +73,8 @@ def test_a_deadline_is_the_wall_clock_less_the_answer_at_the_share_of_a_core_the
         raise AssertionError("never reached")
 
     usable_ms = 20 - 1.5 - 0.1  # less the reserve for building the answer (1 GPU)
-    for cpu_per_read, stops_at_ms in ((1e-3, usable_ms), (0.5e-3, 20 - 2 * 1.6), (0.0, 20 / 2)):
+    # A core: no wait.  Half of one: the reserve doubled, and 0.5 ms waited between reads.
+    for cpu_per_read, stops_at_ms in ((1e-3, usable_ms), (0.5e-3, 20 - 2 * 1.6 - 0.5), (0.0, 20 / 2)):
         monkeypatch.setattr(deadline_module, "clock", StepClock(cpu_per_read))  # a core, half of one, none
         monkeypatch.setattr(deadline_module, "wall_clock", StepClock(1e-3))
         assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(stops_at_ms, abs=1.5), cpu_per_read
@@ -81,6 +82,33 @@ def test_a_deadline_is_the_wall_clock_less_the_answer_at_the_share_of_a_core_the
     monkeypatch.setattr(deadline_module, "clock", StepClock(1e-3))  # the CPU clock alone
     monkeypatch.setattr(deadline_module, "wall_clock", frozen_clock)
     assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(usable_ms, abs=1.5)
+
+
+def test_a_search_that_once_waited_for_a_core_stops_that_much_sooner(monkeypatch):
+    """A thread the scheduler kept off a core for 5 ms may be kept off as long again just
+    before the answer: it stops at least 5 ms sooner than one that never waited."""
+    def stops_at_ms(wait_at_read: int | None) -> int:
+        cpu, wall = StepClock(1e-3), StepClock(1e-3)
+        reads = [0]
+
+        def waiting_wall() -> float:
+            reads[0] += 1
+            if reads[0] == wait_at_read:
+                wall.now += 5e-3  # 5 ms off a core between two reads
+            return wall()
+
+        monkeypatch.setattr(deadline_module, "clock", cpu)
+        monkeypatch.setattr(deadline_module, "wall_clock", waiting_wall)
+        deadline = deadline_module.Deadline(0.02)
+        try:
+            while True:
+                deadline.check()
+        except deadline_module.DeadlineReached:
+            return round((wall.now - deadline.wall_from) * 1000)
+
+    never, once = stops_at_ms(None), stops_at_ms(4)
+    assert never == pytest.approx(20 - 1.6, abs=1.5)
+    assert 20 / 2 <= once <= never - 5  # (its share of a core fell too: the reserve grew)
 
 
 def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answer: Placement) -> None:

@@ -7,11 +7,14 @@ time is up, a StepBudget raises StepsSpent when its steps are.
 A deadline is the wall-clock time the caller waits for the answer.  After the search
 stops, building the answer takes CPU time of its own (ANSWER_RESERVE_*), and on a busy
 node (a training job's data loaders on every core) the thread gets only a share of a
-core, so that CPU time stretches on the wall clock.  The deadline reads the thread's CPU
+core, so that CPU time stretches on the wall clock -- and the thread may wait for a core
+at any moment, for as long as the scheduler makes it.  The deadline reads the thread's CPU
 clock beside the wall clock: their ratio since the request began is the share of a core
-the thread gets, and the search stops ``reserve / share`` before the deadline (half the
-deadline at most) -- the time the answer will take to build at that share.  The CPU
-clock also bounds the search alone, at the deadline less the reserve.  Tests replace
+the thread gets, and the wall time between two reads less the CPU time between them is a
+stretch it waited.  The search stops ``reserve / share`` plus the longest wait seen so
+far before the deadline (half the deadline at most): the time the answer will take to
+build at that share, should the thread wait once more as long.  The CPU clock also bounds
+the search alone, at the deadline less the reserve.  Tests replace
 ``clock`` with one that counts steps and ``wall_clock`` with one that never moves, so
 what a deadline stops is the same on any machine.
 """
@@ -46,8 +49,9 @@ class Deadline:
     def __init__(self, seconds: float, gpus: int = 1):
         self.seconds = seconds
         self.reserve = min(self.ANSWER_RESERVE_S + gpus * self.ANSWER_RESERVE_PER_GPU_S, seconds / 2)
-        self.cpu_from = clock()
-        self.wall_from = wall_clock()
+        self.cpu_from = self.cpu_read = clock()
+        self.wall_from = self.wall_read = wall_clock()
+        self.waited = 0.0  # the longest stretch between two reads the thread spent off a core
         self.at = self.cpu_from + seconds - self.reserve
         self.left = self.CHECK_EVERY
         self.reached = False
@@ -67,18 +71,20 @@ class Deadline:
         about 0.4 ms at 128 GPUs), where every fourth step would be too late."""
         if self.reached:
             raise DeadlineReached
-        cpu = clock()
-        wall = wall_clock() - self.wall_from
-        if cpu >= self.at or wall + self.reserve_now(cpu - self.cpu_from, wall) >= self.seconds:
+        cpu, now = clock(), wall_clock()
+        self.waited = max(self.waited, (now - self.wall_read) - (cpu - self.cpu_read))
+        self.cpu_read, self.wall_read = cpu, now
+        wall = now - self.wall_from
+        if cpu >= self.at or wall + self.margin(cpu - self.cpu_from, wall) >= self.seconds:
             self.reached = True
             raise DeadlineReached
 
-    def reserve_now(self, cpu: float, wall: float) -> float:
-        """The wall time building the answer will take at the share of a core the thread
-        has had since the request began (``cpu`` of ``wall`` seconds): the reserve of CPU
-        time stretched by that share, half the deadline at most."""
+    def margin(self, cpu: float, wall: float) -> float:
+        """How long before the deadline the search stops, having had ``cpu`` seconds of a
+        core in ``wall``: the reserve of CPU time stretched by that share, and the longest
+        wait seen; half the deadline at most."""
         share = cpu / wall if wall > 0 else 1.0
-        return min(self.reserve / max(min(share, 1.0), LEAST_SHARE), self.seconds / 2)
+        return min(self.reserve / max(min(share, 1.0), LEAST_SHARE) + self.waited, self.seconds / 2)
 
 
 def no_check() -> None:
