@@ -6,7 +6,8 @@ driver that picks the thresholds and keeps to a deadline.
 
 Everything here works on GPU *positions* (rows of the DistanceMatrix, bits of a mask).
 Rings and paths also cut branches that cannot be completed (members short of links, runs
-of members apart), which changes no answer.
+of members apart, newcomers too few to bring the links members lack), which changes no
+answer.
 """
 
 from __future__ import annotations
