@@ -23,7 +23,9 @@ With ``--mesh`` the children run the irregular-mesh study instead (#38): the dea
 study's request stream (k from 1, 2, 4, 8, n/4, n/2, a random busy set each) on
 ``synthetic.irregular_mesh`` of 32 and 64 GPUs under the service's 20 ms deadline, each
 answer's CPU and wall time and whether it was proven optimal; ``--spinners N`` runs N
-busy loops beside every child.  The table gives per side the share proven (median over
+busy loops beside every child; ``--cpu-only`` stands the deadlines' wall clock still in
+the children, so the CPU time the search gets alone stops it (the two revisions' deadlines
+read the clocks differently; this compares the searches).  The table gives per side the share proven (median over
 rounds), the answers late by the wall clock (past the deadline + 1 ms), and, over the
 requests both sides proved in every round, the median ratio new/old of the CPU time and
 how many answers differ.
@@ -160,10 +162,15 @@ MESH_SIZES = (32, 64)
 MESH_DEADLINE_MS = 20  # the service's default (request.SERVICE_DEADLINE_MS)
 
 
-def mesh_worker(samples: int) -> None:
-    """The irregular-mesh study in this tree: per size, per request (cpu ms, wall ms, proven, GPUs)."""
+def mesh_worker(samples: int, cpu_only: bool) -> None:
+    """The irregular-mesh study in this tree: per size, per request (cpu ms, wall ms, proven, GPUs).
+    ``cpu_only``: the deadlines' wall clock stands still, so only the CPU time the search
+    gets stops it -- how much search fits in 20 ms of a core, whatever the machine's load."""
     from topoagent import placement
-    from topoagent.placement import synthetic
+    from topoagent.placement import deadline, synthetic
+
+    if cpu_only:
+        deadline.wall_clock = lambda: 0.0
 
     out = {}
     for n in MESH_SIZES:
@@ -189,7 +196,9 @@ def mesh_worker(samples: int) -> None:
 
 
 def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:
-    print(f"Irregular NVLink mesh (synthetic.irregular_mesh), deadline_ms={MESH_DEADLINE_MS}: old = {old_name}, new = {new_name}.")
+    counts = "CPU time alone (the wall clock stood still): how much search fits in 20 ms of a core" if args.cpu_only else "as shipped"
+    print(f"Irregular NVLink mesh (synthetic.irregular_mesh), deadline_ms={MESH_DEADLINE_MS} counted {counts}:"
+          f" old = {old_name}, new = {new_name}.")
     print(f"{args.samples} requests per size and side, {args.rounds} round(s) of one child per side (alternating first), "
           f"{args.spinners} busy loop(s) beside; load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} after.")
     print("proven = share proven optimal (median over rounds; each round's in brackets); late = answers past the deadline"
@@ -257,10 +266,10 @@ def extract(commit: str, into: str) -> None:
         raise SystemExit(f"extracting {commit[:12]} failed: {untar.stderr.strip()}")
 
 
-def run_child(tree: Path, samples: int, mesh: bool = False) -> dict[str, Any]:
+def run_child(tree: Path, samples: int, mesh: bool = False, cpu_only: bool = False) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--samples", str(samples), "--corpus", str(CORPUS)]
-    cmd += ["--mesh"] if mesh else []
+    cmd += (["--mesh"] if mesh else []) + (["--cpu-only"] if cpu_only else [])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the worker in {tree} failed (exit {done.returncode}):\n{done.stderr.strip()}")
@@ -285,6 +294,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SAMPLES} busy sets per row unless --samples says otherwise")
     parser.add_argument("--mesh", action="store_true", help="the irregular-mesh study at 32 and 64 GPUs under a 20 ms deadline (#38)")
     parser.add_argument("--spinners", type=int, default=0, metavar="N", help="busy loops running beside the children (default 0)")
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="with --mesh: deadlines count the CPU time the search gets alone (the wall clock stands still)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", default=str(CORPUS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -292,7 +303,7 @@ def main() -> None:
         args.samples = QUICK_SAMPLES if args.quick else SAMPLES
     if args.worker:
         if args.mesh:
-            mesh_worker(args.samples)
+            mesh_worker(args.samples, args.cpu_only)
         else:
             worker(args.samples, args.corpus)
         return
@@ -322,7 +333,7 @@ def main() -> None:
                 took = []
                 for side in order:
                     t0 = time.perf_counter()
-                    runs[side].append(run_child(trees[side], args.samples, args.mesh))
+                    runs[side].append(run_child(trees[side], args.samples, args.mesh, args.cpu_only))
                     took.append(f"{side} {time.perf_counter() - t0:.1f} s")
                 print(f"round {r + 1}/{args.rounds}: {', '.join(took)}", file=sys.stderr, flush=True)
     finally:

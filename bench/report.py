@@ -55,6 +55,10 @@ GENERATORS: dict[str, Generator] = {
     # The irregular-mesh deadline study against the search before #38 (37da41e), interleaved.
     "meshversus": Generator(("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4"),
                             ("--rounds", "2")),
+    "meshversus-cpu": Generator(
+        ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4", "--cpu-only"),
+        ("--rounds", "2"),
+    ),
     "meshversus-loaded": Generator(
         ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4", "--spinners", "2"),
         ("--rounds", "2"),
