@@ -52,7 +52,7 @@ def counting(nodes: list[int]):
 
 
 def ring_oracle(original):
-    def branch(self, ci, taken, rem, cand, dmg):
+    def branch(self, ci, taken, rem, cand, dmg, *was):
         if not self.stop_at_first and self.check_order and rem > 0 and taken:
             cycle = self.req.pattern is Pattern.ALLREDUCE
             members = list(search.bits(cand))
@@ -61,7 +61,7 @@ def ring_oracle(original):
                 for extra in combinations(members, rem)
             ):
                 return None
-        return original(self, ci, taken, rem, cand, dmg)
+        return original(self, ci, taken, rem, cand, dmg, *was)
     return branch
 
 

@@ -19,6 +19,17 @@ and prints JSON: per row the per-call times and each answer's comparable terms. 
 each row the worker freezes what it has kept so far (gc.freeze), so a full collection over
 its own growing results does not land in some timed call as a 50 ms outlier.
 
+With ``--mesh`` the children run the irregular-mesh study instead (#38): the deadline
+study's request stream (k from 1, 2, 4, 8, n/4, n/2, a random busy set each) on
+``synthetic.irregular_mesh`` of 32 and 64 GPUs under the service's 20 ms deadline, each
+answer's CPU and wall time and whether it was proven optimal; ``--spinners N`` runs N
+busy loops beside every child; ``--cpu-only`` stands the deadlines' wall clock still in
+the children, so the CPU time the search gets alone stops it (the two revisions' deadlines
+read the clocks differently; this compares the searches).  The table gives per side the share proven (median over
+rounds), the answers late by the wall clock (past the deadline + 1 ms), and, over the
+requests both sides proved in every round, the median ratio new/old of the CPU time and
+how many answers differ.
+
 Children alternate old/new, then new/old, for ``--rounds`` rounds, so load on a shared
 machine hits both sides alike.  Per row the table gives the median over rounds of each
 round's p50 and p99, wall time (perf_counter) as the main figure and this thread's CPU time
@@ -147,6 +158,83 @@ def terms(answer: Any) -> dict[str, Any]:
     return out
 
 
+MESH_SIZES = (32, 64)
+MESH_DEADLINE_MS = 20  # the service's default (request.SERVICE_DEADLINE_MS)
+
+
+def mesh_worker(samples: int, cpu_only: bool) -> None:
+    """The irregular-mesh study in this tree: per size, per request (cpu ms, wall ms, proven, GPUs).
+    ``cpu_only``: the deadlines' wall clock stands still, so only the CPU time the search
+    gets stops it -- how much search fits in 20 ms of a core, whatever the machine's load."""
+    from topoagent import placement
+    from topoagent.placement import deadline, synthetic
+
+    if cpu_only:
+        deadline.wall_clock = lambda: 0.0
+
+    out = {}
+    for n in MESH_SIZES:
+        m = synthetic.irregular_mesh(n)
+        placement.warm(m)
+        rng = random.Random(5)  # bench.placement's deadline study draws
+        asks = []
+        for _ in range(samples):
+            k = rng.choice(sorted({1, 2, 4, 8, max(1, n // 4), n // 2}))
+            asks.append((k, rng.sample(range(n), rng.randint(0, n - k))))
+        gc.collect()
+        gc.freeze()
+        rows = []
+        for k, busy in asks:
+            c0 = time.thread_time_ns()
+            t0 = time.perf_counter_ns()
+            answer = placement.place(m, placement.Request(gpus=k, deadline_ms=MESH_DEADLINE_MS), busy)
+            wall = (time.perf_counter_ns() - t0) / 1e6
+            proven = bool(getattr(answer, "proven_optimal", False))
+            rows.append([(time.thread_time_ns() - c0) / 1e6, wall, proven, list(getattr(answer, "indices", ()))])
+        out[str(n)] = rows
+    json.dump(out, sys.stdout)
+
+
+def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:
+    counts = "CPU time alone (the wall clock stood still): how much search fits in 20 ms of a core" if args.cpu_only else "as shipped"
+    print(f"Irregular NVLink mesh (synthetic.irregular_mesh), deadline_ms={MESH_DEADLINE_MS} counted {counts}:"
+          f" old = {old_name}, new = {new_name}.")
+    print(f"{args.samples} requests per size and side, {args.rounds} round(s) of one child per side (alternating first), "
+          f"{args.spinners} busy loop(s) beside; load average {' / '.join(f'{x:.1f}' for x in os.getloadavg())} after.")
+    print("proven = share proven optimal (median over rounds; each round's in brackets); late = answers past the deadline"
+          " + 1 ms by the wall clock (each round); cpu new/old = the median over the requests both sides proved in every"
+          " round of the ratio of their median CPU times (p10-p90 in brackets).\n")
+    print("| GPUs | proven old | proven new | late old | late new | wall p99 old ms | wall p99 new ms | cpu new/old | both proved | answers differing |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    from bench.stats import percentile  # here, not at the top: a worker imports an older tree's bench
+
+    for n in MESH_SIZES:
+        side = {s: [run[str(n)] for run in runs[s]] for s in ("old", "new")}
+        proven = {s: [sum(r[2] for r in rows) / len(rows) for rows in side[s]] for s in side}
+        late = {s: [sum(r[1] > MESH_DEADLINE_MS + 1 for r in rows) for rows in side[s]] for s in side}
+        p99 = {s: statistics.median(percentile([r[1] for r in rows], 0.99) for rows in side[s]) for s in side}
+        ratios, differ = [], 0
+        for i in range(args.samples):
+            olds, news = [rows[i] for rows in side["old"]], [rows[i] for rows in side["new"]]
+            if all(r[2] for r in olds) and all(r[2] for r in news):
+                ratios.append(statistics.median(r[0] for r in news) / statistics.median(r[0] for r in olds))
+                differ += olds[0][3] != news[0][3]
+        spread = statistics.quantiles(ratios, n=10) if len(ratios) >= 2 else [1.0, 1.0]
+
+        def shares(values: list[float]) -> str:
+            return f"{statistics.median(values):.1%} ({', '.join(f'{v:.0%}' for v in values)})"
+
+        print(f"| {n} | {shares(proven['old'])} | {shares(proven['new'])} | {', '.join(map(str, late['old']))} |"
+              f" {', '.join(map(str, late['new']))} | {p99['old']:.1f} | {p99['new']:.1f} |"
+              f" {statistics.median(ratios) if ratios else float('nan'):.2f} ({spread[0]:.2f}-{spread[-1]:.2f}) | {len(ratios)} | {differ} |")
+    print(f"\nTook {took_s:.0f} s.")
+
+
+def _spin(stop: Any) -> None:
+    while not stop.is_set():
+        pass
+
+
 # --- parent: extract, alternate children, compare ------------------------------------------
 
 
@@ -178,9 +266,10 @@ def extract(commit: str, into: str) -> None:
         raise SystemExit(f"extracting {commit[:12]} failed: {untar.stderr.strip()}")
 
 
-def run_child(tree: Path, samples: int) -> dict[str, Any]:
+def run_child(tree: Path, samples: int, mesh: bool = False, cpu_only: bool = False) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--samples", str(samples), "--corpus", str(CORPUS)]
+    cmd += (["--mesh"] if mesh else []) + (["--cpu-only"] if cpu_only else [])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the worker in {tree} failed (exit {done.returncode}):\n{done.stderr.strip()}")
@@ -203,18 +292,25 @@ def main() -> None:
     parser.add_argument("--samples", type=int, metavar="N", help=f"seeded busy sets per row, per child (default {SAMPLES}; {QUICK_SAMPLES} with --quick)")
     parser.add_argument("--rounds", type=int, default=3, metavar="R", help="old/new child pairs, alternating which side goes first (default 3)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SAMPLES} busy sets per row unless --samples says otherwise")
+    parser.add_argument("--mesh", action="store_true", help="the irregular-mesh study at 32 and 64 GPUs under a 20 ms deadline (#38)")
+    parser.add_argument("--spinners", type=int, default=0, metavar="N", help="busy loops running beside the children (default 0)")
+    parser.add_argument("--cpu-only", action="store_true",
+                        help="with --mesh: deadlines count the CPU time the search gets alone (the wall clock stands still)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--corpus", default=str(CORPUS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.samples is None:
         args.samples = QUICK_SAMPLES if args.quick else SAMPLES
     if args.worker:
-        worker(args.samples, args.corpus)
+        if args.mesh:
+            mesh_worker(args.samples, args.cpu_only)
+        else:
+            worker(args.samples, args.corpus)
         return
     if not args.rev:
         parser.error("--rev REV is required")
-    if args.samples < 1 or args.rounds < 1:
-        parser.error("--samples and --rounds must be at least 1")
+    if args.samples < 1 or args.rounds < 1 or args.spinners < 0:
+        parser.error("--samples and --rounds must be at least 1, --spinners at least 0")
 
     commit = check_revision(args.rev)
     dirty = " + uncommitted edits" if git("status", "--porcelain", "--untracked-files=no") else ""
@@ -222,18 +318,29 @@ def main() -> None:
     old_name = f"{args.rev} ({commit[:9]})"
     started = time.perf_counter()
     runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
-    with tempfile.TemporaryDirectory(prefix="placement-versus-") as tmp:
-        extract(commit, tmp)
-        trees = {"old": Path(tmp), "new": REPO}
-        for r in range(args.rounds):
-            order = ("old", "new") if r % 2 == 0 else ("new", "old")
-            took = []
-            for side in order:
-                t0 = time.perf_counter()
-                runs[side].append(run_child(trees[side], args.samples))
-                took.append(f"{side} {time.perf_counter() - t0:.1f} s")
-            print(f"round {r + 1}/{args.rounds}: {', '.join(took)}", file=sys.stderr, flush=True)
-    report(runs, old_name, new_name, args, time.perf_counter() - started)
+    import multiprocessing
+
+    stop = multiprocessing.Event()
+    spinners = [multiprocessing.Process(target=_spin, args=(stop,), daemon=True) for _ in range(args.spinners)]
+    for spinner in spinners:
+        spinner.start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="placement-versus-") as tmp:
+            extract(commit, tmp)
+            trees = {"old": Path(tmp), "new": REPO}
+            for r in range(args.rounds):
+                order = ("old", "new") if r % 2 == 0 else ("new", "old")
+                took = []
+                for side in order:
+                    t0 = time.perf_counter()
+                    runs[side].append(run_child(trees[side], args.samples, args.mesh, args.cpu_only))
+                    took.append(f"{side} {time.perf_counter() - t0:.1f} s")
+                print(f"round {r + 1}/{args.rounds}: {', '.join(took)}", file=sys.stderr, flush=True)
+    finally:
+        stop.set()
+        for spinner in spinners:
+            spinner.join()
+    (mesh_report if args.mesh else report)(runs, old_name, new_name, args, time.perf_counter() - started)
 
 
 def report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:

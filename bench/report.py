@@ -52,6 +52,17 @@ GENERATORS: dict[str, Generator] = {
     # Medians over five streams: which policy makes fewer pods wait changes from one stream to the next.
     "cluster": Generator(("-m", "bench.cluster", "--markdown", "--seeds", "1,2,3,4,5"), ("--quick",)),
     "meshfloor": Generator(("-m", "bench.mesh_floor", "--markdown"), ("--requests", "6")),
+    # The irregular-mesh deadline study against the search before #38 (37da41e), interleaved.
+    "meshversus": Generator(("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4"),
+                            ("--rounds", "2")),
+    "meshversus-cpu": Generator(
+        ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4", "--cpu-only"),
+        ("--rounds", "2"),
+    ),
+    "meshversus-loaded": Generator(
+        ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4", "--spinners", "2"),
+        ("--rounds", "2"),
+    ),
     "series": Generator(("-m", "bench.series", "--markdown")),
 }
 

@@ -58,10 +58,12 @@ def wall_clock_stands_still(monkeypatch):
     monkeypatch.setattr(deadline_module, "wall_clock", frozen_clock)
 
 
-def test_a_deadline_counts_the_cpu_the_search_gets_and_the_wall_clock_caps_it(monkeypatch):
-    """A starved search (its CPU clock barely moves) keeps its budget of CPU time, so a loaded
-    node still answers small problems exactly -- but never waits past WALL_CAP times the
-    deadline on the wall clock; a search with the CPU to itself stops at its budget."""
+def test_a_deadline_is_the_wall_clock_less_the_answer_at_the_share_of_a_core_the_search_gets(monkeypatch):
+    """The caller waits by the wall clock: the search stops before the deadline by the time
+    building the answer will take -- its CPU reserve stretched by the share of a core the
+    thread has had -- and by the longest wait for a core seen between two reads (half the
+    deadline at most, for a thread starved outright).  With the wall clock frozen (as these
+    tests run) the CPU clock alone stops it where a search with a core to itself stops."""
     def reads_until_reached(deadline: deadline_module.Deadline) -> int:
         for reads in range(1, 100_000):
             try:
@@ -70,15 +72,43 @@ def test_a_deadline_counts_the_cpu_the_search_gets_and_the_wall_clock_caps_it(mo
                 return reads
         raise AssertionError("never reached")
 
-    monkeypatch.setattr(deadline_module, "clock", frozen_clock)  # starved: no CPU at all
-    monkeypatch.setattr(deadline_module, "wall_clock", StepClock(1e-3))
-    starved = deadline_module.Deadline(0.02)
-    usable_ms = 20 - 1.5 - 0.1  # less the reserve for building the answer
-    assert reads_until_reached(starved) == pytest.approx(deadline_module.WALL_CAP * usable_ms, abs=2)
+    usable_ms = 20 - 1.5 - 0.1  # less the reserve for building the answer (1 GPU)
+    # A core: no wait.  Half of one: the reserve doubled, and 0.5 ms waited between reads.
+    for cpu_per_read, stops_at_ms in ((1e-3, usable_ms), (0.5e-3, 20 - 2 * 1.6 - 0.5), (0.0, 20 / 2)):
+        monkeypatch.setattr(deadline_module, "clock", StepClock(cpu_per_read))  # a core, half of one, none
+        monkeypatch.setattr(deadline_module, "wall_clock", StepClock(1e-3))
+        assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(stops_at_ms, abs=1.5), cpu_per_read
 
-    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-3))  # the CPU to itself
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-3))  # the CPU clock alone
     monkeypatch.setattr(deadline_module, "wall_clock", frozen_clock)
-    assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(usable_ms, abs=2)
+    assert reads_until_reached(deadline_module.Deadline(0.02)) == pytest.approx(usable_ms, abs=1.5)
+
+
+def test_a_search_that_once_waited_for_a_core_stops_that_much_sooner(monkeypatch):
+    """A thread the scheduler kept off a core for 5 ms may be kept off as long again just
+    before the answer: it stops at least 5 ms sooner than one that never waited."""
+    def stops_at_ms(wait_at_read: int | None) -> int:
+        cpu, wall = StepClock(1e-3), StepClock(1e-3)
+        reads = [0]
+
+        def waiting_wall() -> float:
+            reads[0] += 1
+            if reads[0] == wait_at_read:
+                wall.now += 5e-3  # 5 ms off a core between two reads
+            return wall()
+
+        monkeypatch.setattr(deadline_module, "clock", cpu)
+        monkeypatch.setattr(deadline_module, "wall_clock", waiting_wall)
+        deadline = deadline_module.Deadline(0.02)
+        try:
+            while True:
+                deadline.check()
+        except deadline_module.DeadlineReached:
+            return round((wall.now - deadline.wall_from) * 1000)
+
+    never, once = stops_at_ms(None), stops_at_ms(4)
+    assert never == pytest.approx(20 - 1.6, abs=1.5)
+    assert 20 / 2 <= once <= never - 5  # (its share of a core fell too: the reserve grew)
 
 
 def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answer: Placement) -> None:

@@ -136,7 +136,8 @@ def place(
     established.
 
     A NoFit says whether the request could fit this node at all (``never_fits``): this
-    same search, run again with no GPU busy (and its own deadline), found nothing either.
+    same search, run again with no GPU busy (within what is left of the deadline), found
+    nothing either.
     Then its reason is the idle node's (what no waiting can change).  A search either
     deadline stopped proves nothing, so its NoFit never says ``never_fits``."""
     busy = tuple(busy)  # read twice: for the answer now and, on a no fit, the idle node's
@@ -146,9 +147,8 @@ def place(
         return answer
     idle: Placement | NoFit = answer
     if busy:
-        idle_deadline = _deadline(request)
-        idle = _place(matrix, request, (), now, NO_LIVE, idle_deadline)
-        if idle_deadline is not None and idle_deadline.reached:
+        idle = _place(matrix, request, (), now, NO_LIVE, deadline)  # the caller waits for both
+        if deadline is not None and deadline.reached:
             return answer
     if isinstance(idle, Placement):
         return answer  # busy now: it fits once GPUs are given back

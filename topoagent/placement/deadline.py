@@ -1,16 +1,22 @@
 """The clock a search keeps to: a request's Deadline, and the step budgets of its cheap tries.
 
 A search calls ``tick()`` once per step (a branch, or one extension of a ring or path);
-a Deadline reads the clock every CHECK_EVERY steps and raises DeadlineReached when its
+a Deadline reads the clocks every CHECK_EVERY steps and raises DeadlineReached when its
 time is up, a StepBudget raises StepsSpent when its steps are.
 
-A deadline counts the CPU time the searching thread gets, not the wall clock: on a busy
-node (a training job's data loaders on every core) a search that gets a tenth of a core
-would otherwise answer small problems from a tenth of its budget, far from the optimum.
-The wall clock still bounds it, at WALL_CAP times the deadline, so an answer never waits
-on a starved thread for long.  Tests replace ``clock`` with one that counts steps and
-``wall_clock`` with one that never moves, so what a deadline stops is the same on any
-machine.
+A deadline is the wall-clock time the caller waits for the answer.  After the search
+stops, building the answer takes CPU time of its own (ANSWER_RESERVE_*), and on a busy
+node (a training job's data loaders on every core) the thread gets only a share of a
+core, so that CPU time stretches on the wall clock -- and the thread may wait for a core
+at any moment, for as long as the scheduler makes it.  The deadline reads the thread's CPU
+clock beside the wall clock: their ratio since the request began is the share of a core
+the thread gets, and the wall time between two reads less the CPU time between them is a
+stretch it waited.  The search stops ``reserve / share`` plus the longest wait seen so
+far before the deadline (half the deadline at most): the time the answer will take to
+build at that share, should the thread wait once more as long.  The CPU clock also bounds
+the search alone, at the deadline less the reserve.  Tests replace
+``clock`` with one that counts steps and ``wall_clock`` with one that never moves, so
+what a deadline stops is the same on any machine.
 """
 
 from __future__ import annotations
@@ -23,30 +29,30 @@ class DeadlineReached(Exception):
     """The search's time is up: the caller answers with the best set found so far."""
 
 
-clock = thread_time  # the budget: this thread's CPU time; tests put a clock that counts steps here
-wall_clock = monotonic  # the cap on the wall clock; tests freeze it
-WALL_CAP = 5  # a deadline of d seconds of CPU ends at 5 d seconds of wall time at the latest
+clock = thread_time  # the CPU the searching thread gets; tests put a clock that counts steps here
+wall_clock = monotonic  # the deadline itself; tests freeze it
+LEAST_SHARE = 0.05  # below this share of a core the reserve is half the deadline anyway
 
 
 class Deadline:
-    """A budget of CPU time a search stops at (and WALL_CAP times it on the wall clock, the
-    first reached).  The clocks are read every CHECK_EVERY steps (a step is one branch or
-    one Hamiltonian extension: a few to a hundred microseconds at 128 GPUs): cheap next to
-    the search, finer than 0.5 ms."""
+    """A wall-clock time a search stops before, leaving the time to build the answer at
+    the share of a core the thread gets (module docstring).  The clocks are read every
+    CHECK_EVERY steps (a step is one branch or one Hamiltonian extension: a few to a
+    hundred microseconds at 128 GPUs): cheap next to the search, finer than 0.5 ms."""
 
     CHECK_EVERY = 4
-    # The search stops this much before the deadline (half of it at most): building the
-    # answer from the set takes ~0.1 ms for one GPU and 1-5 ms for 64 (ranks, bindings,
-    # launch forms; the more the busier the machine).
+    # The CPU time building the answer from the set takes: ~0.1 ms for one GPU and 1-5 ms
+    # for 64 (ranks, bindings, launch forms).
     ANSWER_RESERVE_S = 0.0015
     ANSWER_RESERVE_PER_GPU_S = 0.0001
 
     def __init__(self, seconds: float, gpus: int = 1):
         self.seconds = seconds
-        reserve = self.ANSWER_RESERVE_S + gpus * self.ANSWER_RESERVE_PER_GPU_S
-        usable = seconds - min(reserve, seconds / 2)
-        self.at = clock() + usable
-        self.wall_at = wall_clock() + WALL_CAP * usable
+        self.reserve = min(self.ANSWER_RESERVE_S + gpus * self.ANSWER_RESERVE_PER_GPU_S, seconds / 2)
+        self.cpu_from = self.cpu_read = clock()
+        self.wall_from = self.wall_read = wall_clock()
+        self.waited = 0.0  # the longest stretch between two reads the thread spent off a core
+        self.at = self.cpu_from + seconds - self.reserve
         self.left = self.CHECK_EVERY
         self.reached = False
         self.suspended = False  # while a search finds its first, cheap answer
@@ -61,11 +67,24 @@ class Deadline:
             self.check()
 
     def check(self) -> None:
-        """Read the clock now: for work in coarse steps (a GPU's row of a matrix's tables,
+        """Read the clocks now: for work in coarse steps (a GPU's row of a matrix's tables,
         about 0.4 ms at 128 GPUs), where every fourth step would be too late."""
-        if self.reached or clock() >= self.at or wall_clock() >= self.wall_at:
+        if self.reached:
+            raise DeadlineReached
+        cpu, now = clock(), wall_clock()
+        self.waited = max(self.waited, (now - self.wall_read) - (cpu - self.cpu_read))
+        self.cpu_read, self.wall_read = cpu, now
+        wall = now - self.wall_from
+        if cpu >= self.at or wall + self.margin(cpu - self.cpu_from, wall) >= self.seconds:
             self.reached = True
             raise DeadlineReached
+
+    def margin(self, cpu: float, wall: float) -> float:
+        """How long before the deadline the search stops, having had ``cpu`` seconds of a
+        core in ``wall``: the reserve of CPU time stretched by that share, and the longest
+        wait seen; half the deadline at most."""
+        share = cpu / wall if wall > 0 else 1.0
+        return min(self.reserve / max(min(share, 1.0), LEAST_SHARE) + self.waited, self.seconds / 2)
 
 
 def no_check() -> None:

@@ -6,7 +6,8 @@ driver that picks the thresholds and keeps to a deadline.
 
 Everything here works on GPU *positions* (rows of the DistanceMatrix, bits of a mask).
 Rings and paths also cut branches that cannot be completed (members short of links, runs
-of members apart), which changes no answer.
+of members apart, newcomers too few to bring the links members lack), which changes no
+answer.
 """
 
 from __future__ import annotations
@@ -37,6 +38,31 @@ NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
 Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
 # A class of interchangeable GPUs: its mask, and its zone per level (placement.tables).
 GpuClass = tuple[int, tuple[int, ...]]
+# What a ring check leaves its branch's children: the GPUs that can still be in the set
+# (taken and candidates, peeled) and the component of their links holding what is taken.
+Reach = tuple[int, int]
+
+
+def _more_components(verts: int, adjacency: list[int], most: int) -> bool:
+    """Whether the graph restricted to ``verts`` has more than ``most`` components
+    (connected_components, stopping as soon as it knows)."""
+    count = 0
+    remaining = verts
+    while remaining:
+        count += 1
+        if count > most:
+            return True
+        comp = frontier = remaining & -remaining
+        while frontier:
+            reach = 0
+            while frontier:
+                low = frontier & -frontier
+                frontier ^= low
+                reach |= adjacency[low.bit_length() - 1]
+            frontier = reach & verts & ~comp
+            comp |= frontier
+        remaining &= ~comp
+    return False
 
 
 @dataclass(slots=True)
@@ -420,7 +446,8 @@ class Search(Bounds):
             ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
         return ordered
 
-    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int) -> None:
+    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int, was: Reach | None = None) -> None:
+        """``was``: what the parent's ring check left (see _ring_completable), or None."""
         if self.ticker is not None:
             self.ticker.tick()
         if rem == 0:
@@ -432,11 +459,12 @@ class Search(Bounds):
         if best is not None and self.stop_at_first:
             return
         forced = 0  # GPUs every ring or path completing this branch holds
+        reach: Reach | None = None
         if self.eff is not None and taken:
-            completable = self._ring_completable(taken, cand, rem)
+            completable = self._ring_completable(taken, cand, rem, was)
             if completable is None:
                 return
-            cand, forced = completable
+            cand, forced, reach = completable
         cutoff = self.cutoff
         if cutoff is not None and (best is None or cutoff < best.key):
             if self._cut(taken, cand, rem, dmg, forced, cutoff, strict=True):
@@ -464,13 +492,16 @@ class Search(Bounds):
                 pick |= 1 << v
                 nxt &= allowed[v]
             added = self.class_damage(zones, taken, c) if c else 0
-            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added)
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach)
             if self.best is not None and self.stop_at_first:
                 return
 
-    def _ring_completable(self, taken: int, cand: int, rem: int) -> tuple[int, int] | None:
-        """The candidates that can still complete a ring or path at r through ``taken``
-        and the GPUs every such completion holds; None when none can."""
+    def _ring_completable(self, taken: int, cand: int, rem: int, was: Reach | None) -> tuple[int, int, Reach] | None:
+        """The candidates that can still complete a ring or path at r through ``taken``,
+        the GPUs every such completion holds, and what the children's checks start from;
+        None when none can.  ``was``: the parent's (reach, component), which the peel
+        and the component start from (a child's reach is the parent's less a few GPUs:
+        only their neighbours can have lost links) -- the same result as from nothing."""
         # No ring/path at r can be completed: such a branch holds no set, so cutting it
         # changes no answer.  In a ring, the members taken lie in runs between the rem
         # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
@@ -480,24 +511,34 @@ class Search(Bounds):
         assert eff is not None  # _branch asks only when rings are checked
         need = self.need
         ends = 0 if self.req.pattern is Pattern.ALLREDUCE else 2
-        forced = 0
         reach = taken | cand
-        # A candidate with fewer than `need` links among what can still be in the
-        # set is in no ring or path of it: peel such candidates until none is left.
-        peeled = True
-        while peeled:
-            peeled = False
-            left = reach & ~taken
-            while left:
-                low = left & -left
-                left ^= low
-                if (eff[low.bit_length() - 1] & reach).bit_count() < need:
-                    reach ^= low
-                    peeled = True
+        # A candidate with fewer than `need` links among what can still be in the set
+        # is in no ring or path of it: peel such candidates until none is left.  The
+        # parent's candidates all had `need` links in its reach: only the neighbours of
+        # what left it are looked at again (and of what the peel takes, in turn).
+        if was is None:
+            check = cand
+        else:
+            gone = was[0] & ~reach
+            check = 0
+            while gone:
+                low = gone & -gone
+                gone ^= low
+                check |= eff[low.bit_length() - 1]
+            check &= cand
+        while check:
+            low = check & -check
+            check ^= low
+            v = low.bit_length() - 1
+            if (eff[v] & reach).bit_count() < need:
+                reach ^= low
+                check |= eff[v] & reach & ~taken
         cand = reach & ~taken
         if cand.bit_count() < rem:
             return None
+        forced = 0
         short = 0
+        lacking = 0  # the members taken with fewer than 2 links among the taken
         left = taken
         while left:
             low = left & -left
@@ -512,15 +553,47 @@ class Search(Bounds):
             inside = (eff[v] & taken).bit_count()
             if inside < 2:
                 short += 2 - inside
+                lacking |= low
         forced &= ~taken
         if short > 2 * rem + ends or forced.bit_count() > rem:
             return None
-        if len(connected_components(taken, eff)) > rem + ends // 2:
+        if short > ends and not self._newcomers_cover(cand, lacking, rem, short - ends):
             return None
-        comp = connected_components(reach, eff, taken & -taken)[0]
-        if taken & ~comp or comp.bit_count() < self.k:
+        runs = rem + ends // 2
+        if taken.bit_count() > runs and _more_components(taken, eff, runs):
             return None
-        return cand, forced
+        if was is not None and reach == was[0] and not (taken & ~was[1]):
+            comp = was[1]  # the same reach, and what is taken inside the same component
+        else:
+            comp = connected_components(reach, eff, taken & -taken)[0]
+            if taken & ~comp or comp.bit_count() < self.k:
+                return None
+        return cand, forced, (reach, comp)
+
+    def _newcomers_cover(self, cand: int, lacking: int, rem: int, short: int) -> bool:
+        """Whether ``rem`` candidates can bring the ``short`` links the members taken still
+        lack: a newcomer links to a member once and has two ring links, so it brings at
+        most min(2, its links to ``lacking``)."""
+        eff = self.eff
+        assert eff is not None
+        near = 0  # the candidates linked to a member that lacks links
+        left = lacking
+        while left:
+            low = left & -left
+            left ^= low
+            near |= eff[low.bit_length() - 1]
+        near &= cand
+        ones = near.bit_count()
+        if min(ones, rem) >= short:
+            return True  # one link each is enough
+        twos = 0
+        while near:
+            low = near & -near
+            near ^= low
+            if (eff[low.bit_length() - 1] & lacking).bit_count() >= 2:
+                twos += 1
+        twos = min(twos, rem)
+        return 2 * twos + min(ones - twos, rem - twos) >= short
 
     def _cut(
         self, taken: int, cand: int, rem: int, dmg: int, forced: int, limit: Key, strict: bool
