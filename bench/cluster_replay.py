@@ -477,9 +477,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=STARVE_ROUNDS, help=f"with --starve: rounds of the pattern (default {STARVE_ROUNDS})")
     parser.add_argument("--hold-after", type=lambda text: [float(t) for t in text.split(",")], default=[30.0, 10.0, 5.0],
                         metavar="30,10,5", help="with --starve: the extender's --hold-after values to compare (default 30,10,5)")
+    parser.add_argument("--markdown", action="store_true", help="with --starve: the table as docs/benchmarks.md holds it (no heading)")
     args = parser.parse_args()
     if args.starve:
-        print(f"## Holds (issue #39): {list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; "
+        heading = "" if args.markdown else "## Holds (issue #39): "
+        print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; "
               f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)})\n")
         print(starve_table(args.seeds, args.hold_after, args.rounds))
         return

@@ -64,6 +64,10 @@ GENERATORS: dict[str, Generator] = {
         ("--rounds", "2"),
     ),
     "series": Generator(("-m", "bench.series", "--markdown")),
+    # Issue #39's stream with and without holds, the pattern as given and sustained (medians of nine seeds).
+    "holds": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8"), ("--seeds", "0-2")),
+    "holds-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30"),
+                                 ("--seeds", "0-2")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")
