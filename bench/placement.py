@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import sys
 import statistics
+import sys
 import time
 from dataclasses import replace
 from itertools import combinations, permutations
