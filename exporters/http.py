@@ -53,8 +53,6 @@ class Token:
 TOKEN = web.AppKey("token", Token)
 METRICS = web.AppKey("metrics", MetricsPage)
 OPENAPI = web.AppKey("openapi", bytes)
-# /topology's body gzipped, once per snapshot: (its ETag, the compressed body)
-TOPOLOGY_GZIP = web.AppKey("topology_gzip", list)
 RATE = web.AppKey("rate", RateLimiter)
 REFUSED = web.AppKey("refused", dict)  # requests refused before a handler: reason -> count
 
@@ -377,16 +375,17 @@ async def topology(request: web.Request) -> web.StreamResponse:
     if not accepts_gzip(request.headers.get("Accept-Encoding", "")):
         if _not_modified(request, etag):
             return web.Response(status=304, headers=headers)
-        return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
-    # A 128-GPU node's document is ~7.5 MB, ~20x less gzipped.  Compressed once per snapshot
-    # and off the event loop; its own ETag, as another representation of the same document.
+        # A big node's document is held gzipped only: unpacked off the event loop.
+        body = snapshot.held_body
+        if body is None:
+            body = await asyncio.to_thread(lambda: snapshot.body)
+        return web.Response(body=body, content_type="application/json", headers=headers)
+    # Gzipped once per snapshot, with the document (topoagent.service.served); its own ETag,
+    # as another representation of the same document.
     headers["ETag"] = etag = etag[:-1] + '-gzip"'
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
-    cache = request.app[TOPOLOGY_GZIP]
-    if not cache or cache[0] != etag:
-        cache[:] = [etag, await asyncio.to_thread(gzip.compress, snapshot.body, 6)]
-    return web.Response(body=cache[1], content_type="application/json", headers={**headers, "Content-Encoding": "gzip"})
+    return web.Response(body=snapshot.body_gzip, content_type="application/json", headers={**headers, "Content-Encoding": "gzip"})
 
 
 async def capacity(request: web.Request) -> web.Response:
@@ -639,7 +638,6 @@ def make_app(agent: Service, token: bytes = b"", *, run_agent: bool = True, guar
     app[REFUSED] = refused = {"rate_limited": 0, "misdirected_host": 0}
     app[METRICS] = MetricsPage(agent, HttpCollector(guard, refused))
     app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
-    app[TOPOLOGY_GZIP] = []
 
     async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:
         await agent.start()
