@@ -27,10 +27,8 @@ from topoagent.config import Config
 from topoagent.connections import ConnectionGuard
 from topoagent.documents.agent import answer_document, lease_document
 from topoagent.documents.lease import owner_problem, ttl_problem
-from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
-from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
@@ -52,7 +50,8 @@ class Token:
 
 TOKEN = web.AppKey("token", Token)
 METRICS = web.AppKey("metrics", MetricsPage)
-OPENAPI = web.AppKey("openapi", bytes)
+# The OpenAPI document, made on the first GET /openapi.json (the agent need not hold it).
+OPENAPI = web.AppKey("openapi", list)
 RATE = web.AppKey("rate", RateLimiter)
 REFUSED = web.AppKey("refused", dict)  # requests refused before a handler: reason -> count
 
@@ -579,7 +578,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+    made = request.app[OPENAPI]
+    if not made:
+        from topoagent.exporters.openapi import openapi_document
+
+        made.append(json.dumps(openapi_document(), indent=1).encode())
+    return web.Response(body=made[0], content_type="application/json")
 
 
 def _not_modified(request: web.Request, etag: str) -> bool:
@@ -602,6 +606,8 @@ async def index(request: web.Request) -> web.Response:
 
 
 def _page(snapshot: Snapshot, leased: frozenset[int], busy: frozenset[int]) -> tuple[bytes, str]:
+    from topoagent.exporters.svg import ETAG_SLOT, render_page  # only once the picture is asked for
+
     page = render_page(snapshot.node, snapshot.matrix, findings=snapshot.findings, leased=leased, busy=busy,
                        live_ms=PAGE_POLL_MS)
     etag = etag_of(page.encode())  # of the page with its slot empty, then stamped into it
@@ -637,7 +643,7 @@ def make_app(agent: Service, token: bytes = b"", *, run_agent: bool = True, guar
     app[HOSTS] = AllowedHosts(agent.config)
     app[REFUSED] = refused = {"rate_limited": 0, "misdirected_host": 0}
     app[METRICS] = MetricsPage(agent, HttpCollector(guard, refused))
-    app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
+    app[OPENAPI] = []
 
     async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:
         await agent.start()
