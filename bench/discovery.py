@@ -1,6 +1,7 @@
 """Discovery time: in-process, as a whole command, and against hwloc's lstopo, side by side.
 
     python -m bench.discovery [--runs N] [--root SNAPSHOT] [--markdown]    (from a checkout's root)
+    python -m bench.discovery --recordings [--runs N] [--markdown]
 
 Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100)
 and on the live machine; the command comparison alternates `topoagent discover --json`,
@@ -8,12 +9,21 @@ and on the live machine; the command comparison alternates `topoagent discover -
 modules the design needs, nothing of ours) on the live machine so all three see the same
 load.  Child processes run this checkout's topoagent (PYTHONPATH), not whichever copy is
 installed.
+
+--recordings compares CPU time (user + system, from getrusage(RUSAGE_CHILDREN) around each
+whole command), not wall time, since the machine is shared: `topoagent discover --json
+--root DIR` against `lstopo-no-graphics --whole-io --of xml -` with HWLOC_FSROOT=DIR, on
+hwloc's own test recordings (../shared/hwloc/linux beside the checkout, and the one shipped
+in tests/data/hwloc, so a clean clone has one), alternated round by round, with the
+interpreter's own start (`python -c pass`) beside them as the floor no Python command goes
+under.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -187,12 +197,108 @@ def lines(figures: dict[str, float | str], runs: int, root: str | Path) -> list[
     return out
 
 
+# hwloc's recordings: beside the checkout (the test suite's oracle), and the one shipped here.
+HWLOC_RECORDINGS = (REPO.parent / "shared" / "hwloc" / "linux", REPO / "tests" / "data" / "hwloc")
+
+
+def cpu_seconds(argv: list[str], env: dict[str, str]) -> float:
+    """User + system CPU seconds of one run of ``argv`` (getrusage of the reaped child)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(argv)}: exit status {done.returncode}")
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def in_process_cpu(root: str | Path, runs: int) -> tuple[float, float]:
+    """Median and least CPU seconds (user + system) of one in-process discovery, a fresh
+    Host each.  The least too: a second of another process's load on this core's sibling
+    inflates every run it overlaps, never deflates one."""
+    discover_sync(Host(root))  # imports and caches warm, as in a running agent
+    times = []
+    for _ in range(runs):
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        with Host(root) as host:
+            discover_sync(host)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        times.append((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
+    return statistics.median(times), min(times)
+
+
+def recordings(runs: int) -> list[dict[str, float | str]]:
+    """Per hwloc recording: median CPU ms of ours, lstopo's and the interpreter's, and the
+    median of the per-round ratios."""
+    lstopo = shutil.which("lstopo-no-graphics")
+    if lstopo is None:
+        raise SystemExit("lstopo-no-graphics not installed (Debian: apt-get install hwloc-nox): no peer to measure beside")
+    tarballs = sorted(t for d in HWLOC_RECORDINGS for t in d.glob("*.tar.bz2"))
+    rows: list[dict[str, float | str]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-discovery-") as tmp:
+        for tarball in tarballs:
+            name = tarball.name.removesuffix(".tar.bz2")
+            with Host(tarball) as host:  # unpacked once, by the same code --root uses
+                root = str(host.root)
+                shutil.copytree(root, Path(tmp) / name, symlinks=True)
+            root = str(Path(tmp) / name)
+            ours_argv = [*TOPOAGENT, "--root", root]
+            theirs_env = dict(os.environ, HWLOC_FSROOT=root, HWLOC_COMPONENTS="linux,stop", LC_ALL="C")
+            cpu_seconds(ours_argv, CHILD_ENV)  # bytecode caches written before the first timed run
+            ours, theirs, floor = [], [], []
+            for _ in range(runs):  # alternated, so all three see the same machine
+                ours.append(cpu_seconds(ours_argv, CHILD_ENV))
+                theirs.append(cpu_seconds([lstopo, *LSTOPO_ARGS], theirs_env))
+                floor.append(cpu_seconds([sys.executable, "-c", "pass"], CHILD_ENV))
+            rows.append({
+                "name": name, "shipped": "yes" if tarball.parent == HWLOC_RECORDINGS[1] else "",
+                "ours_ms": statistics.median(ours) * 1e3, "lstopo_ms": statistics.median(theirs) * 1e3,
+                "floor_ms": statistics.median(floor) * 1e3,
+                "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
+                "floor_ratio": statistics.median(a / b for a, b in zip(floor, theirs)),
+            })
+    return rows
+
+
+def recordings_markdown(rows: list[dict[str, float | str]], runs: int, in_process_ms: tuple[float, float], in_runs: int) -> list[str]:
+    out = [
+        f"CPU time (user + system, getrusage of each whole command), not wall time: the machine is shared."
+        f" Medians of {runs} alternated rounds; ratios are medians of each round's ratio."
+        " Peer: Debian's hwloc `lstopo-no-graphics --whole-io --of xml -` on the same unpacked recording"
+        " (HWLOC_FSROOT). `python -c pass` is the interpreter's own start under the same environment:"
+        " no Python command costs less.",
+        "",
+        "| hwloc recording | `topoagent discover --json --root` | lstopo | ratio to lstopo | `python -c pass` | its ratio to lstopo |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        shipped = " (shipped in tests/data/hwloc)" if r["shipped"] else ""
+        out.append(f"| {r['name']}{shipped} | {r['ours_ms']:.0f} ms | {r['lstopo_ms']:.1f} ms | {r['ratio']:.1f}× |"
+                   f" {r['floor_ms']:.0f} ms | {r['floor_ratio']:.1f}× |")
+    out += ["", f"In-process discovery of the recorded `dgx-a100` (a fresh Host each run, imports warm): "
+            f"{in_process_ms[0]:.1f} ms CPU, median of {in_runs} runs; least {in_process_ms[1]:.1f} ms."]
+    return out
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--root", default=str(REPO / "fixtures/snapshots/dgx-a100"))
+    parser.add_argument("--recordings", action="store_true", help="CPU time against lstopo on hwloc's recordings")
     parser.add_argument("--markdown", action="store_true", help="print its block in the docs (bench/report.py)")
     args = parser.parse_args()
+    if args.recordings:
+        rows = recordings(args.runs)
+        in_runs = max(args.runs, 15)
+        median_s, least_s = in_process_cpu(REPO / "fixtures/snapshots/dgx-a100", in_runs)
+        in_process_ms = (median_s * 1e3, least_s * 1e3)
+        if args.markdown:
+            print("\n".join(recordings_markdown(rows, args.runs, in_process_ms, in_runs)))
+        else:
+            for r in rows:
+                print(f"{r['name']}: topoagent {r['ours_ms']:.0f} ms, lstopo {r['lstopo_ms']:.1f} ms CPU, ratio {r['ratio']:.1f}x;"
+                      f" python -c pass {r['floor_ms']:.0f} ms ({r['floor_ratio']:.1f}x)")
+            print(f"in-process discovery of dgx-a100: {in_process_ms[0]:.1f} ms CPU (median of {in_runs}; least {in_process_ms[1]:.1f})")
+        return 0
     for line in (markdown if args.markdown else lines)(measure(args.runs, args.root), args.runs, args.root):
         print(line)
     return 0

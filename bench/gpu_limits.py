@@ -12,6 +12,7 @@ Stdlib and topoagent.node.levels only.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import sys
@@ -101,5 +102,14 @@ def main(probe_json: str, gpu_csv: str) -> int:
     return 0
 
 
+def cli(argv: list[str] | None = None) -> int:
+    """`--help`, and a usage error rather than a traceback when an argument is missing."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("probe_json", metavar="PROBE_JSON", help="the output of `topoagent probe --json`")
+    parser.add_argument("gpu_csv", metavar="GPU_CSV", help="nvidia-smi --query-gpu=... --format=csv,noheader,nounits (see above)")
+    args = parser.parse_args(argv)
+    return main(args.probe_json, args.gpu_csv)
+
+
 if __name__ == "__main__":
-    sys.exit(main(*sys.argv[1:3]))
+    sys.exit(cli())

@@ -44,6 +44,9 @@ class Generator:
 
 GENERATORS: dict[str, Generator] = {
     "discovery": Generator(("-m", "bench.discovery", "--markdown"), ("--runs", "7")),
+    # CPU time beside lstopo on hwloc's recordings, and idle RSS beside node_exporter (#38).
+    "discovery-lstopo": Generator(("-m", "bench.discovery", "--recordings", "--markdown"), ("--runs", "5")),
+    "footprint": Generator(("-m", "bench.footprint", "--markdown"), ("--rounds", "2", "--idle-seconds", "3")),
     "placement": Generator(("-m", "bench.placement", "--only", "latency", "--markdown"), ("--quick",)),
     "simulation": Generator(("-m", "bench.placement", "--only", "simulate", "--markdown"), ("--quick",)),
     "service": Generator(("bench/service.py", "--markdown"), ("--seconds", "5", "--idle-seconds", "10")),

@@ -27,10 +27,8 @@ from topoagent.config import Config
 from topoagent.connections import ConnectionGuard
 from topoagent.documents.agent import answer_document, lease_document
 from topoagent.documents.lease import LEASE_ID, owner_problem, ttl_problem
-from topoagent.exporters.openapi import openapi_document
 from topoagent.exporters.prometheus import HttpCollector, MetricsPage
 from topoagent.exporters.ratelimit import RateLimiter, client_key
-from topoagent.exporters.svg import ETAG_SLOT, render_page
 from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
@@ -52,9 +50,8 @@ class Token:
 
 TOKEN = web.AppKey("token", Token)
 METRICS = web.AppKey("metrics", MetricsPage)
-OPENAPI = web.AppKey("openapi", bytes)
-# /topology's body gzipped, once per snapshot: (its ETag, the compressed body)
-TOPOLOGY_GZIP = web.AppKey("topology_gzip", list)
+# The OpenAPI document, made on the first GET /openapi.json (the agent need not hold it).
+OPENAPI = web.AppKey("openapi", list)
 RATE = web.AppKey("rate", RateLimiter)
 REFUSED = web.AppKey("refused", dict)  # requests refused before a handler: reason -> count
 
@@ -392,16 +389,17 @@ async def topology(request: web.Request) -> web.StreamResponse:
     if not accepts_gzip(request.headers.get("Accept-Encoding", "")):
         if _not_modified(request, etag):
             return web.Response(status=304, headers=headers)
-        return web.Response(body=snapshot.body, content_type="application/json", headers=headers)
-    # A 128-GPU node's document is ~7.5 MB, ~20x less gzipped.  Compressed once per snapshot
-    # and off the event loop; its own ETag, as another representation of the same document.
+        # A big node's document is held gzipped only: unpacked off the event loop.
+        body = snapshot.held_body
+        if body is None:
+            body = await asyncio.to_thread(lambda: snapshot.body)
+        return web.Response(body=body, content_type="application/json", headers=headers)
+    # Gzipped once per snapshot, with the document (topoagent.service.served); its own ETag,
+    # as another representation of the same document.
     headers["ETag"] = etag = etag[:-1] + '-gzip"'
     if _not_modified(request, etag):
         return web.Response(status=304, headers=headers)
-    cache = request.app[TOPOLOGY_GZIP]
-    if not cache or cache[0] != etag:
-        cache[:] = [etag, await asyncio.to_thread(gzip.compress, snapshot.body, 6)]
-    return web.Response(body=cache[1], content_type="application/json", headers={**headers, "Content-Encoding": "gzip"})
+    return web.Response(body=snapshot.body_gzip, content_type="application/json", headers={**headers, "Content-Encoding": "gzip"})
 
 
 async def capacity(request: web.Request) -> web.Response:
@@ -597,7 +595,12 @@ async def readyz(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[OPENAPI], content_type="application/json")
+    made = request.app[OPENAPI]
+    if not made:
+        from topoagent.exporters.openapi import openapi_document
+
+        made.append(json.dumps(openapi_document(), indent=1).encode())
+    return web.Response(body=made[0], content_type="application/json")
 
 
 def _not_modified(request: web.Request, etag: str) -> bool:
@@ -620,6 +623,8 @@ async def index(request: web.Request) -> web.Response:
 
 
 def _page(snapshot: Snapshot, leased: frozenset[int], busy: frozenset[int]) -> tuple[bytes, str]:
+    from topoagent.exporters.svg import ETAG_SLOT, render_page  # only once the picture is asked for
+
     page = render_page(snapshot.node, snapshot.matrix, findings=snapshot.findings, leased=leased, busy=busy,
                        live_ms=PAGE_POLL_MS)
     etag = etag_of(page.encode())  # of the page with its slot empty, then stamped into it
@@ -655,8 +660,7 @@ def make_app(agent: Service, token: bytes = b"", *, run_agent: bool = True, guar
     app[HOSTS] = AllowedHosts(agent.config)
     app[REFUSED] = refused = {"rate_limited": 0, "misdirected_host": 0}
     app[METRICS] = MetricsPage(agent, HttpCollector(guard, refused))
-    app[OPENAPI] = json.dumps(openapi_document(), indent=1).encode()
-    app[TOPOLOGY_GZIP] = []
+    app[OPENAPI] = []
 
     async def agent_lifetime(app: web.Application) -> AsyncIterator[None]:
         await agent.start()

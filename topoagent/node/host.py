@@ -8,9 +8,11 @@
 Paths are always given as the node sees them (``/sys/bus/pci/devices/...``).  On a
 replayed node every symlink is resolved by hand *inside* the root: a sysfs link such as
 ``../../../devices/pci0000:00/...`` (or an absolute one) can never reach the files of the
-machine doing the replay.  Every read then opens the resolved path one component at a
-time below the root, refusing to follow any symlink the OS would meet, so a link planted
-after start-up (``proc -> /``) is resolved inside the root too, never outside it.
+machine doing the replay.  Every read then opens the resolved path below the root,
+refusing to follow any symlink the OS would meet, so a link planted after start-up
+(``proc -> /``) is resolved inside the root too, never outside it: in one openat2(2)
+call confined to the root where the kernel has it (Linux 5.6+), else one ``openat``
+per component.
 
 Every read is bounded (``MAX_FILE_BYTES`` and friends): a recording is data someone sent
 us, and a 1 GB ``nvml.json`` must cost an error, not a gigabyte.
@@ -146,13 +148,25 @@ class Host:
         self._root_text = str(self.root).rstrip("/")
         self._links: dict[str, str | None] = {}
         self._resolved: dict[str, str] = {}
+        # The root, held open for openat2 (see _root_descriptor): None until first asked,
+        # -1 where the kernel has no openat2 and reads walk the path (_open_dirs).
+        self._root_fd: int | None = None
 
     # --- life cycle -------------------------------------------------------------------
 
     def close(self) -> None:
+        self._close_root()
         if self._tempdir is not None:
             self._tempdir.cleanup()
             self._tempdir = None
+
+    def __del__(self) -> None:
+        self._close_root()  # a Host dropped without close() keeps no descriptor
+
+    def _close_root(self) -> None:
+        fd, self._root_fd = getattr(self, "_root_fd", None), None
+        if fd is not None and fd >= 0:
+            os.close(fd)
 
     def __enter__(self) -> Host:
         return self
@@ -315,8 +329,64 @@ class Host:
                 os.close(dir_fd)
         raise HostError(f"{path}: its symbolic links keep changing; not read")
 
+    def _root_descriptor(self) -> int:
+        """The root held open for openat2; -1 where the kernel has none (then walk)."""
+        if self._root_fd is None:
+            from topoagent.node import openat2
+
+            fd = os.open(self._root_text or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+            if not openat2.available(fd):
+                os.close(fd)
+                fd = -1
+            self._root_fd = fd
+        return self._root_fd
+
+    def _open(self, path: str, flags: int) -> int:
+        """``path`` of the recording opened with ``flags``, its symlinks resolved inside
+        the root, none followed by the open itself: one openat2 call where the kernel has
+        it, else a walk (_inside).  A link met means the recording changed: resolve
+        afresh, once.  Errors name ``path``."""
+        root_fd = self._root_descriptor()
+        if root_fd < 0:
+
+            def action(dir_fd: int, name: str) -> int:
+                try:
+                    fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+                except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise _LinkMoved from None
+                    raise type(exc)(exc.errno, exc.strerror, path) from None
+                # O_PATH | O_NOFOLLOW opens a symlink itself rather than failing.
+                if flags & os.O_PATH and stat.S_ISLNK(os.fstat(fd).st_mode):
+                    os.close(fd)
+                    raise _LinkMoved
+                return fd
+
+            return self._inside(path, action)
+        from topoagent.node.openat2 import open_in_root
+
+        for _ in range(2):
+            try:
+                return open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
+            except OSError as exc:
+                # ELOOP: a symlink where the cache had none; EAGAIN: a rename raced the walk.
+                if exc.errno not in (errno.ELOOP, errno.EAGAIN):
+                    raise OSError(exc.errno, exc.strerror, path) from None
+                self._forget_links()
+        raise HostError(f"{path}: its symbolic links keep changing; not read")
+
     def _open_dirs(self, resolved: str, path: str) -> int:
         """An O_PATH descriptor for a resolved directory, opened without following links."""
+        root_fd = self._root_descriptor()
+        if root_fd >= 0:
+            from topoagent.node.openat2 import open_in_root
+
+            try:
+                return open_in_root(root_fd, resolved.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EAGAIN):
+                    raise _LinkMoved from None
+                raise OSError(exc.errno, exc.strerror, path) from None
         fd = os.open(self._root_text or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             for part in resolved.split("/"):
@@ -339,14 +409,11 @@ class Host:
         """stat() of a node path (symlinks resolved inside the root)."""
         if self.live:
             return os.stat(path)
-
-        def action(dir_fd: int, name: str) -> os.stat_result:
-            found = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-            if stat.S_ISLNK(found.st_mode):
-                raise _LinkMoved
-            return found
-
-        return self._inside(path, action)
+        fd = self._open(path, os.O_PATH)
+        try:
+            return os.fstat(fd)
+        finally:
+            os.close(fd)
 
     def read_bytes(self, path: str, limit: int = MAX_FILE_BYTES) -> bytes:
         """The one way anything is read from a node: inside the root, at most ``limit`` bytes.
@@ -358,41 +425,31 @@ class Host:
         # for data; a recording (or a planted FIFO) must not hang a one-shot command.
         # Only regular files are read (sysfs and procfs attributes are), checked on the
         # open descriptor so the check and the read see the same file.
-        if self.live:
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        else:
-
-            def action(dir_fd: int, name: str) -> int:
-                try:
-                    return os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-                except OSError as exc:
-                    if exc.errno == errno.ELOOP:
-                        raise _LinkMoved from None
-                    raise type(exc)(exc.errno, exc.strerror, path) from None
-
-            fd = self._inside(path, action)
+        flags = os.O_RDONLY | os.O_NONBLOCK
+        fd = os.open(path, flags | os.O_CLOEXEC) if self.live else self._open(path, flags)
+        # In pieces: procfs and sysfs size a read's buffer by what is asked for, and a sysctl
+        # file refuses a read of 4 MiB or more outright (ENOMEM), so one read of the whole
+        # limit would lose /proc/sys/kernel/hostname on a live node.
+        chunks: list[bytes] = []
+        size = 0
         try:
             mode = os.fstat(fd).st_mode
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             if not stat.S_ISREG(mode):
                 raise NotAFile(f"{path}: not a regular file ({file_kind(mode)}); not read")
-            os.set_blocking(fd, True)  # a regular file reads as before; O_NONBLOCK was for the open
-        except BaseException:
-            os.close(fd)
-            raise
-        # In pieces: procfs and sysfs size a read's buffer by what is asked for, and a sysctl
-        # file refuses a read of 4 MiB or more outright (ENOMEM), so one read of the whole
-        # limit would lose /proc/sys/kernel/hostname on a live node.
-        chunks: list[bytes] = []
-        size = 0
-        with open(fd, "rb", buffering=0) as handle:
+            if self.live:
+                # A regular file reads as before; O_NONBLOCK was for the open.  (A recording's
+                # files lie on an ordinary file system, where it changes no regular file's read.)
+                os.set_blocking(fd, True)
             while size <= limit:
-                chunk = handle.read(min(READ_CHUNK_BYTES, limit + 1 - size))
+                chunk = os.read(fd, min(READ_CHUNK_BYTES, limit + 1 - size))
                 if not chunk:
                     break
                 chunks.append(chunk)
                 size += len(chunk)
+        finally:
+            os.close(fd)
         if size > limit:
             raise FileTooLarge(f"{path}: larger than {limit:,} bytes; not read")
         return b"".join(chunks)
@@ -504,20 +561,11 @@ class Host:
             if self.live:
                 found = _scan(path)
             else:
-
-                def action(dir_fd: int, name: str) -> dict[str, str]:
-                    try:
-                        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
-                    except OSError as exc:
-                        if exc.errno == errno.ELOOP:
-                            raise _LinkMoved from None
-                        raise
-                    try:
-                        return _scan(fd)
-                    finally:
-                        os.close(fd)
-
-                found = self._inside(path, action)
+                fd = self._open(path, os.O_RDONLY | os.O_DIRECTORY)
+                try:
+                    found = _scan(fd)
+                finally:
+                    os.close(fd)
         except (FileNotFoundError, NotADirectoryError):
             return []
         if self.recording is not None:

@@ -23,6 +23,7 @@ from topoagent.node.model import CollectorStatus, NodeTopology
 from topoagent.placement import warm_answers
 from topoagent.placement.search import warm as warm_tables
 from topoagent.service.activity_loop import ActivityLoop
+from topoagent.service.memory import release_free_memory
 from topoagent.service.probe_loop import ProbeLoop
 from topoagent.service.served import Board, DiscoveryRetry, Snapshot, counted
 from topoagent.vocabulary import Status
@@ -162,6 +163,8 @@ class DiscoveryLoop:
         it (they build what is missing), and the swap did not."""
         self._warming = asyncio.ensure_future(asyncio.to_thread(warm_answers, snapshot.matrix, stopped=self._stopping.is_set))
         self._warming.add_done_callback(_log_warm_failure)
+        # The swap's peak is over once the answers are warm: give back what it freed.
+        self._warming.add_done_callback(lambda _: release_free_memory())
 
     def _failed(self, error: str, started: float, reason: str, statuses: tuple[CollectorStatus, ...] | None = None) -> None:
         last = self.board.served.discovery_retry
