@@ -287,7 +287,7 @@ class NvmlSession:
             self.nv.nvmlShutdown()
 
     def ask(self, call: str, *args: Any) -> Any:
-        """``pynvml.<call>(*args)``; None where NVML said no (its code in ``refused``)."""
+        """``pynvml.<call>(*args)``; None where NVML said no (``ask_with_code`` also gives its code)."""
         answer, _code = self.ask_with_code(call, *args)
         return answer
 
