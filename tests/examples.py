@@ -306,7 +306,11 @@ def offline(step: str, scratch: Path) -> str:
     if (install := _PIP_INSTALL_WHEEL.match(step)) and install[1].startswith(prefix):
         borrow = (f"import pathlib, site; pathlib.Path(site.getsitepackages()[0], 'examples-borrowed.pth')"
                   f".write_text({sysconfig.get_paths()['purelib']!r} + chr(10))")
-        step = f"{install[1]} install --no-deps --no-index {install[2]} && {prefix}/bin/python -c {shlex.quote(borrow)}"
+        # Without the suite's PYTHONPATH (the checkout): pip would take the checkout's own
+        # topoagent.egg-info (a clone that ran `pip install .` has one) as the package already
+        # installed, and install nothing.
+        step = (f"env -u PYTHONPATH {install[1]} install --no-deps --no-index {install[2]} && "
+                f"{prefix}/bin/python -c {shlex.quote(borrow)}")
     return step
 
 

@@ -299,5 +299,5 @@ def test_the_install_prefix_is_the_scratch_directorys_and_the_wheel_builds_and_i
     built = offline("/opt/topoagent/bin/pip wheel --no-deps -q -w dist .", tmp_path)
     assert built.endswith(" -m pip wheel --no-build-isolation --no-index --no-deps -q -w dist .")
     installed = offline("/opt/topoagent/bin/pip install -q dist/topoagent-0.1.0-py3-none-any.whl", tmp_path)
-    assert installed.startswith(f"{prefix}/bin/pip install --no-deps --no-index -q dist/topoagent-0.1.0-py3-none-any.whl && {prefix}/bin/python -c ")
+    assert installed.startswith(f"env -u PYTHONPATH {prefix}/bin/pip install --no-deps --no-index -q dist/topoagent-0.1.0-py3-none-any.whl && {prefix}/bin/python -c ")
     assert offline(".venv/bin/topoagent --version", tmp_path) == ".venv/bin/topoagent --version"  # nothing else changes
