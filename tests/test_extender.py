@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import trustme  # requirements/test.txt: the mutual-TLS tests need it, never skip for want of it
 from service_helpers import metric_value, promtool_complaints, wait_for
 
 from bench.cluster import (
@@ -725,7 +726,6 @@ class Certs:
 
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
-    trustme = pytest.importorskip("trustme")
     where = tmp_path_factory.mktemp("certs")
     ca, other_ca = trustme.CA(), trustme.CA()
     ca.cert_pem.write_to_path(str(where / "ca.crt"))
