@@ -46,15 +46,16 @@ def write_json_atomically(path: Path, document: Any, *, readable: bool = True, m
         os.close(fd)
 
 
-def state_dir_problem(path: str | os.PathLike[str]) -> str | None:
+def state_dir_problem(path: str | os.PathLike[str], mode: str = "700") -> str | None:
     """Why a state directory cannot be trusted with the agent's files, or None: whoever
     else may write it can replace the lease book.  As ``serve``'s token-file rule: owned
     by this process's user or root, and no group or other write bit (sshd's StrictModes).
-    Raises OSError when it cannot be looked at."""
+    ``mode`` is the one the fix names (755 for a directory others must read).  Raises
+    OSError when it cannot be looked at."""
     info = os.stat(path)  # the directory a link names: systemd's StateDirectory= is one under DynamicUser
     if not stat.S_ISDIR(info.st_mode):
         return "not a directory"
-    return owner_or_mode_problem(info, chown=f"chown {os.geteuid()} {os.fspath(path)}", chmod=f"chmod 700 {os.fspath(path)}")
+    return owner_or_mode_problem(info, chown=f"chown {os.geteuid()} {os.fspath(path)}", chmod=f"chmod {mode} {os.fspath(path)}")
 
 
 def owner_or_mode_problem(info: os.stat_result, *, chown: str, chmod: str) -> str | None:

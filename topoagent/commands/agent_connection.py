@@ -61,6 +61,8 @@ class AgentConnection(http.client.HTTPConnection):
         self.default_port = 443 if tls else 80  # read by the parent's host:port parsing
         super().__init__(netloc)
         self.deadline, self.tls = deadline, tls
+        self.reached = False  # the TCP connection was taken: from here a silence is the peer's, not a missing peer
+
 
     def connect(self) -> None:
         failure: OSError | None = None
@@ -69,6 +71,7 @@ class AgentConnection(http.client.HTTPConnection):
             try:
                 sock.settimeout(_time_left(self.deadline))
                 sock.connect(address)
+                self.reached = True
                 break
             except OSError as exc:  # TimeoutError included: the next address has no time left either
                 sock.close()

@@ -208,12 +208,12 @@ class AgentHttp:
         what = f"{method} {path}"
         pause = 0.05
         while True:
-            failure, limited, connected = "", False, False
+            failure, limited = "", False
+            connection: AgentConnection | None = None
             try:
                 connection = AgentConnection(self.netloc, self.deadline, tls=self.tls)
                 try:
                     connection.connect()
-                    connected = True  # from here a silence is the agent's, not a missing agent
                     headers = {"Accept": "application/json"}
                     if self.token:
                         headers["Authorization"] = f"Bearer {self.token}"
@@ -228,7 +228,8 @@ class AgentHttp:
                 finally:
                     connection.close()
             except TimeoutError:
-                if connected:
+                # Connected (a TLS handshake the agent never answers included): the agent is there, silent.
+                if connection is not None and connection.reached:
                     raise AgentSilent(f"{what}: {self.netloc} took the connection and answered nothing in time: "
                                       "the agent runs but is wedged; what it holds is unknown") from None
                 raise AgentDown(f"{what}: no connection to {self.netloc} in time") from None
@@ -351,7 +352,7 @@ def _check_state_dir(path: Path) -> None:
     from topoagent.statefile import state_dir_problem
 
     path.mkdir(mode=0o755, parents=True, exist_ok=True)
-    problem = state_dir_problem(path)
+    problem = state_dir_problem(path, mode="755")
     if problem:
         raise OSError(errno.EPERM, problem, str(path))
 
@@ -378,7 +379,6 @@ def prolog(args: argparse.Namespace) -> int:
     if lease_id is None:
         raise AgentRefused("POST /place: granted, but the answer holds no lease")
     try:
-        _check_state_dir(record.parent)
         # 0644: the task prolog runs as the job's user.
         write_json_atomically(record, {"job_id": job_id, "owner": owner, "lease": lease_id, "ranks": [r.document() for r in ranks]}, mode=0o644)
     except OSError as exc:
