@@ -135,9 +135,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="a pod asking for this many GPUs or more may hold a node (default 8: the whole NVLink domain of an "
                             "8-GPU NVSwitch node, the largest block pods ask for)")
     holds.add_argument("--hold-after", type=float, default=30.0, metavar="SECONDS",
-                       help="once such a pod has fit no node this long it holds the node with the most GPUs free among those "
-                            "that can ever take it: smaller pods are filtered off that node until the pod binds, is deleted "
-                            "or ends (default 30; 0: no holds)")
+                       help="once such a pod has fit no node this long it holds, among the nodes that can ever take it, the "
+                            "one that would free up soonest (by its leases' ages): smaller pods are filtered off that node "
+                            "until the pod binds, is deleted or ends (default 30; 0: no holds; holds need --pod-resync above 0)")
     holds.add_argument("--hold-for", type=float, default=300.0, metavar="SECONDS",
                        help="a hold ends after this, its pod still unbound; that pod holds no node again (default 300)")
     parser.add_argument("--kube-api", metavar="URL", help="API server (Node objects; binds), as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")

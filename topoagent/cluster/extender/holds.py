@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from topoagent.cluster.extender.wire import PodRef, WireError, gpus_wanted, pod_ref
-from topoagent.cluster.podwatch import object_field, text_field
+from topoagent.cluster.podwatch import finished, object_field, text_field
 from topoagent.log import log, log_event
 
-FINISHED = frozenset({"Succeeded", "Failed"})
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
 MAX_NEVER = 10_000  # pods that hold no node again, remembered; the oldest out past it
 RELEASES = ("bound", "deleted", "ended")  # why a hold ended other than expiry, for /metrics
@@ -132,8 +131,7 @@ class Holds:
         ref = pod_ref(pod)
         if not ref.uid:
             return
-        phase = text_field(object_field(pod, "status"), "phase")
-        if kind == "DELETED" or phase in FINISHED:
+        if kind == "DELETED" or finished(pod):
             self.forget(ref.uid, "deleted" if kind == "DELETED" else "ended")
         elif text_field(object_field(pod, "spec"), "nodeName"):
             self.forget(ref.uid, "bound")
@@ -188,7 +186,7 @@ class Holds:
     def due(self) -> list[Waiting]:
         """Waiting pods past ``after_s`` that hold nothing yet, the longest waiting first."""
         now = self.clock()
-        return sorted((w for w in self.waiting.values() if now - w.since >= self.after_s and w.pod.uid not in self.held),
+        return sorted((w for w in self.waiting.values() if now - w.since >= self.after_s),
                       key=lambda w: w.since)
 
     def take(self, loads: Mapping[str, NodeLoad]) -> list[Hold]:
@@ -210,6 +208,7 @@ class Holds:
                    f"oldest leases ending first")
             hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why)
             self.held[waiting.pod.uid] = hold
+            del self.waiting[waiting.pod.uid]  # it holds now (its hold keeps since when it waited)
             self._by_node[node] = waiting.pod.uid
             self.taken += 1
             taken.append(hold)
@@ -223,7 +222,6 @@ class Holds:
         for hold in ended:
             del self.held[hold.pod.uid]
             self._by_node.pop(hold.node, None)
-            self.waiting.pop(hold.pod.uid, None)
             self._hold_never(hold.pod.uid)
             self.expired += 1
             log_event("hold_expired", logging.WARNING, pod=str(hold.pod), node=hold.node, held_s=f"{now - hold.since:.1f}")
@@ -251,7 +249,7 @@ class Holds:
                        "waiting_since": at(h.waited_since), "expires": at(h.expires), "why": h.why}
                       for h in sorted(self.held.values(), key=lambda h: h.since)],
             "waiting": [{"pod": str(w.pod), "uid": w.pod.uid, "gpus": w.gpus, "since": at(w.since)}
-                        for w in sorted(self.waiting.values(), key=lambda w: w.since) if w.pod.uid not in self.held],
+                        for w in sorted(self.waiting.values(), key=lambda w: w.since)],
             "settings": {"min_gpus": self.min_gpus, "after_s": self.after_s, "ttl_s": self.ttl_s},
         }
 

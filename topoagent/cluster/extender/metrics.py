@@ -72,7 +72,7 @@ class ExtenderCollector(Collector):
     def _holds(self, holds: Holds) -> Iterator[Metric]:
         yield GaugeMetricFamily(f"{NS}_holds", "nodes held now for a large pod that fit no node (GET /holds lists them)", value=len(holds.held))
         yield GaugeMetricFamily(f"{NS}_pods_waiting", "large pods fitting no node now that hold no node (yet)",
-                                value=sum(1 for uid in holds.waiting if uid not in holds.held))
+                                value=len(holds.waiting))
         yield CounterMetricFamily(f"{NS}_holds_taken", "holds taken", value=holds.taken)
         yield CounterMetricFamily(f"{NS}_hold_expired", "holds that ended at --hold-for, their pod still unbound", value=holds.expired)
         released = CounterMetricFamily(f"{NS}_holds_released", "holds that ended with their pod, by why (bound, deleted, ended)", labels=["reason"])
