@@ -110,9 +110,15 @@ def crashed(name: str, exc: Exception, seconds: float = 0.0, *, optional: bool =
     return CollectorResult(name, ERROR, None, report_bug(name, exc), seconds, optional=optional, bug=True)
 
 
+# The bugs whose traceback was logged at error level, by (source, its one-line message): a
+# counter source that crashes at every read repeats it at debug level only.  Bounded.
+_REPORTED: dict[tuple[str, str], None] = {}
+_MAX_REPORTED = 256
+
+
 def report_bug(source: str, exc: Exception) -> str:
     """Log a source's exception that no read means to raise (a fault of ours), with its
-    traceback at error level, and say it in one line.
+    traceback at error level the first time, and say it in one line.
 
     The line names the exception's type and where it was raised (its notes: "in
     pynvml.nvmlDeviceGetGpuFabricInfoV"), so a finding says "a bug", not "a damaged file"
@@ -125,7 +131,13 @@ def report_bug(source: str, exc: Exception) -> str:
 
     said = str(exc).splitlines()[0][:200] if str(exc) else ""
     where = "; ".join(getattr(exc, "__notes__", ()))
-    log_event("collector_crashed", logging.ERROR, collector=source, error=type(exc).__name__,
-              traceback="".join(traceback.format_exception(exc)))
-    return (f"collector crashed ({type(exc).__name__}{f': {said}' if said else ''}{f', {where}' if where else ''}); "
+    line = (f"collector crashed ({type(exc).__name__}{f': {said}' if said else ''}{f', {where}' if where else ''}); "
             "this is a topoagent bug, please report it")
+    first = (source, line) not in _REPORTED
+    if first:
+        if len(_REPORTED) >= _MAX_REPORTED:
+            _REPORTED.pop(next(iter(_REPORTED)))
+        _REPORTED[(source, line)] = None
+    log_event("collector_crashed", logging.ERROR if first else logging.DEBUG, collector=source, error=type(exc).__name__,
+              traceback="".join(traceback.format_exception(exc)))
+    return line

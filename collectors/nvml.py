@@ -21,7 +21,7 @@ from topoagent.collectors.counters import COUNTER, GAUGE, Context, CounterSource
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.node.host import Host
-from topoagent.text import machine_data
+from topoagent.text import machine_text
 from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 # Same words live and replayed, so a snapshot replays to the same output.
@@ -137,7 +137,6 @@ def parse_nvml(data: dict, what: str = "nvml.json") -> NvmlInfo:
     """The nvml.json dict -> NvmlInfo; raises SourceError naming the bad field."""
     if not isinstance(data, dict):
         raise SourceError(f"{what}: expected a JSON object")
-    data = machine_data(data)  # NVML's strings made safe where they enter, live or recorded
     raw_gpus = data.get("gpus", [])
     if not isinstance(raw_gpus, list):
         raise SourceError(f"{what}: 'gpus' must be a list")
@@ -243,7 +242,8 @@ NVML_LIBRARY = "libnvidia-ml.so.1"
 
 
 def _text(value: object) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+    """A string NVML answered, made safe where it enters (a recording's are, in Host.nvml)."""
+    return machine_text(value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value))
 
 
 def nvml_library_present() -> bool:

@@ -314,3 +314,17 @@ def test_no_nvml_call_escapes_the_contract():
     named = {node.func.attr for node in ast.walk(ast.parse((REPO / "collectors" / "nvml.py").read_text()))
              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and re.match(r"nvml[A-Z]", node.func.attr)}
     assert named == {"nvmlInit", "nvmlShutdown"}
+
+
+def test_a_bug_met_at_every_read_logs_its_traceback_once(caplog):
+    """A counter source crashing at each read says so each time, but its traceback reaches the
+    error log once; the repeats go to debug."""
+    import logging
+
+    from topoagent.collectors.base import report_bug
+
+    caplog.set_level(logging.DEBUG)
+    lines = {report_bug("a_source_of_this_test", TypeError("unhashable type: 'LP_struct_c_nvmlDevice_t'")) for _ in range(3)}
+    assert len(lines) == 1 and next(iter(lines)).startswith("collector crashed (TypeError: unhashable type")
+    levels = [r.levelno for r in caplog.records if "collector=a_source_of_this_test" in r.getMessage()]
+    assert levels == [logging.ERROR, logging.DEBUG, logging.DEBUG]
