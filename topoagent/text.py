@@ -47,6 +47,7 @@ def machine_text(text: str) -> str:
 def one_line(text: str) -> str:
     """``machine_text``, and tabs and line ends replaced too: an output's own last guard for a
     value it keeps on one line (a metric's label, an XML attribute)."""
+    text = without_terminal_escapes(text)
     return _UNSAFE_IN_LINE.sub(REPLACEMENT, text) if _UNSAFE_IN_LINE.search(text) else text
 
 

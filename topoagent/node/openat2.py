@@ -17,8 +17,10 @@ from collections.abc import Callable
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_IN_ROOT = 0x10
-# The syscall's number is the same on every Linux architecture (it came after they were unified).
+# The syscall's number on the architectures whose tables were unified before it came (alpha
+# and MIPS number it otherwise: there the walk is used).
 _SYS_OPENAT2 = 437
+_ARCHITECTURES = frozenset({"x86_64", "i686", "i386", "aarch64", "armv7l", "ppc64le", "ppc64", "s390x", "riscv64", "loongarch64"})
 
 _Call = Callable[[int, bytes, int, int], int]  # (dir_fd, path, flags, resolve) -> fd or -errno
 _call: _Call | bool | None = None  # the bound syscall, once looked up; False when the kernel has none
@@ -26,6 +28,9 @@ _call: _Call | bool | None = None  # the bound syscall, once looked up; False wh
 
 def _bind() -> _Call | None:
     import ctypes  # only a replayed node needs it (a few ms of start-up)
+
+    if os.uname().machine not in _ARCHITECTURES:
+        return None
 
     class OpenHow(ctypes.Structure):
         _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
