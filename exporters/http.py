@@ -384,7 +384,9 @@ async def topology(request: web.Request) -> web.StreamResponse:
         return web.Response(text=snapshot.matrix_text, content_type="text/plain")
     if fmt != "json":
         raise ApiError(400, "bad_request", "format: expected json or matrix")
-    etag = snapshot.etag
+    # The JSON and its gzip are made once per snapshot, off the event loop (a 128-GPU node's
+    # document is 7.4 MiB: a counter read's new snapshot was serialised here on the loop).
+    etag = snapshot.etag if snapshot.rendered("json") else await asyncio.to_thread(lambda: snapshot.etag)
     headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding"}
     if not accepts_gzip(request.headers.get("Accept-Encoding", "")):
         if _not_modified(request, etag):

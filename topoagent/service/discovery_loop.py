@@ -150,7 +150,7 @@ class DiscoveryLoop:
             last_success_at=dict(self._last_success), probe_figures=figures, probe_findings=probe_findings,
             probes_under_load=under_load, telemetry=previous.telemetry if previous else None,
         ).with_health()
-        await asyncio.to_thread(lambda: snapshot.body)  # serialise off the loop, once
+        await asyncio.to_thread(lambda: snapshot.etag)  # serialise (and gzip) off the loop, once
         await asyncio.to_thread(warm_tables, snapshot.matrix)  # the first /place is as fast as the rest
         self.board.version += 1
         self.board.publish(snapshot=snapshot, discovery_runs=counted(self.board.served.discovery_runs, "success"), discovery_retry=None)

@@ -323,7 +323,7 @@ class ProbeLoop:
             matrix, findings = await asyncio.to_thread(overlay_probes, discovered, list(figures), based_on.matrix, self.service)
             loaded = frozenset(self.service.under_load)
             snapshot = based_on.with_probes(self.board.version + 1, matrix, figures, findings, loaded)
-            await asyncio.to_thread(lambda: snapshot.body)
+            await asyncio.to_thread(lambda: snapshot.etag)  # the JSON and its gzip, off the loop
             await asyncio.to_thread(warm_tables, snapshot.matrix)
             if self.board.served.snapshot is based_on:  # else a discovery swapped meanwhile: redo on it
                 self.board.version += 1

@@ -105,6 +105,10 @@ class Snapshot:
             got = self._cache[key] = make()
         return got
 
+    def rendered(self, key: str) -> bool:
+        """Whether ``cached(key, ...)`` would answer without rendering."""
+        return key in self._cache
+
     def _json(self) -> tuple[bytes | None, bytes, str]:
         """The document as held: as is when small (None when not), gzipped, its ETag."""
         from topoagent.documents.agent import topology_document
