@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from topoagent.config import Config
+from topoagent.errors import TopoagentError
 from topoagent.log import log_event
 from topoagent.node.discovery_process import DiscoveryFailed
 from topoagent.node.host import Host
@@ -123,9 +124,12 @@ class DiscoveryLoop:
             raise
         except DiscoveryFailed as exc:  # already "Type: message", as the child saw it
             return self._failed(str(exc), started, reason)
-        except Exception as exc:  # a collector's bug must not take the agent down
-            notes = "; ".join(getattr(exc, "__notes__", []))
-            return self._failed(f"{type(exc).__name__}: {exc}" + (f" ({notes})" if notes else ""), started, reason)
+        except (TopoagentError, OSError) as exc:  # the node (or its recording) could not be read
+            return self._failed(f"{type(exc).__name__}: {exc}", started, reason)
+        except Exception as exc:  # our bug: it must not take the agent down, and is logged with its traceback
+            from topoagent.collectors.base import report_bug
+
+            return self._failed(report_bug("discovery", exc), started, reason)
         now = time.time()
         for c in node.collectors:
             if c.status is not Status.ERROR:  # node_exporter's rule: absent is quiet, not failed
