@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One prepared check on a machine with NVIDIA GPUs, offline, in under five minutes: record
+# One prepared check on a machine with NVIDIA GPUs, offline, in a few minutes (every step has
+# a time limit of its own; together they bound it at about twelve): record
 # the node, run discover / place / serve on it, sample every GPU family of /metrics beside
 # `nvidia-smi --query-gpu` under a load it makes itself, run one CUDA probe round and print
 # its figures beside their physical limits, time NVML calls, and pack it all in one tarball.

@@ -111,13 +111,15 @@ class Agent:
             raise AssertionError(f"topoagent serve ignored signal {sig} for {timeout} s:\n{self.log()[-2000:]}") from None
 
 
-def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None, nofile: int | None = None, ready_timeout: float | None = 20) -> Agent:
+def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, config: str | None = None, state_dir: Path | None = None, token_value: str | None = None, extra: list[str] | None = None, env: dict[str, str] | None = None, nofile: int | None = None, ready_timeout: float | None = 20, wrapper: list[str] | None = None) -> Agent:
     """`nofile`: the child's open-file limit, soft and hard (as a unit's LimitNOFILE sets it);
     `ready_timeout`: how long its first discovery may take (a generated 128-GPU node's takes
-    13-50 s on a loaded 2-core machine); None: return once it listens, ready or not."""
+    13-50 s on a loaded 2-core machine); None: return once it listens, ready or not;
+    `wrapper`: a command that runs the agent's command line (a mount namespace of its own)."""
     root = root or DGX_A100  # read only; a test that breaks the node passes make_root()
     state_dir = state_dir or tmp / "state"
-    args = [sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0", "--state-dir", str(state_dir)]
+    args = [*(wrapper or []), sys.executable, "-P", "-m", "topoagent", "serve", "--root", str(root), "--listen", "127.0.0.1:0",
+            "--state-dir", str(state_dir)]
     token_text = token_file = None
     if token:
         token_text = token_value or secrets.token_urlsafe(24)

@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
 from nvml_stub import StubNode
-from service_helpers import Agent, metric_value, wait_counters_read, wait_for
-from test_real_h200 import DEFAULT_PAGE, recorded_counters
+from service_helpers import Agent, metric_value, start_agent, wait_counters_read, wait_for
+from test_real_h200 import assert_serves_the_recorded_counters
 
 H200 = FIXTURES / "snapshots" / "h200-vm"
 
@@ -43,17 +41,16 @@ def fake_nvidia_smi(bindir: Path) -> None:
     script.chmod(0o755)
 
 
-def in_the_box(tmp: Path, *topoagent: str) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that run ``topoagent ...`` on the H200 as recorded."""
+def in_the_box(tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """The command that runs a command line on the H200 as recorded, and its environment."""
     unshare = shutil.which("unshare")
     assert unshare is not None, "util-linux's unshare is needed to mount the recorded /sys for this agent alone"
+    assert os.geteuid() == 0, "mounting the recorded /sys in a namespace of its own needs root (CI runs as root)"
     node = StubNode(tmp / "nvml")
     node.serve_recording(H200, sample=-1)  # the sample the replay tests compare with (recorded_counters)
     fake_nvidia_smi(tmp / "bin")
-    env = {**os.environ, **node.env(), "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
-    args = [unshare, "--mount", "--propagation", "private", "sh", "-c", IN_A_BOX, "sh", str(H200),
-            sys.executable, "-P", "-m", "topoagent", *topoagent]
-    return args, env
+    env = {**node.env(), "PATH": f"{tmp / 'bin'}:{os.environ['PATH']}"}
+    return [unshare, "--mount", "--propagation", "private", "sh", "-c", IN_A_BOX, "sh", str(H200)], env
 
 
 @pytest.fixture(scope="module")
@@ -61,26 +58,14 @@ def h200(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
     tmp = tmp_path_factory.mktemp("h200")
     state = tmp / "state"
     state.mkdir(mode=0o700)
-    args, env = in_the_box(tmp, "serve", "--root", "/", "--listen", "127.0.0.1:0", "--state-dir", str(state))
-    log_path = tmp / "agent.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    line = proc.stdout.readline() if proc.stdout else ""
-    match = re.search(r"on http://([\d.]+):(\d+)", line)
-    if not match:
-        proc.kill()
-        proc.wait()
-        raise AssertionError(f"the agent did not start: {line!r}\n{log_path.read_text()}")
-    agent = Agent(proc, match.group(1), int(match.group(2)), None, Path("/"), state, log_path)
-    agent.listening_at = time.monotonic()  # type: ignore[attr-defined]
+    wrapper, env = in_the_box(tmp)
+    agent = start_agent(tmp, root=Path("/"), token=False, state_dir=state, env=env, wrapper=wrapper, ready_timeout=None)
     yield agent
     agent.stop()
 
 
 def test_the_live_h200_is_ready_and_places_its_gpu(h200: Agent):
     wait_for("/readyz 200", lambda: h200.get("/readyz").status == 200, h200, timeout=60)
-    # A figure for the record, not a test (tests assert no times): how long from listening to ready.
-    print(f"ready {time.monotonic() - h200.listening_at:.2f} s after listening")  # type: ignore[attr-defined]
     topology = h200.get("/topology").json()
     assert [g["uuid"] for g in topology["gpus"]] == ["GPU-8aa1497e-909b-15e4-767c-dcfa583dff29"]
     assert [f for f in topology["findings"] if f["severity"] != "info"] == []
@@ -96,21 +81,16 @@ def test_every_gpu_family_the_h200_answered_is_on_metrics_with_its_value(h200: A
     wait_counters_read(h200)
     page = h200.get("/metrics").body.decode()
     assert metric_value(page, "topoagent_collector_success", {"collector": "nvml_counters"}) == 1
-    counters = recorded_counters()
-    served = 0
-    for key, (name, labels, factor) in DEFAULT_PAGE.items():
-        if counters[key] is not None:
-            assert metric_value(page, name, {"gpu": "0", **labels}) == pytest.approx(counters[key] * factor), (key, name)
-            served += 1
-    assert served >= 18
+    assert_serves_the_recorded_counters(page)
 
 
 def test_a_snapshot_of_the_live_h200_records_what_nvml_answered_there(tmp_path: Path):
     """`topoagent snapshot` on the node: its nvml.json is the real one (what the recording holds),
     and its counter samples read with no error -- the landed code recorded a TypeError in both."""
     out = tmp_path / "again"
-    args, env = in_the_box(tmp_path, "snapshot", "--counter-interval", "0", str(out))
-    done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
+    wrapper, env = in_the_box(tmp_path)
+    done = subprocess.run([*wrapper, sys.executable, "-P", "-m", "topoagent", "snapshot", "--counter-interval", "0", str(out)],
+                          capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     recorded = json.loads((H200 / "nvml.json").read_text())
     again = json.loads((out / "nvml.json").read_text())

@@ -124,11 +124,10 @@ def recorded_counters() -> dict:
     return flat
 
 
-def test_metrics_serve_every_gpu_counter_the_recording_holds():
-    metrics = (EXPECTED / "metrics.txt").read_text()
+def assert_serves_the_recorded_counters(metrics: str) -> None:
+    """Every counter of the recording's last sample on the default page with its value in base
+    units, and none where NVML gave none."""
     counters = recorded_counters()
-    placed = set(DEFAULT_PAGE) | set(DETAIL_ONLY) | {"xid_errors"}
-    assert set(counters) - placed == set(), "a counter of the recording this test does not place"
     served = 0
     for key, (name, labels, factor) in DEFAULT_PAGE.items():
         value = counters[key]
@@ -139,6 +138,14 @@ def test_metrics_serve_every_gpu_counter_the_recording_holds():
             assert got == pytest.approx(value * factor), (key, name)
             served += 1
     assert served >= 18  # the H200 answered all but page retirement and an Xid
+
+
+def test_metrics_serve_every_gpu_counter_the_recording_holds():
+    metrics = (EXPECTED / "metrics.txt").read_text()
+    counters = recorded_counters()
+    placed = set(DEFAULT_PAGE) | set(DETAIL_ONLY) | {"xid_errors"}
+    assert set(counters) - placed == set(), "a counter of the recording this test does not place"
+    assert_serves_the_recorded_counters(metrics)
     # No Xid on this node: the actionable class is served from zero, no "last Xid" yet.
     assert counters["xid_errors"] == {}
     assert metric_value(metrics, "topoagent_gpu_xid_events_total", {"gpu": "0", "class": "actionable"}) == 0.0
