@@ -385,7 +385,7 @@ async def topology(request: web.Request) -> web.StreamResponse:
     if fmt != "json":
         raise ApiError(400, "bad_request", "format: expected json or matrix")
     # The JSON and its gzip are made once per snapshot, off the event loop (a 128-GPU node's
-    # document is 7.4 MiB: a counter read's new snapshot was serialised here on the loop).
+    # document is about 7.3 MiB: a counter read's new snapshot was serialised here on the loop).
     etag = snapshot.etag if snapshot.rendered("json") else await asyncio.to_thread(lambda: snapshot.etag)
     headers = {"ETag": etag, "Cache-Control": "no-cache", "Vary": "Accept-Encoding"}
     if not accepts_gzip(request.headers.get("Accept-Encoding", "")):

@@ -145,7 +145,7 @@ class Snapshot:
 
 
 # A /topology document larger than this is held gzipped only, unpacked for a client that
-# takes no gzip: a 128-GPU node's is 7.4 MiB as is and 144 KiB gzipped.  A smaller one
+# takes no gzip: a 128-GPU node's is about 7.3 MiB as is and 145 KiB gzipped.  A smaller one
 # (dgx-a100's: 90 KiB) is held both ways, so the common answer costs no unpacking.
 PLAIN_BODY_BYTES = 1 << 20
 
