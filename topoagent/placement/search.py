@@ -43,28 +43,6 @@ GpuClass = tuple[int, tuple[int, ...]]
 Reach = tuple[int, int]
 
 
-def _more_components(verts: int, adjacency: list[int], most: int) -> bool:
-    """Whether the graph restricted to ``verts`` has more than ``most`` components
-    (connected_components, stopping as soon as it knows)."""
-    count = 0
-    remaining = verts
-    while remaining:
-        count += 1
-        if count > most:
-            return True
-        comp = frontier = remaining & -remaining
-        while frontier:
-            reach = 0
-            while frontier:
-                low = frontier & -frontier
-                frontier ^= low
-                reach |= adjacency[low.bit_length() - 1]
-            frontier = reach & verts & ~comp
-            comp |= frontier
-        remaining &= ~comp
-    return False
-
-
 @dataclass(slots=True)
 class Found:
     mask: int
@@ -560,7 +538,7 @@ class Search(Bounds):
         if short > ends and not self._newcomers_cover(cand, lacking, rem, short - ends):
             return None
         runs = rem + ends // 2
-        if taken.bit_count() > runs and _more_components(taken, eff, runs):
+        if taken.bit_count() > runs and len(connected_components(taken, eff, most=runs)) > runs:
             return None
         if was is not None and reach == was[0] and not (taken & ~was[1]):
             comp = was[1]  # the same reach, and what is taken inside the same component

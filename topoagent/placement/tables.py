@@ -32,12 +32,16 @@ def bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
-def connected_components(verts: int, adjacency: list[int], start: int = 0) -> list[int]:
+def connected_components(verts: int, adjacency: list[int], start: int = 0, most: int | None = None) -> list[int]:
     """The connected components (as GPU bitmasks) of the graph restricted to ``verts``;
-    with ``start`` (a GPU's bit), only the one holding it."""
-    comps = []
+    with ``start`` (a GPU's bit), only the one holding it; with ``most``, the first ``most``
+    and then, where more remain, the rest in one last mask (len() > most: "more than most")."""
+    comps: list[int] = []
     remaining = start or verts
     while remaining:
+        if most is not None and len(comps) == most:
+            comps.append(remaining)  # stop as soon as the count is known to pass ``most``
+            break
         comp = frontier = remaining & -remaining
         while frontier:
             reach = 0
