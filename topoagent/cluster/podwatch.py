@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import socket
 import threading
 import time
@@ -41,11 +40,10 @@ from typing import Any, Protocol
 
 from topoagent.cluster.extender.kube import KubeError
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
+from topoagent.documents.lease import POD_UID  # what makes a lease owner "namespace/name/uid" a pod's
 from topoagent.log import log_event
 
 FINISHED = frozenset({"Succeeded", "Failed"})
-# A Kubernetes UID: what makes a lease owner "namespace/name/uid" a pod's.
-POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 LIST_PAGE = 500
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # etcd keeps objects below 1.5 MiB; a Pod as JSON stays well below this
 MAX_TRACKED = 200_000

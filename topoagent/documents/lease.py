@@ -15,6 +15,7 @@ UUID_MAX_LEN = 128  # NVML's are 40 characters (GPU-8-4-4-4-12)
 LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # The owners the cluster side writes: a pod's ``namespace/name/uid`` (the extender and the
 # device plugin, by the pod's Kubernetes UID) and a Slurm job's ``slurm-job-ID``.
+# A Kubernetes UID: what makes a lease owner "namespace/name/uid" a pod's (the pod watches read it too).
 POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 SLURM_JOB_OWNER = re.compile(r"slurm-job-[0-9]+")
 
