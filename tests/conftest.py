@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,17 @@ sys.path[:0] = [str(TESTS), str(REPO)]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
 
 import nvml_stub as nvml_stub_module  # noqa: E402 (needs TESTS on sys.path)
+
+
+@pytest.fixture(autouse=True)
+def topoagent_logger_as_found() -> Iterator[None]:
+    """In-process commands configure the `topoagent` logger (a handler, a level, no
+    propagation); put it back, or a later test's caplog sees nothing, depending on
+    which tests a worker ran before it."""
+    log = logging.getLogger("topoagent")
+    handlers, level, propagate = log.handlers[:], log.level, log.propagate
+    yield
+    log.handlers[:], log.level, log.propagate = handlers, level, propagate
 
 
 @pytest.fixture(scope="session")
