@@ -4,7 +4,8 @@ Under a deadline (Anytime.run):
 1. a first set at the lowest threshold, which every link meets: the first leaf of the
    best-fit descent, found without looking at the clock;
 2. bandwidth first, cheaply (a step budget each, proving nothing): by halving over the
-   thresholds, the highest at which a ring, path or clique grows over all candidates;
+   thresholds, the highest at which a ring, path or clique grows over all candidates,
+   without looking at the clock (so an answer the deadline cuts has that bandwidth);
    there, a set on one NUMA node or on a pair or triple of near ones;
 3. the exact search (placement.search, the branch and bound): thresholds above that one,
    best first, then that one with the cheap set's key as a cutoff -- only branches
@@ -18,6 +19,9 @@ the best threshold not yet ruled out.  On nodes with a small table of k-sets
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from itertools import combinations, pairwise
 from typing import TYPE_CHECKING
 
@@ -35,6 +39,9 @@ if TYPE_CHECKING:
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Anytime._first_set_at): about a millisecond
 FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
+# Steps of those tries the clock is not read for (Anytime._unhurried): all of them on the
+# meshes of 32 and 64 GPUs bench.placement's loaded study asks about (about 1 ms of a core there).
+BANDWIDTH_FIRST_STEPS = 2_000
 
 
 IdleKey = tuple[Pattern, int, int]  # (pattern, k, threshold)
@@ -118,15 +125,18 @@ class Anytime:
         # at which a set can be grown over all candidates; there, a set on fewer or nearer
         # NUMA nodes.  A good answer is in hand early, and the exact search below starts
         # with its key as a cutoff.
+        # The clock is not read for BANDWIDTH_FIRST_STEPS steps here: an answer the deadline
+        # cuts is then at the best bandwidth these tries find, not the lowest threshold's.
         lo, known = 0, seed
         hi = len(present) - 1 if self.k > 2 else 0  # a pair: the exact search is as quick
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
-            if found is None:
-                hi = mid - 1
-            else:
-                lo, known = mid, found
+        with self._unhurried(BANDWIDTH_FIRST_STEPS):
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
+                if found is None:
+                    hi = mid - 1
+                else:
+                    lo, known = mid, found
         closer = self._offer(self._first_set_at(present[lo])) if lo else None
         if closer is not None and closer.key < known.key:
             known = closer
@@ -166,17 +176,25 @@ class Anytime:
                 return None
             self.bound_rank = present[-1]  # no set beats its best link
         r = present[0] if present else None
-        deadline = self.deadline
-        cheap = deadline is not None and self.h_adj is None
-        if cheap:
-            assert deadline is not None
-            deadline.suspended = True
-        try:
+        if self.h_adj is not None:
             return self._offer(self.bb.search_at(r, stop_at_first=True))
+        with self._unhurried():
+            return self._offer(self.bb.search_at(r, stop_at_first=True))
+
+    @contextmanager
+    def _unhurried(self, steps: float = math.inf) -> Iterator[None]:
+        """The deadline's clocks left unread for up to ``steps`` steps while a first answer
+        is found (a descent without backtracking, or the cheap tries): the first step
+        after reads them."""
+        deadline = self.deadline
+        if deadline is None:
+            yield
+            return
+        deadline.unread = steps
+        try:
+            yield
         finally:
-            if cheap:
-                assert deadline is not None
-                deadline.suspended = False
+            deadline.unread = 0.0
 
     def _offer(self, found: Found | None) -> Found | None:
         """Keep ``found`` as the best so far when its own order's bandwidth is higher, or

@@ -55,14 +55,15 @@ class Deadline:
         self.at = self.cpu_from + seconds - self.reserve
         self.left = self.CHECK_EVERY
         self.reached = False
-        self.suspended = False  # while a search finds its first, cheap answer
+        self.unread = 0.0  # steps left before the clocks are read again (a cheap first answer's)
         self.bound_gbps: float | None = None  # what the stopped search could still prove
 
     def tick(self) -> None:
         self.left -= 1
         if self.left <= 0:
             self.left = self.CHECK_EVERY
-            if self.suspended:
+            if self.unread > 0:
+                self.unread -= self.CHECK_EVERY
                 return
             self.check()
 
