@@ -201,7 +201,7 @@ def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypa
 def test_an_answer_the_deadline_cuts_short_has_nearly_the_optimums_bandwidth(monkeypatch):
     """A busy node leaves the search a millisecond or two of a core: the answer it is cut
     to is the cheap bandwidth-first set's, at 0.9 of the optimum's bandwidth or better --
-    not the lowest threshold's first set (which took a quarter of it)."""
+    not the lowest threshold's first set (under a quarter of it in the loaded study once)."""
     mesh = irregular_mesh(32)
     rng = random.Random(11)  # bench.placement's loaded study draws
     cases = []

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Anytime._first_set_at): about a millisecond
 FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
-# Steps of those tries the clock is not read for (Anytime._unhurried): all of them on the
-# meshes of 32 and 64 GPUs bench.placement's loaded study asks about (about 1 ms of a core there).
+# Steps of those tries the clock is not read for (Anytime._unhurried): nearly all of them on
+# the 32- and 64-GPU meshes bench.placement's loaded study asks about (1-2 ms of a core there).
 BANDWIDTH_FIRST_STEPS = 2_000
 
 
@@ -184,8 +184,7 @@ class Anytime:
     @contextmanager
     def _unhurried(self, steps: float = math.inf) -> Iterator[None]:
         """The deadline's clocks left unread for up to ``steps`` steps while a first answer
-        is found (a descent without backtracking, or the cheap tries): the first step
-        after reads them."""
+        is found (a descent without backtracking, or the cheap tries); read as usual after."""
         deadline = self.deadline
         if deadline is None:
             yield
