@@ -410,7 +410,7 @@ class KubeQueue:
         verdicts = [verdict(n, request) for n in fits]
         passed = [v.node for v in verdicts if v.fits]
         if self.holds is not None:
-            self.holds.honour(q.ref, job.gpus, passed, {})
+            self.holds.honour(q.ref, job.gpus, passed, {}, {v.node: v.free for v in verdicts if v.fits})
         if not passed:
             return False
         score = scores(v for v in verdicts if v.node in passed)
@@ -431,34 +431,61 @@ class StarveFigures:
     big_p95_s: float  # nearest rank: of 6 pods, the largest
     big_max_s: float
     small_median_s: float
+    small_mean_s: float
 
 
-def starve_run(c: LocalCluster, jobs: list[Job], hold_after_s: float | None) -> StarveFigures:
-    holds = None
-    queue = KubeQueue(c, None)
-    if hold_after_s is not None:
-        holds = Holds(min_gpus=8, after_s=hold_after_s, ttl_s=300.0, clock=queue.clock)
-        queue.holds = holds
+@dataclass(frozen=True)
+class HoldSetting:
+    """One column: the extender's ``--hold-after`` and ``--hold-guard`` (both 0: the extender
+    without holds, as ``--hold-after 0 --hold-guard 0``)."""
+
+    after_s: float
+    guard_s: float
+
+    @classmethod
+    def parse(cls, text: str) -> HoldSetting:
+        """``off``, ``guard`` (guards alone), ``guard+T`` (guards and holds after T s), ``T`` (holds after T s alone)."""
+        guard, _, after = text.partition("+") if text.startswith("guard") else ("", "", text)
+        if guard not in ("", "guard") or (guard and not after and text != "guard"):
+            raise ValueError(f"not a hold setting: {text!r} (off, guard, guard+T or T)")
+        after_s = 0.0 if after in ("", "off") else float(after)
+        if after_s < 0 or (text == "off" and guard):
+            raise ValueError(f"not a hold setting: {text!r}")
+        return cls(after_s, GUARD_S if guard else 0.0)
+
+    def name(self) -> str:
+        parts = (["guard"] if self.guard_s else []) + ([f"hold after {self.after_s:g} s"] if self.after_s else [])
+        return " + ".join(parts) or "no holds"
+
+
+GUARD_S = 20.0  # the extender's --hold-guard default
+DEFAULT_SETTINGS = "off,guard,guard+30,guard+10,30"
+
+
+def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True) -> StarveFigures:
+    """The figures of one stream under one setting."""
+    queue = KubeQueue(c, None, pop_from_backoff)
+    if setting.after_s or setting.guard_s:
+        queue.holds = Holds(min_gpus=8, after_s=setting.after_s, ttl_s=300.0, guard_s=setting.guard_s, clock=queue.clock)
     logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines: thousands of runs
     waits = queue.run(jobs)
     if any(n.leases for n in c.nodes):
         raise AssertionError("leases left after the replay")
     big = [waits[j.id] for j in jobs if j.gpus == 8]
     small = [waits[j.id] for j in jobs if j.gpus == 1]
-    return StarveFigures(percentile(big, 0.95), max(big), statistics.median(small))
+    return StarveFigures(percentile(big, 0.95), max(big), statistics.median(small), statistics.mean(small))
 
 
-def starve_table(seeds: list[int], hold_after: list[float], rounds: int = STARVE_ROUNDS) -> str:
-    """Per load, without holds and with each ``hold_after``: medians over the seeds."""
+def starve_table(seeds: list[int], settings: list[HoldSetting], rounds: int = STARVE_ROUNDS, pop_from_backoff: bool = True) -> str:
+    """Per load, under each setting: medians over the seeds."""
     c = local_cluster(list(STARVE_FIXTURES))
-    columns: list[tuple[str, float | None]] = [("no holds", None)] + [(f"holds after {t:g} s", t) for t in hold_after]
-    lines = [f"| load (1-GPU pods live) | figure (median of {len(seeds)} seeds) | " + " | ".join(name for name, _ in columns) + " |",
-             "|---|---|" + "---:|" * len(columns)]
+    lines = [f"| load (1-GPU pods live) | figure (median of {len(seeds)} seeds) | " + " | ".join(s.name() for s in settings) + " |",
+             "|---|---|" + "---:|" * len(settings)]
     for load in SMALL_LIFE_S:
-        runs = {name: [starve_run(c, starve_stream(load, seed, rounds), t) for seed in seeds] for name, t in columns}
+        runs = {s: [starve_run(c, starve_stream(load, seed, rounds), s, pop_from_backoff) for seed in seeds] for s in settings}
         for label, figure in (("8-GPU pods' wait p95 s", "big_p95_s"), ("8-GPU pods' wait max s", "big_max_s"),
-                              ("1-GPU pods' wait median s", "small_median_s")):
-            cells = [f"{statistics.median(getattr(f, figure) for f in runs[name]):.1f}" for name, _ in columns]
+                              ("1-GPU pods' wait median s", "small_median_s"), ("1-GPU pods' wait mean s", "small_mean_s")):
+            cells = [f"{statistics.median(getattr(f, figure) for f in runs[s]):.1f}" for s in settings]
             lines.append(f"| {load} ({SMALL_LIFE_S[load]:g} s) | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -473,17 +500,24 @@ def main() -> None:
     parser.add_argument("--tables", action="store_true", help="bench.cluster's table for each seed, and its medians table")
     parser.add_argument("--starve", action="store_true",
                         help="issue #39 instead: [1,1,1,1,8] x --rounds, one pod a second, on dgx-a100 + pcie-2socket, through "
-                             "kube-scheduler's queue (KubeQueue), without holds and with each --hold-after (seed 0: no jitter)")
+                             "kube-scheduler's queue (KubeQueue), under each of --holds (seed 0: no jitter)")
     parser.add_argument("--rounds", type=int, default=STARVE_ROUNDS, help=f"with --starve: rounds of the pattern (default {STARVE_ROUNDS})")
-    parser.add_argument("--hold-after", type=lambda text: [float(t) for t in text.split(",")], default=[30.0, 10.0, 5.0],
-                        metavar="30,10,5", help="with --starve: the extender's --hold-after values to compare (default 30,10,5)")
+    parser.add_argument("--holds", type=lambda text: [HoldSetting.parse(t) for t in text.split(",")],
+                        default=[HoldSetting.parse(t) for t in DEFAULT_SETTINGS.split(",")], metavar=DEFAULT_SETTINGS,
+                        help=f"with --starve: the extender's settings to compare: off, guard (--hold-after 0: guards alone, "
+                             f"--hold-guard {GUARD_S:g}), guard+T (guards and --hold-after T), T (--hold-after T, --hold-guard 0) "
+                             f"(default {DEFAULT_SETTINGS})")
+    parser.add_argument("--no-pop-from-backoff", dest="pop_from_backoff", action="store_false",
+                        help="with --starve: kube-scheduler without SchedulerPopFromBackoffQ (a pod in backoff waits it out "
+                             "even when the active queue is empty)")
     parser.add_argument("--markdown", action="store_true", help="with --starve: the table as docs/benchmarks.md holds it (no heading)")
     args = parser.parse_args()
     if args.starve:
         heading = "" if args.markdown else "## Holds (issue #39): "
+        queue = "" if args.pop_from_backoff else "; kube-scheduler without SchedulerPopFromBackoffQ"
         print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; "
-              f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)})\n")
-        print(starve_table(args.seeds, args.hold_after, args.rounds))
+              f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)}){queue}\n")
+        print(starve_table(args.seeds, args.holds, args.rounds, args.pop_from_backoff))
         return
     outcomes, total = run(args.nodes, args.pods, args.load, args.seeds)
     print(f"## Cluster replay in process: {args.nodes} nodes ({', '.join(MIX)} in turn; {total} GPUs), {args.pods} pods,"
