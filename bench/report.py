@@ -71,6 +71,11 @@ GENERATORS: dict[str, Generator] = {
     "holds": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8"), ("--seeds", "0-2")),
     "holds-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30"),
                                  ("--seeds", "0-2")),
+    # Both, with a kube-scheduler that waits out each backoff (SchedulerPopFromBackoffQ off).
+    "holds-nopop": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--no-pop-from-backoff",
+                              "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
+    "holds-nopop-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30",
+                                        "--no-pop-from-backoff", "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")
