@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from service_helpers import promtool_complaints, wait_for
 
-from bench.cluster import RESOURCE, Cluster, _request, cluster
-from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, local_cluster, starve_run, starve_stream
+from bench.cluster import RESOURCE, Cluster, ExtenderQueue, _request, cluster
+from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream
 from topoagent.cluster.extender.holds import Holds, NodeLoad
 from topoagent.cluster.extender.wire import PodRef
 
@@ -407,3 +407,14 @@ def test_a_guard_ends_after_hold_guard_and_the_node_is_not_kept_again(tmp_path_f
         assert guards(c) == [("jobs/big-slow", dgx)]
         wait_for("the guard ended", lambda: filtered(c, small, [dgx, pcie])[0] == [dgx, pcie], timeout=WITHIN_S, log=lambda: log(c))
         assert guards(c) == [] and holds(c) == ([], ["jobs/big-slow"])  # it still waits, and keeps the node no more
+
+
+def test_the_replay_waits_as_the_real_extender_with_guards_does(guarded: Cluster) -> None:
+    """bench.cluster --starve (real agents, the real extender, guards alone) and the replay give
+    every pod of the issue's overload stream the same wait, through the same queue model."""
+    jobs = starve_stream("overload", 3)
+    real = ExtenderQueue(guarded, guards=True).run(jobs)
+    replayed = ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 600)).run(jobs)
+    assert real == replayed
+    assert max(real[j.id] for j in jobs if j.gpus == 8) < max(ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 0)).run(jobs)[j.id]
+                                                             for j in jobs if j.gpus == 8)
