@@ -187,38 +187,56 @@ class Holds:
         ``unresolvable`` (no preemption on the node lets it in); it still passes the others.
         Note a large pod that fits no node."""
         if self.held or self.waiting:
+            ahead = self.ahead(pod.uid, gpus) if self.guard_s else {}
             for node in list(passed):
                 hold = self.blocking(node, pod.uid, gpus)
-                why = self.reason(hold) if hold is not None else self.guarding(node, free.get(node), pod.uid, gpus)
+                why = self.reason(hold) if hold is not None else self.guarding(node, free.get(node), gpus, ahead)
                 if why is not None:
                     passed.remove(node)
                     unresolvable[node] = why
         if not passed:
             self.unplaced(pod, gpus)
 
-    def guarding(self, node: str, free: int | None, uid: str, gpus: int) -> str | None:
-        """Why a guard keeps this pod (``uid``, asking for ``gpus``) off ``node`` with ``free``
-        GPUs free (None: not known, nothing guarded), if one does: the longest-waiting pod that
-        has waited longer than this one (a pod not waiting has waited least), asks for as many
-        GPUs or more, fits there now and would not after it."""
-        if not self.guard_s or free is None:
+    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, PodRef]]]:
+        """The pods whose guards may keep this one (``uid``, asking for ``gpus``) off a node: those
+        that have waited longer (a pod not waiting has waited least) and ask for as many GPUs or
+        more; by the GPUs they ask for, the longest waiting first."""
+        own = self.held.get(uid) or self.waiting.get(uid)
+        mine = (own.waited_since if isinstance(own, Hold) else own.since) if own is not None else float("inf")
+        ahead: dict[int, list[tuple[float, PodRef]]] = {}
+        large = [(h.pod, h.gpus, h.waited_since) for h in self.held.values()] + [(w.pod, w.gpus, w.since) for w in self.waiting.values()]
+        for waiter, wants, since in large:
+            if since < mine and wants >= gpus:
+                ahead.setdefault(wants, []).append((since, waiter))
+        for waiters in ahead.values():
+            waiters.sort(key=lambda w: w[0])
+        return ahead
+
+    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, PodRef]]]) -> str | None:
+        """Why a guard keeps a pod asking for ``gpus`` off ``node`` with ``free`` GPUs free (None:
+        not known, nothing guarded), if one does: of the pods ``ahead``, the longest waiting that
+        fits there now, would not after it, and has not kept that node for ``guard_s`` already."""
+        if free is None:
             return None
         now = self.clock()
-        large = [(h.pod, h.gpus, h.waited_since) for h in self.held.values()] + [(w.pod, w.gpus, w.since) for w in self.waiting.values()]
-        mine = next((since for pod, _, since in large if pod.uid == uid), now)
-        for waiter, wants, since in sorted(large, key=lambda p: p[2]):
-            if since >= mine or gpus > wants or not free >= wants > free - gpus:
-                continue
-            nodes = self.guards.setdefault(waiter.uid, {})
-            if node not in nodes:
-                nodes[node] = now
-                log_event("guard_taken", pod=str(waiter), node=node, gpus=wants, free=free, guard_s=self.guard_s)
-            if now - nodes[node] < self.guard_s:
-                self.guarded += 1
-                return (f"kept for pod {waiter}, which asks for {wants} GPUs, has found no node for longer, and fits this "
-                        f"one now ({free} free): a pod asking for {gpus} would leave too few; such pods stay off this node "
-                        f"until it binds, is deleted, or {self.guard_s:g} s pass")
-        return None
+        keepers = []
+        for wants in (w for w in ahead if free >= w > free - gpus):
+            for since, waiter in ahead[wants]:
+                began = self.guards.get(waiter.uid, {}).get(node, now)
+                if now - began < self.guard_s:
+                    keepers.append((since, waiter, wants))
+                    break
+        if not keepers:
+            return None
+        _, waiter, wants = min(keepers, key=lambda k: k[0])
+        nodes = self.guards.setdefault(waiter.uid, {})
+        if node not in nodes:
+            nodes[node] = now
+            log_event("guard_taken", pod=str(waiter), node=node, gpus=wants, free=free, guard_s=self.guard_s)
+        self.guarded += 1
+        return (f"kept for pod {waiter}, which asks for {wants} GPUs, has found no node for longer, and fits this "
+                f"one now ({free} free): a pod asking for {gpus} would leave too few; such pods stay off this node "
+                f"until it binds, is deleted, or {self.guard_s:g} s pass")
 
     def guards_now(self) -> list[tuple[PodRef, str, float]]:
         """(pod, node, since) of each guard still in force."""
