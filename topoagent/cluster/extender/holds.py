@@ -123,7 +123,7 @@ class Holds:
         self.taken = 0
         self.expired = 0
         self.released = dict.fromkeys(RELEASES, 0)
-        self.guarded = 0  # smaller pods kept off a node by a guard, one per node per filter call
+        self.guarded = 0  # pods kept off a node by a guard, one per node per filter call
 
     def busy(self) -> bool:
         """Work for the keeper: a hold to take or to end (a guard ends by itself, in the filter)."""
