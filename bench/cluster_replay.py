@@ -289,6 +289,18 @@ def _some(seeds: list[int], shown: int = 20) -> str:
 # --- issue #39: small pods' pressure against a whole-node pod, through kube-scheduler's queue ---
 
 
+class MostFreeHolds(Holds):
+    """Holds choosing the node with the most GPUs free, the leases' ages not read (``--hold-choice
+    most-free``): does the extender's choice by the leases' ages matter?"""
+
+    @staticmethod
+    def rank(node: str, load: NodeLoad, gpus: int) -> tuple[float, int, int, str]:
+        return 0.0, -load.free, load.gpus, node
+
+
+HOLD_CHOICES = {"ages": Holds, "most-free": MostFreeHolds}
+
+
 class ReplayQueue(KubeQueue):
     """kube-scheduler's queue (bench.kube_queue) with the extender in process: the count filter
     (NodeResourcesFit on nvidia.com/gpu) before the extender, which is not called when it
@@ -298,12 +310,12 @@ class ReplayQueue(KubeQueue):
     kube-scheduler writing PodScheduled=Unschedulable taken as the pod watch seeing it at once.
     The extender's and the agents' latency are not modelled."""
 
-    def __init__(self, c: LocalCluster, setting: HoldSetting, pop_from_backoff: bool = True) -> None:
+    def __init__(self, c: LocalCluster, setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> None:
         super().__init__({n.name: n.gpus for n in c.nodes}, pop_from_backoff)
         self.c = c
         self.holds = None
         if setting.after_s or setting.guard_s:
-            self.holds = Holds(min_gpus=8, after_s=setting.after_s, ttl_s=300.0, guard_s=setting.guard_s, clock=self.clock)
+            self.holds = HOLD_CHOICES[choice](min_gpus=8, after_s=setting.after_s, ttl_s=300.0, guard_s=setting.guard_s, clock=self.clock)
         self.next_keep = 0.0
 
     @staticmethod
@@ -351,10 +363,10 @@ class ReplayQueue(KubeQueue):
         return Placed(job, best, got, lease)
 
 
-def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True) -> StarveFigures:
+def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> StarveFigures:
     """The figures of one stream under one setting."""
     logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines: thousands of runs
-    waits = ReplayQueue(c, setting, pop_from_backoff).run(jobs)
+    waits = ReplayQueue(c, setting, pop_from_backoff, choice).run(jobs)
     if any(n.leases for n in c.nodes):
         raise AssertionError("leases left after the replay")
     return starve_figures(jobs, waits)
@@ -379,16 +391,21 @@ def main() -> None:
     parser.add_argument("--no-pop-from-backoff", dest="pop_from_backoff", action="store_false",
                         help="with --starve: kube-scheduler without SchedulerPopFromBackoffQ (a pod in backoff waits it out "
                              "even when the active queue is empty)")
+    parser.add_argument("--hold-choice", choices=sorted(HOLD_CHOICES), default="ages",
+                        help="with --starve: the node a hold takes: the extender's (ages: the soonest to free up by its leases' "
+                             "ages) or the one with the most GPUs free (most-free)")
     parser.add_argument("--markdown", action="store_true", help="with --starve: the table as docs/benchmarks.md holds it (no heading)")
     args = parser.parse_args()
     if args.starve:
         heading = "" if args.markdown else "## Holds (issue #39): "
         queue = "" if args.pop_from_backoff else "; kube-scheduler without SchedulerPopFromBackoffQ"
+        queue += "" if args.hold_choice == "ages" else f"; a hold takes the node with the most GPUs free ({args.hold_choice})"
         print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; "
               f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)}){queue}\n")
         c = local_cluster(list(STARVE_FIXTURES))
         print(starve_table(SMALL_LIFE_S, args.seeds, args.holds,
-                           lambda load, seed, s: starve_run(c, starve_stream(load, seed, args.rounds), s, args.pop_from_backoff)))
+                           lambda load, seed, s: starve_run(c, starve_stream(load, seed, args.rounds), s, args.pop_from_backoff,
+                                                            args.hold_choice)))
         return
     outcomes, total = run(args.nodes, args.pods, args.load, args.seeds)
     print(f"## Cluster replay in process: {args.nodes} nodes ({', '.join(MIX)} in turn; {total} GPUs), {args.pods} pods,"

@@ -273,7 +273,7 @@ class Holds:
                     log_event("hold_impossible", logging.WARNING, pod=str(waiting.pod), gpus=waiting.gpus,
                               largest=max(load.gpus for load in loads.values()))
                 continue
-            node = min(nodes, key=lambda n: (nodes[n].frees_at(waiting.gpus), -nodes[n].free, nodes[n].gpus, n))
+            node = min(nodes, key=lambda n: self.rank(n, nodes[n], waiting.gpus))
             load, now = nodes[node], self.clock()
             why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; of the nodes with "
                    f"{waiting.gpus} GPUs or more, {node} ({load.free} of {load.gpus} free) would free up soonest, its "
@@ -286,6 +286,13 @@ class Holds:
             taken.append(hold)
             log_event("hold_taken", pod=str(hold.pod), node=node, gpus=hold.gpus, why=why, ttl_s=self.ttl_s)
         return taken
+
+    @staticmethod
+    def rank(node: str, load: NodeLoad, gpus: int) -> tuple[float, int, int, str]:
+        """A node's place in the choice of the node to hold for a pod of ``gpus`` (the smallest
+        is held): the soonest to free up by its leases' ages, then the most GPUs free, the fewest
+        GPUs in all, the lowest name."""
+        return load.frees_at(gpus), -load.free, load.gpus, node
 
     def expire(self) -> list[Hold]:
         """End the holds past ``ttl_s``; those pods hold no node again (the next large pod may)."""
