@@ -4,6 +4,7 @@
     python -m bench.cluster --quick        # 8 agents, 80 pods
     python -m bench.cluster --markdown     # only the table (docs/benchmarks.md, between <!-- figures:cluster -->)
     python -m bench.cluster --seeds 1,2,3  # one table per seed, then the medians over them
+    python -m bench.cluster --starve [--seeds 0-8] [--quick]  # issue #39's stream, without holds and with guards
 
 Each node is a real `topoagent serve` child on a recorded fixture, on its own loopback
 address (127.x.y.n, one port for all, as a cluster's agents share theirs), so the
@@ -27,7 +28,8 @@ is released when it ends:
   the cluster: the node holding the zone with the fewest free GPUs that still takes the
   pod, that zone's lowest GPUs; when no zone can, the node with the fewest free GPUs.
 
-A pod that fits nowhere waits (FIFO) and is tried again whenever a job ends.  Reported
+A pod that fits nowhere waits (FIFO) and is tried again whenever a job ends.  (``--starve``
+instead runs issue #39's stream through a model of kube-scheduler's queue, ``ExtenderQueue``.)  Reported
 per policy: jobs placed, jobs that waited, ring bandwidth of each multi-GPU job (the
 best ring through its GPUs, GB/s per direction: median and p10), topology satisfaction
 and NUMA distance (means over multi-GPU jobs), and, for the extender, the time of each
@@ -59,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.baselines import HamiZonePolicy, first_fit
+from bench.kube_queue import HoldSetting, KubeQueue, Queued, starve_figures, starve_table
 from bench.stats import percentile
 from topoagent.cluster.deviceplugin.pods import ANNOTATION, parse_choice
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
@@ -317,6 +320,26 @@ def job_stream(count: int, total_gpus: int, load: float, seed: int) -> list[Job]
     return jobs
 
 
+# Issue #39: small pods' pressure against a whole-node pod (bench.kube_queue runs it through
+# kube-scheduler's queue; bench.cluster_replay in process, ``--starve`` here through real agents).
+STARVE_FIXTURES = ("dgx-a100", "pcie-2socket")  # one NVSwitch node, one PCIe node: 16 GPUs
+STARVE_PATTERN, STARVE_ROUNDS = (1, 1, 1, 1, 8), 6  # one pod a second
+SMALL_LIFE_S = {"normal": 8.0, "overload": 20.0}  # 1-GPU pods: ~6 or ~16 in flight
+BIG_LIFE_S = 8.0  # the issue names the 1-GPU pods' lives only; 8-GPU pods live as long as normal ones
+
+
+def starve_stream(load: str, seed: int, rounds: int = STARVE_ROUNDS) -> list[Job]:
+    """``STARVE_PATTERN`` x ``rounds``, one a second; seed 0 exactly so, other seeds with
+    each arrival moved by up to 0.3 s and each lifetime by up to 20 %."""
+    rng = random.Random(seed)
+    jobs = []
+    for n, gpus in enumerate(STARVE_PATTERN * rounds):
+        life = SMALL_LIFE_S[load] if gpus == 1 else BIG_LIFE_S
+        jitter, stretch = (rng.uniform(-0.3, 0.3), rng.uniform(0.8, 1.2)) if seed else (0.0, 1.0)
+        jobs.append(Job(n, max(0.0, n + jitter), gpus, life * stretch))
+    return sorted(jobs, key=lambda j: (j.arrive, j.id))
+
+
 @dataclass
 class Placed:
     job: Job
@@ -394,6 +417,9 @@ class ZoneFirst(Scheduler):
         return self._reserve(job, best[1], best[2]) if best else None
 
 
+KEPT_OFF = ("held for pod ", "kept for pod ")  # a hold's or a guard's reason (extender.holds): no agent failed
+
+
 class ThroughExtender(Scheduler):
     """kube-scheduler's calls, as deploy/kubernetes/kube-scheduler-config.yaml configures them."""
 
@@ -421,14 +447,23 @@ class ThroughExtender(Scheduler):
         return pod
 
     def place(self, job: Job) -> Placed | None:
-        pod = self.pod(job)
         fits = [n.name for n in sorted(self.c.nodes, key=lambda n: n.name) if self.free_count[n.name] >= job.gpus]
         if not fits:
             return None  # kube-scheduler's own filter stops the cycle before the extender
+        placed = self.cycle(job, fits)
+        if placed is not None:
+            self.free_count[placed.node] -= job.gpus
+        return placed
+
+    def cycle(self, job: Job, fits: list[str]) -> Placed | None:
+        """Filter, prioritize and bind for the job's pod among ``fits`` (the nodes kube-scheduler's
+        count leaves); None when the filter passes none."""
+        pod = self.pod(job)
         t0 = time.perf_counter()
         filtered = self.c.extender.call("filter", {"Pod": pod, "Nodes": {"items": self.c.node_objects(fits)}, "NodeNames": None})
         passed = filtered["Nodes"]["items"] if filtered.get("Nodes") else []
         failed = {**(filtered.get("FailedNodes") or {}), **(filtered.get("FailedAndUnresolvableNodes") or {})}
+        failed = {node: why for node, why in failed.items() if not why.startswith(KEPT_OFF)}
         if failed:  # each node passed has enough free GPUs: a failure here (an agent late on a busy machine) would skew the figures
             raise AssertionError(f"extender filter failed nodes with enough free GPUs for job-{job.id}: {failed}")
         if not passed:
@@ -445,7 +480,6 @@ class ThroughExtender(Scheduler):
         bound = self.c.api.pod(meta["name"], meta["namespace"])
         node = self.c.node(best)
         uuids = parse_choice(bound["metadata"]["annotations"][ANNOTATION])
-        self.free_count[best] -= job.gpus
         return Placed(job, best, tuple(node.uuid_index[u] for u in uuids), bound["metadata"]["annotations"][LEASE_ANNOTATION])
 
 
@@ -520,6 +554,76 @@ def replay(c: Cluster, scheduler: Scheduler, jobs: list[Job], check: Callable[[C
             numa.append(distance)
     cycles = scheduler.cycles_s if isinstance(scheduler, ThroughExtender) else []
     return Outcome(scheduler.name, placed, len(waited), len(waiting), rings, sats, numa, cycles)
+
+
+class ExtenderQueue(KubeQueue):
+    """Issue #39's stream through kube-scheduler's queue (bench.kube_queue, simulated time) in
+    front of the real extender and agents: a cycle is kube-scheduler's count filter, then
+    ``ThroughExtender.cycle``; a pod's end releases its lease on the agent; kube-scheduler's
+    ``Unschedulable`` mark on a large pod is written on the pod in the API server, and the
+    queue goes on once the extender's pod watch has seen it (``GET /holds`` lists it waiting).
+
+    The queue's time is simulated, the extender's is not: a guard or hold measures its
+    seconds on the extender's clock, so this runs guards that end only with their pod
+    (``--hold-guard`` far past the run) and no holds (``--hold-after 0``); the replay found the
+    guard's length changes nothing on this stream (bench.cluster_replay, docs/benchmarks.md)."""
+
+    def __init__(self, c: Cluster, guards: bool) -> None:
+        super().__init__({n.name: n.gpus for n in c.nodes})
+        self.c, self.guards = c, guards
+        self.through = ThroughExtender(c)
+        self.marked: set[int] = set()
+
+    def schedule(self, q: Queued) -> Placed | None:
+        fits = [n.name for n in sorted(self.c.nodes, key=lambda n: n.name) if self.free_count[n.name] >= q.job.gpus]
+        return self.through.cycle(q.job, fits) if fits else None
+
+    def release(self, placed: Placed) -> None:
+        status, doc = self.c.node(placed.node).request("DELETE", f"/leases/{placed.lease}", token=self.c.token)
+        if status != 200:
+            raise AssertionError(f"release {placed.lease} on {placed.node}: HTTP {status}: {doc}")
+
+    def unschedulable(self, q: Queued) -> None:
+        if not self.guards or q.job.gpus < 8 or q.job.id in self.marked:
+            return
+        self.marked.add(q.job.id)
+        meta = self.through.pod(q.job)["metadata"]
+        self.c.api.set_pod_condition(meta["name"], {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}, meta["namespace"])
+        wanted = f"{meta['namespace']}/{meta['name']}"
+        deadline = time.monotonic() + WAIT_S
+        while wanted not in {w["pod"] for w in _request(self.c.extender, "GET", "/holds")[1]["waiting"]}:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the extender's pod watch never saw {wanted} unschedulable")
+            time.sleep(0.01)
+
+
+# The extender's flags for each column: guards that end with their pod only (see ExtenderQueue).
+STARVE_SETTINGS = {HoldSetting(0, 0): ["--hold-after", "0", "--hold-guard", "0"],
+                   HoldSetting(0, 86400): ["--hold-after", "0", "--hold-guard", "86400"]}
+
+
+def starve(loads: list[str], seeds: list[int], rounds: int) -> str:
+    """Issue #39's stream on real agents (dgx-a100, pcie-2socket) and the real extender, without
+    holds and with guards: the table of bench.cluster_replay --starve."""
+    figures = {}
+    first, flags = next(iter(STARVE_SETTINGS.items()))
+    with cluster(list(STARVE_FIXTURES), extender_args=flags) as c:
+        base = c.extender_argv[: -len(flags)]
+        for setting, flags in STARVE_SETTINGS.items():
+            if setting != first:  # an extender with this setting's flags, remembering nothing
+                c.stop_extender()
+                c.extender_argv = base + flags
+                c.start_extender()
+            for load in loads:
+                for seed in seeds:
+                    jobs = starve_stream(load, seed, rounds)
+                    figures[load, seed, setting] = starve_figures(jobs, ExtenderQueue(c, guards=bool(setting.guard_s)).run(jobs))
+                    for namespace, pod in list(c.api.pods):
+                        c.api.delete_pod(pod, namespace)
+                    if any(_get_ok(n, "/leases")["leases"] for n in c.nodes):
+                        raise AssertionError(f"leases left after the stream ({load}, seed {seed}, {setting.name()})")
+    return starve_table({load: SMALL_LIFE_S[load] for load in loads}, seeds, list(STARVE_SETTINGS),
+                        lambda load, seed, setting: figures[load, seed, setting])
 
 
 def table(outcomes: list[Outcome], nodes: int, jobs: int) -> str:
@@ -607,7 +711,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=seed_list, metavar="S1,S2,...|FIRST-LAST",
                         help="several streams, one table each and a table of the medians over them (instead of --seed)")
     parser.add_argument("--markdown", action="store_true", help="print only the table (the figures:cluster block in docs/benchmarks.md; with --seeds the medians)")
+    parser.add_argument("--starve", action="store_true",
+                        help="issue #39 instead: [1,1,1,1,8] x --rounds, one pod a second, on dgx-a100 + pcie-2socket, through "
+                             "kube-scheduler's queue (bench.kube_queue), without holds and with guards (--seeds, default 0; "
+                             "--quick: overload only)")
+    parser.add_argument("--rounds", type=int, default=STARVE_ROUNDS, help=f"with --starve: rounds of the pattern (default {STARVE_ROUNDS})")
     args = parser.parse_args()
+    if args.starve:
+        seeds = args.seeds or [0]
+        loads = ["overload"] if args.quick else list(SMALL_LIFE_S)
+        heading = "" if args.markdown else "## Holds (issue #39), real agents and extender: "
+        print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; 8-GPU pods live "
+              f"{BIG_LIFE_S:g} s; seeds {','.join(map(str, seeds))}; real agents, the real extender\n")
+        print(starve(loads, seeds, args.rounds))
+        return
     nodes = args.nodes or (8 if args.quick else 16)
     pods = args.pods or (80 if args.quick else 300)
     seeds = args.seeds or [args.seed]

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -40,8 +39,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.cluster import (
+    BIG_LIFE_S,
     MIX,
+    SMALL_LIFE_S,
     SNAPSHOTS,
+    STARVE_FIXTURES,
+    STARVE_PATTERN,
+    STARVE_ROUNDS,
     CountOnly,
     Job,
     Outcome,
@@ -53,7 +57,19 @@ from bench.cluster import (
     median_table,
     replay,
     seed_list,
+    starve_stream,
     table,
+)
+from bench.kube_queue import (
+    DEFAULT_SETTINGS,
+    GUARD_S,
+    HoldSetting,
+    KubeQueue,
+    Queued,
+    StarveFigures,
+    settings_list,
+    starve_figures,
+    starve_table,
 )
 from bench.stats import percentile
 from topoagent.cluster.extender.holds import Holds, NodeLoad
@@ -273,194 +289,87 @@ def _some(seeds: list[int], shown: int = 20) -> str:
 # --- issue #39: small pods' pressure against a whole-node pod, through kube-scheduler's queue ---
 
 
-STARVE_FIXTURES = ("dgx-a100", "pcie-2socket")  # one NVSwitch node, one PCIe node: 16 GPUs
-STARVE_PATTERN, STARVE_ROUNDS = (1, 1, 1, 1, 8), 6  # one pod a second
-SMALL_LIFE_S = {"normal": 8.0, "overload": 20.0}  # 1-GPU pods: ~6 or ~16 in flight
-BIG_LIFE_S = 8.0  # the issue names the 1-GPU pods' lives only; 8-GPU pods live as long as normal ones
-INITIAL_BACKOFF_S, MAX_BACKOFF_S = 1.0, 10.0  # kube-scheduler's podInitialBackoffSeconds, podMaxBackoffSeconds
-UNSCHEDULABLE_FLUSH_S = 300.0  # podMaxInUnschedulablePodsDuration: moved back even without an event
+class MostFreeHolds(Holds):
+    """Holds choosing the node with the most GPUs free, the leases' ages not read (``--hold-choice
+    most-free``): does the extender's choice by the leases' ages matter?"""
+
+    @staticmethod
+    def rank(node: str, load: NodeLoad, gpus: int) -> tuple[float, int, int, str]:
+        return 0.0, -load.free, load.gpus, node
 
 
-def starve_stream(load: str, seed: int, rounds: int = STARVE_ROUNDS) -> list[Job]:
-    """``STARVE_PATTERN`` x ``rounds``, one a second; seed 0 exactly so, other seeds with
-    each arrival moved by up to 0.3 s and each lifetime by up to 20 %."""
-    rng = random.Random(seed)
-    jobs = []
-    for n, gpus in enumerate(STARVE_PATTERN * rounds):
-        life = SMALL_LIFE_S[load] if gpus == 1 else BIG_LIFE_S
-        jitter, stretch = (rng.uniform(-0.3, 0.3), rng.uniform(0.8, 1.2)) if seed else (0.0, 1.0)
-        jobs.append(Job(n, max(0.0, n + jitter), gpus, life * stretch))
-    return sorted(jobs, key=lambda j: (j.arrive, j.id))
+HOLD_CHOICES = {"ages": Holds, "most-free": MostFreeHolds}
 
 
-@dataclass
-class Queued:
-    """A pod in kube-scheduler's queue: its sort time (arrival, then its last failure: the
-    queue refreshes it when a pod comes back), its tries and the end of its backoff."""
+class ReplayQueue(KubeQueue):
+    """kube-scheduler's queue (bench.kube_queue) with the extender in process: the count filter
+    (NodeResourcesFit on nvidia.com/gpu) before the extender, which is not called when it
+    leaves no node; the extender's filter and prioritize (``verdict``, ``scores``) and the
+    holds (``holds.Holds``, the extender's own class, on simulated time: its filter part with
+    the guards, its keeper's take and expire every ``interval_s``, the bind releasing);
+    kube-scheduler writing PodScheduled=Unschedulable taken as the pod watch seeing it at once.
+    The extender's and the agents' latency are not modelled."""
 
-    job: Job
-    ref: PodRef
-    stamp: float
-    where: str = "active"  # active | backoff | unschedulable
-    tries: int = 0
-    backoff_until: float = 0.0
-    failed_at: float = 0.0
+    def __init__(self, c: LocalCluster, setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> None:
+        super().__init__({n.name: n.gpus for n in c.nodes}, pop_from_backoff)
+        self.c = c
+        self.holds = None
+        if setting.after_s or setting.guard_s:
+            self.holds = HOLD_CHOICES[choice](min_gpus=8, after_s=setting.after_s, ttl_s=300.0, guard_s=setting.guard_s, clock=self.clock)
+        self.next_keep = 0.0
 
+    @staticmethod
+    def ref(job: Job) -> PodRef:
+        return PodRef("bench", f"job-{job.id}", f"uid-{job.id}")
 
-class KubeQueue:
-    """kube-scheduler's scheduling queue and cycle in simulated time, the extender inside.
+    def wake_times(self) -> list[float]:
+        return [self.next_keep] if self.holds is not None and self.holds.busy() else []
 
-    Modelled: the active queue sorted by PrioritySort (equal priorities: the time the pod was
-    queued, refreshed at each failure); one pod per cycle, cycles taking no time; the count
-    filter (NodeResourcesFit on nvidia.com/gpu) before the extender, which is not called
-    when it leaves no node; the extender's filter, prioritize (``verdict``, ``scores``) and
-    the holds (``holds.Holds``, the extender's own class, on simulated time: its filter part,
-    its keeper's take and expire every ``interval_s``, the bind and the pod's end releasing);
-    a failed pod goes to the unschedulable pods with backoff 1 s doubling to 10 s per
-    failure; a pod ending moves every unschedulable pod back (AssignedPodDelete: to the
-    backoff queue while its backoff runs, else to the active queue); the 5-minute flush.
-    Not modelled: scheduling and binding taking time, the Node updates the extender's
-    requeue writes (they move pods the extender rejected; here only pod ends do), other
-    queueing hints, preemption (equal priorities: nothing to preempt), the extender's own
-    latency; kube-scheduler writing PodScheduled=Unschedulable is taken as the pod watch
-    seeing it at once."""
-
-    def __init__(self, c: LocalCluster, holds: Holds | None, pop_from_backoff: bool = True) -> None:
-        self.c, self.holds, self.pop_from_backoff = c, holds, pop_from_backoff
-        self.now = 0.0
-        self.free_count = {n.name: n.gpus for n in c.nodes}
-        self.queue: dict[int, Queued] = {}
-        self.bound: dict[int, float] = {}  # job id -> bind time
-        self.running: list[tuple[float, int, Placed]] = []
-
-    def clock(self) -> float:
-        return self.now
-
-    def run(self, jobs: list[Job]) -> dict[int, float]:
-        """Each job's wait (bind time - arrival)."""
-        arrivals = list(jobs)
-        tick = self.holds.interval_s() if self.holds is not None else None
-        next_tick = 0.0
-        while arrivals or self.queue or self.running:
-            times = [arrivals[0].arrive] if arrivals else []
-            times += [min(e for e, _, _ in self.running)] if self.running else []
-            times += [q.backoff_until for q in self.queue.values() if q.where == "backoff"]
-            times += [q.failed_at + UNSCHEDULABLE_FLUSH_S for q in self.queue.values() if q.where == "unschedulable"]
-            if tick is not None and self.holds is not None and self.holds.busy():
-                times.append(next_tick)
-            if not times:
-                raise AssertionError(f"pods {sorted(self.queue)} wait with nothing to wake them")
-            self.now = max(self.now, min(times))
-            if tick is not None and self.now >= next_tick:
-                next_tick = self.now + tick
-                self._keep()
-            while self.running and min(e for e, _, _ in self.running) <= self.now:
-                self._end(min(self.running, key=lambda r: (r[0], r[1])))
-            while arrivals and arrivals[0].arrive <= self.now:
-                job = arrivals.pop(0)
-                self.queue[job.id] = Queued(job, PodRef("bench", f"job-{job.id}", f"uid-{job.id}"), job.arrive)
-            for q in self.queue.values():
-                if q.where == "backoff" and q.backoff_until <= self.now:
-                    q.where = "active"
-                elif q.where == "unschedulable" and q.failed_at + UNSCHEDULABLE_FLUSH_S <= self.now:
-                    q.where = "active" if q.backoff_until <= self.now else "backoff"
-            self._cycles()
-        return {job.id: self.bound[job.id] - job.arrive for job in jobs}
-
-    def _keep(self) -> None:
-        """The extender's keeper loop (holds.keep), one pass."""
-        assert self.holds is not None
+    def tick(self) -> None:
+        """The extender's keeper loop (holds.keep), one pass every ``interval_s``."""
+        if self.holds is None or self.now < self.next_keep:
+            return
+        self.next_keep = self.now + self.holds.interval_s()
         self.holds.expire()
         if self.holds.due():
-            granted = {p.lease: self.bound[p.job.id] for _, _, p in self.running}
+            granted = {p.lease: self.bound_at[p.job.id] for _, _, p in self.running}
             self.holds.take({n.name: NodeLoad(n.matrix.size, len(n.free()), tuple((granted[lease], len(gpus)) for lease, gpus in n.leases.items()))
                              for n in self.c.nodes})
 
-    def _end(self, entry: tuple[float, int, Placed]) -> None:
-        self.running.remove(entry)
-        placed = entry[2]
+    def release(self, placed: Placed) -> None:
         del self.c.node(placed.node).leases[placed.lease]
-        self.free_count[placed.node] += placed.job.gpus
-        for q in self.queue.values():  # AssignedPodDelete moves every unschedulable pod
-            if q.where == "unschedulable":
-                q.where = "active" if q.backoff_until <= self.now else "backoff"
 
-    def _cycles(self) -> None:
-        while True:
-            active = [q for q in self.queue.values() if q.where == "active"]
-            if active:
-                q = min(active, key=lambda q: (q.stamp, q.job.id))
-            elif self.pop_from_backoff and (waiting := [q for q in self.queue.values() if q.where == "backoff"]):
-                q = min(waiting, key=lambda q: (q.backoff_until, q.job.id))  # SchedulerPopFromBackoffQ
-            else:
-                return
-            if not self._schedule(q):
-                q.tries += 1
-                q.where, q.stamp, q.failed_at = "unschedulable", self.now, self.now
-                q.backoff_until = self.now + min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** (q.tries - 1))
-                if self.holds is not None:  # PodScheduled=Unschedulable, through the pod watch
-                    self.holds.unplaced(q.ref, q.job.gpus)
+    def unschedulable(self, q: Queued) -> None:
+        if self.holds is not None:  # PodScheduled=Unschedulable, through the pod watch
+            self.holds.unplaced(self.ref(q.job), q.job.gpus)
 
-    def _schedule(self, q: Queued) -> bool:
-        job = q.job
+    def schedule(self, q: Queued) -> Placed | None:
+        job, ref = q.job, self.ref(q.job)
         fits = [n for n in sorted(self.c.nodes, key=lambda n: n.name) if self.free_count[n.name] >= job.gpus]
         if not fits:
-            return False  # the count filter leaves no node: no extender call
+            return None  # the count filter leaves no node: no extender call
         request = {"gpus": job.gpus}
         verdicts = [verdict(n, request) for n in fits]
         passed = [v.node for v in verdicts if v.fits]
         if self.holds is not None:
-            self.holds.honour(q.ref, job.gpus, passed, {})
+            self.holds.honour(ref, job.gpus, passed, {}, {v.node: v.free for v in verdicts if v.fits})
         if not passed:
-            return False
+            return None
         score = scores(v for v in verdicts if v.node in passed)
         best = max(passed, key=lambda name: (score[name], [-ord(ch) for ch in name]))
-        node = self.c.node(best)
-        got, lease = node.reserve(request, f"job-{job.id}")
-        self.free_count[best] -= job.gpus
+        got, lease = self.c.node(best).reserve(request, f"job-{job.id}")
         if self.holds is not None:
-            self.holds.forget(q.ref.uid, "bound")
-        self.bound[job.id] = self.now
-        del self.queue[job.id]
-        self.running.append((self.now + job.duration, job.id, Placed(job, best, got, lease)))
-        return True
+            self.holds.forget(ref.uid, "bound")
+        return Placed(job, best, got, lease)
 
 
-@dataclass(frozen=True)
-class StarveFigures:
-    big_p95_s: float  # nearest rank: of 6 pods, the largest
-    big_max_s: float
-    small_median_s: float
-
-
-def starve_run(c: LocalCluster, jobs: list[Job], hold_after_s: float | None) -> StarveFigures:
-    holds = None
-    queue = KubeQueue(c, None)
-    if hold_after_s is not None:
-        holds = Holds(min_gpus=8, after_s=hold_after_s, ttl_s=300.0, clock=queue.clock)
-        queue.holds = holds
+def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> StarveFigures:
+    """The figures of one stream under one setting."""
     logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines: thousands of runs
-    waits = queue.run(jobs)
+    waits = ReplayQueue(c, setting, pop_from_backoff, choice).run(jobs)
     if any(n.leases for n in c.nodes):
         raise AssertionError("leases left after the replay")
-    big = [waits[j.id] for j in jobs if j.gpus == 8]
-    small = [waits[j.id] for j in jobs if j.gpus == 1]
-    return StarveFigures(percentile(big, 0.95), max(big), statistics.median(small))
-
-
-def starve_table(seeds: list[int], hold_after: list[float], rounds: int = STARVE_ROUNDS) -> str:
-    """Per load, without holds and with each ``hold_after``: medians over the seeds."""
-    c = local_cluster(list(STARVE_FIXTURES))
-    columns: list[tuple[str, float | None]] = [("no holds", None)] + [(f"holds after {t:g} s", t) for t in hold_after]
-    lines = [f"| load (1-GPU pods live) | figure (median of {len(seeds)} seeds) | " + " | ".join(name for name, _ in columns) + " |",
-             "|---|---|" + "---:|" * len(columns)]
-    for load in SMALL_LIFE_S:
-        runs = {name: [starve_run(c, starve_stream(load, seed, rounds), t) for seed in seeds] for name, t in columns}
-        for label, figure in (("8-GPU pods' wait p95 s", "big_p95_s"), ("8-GPU pods' wait max s", "big_max_s"),
-                              ("1-GPU pods' wait median s", "small_median_s")):
-            cells = [f"{statistics.median(getattr(f, figure) for f in runs[name]):.1f}" for name, _ in columns]
-            lines.append(f"| {load} ({SMALL_LIFE_S[load]:g} s) | {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return starve_figures(jobs, waits)
 
 
 def main() -> None:
@@ -473,17 +382,30 @@ def main() -> None:
     parser.add_argument("--tables", action="store_true", help="bench.cluster's table for each seed, and its medians table")
     parser.add_argument("--starve", action="store_true",
                         help="issue #39 instead: [1,1,1,1,8] x --rounds, one pod a second, on dgx-a100 + pcie-2socket, through "
-                             "kube-scheduler's queue (KubeQueue), without holds and with each --hold-after (seed 0: no jitter)")
+                             "kube-scheduler's queue (KubeQueue), under each of --holds (seed 0: no jitter)")
     parser.add_argument("--rounds", type=int, default=STARVE_ROUNDS, help=f"with --starve: rounds of the pattern (default {STARVE_ROUNDS})")
-    parser.add_argument("--hold-after", type=lambda text: [float(t) for t in text.split(",")], default=[30.0, 10.0, 5.0],
-                        metavar="30,10,5", help="with --starve: the extender's --hold-after values to compare (default 30,10,5)")
+    parser.add_argument("--holds", type=settings_list, default=settings_list(DEFAULT_SETTINGS), metavar=DEFAULT_SETTINGS,
+                        help=f"with --starve: the extender's settings to compare: off, guard (--hold-after 0: guards alone, "
+                             f"--hold-guard {GUARD_S:g}), guard+T (guards and --hold-after T), T (--hold-after T, --hold-guard 0) "
+                             f"(default {DEFAULT_SETTINGS})")
+    parser.add_argument("--no-pop-from-backoff", dest="pop_from_backoff", action="store_false",
+                        help="with --starve: kube-scheduler without SchedulerPopFromBackoffQ (a pod in backoff waits it out "
+                             "even when the active queue is empty)")
+    parser.add_argument("--hold-choice", choices=sorted(HOLD_CHOICES), default="ages",
+                        help="with --starve: the node a hold takes: the extender's (ages: the soonest to free up by its leases' "
+                             "ages) or the one with the most GPUs free (most-free)")
     parser.add_argument("--markdown", action="store_true", help="with --starve: the table as docs/benchmarks.md holds it (no heading)")
     args = parser.parse_args()
     if args.starve:
         heading = "" if args.markdown else "## Holds (issue #39): "
+        queue = "" if args.pop_from_backoff else "; kube-scheduler without SchedulerPopFromBackoffQ"
+        queue += "" if args.hold_choice == "ages" else f"; a hold takes the node with the most GPUs free ({args.hold_choice})"
         print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; "
-              f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)})\n")
-        print(starve_table(args.seeds, args.hold_after, args.rounds))
+              f"8-GPU pods live {BIG_LIFE_S:g} s; seeds {args.seeds[0]}..{args.seeds[-1]} ({len(args.seeds)}){queue}\n")
+        c = local_cluster(list(STARVE_FIXTURES))
+        print(starve_table(SMALL_LIFE_S, args.seeds, args.holds,
+                           lambda load, seed, s: starve_run(c, starve_stream(load, seed, args.rounds), s, args.pop_from_backoff,
+                                                            args.hold_choice)))
         return
     outcomes, total = run(args.nodes, args.pods, args.load, args.seeds)
     print(f"## Cluster replay in process: {args.nodes} nodes ({', '.join(MIX)} in turn; {total} GPUs), {args.pods} pods,"

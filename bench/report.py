@@ -71,6 +71,16 @@ GENERATORS: dict[str, Generator] = {
     "holds": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8"), ("--seeds", "0-2")),
     "holds-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30"),
                                  ("--seeds", "0-2")),
+    # The pattern as given on real agents and the real extender, without holds and with guards.
+    "holds-cluster": Generator(("-m", "bench.cluster", "--starve", "--markdown", "--seeds", "0-8"), ("--seeds", "0-2")),
+    # Sustained, a hold taking the node with the most GPUs free instead of the soonest to free up.
+    "holds-choice": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30",
+                               "--holds", "guard+30,guard+10,30", "--hold-choice", "most-free"), ("--seeds", "0-2")),
+    # Both, with a kube-scheduler that waits out each backoff (SchedulerPopFromBackoffQ off).
+    "holds-nopop": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--no-pop-from-backoff",
+                              "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
+    "holds-nopop-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30",
+                                        "--no-pop-from-backoff", "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")

@@ -1,8 +1,10 @@
-"""Holds (issue #39): the real extender child, real agents on dgx-a100 (NVSwitch, 8 GPUs) and
-pcie-2socket (8 GPUs), the loopback API server (tests/fake_apiserver.py) under the real
-kubernetes client.  A pod of 8 GPUs that fits no node for --hold-after holds the node with the
-most GPUs free; a smaller pod is filtered off that node (the reason names the large pod) and
-only that node; the hold ends when the pod binds, is deleted, or at --hold-for."""
+"""Holds and guards (issue #39): the real extender child, real agents on dgx-a100 (NVSwitch, 8
+GPUs) and pcie-2socket (8 GPUs), the loopback API server (tests/fake_apiserver.py) under the
+real kubernetes client.  A pod of 8 GPUs that fits no node for --hold-after holds the node with
+the most GPUs free; a smaller pod is filtered off that node (the reason names the large pod) and
+only that node; the hold ends when the pod binds, is deleted, or at --hold-for.  From the moment
+a node can fit the waiting pod, a guard keeps pods that waited less off it (a smaller one, a
+large one that came later) until the pod binds, is deleted, or --hold-guard passes."""
 
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from typing import Any
 import pytest
 from service_helpers import promtool_complaints, wait_for
 
-from bench.cluster import RESOURCE, Cluster, _request, cluster
-from bench.cluster_replay import STARVE_FIXTURES, local_cluster, starve_run, starve_stream
+from bench.cluster import RESOURCE, Cluster, ExtenderQueue, _request, cluster
+from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream
 from topoagent.cluster.extender.holds import Holds, NodeLoad
 from topoagent.cluster.extender.wire import PodRef
 
@@ -35,6 +37,10 @@ def c(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 @pytest.fixture(autouse=True)
 def clean(c: Cluster) -> Iterator[None]:
     yield
+    tidy(c)
+
+
+def tidy(c: Cluster) -> None:
     for node in c.nodes:  # the fillers' leases; the pods' go with their pods
         for lease in node.request("GET", "/leases")[1]["leases"]:
             if lease["owner"].startswith("filler"):
@@ -43,7 +49,8 @@ def clean(c: Cluster) -> Iterator[None]:
         c.api.delete_pod(name, namespace)
     wait_for("every pod's lease released", lambda: all(not n.request("GET", "/leases")[1]["leases"] for n in c.nodes),
              timeout=WITHIN_S, log=lambda: log(c))
-    wait_for("every hold and waiting pod gone", lambda: holds(c) == ([], []), timeout=WITHIN_S, log=lambda: log(c))
+    wait_for("every hold, guard and waiting pod gone", lambda: holds(c) == ([], []) and guards(c) == [], timeout=WITHIN_S,
+             log=lambda: log(c))
 
 
 def log(c: Cluster) -> str:
@@ -91,6 +98,11 @@ def holds(c: Cluster) -> tuple[list[tuple[str, str]], list[str]]:
     """((pod, node) of each hold, the pods waiting without one)."""
     doc = listing(c)
     return [(h["pod"], h["node"]) for h in doc["holds"]], [w["pod"] for w in doc["waiting"]]
+
+
+def guards(c: Cluster) -> list[tuple[str, str]]:
+    """(pod, node) of each guard in force."""
+    return [(g["pod"], g["node"]) for g in listing(c)["guards"]]
 
 
 def page(c: Cluster) -> bytes:
@@ -256,8 +268,153 @@ def test_in_the_replay_holds_bound_a_sustained_streams_large_pods_wait() -> None
     30 s cuts the 8-GPU pods' longest wait by half or more (median over the seeds), the 1-GPU
     pods' median wait within 10 % (median over the seeds: one seed's grows, see the docs)."""
     c = local_cluster(list(STARVE_FIXTURES))
-    runs = [(starve_run(c, jobs, None), starve_run(c, jobs, 30.0)) for jobs in (starve_stream("normal", s, rounds=30) for s in range(9))]
+    settings = (HoldSetting(0, 0), HoldSetting(30, 0))
+    runs = [[starve_run(c, jobs, s) for s in settings] for jobs in (starve_stream("normal", s, rounds=30) for s in range(9))]
     without_max, held_max = (statistics.median(r[n].big_max_s for r in runs) for n in (0, 1))
     without_small, held_small = (statistics.median(r[n].small_median_s for r in runs) for n in (0, 1))
     assert held_max * 2 <= without_max
     assert held_small <= without_small * 1.1
+
+
+def test_in_the_replay_the_guard_halves_the_large_pods_longest_wait_at_overload() -> None:
+    """bench.cluster_replay --starve --seeds 0-8, overload (docs/benchmarks.md): the guard alone
+    (no hold) cuts the 8-GPU pods' longest wait by half or more, median over the seeds; the
+    1-GPU pods wait longer for it (the docs say how much)."""
+    c = local_cluster(list(STARVE_FIXTURES))
+    settings = (HoldSetting(0, 0), HoldSetting(0, 20))
+    runs = [[starve_run(c, jobs, s) for s in settings] for jobs in (starve_stream("overload", s) for s in range(9))]
+    without_max, guarded_max = (statistics.median(r[n].big_max_s for r in runs) for n in (0, 1))
+    assert guarded_max * 2 <= without_max
+    assert statistics.median(r[1].small_median_s for r in runs) > statistics.median(r[0].small_median_s for r in runs)
+
+
+def test_a_guard_keeps_a_node_that_fits_the_waiting_pod_from_pods_that_would_break_that_fit() -> None:
+    now = [100.0]
+    holds = Holds(min_gpus=8, after_s=0, ttl_s=300, guard_s=20, clock=lambda: now[0])
+    small, later = PodRef("jobs", "small", "uid-small"), PodRef("jobs", "later", "uid-later")
+    passed: list[str] = ["a", "b"]
+    holds.honour(small, 1, passed, {}, {"a": 8, "b": 8})
+    assert passed == ["a", "b"] and holds.guards == {} and holds.waiting == {}  # no pod waits: nothing kept, nothing noted
+    big = PodRef("jobs", "big", "uid-big")
+    holds.honour(big, 8, [], {}, {})
+    assert list(holds.waiting) == ["uid-big"] and not holds.busy()  # no holds (after_s 0): nothing for the keeper
+    now[0] += 1
+    passed, why = ["a", "b", "c", "d"], {}
+    holds.honour(small, 1, passed, why, {"a": 8, "b": 5, "c": 9, "d": 16})
+    # a fits the big pod only while nothing else lands there; b cannot fit it anyway; c and d keep room for it after.
+    assert passed == ["b", "c", "d"] and "kept for pod jobs/big" in why["a"]
+    passed, why = ["c"], {}
+    holds.honour(small, 2, passed, why, {"c": 9})  # 2 of 9 would leave 7
+    assert passed == [] and "kept for pod jobs/big" in why["c"]
+    passed = ["a"]
+    holds.honour(later, 8, passed, {}, {"a": 8})  # a large pod that waited less
+    assert passed == [] and list(holds.waiting) == ["uid-big", "uid-later"]
+    passed = ["a"]
+    holds.honour(big, 8, passed, {}, {"a": 8})  # the waiting pod itself
+    assert passed == ["a"]
+    passed = ["e"]
+    holds.honour(small, 1, passed, {}, {})  # e's free GPUs unknown: not guarded
+    assert passed == ["e"]
+    now[0] += 19
+    assert [(pod.name, node) for pod, node, _ in holds.guards_now()] == [("big", "a"), ("big", "c")]
+    now[0] += 1  # big's guards began 20 s ago: they end, and big keeps these nodes no more; the next in line does
+    passed, why = ["a", "c"], {}
+    holds.honour(small, 2, passed, why, {"a": 8, "c": 9})
+    assert passed == [] and "kept for pod jobs/later" in why["a"] and "kept for pod jobs/later" in why["c"]
+    holds.forget("uid-later", "deleted")
+    passed = ["a", "c"]
+    holds.honour(small, 2, passed, {}, {"a": 8, "c": 9})
+    assert passed == ["a", "c"]
+    holds.forget("uid-big", "bound")
+    assert holds.guards == {} and holds.guards_now() == []
+
+
+@pytest.fixture(scope="module")
+def guards_alone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Guards alone (--hold-after 0): no hold is ever taken."""
+    args = ["--pod-resync", "2", "--hold-after", "0", "--hold-guard", "600"]
+    with cluster(["dgx-a100", "pcie-2socket"], extender_args=args, work=tmp_path_factory.mktemp("guards")) as running:
+        yield running
+
+
+@pytest.fixture
+def guarded(guards_alone: Cluster) -> Iterator[Cluster]:
+    yield guards_alone
+    tidy(guards_alone)
+
+
+def freed_for_a_waiting_pod(c: Cluster, name: str) -> tuple[dict, str, str]:
+    """An 8-GPU pod that fit no node (dgx-a100 5 free, pcie-2socket 2), then dgx-a100 emptied:
+    (the pod, dgx-a100, pcie-2socket)."""
+    dgx, pcie = c.nodes[0].name, c.nodes[1].name
+    lease = fill(c, dgx, 3)
+    fill(c, pcie, 6)
+    big = new_pod(c, name, 8)
+    assert filtered(c, big, [dgx, pcie])[0] == []
+    assert holds(c) == ([], [f"jobs/{name}"]) and guards(c) == []  # no node fits it yet: nothing guarded
+    empty(c, dgx, lease)
+    return big, dgx, pcie
+
+
+def test_a_guard_keeps_a_freed_node_for_the_waiting_pod_until_it_binds(guarded: Cluster) -> None:
+    c = guarded
+    before = metric(c, "topoagent_extender_guarded_total")
+    big, dgx, pcie = freed_for_a_waiting_pod(c, "big-guarded")
+    small = new_pod(c, "small-guarded", 1)
+    passed, failed = filtered(c, small, [dgx, pcie])
+    assert passed == [pcie]  # it fits elsewhere without taking the waiting pod's room: not blocked
+    assert "kept for pod jobs/big-guarded" in unresolvable(c, small, [dgx, pcie])[dgx]
+    assert guards(c) == [("jobs/big-guarded", dgx)] and holds(c) == ([], ["jobs/big-guarded"])
+    assert metric(c, "topoagent_extender_guards") == 1 and metric(c, "topoagent_extender_guarded_total") >= before + 2
+    later = new_pod(c, "big-later", 8)  # a large pod that came later waits its turn too
+    passed, failed = filtered(c, later, [dgx, pcie])
+    assert passed == [] and "kept for pod jobs/big-guarded" in failed[dgx]
+    assert filtered(c, big, [dgx, pcie])[0] == [dgx]
+    assert bind(c, big, dgx) == {"Error": ""}
+    assert guards(c) == [] and holds(c) == ([], ["jobs/big-later"])
+    assert metric(c, "topoagent_extender_guards") == 0
+    assert "event=guard_taken" in log(c)
+
+
+def test_a_deleted_pods_guard_ends(guarded: Cluster) -> None:
+    c = guarded
+    _, dgx, pcie = freed_for_a_waiting_pod(c, "big-gone")
+    small = new_pod(c, "small-kept", 1)
+    assert dgx in unresolvable(c, small, [dgx, pcie])
+    c.api.delete_pod("big-gone", "jobs")
+    wait_for("the deleted pod's guard gone", lambda: guards(c) == [] and holds(c) == ([], []), timeout=WITHIN_S, log=lambda: log(c))
+    assert filtered(c, small, [dgx, pcie])[0] == [dgx, pcie]
+
+
+def test_no_guard_when_no_large_pod_waits(guarded: Cluster) -> None:
+    c = guarded
+    dgx, pcie = c.nodes[0].name, c.nodes[1].name
+    before = metric(c, "topoagent_extender_guarded_total")
+    small = new_pod(c, "small-alone", 1)
+    assert filtered(c, small, [dgx, pcie])[0] == [dgx, pcie]
+    assert listing(c)["guards"] == [] and holds(c) == ([], [])
+    assert metric(c, "topoagent_extender_guarded_total") == before
+
+
+def test_a_guard_ends_after_hold_guard_and_the_node_is_not_kept_again(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The waiting pod did not take the node in --hold-guard (it may not fit there for a reason the
+    extender cannot see): the others may take it."""
+    args = ["--pod-resync", "2", "--hold-after", "0", "--hold-guard", "1"]
+    with cluster(["dgx-a100", "pcie-2socket"], extender_args=args, work=tmp_path_factory.mktemp("guard-expiry")) as c:
+        _, dgx, pcie = freed_for_a_waiting_pod(c, "big-slow")
+        small = new_pod(c, "small-patient", 1)
+        assert filtered(c, small, [dgx, pcie])[0] == [pcie]
+        assert guards(c) == [("jobs/big-slow", dgx)]
+        wait_for("the guard ended", lambda: filtered(c, small, [dgx, pcie])[0] == [dgx, pcie], timeout=WITHIN_S, log=lambda: log(c))
+        assert guards(c) == [] and holds(c) == ([], ["jobs/big-slow"])  # it still waits, and keeps the node no more
+
+
+def test_the_replay_waits_as_the_real_extender_with_guards_does(guarded: Cluster) -> None:
+    """bench.cluster --starve (real agents, the real extender, guards alone) and the replay give
+    every pod of the issue's overload stream the same wait, through the same queue model."""
+    jobs = starve_stream("overload", 3)
+    real = ExtenderQueue(guarded, guards=True).run(jobs)
+    replayed = ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 600)).run(jobs)
+    assert real == replayed
+    assert max(real[j.id] for j in jobs if j.gpus == 8) < max(ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 0)).run(jobs)[j.id]
+                                                             for j in jobs if j.gpus == 8)

@@ -65,11 +65,13 @@ order, read by `topoagent device-plugin`) and the agent's lease as topoagent.io/
 both in the pod's Binding; the lease is released when the pod ends or is deleted
 (a pod watch; RBAC: pods get, list, watch).
 
-Holds (with --bind): a pod asking for --hold-min-gpus or more that has fit no node for
---hold-after (its filter failed on every node, or kube-scheduler marked it Unschedulable)
-holds one node; smaller pods are filtered off that node only (FailedAndUnresolvableNodes,
-naming the pod) until it binds, is deleted, ends, or --hold-for passes. GET /holds lists
-them; /metrics counts them.
+Holds (with --bind): a pod asking for --hold-min-gpus or more that fits no node (its filter
+failed on every node, or kube-scheduler marked it Unschedulable) waits. At once, a guard keeps
+every node that can fit it now from pods that waited less and would leave it too few GPUs
+(for --hold-guard at most); after --hold-after it holds one node, which drains. Pods kept off
+a node are filtered off that node only (FailedAndUnresolvableNodes, naming the waiting pod)
+until it binds, is deleted, ends, or --hold-for passes. GET /holds lists them; /metrics
+counts them.
 """
 
 
@@ -138,6 +140,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="once such a pod has fit no node this long it holds, among the nodes that can ever take it, the "
                             "one that would free up soonest (by its leases' ages): smaller pods are filtered off that node "
                             "until the pod binds, is deleted or ends (default 30; 0: no holds; holds need --pod-resync above 0)")
+    holds.add_argument("--hold-guard", type=float, default=20.0, metavar="SECONDS",
+                       help="from the moment such a pod fits a node again, pods that waited less and would leave that node too "
+                            "few GPUs for it are filtered off it, for this long at most (default 20: twice kube-scheduler's "
+                            "longest backoff; 0: no guards; with --hold-after 0, guards alone)")
     holds.add_argument("--hold-for", type=float, default=300.0, metavar="SECONDS",
                        help="a hold ends after this, its pod still unbound; that pod holds no node again (default 300)")
     parser.add_argument("--kube-api", metavar="URL", help="API server (Node objects; binds), as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
@@ -230,6 +236,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--hold-min-gpus must be from 1 to 4096")
     if not (args.hold_after == 0 or 0.1 <= args.hold_after <= 24 * 3600):
         raise UsageError("--hold-after must be 0 (no holds) or between 0.1 and 86400 seconds")
+    if not (args.hold_guard == 0 or 0.1 <= args.hold_guard <= 24 * 3600):
+        raise UsageError("--hold-guard must be 0 (no guards) or between 0.1 and 86400 seconds")
     if not 1 <= args.hold_for <= 7 * 24 * 3600:
         raise UsageError("--hold-for must be between 1 second and a week")
     if not args.path_prefix.startswith("/"):
@@ -260,7 +268,8 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings(resource=args.resource_name, unanswered=Unanswered(args.unanswered), lease_ttl_s=args.lease_ttl,
                         prefix=args.path_prefix, require_client_certificate=bool(args.client_ca_file), pod_resync_s=args.pod_resync,
                         max_nodes=args.max_nodes, call_timeout_s=args.call_timeout, body_timeout_s=args.header_timeout,
-                        hold_min_gpus=args.hold_min_gpus, hold_after_s=args.hold_after, hold_ttl_s=args.hold_for)
+                        hold_min_gpus=args.hold_min_gpus, hold_after_s=args.hold_after, hold_ttl_s=args.hold_for,
+                        hold_guard_s=args.hold_guard)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     if exposed and not args.client_ca_file:
         from topoagent.log import log_event

@@ -77,11 +77,14 @@ class Settings:
     call_timeout_s: float = 4.0
     # A request body must arrive within this of its head.
     body_timeout_s: float = 10.0
-    # Holds (see ``holds``; with the pod watch only): a pod asking for this many GPUs or more that
-    # fit no node for hold_after_s holds the node it may drain for hold_ttl_s at most (0: no holds).
+    # Holds and guards (see ``holds``; with the pod watch only): a pod asking for this many GPUs or
+    # more that fit no node keeps each node that can fit it now from pods that waited less, for
+    # hold_guard_s at most (0: no guards); after hold_after_s it holds the node it may drain for
+    # hold_ttl_s at most (0: no holds).
     hold_min_gpus: int = 8
     hold_after_s: float = 30.0
     hold_ttl_s: float = 300.0
+    hold_guard_s: float = 20.0
 
 
 SETTINGS = web.AppKey("settings", Settings)
@@ -200,7 +203,7 @@ async def filter_nodes(request: web.Request) -> web.Response:
     _log_unanswered(settings, verdicts)
     holds = request.app.get(HOLDS)
     if holds is not None:
-        holds.honour(pod_ref(args.pod), wanted["gpus"], passed, unresolvable)
+        holds.honour(pod_ref(args.pod), wanted["gpus"], passed, unresolvable, {v.node: v.free for v in verdicts if v.fits})
     requeue = request.app.get(REQUEUE)
     if requeue is not None:
         for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one
@@ -311,7 +314,7 @@ async def metrics(request: web.Request) -> web.Response:
 async def list_holds(request: web.Request) -> web.Response:
     holds = request.app.get(HOLDS)
     if holds is None:
-        raise web.HTTPNotFound(text="holds are off: they need --bind (its pod watch) and --hold-after above 0")
+        raise web.HTTPNotFound(text="holds are off: they need --bind (its pod watch) and --hold-after or --hold-guard above 0")
     return web.json_response(holds.document())
 
 
@@ -405,9 +408,9 @@ def make_app(agents: Agents, settings: Settings, kube: Kube | None = None, guard
         app.cleanup_ctx.append(node_table_lifetime)
     if kube is not None and settings.pod_resync_s > 0:
         holds = None
-        if settings.hold_after_s > 0:  # the pod watch tells when a holder binds, ends or is deleted
+        if settings.hold_after_s > 0 or settings.hold_guard_s > 0:  # the pod watch tells when a holder binds, ends or is deleted
             app[HOLDS] = holds = Holds(min_gpus=settings.hold_min_gpus, after_s=settings.hold_after_s, ttl_s=settings.hold_ttl_s,
-                                       resource=settings.resource)
+                                       guard_s=settings.hold_guard_s, resource=settings.resource)
             app.cleanup_ctx.append(while_serving(lambda: keep(holds, lambda: node_loads(agents))))
         app[WATCH] = watch = PodWatch(kube, agents, resync_s=settings.pod_resync_s, cluster_nodes=agents.table.names,
                                       on_event=holds.observe if holds is not None else None)

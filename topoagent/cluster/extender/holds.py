@@ -1,4 +1,4 @@
-"""Holds: the best node kept for a large pod that keeps failing, so small pods cannot starve it.
+"""Holds and guards: nodes kept for a large pod that keeps failing, so small pods cannot starve it.
 
 kube-scheduler retries a pod it could not place with a backoff (1 s, doubling to 10 s), while
 pods created later go straight to its active queue.  Under steady small-pod pressure the GPUs
@@ -20,10 +20,21 @@ extender can, because it sees every pod's placement:
   with a reason naming the holder; on every other node it passes as before;
 * the hold ends when the holder binds, is deleted or ends (the bind verb, the pod watch), or
   after ``ttl_s``: it is then *expired*, and that pod holds no node again, so the next large
-  pod may hold one.
+  pod may hold one;
+* from the moment a node can fit a waiting (or holding) pod by its count of free GPUs, a *guard*
+  keeps it, with no ``after_s`` to wait first: a pod that has waited less (any pod not waiting)
+  and asks for no more GPUs, and would leave the node too few free for the waiting pod, is
+  filtered off it (``FailedAndUnresolvableNodes``, the reason naming the waiting pod).  This is
+  the race of issue #39: the node frees while the large pod sits out kube-scheduler's backoff,
+  and a pod created later (a small one, or a large one retried sooner) takes it.  A guard costs
+  the others only while a node already sits free for the large pod, and it makes no call of its
+  own (the free counts are the filter's verdicts).  It ends when the pod binds, is deleted or
+  ends, or ``guard_s`` after it first kept a pod off that node (the pod may not fit there for a
+  reason the extender cannot see: a selector, a taint); that pod then guards that node no more.
 
-One hold per waiting pod, one pod per held node.  With no large pod waiting there is no state
-and no work: the keeper loop sleeps on an event, the filter reads one empty dict.
+One hold per waiting pod, one pod per held node; ``after_s`` 0: guards only, ``guard_s`` 0: holds
+only.  With no large pod waiting there is no state and no work: the keeper loop sleeps on an
+event, the filter reads two empty dicts.
 
 Time is the caller's (``clock``): the replay (bench/cluster_replay.py) runs this very class in
 simulated time.
@@ -97,21 +108,26 @@ def unschedulable(pod: Mapping[str, Any]) -> bool:
 
 
 class Holds:
-    def __init__(self, *, min_gpus: int = 8, after_s: float = 30.0, ttl_s: float = 300.0, resource: str = "nvidia.com/gpu",
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.min_gpus, self.after_s, self.ttl_s, self.resource, self.clock = min_gpus, after_s, ttl_s, resource, clock
+    def __init__(self, *, min_gpus: int = 8, after_s: float = 30.0, ttl_s: float = 300.0, guard_s: float = 20.0,
+                 resource: str = "nvidia.com/gpu", clock: Callable[[], float] = time.monotonic) -> None:
+        """``after_s`` 0: no holds (guards only); ``guard_s`` 0: no guards (holds only)."""
+        self.min_gpus, self.after_s, self.ttl_s, self.guard_s = min_gpus, after_s, ttl_s, guard_s
+        self.resource, self.clock = resource, clock
         self.waiting: dict[str, Waiting] = {}  # pod UID -> since when it fits no node
         self.held: dict[str, Hold] = {}  # pod UID -> its hold
         self._by_node: dict[str, str] = {}  # node -> the UID of the pod holding it
         self._never: dict[str, None] = {}  # UIDs that hold no node again: their hold expired, or no node has their GPUs
+        self.guards: dict[str, dict[str, float]] = {}  # pod UID -> node -> when its guard first kept a pod off it
         self.wake = asyncio.Event()  # set when a pod starts waiting: the keeper loop runs
         # For /metrics.
         self.taken = 0
         self.expired = 0
         self.released = dict.fromkeys(RELEASES, 0)
+        self.guarded = 0  # pods kept off a node by a guard, one per node per filter call
 
     def busy(self) -> bool:
-        return bool(self.waiting or self.held)
+        """Work for the keeper: a hold to take or to end (a guard ends by itself, in the filter)."""
+        return bool(self.held or (self.waiting and self.after_s > 0))
 
     # -- what the filter, the bind and the pod watch tell -----------------------------------
 
@@ -120,10 +136,11 @@ class Holds:
         if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never or pod.uid in self.waiting:
             return
         if len(self.waiting) >= MAX_WAITING:
-            self.waiting.pop(next(iter(self.waiting)))
+            self.guards.pop(self.waiting.pop(next(iter(self.waiting))).pod.uid, None)
         self.waiting[pod.uid] = Waiting(pod, gpus, self.clock())
         log_event("pod_waiting", pod=str(pod), gpus=gpus, hold_after_s=self.after_s)
-        self.wake.set()
+        if self.after_s > 0:  # a hold will be due: the keeper looks
+            self.wake.set()
 
     def observe(self, kind: str, pod: Mapping[str, Any]) -> None:
         """A pod watch event: a bound, deleted or ended pod's hold ends; a large pod
@@ -146,6 +163,7 @@ class Holds:
         """The pod bound, was deleted or ended: its hold (returned) ends, it waits no more."""
         self.waiting.pop(uid, None)
         self._never.pop(uid, None)
+        self.guards.pop(uid, None)
         hold = self.held.pop(uid, None)
         if hold is not None:
             self._by_node.pop(hold.node, None)
@@ -163,18 +181,69 @@ class Holds:
         hold = self.held[holder]
         return hold if gpus <= hold.gpus else None
 
-    def honour(self, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str]) -> None:
-        """The filter's part: keep the pod off the nodes held for another (it still passes the
-        others), the reason in ``unresolvable`` (no preemption on the node lets it in); note a
-        large pod that fits no node."""
-        if self.held:
+    def honour(self, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str], free: Mapping[str, int]) -> None:
+        """The filter's part: keep the pod off the nodes held for another and off those a guard
+        keeps (``free``: each passed node's free GPUs, where its agent said), the reason in
+        ``unresolvable`` (no preemption on the node lets it in); it still passes the others.
+        Note a large pod that fits no node."""
+        if self.held or self.waiting:
+            ahead = self.ahead(pod.uid, gpus) if self.guard_s else {}
             for node in list(passed):
                 hold = self.blocking(node, pod.uid, gpus)
-                if hold is not None:
+                why = self.reason(hold) if hold is not None else self.guarding(node, free.get(node), gpus, ahead)
+                if why is not None:
                     passed.remove(node)
-                    unresolvable[node] = self.reason(hold)
+                    unresolvable[node] = why
         if not passed:
             self.unplaced(pod, gpus)
+
+    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, PodRef]]]:
+        """The pods whose guards may keep this one (``uid``, asking for ``gpus``) off a node: those
+        that have waited longer (a pod not waiting has waited least) and ask for as many GPUs or
+        more; by the GPUs they ask for, the longest waiting first."""
+        own = self.held.get(uid) or self.waiting.get(uid)
+        mine = (own.waited_since if isinstance(own, Hold) else own.since) if own is not None else float("inf")
+        ahead: dict[int, list[tuple[float, PodRef]]] = {}
+        large = [(h.pod, h.gpus, h.waited_since) for h in self.held.values()] + [(w.pod, w.gpus, w.since) for w in self.waiting.values()]
+        for waiter, wants, since in large:
+            if since < mine and wants >= gpus:
+                ahead.setdefault(wants, []).append((since, waiter))
+        for waiters in ahead.values():
+            waiters.sort(key=lambda w: w[0])
+        return ahead
+
+    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, PodRef]]]) -> str | None:
+        """Why a guard keeps a pod asking for ``gpus`` off ``node`` with ``free`` GPUs free (None:
+        not known, nothing guarded), if one does: of the pods ``ahead``, the longest waiting that
+        fits there now, would not after it, and has not kept that node for ``guard_s`` already."""
+        if free is None:
+            return None
+        now = self.clock()
+        keepers = []
+        for wants in (w for w in ahead if free >= w > free - gpus):
+            for since, waiter in ahead[wants]:
+                began = self.guards.get(waiter.uid, {}).get(node, now)
+                if now - began < self.guard_s:
+                    keepers.append((since, waiter, wants))
+                    break
+        if not keepers:
+            return None
+        _, waiter, wants = min(keepers, key=lambda k: k[0])
+        nodes = self.guards.setdefault(waiter.uid, {})
+        if node not in nodes:
+            nodes[node] = now
+            log_event("guard_taken", pod=str(waiter), node=node, gpus=wants, free=free, guard_s=self.guard_s)
+        self.guarded += 1
+        return (f"kept for pod {waiter}, which asks for {wants} GPUs, has found no node for longer, and fits this "
+                f"one now ({free} free): a pod asking for {gpus} would leave too few; such pods stay off this node "
+                f"until it binds, is deleted, or {self.guard_s:g} s pass")
+
+    def guards_now(self) -> list[tuple[PodRef, str, float]]:
+        """(pod, node, since) of each guard still in force."""
+        now = self.clock()
+        pods = {h.pod.uid: h.pod for h in self.held.values()} | {w.pod.uid: w.pod for w in self.waiting.values()}
+        return sorted(((pods[uid], node, since) for uid, nodes in self.guards.items() if uid in pods
+                       for node, since in nodes.items() if now - since < self.guard_s), key=lambda g: g[2])
 
     @staticmethod
     def reason(hold: Hold) -> str:
@@ -184,7 +253,10 @@ class Holds:
     # -- the keeper's work: take holds that are due, end those expired ------------------------
 
     def due(self) -> list[Waiting]:
-        """Waiting pods past ``after_s`` that hold nothing yet, the longest waiting first."""
+        """Waiting pods past ``after_s`` that hold nothing yet, the longest waiting first (none
+        with ``after_s`` 0: no holds)."""
+        if not self.after_s:
+            return []
         now = self.clock()
         return sorted((w for w in self.waiting.values() if now - w.since >= self.after_s),
                       key=lambda w: w.since)
@@ -201,7 +273,7 @@ class Holds:
                     log_event("hold_impossible", logging.WARNING, pod=str(waiting.pod), gpus=waiting.gpus,
                               largest=max(load.gpus for load in loads.values()))
                 continue
-            node = min(nodes, key=lambda n: (nodes[n].frees_at(waiting.gpus), -nodes[n].free, nodes[n].gpus, n))
+            node = min(nodes, key=lambda n: self.rank(n, nodes[n], waiting.gpus))
             load, now = nodes[node], self.clock()
             why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; of the nodes with "
                    f"{waiting.gpus} GPUs or more, {node} ({load.free} of {load.gpus} free) would free up soonest, its "
@@ -214,6 +286,13 @@ class Holds:
             taken.append(hold)
             log_event("hold_taken", pod=str(hold.pod), node=node, gpus=hold.gpus, why=why, ttl_s=self.ttl_s)
         return taken
+
+    @staticmethod
+    def rank(node: str, load: NodeLoad, gpus: int) -> tuple[float, int, int, str]:
+        """A node's place in the choice of the node to hold for a pod of ``gpus`` (the smallest
+        is held): the soonest to free up by its leases' ages, then the most GPUs free, the fewest
+        GPUs in all, the lowest name."""
+        return load.frees_at(gpus), -load.free, load.gpus, node
 
     def expire(self) -> list[Hold]:
         """End the holds past ``ttl_s``; those pods hold no node again (the next large pod may)."""
@@ -228,6 +307,7 @@ class Holds:
         return ended
 
     def _hold_never(self, uid: str) -> None:
+        self.guards.pop(uid, None)
         if len(self._never) >= MAX_NEVER:
             self._never.pop(next(iter(self._never)))
         self._never[uid] = None
@@ -250,7 +330,9 @@ class Holds:
                       for h in sorted(self.held.values(), key=lambda h: h.since)],
             "waiting": [{"pod": str(w.pod), "uid": w.pod.uid, "gpus": w.gpus, "since": at(w.since)}
                         for w in sorted(self.waiting.values(), key=lambda w: w.since)],
-            "settings": {"min_gpus": self.min_gpus, "after_s": self.after_s, "ttl_s": self.ttl_s},
+            "guards": [{"pod": str(pod), "uid": pod.uid, "node": node, "since": at(since), "until": at(since + self.guard_s)}
+                       for pod, node, since in self.guards_now()],
+            "settings": {"min_gpus": self.min_gpus, "after_s": self.after_s, "ttl_s": self.ttl_s, "guard_s": self.guard_s},
         }
 
 

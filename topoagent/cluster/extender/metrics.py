@@ -73,6 +73,9 @@ class ExtenderCollector(Collector):
         yield GaugeMetricFamily(f"{NS}_holds", "nodes held now for a large pod that fit no node (GET /holds lists them)", value=len(holds.held))
         yield GaugeMetricFamily(f"{NS}_pods_waiting", "large pods fitting no node now that hold no node (yet)",
                                 value=len(holds.waiting))
+        yield GaugeMetricFamily(f"{NS}_guards", "guards in force: a node kept for a waiting large pod that fits it now "
+                                "(GET /holds lists them)", value=len(holds.guards_now()))
+        yield CounterMetricFamily(f"{NS}_guarded", "nodes a guard kept a pod off, one per node per filter call", value=holds.guarded)
         yield CounterMetricFamily(f"{NS}_holds_taken", "holds taken", value=holds.taken)
         yield CounterMetricFamily(f"{NS}_hold_expired", "holds that ended at --hold-for, their pod still unbound", value=holds.expired)
         released = CounterMetricFamily(f"{NS}_holds_released", "holds that ended with their pod, by why (bound, deleted, ended)", labels=["reason"])
