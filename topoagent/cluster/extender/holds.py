@@ -45,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,7 @@ from topoagent.cluster.podwatch import finished, object_field, text_field
 from topoagent.log import log, log_event
 
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
+MAX_OFFERED = 10_000  # nodes remembered as offered to one waiting pod; past it, any node
 MAX_NEVER = 10_000  # pods that hold no node again, remembered; the oldest out past it
 RELEASES = ("bound", "deleted", "ended")  # why a hold ended other than expiry, for /metrics
 
@@ -63,6 +64,13 @@ class Waiting:
     pod: PodRef
     gpus: int
     since: float  # the clock's time it was first seen fitting no node
+    # The nodes kube-scheduler has offered it (they passed its own filters: taints, selectors,
+    # affinity), gathered over its filter calls; None until one reached us (its count filter
+    # left no node): then any node with enough GPUs may be kept for it.
+    offered: set[str] | None = None
+
+    def may_use(self, node: str) -> bool:
+        return self.offered is None or node in self.offered
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +104,10 @@ class Hold:
     waited_since: float
     expires: float
     why: str
+    offered: set[str] | None = None  # as its Waiting's
+
+    def may_use(self, node: str) -> bool:
+        return self.offered is None or node in self.offered
 
 
 def unschedulable(pod: Mapping[str, Any]) -> bool:
@@ -131,13 +143,19 @@ class Holds:
 
     # -- what the filter, the bind and the pod watch tell -----------------------------------
 
-    def unplaced(self, pod: PodRef, gpus: int) -> None:
-        """The pod fits no node now (each of its scheduling attempts that fails)."""
-        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never or pod.uid in self.waiting:
+    def unplaced(self, pod: PodRef, gpus: int, offered: Iterable[str] = ()) -> None:
+        """The pod fits no node now (each of its scheduling attempts that fails), among the nodes
+        kube-scheduler ``offered`` (none: its own filters left no node)."""
+        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never:
+            return
+        known = self.waiting.get(pod.uid)
+        if known is not None:
+            self._offered(known, offered)
             return
         if len(self.waiting) >= MAX_WAITING:
             self.guards.pop(self.waiting.pop(next(iter(self.waiting))).pod.uid, None)
         self.waiting[pod.uid] = Waiting(pod, gpus, self.clock())
+        self._offered(self.waiting[pod.uid], offered)
         log_event("pod_waiting", pod=str(pod), gpus=gpus, hold_after_s=self.after_s)
         if self.after_s > 0:  # a hold will be due: the keeper looks
             self.wake.set()
@@ -158,6 +176,14 @@ class Holds:
             except (ValueError, WireError):  # PodError is a ValueError: a pod no node can take holds nothing
                 return
             self.unplaced(ref, gpus)
+
+    @staticmethod
+    def _offered(waiting: Waiting, offered: Iterable[str]) -> None:
+        names = set(offered)
+        if names:
+            waiting.offered = (waiting.offered or set()) | names
+            if len(waiting.offered) > MAX_OFFERED:  # bounded: past it, any node (as before any offer)
+                waiting.offered = None
 
     def forget(self, uid: str, reason: str) -> Hold | None:
         """The pod bound, was deleted or ended: its hold (returned) ends, it waits no more."""
@@ -181,11 +207,12 @@ class Holds:
         hold = self.held[holder]
         return hold if gpus <= hold.gpus else None
 
-    def honour(self, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str], free: Mapping[str, int]) -> None:
+    def honour(self, pod: PodRef, gpus: int, offered: Sequence[str], passed: list[str], unresolvable: dict[str, str],
+               free: Mapping[str, int]) -> None:
         """The filter's part: keep the pod off the nodes held for another and off those a guard
         keeps (``free``: each passed node's free GPUs, where its agent said), the reason in
         ``unresolvable`` (no preemption on the node lets it in); it still passes the others.
-        Note a large pod that fits no node."""
+        Note a large pod that fits none of the nodes kube-scheduler ``offered``."""
         if self.held or self.waiting:
             ahead = self.ahead(pod.uid, gpus) if self.guard_s else {}
             for node in list(passed):
@@ -195,46 +222,47 @@ class Holds:
                     passed.remove(node)
                     unresolvable[node] = why
         if not passed:
-            self.unplaced(pod, gpus)
+            self.unplaced(pod, gpus, offered)
 
-    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, PodRef]]]:
+    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, Waiting | Hold]]]:
         """The pods whose guards may keep this one (``uid``, asking for ``gpus``) off a node: those
         that have waited longer (a pod not waiting has waited least) and ask for as many GPUs or
         more; by the GPUs they ask for, the longest waiting first."""
         own = self.held.get(uid) or self.waiting.get(uid)
         mine = (own.waited_since if isinstance(own, Hold) else own.since) if own is not None else float("inf")
-        ahead: dict[int, list[tuple[float, PodRef]]] = {}
-        large = [(h.pod, h.gpus, h.waited_since) for h in self.held.values()] + [(w.pod, w.gpus, w.since) for w in self.waiting.values()]
-        for waiter, wants, since in large:
-            if since < mine and wants >= gpus:
-                ahead.setdefault(wants, []).append((since, waiter))
+        ahead: dict[int, list[tuple[float, Waiting | Hold]]] = {}
+        large = [(h, h.waited_since) for h in self.held.values()] + [(w, w.since) for w in self.waiting.values()]
+        for waiter, since in large:
+            if since < mine and waiter.gpus >= gpus:
+                ahead.setdefault(waiter.gpus, []).append((since, waiter))
         for waiters in ahead.values():
             waiters.sort(key=lambda w: w[0])
         return ahead
 
-    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, PodRef]]]) -> str | None:
+    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, Waiting | Hold]]]) -> str | None:
         """Why a guard keeps a pod asking for ``gpus`` off ``node`` with ``free`` GPUs free (None:
         not known, nothing guarded), if one does: of the pods ``ahead``, the longest waiting that
-        fits there now, would not after it, and has not kept that node for ``guard_s`` already."""
+        fits there now, would not after it, may use the node (kube-scheduler offered it, or it was
+        offered none yet), and has not kept that node for ``guard_s`` already."""
         if free is None:
             return None
         now = self.clock()
         keepers = []
         for wants in (w for w in ahead if free >= w > free - gpus):
             for since, waiter in ahead[wants]:
-                began = self.guards.get(waiter.uid, {}).get(node, now)
-                if now - began < self.guard_s:
-                    keepers.append((since, waiter, wants))
+                began = self.guards.get(waiter.pod.uid, {}).get(node, now)
+                if now - began < self.guard_s and waiter.may_use(node):
+                    keepers.append((since, waiter.pod, wants))
                     break
         if not keepers:
             return None
-        _, waiter, wants = min(keepers, key=lambda k: k[0])
-        nodes = self.guards.setdefault(waiter.uid, {})
+        _, keeper, wants = min(keepers, key=lambda k: k[0])
+        nodes = self.guards.setdefault(keeper.uid, {})
         if node not in nodes:
             nodes[node] = now
-            log_event("guard_taken", pod=str(waiter), node=node, gpus=wants, free=free, guard_s=self.guard_s)
+            log_event("guard_taken", pod=str(keeper), node=node, gpus=wants, free=free, guard_s=self.guard_s)
         self.guarded += 1
-        return (f"kept for pod {waiter}, which asks for {wants} GPUs, has found no node for longer, and fits this "
+        return (f"kept for pod {keeper}, which asks for {wants} GPUs, has found no node for longer, and fits this "
                 f"one now ({free} free): a pod asking for {gpus} would leave too few; such pods stay off this node "
                 f"until it binds, is deleted, or {self.guard_s:g} s pass")
 
@@ -265,7 +293,8 @@ class Holds:
         """Holds for the due pods, from each node's load now; the holds taken."""
         taken = []
         for waiting in self.due():
-            nodes = {node: load for node, load in loads.items() if load.gpus >= waiting.gpus and node not in self._by_node}
+            nodes = {node: load for node, load in loads.items()
+                     if load.gpus >= waiting.gpus and node not in self._by_node and waiting.may_use(node)}
             if not nodes:
                 if loads and not any(load.gpus >= waiting.gpus for load in loads.values()):
                     self.waiting.pop(waiting.pod.uid)  # no node has that many GPUs: no hold can help
@@ -278,7 +307,7 @@ class Holds:
             why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; of the nodes with "
                    f"{waiting.gpus} GPUs or more, {node} ({load.free} of {load.gpus} free) would free up soonest, its "
                    f"oldest leases ending first")
-            hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why)
+            hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why, waiting.offered)
             self.held[waiting.pod.uid] = hold
             del self.waiting[waiting.pod.uid]  # it holds now (its hold keeps since when it waited)
             self._by_node[node] = waiting.pod.uid
