@@ -99,6 +99,9 @@ def lease_problem(owner: object, gpus: object, ttl_s: object, uuids: object = ()
         problem = uuid_problem(uuid)
         if problem:
             return f"gpu_uuids: {problem}"
+    named = [uuid for uuid in uuids if uuid]
+    if len(set(named)) != len(named):
+        return "a GPU UUID is listed twice"
     return None
 
 
