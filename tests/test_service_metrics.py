@@ -116,8 +116,10 @@ def test_gpu_info_names_each_gpu_once_and_dcgm_labels_put_dcgm_exporters_identit
 def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
     """The join dcgm-exporter needs kubelet's pod-resources API for: a pod's lease (owner
     namespace/name/uid, as the extender and the device plugin write it) names the pod on the
-    GPU's busy series; a Slurm job's or a person's lease says its kind only."""
+    GPU's busy series; a Slurm job's or a person's lease says its kind only, and so does one
+    with a pod's UID but an empty name, which no pod has."""
     pod = "ml-team/trainer-0/0f6c1b2e-3a4d-4e5f-8a9b-0c1d2e3f4a5b"
+    nameless = "ml-team//0f6c1b2e-3a4d-4e5f-8a9b-0c1d2e3f4a5c"
 
     async def run() -> tuple[str, dict[str, str]]:
         agent = Agent(Config(root=str(SNAPSHOTS / "dgx-a100"), state_dir=str(tmp_path / "state"), udev=False))
@@ -125,7 +127,7 @@ def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
         try:
             await agent.request_refresh("test")
             ids = {}
-            for owner, gpus in ((pod, 2), ("slurm-job-4711", 1), ("alice", 1)):
+            for owner, gpus in ((pod, 2), ("slurm-job-4711", 1), ("alice", 1), (nameless, 1)):
                 _, lease = await agent.reserve(Request(gpus=gpus), owner, 600)
                 assert lease is not None
                 ids[owner] = lease.id
@@ -137,7 +139,8 @@ def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
     busy = series_labels(text, "topoagent_gpu_busy")
     by_kind = sorted((s["owner_kind"], s.get("namespace", ""), s.get("pod", ""), s["lease"]) for s in busy)
     assert by_kind == sorted([("pod", "ml-team", "trainer-0", ids[pod])] * 2 + [("slurm_job", "", "", ids["slurm-job-4711"]),
-                                                                               ("other", "", "", ids["alice"])])
+                                                                               ("other", "", "", ids["alice"]),
+                                                                               ("other", "", "", ids[nameless])])
     assert all(s["reason"] == "lease" for s in busy)
     assert promtool_complaints(text.encode()) == []
 

@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from topoagent.cluster.extender.kube import KubeError
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
-from topoagent.documents.lease import POD_UID  # what makes a lease owner "namespace/name/uid" a pod's
+from topoagent.documents.lease import owner_pod
 from topoagent.log import log_event
 
 FINISHED = frozenset({"Succeeded", "Failed"})
@@ -113,11 +113,9 @@ def finished(pod: Mapping[str, Any]) -> bool:
 
 
 def owner_pod_uid(owner: Any) -> str | None:
-    """The pod UID a lease owner names (``namespace/name/uid``), or None for any other owner."""
-    if not isinstance(owner, str) or owner.count("/") < 2:
-        return None
-    uid = owner.rsplit("/", 1)[1]
-    return uid if POD_UID.fullmatch(uid) else None
+    """The pod UID a lease owner names (``owner_pod``), or None for any other owner."""
+    pod = owner_pod(owner)
+    return pod[2] if pod else None
 
 
 class PodWatch:
