@@ -346,12 +346,10 @@ def handle_address(handle: Any) -> int:
     return ctypes.addressof(handle.contents)
 
 
-def read_live() -> dict | None:
-    """Ask the NVML library; None when there is no library or no driver (no data)."""
-    try:
-        session = NvmlSession.open()
-    except NoData:
-        return None
+def read_live() -> dict:
+    """Ask the NVML library; NoData, saying why, where there is no library, binding or
+    driver (as the counter reader says it)."""
+    session = NvmlSession.open()
     try:
         return _read_all(session)
     finally:
@@ -545,11 +543,30 @@ class GpuActivityReading:
 def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
     """What each GPU runs now; a replayed node answers from its recording.  None when
     the node has no NVML.  Blocking: call it off the event loop."""
-    data = read_live_activity() if host.live else host.nvml()
+    try:
+        data = read_live_activity() if host.live else recorded_nvml(host)
+    except NoData:
+        return None
     if data is None:
         return None
     info = parse_nvml(data)
     return tuple(GpuActivityReading(g.index, g.utilization_percent, g.processes) for g in info.gpus)
+
+
+def recorded_nvml(host: Host) -> dict | None:
+    """A recording's NVML answers; None where it has none (an older recording of a node
+    without NVML); NoData, in the words the live reader said, where it recorded why NVML
+    was absent (``{"no_data": why}``)."""
+    data = host.nvml()
+    if data is None or "no_data" not in data:
+        return data
+    why = data["no_data"]
+    if not isinstance(why, str) or not why or len(why) > _NO_DATA_MAX_CHARS:
+        raise SourceError(f"nvml.json: 'no_data' must be text of 1 to {_NO_DATA_MAX_CHARS} characters")
+    raise NoData(why)
+
+
+_NO_DATA_MAX_CHARS = 500  # nvmlInit's error is one short line
 
 
 # --- collector -----------------------------------------------------------------------
@@ -557,13 +574,16 @@ def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
 
 async def collect(host: Host) -> CollectorResult[NvmlInfo]:
     async def read() -> tuple[NvmlInfo, tuple[str, ...]]:
+        data: dict | None
         if host.live:
-            data = await off_loop(read_live)
-            if data is None:
-                raise NoData(NO_NVML)
+            try:
+                data = await off_loop(read_live)
+            except NoData as exc:
+                host.note_nvml({"no_data": str(exc)})  # a snapshot keeps why, for its replay to say
+                raise
             host.note_nvml(data)
         else:
-            data = host.nvml()
+            data = recorded_nvml(host)
             if data is None:
                 raise NoData(NO_NVML)
         info = parse_nvml(data)
