@@ -145,6 +145,43 @@ def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
     assert promtool_complaints(text.encode()) == []
 
 
+def test_dcgm_labels_on_the_runtime_series_are_built_once_per_snapshot(tmp_path, monkeypatch):
+    """Each scrape built dcgm-exporter's identity labels of every GPU again for the busy
+    series; they are the snapshot's, built when it is first scraped."""
+    from topoagent.exporters import prometheus
+
+    built: list[str] = []
+    real = prometheus.nvml_bus_id
+    monkeypatch.setattr(prometheus, "nvml_bus_id", lambda address: built.append(address) or real(address))
+
+    async def run() -> tuple[list[str], set[int]]:
+        agent = Agent(Config(root=str(SNAPSHOTS / "dgx-a100"), state_dir=str(tmp_path / "state"), udev=False, metrics_dcgm_labels=True))
+        await agent.start()
+        try:
+            await agent.request_refresh("test")
+            page = MetricsPage(agent)
+            texts, versions = [], set()
+
+            def scrape() -> None:  # the snapshots it may have read: a counter read swaps in a new one
+                before = agent.served().snapshot
+                texts.append(page.render().decode())
+                versions.update(s.version for s in (before, agent.served().snapshot) if s is not None)
+
+            scrape()
+            _, lease = await agent.reserve(Request(gpus=2), "job", 600)  # the busy series change, the snapshot does not
+            assert lease is not None
+            for _ in range(3):
+                scrape()
+            return texts, versions
+        finally:
+            await agent.stop()
+
+    texts, versions = asyncio.run(run())
+    assert 8 <= len(built) <= 8 * len(versions) < 8 * len(texts)  # one identity per GPU and snapshot, not per scrape
+    busy = series_labels(texts[-1], "topoagent_gpu_busy")
+    assert len(busy) == 2 and all(s["UUID"].startswith("GPU-") and s["device"] == f"nvidia{s['gpu']}" for s in busy)
+
+
 def test_pairwise_topology_and_per_link_series_only_when_asked(tmp_path):
     """By default the n^2 pairwise levels and the per-NVLink series stay off the page
     (GET /topology has the levels); NVLink state is counted per GPU instead."""
