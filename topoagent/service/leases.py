@@ -45,7 +45,8 @@ owner logs it): that is disk corruption, not one bad input.  An *entry* that bre
 (a field of the wrong type or out of range, an id listed twice, a GPU listed twice or already
 in an earlier lease, by UUID or by index: ``gpu_now``) is quarantined alone: it is appended
 to ``leases.quarantine.json`` beside the state file with the reason, logged
-(``event=lease_quarantined``), listed in ``GET /leases`` under ``quarantined`` and counted by ``topoagent_leases_quarantined``; every other lease is kept.
+(``event=lease_quarantined``), listed in ``GET /leases`` under ``quarantined`` and counted
+by ``topoagent_leases_quarantined``; every other lease is kept.
 
 Fail-closed: the GPUs a quarantined entry names that can still be read (indices in range,
 with their UUIDs where those are valid) and that no valid lease holds stay held, by a lease
