@@ -553,6 +553,9 @@ def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
     return tuple(GpuActivityReading(g.index, g.utilization_percent, g.processes) for g in info.gpus)
 
 
+_NO_DATA_MAX_CHARS = 500  # nvmlInit's error is one short line
+
+
 def recorded_nvml(host: Host) -> dict | None:
     """A recording's NVML answers; None where it has none (an older recording of a node
     without NVML); NoData, in the words the live reader said, where it recorded why NVML
@@ -564,9 +567,6 @@ def recorded_nvml(host: Host) -> dict | None:
     if not isinstance(why, str) or not why or len(why) > _NO_DATA_MAX_CHARS:
         raise SourceError(f"nvml.json: 'no_data' must be text of 1 to {_NO_DATA_MAX_CHARS} characters")
     raise NoData(why)
-
-
-_NO_DATA_MAX_CHARS = 500  # nvmlInit's error is one short line
 
 
 # --- collector -----------------------------------------------------------------------

@@ -12,10 +12,10 @@ that need it (reserve, release), unless the agents guard their reads too.
 
 At most ``concurrency`` agents are asked at once for a scheduling call's verdicts, and as
 many again by the background sweeps (``Agents.each``: the pod watch's lease sweep, the
-requeue watch, the holds keeper), which so never hold up a scheduling call; each node has ``timeout_s`` for its
-answers, and a whole call ``budget_s``: a node not answered by then is marked so, and the
-call answers with what it has.  A node whose agent does not answer in time, refuses the
-connection or answers something that is not its document is *unanswered*: the caller
+requeue watch, the holds keeper), which so never hold up a scheduling call; each node has
+``timeout_s`` for its answers, and a whole call ``budget_s``: a node not answered by then is
+marked so, and the call answers with what it has.  A node whose agent does not answer in
+time, refuses the connection or answers something that is not its document is *unanswered*: the caller
 treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
 asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 

@@ -10,8 +10,9 @@ the Node update is the event that sends the rejected pods back to be scheduled.
 Only nodes that rejected a pod in the last ``keep_s`` are watched (a rejection for a reason
 no change can lift -- too few GPUs on the node -- is not noted): their agents are asked
 ``/capacity`` (with If-None-Match, mostly 304) every ``interval_s``, at most ``concurrency``
-at once (``Agents.each``).  The ETag the rejection was decided under is the baseline; one that differs from
-it (a silent agent answering again counts) is patched onto the Node, once per change.
+at once (``Agents.each``).  The ETag the rejection was decided under is the baseline; one
+that differs from it (a silent agent answering again counts) is patched onto the Node, once
+per change.
 """
 
 from __future__ import annotations
