@@ -12,6 +12,7 @@ raises is a fault of ours, raised for the collector to report as one.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -46,10 +47,25 @@ class NvLink:
 
 # nvmlGpuFabricState_t (nvml.h), as nvml.json writes it.  A state nobody can read (a number
 # nvml.h does not name, a newer driver's; an NVML error other than "no such answer") is
-# written "unknown", with what NVML said: never taken as completed.
+# written "unknown", with what NVML said (FabricUnknown): never taken as completed.
 FABRIC_NOT_SUPPORTED, FABRIC_COMPLETED, FABRIC_UNKNOWN = "not_supported", "completed", "unknown"
 _FABRIC_STATES = {0: FABRIC_NOT_SUPPORTED, 1: "not_started", 2: "in_progress", 3: FABRIC_COMPLETED}
 _RECORDED_FABRIC_STATES = (*_FABRIC_STATES.values(), FABRIC_UNKNOWN)
+UNNAMED_STATE, NVML_ERROR = "state", "error"  # FabricUnknown's kinds
+_FABRIC_UNKNOWN_TEXT = re.compile(rf"({UNNAMED_STATE}|{NVML_ERROR}) (-?[0-9]{{1,20}})")
+
+
+@dataclass(frozen=True, slots=True)
+class FabricUnknown:
+    """What NVML said where the fabric state is "unknown": a state number nvml.h does not
+    name (UNNAMED_STATE) or an NVML error code (NVML_ERROR).  nvml.json writes it as its
+    text, ``"state 7"`` or ``"error 4"``."""
+
+    kind: str
+    code: int
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.code}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +76,7 @@ class GpuFabric:
     clique_id: int | None  # the partition (clique) within the cluster
     state: str | None  # "completed", "in_progress", "not_started", "not_supported", "unknown"
     status: int | None  # nvmlReturn_t of the registration: 0 = success
-    unknown: str | None = None  # with state "unknown": what NVML said ("state 7", "error 4")
+    unknown: FabricUnknown | None = None  # with state "unknown": what NVML said
 
     @property
     def registered(self) -> bool:
@@ -204,12 +220,18 @@ def _fabric(raw: object, where: str) -> GpuFabric | None:
     if state is not None and state not in _RECORDED_FABRIC_STATES:
         raise SourceError(f"{where}: state {state[:40]!r} is not one of {', '.join(_RECORDED_FABRIC_STATES)}")
     unknown = _field(raw, "unknown", str, where)
+    said = None
+    if unknown is not None:
+        match = _FABRIC_UNKNOWN_TEXT.fullmatch(unknown)
+        if match is None:
+            raise SourceError(f"{where}.unknown: {unknown[:40]!r} is not 'state N' or 'error N'")
+        said = FabricUnknown(match[1], int(match[2]))
     return GpuFabric(
         cluster_uuid=None if uuid is None or not uuid.strip("0-") else uuid.lower(),  # all zero: no cluster
         clique_id=_field(raw, "clique_id", int, where),
         state=state,
         status=_field(raw, "status", int, where),
-        unknown=None if unknown is None else unknown[:80],
+        unknown=said,
     )
 
 
@@ -324,12 +346,10 @@ def handle_address(handle: Any) -> int:
     return ctypes.addressof(handle.contents)
 
 
-def read_live() -> dict | None:
-    """Ask the NVML library; None when there is no library or no driver (no data)."""
-    try:
-        session = NvmlSession.open()
-    except NoData:
-        return None
+def read_live() -> dict:
+    """Ask the NVML library; NoData, saying why, where there is no library, binding or
+    driver (as the counter reader says it)."""
+    session = NvmlSession.open()
     try:
         return _read_all(session)
     finally:
@@ -428,7 +448,8 @@ def _fabric_info(nvml: NvmlSession, handle: Any) -> dict | None:
     if code in _NO_ANSWER:
         return None
     if code is not None:
-        return {"cluster_uuid": None, "clique_id": None, "state": FABRIC_UNKNOWN, "status": None, "unknown": f"error {code}"}
+        return {"cluster_uuid": None, "clique_id": None, "state": FABRIC_UNKNOWN, "status": None,
+                "unknown": str(FabricUnknown(NVML_ERROR, code))}
     return _fabric_answer(info)
 
 
@@ -450,8 +471,8 @@ def _fabric_answer(info: object) -> dict | None:
         "state": _FABRIC_STATES.get(state, FABRIC_UNKNOWN) if isinstance(state, int) else None,
         "status": status if isinstance(status, int) else None,
     }
-    if answer["state"] == FABRIC_UNKNOWN:
-        answer["unknown"] = f"state {state}"
+    if isinstance(state, int) and state not in _FABRIC_STATES:
+        answer["unknown"] = str(FabricUnknown(UNNAMED_STATE, state))
     return answer
 
 
@@ -522,11 +543,30 @@ class GpuActivityReading:
 def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
     """What each GPU runs now; a replayed node answers from its recording.  None when
     the node has no NVML.  Blocking: call it off the event loop."""
-    data = read_live_activity() if host.live else host.nvml()
+    try:
+        data = read_live_activity() if host.live else recorded_nvml(host)
+    except NoData:
+        return None
     if data is None:
         return None
     info = parse_nvml(data)
     return tuple(GpuActivityReading(g.index, g.utilization_percent, g.processes) for g in info.gpus)
+
+
+_NO_DATA_MAX_CHARS = 500  # nvmlInit's error is one short line
+
+
+def recorded_nvml(host: Host) -> dict | None:
+    """A recording's NVML answers; None where it has none (an older recording of a node
+    without NVML); NoData, in the words the live reader said, where it recorded why NVML
+    was absent (``{"no_data": why}``)."""
+    data = host.nvml()
+    if data is None or "no_data" not in data:
+        return data
+    why = data["no_data"]
+    if not isinstance(why, str) or not why or len(why) > _NO_DATA_MAX_CHARS:
+        raise SourceError(f"nvml.json: 'no_data' must be text of 1 to {_NO_DATA_MAX_CHARS} characters")
+    raise NoData(why)
 
 
 # --- collector -----------------------------------------------------------------------
@@ -534,13 +574,16 @@ def read_activity(host: Host) -> tuple[GpuActivityReading, ...] | None:
 
 async def collect(host: Host) -> CollectorResult[NvmlInfo]:
     async def read() -> tuple[NvmlInfo, tuple[str, ...]]:
+        data: dict | None
         if host.live:
-            data = await off_loop(read_live)
-            if data is None:
-                raise NoData(NO_NVML)
+            try:
+                data = await off_loop(read_live)
+            except NoData as exc:
+                host.note_nvml({"no_data": str(exc)})  # a snapshot keeps why, for its replay to say
+                raise
             host.note_nvml(data)
         else:
-            data = host.nvml()
+            data = recorded_nvml(host)
             if data is None:
                 raise NoData(NO_NVML)
         info = parse_nvml(data)

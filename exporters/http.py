@@ -244,9 +244,9 @@ def _discovery_retry(retry: DiscoveryRetry) -> dict[str, Any]:
 # -- request validation -------------------------------------------------------------------
 
 
-def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[str, Any] | None]:
-    """The typed request (by the one request parser every door uses) and HTTP's own
-    `reserve` part, or ApiError 400 naming the field (HTTP's `lease` part: ``holder_lease``).
+def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[str, Any] | None, str | None]:
+    """The typed request (by the one request parser every door uses), HTTP's own `reserve`
+    part and a dry run's `lease` (``_holder_lease``), or ApiError 400 naming the field.
 
     Bad or self-contradictory input is 400 here, as the CLI exits 2 for it; 409 is kept
     for well-formed requests this node cannot satisfy now (busy or leased GPUs), 422 for
@@ -259,17 +259,15 @@ def parse_place_request(doc: Any, known_gpus: set[int]) -> tuple[Request, dict[s
     except RequestError as exc:
         raise ApiError(400, "bad_request", f"{exc.location}: {exc.message}") from None
     reserve = _parse_reserve(doc["reserve"]) if "reserve" in doc else None
-    if "lease" in doc:
-        holder_lease(doc)  # its own 400s
-        if reserve is not None:
-            raise ApiError(400, "bad_request", "lease: a dry run's field; a reserve takes only free GPUs")
-    return req, reserve
+    holder = _holder_lease(doc.get("lease"))
+    if "lease" in doc and reserve is not None:
+        raise ApiError(400, "bad_request", "lease: a dry run's field; a reserve takes only free GPUs")
+    return req, reserve, holder
 
 
-def holder_lease(doc: dict[str, Any]) -> str | None:
+def _holder_lease(lease: Any) -> str | None:
     """A dry run's `lease`: the id of a lease whose GPUs count as free for this answer, as
     its holder asks (the device plugin, for the bindings of a pod's own GPUs); None without."""
-    lease = doc.get("lease")
     if lease is None:
         return None
     if not isinstance(lease, str) or not LEASE_ID.fullmatch(lease):
@@ -433,7 +431,7 @@ async def place(request: web.Request) -> web.Response:
     snapshot = _ready_snapshot(agent.served())
     _ready_for_placement(snapshot)
     try:
-        req, reserve = parse_place_request(doc, {g.index for g in snapshot.matrix.gpus})
+        req, reserve, holder = parse_place_request(doc, {g.index for g in snapshot.matrix.gpus})
     except ApiError:
         agent.count_invalid_request()
         raise
@@ -441,7 +439,7 @@ async def place(request: web.Request) -> web.Response:
         if (req.deadline_ms or 0) > OPEN_DEADLINE_MS_MAX and not _token_ok(request):
             # A dry run needs no token; a long search is CPU anyone could spend without one.
             req = replace(req, deadline_ms=OPEN_DEADLINE_MS_MAX)
-        answer = await agent.place(req, holder_lease(doc))
+        answer = await agent.place(req, holder)
         lease = None
     else:
         try:

@@ -98,12 +98,13 @@ def dcgm_identity(snapshot: Snapshot) -> dict[str, dict[str, str]]:
     """GPU index -> the identity labels dcgm-exporter puts on each of its series, in its
     spellings ([metrics] dcgm_labels): a query written for it joins ours without relabelling.
     Its releases write `Hostname`, its main branch `hostname`: both, so a query written for
-    either works."""
+    either works.  Built once per snapshot (the runtime part of every scrape reads it)."""
     node = snapshot.node
-    return {str(info.index): {"UUID": _opt(info.uuid), "modelName": _opt(info.model), "pci_bus_id": nvml_bus_id(info.pci_address),
-                              "device": f"nvidia{info.index}", "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname),
-                              "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version)}
-            for info in snapshot.matrix.gpus}
+    return snapshot.cached("dcgm_identity", lambda: {
+        str(info.index): {"UUID": _opt(info.uuid), "modelName": _opt(info.model), "pci_bus_id": nvml_bus_id(info.pci_address),
+                          "device": f"nvidia{info.index}", "Hostname": _opt(node.hostname), "hostname": _opt(node.hostname),
+                          "DCGM_FI_DRIVER_VERSION": _opt(node.driver_version)}
+        for info in snapshot.matrix.gpus})
 
 
 def _with_dcgm_labels(families: Iterable[Metric], identity: dict[str, dict[str, str]] | None) -> Iterator[Metric]:

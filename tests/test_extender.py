@@ -702,6 +702,61 @@ def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() 
     asyncio.run(main())
 
 
+def test_the_sweeps_ask_at_most_concurrency_agents_at_once_and_never_hold_up_a_scheduling_call() -> None:
+    """One bound for the background sweeps (the lease sweep asked fixed batches of 32, the
+    requeue watch and the holds keeper 16 each, whatever --concurrency said): at most
+    --concurrency agents at once, in turns of their own, so a scheduling call's verdict is
+    answered while a sweep holds every turn."""
+    import asyncio
+
+    from aiohttp import web
+
+    from topoagent.cluster.extender import nodes
+    from topoagent.cluster.extender.wire import Candidate
+
+    async def main() -> None:
+        asking, peak, full, go = 0, 0, asyncio.Event(), asyncio.Event()
+
+        async def leases(request: web.Request) -> web.Response:
+            nonlocal asking, peak
+            asking += 1
+            peak = max(peak, asking)
+            if asking == 2:
+                full.set()
+            await go.wait()  # held until the scheduling call has its answer
+            asking -= 1
+            return web.json_response({"leases": [{"id": request.match_info["node"], "owner": "x"}]})
+
+        async def capacity(request: web.Request) -> web.Response:
+            return web.json_response({"gpus": 8, "free_gpus": 0}, headers={"ETag": '"1"'})
+
+        app = web.Application()
+        app.router.add_get("/{node}/leases", leases)
+        app.router.add_get("/{node}/capacity", capacity)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        names = [f"n{i}" for i in range(7)]
+        table = NodeTable(None)
+        table.replace(dict.fromkeys([*names, "scheduled"]))
+        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}", table, concurrency=2, timeout_s=60)
+        try:
+            sweep = asyncio.ensure_future(agents.each(names, agents.leases))
+            async with asyncio.timeout(60):  # however slow a loaded machine is
+                await full.wait()
+                verdict = await agents.verdict(Candidate("scheduled", None, None), {"gpus": 1})
+            assert verdict.answered and not verdict.fits and "0 of 8 GPUs free" in verdict.reason
+            go.set()
+            answers = await sweep
+            assert [a[0]["id"] for a in answers if a] == names  # each node's answer, in the nodes' order
+            assert peak == 2
+        finally:
+            await agents.close()
+            await runner.cleanup()
+
+    asyncio.run(main())
+
+
 # --- mutual TLS: only kube-scheduler's client certificate is answered ------------------------
 # Real handshakes over loopback: a throwaway CA signs the extender's certificate (127.0.0.1)
 # and kube-scheduler's; another CA signs a certificate that must be refused.

@@ -18,6 +18,7 @@ import pytest
 from conftest import FIXTURES
 from service_helpers import start_agent
 
+from topoagent.collectors.base import SourceError
 from topoagent.collectors.nvml import parse_nvml
 from topoagent.commands.discover import discover_root
 from topoagent.exporters.nfd import nfd_features
@@ -126,6 +127,14 @@ def test_an_nvml_error_for_the_fabric_state_on_an_nvswitch_node_blocks_with_the_
     assert f.kind == "fabric-not-ready" and f.severity == "critical"
     assert "unreadable on 1 of 2 GPUs (GPU0 (error 15)): NVML answered an error" in f.message
     assert "nvidia-fabricmanager" in f.message and "upgrade topoagent" not in f.message
+
+
+@pytest.mark.parametrize("said", ["state of mind", "error", "completed", "state 7 and more"])
+def test_a_recording_whose_unknown_fabric_state_says_neither_a_state_nor_an_error_is_refused_by_name(said):
+    """What NVML said is read once, where the recording enters: a state number or an NVML
+    error, nothing else (the findings no longer guess the kind from the words)."""
+    with pytest.raises(SourceError, match=r"gpus\[0\]\.fabric\.unknown: .* is not 'state N' or 'error N'"):
+        parse_nvml({"gpus": [gpu(0, {"state": "unknown", "unknown": said})]})
 
 
 @pytest.mark.parametrize("fabric", [

@@ -211,6 +211,7 @@ def test_nvml_module_is_import_safe_without_pynvml(monkeypatch: pytest.MonkeyPat
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml -> ImportError
     from topoagent.collectors import nvml
 
-    assert nvml.read_live() is None
+    with pytest.raises(nvml.NoData):
+        nvml.read_live()
     result = asyncio.run(nvml.collect(Host("/")))
     assert result.status == "no_data"

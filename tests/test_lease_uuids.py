@@ -16,7 +16,7 @@ from topoagent.node.host import Host
 from topoagent.node.model import NodeTopology
 from topoagent.placement import NoFit, Request
 from topoagent.service.agent import Agent
-from topoagent.service.leases import LeaseStore
+from topoagent.service.leases import LeaseConflict, LeaseError, LeaseStore
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +100,30 @@ def test_a_gpu_whose_uuid_cannot_be_stored_is_never_leased_and_wipes_nothing(tmp
     again = LeaseStore(tmp_path)
     assert again.recovered_from is None and again.quarantined == []
     assert {le.id for le in again.leases()} == {victim[0].id, six[0].id}
+
+
+def test_a_reserve_naming_one_uuid_twice_is_refused_and_leaves_the_book_intact(tmp_path, node):
+    """Two GPUs reporting one UUID: a lease of both named that UUID twice, was written, and
+    the next read of the book quarantined it (the rule was the loader's alone)."""
+    store = LeaseStore(tmp_path)
+    victim = store.reserve_placement(node.distance_matrix(), Request(gpus=1, include=(4,)), "victim", 600)
+    assert not isinstance(victim, NoFit)
+    twin = replace(node, gpus=tuple(replace(g, uuid=node.gpus[0].uuid) if g.index == 1 else g for g in node.gpus))
+    with pytest.raises(LeaseError, match="UUID is listed twice"):
+        store.reserve_placement(twin.distance_matrix(), Request(gpus=2, include=(0, 1)), "job", 600)
+    again = LeaseStore(tmp_path)
+    assert again.recovered_from is None and again.quarantined == []
+    assert [lease.id for lease in again.leases()] == [victim[0].id]
+
+
+def test_a_reserve_by_index_of_a_gpu_leased_by_uuid_is_refused_where_that_gpu_sits_now(tmp_path, node):
+    """One conflict check, by the rule leases hold GPUs by: the lease by UUID was granted at
+    index 7; after a renumbering its GPU is index 0, which is refused, and 7 is free."""
+    store = LeaseStore(tmp_path)
+    held = store.reserve_placement(node.distance_matrix(), Request(gpus=1, include=(7,)), "job-a", 600)
+    assert not isinstance(held, NoFit)
+    store.gpus_now = {g.uuid: g.index for g in renumbered(node, 0, 7).gpus if g.uuid}
+    with pytest.raises(LeaseConflict, match="GPU 0 is leased to job-a"):
+        store.reserve("job-b", [0], 600)
+    assert store.reserve("job-b", [7], 600).gpus == (7,)
+    assert {lease.owner for lease in LeaseStore(tmp_path).leases()} == {"job-a", "job-b"}

@@ -18,6 +18,7 @@ import pytest
 from conftest import FIXTURES, REPO
 from nvml_stub import StubNode, recording
 
+from topoagent.cli import main
 from topoagent.collectors import nvml
 from topoagent.collectors.base import CollectorResult, NoData
 from topoagent.collectors.nvml import COUNTERS, LiveCounterReader, parse_counters, parse_nvml, read_live, read_live_activity
@@ -74,17 +75,46 @@ def test_what_each_gpu_runs_is_read_through_the_binding(nvml_stub: StubNode):
 
 def test_no_library_is_no_nvml_not_a_failure(monkeypatch):
     monkeypatch.setattr(nvml, "nvml_library_present", lambda: False)
-    assert read_live() is None and read_live_activity() is None
-    with pytest.raises(NoData):
-        LiveCounterReader().read()
+    assert read_live_activity() is None
+    for read in (read_live, LiveCounterReader().read):
+        with pytest.raises(NoData, match=f"^{nvml.NO_NVML}$"):
+            read()
 
 
-def test_a_driver_that_is_not_loaded_is_no_nvml(nvml_stub: StubNode):
+def test_a_driver_that_is_not_loaded_is_no_nvml_and_discovery_says_why(nvml_stub: StubNode):
+    """Discovery's NVML source said only "not available" where the counter source named
+    nvmlInit's error: both say what NVML said now."""
     recorded, _ = recording(SNAPSHOTS / "h200-vm")
     nvml_stub.serve(recorded, errors={"nvmlInitWithFlags": 9, "nvmlInit_v2": 9})  # NVML_ERROR_DRIVER_NOT_LOADED
-    assert read_live() is None
-    with pytest.raises(NoData, match=r"nvmlInit: .*Driver Not Loaded"):
-        LiveCounterReader().read()
+    for read in (read_live, LiveCounterReader().read):
+        with pytest.raises(NoData, match=r"nvmlInit: .*Driver Not Loaded"):
+            read()
+    result = _collect(Host("/"))
+    assert result.status == Status.NO_DATA and not result.bug
+    assert re.search(r"nvmlInit: .*Driver Not Loaded", result.message or ""), result.message
+
+
+def test_a_snapshot_keeps_why_nvml_was_absent_and_its_replay_says_it(nvml_stub: StubNode, tmp_path, capsys):
+    recorded, _ = recording(SNAPSHOTS / "h200-vm")
+    nvml_stub.serve(recorded, errors={"nvmlInitWithFlags": 9, "nvmlInit_v2": 9})
+    out = tmp_path / "node"
+    assert main(["snapshot", str(out)]) == 0
+    capsys.readouterr()
+    said = {}
+    for args in ((), ("--root", str(out))):
+        assert main(["discover", "--json", *args]) == 0
+        said[args] = json.loads(capsys.readouterr().out)["collectors"]["nvml"]
+    live, replayed = said.values()
+    assert live["status"] == replayed["status"] == "no_data"
+    assert "nvmlInit: " in live["message"] and "Driver Not Loaded" in live["message"]
+    assert replayed["message"] == live["message"]
+
+
+@pytest.mark.parametrize("no_data", [None, 7, "", "x" * 501])
+def test_a_recording_whose_nvml_no_data_is_no_reason_is_refused_by_name(tmp_path, no_data):
+    (tmp_path / "nvml.json").write_text(json.dumps({"no_data": no_data}))
+    result = _collect(Host(str(tmp_path)))
+    assert result.status == Status.ERROR and "nvml.json: 'no_data' must be text" in (result.message or "")
 
 
 # --- Xid events ----------------------------------------------------------------------

@@ -8,6 +8,7 @@ import sys
 import pytest
 from service_helpers import DGX_A100
 
+from topoagent.commands.serve import replaying_without_state_dir
 from topoagent.config import DEFAULT_PORT, ConfigError, Listen, config_from_toml, load_config
 
 
@@ -26,6 +27,25 @@ def test_file_then_flags(tmp_path):
     assert config.require_token_for_reads is True
     assert config.interval_s == 30.0
     assert config.root == "/snap" and not config.live
+
+
+@pytest.mark.parametrize(
+    "text, flag, temporary",
+    [
+        ("", None, True),  # a replay's leases are its own
+        ("[leases]\nstate_dir = '/srv/replay-state'\n", None, False),
+        ("", "/srv/replay-state", False),
+        ("[leases]\nsweep_s = 1\n[http]\nlisten = '127.0.0.1:9000'\n", None, True),  # other keys choose no directory
+    ],
+)
+def test_a_replay_keeps_its_leases_apart_unless_a_state_dir_was_chosen(tmp_path, text, flag, temporary):
+    """serve learns from the loaded config, not by reading the file again, whether the file
+    or --state-dir chose the state directory."""
+    path = tmp_path / "t.toml"
+    path.write_text(text)
+    config = load_config(path, {"root": str(DGX_A100), "state_dir": flag})
+    assert replaying_without_state_dir(config) is temporary
+    assert not replaying_without_state_dir(load_config(path, {"state_dir": flag}))  # the live node's is its own
 
 
 @pytest.mark.parametrize(

@@ -116,8 +116,10 @@ def test_gpu_info_names_each_gpu_once_and_dcgm_labels_put_dcgm_exporters_identit
 def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
     """The join dcgm-exporter needs kubelet's pod-resources API for: a pod's lease (owner
     namespace/name/uid, as the extender and the device plugin write it) names the pod on the
-    GPU's busy series; a Slurm job's or a person's lease says its kind only."""
+    GPU's busy series; a Slurm job's or a person's lease says its kind only, and so does one
+    with a pod's UID but an empty name, which no pod has."""
     pod = "ml-team/trainer-0/0f6c1b2e-3a4d-4e5f-8a9b-0c1d2e3f4a5b"
+    nameless = "ml-team//0f6c1b2e-3a4d-4e5f-8a9b-0c1d2e3f4a5c"
 
     async def run() -> tuple[str, dict[str, str]]:
         agent = Agent(Config(root=str(SNAPSHOTS / "dgx-a100"), state_dir=str(tmp_path / "state"), udev=False))
@@ -125,7 +127,7 @@ def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
         try:
             await agent.request_refresh("test")
             ids = {}
-            for owner, gpus in ((pod, 2), ("slurm-job-4711", 1), ("alice", 1)):
+            for owner, gpus in ((pod, 2), ("slurm-job-4711", 1), ("alice", 1), (nameless, 1)):
                 _, lease = await agent.reserve(Request(gpus=gpus), owner, 600)
                 assert lease is not None
                 ids[owner] = lease.id
@@ -137,9 +139,47 @@ def test_a_leased_gpu_names_the_pod_and_namespace_of_its_lease(tmp_path):
     busy = series_labels(text, "topoagent_gpu_busy")
     by_kind = sorted((s["owner_kind"], s.get("namespace", ""), s.get("pod", ""), s["lease"]) for s in busy)
     assert by_kind == sorted([("pod", "ml-team", "trainer-0", ids[pod])] * 2 + [("slurm_job", "", "", ids["slurm-job-4711"]),
-                                                                               ("other", "", "", ids["alice"])])
+                                                                               ("other", "", "", ids["alice"]),
+                                                                               ("other", "", "", ids[nameless])])
     assert all(s["reason"] == "lease" for s in busy)
     assert promtool_complaints(text.encode()) == []
+
+
+def test_dcgm_labels_on_the_runtime_series_are_built_once_per_snapshot(tmp_path, monkeypatch):
+    """Each scrape built dcgm-exporter's identity labels of every GPU again for the busy
+    series; they are the snapshot's, built when it is first scraped."""
+    from topoagent.exporters import prometheus
+
+    built: list[str] = []
+    real = prometheus.nvml_bus_id
+    monkeypatch.setattr(prometheus, "nvml_bus_id", lambda address: built.append(address) or real(address))
+
+    async def run() -> tuple[list[str], set[int]]:
+        agent = Agent(Config(root=str(SNAPSHOTS / "dgx-a100"), state_dir=str(tmp_path / "state"), udev=False, metrics_dcgm_labels=True))
+        await agent.start()
+        try:
+            await agent.request_refresh("test")
+            page = MetricsPage(agent)
+            texts, versions = [], set()
+
+            def scrape() -> None:  # the snapshots it may have read: a counter read swaps in a new one
+                before = agent.served().snapshot
+                texts.append(page.render().decode())
+                versions.update(s.version for s in (before, agent.served().snapshot) if s is not None)
+
+            scrape()
+            _, lease = await agent.reserve(Request(gpus=2), "job", 600)  # the busy series change, the snapshot does not
+            assert lease is not None
+            for _ in range(3):
+                scrape()
+            return texts, versions
+        finally:
+            await agent.stop()
+
+    texts, versions = asyncio.run(run())
+    assert 8 <= len(built) <= 8 * len(versions) < 8 * len(texts)  # one identity per GPU and snapshot, not per scrape
+    busy = series_labels(texts[-1], "topoagent_gpu_busy")
+    assert len(busy) == 2 and all(s["UUID"].startswith("GPU-") and s["device"] == f"nvidia{s['gpu']}" for s in busy)
 
 
 def test_pairwise_topology_and_per_link_series_only_when_asked(tmp_path):

@@ -10,7 +10,7 @@ import ipaddress
 import math
 import re
 import tomllib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,9 @@ class Config:
     placement_deadline_ms: int = SERVICE_DEADLINE_MS
     # [placement]: the wall time GET /capacity's searches (every k) share (topoagent/service/capacity.py)
     placement_capacity_budget_ms: int = CAPACITY_BUDGET_MS
+    # The fields the config file or a flag set; the others are the defaults above.  Not part
+    # of the value (==): what a setting is, not who chose it.
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
 
     @property
     def live(self) -> bool:
@@ -406,7 +409,7 @@ def config_from_toml(text: str, source: str = "config") -> Config:
         values["telemetry_thresholds"] = tuple(sorted(thresholds.items()))
     if values.get("probe_min_interval_s", 900.0) > values.get("probe_max_interval_s", 24 * 3600.0):
         raise ConfigError("probes.min_interval_s: must not exceed probes.max_interval_s")
-    return Config(**values)
+    return Config(**values, given=frozenset(values))
 
 
 def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:
@@ -430,8 +433,8 @@ def load_config(path: str | Path | None, overrides: dict[str, Any] | None = None
         flags["probes_enabled"] = choice != "off"
         if choice != "off":
             flags["probe_backend"] = choice
-    known = {f.name for f in fields(Config)}
+    known = {f.name for f in fields(Config)} - {"given"}
     unknown = set(flags) - known
     if unknown:
         raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
-    return replace(config, **flags)
+    return replace(config, **flags, given=config.given | set(flags))

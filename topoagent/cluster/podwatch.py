@@ -34,21 +34,22 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from topoagent.cluster.extender.kube import KubeError
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
-from topoagent.documents.lease import POD_UID  # what makes a lease owner "namespace/name/uid" a pod's
+from topoagent.documents.lease import owner_pod
 from topoagent.log import log_event
+
+_T = TypeVar("_T")
 
 FINISHED = frozenset({"Succeeded", "Failed"})
 LIST_PAGE = 500
 MAX_EVENT_BYTES = 4 * 1024 * 1024  # etcd keeps objects below 1.5 MiB; a Pod as JSON stays well below this
 MAX_TRACKED = 200_000
 MAX_PAUSE_S = 30.0
-SWEEP_CONCURRENCY = 32  # agents asked for their leases at once, at each resync
 
 
 class PodApi(Protocol):
@@ -66,6 +67,10 @@ class Keeper(Protocol):
     async def release(self, node: str, lease_id: str) -> bool: ...
 
     async def leases(self, node: str) -> list[dict[str, Any]] | None: ...
+
+    async def each(self, nodes: Iterable[str], ask: Callable[[str], Awaitable[_T]]) -> list[_T]:
+        """``ask(node)`` for every node, as many at once as the keeper allows."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +118,9 @@ def finished(pod: Mapping[str, Any]) -> bool:
 
 
 def owner_pod_uid(owner: Any) -> str | None:
-    """The pod UID a lease owner names (``namespace/name/uid``), or None for any other owner."""
-    if not isinstance(owner, str) or owner.count("/") < 2:
-        return None
-    uid = owner.rsplit("/", 1)[1]
-    return uid if POD_UID.fullmatch(uid) else None
+    """The pod UID a lease owner names (``owner_pod``), or None for any other owner."""
+    pod = owner_pod(owner)
+    return pod[2] if pod else None
 
 
 class PodWatch:
@@ -265,20 +268,17 @@ class PodWatch:
 
     async def _pod_owned_leases(self) -> list[tuple[str, str, str]]:
         """(node, lease id, pod UID) of every pod-owned lease on the nodes swept: those noted,
-        and every node of the cluster when known; SWEEP_CONCURRENCY agents asked at a time."""
+        and every node of the cluster when known; as many agents asked at once as the keeper allows."""
         nodes = dict.fromkeys(self.nodes)
         if self.cluster_nodes is not None:
             nodes.update(dict.fromkeys(self.cluster_nodes()))
         out: list[tuple[str, str, str]] = []
-        pending = list(nodes)
-        for start in range(0, len(pending), SWEEP_CONCURRENCY):
-            batch = pending[start:start + SWEEP_CONCURRENCY]
-            for node, leases in zip(batch, await asyncio.gather(*(self.keeper.leases(n) for n in batch)), strict=True):
-                for lease in leases or []:
-                    uid = owner_pod_uid(lease.get("owner"))
-                    lease_id = lease.get("id")
-                    if uid is not None and isinstance(lease_id, str):
-                        out.append((node, lease_id, uid))
+        for node, leases in zip(nodes, await self.keeper.each(nodes, self.keeper.leases), strict=True):
+            for lease in leases or []:
+                uid = owner_pod_uid(lease.get("owner"))
+                lease_id = lease.get("id")
+                if uid is not None and isinstance(lease_id, str):
+                    out.append((node, lease_id, uid))
         return out
 
     def _list_all(self, interesting: set[str]) -> tuple[str, set[str], dict[str, Held], list[Held]]:

@@ -103,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--agent-token-file", metavar="FILE", help="the agents' bearer token (needed by --bind to reserve GPUs)")
     parser.add_argument("--agent-timeout", type=float, default=2.0, metavar="SECONDS", help="how long each node's agent may take to answer (default 2)")
-    parser.add_argument("--concurrency", type=int, default=32, metavar="N", help="agents asked at once (default 32)")
+    parser.add_argument("--concurrency", type=int, default=32, metavar="N", help="agents asked at once by the scheduling calls, and again by the background sweeps (default 32)")
     parser.add_argument("--call-timeout", type=float, default=4.0, metavar="SECONDS",
                         help="a filter or prioritize answers within this, nodes not answered by then marked so (default 4: "
                              "below kube-scheduler's httpTimeout, 5 s as shipped)")

@@ -11,7 +11,6 @@ import signal
 import stat
 import sys
 import tempfile
-import tomllib
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -153,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     from topoagent.service.agent import RootError
 
-    temporary = replaying_without_state_dir(config, args)
+    temporary = replaying_without_state_dir(config)
     if temporary:  # a recording's leases are the replay's alone: never the node's /var/lib/topoagent
         config = replace(config, state_dir=tempfile.mkdtemp(prefix="topoagent-replay-"))
         log_event("temporary_state_dir", state_dir=config.state_dir, reason="a replay (--root) without --state-dir")
@@ -168,13 +167,10 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(config.state_dir)
 
 
-def replaying_without_state_dir(config: Config, args: argparse.Namespace) -> bool:
+def replaying_without_state_dir(config: Config) -> bool:
     """A replay (--root a recording) whose state directory neither --state-dir nor the
     config file's [leases] state_dir chose."""
-    if config.live or args.state_dir is not None:
-        return False
-    # The file was read and checked by load_config already.
-    return args.config is None or "state_dir" not in tomllib.loads(Path(args.config).read_text(encoding="utf-8")).get("leases", {})
+    return not config.live and "state_dir" not in config.given
 
 
 def os_error_text(exc: OSError, context: str) -> str:

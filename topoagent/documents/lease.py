@@ -15,7 +15,6 @@ UUID_MAX_LEN = 128  # NVML's are 40 characters (GPU-8-4-4-4-12)
 LEASE_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # The owners the cluster side writes: a pod's ``namespace/name/uid`` (the extender and the
 # device plugin, by the pod's Kubernetes UID) and a Slurm job's ``slurm-job-ID``.
-# A Kubernetes UID: what makes a lease owner "namespace/name/uid" a pod's (the pod watches read it too).
 POD_UID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 SLURM_JOB_OWNER = re.compile(r"slurm-job-[0-9]+")
 
@@ -39,13 +38,22 @@ def owner_problem(owner: object) -> str | None:
     return None
 
 
-def owner_kind(owner: str) -> tuple[str, str, str]:
-    """(kind, namespace, pod) of a lease owner: ``pod`` with the pod's namespace and name
-    (``namespace/name/uid``), ``slurm_job``, or ``other`` (any name a client chose)."""
+def owner_pod(owner: object) -> tuple[str, str, str] | None:
+    """(namespace, name, UID) of a pod's lease owner, ``namespace/name/uid``, or None for any
+    other owner: the one reading of pod owners.  No pod has an empty namespace or name."""
+    if not isinstance(owner, str):
+        return None
     namespace, _, rest = owner.partition("/")
     name, _, uid = rest.rpartition("/")
-    if namespace and name and POD_UID.fullmatch(uid):
-        return "pod", namespace, name
+    return (namespace, name, uid) if namespace and name and POD_UID.fullmatch(uid) else None
+
+
+def owner_kind(owner: str) -> tuple[str, str, str]:
+    """(kind, namespace, pod) of a lease owner: ``pod`` with the pod's namespace and name
+    (``owner_pod``), ``slurm_job``, or ``other`` (any name a client chose)."""
+    pod = owner_pod(owner)
+    if pod is not None:
+        return "pod", pod[0], pod[1]
     if SLURM_JOB_OWNER.fullmatch(owner):
         return "slurm_job", "", ""
     return "other", "", ""
@@ -99,6 +107,9 @@ def lease_problem(owner: object, gpus: object, ttl_s: object, uuids: object = ()
         problem = uuid_problem(uuid)
         if problem:
             return f"gpu_uuids: {problem}"
+    named = [uuid for uuid in uuids if uuid]
+    if len(set(named)) != len(named):
+        return "a GPU UUID is listed twice"
     return None
 
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult
-from topoagent.collectors.nvml import FABRIC_COMPLETED, FABRIC_NOT_SUPPORTED, FABRIC_UNKNOWN, NvmlInfo
+from topoagent.collectors.nvml import FABRIC_COMPLETED, FABRIC_NOT_SUPPORTED, FABRIC_UNKNOWN, UNNAMED_STATE, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
 from topoagent.documents.lease import gpu_id_problem
 from topoagent.node.derive import faces_down
@@ -109,8 +109,8 @@ def fabric_findings(nvml: NvmlInfo, nvswitches: int) -> list[Finding]:
         if f is None or f.state is None or f.state == FABRIC_NOT_SUPPORTED:
             continue
         if f.state == FABRIC_UNKNOWN:
-            detail = f.unknown or "no detail"
-            (unnamed_states if detail.startswith("state ") else nvml_errors).append(f"GPU{g.index} ({detail})")
+            unnamed = f.unknown is not None and f.unknown.kind == UNNAMED_STATE
+            (unnamed_states if unnamed else nvml_errors).append(f"GPU{g.index} ({f.unknown or 'no detail'})")
         elif f.state != FABRIC_COMPLETED:
             pending.setdefault(f.state, []).append(f"GPU{g.index}")
         elif f.status is not None and f.status != 0:

@@ -43,9 +43,10 @@ nested too deep, larger than ``MAX_STATE_BYTES``, a non-finite constant (``NaN``
 with the reason recorded in ``LeaseStore.recovered_from`` and ``recovery_error`` (the
 owner logs it): that is disk corruption, not one bad input.  An *entry* that breaks a rule
 (a field of the wrong type or out of range, an id listed twice, a GPU listed twice or already
-in an earlier lease, by UUID or by index: ``_Claims``) is quarantined alone: it is appended to ``leases.quarantine.json`` beside the state
-file with the reason, logged (``event=lease_quarantined``), listed in ``GET /leases`` under
-``quarantined`` and counted by ``topoagent_leases_quarantined``; every other lease is kept.
+in an earlier lease, by UUID or by index: ``gpu_now``) is quarantined alone: it is appended
+to ``leases.quarantine.json`` beside the state file with the reason, logged
+(``event=lease_quarantined``), listed in ``GET /leases`` under ``quarantined`` and counted
+by ``topoagent_leases_quarantined``; every other lease is kept.
 
 Fail-closed: the GPUs a quarantined entry names that can still be read (indices in range,
 with their UUIDs where those are valid) and that no valid lease holds stay held, by a lease
@@ -173,15 +174,17 @@ class Lease:
     # display; a re-numbering must not move a lease onto other GPUs.
     uuids: tuple[str | None, ...] = ()
 
+    def named(self) -> list[tuple[int, str | None]]:
+        """This lease's GPUs as (index, UUID or None) pairs."""
+        return list(zip(self.gpus, self.uuids or (None,) * len(self.gpus)))
+
     def gpus_now(self, index_of_uuid: Mapping[str, int], indices: Collection[int]) -> tuple[int, ...] | None:
-        """This lease's GPUs by their indices on the node as it is now (found by UUID where
-        known), or None when one of them has left the node: an orphaned lease, which
-        blocks nothing."""
+        """This lease's GPUs by their indices on the node as it is now (``gpu_now``), or
+        None when one of them has left the node: an orphaned lease, which blocks nothing."""
         now = []
-        for n, index in enumerate(self.gpus):
-            uuid = self.uuids[n] if n < len(self.uuids) else None
-            found = index_of_uuid.get(uuid) if uuid else (index if index in indices else None)
-            if found is None:
+        for index, uuid in self.named():
+            found = gpu_now(index, uuid, index_of_uuid)
+            if not isinstance(found, int) or found not in indices:
                 return None
             now.append(found)
         return tuple(now)
@@ -189,6 +192,17 @@ class Lease:
     @property
     def ttl_s(self) -> float:
         return self.expires_at - self.created_at
+
+
+def gpu_now(index: int, uuid: str | None, index_of_uuid: Mapping[str, int] | None) -> int | str:
+    """Which GPU a lease's entry (index, UUID) names: the rule by which leases hold GPUs.
+    A GPU named by UUID is that GPU wherever it sits now (its index in ``index_of_uuid``);
+    one named by index alone is whatever GPU has that index now.  A UUID the node does not
+    show, or any UUID while the node is not known (``index_of_uuid`` None), names no index:
+    the UUID itself is returned, equal only to itself."""
+    if not uuid:
+        return index
+    return uuid if index_of_uuid is None else index_of_uuid.get(uuid, uuid)
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +377,7 @@ class LeaseStore:
         wall, mono = self.clock(), self.monotonic()
         claims = _Claims(self.gpus_now)
         for lease in leases.values():
-            claims.hold(_named(lease), lease.id)
+            claims.hold(lease.named(), lease.id)
         records = []
         for item, reason in refused:
             gpus = [(g, u) for g, u in _readable_gpus(item) if claims.clash([(g, u)]) is None]
@@ -490,7 +504,7 @@ class LeaseStore:
                 return answer
             uuid_of = {g.index: g.uuid or None for g in matrix.gpus}  # "" is no UUID
             uuids = tuple(uuid_of.get(i) for i in answer.indices)
-            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids, held), answer
+            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids), answer
 
     def release(self, lease_id: str) -> bool:
         with self._locked():
@@ -523,30 +537,26 @@ class LeaseStore:
         ttl_s: float,
         satisfaction: float | None = None,
         uuids: tuple[str | None, ...] = (),
-        held: Mapping[int, Lease] | None = None,
     ) -> Lease:
-        """``held``: who holds which GPU index now (by UUID), when the caller knows the node;
-        else the leases' own indices."""
         problem = gpus_problem(gpus)
         if problem:
             raise LeaseError(problem)
         wall, mono = self.clock(), self.monotonic()
         self._expire(mono)
-        taken = held if held is not None else {g: lease for lease in self._leases.values() for g in lease.gpus}
-        clash = sorted(set(gpus) & set(taken))
-        if clash:
-            holder = taken[clash[0]]
-            raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
         lease = Lease(secrets.token_hex(8), owner, gpus, wall, wall + float(ttl_s), mono + float(ttl_s), satisfaction, uuids)
-        # The book's own rule as loading applies it (by UUID or by index): never write what
-        # the next read would quarantine as a GPU in two leases.
-        claims = _Claims(self.gpus_now)
+        # The book's own rule as loading applies it: never write what the next read would
+        # quarantine as a GPU in two leases.  While the node is not known, a lease by UUID
+        # is where it was recorded: a grant refuses on what may be stale (fail-closed).
+        where = self.gpus_now
+        if where is None:
+            where = {uuid: gpu for other in self._leases.values() for gpu, uuid in other.named() if uuid}
+        claims = _Claims(where)
         for other in self._leases.values():
-            claims.hold(_named(other), other.id)
-        book_clash = claims.clash(_named(lease))
-        if book_clash:
-            holder = self._leases[book_clash[1]]
-            raise LeaseConflict(f"GPU {book_clash[0]} is leased to {holder.owner} (lease {holder.id})")
+            claims.hold(other.named(), other.id)
+        clash = claims.clash(lease.named())
+        if clash:
+            holder = self._leases[clash[1]]
+            raise LeaseConflict(f"GPU {clash[0]} is leased to {holder.owner} (lease {holder.id})")
         try:  # the loader's own rules, on exactly what will be written and read back
             _lease_from_json(json.loads(json.dumps(self._document(lease))), 0)
         except StateCorrupt as exc:
@@ -632,59 +642,39 @@ def _readable_number(obj: object, key: str) -> float | None:
 
 
 class _Claims:
-    """Who holds which GPU in a book being read or written, so that one GPU is in one lease.
-
-    A GPU named by UUID is that GPU wherever it sits now; one named by index alone is
-    whatever GPU has that index now.  So two UUIDs clash when equal, two indices when equal,
-    and a UUID and an index when the node has that UUID at that index now (``where``: UUID
-    -> index, from the node's last discovery).  While the node is not known (``where`` None:
-    at start-up, before discovery) only the first two are checked: a recorded index is no
-    fact about the node now (a GPU renumbered, or gone, leaves its lease's index behind), and
-    refusing on it would drop a lease whose GPU no other lease holds."""
+    """Which lease holds which GPU in a book being read or written, so that one GPU is in one
+    lease; which GPU an entry names is ``gpu_now``'s rule, ``where`` its UUID -> index map.
+    While the node is not known (``where`` None: at start-up, before discovery) a UUID and an
+    index never name the same GPU: a recorded index is no fact about the node now (a GPU
+    renumbered, or gone, leaves its lease's index behind), and refusing on it would drop a
+    lease whose GPU no other lease holds."""
 
     def __init__(self, where: Mapping[str, int] | None) -> None:
         self.where = where
-        self.holders: dict[str, str] = {}  # claim -> the id of the lease that made it
-
-    def _keys(self, gpu: int, uuid: str | None) -> tuple[list[str], list[str]]:
-        """What holding this GPU claims, and which claims it clashes with."""
-        if not uuid:
-            return [f"index {gpu}"], [f"index {gpu}", f"at {gpu}"]
-        now = self.where.get(uuid) if self.where is not None else None
-        at = [] if now is None else [f"at {now}"]
-        return [f"uuid {uuid}", *at], [f"uuid {uuid}", *([f"index {now}"] if now is not None else [])]
+        self.holders: dict[int | str, str] = {}  # gpu_now -> the id of the lease that holds it
 
     def clash(self, gpus: Iterable[tuple[int, str | None]]) -> tuple[int, str] | None:
         """The first of these GPUs a lease already claimed holds, and that lease's id; None if none."""
         for gpu, uuid in gpus:
-            for key in self._keys(gpu, uuid)[1]:
-                if key in self.holders:
-                    return gpu, self.holders[key]
+            holder = self.holders.get(gpu_now(gpu, uuid, self.where))
+            if holder is not None:
+                return gpu, holder
         return None
 
     def hold(self, gpus: Iterable[tuple[int, str | None]], lease_id: str) -> None:
         for gpu, uuid in gpus:
-            self.holders.update(dict.fromkeys(self._keys(gpu, uuid)[0], lease_id))
-
-
-def _named(lease: Lease) -> list[tuple[int, str | None]]:
-    """A lease's GPUs as (index, UUID or None) pairs."""
-    return list(zip(lease.gpus, lease.uuids or (None,) * len(lease.gpus)))
+            self.holders[gpu_now(gpu, uuid, self.where)] = lease_id
 
 
 def _claim(lease: Lease, n: int, leases: Mapping[str, Lease], claims: _Claims) -> None:
-    """Refuse a lease listed twice, naming one GPU twice (by index or UUID) or holding a GPU
-    an earlier one holds (the rule: ``_Claims``); else note its GPUs in ``claims``."""
+    """Refuse a lease listed twice or holding a GPU an earlier one holds (``_Claims``); else
+    note its GPUs in ``claims``.  (A GPU named twice in one lease is ``lease_problem``'s.)"""
     if lease.id in leases:
         raise StateCorrupt(f"leases[{n}]: lease {lease.id} is listed twice")
-    named = _named(lease)
-    uuids = [uuid for _, uuid in named if uuid]
-    if len(set(uuids)) != len(uuids):
-        raise StateCorrupt(f"leases[{n}]: a GPU UUID is listed twice")
-    clash = claims.clash(named)
+    clash = claims.clash(lease.named())
     if clash:
         raise StateCorrupt(f"leases[{n}]: GPU {clash[0]} is also in lease {clash[1]}")
-    claims.hold(named, lease.id)
+    claims.hold(lease.named(), lease.id)
 
 
 def state_unwritable(store: LeaseStore, exc: OSError) -> str:

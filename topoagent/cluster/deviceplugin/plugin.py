@@ -33,10 +33,10 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
@@ -60,6 +60,8 @@ from topoagent.cluster.podwatch import Held, PodApi, PodWatch, owner_pod_uid
 from topoagent.documents.lease import OWNER_MAX_LEN
 from topoagent.log import log_event
 from topoagent.vocabulary import GPU_RESOURCE, Detail
+
+_T = TypeVar("_T")
 
 API_VERSION = "v1beta1"  # constants.go: Version
 DEFAULT_PLUGIN_DIR = "/var/lib/kubelet/device-plugins"
@@ -225,6 +227,10 @@ class LocalAgent:
             return await self.agent.leases()
         except AgentError:
             return None
+
+    async def each(self, nodes: Iterable[str], ask: Callable[[str], Awaitable[_T]]) -> list[_T]:
+        """One node's agent (this one): asked in turn."""
+        return [await ask(node) for node in nodes]
 
 
 class Refused(Exception):

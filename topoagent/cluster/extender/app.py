@@ -319,23 +319,21 @@ async def list_holds(request: web.Request) -> web.Response:
 
 
 async def node_loads(agents: Agents) -> dict[str, NodeLoad]:
-    """The GPU counts and leases of every node whose agent answers now, 16 asked at once:
+    """The GPU counts and leases of every node whose agent answers now (``Agents.each``):
     only while a large pod is due a hold."""
-    gate = asyncio.Semaphore(16)
 
     async def one(node: str) -> tuple[str, NodeLoad] | None:
-        async with gate:
-            try:
-                async with asyncio.timeout(agents.timeout_s):
-                    _, counts = await agents.capacity(node, counted=False)
-            except (TimeoutError, Unreachable, Refused):  # silent or not ready: not a node to hold
-                return None
-            leases = await agents.leases(node) if counts["free_gpus"] < counts["gpus"] else []
+        try:
+            async with asyncio.timeout(agents.timeout_s):
+                _, counts = await agents.capacity(node, counted=False)
+        except (TimeoutError, Unreachable, Refused):  # silent or not ready: not a node to hold
+            return None
+        leases = await agents.leases(node) if counts["free_gpus"] < counts["gpus"] else []
         held = tuple((lease["created_at"], len(lease["gpus"])) for lease in leases or []
                      if isinstance(lease.get("created_at"), (int, float)) and isinstance(lease.get("gpus"), list))
         return node, NodeLoad(counts["gpus"], counts["free_gpus"], held)
 
-    answers = await asyncio.gather(*(one(node) for node in agents.table.names()))
+    answers = await agents.each(agents.table.names(), one)
     return dict(a for a in answers if a is not None)
 
 

@@ -370,15 +370,28 @@ Loads = Callable[[], Awaitable[dict[str, NodeLoad]]]
 
 
 async def keep(holds: Holds, loads: Loads) -> None:
-    """While a pod waits or holds: take the holds due (asking for the ``loads`` only then) and
-    end those expired, every ``interval_s``; otherwise asleep on ``holds.wake``."""
+    """While a pod waits or holds: end the holds expired and take those due, every
+    ``interval_s``; otherwise asleep on ``holds.wake``.  The ``loads`` (every agent's
+    /capacity) are asked only for due pods; while those take no hold (each node that could
+    take one held for another, or no agent answering), again only on a change -- a pod newly
+    due, a hold ended -- or after a pause that doubles from ``interval_s`` up to ``after_s``."""
     while True:
         await holds.wake.wait()
+        unserved: set[str] = set()  # the due pods the last ask found no hold for
+        held = set(holds.held)
+        pause, asked_at = holds.interval_s(), float("-inf")
         while holds.busy():
             try:
                 holds.expire()
-                if holds.due():
+                due = {w.pod.uid for w in holds.due()}
+                changed = bool(due - unserved) or not held <= set(holds.held)  # a pod newly due, a node unheld
+                if due and (changed or holds.clock() - asked_at >= pause):
+                    asked_at = holds.clock()
                     holds.take(await loads())
+                    unserved = {w.pod.uid for w in holds.due()}
+                    cap = max(holds.after_s, holds.interval_s())
+                    pause = min(cap, holds.interval_s() if changed else 2 * pause) if unserved else holds.interval_s()
+                held = set(holds.held)
             except Exception as exc:  # a bug of ours: said loudly, and the holds go on
                 log.exception("holds_keeper_crashed error=%s", f"{type(exc).__name__}: {exc}"[:300])
             await asyncio.sleep(holds.interval_s())

@@ -10,10 +10,12 @@ Only nodes the API server knows are asked (``NodeTable``: their names and addres
 from the Node objects, never from the caller's body); the token goes only with the calls
 that need it (reserve, release), unless the agents guard their reads too.
 
-At most ``concurrency`` agents are asked at once; each node has ``timeout_s`` for its
-answers, and a whole call ``budget_s``: a node not answered by then is marked so, and the
-call answers with what it has.  A node whose agent does not answer in time, refuses the
-connection or answers something that is not its document is *unanswered*: the caller
+At most ``concurrency`` agents are asked at once for a scheduling call's verdicts, and as
+many again by the background sweeps (``Agents.each``: the pod watch's lease sweep, the
+requeue watch, the holds keeper), which so never hold up a scheduling call; each node has
+``timeout_s`` for its answers, and a whole call ``budget_s``: a node not answered by then is
+marked so, and the call answers with what it has.  A node whose agent does not answer in
+time, refuses the connection or answers something that is not its document is *unanswered*: the caller
 treats it as configured (``Unanswered``), never as a failed scheduling cycle; it is not
 asked again for ``quiet_s``, so a dead agent costs one timeout, not one per scheduling cycle.
 
@@ -45,9 +47,9 @@ import contextlib
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -56,6 +58,8 @@ from topoagent.cluster.extender.wire import MAX_EXTENDER_PRIORITY, NODE_NAME, Ca
 from topoagent.documents.lease import LEASE_ID
 from topoagent.text import cut
 from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT
+
+_T = TypeVar("_T")
 
 MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # a 1024-GPU node's /capacity is well below this
 REMEMBERED_NODES = 20_000  # node addresses and cached answers kept, least recently used out
@@ -182,7 +186,8 @@ class Agents:
         # (require_token_for_reads): a token sent where it is not needed is one more copy to leak.
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._read_auth = self._auth if token_on_reads else {}
-        self._gate = asyncio.Semaphore(concurrency)
+        self._gate = asyncio.Semaphore(concurrency)  # a scheduling call's verdicts
+        self._sweep_gate = asyncio.Semaphore(concurrency)  # the background sweeps (``each``)
         self._session: aiohttp.ClientSession | None = None
         self._capacity = _Remembered()  # node -> (etag, capacity document)
         self._answers = _Remembered()  # node -> (etag, {request key: answer or Refused})
@@ -190,6 +195,16 @@ class Agents:
         # For /metrics: how often each agent endpoint was asked, and how often the cache answered.
         self.asked = {"capacity_changed": 0, "capacity_not_modified": 0, "dry_run_agent": 0, "dry_run_cache": 0, "unanswered": 0,
                       "unknown": 0, "out_of_time": 0}
+
+    async def each(self, nodes: Iterable[str], ask: Callable[[str], Awaitable[_T]]) -> list[_T]:
+        """``ask(node)`` for every node, at most ``concurrency`` at once: the bound of every
+        background sweep over the agents.  ``ask`` must not call ``each`` itself."""
+
+        async def one(node: str) -> _T:
+            async with self._sweep_gate:
+                return await ask(node)
+
+        return list(await asyncio.gather(*(one(node) for node in nodes)))
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None:

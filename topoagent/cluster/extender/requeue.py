@@ -10,8 +10,9 @@ the Node update is the event that sends the rejected pods back to be scheduled.
 Only nodes that rejected a pod in the last ``keep_s`` are watched (a rejection for a reason
 no change can lift -- too few GPUs on the node -- is not noted): their agents are asked
 ``/capacity`` (with If-None-Match, mostly 304) every ``interval_s``, at most ``concurrency``
-at once.  The ETag the rejection was decided under is the baseline; one that differs from
-it (a silent agent answering again counts) is patched onto the Node, once per change.
+at once (``Agents.each``).  The ETag the rejection was decided under is the baseline; one
+that differs from it (a silent agent answering again counts) is patched onto the Node, once
+per change.
 """
 
 from __future__ import annotations
@@ -70,28 +71,26 @@ class Requeue:
         for node in [n for n, at in self._watched.items() if now - at > self.keep_s]:
             del self._watched[node]
             self._seen.pop(node, None)
-        gate = asyncio.Semaphore(16)
 
         async def check(node: str) -> None:
-            async with gate:
-                if node not in self.agents.table:  # deleted: its agent is not asked, no Node to patch
-                    self._watched.pop(node, None)
-                    self._seen.pop(node, None)
-                    self.patches["skipped"] += 1
-                    return
-                etag = await self._etag(node)
-                if etag == self._seen.get(node):
-                    return
-                try:
-                    await self.kube.annotate_node(node, {CAPACITY_ANNOTATION: etag})
-                except KubeError as exc:
-                    self.patches["failed"] += 1
-                    log_event("node_annotation_failed", logging.WARNING, node=node, error=exc)
-                    return
-                self._seen[node] = etag
-                self.patches["patched"] += 1
+            if node not in self.agents.table:  # deleted: its agent is not asked, no Node to patch
+                self._watched.pop(node, None)
+                self._seen.pop(node, None)
+                self.patches["skipped"] += 1
+                return
+            etag = await self._etag(node)
+            if etag == self._seen.get(node):
+                return
+            try:
+                await self.kube.annotate_node(node, {CAPACITY_ANNOTATION: etag})
+            except KubeError as exc:
+                self.patches["failed"] += 1
+                log_event("node_annotation_failed", logging.WARNING, node=node, error=exc)
+                return
+            self._seen[node] = etag
+            self.patches["patched"] += 1
 
-        await asyncio.gather(*(check(node) for node in list(self._watched)))
+        await self.agents.each(list(self._watched), check)
 
     async def run(self) -> None:
         while True:
