@@ -420,18 +420,13 @@ def test_the_replay_waits_as_the_real_extender_with_guards_does(guarded: Cluster
                                                              for j in jobs if j.gpus == 8)
 
 
-def test_a_guard_keeps_only_nodes_kube_scheduler_offered_the_waiting_pod() -> None:
-    # kube-scheduler offers the extender only the nodes that passed its own filters (taints,
-    # selectors, affinity): a node never offered to the large pod is one it may not use.
+
+def test_a_hold_takes_a_node_kube_scheduler_offered_the_waiting_pod_over_a_sooner_one() -> None:
+    # kube-scheduler offers the extender only nodes that passed its own filters (taints,
+    # selectors, affinity): one never offered may be a node the large pod can never use.
     now = [100.0]
-    holds = Holds(min_gpus=8, after_s=0, ttl_s=300, guard_s=20, clock=lambda: now[0])
-    big, small = PodRef("jobs", "big", "uid-big"), PodRef("jobs", "small", "uid-small")
-    holds.honour(big, 8, ["a"], [], {}, {})  # offered a, which did not fit it
-    now[0] += 1
-    passed, why = ["a", "b"], {}
-    holds.honour(small, 1, list(passed), passed, why, {"a": 8, "b": 8})
-    assert passed == ["b"] and "kept for pod jobs/big" in why["a"] and "b" not in why
-    holds.honour(big, 8, ["b"], [], {}, {})  # a later try offered b too
-    passed, why = ["b"], {}
-    holds.honour(small, 1, list(passed), passed, why, {"b": 8})
-    assert passed == [] and "kept for pod jobs/big" in why["b"]
+    holds = Holds(min_gpus=8, after_s=30, ttl_s=300, guard_s=0, clock=lambda: now[0])
+    holds.honour(PodRef("jobs", "big", "uid-big"), 8, ["far"], [], {}, {})  # offered far, which did not fit it
+    now[0] += 30
+    sooner, later = NodeLoad(8, 7, ((50.0, 1),)), NodeLoad(8, 0, ((90.0, 8),))
+    assert [h.node for h in holds.take({"near": sooner, "far": later})] == ["far"]

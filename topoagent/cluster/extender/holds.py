@@ -64,13 +64,13 @@ class Waiting:
     pod: PodRef
     gpus: int
     since: float  # the clock's time it was first seen fitting no node
-    # The nodes kube-scheduler has offered it (they passed its own filters: taints, selectors,
-    # affinity), gathered over its filter calls; None until one reached us (its count filter
-    # left no node): then any node with enough GPUs may be kept for it.
+    # The nodes kube-scheduler has offered it, gathered over its filter calls: they passed its
+    # own filters (taints, selectors, affinity, and its GPU count then), so the pod may use them.
+    # None until one reached us (its count filter left no node). A node never offered may be one
+    # it cannot use, or one that was full each time: a hold (minutes) takes an offered node
+    # where there is one; a guard (seconds, once per node) keeps any.
     offered: set[str] | None = None
 
-    def may_use(self, node: str) -> bool:
-        return self.offered is None or node in self.offered
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,10 +104,6 @@ class Hold:
     waited_since: float
     expires: float
     why: str
-    offered: set[str] | None = None  # as its Waiting's
-
-    def may_use(self, node: str) -> bool:
-        return self.offered is None or node in self.offered
 
 
 def unschedulable(pod: Mapping[str, Any]) -> bool:
@@ -242,8 +238,7 @@ class Holds:
     def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, Waiting | Hold]]]) -> str | None:
         """Why a guard keeps a pod asking for ``gpus`` off ``node`` with ``free`` GPUs free (None:
         not known, nothing guarded), if one does: of the pods ``ahead``, the longest waiting that
-        fits there now, would not after it, may use the node (kube-scheduler offered it, or it was
-        offered none yet), and has not kept that node for ``guard_s`` already."""
+        fits there now, would not after it, and has not kept that node for ``guard_s`` already."""
         if free is None:
             return None
         now = self.clock()
@@ -251,7 +246,7 @@ class Holds:
         for wants in (w for w in ahead if free >= w > free - gpus):
             for since, waiter in ahead[wants]:
                 began = self.guards.get(waiter.pod.uid, {}).get(node, now)
-                if now - began < self.guard_s and waiter.may_use(node):
+                if now - began < self.guard_s:
                     keepers.append((since, waiter.pod, wants))
                     break
         if not keepers:
@@ -293,8 +288,9 @@ class Holds:
         """Holds for the due pods, from each node's load now; the holds taken."""
         taken = []
         for waiting in self.due():
-            nodes = {node: load for node, load in loads.items()
-                     if load.gpus >= waiting.gpus and node not in self._by_node and waiting.may_use(node)}
+            nodes = {node: load for node, load in loads.items() if load.gpus >= waiting.gpus and node not in self._by_node}
+            if waiting.offered is not None and nodes.keys() & waiting.offered:
+                nodes = {node: load for node, load in nodes.items() if node in waiting.offered}
             if not nodes:
                 if loads and not any(load.gpus >= waiting.gpus for load in loads.values()):
                     self.waiting.pop(waiting.pod.uid)  # no node has that many GPUs: no hold can help
@@ -307,7 +303,7 @@ class Holds:
             why = (f"asks for {waiting.gpus} GPUs and fit no node for {now - waiting.since:.0f} s; of the nodes with "
                    f"{waiting.gpus} GPUs or more, {node} ({load.free} of {load.gpus} free) would free up soonest, its "
                    f"oldest leases ending first")
-            hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why, waiting.offered)
+            hold = Hold(waiting.pod, waiting.gpus, node, now, waiting.since, now + self.ttl_s, why)
             self.held[waiting.pod.uid] = hold
             del self.waiting[waiting.pod.uid]  # it holds now (its hold keeps since when it waited)
             self._by_node[node] = waiting.pod.uid
