@@ -65,6 +65,25 @@ def test_a_counter_that_went_down_has_no_rate_never_a_negative_one():
     assert reading.rate_per_s == 1.0  # after the reset, the next interval has a rate again
 
 
+def test_a_series_read_again_keeps_its_rate_and_one_copy_of_its_labels():
+    # A 128-GPU node holds 22,784 series in each of its last two samples: the second sample
+    # of a series reuses the first one's label tuples instead of holding a copy of its own.
+    history = History()
+
+    def parse(raw):
+        return [("gpu_energy_joules_total", (("gpu", str(gpu)),), value) for gpu, value in raw]
+
+    history.add(Sample("nvml_counters", 0.0, [(0, 10.0), (1, 20.0)]), parse)
+    first = {r.labels: r.labels for r in history.readings()}
+    history.add(Sample("nvml_counters", 10.0, [(0, 30.0), (1, 20.0)]), parse)
+    second = history.readings()
+    assert [(r.labels, r.value, r.rate_per_s) for r in second] == [((("gpu", "0"),), 30.0, 2.0), ((("gpu", "1"),), 20.0, 0.0)]
+    assert all(r.labels is first[r.labels] for r in second)
+    history.add(Sample("nvml_counters", 20.0, [(0, 50.0), (2, 5.0)]), parse)  # GPU 1 gone, GPU 2 new
+    third = [(r.labels, r.value, r.rate_per_s) for r in history.readings()]
+    assert third == [((("gpu", "0"),), 50.0, 2.0), ((("gpu", "2"),), 5.0, None)]
+
+
 def test_ib_data_counters_are_words_and_errors_keep_their_sysfs_name():
     raw = {"mlx5_0/1/counters/port_xmit_data": "250\n", "mlx5_0/1/counters/symbol_error": "7\n",
            "mlx5_0/1/hw_counters/out_of_buffer": "2\n", "mlx5_0/1/hw_counters/rx_write_requests": "9\n",

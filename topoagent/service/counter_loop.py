@@ -35,7 +35,7 @@ class CounterLoop:
         the samples into the history and serve the new rates and findings.  A recorded node
         gives all its recorded samples at the first read, then nothing new."""
         from topoagent.collectors.nvml import LiveCounterReader
-        from topoagent.node.discovery import COUNTER_SOURCES
+        from topoagent.collectors.registry import COUNTER_SOURCES  # not via node.discovery: a child discovers
         from topoagent.service.telemetry import Context, Sample, read_live, recorded_samples, served
 
         # The AER source reads the devices discovery found: the first read waits for the first
