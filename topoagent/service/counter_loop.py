@@ -47,7 +47,7 @@ class CounterLoop:
             return
         if host is self._replayed:
             # A recording gave all its samples at the first read: nothing new to read, and no
-            # reason to parse its telemetry.json again (2 MiB on the 128-GPU node) every interval.
+            # reason to parse its telemetry.json again (2.7 MB on the 128-GPU node) every interval.
             return
         config = self.config()
         parsers = {s.name: s.parse for s in COUNTER_SOURCES}
