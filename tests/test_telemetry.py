@@ -374,3 +374,39 @@ def test_placement_keeps_off_gpus_the_counters_call_critical(tmp_path):
     assert any("left out GPU(s) 4,6" in line for line in six["explain"])
     # ...unless the request names one.
     assert 6 in {g["index"] for g in named["gpus"]}
+
+
+def test_a_recordings_counters_are_read_once_and_a_new_root_read_afresh(tmp_path):
+    # A replayed node gives every sample at the first read; the loop does not read its
+    # telemetry.json again each interval (here: a file that could no longer be read is not
+    # touched), and a root that a reload opens is a new recording, read in its turn.
+    import asyncio
+
+    from topoagent.config import Config
+    from topoagent.node.discovery import discover_sync
+    from topoagent.node.host import Host
+    from topoagent.service.counter_loop import CounterLoop
+    from topoagent.service.served import Board, Snapshot
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root in (first, second):
+        shutil.copytree(SNAPSHOTS / "dgx-a100", root, symlinks=True)
+    hosts = [Host(first)]
+    node = discover_sync(hosts[0])
+    board = Board()
+    board.publish(snapshot=Snapshot(1, node, node.distance_matrix(), 0.0, node.collectors, {}))
+    loop = CounterLoop(board, Config, lambda: hosts[-1])
+    try:
+        asyncio.run(loop.read())
+        served = board.served.snapshot
+        assert served is not None and served.telemetry is not None and served.telemetry.readings
+        (first / "telemetry.json").write_text("{not json")
+        asyncio.run(loop.read())
+        assert board.served.snapshot is served  # nothing read, nothing new published
+        hosts.append(Host(second))
+        asyncio.run(loop.read())
+        assert board.served.snapshot is not served and board.served.snapshot.telemetry is not None
+    finally:
+        loop.close()
+        for host in hosts:
+            host.close()
