@@ -1,7 +1,7 @@
 """Discovery time: in-process, as a whole command, and against hwloc's lstopo, side by side.
 
     python -m bench.discovery [--runs N] [--root SNAPSHOT] [--markdown]    (from a checkout's root)
-    python -m bench.discovery --recordings [--runs N] [--markdown]
+    python -m bench.discovery --recordings [--rev REV] [--runs N] [--markdown]
 
 Prints medians.  The in-process figure runs on --root (default: fixtures/snapshots/dgx-a100)
 and on the live machine; the command comparison alternates `topoagent discover --json`,
@@ -16,7 +16,11 @@ whole command), not wall time, since the machine is shared: `topoagent discover 
 hwloc's own test recordings (../shared/hwloc/linux beside the checkout, and the one shipped
 in tests/data/hwloc, so a clean clone has one), alternated round by round, with the
 interpreter's own start (`python -c pass`) beside them as the floor no Python command goes
-under.
+under.  Beside each, in-process discovery of the same recording (a fresh Host each run, the
+imports warm): what a running agent's rediscovery costs beyond any start-up.  With --rev REV
+the rounds also run that revision's `topoagent discover --json --root` (``git archive REV``
+unpacked into a temporary directory, its own bytecode cached first), so the block shows the
+command before and after a change, measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -201,10 +205,10 @@ def lines(figures: dict[str, float | str], runs: int, root: str | Path) -> list[
 HWLOC_RECORDINGS = (REPO.parent / "shared" / "hwloc" / "linux", REPO / "tests" / "data" / "hwloc")
 
 
-def cpu_seconds(argv: list[str], env: dict[str, str]) -> float:
+def cpu_seconds(argv: list[str], env: dict[str, str], cwd: Path | None = None) -> float:
     """User + system CPU seconds of one run of ``argv`` (getrusage of the reaped child)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(argv, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)}: exit status {done.returncode}")
@@ -226,15 +230,38 @@ def in_process_cpu(root: str | Path, runs: int) -> tuple[float, float]:
     return statistics.median(times), min(times)
 
 
-def recordings(runs: int) -> list[dict[str, float | str]]:
-    """Per hwloc recording: median CPU ms of ours, lstopo's and the interpreter's, and the
-    median of the per-round ratios."""
+def extract(rev: str, into: Path) -> str:
+    """``git archive REV`` unpacked into ``into``; the commit's short name."""
+    named = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--verify", "--quiet", "--short", f"{rev}^{{commit}}"],
+                           capture_output=True, text=True)
+    if named.returncode:
+        raise SystemExit(f"--rev {rev}: not a commit in {REPO}")
+    archive = subprocess.Popen(["git", "-C", str(REPO), "archive", rev], stdout=subprocess.PIPE)
+    untar = subprocess.run(["tar", "-x", "-C", str(into)], stdin=archive.stdout, capture_output=True, text=True)
+    assert archive.stdout is not None
+    archive.stdout.close()
+    if archive.wait() or untar.returncode:
+        raise SystemExit(f"--rev {rev}: extracting it failed: {untar.stderr.strip()}")
+    return named.stdout.strip()
+
+
+def recordings(runs: int, rev: str | None = None) -> tuple[list[dict[str, float | str]], str | None]:
+    """Per hwloc recording: median CPU ms of ours (and of revision ``rev``'s command),
+    lstopo's, the interpreter's and in-process discovery's, and the medians of the per-round
+    ratios to lstopo; and ``rev``'s short commit name."""
     lstopo = shutil.which("lstopo-no-graphics")
     if lstopo is None:
         raise SystemExit("lstopo-no-graphics not installed (Debian: apt-get install hwloc-nox): no peer to measure beside")
     tarballs = sorted(t for d in HWLOC_RECORDINGS for t in d.glob("*.tar.bz2"))
     rows: list[dict[str, float | str]] = []
+    commit = None
     with tempfile.TemporaryDirectory(prefix="bench-discovery-") as tmp:
+        if rev is not None:
+            before_tree = Path(tmp) / "before"
+            before_tree.mkdir()
+            commit = extract(rev, before_tree)
+            # cwd too: `python -m` puts the working directory first on sys.path.
+            before_env = CHILD_ENV | {"PYTHONPATH": str(before_tree)}
         for tarball in tarballs:
             name = tarball.name.removesuffix(".tar.bz2")
             with Host(tarball) as host:  # unpacked once, by the same code --root uses
@@ -244,36 +271,54 @@ def recordings(runs: int) -> list[dict[str, float | str]]:
             ours_argv = [*TOPOAGENT, "--root", root]
             theirs_env = dict(os.environ, HWLOC_FSROOT=root, HWLOC_COMPONENTS="linux,stop", LC_ALL="C")
             cpu_seconds(ours_argv, CHILD_ENV)  # bytecode caches written before the first timed run
-            ours, theirs, floor = [], [], []
-            for _ in range(runs):  # alternated, so all three see the same machine
+            if rev is not None:
+                cpu_seconds(ours_argv, before_env, cwd=before_tree)
+            ours, theirs, floor, before = [], [], [], []
+            for _ in range(runs):  # alternated, so all of them see the same machine
                 ours.append(cpu_seconds(ours_argv, CHILD_ENV))
                 theirs.append(cpu_seconds([lstopo, *LSTOPO_ARGS], theirs_env))
                 floor.append(cpu_seconds([sys.executable, "-c", "pass"], CHILD_ENV))
-            rows.append({
+                if rev is not None:
+                    before.append(cpu_seconds(ours_argv, before_env, cwd=before_tree))
+            in_median, _ = in_process_cpu(root, max(runs, 15))
+            row: dict[str, float | str] = {
                 "name": name, "shipped": "yes" if tarball.parent == HWLOC_RECORDINGS[1] else "",
                 "ours_ms": statistics.median(ours) * 1e3, "lstopo_ms": statistics.median(theirs) * 1e3,
                 "floor_ms": statistics.median(floor) * 1e3,
                 "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
                 "floor_ratio": statistics.median(a / b for a, b in zip(floor, theirs)),
-            })
-    return rows
+                "in_process_ms": in_median * 1e3, "in_process_ratio": in_median / statistics.median(theirs),
+            }
+            if before:
+                row |= {"before_ms": statistics.median(before) * 1e3,
+                        "before_ratio": statistics.median(a / b for a, b in zip(before, theirs))}
+            rows.append(row)
+    return rows, commit
 
 
-def recordings_markdown(rows: list[dict[str, float | str]], runs: int, in_process_ms: tuple[float, float], in_runs: int) -> list[str]:
+def recordings_markdown(rows: list[dict[str, float | str]], runs: int, in_process_ms: tuple[float, float], in_runs: int,
+                        commit: str | None = None) -> list[str]:
+    before = f" before ({commit})" if commit else ""
     out = [
         f"CPU time (user + system, getrusage of each whole command), not wall time: the machine is shared."
         f" Medians of {runs} alternated rounds; ratios are medians of each round's ratio."
         " Peer: Debian's hwloc `lstopo-no-graphics --whole-io --of xml -` on the same unpacked recording"
         " (HWLOC_FSROOT). `python -c pass` is the interpreter's own start under the same environment:"
-        " no Python command costs less.",
+        " no Python command costs less."
+        + (f" The command{before} is the same command at git {commit}, run in the same rounds." if commit else "")
+        + f" In-process: discovery of the same recording in a running interpreter (a fresh Host each run,"
+        f" imports warm; median of {max(runs, 15)}), what an agent's rediscovery costs.",
         "",
-        "| hwloc recording | `topoagent discover --json --root` | lstopo | ratio to lstopo | `python -c pass` | its ratio to lstopo |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| hwloc recording | lstopo | `topoagent discover --json --root` | ratio |"
+        + (f" the command{before} | ratio |" if commit else "")
+        + " `python -c pass` | ratio | in-process discovery | ratio |",
+        "|---|---:|---:|---:|" + ("---:|---:|" if commit else "") + "---:|---:|---:|---:|",
     ]
     for r in rows:
         shipped = " (shipped in tests/data/hwloc)" if r["shipped"] else ""
-        out.append(f"| {r['name']}{shipped} | {r['ours_ms']:.0f} ms | {r['lstopo_ms']:.1f} ms | {r['ratio']:.1f}× |"
-                   f" {r['floor_ms']:.0f} ms | {r['floor_ratio']:.1f}× |")
+        was = f" {r['before_ms']:.0f} ms | {r['before_ratio']:.1f}× |" if commit else ""
+        out.append(f"| {r['name']}{shipped} | {r['lstopo_ms']:.1f} ms | {r['ours_ms']:.0f} ms | {r['ratio']:.1f}× |{was}"
+                   f" {r['floor_ms']:.0f} ms | {r['floor_ratio']:.1f}× | {r['in_process_ms']:.1f} ms | {r['in_process_ratio']:.1f}× |")
     out += ["", f"In-process discovery of the recorded `dgx-a100` (a fresh Host each run, imports warm): "
             f"{in_process_ms[0]:.1f} ms CPU, median of {in_runs} runs; least {in_process_ms[1]:.1f} ms."]
     return out
@@ -284,19 +329,24 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=15)
     parser.add_argument("--root", default=str(REPO / "fixtures/snapshots/dgx-a100"))
     parser.add_argument("--recordings", action="store_true", help="CPU time against lstopo on hwloc's recordings")
+    parser.add_argument("--rev", metavar="REV", help="with --recordings: also run this revision's command in the same rounds")
     parser.add_argument("--markdown", action="store_true", help="print its block in the docs (bench/report.py)")
     args = parser.parse_args()
+    if args.rev and not args.recordings:
+        parser.error("--rev compares the command on hwloc's recordings: give --recordings too")
     if args.recordings:
-        rows = recordings(args.runs)
+        rows, commit = recordings(args.runs, args.rev)
         in_runs = max(args.runs, 15)
         median_s, least_s = in_process_cpu(REPO / "fixtures/snapshots/dgx-a100", in_runs)
         in_process_ms = (median_s * 1e3, least_s * 1e3)
         if args.markdown:
-            print("\n".join(recordings_markdown(rows, args.runs, in_process_ms, in_runs)))
+            print("\n".join(recordings_markdown(rows, args.runs, in_process_ms, in_runs, commit)))
         else:
             for r in rows:
-                print(f"{r['name']}: topoagent {r['ours_ms']:.0f} ms, lstopo {r['lstopo_ms']:.1f} ms CPU, ratio {r['ratio']:.1f}x;"
-                      f" python -c pass {r['floor_ms']:.0f} ms ({r['floor_ratio']:.1f}x)")
+                was = f"; at {commit} {r['before_ms']:.0f} ms ({r['before_ratio']:.1f}x)" if commit else ""
+                print(f"{r['name']}: topoagent {r['ours_ms']:.0f} ms, lstopo {r['lstopo_ms']:.1f} ms CPU, ratio {r['ratio']:.1f}x{was};"
+                      f" python -c pass {r['floor_ms']:.0f} ms ({r['floor_ratio']:.1f}x);"
+                      f" in-process {r['in_process_ms']:.1f} ms ({r['in_process_ratio']:.1f}x)")
             print(f"in-process discovery of dgx-a100: {in_process_ms[0]:.1f} ms CPU (median of {in_runs}; least {in_process_ms[1]:.1f})")
         return 0
     for line in (markdown if args.markdown else lines)(measure(args.runs, args.root), args.runs, args.root):

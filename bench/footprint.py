@@ -6,8 +6,10 @@ Starts `topoagent serve --root fixtures/snapshots/dgx-a100` and Debian's node_ex
 (package prometheus-node-exporter) on loopback ports, scrapes each one's /metrics once (so
 both have answered a request, as a scraped agent has), lets both sit idle for
 --idle-seconds, then reads their resident memory (VmRSS, /proc/PID/status) and repeats,
-the two alternating, for --rounds rounds.  Then the agent serving the generated 128-GPU
-node (tests/big_node.py).  Prints medians; asserts nothing.
+the two alternating, for --rounds rounds, and with them the interpreter that has imported
+aiohttp.web and nothing else (the floor under any agent built on aiohttp).  Then the agent
+serving the generated 128-GPU node (tests/big_node.py), --rounds times.  Prints medians;
+asserts nothing.
 """
 
 from __future__ import annotations
@@ -94,6 +96,16 @@ def idle_rss(start, idle_seconds: float) -> float:
         proc.wait(timeout=30)
 
 
+# The floor under any agent built on aiohttp (a chosen dependency): the interpreter with
+# aiohttp.web imported and nothing else, its resident memory read by itself.
+AIOHTTP_FLOOR = "import aiohttp.web, re; print(re.search(r'^VmRSS:\\s+(\\d+) kB', open('/proc/self/status').read(), re.M).group(1))"
+
+
+def floor_rss() -> float:
+    done = subprocess.run([sys.executable, "-P", "-c", AIOHTTP_FLOOR], capture_output=True, text=True, check=True, env=CHILD_ENV)
+    return int(done.stdout) / 1024
+
+
 def measure(rounds: int, idle_seconds: float) -> dict[str, float | str]:
     if NODE_EXPORTER is None:
         raise SystemExit("node_exporter not installed (Debian: apt-get install prometheus-node-exporter): no peer to measure beside")
@@ -103,19 +115,25 @@ def measure(rounds: int, idle_seconds: float) -> dict[str, float | str]:
     with tempfile.TemporaryDirectory(prefix="bench-footprint-") as tmpdir:
         tmp = Path(tmpdir)
         dgx = REPO / "fixtures" / "snapshots" / "dgx-a100"
-        ours, theirs = [], []
+        ours, theirs, floor = [], [], []
         for n in range(rounds):  # alternate, so both see the same machine
             run = tmp / f"dgx-{n}"
             run.mkdir()
             ours.append(idle_rss(lambda run=run: agent(dgx, run), idle_seconds))
             theirs.append(idle_rss(node_exporter, idle_seconds))
+            floor.append(floor_rss())
         big = write_big_node(tmp / "big-node")
-        (tmp / "big").mkdir()
-        big_rss = idle_rss(lambda: agent(big, tmp / "big"), idle_seconds)
+        big_runs = []
+        for n in range(rounds):  # its figure a median too: one run on a shared machine moves by MiBs
+            run = tmp / f"big-{n}"
+            run.mkdir()
+            big_runs.append(idle_rss(lambda run=run: agent(big, run), idle_seconds))
+        big_rss = statistics.median(big_runs)
     version = subprocess.run([NODE_EXPORTER, "--version"], capture_output=True, text=True)
     return {
         "ours": statistics.median(ours), "theirs": statistics.median(theirs),
         "ratio": statistics.median(a / b for a, b in zip(ours, theirs)), "big": big_rss,
+        "floor": statistics.median(floor), "floor_ratio": statistics.median(a / b for a, b in zip(floor, theirs)),
         "peer": (version.stdout + version.stderr).splitlines()[0].strip(),
     }
 
@@ -130,6 +148,7 @@ def main() -> int:
     if not args.markdown:
         print(f"idle RSS: topoagent serve (dgx-a100) {f['ours']:.1f} MiB, node_exporter {f['theirs']:.1f} MiB, "
               f"ratio {f['ratio']:.2f}x (medians of {args.rounds}, alternated; {f['peer']})")
+        print(f"python with aiohttp.web imported alone: {f['floor']:.1f} MiB, ratio {f['floor_ratio']:.2f}x")
         print(f"idle RSS serving the generated 128-GPU node: {f['big']:.1f} MiB")
         return 0
     print(f"Resident memory (VmRSS) after one `/metrics` scrape and {args.idle_seconds:g} s idle; medians of"
@@ -139,7 +158,8 @@ def main() -> int:
     print("|---|---:|---:|")
     print(f"| `topoagent serve --root dgx-a100` | {f['ours']:.1f} MiB | {f['ratio']:.2f}× |")
     print(f"| node_exporter | {f['theirs']:.1f} MiB | 1.00× |")
-    print(f"| `topoagent serve`, generated 128-GPU node (tests/big_node.py) | {f['big']:.1f} MiB | |")
+    print(f"| `python -c 'import aiohttp.web'` alone: the floor under an agent on aiohttp | {f['floor']:.1f} MiB | {f['floor_ratio']:.2f}× |")
+    print(f"| `topoagent serve`, generated 128-GPU node (tests/big_node.py), median of {args.rounds} | {f['big']:.1f} MiB | |")
     return 0
 
 

@@ -45,7 +45,8 @@ class Generator:
 GENERATORS: dict[str, Generator] = {
     "discovery": Generator(("-m", "bench.discovery", "--markdown"), ("--runs", "7")),
     # CPU time beside lstopo on hwloc's recordings, and idle RSS beside node_exporter (#38).
-    "discovery-lstopo": Generator(("-m", "bench.discovery", "--recordings", "--markdown"), ("--runs", "5")),
+    # The command at 835f05c (before #38's import cuts of this round) measured in the same rounds.
+    "discovery-lstopo": Generator(("-m", "bench.discovery", "--recordings", "--rev", "835f05c", "--markdown"), ("--runs", "5")),
     "footprint": Generator(("-m", "bench.footprint", "--markdown"), ("--rounds", "2", "--idle-seconds", "3")),
     "placement": Generator(("-m", "bench.placement", "--only", "latency", "--markdown"), ("--quick",)),
     "simulation": Generator(("-m", "bench.placement", "--only", "simulate", "--markdown"), ("--quick",)),

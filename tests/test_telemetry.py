@@ -65,6 +65,25 @@ def test_a_counter_that_went_down_has_no_rate_never_a_negative_one():
     assert reading.rate_per_s == 1.0  # after the reset, the next interval has a rate again
 
 
+def test_a_series_read_again_keeps_its_rate_and_one_copy_of_its_labels():
+    # A 128-GPU node holds 22,784 series in each of its last two samples: the second sample
+    # of a series reuses the first one's label tuples instead of holding a copy of its own.
+    history = History()
+
+    def parse(raw):
+        return [("gpu_energy_joules_total", (("gpu", str(gpu)),), value) for gpu, value in raw]
+
+    history.add(Sample("nvml_counters", 0.0, [(0, 10.0), (1, 20.0)]), parse)
+    first = {r.labels: r.labels for r in history.readings()}
+    history.add(Sample("nvml_counters", 10.0, [(0, 30.0), (1, 20.0)]), parse)
+    second = history.readings()
+    assert [(r.labels, r.value, r.rate_per_s) for r in second] == [((("gpu", "0"),), 30.0, 2.0), ((("gpu", "1"),), 20.0, 0.0)]
+    assert all(r.labels is first[r.labels] for r in second)
+    history.add(Sample("nvml_counters", 20.0, [(0, 50.0), (2, 5.0)]), parse)  # GPU 1 gone, GPU 2 new
+    third = [(r.labels, r.value, r.rate_per_s) for r in history.readings()]
+    assert third == [((("gpu", "0"),), 50.0, 2.0), ((("gpu", "2"),), 5.0, None)]
+
+
 def test_ib_data_counters_are_words_and_errors_keep_their_sysfs_name():
     raw = {"mlx5_0/1/counters/port_xmit_data": "250\n", "mlx5_0/1/counters/symbol_error": "7\n",
            "mlx5_0/1/hw_counters/out_of_buffer": "2\n", "mlx5_0/1/hw_counters/rx_write_requests": "9\n",
@@ -355,3 +374,39 @@ def test_placement_keeps_off_gpus_the_counters_call_critical(tmp_path):
     assert any("left out GPU(s) 4,6" in line for line in six["explain"])
     # ...unless the request names one.
     assert 6 in {g["index"] for g in named["gpus"]}
+
+
+def test_a_recordings_counters_are_read_once_and_a_new_root_read_afresh(tmp_path):
+    # A replayed node gives every sample at the first read; the loop does not read its
+    # telemetry.json again each interval (here: a file that could no longer be read is not
+    # touched), and a root that a reload opens is a new recording, read in its turn.
+    import asyncio
+
+    from topoagent.config import Config
+    from topoagent.node.discovery import discover_sync
+    from topoagent.node.host import Host
+    from topoagent.service.counter_loop import CounterLoop
+    from topoagent.service.served import Board, Snapshot
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for root in (first, second):
+        shutil.copytree(SNAPSHOTS / "dgx-a100", root, symlinks=True)
+    hosts = [Host(first)]
+    node = discover_sync(hosts[0])
+    board = Board()
+    board.publish(snapshot=Snapshot(1, node, node.distance_matrix(), 0.0, node.collectors, {}))
+    loop = CounterLoop(board, Config, lambda: hosts[-1])
+    try:
+        asyncio.run(loop.read())
+        served = board.served.snapshot
+        assert served is not None and served.telemetry is not None and served.telemetry.readings
+        (first / "telemetry.json").write_text("{not json")
+        asyncio.run(loop.read())
+        assert board.served.snapshot is served  # nothing read, nothing new published
+        hosts.append(Host(second))
+        asyncio.run(loop.read())
+        assert board.served.snapshot is not served and board.served.snapshot.telemetry is not None
+    finally:
+        loop.close()
+        for host in hosts:
+            host.close()

@@ -24,7 +24,6 @@ import errno
 import json
 import os
 import re
-import shutil
 import stat
 import sys
 from collections.abc import Callable
@@ -633,7 +632,10 @@ class Host:
 
     def _run_blocking(self, argv: list[str], timeout: float) -> CommandResult:
         # A tool that is not installed (lldpctl often, nvidia-smi without a driver) is told
-        # by a PATH look-up: no fork, and no import of subprocess (3 ms of start-up).
+        # by a PATH look-up: no fork, and no import of subprocess (3 ms of start-up).  shutil
+        # too is imported here: it brings bz2, lzma and zlib, which a replay never needs.
+        import shutil
+
         if shutil.which(argv[0]) is None:
             raise CommandNotFound(f"{argv[0]}: command not found")
         import subprocess
