@@ -223,7 +223,7 @@ def test_past_the_cap_with_every_connection_busy_the_new_one_is_told_503():
 def test_a_kept_alive_connection_left_idle_is_closed():
     async def scenario() -> None:
         # The header timeout is far past the read's bound: only the keep-alive timeout can close it in time.
-        guard, runner, listener, port, _release, _entered = await _guarded_server(cap=8, header_timeout_s=600, keepalive_timeout_s=0.5)
+        guard, runner, listener, port, _release, _entered = await _guarded_server(cap=8, header_timeout_s=600, keepalive_timeout_s=2)
         try:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             for _ in range(2):  # kept alive: a second request on the same connection is answered
