@@ -29,10 +29,11 @@ WEDGE_HOOK = Path(__file__).resolve().parent / "wedge_hook"
 WEDGE = b"topoagent-test: this read never returns\n"
 
 
-def wedge_env() -> dict[str, str]:
-    """The environment for a child agent whose wedged files (see wedge) hang their reads."""
+def wedge_env(seen: Path | None = None) -> dict[str, str]:
+    """The environment for a child agent whose wedged files (see wedge) hang their reads;
+    each hung read's node path is appended to ``seen`` (Agent.wedged_reads) as it hangs."""
     path = os.pathsep.join(filter(None, [str(WEDGE_HOOK), os.environ.get("PYTHONPATH")]))
-    return {"PYTHONPATH": path, "TOPOAGENT_TEST_WEDGE": "1"}
+    return {"PYTHONPATH": path, "TOPOAGENT_TEST_WEDGE": "1", **({"TOPOAGENT_TEST_WEDGE_SEEN": str(seen)} if seen else {})}
 
 
 def wedge(root: Path, path: Path | None = None) -> Path:
@@ -71,9 +72,12 @@ class Agent:
     state_dir: Path
     log_path: Path
     token_file: Path | None = None
+    wedged_path: Path | None = None
 
-    def request(self, method: str, path: str, body=None, *, token: str | None = None, headers: dict | None = None, raw: bytes | None = None) -> Reply:
-        conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+    def request(self, method: str, path: str, body=None, *, token: str | None = None, headers: dict | None = None, raw: bytes | None = None,
+                timeout: float = 30) -> Reply:
+        """``timeout``: how long the answer may take (a socket timeout fails the test)."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         hdrs = dict(headers or {})
         if token is not None:
             hdrs["Authorization"] = f"Bearer {token}"
@@ -98,6 +102,12 @@ class Agent:
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def wedged_reads(self) -> list[str]:
+        """The node paths whose reads have hung on a wedged file (see wedge), in order."""
+        if self.wedged_path is None or not self.wedged_path.exists():
+            return []
+        return self.wedged_path.read_text().splitlines()
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
         if self.proc.poll() is None:
@@ -133,7 +143,8 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         args += ["--config", str(cfg)]
     args += extra or []
     log_path = tmp / f"agent-{time.monotonic_ns()}.log"
-    env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **wedge_env(), **(env or {})}
+    wedged_path = log_path.with_suffix(".wedged")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("JOURNAL_STREAM", "CREDENTIALS_DIRECTORY")}, **wedge_env(wedged_path), **(env or {})}
     # The child keeps its own copy of the descriptor; ours is closed once it is handed over.
     with open(log_path, "w") as log:
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, preexec_fn=None if nofile is None else lambda: _limit_files(nofile))
@@ -145,7 +156,7 @@ def start_agent(tmp: Path, *, root: Path | None = None, token: bool = True, conf
         proc.kill()
         proc.wait()
         raise AssertionError(f"agent did not start: {line!r}\n{log_path.read_text()}")
-    agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path, token_file)
+    agent = Agent(proc, match.group(1), int(match.group(2)), token_text, root, state_dir, log_path, token_file, wedged_path)
     if ready_timeout is not None:
         wait_ready(agent, ready_timeout)
     return agent

@@ -16,10 +16,11 @@ import time
 from pathlib import Path
 
 from schema_check import validate
-from service_helpers import Agent, metric_value, start_agent, wait_counters_read, wait_ready
+from service_helpers import Agent, metric_value, start_agent, wait_counters_read, wait_for, wait_ready
 
-# Far above what the work needs (a /healthz answer is a millisecond; the budget below is
-# seconds): only an agent whose loop is held by a search misses them.
+# A /healthz answer's bound, as a liveness probe's timeout: far above what the work needs
+# (an answer is a millisecond; the budget below is seconds), so only an agent whose loop is
+# held by a search misses it, and a miss fails the test.
 HEALTHZ_BOUND_S = 10.0
 LEVELS = ("NV1", "NV2", "NV4", "PIX", "PXB", "PHB", "NODE", "SYS")
 
@@ -66,11 +67,10 @@ def healthz_answers_while(agent: Agent, running: threading.Thread) -> int:
     within HEALTHZ_BOUND_S.  Returns how many answered."""
     answered = 0
     while running.is_alive() or answered == 0:
-        started = time.monotonic()
-        reply = agent.get("/healthz")
-        assert reply.status == 200 and time.monotonic() - started < HEALTHZ_BOUND_S, (reply.status, agent.log())
+        reply = agent.get("/healthz", timeout=HEALTHZ_BOUND_S)
+        assert reply.status == 200, (reply.status, agent.log())
         answered += 1
-        time.sleep(0.05)
+        time.sleep(0.05)  # the pace of the asking, not a wait for the agent
     return answered
 
 
@@ -92,13 +92,10 @@ def test_big_node_capacity_is_off_the_loop_and_within_its_budget(tmp_path):
     budget_ms = 3000  # long enough that /healthz is asked many times while it runs
     agent = start_agent(tmp_path, root=root, config=budget_config(budget_ms) + '[metrics]\ndetail = ["capacity"]\n')
     try:
-        started = time.monotonic()
         asking, box = in_thread(lambda: agent.get("/capacity"))
         healthz_answers_while(agent, asking)
         asking.join()
-        # The request's wait is bounded (2 x budget + 0.25 s); the margin is for a loaded machine.
-        assert time.monotonic() - started < 2 * budget_ms / 1000 + 0.25 + 60
-        assert "error" not in box, box
+        assert "error" not in box, box  # the request's wait is bounded (2 x budget + 0.25 s): it answered
         reply = box["result"]
         # Within its wait (2 x budget + 0.25 s) the figures came; a far slower machine may
         # see 503 capacity_pending instead, then the figures on asking again.
@@ -130,9 +127,9 @@ def test_big_node_capacity_is_off_the_loop_and_within_its_budget(tmp_path):
 
 def test_sigterm_stops_the_agent_while_capacity_is_computed(tmp_path):
     root = random_recording(tmp_path, 64, seed=7)
-    agent = start_agent(tmp_path, root=root, config=budget_config(20_000))
+    agent = start_agent(tmp_path, root=root, config=budget_config(20_000), extra=["--log-level", "debug"])
     asking, _ = in_thread(lambda: agent.get("/capacity"))
-    time.sleep(0.5)  # the computation is under way (it takes the whole budget)
+    wait_for("the computation under way (it takes the whole budget)", lambda: "event=capacity_computing" in agent.log(), agent)
     assert agent.get("/healthz").status == 200
     # stop() waits at most 20 s: the request in flight is drained (its wait is bounded),
     # the search's daemon thread abandoned.

@@ -339,9 +339,9 @@ def test_a_pod_rejected_for_a_lease_is_requeued_within_seconds_of_the_release(c:
     before = c.api.nodes[full.name]["metadata"].get("annotations", {}).get("topoagent.io/capacity")
     assert full.request("DELETE", f"/leases/{held['lease']['id']}", token=c.token)[0] == 200
     released = time.monotonic()
+    # Within seconds: the wait's bound, which fails the test.
     patch = wait_for("the Node's capacity annotation", lambda: next(
         (x for x in c.api.node_patch_times[len(patched_before):] if x[0] == full.name and x not in patched_before), None), timeout=5)
-    assert patch[1] - released < 5
     after = c.api.nodes[full.name]["metadata"]["annotations"]["topoagent.io/capacity"]
     assert after not in (before, "unanswered")
     print(f"extender: lease released -> Node annotated in {patch[1] - released:.2f} s")

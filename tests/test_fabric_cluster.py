@@ -331,9 +331,7 @@ def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_trace
     trickling, b = _one_shot_server("127.0.0.1", trickle)
     urls = [f"http://127.0.0.1:{a}", f"http://127.0.0.1:{b}", "http://127.0.0.1:notaport"]
     try:
-        started = time.monotonic()
-        done = cli("--agents", *urls, "--timeout", "1.5")
-        took = time.monotonic() - started
+        done = cli("--agents", *urls, "--timeout", "1.5")  # cli() bounds the whole run: a hang fails it
     finally:
         not_http.close()
         trickling.close()
@@ -343,7 +341,6 @@ def test_a_hostile_or_broken_agent_is_an_error_naming_it_never_a_hang_or_a_trace
     assert lines[0].startswith(f"topoagent cluster-topology: {urls[0]}: BadStatusLine: SSH-2.0")
     assert lines[1] == f"topoagent cluster-topology: {urls[1]}: no answer within 1.5 s"
     assert lines[2].startswith(f"topoagent cluster-topology: {urls[2]}: InvalidURL: nonnumeric port")
-    assert took < 20
     for timeout in ("nan", "inf", "0"):
         bad = cli("--agents", urls[0], "--timeout", timeout)
         assert bad.returncode == 2 and "--timeout" in bad.stderr
@@ -374,9 +371,9 @@ def test_the_kueue_name_is_a_kubernetes_name_or_refused(tmp_path: Path, name: st
     assert done.returncode == 2 and done.stdout == "" and "--kueue-name" in done.stderr, done.stderr
 
 
-def _one_shot_server(host: str, answer, accepted: list[str] | None = None) -> tuple[socket.socket, int]:
-    """A listener on ``host`` that answers its first connection with ``answer(conn)``;
-    ``accepted`` gets each request it was sent.  Daemon threads, closed by the caller."""
+def _one_shot_server(host: str, answer) -> tuple[socket.socket, int]:
+    """A listener on ``host`` that answers its first connection with ``answer(conn)``.
+    Daemon threads, closed by the caller."""
     import threading
 
     listener = socket.socket()
@@ -391,9 +388,7 @@ def _one_shot_server(host: str, answer, accepted: list[str] | None = None) -> tu
             return
         with conn:
             try:
-                request = conn.recv(65536)
-                if accepted is not None:
-                    accepted.append(request.decode(errors="replace"))
+                conn.recv(65536)
                 answer(conn)
             except OSError:
                 pass
@@ -405,13 +400,16 @@ def _one_shot_server(host: str, answer, accepted: list[str] | None = None) -> tu
 def test_a_redirect_is_never_followed_so_the_token_stays_with_the_agent_asked(tmp_path: Path) -> None:
     """An agent answering 302 to another host: the token would go along if the redirect
     were followed.  It is that agent's error, on one line; the other host hears nothing."""
-    import time
+    import select
 
     token = tmp_path / "token"
     token.write_text("s3cret-not-for-others\n")
     token.chmod(0o600)
-    heard: list[str] = []
-    elsewhere, port_b = _one_shot_server("127.0.0.2", lambda conn: conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"), heard)
+    # The other host only listens: a connection made to it waits in its backlog, to be seen below.
+    elsewhere = socket.socket()
+    elsewhere.bind(("127.0.0.2", 0))
+    elsewhere.listen(4)
+    port_b = elsewhere.getsockname()[1]
     redirect = f"HTTP/1.1 302 Found\r\nLocation: http://127.0.0.2:{port_b}/topology\r\nContent-Length: 0\r\n\r\n".encode()
     redirecting, port_a = _one_shot_server("127.0.0.1", lambda conn: conn.sendall(redirect))
     looping, port_c = _one_shot_server("127.0.0.1", lambda conn: conn.sendall(
@@ -419,12 +417,13 @@ def test_a_redirect_is_never_followed_so_the_token_stays_with_the_agent_asked(tm
     urls = [f"http://127.0.0.1:{port_a}", f"http://127.0.0.1:{port_c}"]
     try:
         done = cli("--agents", *urls, "--token-file", str(token), "--timeout", "5")
-        time.sleep(0.2)  # a follower would have connected by now
+        # The command has exited: any connection it made to the other host is in the backlog now.
+        followed, _, _ = select.select([elsewhere], [], [], 0)
     finally:
         for listener in (elsewhere, redirecting, looping):
             listener.close()
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert heard == [], heard
+    assert followed == [], "the redirect was followed to the other host"
     assert done.stderr.splitlines() == [
         f"topoagent cluster-topology: {urls[0]}: HTTP 302 redirect to http://127.0.0.2:{port_b}/topology; not followed",
         f"topoagent cluster-topology: {urls[1]}: HTTP 301 redirect to /topology; not followed",

@@ -16,13 +16,12 @@ import signal
 import subprocess
 import sys
 import tarfile
-import time
 from io import BytesIO
 from pathlib import Path
 
 import pytest
 from fakenode import FakeNode
-from service_helpers import TOPO_RECORDING, Agent, make_root, start_agent, wedge
+from service_helpers import TOPO_RECORDING, Agent, make_root, start_agent, wait_for, wedge
 
 from topoagent.collectors.numa import read_numa
 from topoagent.node import host as host_module
@@ -144,9 +143,7 @@ def test_timed_out_discoveries_leave_no_thread_and_no_process_behind(tmp_path):
         # Short timeouts from now on (SIGHUP), and a read that never returns.
         (tmp_path / "topoagent.toml").write_text("[discovery]\ntimeout_s = 0.5\ninterval_s = 3600\n")
         agent.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 20
-        while "event=reloaded" not in agent.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the reload", lambda: "event=reloaded" in agent.log(), agent)
         wedge(agent.root)
         for _ in range(10):
             reply = agent.post("/refresh", token=agent.token).json()

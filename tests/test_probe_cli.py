@@ -84,11 +84,14 @@ def test_timeout_covers_planning_too(monkeypatch, capsys):
     import topoagent.commands.probe as probe_cmd
     import topoagent.probes.runner as runner
 
-    real_plan = probe_cmd.build_round_plan
+    real_plan, real_clock = probe_cmd.build_round_plan, time.monotonic
+    late = [0.0]  # how far planning moved the clock on
 
     def slow_plan(*args, **kwargs):
-        time.sleep(0.3)
+        late[0] += 0.3  # planning "took" 0.3 s of the command's clock; no real time need pass
         return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(time, "monotonic", lambda: real_clock() + late[0])
 
     def no_worker(*args, **kwargs):
         raise AssertionError("the worker must not start once the budget is spent")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from service_helpers import make_root, metric_value, start_agent, wedge
+from service_helpers import make_root, metric_value, start_agent, wait_for, wedge
 
 # 50 clients on one address making 1000 changes in seconds: past the default rate limit
 # per client address (tests/test_service_doors.py holds that limit), which is not what
@@ -151,7 +151,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path):
 
     worker = threading.Thread(target=slow_request)
     worker.start()
-    time.sleep(0.4)  # the refresh is in flight, waiting on the stuck read
+    wait_for("the refresh's discovery stuck on the wedged read", agent.wedged_reads, agent)
     agent.proc.send_signal(signal.SIGTERM)
     worker.join(timeout=20)
     assert agent.proc.wait(timeout=20) == 0
@@ -167,17 +167,12 @@ def test_sighup_reloads_config(tmp_path):
         assert agent.get("/topology").status == 200
         (tmp_path / "topoagent.toml").write_text("[http]\nrequire_token_for_reads = true\n")
         agent.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while agent.get("/topology").status != 401 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert agent.get("/topology").status == 401
+        wait_for("reads refused without the token", lambda: agent.get("/topology").status == 401, agent)
         assert agent.get("/topology", token=agent.token).status == 200
         # a broken file is refused and the running config stays
         (tmp_path / "topoagent.toml").write_text("[http]\nrequire_token_for_reads = 3\n")
         agent.proc.send_signal(signal.SIGHUP)
-        deadline = time.monotonic() + 10
-        while "event=reload_failed" not in agent.log() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for("the broken file refused", lambda: "event=reload_failed" in agent.log(), agent)
         assert "http.require_token_for_reads" in agent.log()
         assert agent.get("/topology").status == 401
     finally:

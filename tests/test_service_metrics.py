@@ -7,12 +7,11 @@ import gzip
 import json
 import shutil
 import subprocess
-import time
 
 import pytest
 from conftest import FIXTURES, REPO
 from prometheus_client.parser import text_string_to_metric_families
-from service_helpers import DCGM_LABELS_LINT, metric_value, promtool_complaints, start_agent, wait_counters_read
+from service_helpers import DCGM_LABELS_LINT, metric_value, promtool_complaints, start_agent, wait_counters_read, wait_for
 
 from topoagent.config import Config
 from topoagent.exporters.prometheus import SERVED_WITH_DETAIL, MetricsPage
@@ -306,11 +305,10 @@ def test_counters_are_served_from_the_first_snapshot_not_an_interval_later(tmp_p
     (they were missing for a whole interval, 10 s by default)."""
     agent = start_agent(tmp_path, root=SNAPSHOTS / "dgx-a100", config="[telemetry]\ninterval_s = 3600\n")
     try:
-        deadline = time.monotonic() + 120  # a bound for a loaded machine, not an expectation
-        page = ""
-        while "topoagent_infiniband_port_received_bytes_total{" not in page and time.monotonic() < deadline:
+        def counters_served() -> bool:
             reply = agent.get("/metrics")
-            page = reply.body.decode() if reply.status == 200 else ""
-        assert "topoagent_infiniband_port_received_bytes_total{" in page, agent.log()[-2000:]
+            return reply.status == 200 and "topoagent_infiniband_port_received_bytes_total{" in reply.body.decode()
+
+        wait_for("the recorded InfiniBand counters on /metrics", counters_served, agent, timeout=120)  # a bound for a loaded machine, not an expectation
     finally:
         assert agent.stop() == 0

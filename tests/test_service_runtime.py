@@ -36,10 +36,9 @@ def facts():
 async def first_snapshot(agent: Agent) -> None:
     """Wait for the agent's first discovery (at most 30 s): a loaded machine takes longer
     than any fixed pause, and a fixed pause is what made these tests flaky."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + 30
-    while agent.snapshot is None and loop.time() < give_up:
-        await asyncio.sleep(0.01)
+    async with asyncio.timeout(30):  # past it, TimeoutError fails the test
+        while agent.snapshot is None:
+            await asyncio.sleep(0.01)
 
 def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
     runs: list[float] = []
@@ -57,19 +56,21 @@ def test_a_burst_of_device_events_triggers_one_rediscovery(tmp_path, facts):
                              telemetry_enabled=False), discover=counting)
         await agent.start()
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + 30
-        while agent.snapshot is None and loop.time() < give_up:
-            await asyncio.sleep(0.01)
+        await first_snapshot(agent)
         assert len(runs) == 1  # startup
         # a NIC reset: a flurry of changes on net and infiniband, spread over 0.6 s
         for n in range(30):
             agent.on_device_event("net" if n % 2 else "infiniband", "change", f"ibp{n}s0")
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.02)  # the burst's own pace
         assert len(runs) == 1  # still settling: each event restarted the debounce
-        give_up = loop.time() + 30
-        while (len(runs) < 2 or agent.snapshot.version < 2) and loop.time() < give_up:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(2 * debounce)  # room for a second run, if the burst wrongly made two
+        # Due after every debounce timer the burst could have left: had it wrongly left
+        # more than one, their runs have started by the time this one fires.
+        settled = asyncio.Event()
+        loop.call_later(debounce, settled.set)
+        async with asyncio.timeout(30):
+            await settled.wait()
+            while len(runs) < 2 or agent.snapshot.version < len(runs):  # each run started has published
+                await asyncio.sleep(0.05)
         assert len(runs) == 2
         assert agent.snapshot.version == 2 and not agent.snapshot.stale
         await agent.stop()

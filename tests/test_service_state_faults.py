@@ -13,12 +13,10 @@ import asyncio
 import errno
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -112,17 +110,17 @@ def test_the_lease_sweeper_survives_a_state_directory_that_fails(tmp_path):
         assert "loop=lease_sweep" in failed_lines()[0] and "Too many levels of symbolic links" in failed_lines()[0]
         refused = agent.post("/place", {"gpus": 1, "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
         assert refused.status != 200  # nothing is acknowledged that is not on disk
-        # It keeps answering while the sweeper fails (and retries, once a second) for 3 s.
-        until = time.monotonic() + 3
-        while time.monotonic() < until:
+        # It keeps answering while the sweeper fails (and retries, once a second).
+        for _ in range(10):
             assert agent.get("/healthz").status == 200
             assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]  # served as it was
-            time.sleep(0.1)
 
         state_file.unlink()
         state_file.with_name("kept").rename(state_file)
-        recovered = wait_for("the sweeper recovered", lambda: re.search(r"event=loop_recovered loop=lease_sweep failures=(\d+)", agent.log()), agent)
-        assert len(failed_lines()) < int(recovered.group(1))  # not a line per try
+        wait_for("the sweeper recovered", lambda: "event=loop_recovered loop=lease_sweep failures=" in agent.log(), agent)
+        # One line for the episode however many tries it took (a line a minute at most:
+        # test_a_background_loop_outlives_every_kind_of_failure counts them on its own clock).
+        assert len(failed_lines()) == 1, failed_lines()
         assert [le["id"] for le in agent.get("/leases").json()["leases"]] == [held["id"]]
         more = agent.post("/place", {"gpus": 4, "reserve": {"owner": "job-c", "ttl_s": 60}}, token=agent.token)
         assert more.status == 200 and not set(more.json()["lease"]["gpus"]) & set(held["gpus"])

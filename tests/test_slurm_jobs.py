@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES, WITHOUT_GPU_STACK
-from service_helpers import start_agent, without_leases
+from service_helpers import start_agent, wait_for, without_leases
 from slurm_cluster import SlurmCluster, SlurmNode, gres_device_files
 from test_slurm import DGX_A100_HARDWARE, DGX_A100_SOCKETS, synthetic_cpus
 
@@ -240,10 +240,9 @@ def test_an_unreachable_agent_fails_the_prolog_unless_allowed(tmp_path):
     (tmp_path / "token").chmod(0o600)
     job = {"SLURM_JOB_ID": "5", "SLURM_JOB_GPUS": "0"}
     port = _closed_port()
-    started = time.monotonic()
     done = slurm_verb("prolog", f"http://127.0.0.1:{port}", tmp_path, job, "--timeout", "1")
     assert done.returncode == 1 and done.stderr.startswith("topoagent slurm prolog: agent unreachable:"), done.stderr
-    assert len(done.stderr.splitlines()) == 1 and time.monotonic() - started < 30
+    assert len(done.stderr.splitlines()) == 1
     done = slurm_verb("prolog", f"http://127.0.0.1:{port}", tmp_path, job, "--timeout", "1", "--if-agent-down", "allow")
     assert done.returncode == 0 and "--if-agent-down allow" in done.stderr and len(done.stderr.splitlines()) == 1
 
@@ -302,9 +301,9 @@ def test_a_node_not_ready_for_placement_fails_the_prolog_at_once_even_when_allow
     agent = start_agent(tmp_path, root=SNAPSHOTS / "no-fabric-manager")
     try:
         job = {"SLURM_JOB_ID": "12", "SLURM_JOB_GPUS": "0,1"}
-        started = time.monotonic()
         done = slurm_verb("prolog", agent.url, tmp_path, job, "--timeout", "40", "--if-agent-down", "allow")
-        assert time.monotonic() - started < 20  # not retried until the 40 s deadline
+        # Not retried until the 40 s deadline: that would end as an agent down, which
+        # --if-agent-down allow lets pass (exit 0); the 503's own words and exit 1 say it was a no.
         assert done.returncode == 1 and done.stdout == "" and len(done.stderr.splitlines()) == 1, done.stderr
         assert done.stderr.startswith("topoagent slurm prolog: POST /place for GPUs 0,1 (Slurm's 0,1): HTTP 503: "
                                       "not ready for placement: nvswitch-no-nvlink (nvswitch): 6 NVSwitch(es)"), done.stderr
@@ -344,16 +343,6 @@ def write_wrappers(directory: Path, agent_url: str, token: Path, state_dir: Path
     return [*lines, "PrologFlags=Alloc"]
 
 
-def poll(what: str, check, timeout: float = 60.0, diagnose=lambda: ""):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"never saw {what} within {timeout} s\n{diagnose()}")
-
-
 def read_env(path: Path) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
 
@@ -379,8 +368,8 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
             srun = subprocess.Popen(["srun", "--gres=gpu:4", "-n", "4", "sh", "-c", task], env=cluster.env, cwd=tmp_path,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             try:
-                envs = poll("four tasks started", lambda: len(list(out.glob("task.*.env"))) == 4 and
-                            [read_env(out / f"task.{i}.env") for i in range(4)], diagnose=diagnose)
+                envs = wait_for("four tasks started", lambda: len(list(out.glob("task.*.env"))) == 4 and
+                                [read_env(out / f"task.{i}.env") for i in range(4)], timeout=60, log=diagnose)
                 job = envs[0]["SLURM_JOB_ID"]
                 owner = f"slurm-job-{job}"
                 (lease,) = leases_of(agent, owner)  # taken before the tasks started (PrologFlags=Alloc)
@@ -390,7 +379,7 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
                 (out / "go").touch()
                 _, srun_err = srun.communicate(timeout=120)
             assert srun.returncode == 0, srun_err
-            poll("the lease released after the job", lambda: leases_of(agent, owner) == [], diagnose=diagnose)
+            wait_for("the lease released after the job", lambda: leases_of(agent, owner) == [], timeout=60, log=diagnose)
             assert not (tmp_path / "jobs" / f"job-{job}.json").exists()
 
             # What each task should have been told: the agent's own placement of these GPUs.
@@ -411,7 +400,7 @@ def test_a_slurm_jobs_lease_exists_exactly_while_it_runs_and_each_task_gets_its_
             (second,) = [lease for lease in held if lease["owner"] == f"slurm-job-{env['SLURM_JOB_ID']}"]
             assert env["TOPOAGENT_GPUS"] == ",".join(map(str, second["gpus"])) == env["CUDA_VISIBLE_DEVICES"]
             assert env["TOPOAGENT_CPU_BIND"].startswith("mask_cpu:") and env["TOPOAGENT_CPU_BIND"].count(",") == 1
-            poll("the second lease released", lambda: leases_of(agent, second["owner"]) == [], diagnose=diagnose)
+            wait_for("the second lease released", lambda: leases_of(agent, second["owner"]) == [], timeout=60, log=diagnose)
     finally:
         agent.stop()
 
@@ -471,13 +460,13 @@ def test_a_batch_jobs_script_is_bound_and_cancelling_it_releases_its_lease(tmp_p
             # namespace, which reaps no one; its zombie would keep the job COMPLETING and the epilog unrun.
             job = cluster.run("sbatch", "--parsable", "--gres=gpu:2", "--output=/dev/null", "--wrap", f"env > {told}.part; mv {told}.part {told}; exec sleep 600").stdout.strip()
             owner = f"slurm-job-{job}"
-            (lease,) = poll(f"job {job}'s lease", lambda: leases_of(agent, owner), diagnose=diagnose)
+            (lease,) = wait_for(f"job {job}'s lease", lambda: leases_of(agent, owner), timeout=60, log=diagnose)
             # The batch script is the job's one task on the node: both GPUs in rank order, and a mask per rank for its srun.
-            env = read_env(poll("the batch script's environment", told.exists, diagnose=diagnose) and told)
+            env = read_env(wait_for("the batch script's environment", told.exists, timeout=60, log=diagnose) and told)
             assert env["TOPOAGENT_GPUS"] == ",".join(map(str, lease["gpus"])) == env["CUDA_VISIBLE_DEVICES"], env
             assert re.fullmatch(r"mask_cpu:0x[0-9a-f]+,0x[0-9a-f]+", env["TOPOAGENT_CPU_BIND"]) and env["TOPOAGENT_LEASE"] == lease["id"]
             cluster.run("scancel", job)
-            poll(f"job {job}'s lease released after scancel", lambda: leases_of(agent, owner) == [], diagnose=diagnose)
+            wait_for(f"job {job}'s lease released after scancel", lambda: leases_of(agent, owner) == [], timeout=60, log=diagnose)
             assert cluster.wait_job(job) == "CANCELLED"
     finally:
         agent.stop()

@@ -10,7 +10,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jsonschema
@@ -34,12 +33,11 @@ def samples_of(root: Path) -> list[dict]:
 
 def scrape_with_telemetry(agent, timeout: float = 20) -> str:
     """/metrics once the telemetry loop has served its first read."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def page() -> str | None:
         text = agent.get("/metrics").body.decode()
-        if 'collector="pcie_aer"' in text or time.monotonic() > deadline:
-            return text
-        time.sleep(0.1)
+        return text if 'collector="pcie_aer"' in text else None
+
+    return wait_for("the counters' first read on /metrics", page, agent, timeout=timeout)
 
 
 def telemetry_findings(agent) -> list[dict]:
@@ -252,7 +250,12 @@ def test_a_hung_source_times_out_alone_and_metrics_still_answer(tmp_path):
     agent = start_agent(tmp_path, root=root, config=FAST + "timeout_s = 0.5\n")
     try:
         text = scrape_with_telemetry(agent)
-        time.sleep(1.5)  # more reads while the first is still stuck
+        wait_for("the first read stuck on the wedged counter", agent.wedged_reads, agent)
+
+        def read_again_while_stuck() -> bool:  # a later read found the first one still hanging
+            return any("the previous read has not returned" in f["message"] for f in telemetry_findings(agent))
+
+        wait_for("a later read finding the first still stuck", read_again_while_stuck, agent)
         again = agent.get("/metrics").body.decode()  # answers from the cache while the read hangs
     finally:
         agent.stop()
@@ -319,7 +322,9 @@ def test_a_source_that_worked_once_or_failed_twice_is_no_finding():
 def test_telemetry_off_serves_no_counters(tmp_path):
     agent = start_agent(tmp_path, root=SNAPSHOTS / "degraded", config="[telemetry]\nenabled = false\ninterval_s = 0.2\n")
     try:
-        time.sleep(1.0)
+        # With telemetry on, the counters' first read is served with the first snapshot
+        # (tests/test_service_metrics.py), long before a second discovery run ends.
+        assert agent.post("/refresh", token=agent.token).status == 200
         text = agent.get("/metrics").body.decode()
     finally:
         agent.stop()

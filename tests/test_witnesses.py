@@ -11,11 +11,10 @@ import json
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 from conftest import FIXTURES, TESTS
-from service_helpers import start_agent
+from service_helpers import start_agent, wait_for
 
 from topoagent.collectors import ib_counters
 from topoagent.commands.discover import discover_root
@@ -174,12 +173,8 @@ def test_the_real_qib0_counters_saturated_at_2_32_minus_1_are_each_a_warning(tmp
     assert (root / "sys/class/infiniband/qib0/ports/1/counters/port_xmit_data").read_text().strip() == "4294967295"
     agent = start_agent(tmp_path, root=root, config="[telemetry]\ninterval_s = 0.5\n")
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            findings = [f for f in agent.get("/topology").json()["findings"] if f["kind"] == "counter-stuck"]
-            if findings or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
+        findings = wait_for("counter-stuck findings", lambda: [f for f in agent.get("/topology").json()["findings"] if f["kind"] == "counter-stuck"],
+                            agent, timeout=30)
     finally:
         assert agent.stop() == 0
     said = {(f["subject"], f["message"].split(" ", 1)[0]): f for f in findings}

@@ -63,6 +63,7 @@ class CapacityLoop:
             assert snapshot is not None
             matrix, (_, leased, running, _) = snapshot.matrix, key
             live, budget = self.live(), self.config().placement_capacity_budget_ms
+            log_event("capacity_computing", logging.DEBUG, snapshot_version=key[0], budget_ms=budget)
             started = time.monotonic()
             try:
                 computed = await run_in_daemon_thread(
