@@ -22,7 +22,7 @@ from topoagent.collectors.counters import COUNTER, GAUGE, Context, CounterSource
 from topoagent.collectors.pci import PciParseError, normalize_address
 from topoagent.node.cpulist import CpuListError, format_cpulist, parse_cpulist
 from topoagent.node.host import Host
-from topoagent.text import machine_text
+from topoagent.text import cut, machine_text
 from topoagent.vocabulary import FindingKind, MetricsDetail, Severity
 
 # Same words live and replayed, so a snapshot replays to the same output.
@@ -579,8 +579,10 @@ async def collect(host: Host) -> CollectorResult[NvmlInfo]:
             try:
                 data = await off_loop(read_live)
             except NoData as exc:
-                host.note_nvml({"no_data": str(exc)})  # a snapshot keeps why, for its replay to say
-                raise
+                # A snapshot keeps why, for its replay to say: cut to what the replay reads back.
+                why = cut(str(exc), _NO_DATA_MAX_CHARS)
+                host.note_nvml({"no_data": why})
+                raise NoData(why) from None
             host.note_nvml(data)
         else:
             data = recorded_nvml(host)

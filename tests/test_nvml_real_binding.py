@@ -110,6 +110,23 @@ def test_a_snapshot_keeps_why_nvml_was_absent_and_its_replay_says_it(nvml_stub: 
     assert replayed["message"] == live["message"]
 
 
+def test_a_long_reason_nvml_is_absent_is_kept_as_its_replay_reads_it_back(tmp_path, monkeypatch):
+    """A snapshot must never write a no_data its own replay refuses: the reason is cut to
+    what the replay reads, and live and replay say the same words."""
+
+    def absent() -> dict:
+        raise NoData(f"{nvml.NO_NVML} (nvmlInit: {'a long driver message ' * 40})")
+
+    monkeypatch.setattr(nvml, "read_live", absent)
+    host = Host("/", record=True)
+    live = _collect(host)
+    assert host.recording is not None and host.recording.nvml is not None
+    (tmp_path / "nvml.json").write_text(json.dumps(host.recording.nvml))
+    replayed = _collect(Host(str(tmp_path)))
+    assert live.status == replayed.status == Status.NO_DATA
+    assert replayed.message == live.message and (live.message or "").startswith(f"{nvml.NO_NVML} (nvmlInit: a long")
+
+
 @pytest.mark.parametrize("no_data", [None, 7, "", "x" * 501])
 def test_a_recording_whose_nvml_no_data_is_no_reason_is_refused_by_name(tmp_path, no_data):
     (tmp_path / "nvml.json").write_text(json.dumps({"no_data": no_data}))
