@@ -72,7 +72,6 @@ class Waiting:
     offered: set[str] | None = None
 
 
-
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
     """What the holds read of a node: its agent's ``/capacity`` counts and ``/leases``."""
@@ -359,7 +358,6 @@ class Holds:
                        for pod, node, since in self.guards_now()],
             "settings": {"min_gpus": self.min_gpus, "after_s": self.after_s, "ttl_s": self.ttl_s, "guard_s": self.guard_s},
         }
-
 
 
 Loads = Callable[[], Awaitable[dict[str, NodeLoad]]]
