@@ -20,7 +20,7 @@ from service_helpers import promtool_complaints, wait_for
 
 from bench.cluster import RESOURCE, Cluster, ExtenderQueue, _request, cluster
 from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream
-from topoagent.cluster.extender.holds import Holds, NodeLoad
+from topoagent.cluster.extender.holds import MAX_OFFERED, Holds, NodeLoad
 from topoagent.cluster.extender.wire import PodRef
 
 HOLD_AFTER = "0.3"
@@ -431,3 +431,16 @@ def test_a_hold_takes_a_node_kube_scheduler_offered_the_waiting_pod_over_a_soone
     now[0] += 30
     sooner, later = NodeLoad(8, 7, ((50.0, 1),)), NodeLoad(8, 0, ((90.0, 8),))
     assert [h.node for h in holds.take({"near": sooner, "far": later})] == ["far"]
+
+
+def test_a_pod_offered_more_nodes_than_remembered_may_hold_any() -> None:
+    now = [100.0]
+    holds = Holds(min_gpus=8, after_s=30, ttl_s=300, guard_s=0, clock=lambda: now[0])
+    big = PodRef("jobs", "big", "uid-big")
+    holds.honour(big, 8, ["far"], [], {}, {})
+    holds.honour(big, 8, [f"node-{i}" for i in range(MAX_OFFERED)], [], {}, {})  # past the bound: any node
+    holds.honour(big, 8, ["far"], [], {}, {})  # and it stays so
+    assert holds.waiting["uid-big"].offered is None
+    now[0] += 30
+    sooner, later = NodeLoad(8, 7, ((50.0, 1),)), NodeLoad(8, 0, ((90.0, 8),))
+    assert [h.node for h in holds.take({"near": sooner, "far": later})] == ["near"]

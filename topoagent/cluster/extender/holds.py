@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,7 +55,9 @@ from topoagent.cluster.podwatch import finished, object_field, text_field
 from topoagent.log import log, log_event
 
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
-MAX_OFFERED = 10_000  # nodes remembered as offered to one waiting pod; past it, any node
+# Nodes remembered as offered to one waiting pod (names interned: shared between pods); past it,
+# any node, as before any offer: with 10,000 pods waiting, a few tens of MB at most.
+MAX_OFFERED = 256
 MAX_NEVER = 10_000  # pods that hold no node again, remembered; the oldest out past it
 RELEASES = ("bound", "deleted", "ended")  # why a hold ended other than expiry, for /metrics
 
@@ -70,6 +73,7 @@ class Waiting:
     # it cannot use, or one that was full each time: a hold (minutes) takes an offered node
     # where there is one; a guard (seconds, once per node) keeps any.
     offered: set[str] | None = None
+    offered_too_many: bool = False  # more than MAX_OFFERED: any node, whatever it is offered next
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,13 +176,16 @@ class Holds:
                 return
             self.unplaced(ref, gpus)
 
-    @staticmethod
-    def _offered(waiting: Waiting, offered: Iterable[str]) -> None:
-        names = set(offered)
+    def _offered(self, waiting: Waiting, offered: Iterable[str]) -> None:
+        if not self.after_s or waiting.offered_too_many:  # only a hold reads them
+            return
+        names = {sys.intern(name) for name in offered}
         if names:
-            waiting.offered = (waiting.offered or set()) | names
-            if len(waiting.offered) > MAX_OFFERED:  # bounded: past it, any node (as before any offer)
-                waiting.offered = None
+            merged = (waiting.offered or set()) | names
+            if len(merged) > MAX_OFFERED:
+                waiting.offered, waiting.offered_too_many = None, True
+            else:
+                waiting.offered = merged
 
     def forget(self, uid: str, reason: str) -> Hold | None:
         """The pod bound, was deleted or ended: its hold (returned) ends, it waits no more."""
