@@ -124,6 +124,23 @@ def test_the_clocks_left_unread_for_a_first_answer_are_read_after_its_steps(monk
             deadline.tick()
 
 
+def test_unread_steps_that_run_to_the_deadline_stop_there(monkeypatch):
+    """The cheap tries' unread steps (to_deadline) stop at the deadline by the wall clock
+    all the same: at 128 GPUs a step costs up to ~100 us, and thousands of them would answer
+    far past it."""
+    wall = StepClock(0.0)  # moved by hand
+    monkeypatch.setattr(deadline_module, "clock", StepClock(0.0))  # the CPU clock never says stop
+    monkeypatch.setattr(deadline_module, "wall_clock", wall)
+    deadline = deadline_module.Deadline(0.02)
+    deadline.unread, deadline.unread_to_deadline = 10_000, True
+    for _ in range(40):
+        deadline.tick()
+    wall.now += 0.02
+    with pytest.raises(deadline_module.DeadlineReached):
+        for _ in range(deadline_module.Deadline.CHECK_EVERY):
+            deadline.tick()
+
+
 def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answer: Placement) -> None:
     """Every GPU free, k distinct ones, include and exclude met."""
     assert len(set(answer.indices)) == request.gpus

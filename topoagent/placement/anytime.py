@@ -129,7 +129,7 @@ class Anytime:
         # cuts is then at the best bandwidth these tries find, not the lowest threshold's.
         lo, known = 0, seed
         hi = len(present) - 1 if self.k > 2 else 0  # a pair: the exact search is as quick
-        with self._unhurried(BANDWIDTH_FIRST_STEPS):
+        with self._unhurried(BANDWIDTH_FIRST_STEPS, to_deadline=True):
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 found = self._offer(self._cheap_set(present[mid], self.candidates | self.include))
@@ -182,18 +182,20 @@ class Anytime:
             return self._offer(self.bb.search_at(r, stop_at_first=True))
 
     @contextmanager
-    def _unhurried(self, steps: float = math.inf) -> Iterator[None]:
+    def _unhurried(self, steps: float = math.inf, *, to_deadline: bool = False) -> Iterator[None]:
         """The deadline's clocks left unread for up to ``steps`` steps while a first answer
-        is found (a descent without backtracking, or the cheap tries); read as usual after."""
+        is found (a descent without backtracking, or the cheap tries); read as usual after.
+        ``to_deadline``: those steps still stop at the deadline itself (less the reserve), read
+        by the wall clock alone (the first answer, without it, must be found whatever it costs)."""
         deadline = self.deadline
         if deadline is None:
             yield
             return
-        deadline.unread = steps
+        deadline.unread, deadline.unread_to_deadline = steps, to_deadline
         try:
             yield
         finally:
-            deadline.unread = 0.0
+            deadline.unread, deadline.unread_to_deadline = 0.0, False
 
     def _offer(self, found: Found | None) -> Found | None:
         """Keep ``found`` as the best so far when its own order's bandwidth is higher, or
