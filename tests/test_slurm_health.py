@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 from conftest import FIXTURES
-from service_helpers import start_agent
+from service_helpers import start_agent, wait_for
 from slurm_cluster import SlurmCluster, SlurmNode
-from test_slurm_jobs import poll
 
 from topoagent.cluster.slurm import AgentRefused, critical_reason, health_action
 
@@ -96,7 +95,8 @@ def test_a_critical_finding_drains_the_node_and_its_end_resumes_it(tmp_path: Pat
         done = health(cluster, well.url)
         assert done.returncode == 0 and f"resumed {NODE}" in done.stderr
         # resumed: slurmctld pings the node again ("idle*" until it answers)
-        poll("the node idle again", lambda: node_reason(cluster)[0] == "idle", diagnose=lambda: cluster.log("slurmctld")[-2000:])
+        wait_for("the node idle again", lambda: node_reason(cluster)[0] == "idle", timeout=60,
+                 log=lambda: cluster.log("slurmctld")[-2000:])
         assert cluster.run("srun", "true", timeout=60).returncode == 0
 
         # An admin's drain is theirs: neither resumed nor given our reason.
@@ -121,7 +121,7 @@ def test_slurmd_runs_it_as_health_check_program(tmp_path: Path, agents):
     with SlurmCluster(tmp_path / "slurm", [SlurmNode(NODE)], extra_conf=conf) as cluster:
         diagnose = lambda: cluster.log("slurmd")[-3000:]  # noqa: E731
         url_file.write_text(sick.url)
-        poll("the node drained by the health check", lambda: node_reason(cluster)[1].startswith("topoagent: gpu-stack-missing"),
-             diagnose=diagnose)
+        wait_for("the node drained by the health check",
+                 lambda: node_reason(cluster)[1].startswith("topoagent: gpu-stack-missing"), timeout=60, log=diagnose)
         url_file.write_text(well.url)
-        poll("the node resumed by the health check", lambda: node_reason(cluster)[0] == "idle", diagnose=diagnose)
+        wait_for("the node resumed by the health check", lambda: node_reason(cluster)[0] == "idle", timeout=60, log=diagnose)
