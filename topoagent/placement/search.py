@@ -435,8 +435,8 @@ class Search(Bounds):
         spans: list[Span] | None = None,
     ) -> None:
         """``was``: what the parent's ring check left (see _ring_completable), or None;
-        ``spans``: the sets of NUMA nodes a better completion may still lie within (see
-        _spans_left), or None when not yet worked out."""
+        ``spans``: the sets of NUMA nodes a set as good as the limit may still lie within
+        (see _spans_left), or None when not yet worked out."""
         if self.ticker is not None:
             self.ticker.tick()
         if rem == 0:
@@ -447,36 +447,39 @@ class Search(Bounds):
         best = self.best
         if best is not None and self.stop_at_first:
             return
+        forced = 0  # GPUs every ring or path completing this branch holds
+        reach: Reach | None = None
+        if self.eff is not None and taken:
+            completable = self._ring_completable(taken, cand, rem, was)
+            if completable is None:
+                return
+            cand, forced, reach = completable
         cutoff = self.cutoff
         limit: Key | None = None
-        strict = False
         if cutoff is not None and (best is None or cutoff < best.key):
-            limit, strict = cutoff, True
-        elif best is not None:
-            limit, strict = best.key, False
-        reach: Reach | None = None
-        if spans is None:
-            forced = 0  # GPUs every ring or path completing this branch holds
-            if self.eff is not None and taken:
-                completable = self._ring_completable(taken, cand, rem, was)
-                if completable is None:
-                    return
-                cand, forced, reach = completable
-            if limit is not None and self._cut(taken, cand, rem, dmg, forced, limit, strict):
+            limit = cutoff
+            if self._cut(taken, cand, rem, dmg, forced, cutoff, strict=True):
                 return
-        if limit is not None and (reach is not None or spans is not None):
-            # Sharper than the checks above, which they then replace for every child:
-            # the same checks on the candidates of each set of NUMA nodes a better set
-            # may lie within.
-            spans = self._spans_left(taken, cand, rem, dmg, limit, strict, spans)
+        elif best is not None:
+            limit = best.key
+            if self._cut(taken, cand, rem, dmg, forced, limit, strict=False):
+                return
+        within = -1  # the candidates a set as good as the limit may hold (-1: any)
+        if limit is not None and reach is not None:
+            # Sharper, per set of NUMA nodes such a set may lie within; these cut only
+            # branches that hold nothing as good as the limit (nothing better, once no
+            # equal set can win the tie-break), and leave the candidates as they are, so
+            # every set that can win is still visited, in the same order, and the checks
+            # above still see what they saw before: the same answer.
+            ties_lose = best is not None and limit is best.key and self._best_loss(best) == 0
+            spans = self._spans_left(taken, cand, rem, dmg, limit, not ties_lose, spans)
             if spans is not None:
-                within = 0  # only GPUs in a ring on some set of nodes left can be in a better set
+                if not spans:
+                    return
+                within = 0
                 for _, span_reach in spans:
                     assert span_reach is not None  # _spans_left checked every set it keeps
                     within |= span_reach[0]
-                cand &= within
-                if cand.bit_count() < rem:
-                    return
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -497,6 +500,8 @@ class Search(Bounds):
             for v in members[:c]:
                 pick |= 1 << v
                 nxt &= allowed[v]
+            if pick & ~within:
+                continue  # every set holding it is worse than the limit
             added = self.class_damage(zones, taken, c) if c else 0
             self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans)
             if self.best is not None and self.stop_at_first:
@@ -579,14 +584,13 @@ class Search(Bounds):
     def _spans_left(
         self, taken: int, cand: int, rem: int, dmg: int, limit: Key, strict: bool, spans: list[Span] | None
     ) -> list[Span] | None:
-        """The sets of NUMA nodes that may still hold a completion of ``taken`` strictly
-        better than ``limit``, each with what its ring check leaves (see Span): those whose
-        (span, count) does not pass the limit's, where a ring or path can still be
-        completed from their candidates alone (_ring_completable) and the bounds (_cut)
-        do not rule it out.  The NUMA nodes of a better completion are one of them, so
-        when none is left no completion beats the limit.  Children only lose candidates
-        and limits only fall: a child starts from its parent's list.  None: too many sets
-        to try (SPANS_MAX)."""
+        """The sets of NUMA nodes that may still hold a completion of ``taken`` as good as
+        ``limit`` (``strict``; else better), each with what its ring check left (see
+        Span): those whose (span, count) does not pass the limit's, where a ring or path
+        can still be completed from their candidates alone (_ring_completable) and the
+        bounds (_cut) do not rule such a completion out there.  The NUMA nodes of such a
+        completion are one of them, so when none is left there is none.  Children only lose candidates and limits only
+        fall: a child starts from its parent's list.  None: too many sets (SPANS_MAX)."""
         prep = self.prep
         touched = prep.groups_of(taken)
         limit_span, limit_numa = limit[0], limit[1]
