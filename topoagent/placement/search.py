@@ -34,6 +34,7 @@ WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks e
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
 NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
 SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past this it does not
+SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
@@ -195,6 +196,9 @@ class Search(Bounds):
         self.h_adj = self.rings.level_adj(req.min_level) if req.min_level else None
         self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
         self.groups_masks: dict[int, int] = {}  # NUMA groups (a bitmask) -> their GPUs
+        # _spans_left: with one or two NUMA nodes its sets are what the checks before it
+        # see already, or one node more, and it costs more than it cuts.
+        self.spans_worth = len(prep.numa_masks) >= SPANS_NODES_MIN
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
@@ -465,7 +469,7 @@ class Search(Bounds):
             if self._cut(taken, cand, rem, dmg, forced, limit, strict=False):
                 return
         within = -1  # the candidates a set as good as the limit may hold (-1: any)
-        if limit is not None and reach is not None:
+        if limit is not None and reach is not None and self.spans_worth:
             # Sharper, per set of NUMA nodes such a set may lie within; these cut only
             # branches that hold nothing as good as the limit (nothing better, once no
             # equal set can win the tie-break), and leave the candidates as they are, so
