@@ -593,8 +593,9 @@ class Search(Bounds):
         Span): those whose (span, count) does not pass the limit's, where a ring or path
         can still be completed from their candidates alone (_ring_completable) and the
         bounds (_cut) do not rule such a completion out there.  The NUMA nodes of such a
-        completion are one of them, so when none is left there is none.  Children only lose candidates and limits only
-        fall: a child starts from its parent's list.  None: too many sets (SPANS_MAX)."""
+        completion are one of them, so when none is left there is none.  Children only
+        lose candidates and limits only fall: a child starts from its parent's list.
+        None: too many sets (SPANS_OPEN_MAX, SPANS_MAX)."""
         prep = self.prep
         touched = prep.groups_of(taken)
         limit_span, limit_numa = limit[0], limit[1]
