@@ -62,7 +62,7 @@ def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, mon
     from topoagent.placement.tables import bits
     from topoagent.vocabulary import Pattern
 
-    seen = {"cut": 0, "narrowed": 0, "checked": 0}
+    seen = {"cut": 0, "skipped": 0, "checked": 0}
     spans_left = search.Search._spans_left
 
     def checked(self, taken, cand, rem, dmg, limit, strict, spans):
@@ -84,7 +84,7 @@ def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, mon
                 assert mask & ~taken & ~within == 0, (taken, cand, rem, limit, kept, mask)
         seen["checked"] += 1
         seen["cut"] += not kept
-        seen["narrowed"] += bool(cand & ~within) and bool(kept)
+        seen["skipped"] += bool(cand & ~within) and bool(kept)
         return kept
 
     monkeypatch.setattr(search.Search, "_spans_left", checked)
@@ -96,4 +96,4 @@ def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, mon
         busy = rng.sample(range(n), rng.randint(0, n - k))
         req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
         check_answer(matrix, req, busy, place(matrix, req, busy), {})
-    assert seen["cut"] >= 10 and seen["narrowed"] >= 10, seen  # the bound was at work
+    assert seen["cut"] >= 10 and seen["skipped"] >= 10, seen  # the bound was at work
