@@ -7,6 +7,7 @@ answers at the commit named in the file."""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,53 @@ def test_the_recorded_requests_reach_the_ring_checks():
     assert len(rows) == 50
     assert all(before is not None for *_, before in rows)
     assert sum(k >= 4 for _, _, k, _ in rows) >= 30
+
+
+def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, monkeypatch):
+    """The bound per set of NUMA nodes (Search._spans_left) against brute force: on small
+    meshes of several NUMA nodes, with and without NUMA distances, every branch it cuts
+    has no completion as good as the limit it was cut against (better, where it need not
+    keep equals), and every candidate it leaves out of the sets it keeps, which the
+    branch then takes in no child, is in no such completion.  And every answer is still
+    the optimum of every term."""
+    from itertools import combinations
+
+    from topoagent.placement import search
+    from topoagent.placement.tables import bits
+    from topoagent.vocabulary import Pattern
+
+    seen = {"cut": 0, "skipped": 0, "checked": 0}
+    spans_left = search.Search._spans_left
+
+    def checked(self, taken, cand, rem, dmg, limit, strict, spans):
+        kept = spans_left(self, taken, cand, rem, dmg, limit, strict, spans)
+        if kept is None:
+            return kept
+        within = 0
+        for groups, reach in kept:
+            within |= reach[0] if reach is not None else self._groups_mask(groups)
+        cycle = self.req.pattern is Pattern.ALLREDUCE
+        for extra in combinations(list(bits(cand)), rem):
+            mask = taken | sum(1 << v for v in extra)
+            if any(self.allowed[v] & mask | 1 << v != mask for v in bits(mask)):
+                continue
+            if self.rings.ham(mask, self.r, cycle) is None:
+                continue
+            key = self.found(mask, (), self.r).key
+            if key < limit or (strict and key == limit):
+                assert mask & ~taken & ~within == 0, (taken, cand, rem, limit, kept, mask)
+        seen["checked"] += 1
+        seen["cut"] += not kept
+        seen["skipped"] += bool(cand & ~within) and bool(kept)
+        return kept
+
+    monkeypatch.setattr(search.Search, "_spans_left", checked)
+    rng = random.Random(38)
+    for _ in range(40):
+        n = rng.randint(8, 10)
+        matrix = irregular_mesh(n, seed=rng.randrange(10**6), p=rng.choice((0.3, 0.45, 0.6)), socket_size=rng.choice((2, 3, 4)))
+        k = rng.randint(3, n - 1)
+        busy = rng.sample(range(n), rng.randint(0, n - k))
+        req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
+        check_answer(matrix, req, busy, place(matrix, req, busy), {})
+    assert seen["cut"] >= 10 and seen["skipped"] >= 10, seen  # the bound was at work

@@ -88,6 +88,14 @@ partitions:
   the whole-zone rate 2L - c per GPU -- and (6) (what is taken: each GPU only adds to
   it).  A memoised Hamiltonian check runs at the leaves for sets whose links at ``t`` are
   not a clique.
+* Rings and paths per set of NUMA nodes.  Where rings or paths are checked on a node of
+  three NUMA nodes or more, a branch is also bounded on each set of NUMA nodes the best
+  set could lie within (its span and count no worse than the best's): the ring checks
+  and the bounds above on those nodes' candidates alone.  A set of nodes whose candidates hold no ring, or whose bounds say
+  every completion there is worse, drops out; the branch is cut when none is left, and
+  takes no GPU outside them.  On an irregular mesh the bounds alone would favour sockets
+  where no ring fits.  Only branches holding nothing as good as the best are cut (nothing
+  better once no tie can win the tie-break below), so the answer is the same.
 
 Everything that depends only on the matrix (bitmasks, classes, tables, answer pieces) is
 built once per matrix and kept in its ``derived_cache``.

@@ -33,6 +33,9 @@ __all__ = ["Found", "Key", "Search", "classes", "warm"]
 WARM_RANKS_MAX = 64  # thresholds whose adjacency warm() builds ahead (n masks each)
 NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
 NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
+SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past this it does not
+SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
+SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
 Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
@@ -41,6 +44,9 @@ GpuClass = tuple[int, tuple[int, ...]]
 # What a ring check leaves its branch's children: the GPUs that can still be in the set
 # (taken and candidates, peeled) and the component of their links holding what is taken.
 Reach = tuple[int, int]
+# A set of NUMA nodes (a bitmask of group numbers) a completion may lie within, and what
+# the ring check on their candidates left (None before the first).
+Span = tuple[int, Reach | None]
 
 
 @dataclass(slots=True)
@@ -189,6 +195,10 @@ class Search(Bounds):
         self.include = include
         self.h_adj = self.rings.level_adj(req.min_level) if req.min_level else None
         self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
+        self.groups_masks: dict[int, int] = {}  # NUMA groups (a bitmask) -> their GPUs
+        # _spans_left: with one or two NUMA nodes its sets are what the checks before it
+        # see already, or one node more, and it costs more than it cuts.
+        self.spans_worth = len(prep.numa_masks) >= SPANS_NODES_MIN
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
@@ -424,8 +434,13 @@ class Search(Bounds):
             ordered.sort(key=lambda item: group_key[numa_of[(item[0] & -item[0]).bit_length() - 1]])
         return ordered
 
-    def _branch(self, ci: int, taken: int, rem: int, cand: int, dmg: int, was: Reach | None = None) -> None:
-        """``was``: what the parent's ring check left (see _ring_completable), or None."""
+    def _branch(
+        self, ci: int, taken: int, rem: int, cand: int, dmg: int, was: Reach | None = None,
+        spans: list[Span] | None = None,
+    ) -> None:
+        """``was``: what the parent's ring check left (see _ring_completable), or None;
+        ``spans``: the sets of NUMA nodes a set as good as the limit may still lie within
+        (see _spans_left), or None when not yet worked out."""
         if self.ticker is not None:
             self.ticker.tick()
         if rem == 0:
@@ -444,11 +459,31 @@ class Search(Bounds):
                 return
             cand, forced, reach = completable
         cutoff = self.cutoff
+        limit: Key | None = None
         if cutoff is not None and (best is None or cutoff < best.key):
+            limit = cutoff
             if self._cut(taken, cand, rem, dmg, forced, cutoff, strict=True):
                 return
-        elif best is not None and self._cut(taken, cand, rem, dmg, forced, best.key, strict=False):
-            return
+        elif best is not None:
+            limit = best.key
+            if self._cut(taken, cand, rem, dmg, forced, limit, strict=False):
+                return
+        within = -1  # the candidates a set as good as the limit may hold (-1: any)
+        if limit is not None and reach is not None and self.spans_worth:
+            # Sharper, per set of NUMA nodes such a set may lie within; these cut only
+            # branches that hold nothing as good as the limit (nothing better, once no
+            # equal set can win the tie-break), and leave the candidates as they are, so
+            # every set that can win is still visited, in the same order, and the checks
+            # above still see what they saw before: the same answer.
+            ties_lose = best is not None and limit is best.key and self._best_loss(best) == 0
+            spans = self._spans_left(taken, cand, rem, dmg, limit, not ties_lose, spans)
+            if spans is not None:
+                if not spans:
+                    return
+                within = 0
+                for _, span_reach in spans:
+                    assert span_reach is not None  # _spans_left checked every set it keeps
+                    within |= span_reach[0]
         classes = self.classes
         while ci < len(classes) and not (classes[ci][0] & cand):
             ci += 1
@@ -469,8 +504,10 @@ class Search(Bounds):
             for v in members[:c]:
                 pick |= 1 << v
                 nxt &= allowed[v]
+            if pick & ~within:
+                continue  # every set holding it is worse than the limit
             added = self.class_damage(zones, taken, c) if c else 0
-            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach)
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans)
             if self.best is not None and self.stop_at_first:
                 return
 
@@ -547,6 +584,60 @@ class Search(Bounds):
             if taken & ~comp or comp.bit_count() < self.k:
                 return None
         return cand, forced, (reach, comp)
+
+    def _spans_left(
+        self, taken: int, cand: int, rem: int, dmg: int, limit: Key, strict: bool, spans: list[Span] | None
+    ) -> list[Span] | None:
+        """The sets of NUMA nodes that may still hold a completion of ``taken`` as good as
+        ``limit`` (``strict``; else better), each with what its ring check left (see
+        Span): those whose (span, count) does not pass the limit's, where a ring or path
+        can still be completed from their candidates alone (_ring_completable) and the
+        bounds (_cut) do not rule such a completion out there.  The NUMA nodes of such a
+        completion are one of them, so when none is left there is none.  Children only
+        lose candidates and limits only fall: a child starts from its parent's list.
+        None: too many sets (SPANS_OPEN_MAX, SPANS_MAX)."""
+        prep = self.prep
+        touched = prep.groups_of(taken)
+        limit_span, limit_numa = limit[0], limit[1]
+        if spans is None:
+            free = prep.groups_of(cand) & ~touched
+            if free.bit_count() > SPANS_OPEN_MAX:
+                return None
+            every = [touched]
+            for gi in bits(free):
+                every += [t | 1 << gi for t in every]
+            spans = [(groups, None) for groups in every]
+        tried = []
+        for groups, was in spans:
+            if touched & ~groups or (was is not None and taken & ~was[0]):
+                continue  # a member taken outside these nodes, or in no ring on them
+            count = groups.bit_count()
+            span = self.terms.numa_span(groups)
+            if span > limit_span or (span == limit_span and count > limit_numa):
+                continue
+            sub = cand & self._groups_mask(groups)
+            if was is not None:
+                sub &= was[0]  # what its own check left: the reach its next check starts from
+            if sub.bit_count() >= rem:
+                tried.append((groups, sub, was))
+        if len(tried) > SPANS_MAX:
+            return None
+        kept: list[Span] = []
+        for groups, sub, was in tried:
+            got = self._ring_completable(taken, sub, rem, was)
+            if got is None:
+                continue
+            sub, forced, reach = got
+            if not self._cut(taken, sub, rem, dmg, forced, limit, strict):
+                kept.append((groups, reach))
+        return kept
+
+    def _groups_mask(self, groups: int) -> int:
+        got = self.groups_masks.get(groups)
+        if got is None:
+            numa_masks = self.prep.numa_masks
+            got = self.groups_masks[groups] = sum(numa_masks[gi] for gi in bits(groups))
+        return got
 
     def _newcomers_cover(self, cand: int, lacking: int, rem: int, short: int) -> bool:
         """Whether ``rem`` candidates can bring the ``short`` links the members taken still
