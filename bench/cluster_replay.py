@@ -352,7 +352,7 @@ class ReplayQueue(KubeQueue):
         verdicts = [verdict(n, request) for n in fits]
         passed = [v.node for v in verdicts if v.fits]
         if self.holds is not None:
-            self.holds.honour(ref, job.gpus, [n.name for n in fits], passed, {}, {v.node: v.free for v in verdicts if v.fits})
+            self.holds.honour(ref, job.gpus, passed, {}, {v.node: v.free for v in verdicts if v.fits})
         if not passed:
             return None
         score = scores(v for v in verdicts if v.node in passed)

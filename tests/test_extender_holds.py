@@ -20,7 +20,7 @@ from service_helpers import promtool_complaints, wait_for
 
 from bench.cluster import RESOURCE, Cluster, ExtenderQueue, _request, cluster
 from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream
-from topoagent.cluster.extender.holds import MAX_OFFERED, Holds, NodeLoad
+from topoagent.cluster.extender.holds import Holds, NodeLoad
 from topoagent.cluster.extender.wire import PodRef
 
 HOLD_AFTER = "0.3"
@@ -293,37 +293,37 @@ def test_a_guard_keeps_a_node_that_fits_the_waiting_pod_from_pods_that_would_bre
     holds = Holds(min_gpus=8, after_s=0, ttl_s=300, guard_s=20, clock=lambda: now[0])
     small, later = PodRef("jobs", "small", "uid-small"), PodRef("jobs", "later", "uid-later")
     passed: list[str] = ["a", "b"]
-    holds.honour(small, 1, list(passed), passed, {}, {"a": 8, "b": 8})
+    holds.honour(small, 1, passed, {}, {"a": 8, "b": 8})
     assert passed == ["a", "b"] and holds.guards == {} and holds.waiting == {}  # no pod waits: nothing kept, nothing noted
     big = PodRef("jobs", "big", "uid-big")
-    holds.honour(big, 8, [], [], {}, {})
+    holds.honour(big, 8, [], {}, {})
     assert list(holds.waiting) == ["uid-big"] and not holds.busy()  # no holds (after_s 0): nothing for the keeper
     now[0] += 1
     passed, why = ["a", "b", "c", "d"], {}
-    holds.honour(small, 1, list(passed), passed, why, {"a": 8, "b": 5, "c": 9, "d": 16})
+    holds.honour(small, 1, passed, why, {"a": 8, "b": 5, "c": 9, "d": 16})
     # a fits the big pod only while nothing else lands there; b cannot fit it anyway; c and d keep room for it after.
     assert passed == ["b", "c", "d"] and "kept for pod jobs/big" in why["a"]
     passed, why = ["c"], {}
-    holds.honour(small, 2, list(passed), passed, why, {"c": 9})  # 2 of 9 would leave 7
+    holds.honour(small, 2, passed, why, {"c": 9})  # 2 of 9 would leave 7
     assert passed == [] and "kept for pod jobs/big" in why["c"]
     passed = ["a"]
-    holds.honour(later, 8, ["a", "c"], passed, {}, {"a": 8})  # a large pod that waited less (c did not fit it)
+    holds.honour(later, 8, passed, {}, {"a": 8})  # a large pod that waited less
     assert passed == [] and list(holds.waiting) == ["uid-big", "uid-later"]
     passed = ["a"]
-    holds.honour(big, 8, list(passed), passed, {}, {"a": 8})  # the waiting pod itself
+    holds.honour(big, 8, passed, {}, {"a": 8})  # the waiting pod itself
     assert passed == ["a"]
     passed = ["e"]
-    holds.honour(small, 1, list(passed), passed, {}, {})  # e's free GPUs unknown: not guarded
+    holds.honour(small, 1, passed, {}, {})  # e's free GPUs unknown: not guarded
     assert passed == ["e"]
     now[0] += 19
     assert [(pod.name, node) for pod, node, _ in holds.guards_now()] == [("big", "a"), ("big", "c")]
     now[0] += 1  # big's guards began 20 s ago: they end, and big keeps these nodes no more; the next in line does
     passed, why = ["a", "c"], {}
-    holds.honour(small, 2, list(passed), passed, why, {"a": 8, "c": 9})
+    holds.honour(small, 2, passed, why, {"a": 8, "c": 9})
     assert passed == [] and "kept for pod jobs/later" in why["a"] and "kept for pod jobs/later" in why["c"]
     holds.forget("uid-later", "deleted")
     passed = ["a", "c"]
-    holds.honour(small, 2, list(passed), passed, {}, {"a": 8, "c": 9})
+    holds.honour(small, 2, passed, {}, {"a": 8, "c": 9})
     assert passed == ["a", "c"]
     holds.forget("uid-big", "bound")
     assert holds.guards == {} and holds.guards_now() == []
@@ -419,28 +419,3 @@ def test_the_replay_waits_as_the_real_extender_with_guards_does(guarded: Cluster
     assert real == replayed
     assert max(real[j.id] for j in jobs if j.gpus == 8) < max(ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 0)).run(jobs)[j.id]
                                                              for j in jobs if j.gpus == 8)
-
-
-
-def test_a_hold_takes_a_node_kube_scheduler_offered_the_waiting_pod_over_a_sooner_one() -> None:
-    # kube-scheduler offers the extender only nodes that passed its own filters (taints,
-    # selectors, affinity): one never offered may be a node the large pod can never use.
-    now = [100.0]
-    holds = Holds(min_gpus=8, after_s=30, ttl_s=300, guard_s=0, clock=lambda: now[0])
-    holds.honour(PodRef("jobs", "big", "uid-big"), 8, ["far"], [], {}, {})  # offered far, which did not fit it
-    now[0] += 30
-    sooner, later = NodeLoad(8, 7, ((50.0, 1),)), NodeLoad(8, 0, ((90.0, 8),))
-    assert [h.node for h in holds.take({"near": sooner, "far": later})] == ["far"]
-
-
-def test_a_pod_offered_more_nodes_than_remembered_may_hold_any() -> None:
-    now = [100.0]
-    holds = Holds(min_gpus=8, after_s=30, ttl_s=300, guard_s=0, clock=lambda: now[0])
-    big = PodRef("jobs", "big", "uid-big")
-    holds.honour(big, 8, ["far"], [], {}, {})
-    holds.honour(big, 8, [f"node-{i}" for i in range(MAX_OFFERED)], [], {}, {})  # past the bound: any node
-    holds.honour(big, 8, ["far"], [], {}, {})  # and it stays so
-    assert holds.waiting["uid-big"].offered is None
-    now[0] += 30
-    sooner, later = NodeLoad(8, 7, ((50.0, 1),)), NodeLoad(8, 0, ((90.0, 8),))
-    assert [h.node for h in holds.take({"near": sooner, "far": later})] == ["near"]

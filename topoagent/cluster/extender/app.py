@@ -203,7 +203,7 @@ async def filter_nodes(request: web.Request) -> web.Response:
     _log_unanswered(settings, verdicts)
     holds = request.app.get(HOLDS)
     if holds is not None:
-        holds.honour(pod_ref(args.pod), wanted["gpus"], names, passed, unresolvable, {v.node: v.free for v in verdicts if v.fits})
+        holds.honour(pod_ref(args.pod), wanted["gpus"], passed, unresolvable, {v.node: v.free for v in verdicts if v.fits})
     requeue = request.app.get(REQUEUE)
     if requeue is not None:
         for verdict in verdicts:  # a change on these nodes may let the pod in: watch them for one

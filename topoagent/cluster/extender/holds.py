@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +54,6 @@ from topoagent.cluster.podwatch import finished, object_field, text_field
 from topoagent.log import log, log_event
 
 MAX_WAITING = 10_000  # waiting large pods remembered; the oldest out past it
-# Nodes remembered as offered to one waiting pod (names interned: shared between pods); past it,
-# any node, as before any offer: with 10,000 pods waiting, a few tens of MB at most.
-MAX_OFFERED = 256
 MAX_NEVER = 10_000  # pods that hold no node again, remembered; the oldest out past it
 RELEASES = ("bound", "deleted", "ended")  # why a hold ended other than expiry, for /metrics
 
@@ -67,14 +63,6 @@ class Waiting:
     pod: PodRef
     gpus: int
     since: float  # the clock's time it was first seen fitting no node
-    # The nodes kube-scheduler has offered it, gathered over its filter calls: they passed its
-    # own filters (taints, selectors, affinity, and its GPU count then), so the pod may use them.
-    # None until one reached us (its count filter left no node). A node never offered may be one
-    # it cannot use, or one that was full each time: a hold (minutes) takes an offered node
-    # where there is one; a guard (seconds, once per node) keeps any.
-    offered: set[str] | None = None
-    offered_too_many: bool = False  # more than MAX_OFFERED: any node, whatever it is offered next
-
 
 @dataclass(frozen=True, slots=True)
 class NodeLoad:
@@ -142,19 +130,13 @@ class Holds:
 
     # -- what the filter, the bind and the pod watch tell -----------------------------------
 
-    def unplaced(self, pod: PodRef, gpus: int, offered: Iterable[str] = ()) -> None:
-        """The pod fits no node now (each of its scheduling attempts that fails), among the nodes
-        kube-scheduler ``offered`` (none: its own filters left no node)."""
-        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never:
-            return
-        known = self.waiting.get(pod.uid)
-        if known is not None:
-            self._offered(known, offered)
+    def unplaced(self, pod: PodRef, gpus: int) -> None:
+        """The pod fits no node now (each of its scheduling attempts that fails)."""
+        if gpus < self.min_gpus or not pod.uid or pod.uid in self.held or pod.uid in self._never or pod.uid in self.waiting:
             return
         if len(self.waiting) >= MAX_WAITING:
             self.guards.pop(self.waiting.pop(next(iter(self.waiting))).pod.uid, None)
         self.waiting[pod.uid] = Waiting(pod, gpus, self.clock())
-        self._offered(self.waiting[pod.uid], offered)
         log_event("pod_waiting", pod=str(pod), gpus=gpus, hold_after_s=self.after_s)
         if self.after_s > 0:  # a hold will be due: the keeper looks
             self.wake.set()
@@ -175,17 +157,6 @@ class Holds:
             except (ValueError, WireError):  # PodError is a ValueError: a pod no node can take holds nothing
                 return
             self.unplaced(ref, gpus)
-
-    def _offered(self, waiting: Waiting, offered: Iterable[str]) -> None:
-        if not self.after_s or waiting.offered_too_many:  # only a hold reads them
-            return
-        names = {sys.intern(name) for name in offered}
-        if names:
-            merged = (waiting.offered or set()) | names
-            if len(merged) > MAX_OFFERED:
-                waiting.offered, waiting.offered_too_many = None, True
-            else:
-                waiting.offered = merged
 
     def forget(self, uid: str, reason: str) -> Hold | None:
         """The pod bound, was deleted or ended: its hold (returned) ends, it waits no more."""
@@ -209,12 +180,11 @@ class Holds:
         hold = self.held[holder]
         return hold if gpus <= hold.gpus else None
 
-    def honour(self, pod: PodRef, gpus: int, offered: Sequence[str], passed: list[str], unresolvable: dict[str, str],
-               free: Mapping[str, int]) -> None:
+    def honour(self, pod: PodRef, gpus: int, passed: list[str], unresolvable: dict[str, str], free: Mapping[str, int]) -> None:
         """The filter's part: keep the pod off the nodes held for another and off those a guard
         keeps (``free``: each passed node's free GPUs, where its agent said), the reason in
         ``unresolvable`` (no preemption on the node lets it in); it still passes the others.
-        Note a large pod that fits none of the nodes kube-scheduler ``offered``."""
+        Note a large pod that fits no node."""
         if self.held or self.waiting:
             ahead = self.ahead(pod.uid, gpus) if self.guard_s else {}
             for node in list(passed):
@@ -224,24 +194,24 @@ class Holds:
                     passed.remove(node)
                     unresolvable[node] = why
         if not passed:
-            self.unplaced(pod, gpus, offered)
+            self.unplaced(pod, gpus)
 
-    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, Waiting | Hold]]]:
+    def ahead(self, uid: str, gpus: int) -> dict[int, list[tuple[float, PodRef]]]:
         """The pods whose guards may keep this one (``uid``, asking for ``gpus``) off a node: those
         that have waited longer (a pod not waiting has waited least) and ask for as many GPUs or
         more; by the GPUs they ask for, the longest waiting first."""
         own = self.held.get(uid) or self.waiting.get(uid)
         mine = (own.waited_since if isinstance(own, Hold) else own.since) if own is not None else float("inf")
-        ahead: dict[int, list[tuple[float, Waiting | Hold]]] = {}
-        large = [(h, h.waited_since) for h in self.held.values()] + [(w, w.since) for w in self.waiting.values()]
-        for waiter, since in large:
-            if since < mine and waiter.gpus >= gpus:
-                ahead.setdefault(waiter.gpus, []).append((since, waiter))
+        ahead: dict[int, list[tuple[float, PodRef]]] = {}
+        large = [(h.pod, h.gpus, h.waited_since) for h in self.held.values()] + [(w.pod, w.gpus, w.since) for w in self.waiting.values()]
+        for waiter, wants, since in large:
+            if since < mine and wants >= gpus:
+                ahead.setdefault(wants, []).append((since, waiter))
         for waiters in ahead.values():
             waiters.sort(key=lambda w: w[0])
         return ahead
 
-    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, Waiting | Hold]]]) -> str | None:
+    def guarding(self, node: str, free: int | None, gpus: int, ahead: Mapping[int, list[tuple[float, PodRef]]]) -> str | None:
         """Why a guard keeps a pod asking for ``gpus`` off ``node`` with ``free`` GPUs free (None:
         not known, nothing guarded), if one does: of the pods ``ahead``, the longest waiting that
         fits there now, would not after it, and has not kept that node for ``guard_s`` already."""
@@ -251,19 +221,19 @@ class Holds:
         keepers = []
         for wants in (w for w in ahead if free >= w > free - gpus):
             for since, waiter in ahead[wants]:
-                began = self.guards.get(waiter.pod.uid, {}).get(node, now)
+                began = self.guards.get(waiter.uid, {}).get(node, now)
                 if now - began < self.guard_s:
-                    keepers.append((since, waiter.pod, wants))
+                    keepers.append((since, waiter, wants))
                     break
         if not keepers:
             return None
-        _, keeper, wants = min(keepers, key=lambda k: k[0])
-        nodes = self.guards.setdefault(keeper.uid, {})
+        _, waiter, wants = min(keepers, key=lambda k: k[0])
+        nodes = self.guards.setdefault(waiter.uid, {})
         if node not in nodes:
             nodes[node] = now
-            log_event("guard_taken", pod=str(keeper), node=node, gpus=wants, free=free, guard_s=self.guard_s)
+            log_event("guard_taken", pod=str(waiter), node=node, gpus=wants, free=free, guard_s=self.guard_s)
         self.guarded += 1
-        return (f"kept for pod {keeper}, which asks for {wants} GPUs, has found no node for longer, and fits this "
+        return (f"kept for pod {waiter}, which asks for {wants} GPUs, has found no node for longer, and fits this "
                 f"one now ({free} free): a pod asking for {gpus} would leave too few; such pods stay off this node "
                 f"until it binds, is deleted, or {self.guard_s:g} s pass")
 
@@ -295,8 +265,6 @@ class Holds:
         taken = []
         for waiting in self.due():
             nodes = {node: load for node, load in loads.items() if load.gpus >= waiting.gpus and node not in self._by_node}
-            if waiting.offered is not None and nodes.keys() & waiting.offered:
-                nodes = {node: load for node, load in nodes.items() if node in waiting.offered}
             if not nodes:
                 if loads and not any(load.gpus >= waiting.gpus for load in loads.values()):
                     self.waiting.pop(waiting.pod.uid)  # no node has that many GPUs: no hold can help
