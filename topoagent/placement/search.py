@@ -624,6 +624,10 @@ class Search(Bounds):
             return None
         kept: list[Span] = []
         for groups, sub, was in tried:
+            # Each set's ring check costs about a branch: the deadline counts it as a step
+            # (up to SPANS_MAX of them in one branch, milliseconds at 128 GPUs).
+            if self.deadline is not None:
+                self.deadline.tick()
             got = self._ring_completable(taken, sub, rem, was)
             if got is None:
                 continue
