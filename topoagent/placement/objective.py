@@ -89,7 +89,7 @@ partitions:
   it).  A memoised Hamiltonian check runs at the leaves for sets whose links at ``t`` are
   not a clique.
 * Rings and paths per set of NUMA nodes.  Where rings or paths are checked on a node of
-  three NUMA nodes or more, a branch is also bounded on each set of NUMA nodes the best
+  three NUMA nodes or more and 64 GPUs at most (at 128 the checks cost the deadline), a branch is also bounded on each set of NUMA nodes the best
   set could lie within (its span and count no worse than the best's): the ring checks
   and the bounds above on those nodes' candidates alone.  A set of nodes whose candidates hold no ring, or whose bounds say
   every completion there is worse, drops out; the branch is cut when none is left, and

@@ -35,6 +35,7 @@ NO_NICS = (0, 0.0)  # term (4) when no NICs are asked for
 NO_LIVE_COST = (0, 0)  # term (6) without live signals (placement.live)
 SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past this it does not
 SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
+SPANS_GPUS_MAX = 64  # past it (128 GPUs) a branch's per-set checks cost more than the deadline allows
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
@@ -197,8 +198,9 @@ class Search(Bounds):
         self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
         self.groups_masks: dict[int, int] = {}  # NUMA groups (a bitmask) -> their GPUs
         # _spans_left: with one or two NUMA nodes its sets are what the checks before it
-        # see already, or one node more, and it costs more than it cuts.
-        self.spans_worth = len(prep.numa_masks) >= SPANS_NODES_MIN
+        # see already, or one node more, and it costs more than it cuts; at 128 GPUs its
+        # checks made answers late (docs/benchmarks.md, the deadline block).
+        self.spans_worth = len(prep.numa_masks) >= SPANS_NODES_MIN and prep.n <= SPANS_GPUS_MAX
 
     def links_needed(self) -> bool:
         return self.k >= 2 and self.req.pattern is not Pattern.INDEPENDENT
