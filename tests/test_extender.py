@@ -81,6 +81,22 @@ def leases(c: Cluster) -> dict[str, list[dict]]:
 
 # First in the file: tests after it turn pods away, and the extender then polls those nodes
 # (requeue), capacity requests this test would count as its own.
+
+async def agents_served_by(app: Any, names: list[str], **options: Any) -> tuple[Any, Any]:
+    """(runner, Agents): ``app`` served on a loopback port as the agent of every node in
+    ``names`` (listed as if from the API server)."""
+    from aiohttp import web
+
+    from topoagent.cluster.extender import nodes
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    table = NodeTable(None)
+    table.replace(dict.fromkeys(names))
+    return runner, nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}", table, **options)
+
+
 def test_an_unchanged_node_is_answered_from_its_etag(c: Cluster) -> None:
     for node in c.nodes:  # each agent's first counter read swaps in its second snapshot: after it, nothing changes
         wait_for(f"{node.name}'s counters", lambda node=node: node.request("GET", "/topology")[1]["agent"]["snapshot_version"] >= 2,
@@ -679,12 +695,7 @@ def test_an_agents_answer_is_read_whole_refused_past_the_bound_and_kept_small() 
         app = web.Application()
         app.router.add_get("/{node}/capacity", capacity)
         app.router.add_post("/{node}/place", place)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        table = NodeTable(None)
-        table.replace({"big": None, "huge": None})  # as if listed from the API server
-        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}", table)
+        runner, agents = await agents_served_by(app, ["big", "huge"])
         try:
             etag, doc = await agents.capacity("big")
             assert doc == {"gpus": 8, "free_gpus": 8} and etag == '"1"'  # all the verdict reads, all that is kept
@@ -711,7 +722,6 @@ def test_the_sweeps_ask_at_most_concurrency_agents_at_once_and_never_hold_up_a_s
 
     from aiohttp import web
 
-    from topoagent.cluster.extender import nodes
     from topoagent.cluster.extender.wire import Candidate
 
     async def main() -> None:
@@ -733,13 +743,8 @@ def test_the_sweeps_ask_at_most_concurrency_agents_at_once_and_never_hold_up_a_s
         app = web.Application()
         app.router.add_get("/{node}/leases", leases)
         app.router.add_get("/{node}/capacity", capacity)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
         names = [f"n{i}" for i in range(7)]
-        table = NodeTable(None)
-        table.replace(dict.fromkeys([*names, "scheduled"]))
-        agents = nodes.Agents(f"http://127.0.0.1:{runner.addresses[0][1]}/{{node}}", table, concurrency=2, timeout_s=60)
+        runner, agents = await agents_served_by(app, [*names, "scheduled"], concurrency=2, timeout_s=60)
         try:
             sweep = asyncio.ensure_future(agents.each(names, agents.leases))
             async with asyncio.timeout(60):  # however slow a loaded machine is
