@@ -12,6 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from math import comb, factorial
 from pathlib import Path
@@ -382,13 +383,8 @@ def gpu_pod(name: str, gpus: int, namespace: str = "team-b", annotations: dict |
 
 
 def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
-    api = FakeApiServer()
-    plugin = start_plugin(tmp_path, kubelet, agent.url, extra=["--kube-api", api.url, "--node-name", "gpu-node-1",
-                                                                "--agent-token-file", str(agent.token_file), "--pod-resync", "2"])
     held = lambda: agent.get("/leases").json()["leases"]  # noqa: E731
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent) as (api, plugin, uuids):
         train = gpu_pod("train", 2)
         api.add_pod(train)
         uid = train["metadata"]["uid"]
@@ -422,11 +418,6 @@ def test_allocate_leases_the_gpus_for_the_pod_and_the_lease_ends_with_it(tmp_pat
         assert [x["id"] for x in held()] == [extender_lease] and "by=extender" in plugin.log()
         api.set_phase("bound", "Succeeded", "team-b")
         wait_for("the finished pod's lease released", lambda: not held(), timeout=5, log=plugin.log)
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            api.close()
 
 
 def test_a_lease_whose_pod_is_gone_is_swept_on_the_node(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
@@ -633,6 +624,26 @@ def leasing_plugin(tmp_path: Path, kubelet: FakeKubelet, agent: Agent, api: Fake
         "--kube-api", api.url, "--node-name", "gpu-node-1", "--agent-token-file", str(agent.token_file), "--pod-resync", str(resync_s)])
 
 
+@contextmanager
+def leasing(tmp_path: Path, kubelet: FakeKubelet, agent: Agent, *, through: LyingAgent | None = None,
+            resync_s: int = 2) -> Iterator[tuple[FakeApiServer, PluginProcess, list[str]]]:
+    """(API server, plugin, the 8 GPUs' UUIDs): ``leasing_plugin`` registered with kubelet and
+    listing every GPU, asking the agent through ``through`` where given; after, the plugin
+    stopped (it must exit 0), ``through`` and the API server closed."""
+    api = FakeApiServer()
+    try:
+        plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=through.url if through else None, resync_s=resync_s)
+        try:
+            kubelet.next_registration()
+            yield api, plugin, [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+        finally:
+            assert plugin.stop() == 0, plugin.log()
+    finally:
+        if through is not None:
+            through.close()
+        api.close()
+
+
 def holders(agent: Agent) -> dict[str, str]:
     """Who the agent leases each GPU to, by UUID."""
     return {u: x["owner"] for x in agent.get("/leases").json()["leases"] for u in x["gpu_uuids"]}
@@ -659,11 +670,7 @@ def refusal(call: Callable[[], object]) -> grpc.RpcError:
 def test_a_pod_bound_past_the_extender_is_never_put_on_another_pods_lease(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 scenario 1: pod x holds the extender's lease on GPUs 0,1; pod y (2 GPUs, bound past
     the extender) is admitted first.  kubelet does not say which pod it admits."""
-    api = FakeApiServer()
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent) as (api, plugin, uuids):
         x = extender_bound(agent, "x", [uuids[1], uuids[0]], [0, 1])
         api.add_pod(x)
         y = gpu_pod("y", 2)
@@ -685,21 +692,12 @@ def test_a_pod_bound_past_the_extender_is_never_put_on_another_pods_lease(tmp_pa
         allocate(kubelet, got)
         assert holders(agent) == {uuids[0]: owner(x), uuids[1]: owner(x), got[0]: owner(z), got[1]: owner(z)}
         assert "allocation_not_leased" not in plugin.log()
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            api.close()
 
 
 def test_two_same_size_pods_run_on_the_gpus_their_leases_hold(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 scenario 2: two 1-GPU pods bound by the extender at once (leases on GPU 0 and 1).
     Preference and Allocate name the pod by the GPUs its lease holds; nothing is counted."""
-    api = FakeApiServer()
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent) as (api, plugin, uuids):
         a = extender_bound(agent, "a", [uuids[0]], [0])
         b = extender_bound(agent, "b", [uuids[1]], [1])
         api.add_pod(a)
@@ -724,22 +722,13 @@ def test_two_same_size_pods_run_on_the_gpus_their_leases_hold(tmp_path: Path, ku
         refused = refusal(lambda: allocate(kubelet, got))
         assert refused.code() == grpc.StatusCode.FAILED_PRECONDITION and "cannot tell" in refused.details()
         assert holders(agent) == {uuids[0]: owner(a), uuids[1]: owner(b)}
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            api.close()
 
 
 def test_allocate_leases_before_it_answers_and_a_reserver_in_between_wins(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 scenario 3: a Slurm job reserves the GPU right after the plugin read who holds
     what; Allocate must not answer success with the GPU leased to the job."""
-    api = FakeApiServer()
     liar = LyingAgent(agent)
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent, through=liar, resync_s=3600) as (api, plugin, uuids):
         wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
         api.add_pod(gpu_pod("y", 1))
         liar.after["/leases"] = lambda: lease_for(agent, [2], "slurm/job-77")
@@ -748,21 +737,11 @@ def test_allocate_leases_before_it_answers_and_a_reserver_in_between_wins(tmp_pa
         assert not liar.after  # the reserve did come in between
         assert holders(agent) == {uuids[2]: "slurm/job-77"}
         assert "allocation_not_leased" not in plugin.log()
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            liar.close()
-            api.close()
 
 
 def test_a_pods_own_lease_gives_it_its_nics(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 scenario 4: the GPUs leased to the very pod being allocated are no conflict."""
-    api = FakeApiServer()
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent) as (api, _, uuids):
         x = extender_bound(agent, "x", [uuids[0], uuids[3]], [0, 3])
         api.add_pod(x)
         lease = x["metadata"]["annotations"]["topoagent.io/lease"]
@@ -782,22 +761,13 @@ def test_a_pods_own_lease_gives_it_its_nics(tmp_path: Path, kubelet: FakeKubelet
         env = allocate(kubelet, [uuids[5], uuids[6]])
         assert holders(agent)[uuids[5]] == owner(z) and env["NCCL_IB_HCA"].startswith("=")
         assert len(env["NCCL_IB_HCA"].removeprefix("=").split(",")) == 2
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            api.close()
 
 
 def test_allocate_fails_closed_when_the_agent_or_the_pods_cannot_be_read(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 scenario 6: an answer the plugin cannot read refuses Allocate, with the reason,
     within the plugin's own bound (5 s), never lets a GPU through unchecked."""
-    api = FakeApiServer()
     liar = LyingAgent(agent)
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url, resync_s=3600)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent, through=liar, resync_s=3600) as (api, plugin, uuids):
         wait_for("the pod watch's first resync", lambda: liar.asked.get("/leases", 0) >= 1, log=plugin.log)
         lease_for(agent, [0], "slurm/job-42")
         api.add_pod(gpu_pod("y", 1))
@@ -820,22 +790,12 @@ def test_allocate_fails_closed_when_the_agent_or_the_pods_cannot_be_read(tmp_pat
         assert holders(agent) == {uuids[0]: "slurm/job-42"}  # nothing let through, nothing leased
         allocate(kubelet, [uuids[3]])  # all readable again: y gets its GPU, under its lease
         assert holders(agent)[uuids[3]].startswith("team-b/y/")
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            liar.close()
-            api.close()
 
 
 def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 item 7: one Allocate for a pod of two 1-GPU containers, the second on a GPU a
     Slurm job holds: refused whole, the first container's lease given back."""
-    api = FakeApiServer()
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent) as (api, _, uuids):
         lease_for(agent, [0], "slurm/job-42")
         pair = gpu_pod("pair", 1)
         pair["spec"]["containers"].append({"name": "side", "resources": {"limits": {"nvidia.com/gpu": "1"}}})
@@ -853,11 +813,6 @@ def test_a_refused_allocate_leaves_no_lease_and_two_containers_never_share_a_gpu
         reply = both(uuids[3], uuids[4])  # the pod's two containers, each its own GPU, each under the pod's lease
         assert [c.envs["NVIDIA_VISIBLE_DEVICES"] for c in reply.container_responses] == [uuids[3], uuids[4]]
         assert holders(agent) == {uuids[0]: "slurm/job-42", uuids[3]: owner(pair), uuids[4]: owner(pair)}
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            api.close()
 
 
 def test_no_gpu_runs_a_pod_while_leased_to_another_owner_or_to_no_one(tmp_path: Path, kubelet: FakeKubelet) -> None:
@@ -1013,12 +968,8 @@ def test_a_finding_flapping_every_poll_moves_no_gpu_health(tmp_path: Path, kubel
 def test_a_lease_the_agent_answers_is_checked_against_the_gpus_kubelet_allocated(tmp_path: Path, kubelet: FakeKubelet, agent: Agent) -> None:
     """#40 item 5: a reserve answered with a lease on other GPUs than kubelet allocated is no
     lease for this allocation: refused, never answered success."""
-    api = FakeApiServer()
     liar = LyingAgent(agent)
-    plugin = leasing_plugin(tmp_path, kubelet, agent, api, agent_url=liar.url)
-    try:
-        kubelet.next_registration()
-        uuids = [d.ID for d in kubelet.wait_listing(lambda d: len(d) == 8)]
+    with leasing(tmp_path, kubelet, agent, through=liar) as (api, _, uuids):
         api.add_pod(gpu_pod("y", 1))
         other = {"gpus": [{"index": 4, "uuid": uuids[4]}], "lease": {"id": "lease-elsewhere", "owner": "team-b/y", "gpus": [4],
                                                                       "gpu_uuids": [uuids[4]]}}
@@ -1029,9 +980,3 @@ def test_a_lease_the_agent_answers_is_checked_against_the_gpus_kubelet_allocated
         del liar.override["/place"]
         allocate(kubelet, [uuids[3]])
         assert holders(agent)[uuids[3]].startswith("team-b/y/")
-    finally:
-        try:
-            assert plugin.stop() == 0, plugin.log()
-        finally:
-            liar.close()
-            api.close()
