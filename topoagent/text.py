@@ -51,6 +51,12 @@ def one_line(text: str) -> str:
     return _UNSAFE_IN_LINE.sub(REPLACEMENT, text) if _UNSAFE_IN_LINE.search(text) else text
 
 
+def printable_line(text: str) -> str:
+    """``text`` as one line of printable characters: every other character a space, runs of
+    spaces one (for a message that must read as a line: a Node condition, an error)."""
+    return " ".join("".join(c if c.isprintable() else " " for c in text).split())
+
+
 def is_safe(text: str) -> bool:
     """Whether ``machine_text`` leaves ``text`` as it is."""
     return _UNSAFE.search(text) is None and "\x1b" not in text

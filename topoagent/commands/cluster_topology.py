@@ -13,6 +13,7 @@ from typing import Any
 
 from topoagent.commands.token import read_client_token
 from topoagent.errors import UsageError
+from topoagent.text import cut, printable_line
 
 FORMATS = {
     "topology.conf": "Slurm topology.conf for TopologyPlugin=topology/tree",
@@ -138,8 +139,7 @@ def _read_file(path: str) -> bytes:
 
 def one_line(text: str, limit: int = 300) -> str:
     """An error as one line: text from an agent (a reason, a Location) may hold line breaks."""
-    flat = " ".join("".join(c if c.isprintable() else " " for c in text).split())
-    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+    return cut(printable_line(text), limit)
 
 
 def run(args: argparse.Namespace) -> int:

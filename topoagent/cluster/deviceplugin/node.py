@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 
 from topoagent.log import log_event
+from topoagent.text import printable_line
 from topoagent.vocabulary import Severity
 
 CONDITION = "TopoagentHealthy"
@@ -93,7 +94,7 @@ def node_health(topology: dict[str, Any]) -> Health:
     kind, message = str(critical[0].get("kind") or "critical"), str(critical[0].get("message") or "")
     more = f" (+{len(critical) - 1} more)" if len(critical) > 1 else ""
     # A finding's text is the node's, not ours: controls (an escape, a NUL) never reach the Node.
-    text = " ".join("".join(c if c.isprintable() else " " for c in f"{kind}{more}: {message}").split())
+    text = printable_line(f"{kind}{more}: {message}")
     return Health("False", camel(kind), text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "...")
 
 
