@@ -372,6 +372,24 @@ def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_
     return starve_figures(jobs, waits)
 
 
+def starve_waits(c: LocalCluster, load: str, seed: int, rounds: int, settings: list[HoldSetting], pop_from_backoff: bool,
+                 choice: str) -> str:
+    """Each pod of one stream under each setting: its wait and the node it was bound to, a
+    markdown table (what the medians of ``starve_table`` are made of)."""
+    jobs = starve_stream(load, seed, rounds)
+    runs = []
+    for setting in settings:
+        logging.getLogger("topoagent").setLevel(logging.ERROR)
+        queue = ReplayQueue(c, setting, pop_from_backoff, choice)
+        runs.append((queue.run(jobs), queue.bound_to))
+    lines = ["| pod | GPUs | arrives s | " + " | ".join(f"{s.name()}: wait s, node" for s in settings) + " |",
+             "|---:|---:|---:|" + "---:|" * len(settings)]
+    for job in sorted(jobs, key=lambda j: j.id):
+        cells = [f"{waits[job.id]:.1f} {c.node(bound_to[job.id]).fixture}" for waits, bound_to in runs]
+        lines.append(f"| {job.id} | {job.gpus} | {job.arrive:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=seed_list, default=seed_list("1-200"), metavar="1-200",
@@ -395,7 +413,16 @@ def main() -> None:
                         help="with --starve: the node a hold takes: the extender's (ages: the soonest to free up by its leases' "
                              "ages) or the one with the most GPUs free (most-free)")
     parser.add_argument("--markdown", action="store_true", help="with --starve: the table as docs/benchmarks.md holds it (no heading)")
+    parser.add_argument("--waits", choices=sorted(SMALL_LIFE_S),
+                        help="with --starve: every pod's wait and node under each of --holds at this load, for each of --seeds, "
+                             "instead of the medians (e.g. --waits overload --seeds 0)")
     args = parser.parse_args()
+    if args.starve and args.waits:
+        c = local_cluster(list(STARVE_FIXTURES))
+        for seed in args.seeds:
+            print(f"## {list(STARVE_PATTERN)} x {args.rounds}, {args.waits} (1-GPU pods live {SMALL_LIFE_S[args.waits]:g} s), "
+                  f"seed {seed}\n\n{starve_waits(c, args.waits, seed, args.rounds, args.holds, args.pop_from_backoff, args.hold_choice)}\n")
+        return
     if args.starve:
         heading = "" if args.markdown else "## Holds (issue #39): "
         queue = "" if args.pop_from_backoff else "; kube-scheduler without SchedulerPopFromBackoffQ"

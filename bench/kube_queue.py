@@ -57,6 +57,7 @@ class KubeQueue:
         self.now = 0.0
         self.queue: dict[int, Queued] = {}
         self.bound_at: dict[int, float] = {}  # job id -> bind time
+        self.bound_to: dict[int, str] = {}  # job id -> node
         self.running: list[tuple[float, int, Placed]] = []
 
     def clock(self) -> float:
@@ -137,6 +138,7 @@ class KubeQueue:
                 continue
             self.free_count[placed.node] -= placed.job.gpus
             self.bound_at[placed.job.id] = self.now
+            self.bound_to[placed.job.id] = placed.node
             del self.queue[placed.job.id]
             self.running.append((self.now + placed.job.duration, placed.job.id, placed))
 

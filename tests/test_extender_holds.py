@@ -19,7 +19,7 @@ import pytest
 from service_helpers import promtool_complaints, wait_for
 
 from bench.cluster import RESOURCE, Cluster, ExtenderQueue, _request, cluster
-from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream
+from bench.cluster_replay import STARVE_FIXTURES, HoldSetting, ReplayQueue, local_cluster, starve_run, starve_stream, starve_waits
 from topoagent.cluster.extender.holds import Holds, NodeLoad
 from topoagent.cluster.extender.wire import PodRef
 
@@ -419,3 +419,21 @@ def test_the_replay_waits_as_the_real_extender_with_guards_does(guarded: Cluster
     assert real == replayed
     assert max(real[j.id] for j in jobs if j.gpus == 8) < max(ReplayQueue(local_cluster(list(STARVE_FIXTURES)), HoldSetting(0, 0)).run(jobs)[j.id]
                                                              for j in jobs if j.gpus == 8)
+
+
+def test_the_replays_per_pod_waits_are_what_its_figures_are_made_of() -> None:
+    """bench.cluster_replay --starve --waits prints each pod's wait and node (the docs' argument
+    reads seed 0 from it): its waits give the same figures as the table's run, and each pod sits on
+    a node of the stream's."""
+    c = local_cluster(list(STARVE_FIXTURES))
+    settings = [HoldSetting(0, 0), HoldSetting(0, 20)]
+    rows = [line.strip("|").split("|") for line in starve_waits(c, "overload", 0, 6, settings, True, "ages").splitlines()[2:]]
+    jobs = starve_stream("overload", 0)
+    assert [int(r[0]) for r in rows] == sorted(j.id for j in jobs)
+    for n, setting in enumerate(settings):
+        waits = {int(r[0]): float(r[3 + n].split()[0]) for r in rows}
+        assert {r[3 + n].split()[1] for r in rows} <= set(STARVE_FIXTURES)
+        figures = starve_run(c, jobs, setting)
+        gpus = {j.id: j.gpus for j in jobs}
+        assert statistics.median(w for j, w in waits.items() if gpus[j] == 1) == pytest.approx(figures.small_median_s, abs=0.05)
+        assert max(w for j, w in waits.items() if gpus[j] == 8) == pytest.approx(figures.big_max_s, abs=0.05)
