@@ -62,7 +62,6 @@ from bench.cluster import (
 )
 from bench.kube_queue import (
     DEFAULT_SETTINGS,
-    GUARD_S,
     HoldSetting,
     KubeQueue,
     Queued,
@@ -72,6 +71,7 @@ from bench.kube_queue import (
     starve_table,
 )
 from bench.stats import percentile
+from topoagent.cluster.extender import HOLD_GUARD_S
 from topoagent.cluster.extender.holds import Holds, NodeLoad
 from topoagent.cluster.extender.nodes import Verdict, all_local, by_count, follow_ups, ranked, scores
 from topoagent.cluster.extender.wire import PodRef
@@ -404,7 +404,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=STARVE_ROUNDS, help=f"with --starve: rounds of the pattern (default {STARVE_ROUNDS})")
     parser.add_argument("--holds", type=settings_list, default=settings_list(DEFAULT_SETTINGS), metavar=DEFAULT_SETTINGS,
                         help=f"with --starve: the extender's settings to compare: off, guard (--hold-after 0: guards alone, "
-                             f"--hold-guard {GUARD_S:g}), guard+T (guards and --hold-after T), T (--hold-after T, --hold-guard 0) "
+                             f"--hold-guard {HOLD_GUARD_S:g}), guard+T (guards and --hold-after T), T (--hold-after T, --hold-guard 0) "
                              f"(default {DEFAULT_SETTINGS})")
     parser.add_argument("--no-pop-from-backoff", dest="pop_from_backoff", action="store_false",
                         help="with --starve: kube-scheduler without SchedulerPopFromBackoffQ (a pod in backoff waits it out "

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bench.stats import percentile
+from topoagent.cluster.extender import HOLD_GUARD_S
 
 if TYPE_CHECKING:  # bench.cluster imports this module
     from bench.cluster import Job, Placed
 
 INITIAL_BACKOFF_S, MAX_BACKOFF_S = 1.0, 10.0  # kube-scheduler's podInitialBackoffSeconds, podMaxBackoffSeconds
 UNSCHEDULABLE_FLUSH_S = 300.0  # podMaxInUnschedulablePodsDuration: moved back even without an event
-GUARD_S = 20.0  # the extender's --hold-guard default
 DEFAULT_SETTINGS = "off,guard,guard+30,guard+10,30"
 
 
@@ -166,7 +166,7 @@ class HoldSetting:
                 raise ValueError
         except ValueError:
             raise ValueError(f"not a hold setting: {text!r} (off, guard, guard+T or T)") from None
-        return cls(after_s, GUARD_S if guard else 0.0)
+        return cls(after_s, HOLD_GUARD_S if guard else 0.0)  # "guard": at the extender's default
 
     def name(self) -> str:
         parts = (["guard"] if self.guard_s else []) + ([f"hold after {self.after_s:g} s"] if self.after_s else [])

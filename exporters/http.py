@@ -33,7 +33,7 @@ from topoagent.log import log_event
 from topoagent.node.findings import placement_refusals
 from topoagent.placement import NoFit, Request, RequestError, parse_request
 from topoagent.service.interface import ProbeRunning, ProbesOff, Service, StateUnavailable
-from topoagent.service.leases import LeaseError
+from topoagent.service.leases import LeaseConflict, LeaseError
 from topoagent.service.served import DiscoveryRetry, Served, Snapshot, etag_of
 from topoagent.text import cut
 from topoagent.vocabulary import NOT_READY_FOR_PLACEMENT, FindingKind
@@ -444,6 +444,8 @@ async def place(request: web.Request) -> web.Response:
     else:
         try:
             answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
+        except LeaseConflict as exc:  # the book holds a GPU placement saw free (a lease whose other GPU left)
+            raise ApiError(409, "lease_conflict", f"reserve: {exc}") from None
         except LeaseError as exc:  # the store's last check refused what it would not load back
             raise ApiError(400, "bad_request", f"reserve: {exc}") from None
         except StateUnavailable as exc:

@@ -78,6 +78,14 @@ NO_FIT_ERROR = {
     "required": ["error", "detail", "nofit"],
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
+# POST /place with `reserve`: the lease book holds a GPU the placement took for free (a lease
+# whose other GPU left the node blocks nothing for placement, but still holds the one left).
+LEASE_CONFLICT_ERROR = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["error", "detail"],
+    "properties": {"error": {"type": "string", "enum": ["lease_conflict"]}, "detail": {"type": "string"}},
+}
 NEVER_FITS_ERROR = {
     "type": "object",
     "additionalProperties": False,
@@ -153,7 +161,8 @@ def openapi_document() -> dict[str, Any]:
             "description": "GPU topology, placement and leases of one node.",
         },
         "components": {
-            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR, "NeverFitsError": NEVER_FITS_ERROR},
+            "schemas": {**component_schemas(), "PlaceRequest": PLACE_REQUEST, "ReservedPlacement": RESERVED_PLACEMENT, "NoFitError": NO_FIT_ERROR, "NeverFitsError": NEVER_FITS_ERROR,
+                        "LeaseConflictError": LEASE_CONFLICT_ERROR},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "paths": {
@@ -211,7 +220,13 @@ def openapi_document() -> dict[str, Any]:
                         "400": _err("Malformed JSON or a bad field; `detail` names it."),
                         **BODY_TIMEOUT,
                         **MUTATE_ERRORS,
-                        "409": _json("It does not fit now (busy or leased GPUs); `nofit` says why, `never_fits` is false.", "NoFitError"),
+                        "409": {
+                            "description": "It does not fit now (busy or leased GPUs; `no_fit`: `nofit` says why, `never_fits` is false); "
+                                           "or, with `reserve`, the lease book holds one of the GPUs placed (`lease_conflict`: "
+                                           "`detail` names the GPU, its owner and lease).",
+                            "content": {"application/json": {"schema": {"oneOf": [{"$ref": "#/components/schemas/NoFitError"},
+                                                                                  {"$ref": "#/components/schemas/LeaseConflictError"}]}}},
+                        },
                         "422": _json(
                             "It would not fit this node with every GPU free either (the same search on the idle node): "
                             "waiting or preempting will not help; `nofit` says why, `never_fits` is true.", "NeverFitsError"),

@@ -155,3 +155,29 @@ def test_a_grant_never_writes_what_the_next_load_would_quarantine(tmp_path, uuid
     with pytest.raises(LeaseConflict, match="GPU 4 is leased to job-a"):
         store.reserve("job-b", [4], 60)
     assert [lease.id for lease in store.leases()] == ["byuuid"] and store.quarantined == []
+
+
+def test_a_reserve_the_book_refuses_is_a_409_conflict_naming_the_holder(tmp_path, uuids):
+    """A lease whose other GPU left the node blocks nothing for placement, yet still holds
+    GPU 0 in the book: a reserve of GPU 0 is refused by the store's last check.  That
+    refusal was a 400, a bad request to every client (the device plugin took it for an
+    unreachable agent: UNAVAILABLE, not FAILED_PRECONDITION); it is a conflict."""
+    from schema_check import OPENAPI
+    from schema_check import validate as validate_component
+
+    state = tmp_path / "state"
+    gone = "GPU-00000000-0000-0000-0000-00000000dead"  # a UUID this node does not show
+    write_book(state, entry("split", "job-a", [0, 1], [uuids[0], gone]))
+    agent = start_agent(tmp_path, state_dir=state)
+    try:
+        assert agent.get("/leases").json()["orphaned"] == ["split"]
+        taken = agent.post("/place", {"gpus": 1, "include": [0], "reserve": {"owner": "job-b", "ttl_s": 60}}, token=agent.token)
+        assert taken.status == 409, taken.body
+        doc = taken.json()
+        assert doc == {"error": "lease_conflict", "detail": "reserve: GPU 0 is leased to job-a (lease split)"}, doc
+        conflict = OPENAPI["paths"]["/place"]["post"]["responses"]["409"]["content"]["application/json"]["schema"]
+        assert {"$ref": "#/components/schemas/LeaseConflictError"} in conflict["oneOf"]
+        validate_component(doc, "LeaseConflictError")
+        assert [lease["id"] for lease in agent.get("/leases").json()["leases"]] == ["split"]  # nothing granted
+    finally:
+        assert agent.stop() == 0

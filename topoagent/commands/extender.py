@@ -10,6 +10,8 @@ import signal
 import sys
 from typing import TYPE_CHECKING
 
+# The package alone, for its defaults: --help imports neither aiohttp nor the extender's modules.
+from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S
 from topoagent.commands.token import read_client_token
 from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
@@ -136,13 +138,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     holds.add_argument("--hold-min-gpus", type=int, default=8, metavar="N",
                        help="a pod asking for this many GPUs or more may hold a node (default 8: the whole NVLink domain of an "
                             "8-GPU NVSwitch node, the largest block pods ask for)")
-    holds.add_argument("--hold-after", type=float, default=30.0, metavar="SECONDS",
+    holds.add_argument("--hold-after", type=float, default=HOLD_AFTER_S, metavar="SECONDS",
                        help="once such a pod has fit no node this long it holds, among the nodes that can ever take it, the "
                             "one that would free up soonest (by its leases' ages): smaller pods are filtered off that node "
-                            "until the pod binds, is deleted or ends (default 30; 0: no holds; holds need --pod-resync above 0)")
-    holds.add_argument("--hold-guard", type=float, default=20.0, metavar="SECONDS",
+                            f"until the pod binds, is deleted or ends (default {HOLD_AFTER_S:g}; 0: no holds; holds need --pod-resync above 0)")
+    holds.add_argument("--hold-guard", type=float, default=HOLD_GUARD_S, metavar="SECONDS",
                        help="from the moment such a pod fits a node again, pods that waited less and would leave that node too "
-                            "few GPUs for it are filtered off it, for this long at most (default 20: twice kube-scheduler's "
+                            f"few GPUs for it are filtered off it, for this long at most (default {HOLD_GUARD_S:g}: twice kube-scheduler's "
                             "longest backoff; 0: no guards; with --hold-after 0, guards alone)")
     holds.add_argument("--hold-for", type=float, default=300.0, metavar="SECONDS",
                        help="a hold ends after this, its pod still unbound; that pod holds no node again (default 300)")

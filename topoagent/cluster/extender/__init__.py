@@ -15,3 +15,8 @@ them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and bi
 - ``tls``: HTTPS, and the client certificates (kube-scheduler's) it asks callers for;
 - ``app``: the HTTP service.
 """
+
+# The holds' defaults (``holds``), written once for the command line, ``app.Settings``, ``Holds``
+# and the bench (bench/kube_queue.py); here, where `topoagent extender --help` imports nothing more.
+HOLD_AFTER_S = 30.0  # a large pod that has fit no node this long holds one
+HOLD_GUARD_S = 20.0  # a guard's longest life: twice kube-scheduler's longest backoff (10 s)

@@ -29,6 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
+from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S
 from topoagent.cluster.extender.holds import Holds, NodeLoad, keep
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
@@ -82,9 +83,9 @@ class Settings:
     # hold_guard_s at most (0: no guards); after hold_after_s it holds the node it may drain for
     # hold_ttl_s at most (0: no holds).
     hold_min_gpus: int = 8
-    hold_after_s: float = 30.0
+    hold_after_s: float = HOLD_AFTER_S
     hold_ttl_s: float = 300.0
-    hold_guard_s: float = 20.0
+    hold_guard_s: float = HOLD_GUARD_S
 
 
 SETTINGS = web.AppKey("settings", Settings)
