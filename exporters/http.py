@@ -444,7 +444,7 @@ async def place(request: web.Request) -> web.Response:
     else:
         try:
             answer, lease = await agent.reserve(req, reserve["owner"], reserve["ttl_s"])
-        except LeaseConflict as exc:  # the book holds a GPU placement saw free (a lease whose other GPU left)
+        except LeaseConflict as exc:  # the grant's last check refused a GPU placement saw free: a defence
             raise ApiError(409, "lease_conflict", f"reserve: {exc}") from None
         except LeaseError as exc:  # the store's last check refused what it would not load back
             raise ApiError(400, "bad_request", f"reserve: {exc}") from None
@@ -486,7 +486,7 @@ async def list_leases(request: web.Request) -> web.Response:
     holding = served.holding()
     body: dict[str, Any] = {
         "leases": [lease_document(lease) for lease in served.active_leases()],
-        # Leases whose GPU left the node: kept until they expire or are released, blocking nothing.
+        # Leases one of whose GPUs left the node: they hold the ones left until released or expired.
         "orphaned": [lease.id for lease in holding.orphaned],
     }
     recovery = served.lease_recovery

@@ -78,8 +78,8 @@ NO_FIT_ERROR = {
     "required": ["error", "detail", "nofit"],
     "properties": {"error": {"type": "string", "enum": ["no_fit"]}, "detail": {"type": "string"}, "nofit": NOFIT.ref},
 }
-# POST /place with `reserve`: the lease book holds a GPU the placement took for free (a lease
-# whose other GPU left the node blocks nothing for placement, but still holds the one left).
+# POST /place with `reserve`: the lease book's last check at the grant refused a GPU the
+# placement took for free (both read one rule, Holding.of and the grant's claims: a defence).
 LEASE_CONFLICT_ERROR = {
     "type": "object",
     "additionalProperties": False,
@@ -247,7 +247,7 @@ def openapi_document() -> dict[str, Any]:
                             "description": "Active leases, oldest first.",
                             "content": {"application/json": {"schema": {"type": "object", "required": ["leases", "orphaned"], "properties": {
                                 "leases": {"type": "array", "items": {"$ref": "#/components/schemas/Lease"}},
-                                "orphaned": {"type": "array", "items": {"type": "string"}, "description": "Ids of leases whose GPU left the node (found by UUID): they block nothing."},
+                                "orphaned": {"type": "array", "items": {"type": "string"}, "description": "Ids of leases one of whose GPUs left the node (found by UUID): they hold the ones left."},
                                 "recovered_from_corrupt_state": {
                                     "type": "object",
                                     "required": ["file", "moved_to", "error"],

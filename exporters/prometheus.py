@@ -434,7 +434,7 @@ class RuntimeCollector(Collector):
         for lease in active:
             if lease.satisfaction is not None:
                 satisfaction.add_metric([lease.id, lease.owner], lease.satisfaction)
-        orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases whose GPU left the node: they block nothing until released or expired.")
+        orphaned = GaugeMetricFamily(f"{NS}_leases_orphaned", "Live leases one of whose GPUs left the node: they hold the ones left until released or expired.")
         orphaned.add_metric([], len(holding.orphaned))
         yield from (leases, leased, satisfaction, orphaned)
         recovered = GaugeMetricFamily(

@@ -178,16 +178,18 @@ class Lease:
         """This lease's GPUs as (index, UUID or None) pairs."""
         return list(zip(self.gpus, self.uuids or (None,) * len(self.gpus)))
 
-    def gpus_now(self, index_of_uuid: Mapping[str, int], indices: Collection[int]) -> tuple[int, ...] | None:
-        """This lease's GPUs by their indices on the node as it is now (``gpu_now``), or
-        None when one of them has left the node: an orphaned lease, which blocks nothing."""
-        now = []
+    def gpus_now(self, index_of_uuid: Mapping[str, int], indices: Collection[int]) -> tuple[tuple[int, ...], bool]:
+        """This lease's GPUs the node shows now, by their indices (``gpu_now``), and whether
+        one of them has left the node (an orphaned lease: it still holds the ones left,
+        since its job may still run on them)."""
+        now, left = [], False
         for index, uuid in self.named():
             found = gpu_now(index, uuid, index_of_uuid)
-            if not isinstance(found, int) or found not in indices:
-                return None
-            now.append(found)
-        return tuple(now)
+            if isinstance(found, int) and found in indices:
+                now.append(found)
+            else:
+                left = True
+        return tuple(now), left
 
     @property
     def ttl_s(self) -> float:
@@ -210,7 +212,7 @@ class Holding:
     """Who holds which GPU of the node as it is now."""
 
     holder: dict[int, Lease]  # GPU index now -> its lease
-    orphaned: tuple[Lease, ...]  # leases whose GPU left the node
+    orphaned: tuple[Lease, ...]  # leases one of whose GPUs left the node
 
     @classmethod
     def of(cls, leases: Iterable[Lease], gpus: Iterable[GpuInfo]) -> Holding:
@@ -220,11 +222,10 @@ class Holding:
         holder: dict[int, Lease] = {}
         orphaned = []
         for lease in leases:
-            now = lease.gpus_now(index_of_uuid, indices)
-            if now is None:
+            now, left = lease.gpus_now(index_of_uuid, indices)
+            holder.update(dict.fromkeys(now, lease))
+            if left:
                 orphaned.append(lease)
-            else:
-                holder.update(dict.fromkeys(now, lease))
         return cls(holder, tuple(orphaned))
 
 
@@ -492,8 +493,8 @@ class LeaseStore:
         self.gpus_now = {g.uuid: g.index for g in matrix.gpus if g.uuid}
         with self._locked():
             self._expire(self.monotonic())
-            # Leases hold GPUs by UUID: one whose GPU left the node blocks nothing here, and
-            # neither does a process on a GPU the node no longer shows.
+            # Leases hold GPUs by UUID: a GPU that left the node is held by no lease here (the
+            # lease keeps the ones left), and a process on it blocks nothing.
             held = Holding.of(self._leases.values(), matrix.gpus).holder
             on_node = {g.index for g in matrix.gpus}
             # A GPU whose identity cannot be stored is never leased (discovery's gpu-unleasable finding).

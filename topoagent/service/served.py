@@ -257,7 +257,7 @@ class Served:
 
     def holding(self) -> Holding:
         """Which GPU of the node as it is now each live lease holds (by UUID), and the
-        leases whose GPU left the node."""
+        leases one of whose GPUs left the node (they still hold the ones left)."""
         if self.snapshot is None:  # nothing discovered yet: the leases as granted
             return Holding({g: lease for lease in self.active_leases() for g in lease.gpus}, ())
         return Holding.of(self.active_leases(), self.snapshot.matrix.gpus)
