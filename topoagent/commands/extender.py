@@ -11,7 +11,7 @@ import sys
 from typing import TYPE_CHECKING
 
 # The package alone, for its defaults: --help imports neither aiohttp nor the extender's modules.
-from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S
+from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S, HOLD_MIN_GPUS, HOLD_TTL_S
 from topoagent.commands.token import read_client_token
 from topoagent.documents.lease import TTL_MAX_S
 from topoagent.errors import UsageError
@@ -135,8 +135,8 @@ def register(sub: argparse._SubParsersAction) -> None:
              "the agents for leases whose pod is gone this often (default 60; 0: no watch, leases end at --lease-ttl only)",
     )
     holds = parser.add_argument_group("holds (with --bind: big pods do not starve; GET /holds lists them)")
-    holds.add_argument("--hold-min-gpus", type=int, default=8, metavar="N",
-                       help="a pod asking for this many GPUs or more may hold a node (default 8: the whole NVLink domain of an "
+    holds.add_argument("--hold-min-gpus", type=int, default=HOLD_MIN_GPUS, metavar="N",
+                       help=f"a pod asking for this many GPUs or more may hold a node (default {HOLD_MIN_GPUS}: the whole NVLink domain of an "
                             "8-GPU NVSwitch node, the largest block pods ask for)")
     holds.add_argument("--hold-after", type=float, default=HOLD_AFTER_S, metavar="SECONDS",
                        help="once such a pod has fit no node this long it holds, among the nodes that can ever take it, the "
@@ -146,8 +146,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="from the moment such a pod fits a node again, pods that waited less and would leave that node too "
                             f"few GPUs for it are filtered off it, for this long at most (default {HOLD_GUARD_S:g}: twice kube-scheduler's "
                             "longest backoff; 0: no guards; with --hold-after 0, guards alone)")
-    holds.add_argument("--hold-for", type=float, default=300.0, metavar="SECONDS",
-                       help="a hold ends after this, its pod still unbound; that pod holds no node again (default 300)")
+    holds.add_argument("--hold-for", type=float, default=HOLD_TTL_S, metavar="SECONDS",
+                       help=f"a hold ends after this, its pod still unbound; that pod holds no node again (default {HOLD_TTL_S:g})")
     parser.add_argument("--kube-api", metavar="URL", help="API server (Node objects; binds), as is (e.g. `kubectl proxy`); default: --kubeconfig, else in-cluster")
     parser.add_argument("--kubeconfig", metavar="FILE", help="kubeconfig for the API server (default: in-cluster service account)")
     guard = parser.add_argument_group("connections (as the agent's [http] settings)")

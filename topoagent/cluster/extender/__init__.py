@@ -18,5 +18,7 @@ them on the pod (``topoagent.io/gpus``, read by the node's device plugin) and bi
 
 # The holds' defaults (``holds``), written once for the command line, ``app.Settings``, ``Holds``
 # and the bench (bench/kube_queue.py); here, where `topoagent extender --help` imports nothing more.
+HOLD_MIN_GPUS = 8  # a pod asking for this many GPUs or more may wait, and hold a node
 HOLD_AFTER_S = 30.0  # a large pod that has fit no node this long holds one
+HOLD_TTL_S = 300.0  # a hold's longest life (--hold-for)
 HOLD_GUARD_S = 20.0  # a guard's longest life: twice kube-scheduler's longest backoff (10 s)

@@ -29,7 +29,7 @@ from typing import Any
 from aiohttp import web
 
 from topoagent.cluster.deviceplugin.pods import ANNOTATION as GPUS_ANNOTATION
-from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S
+from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S, HOLD_MIN_GPUS, HOLD_TTL_S
 from topoagent.cluster.extender.holds import Holds, NodeLoad, keep
 from topoagent.cluster.extender.kube import Kube, KubeError
 from topoagent.cluster.extender.metrics import ExtenderCollector, render
@@ -82,9 +82,9 @@ class Settings:
     # more that fit no node keeps each node that can fit it now from pods that waited less, for
     # hold_guard_s at most (0: no guards); after hold_after_s it holds the node it may drain for
     # hold_ttl_s at most (0: no holds).
-    hold_min_gpus: int = 8
+    hold_min_gpus: int = HOLD_MIN_GPUS
     hold_after_s: float = HOLD_AFTER_S
-    hold_ttl_s: float = 300.0
+    hold_ttl_s: float = HOLD_TTL_S
     hold_guard_s: float = HOLD_GUARD_S
 
 

@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S
+from topoagent.cluster.extender import HOLD_AFTER_S, HOLD_GUARD_S, HOLD_MIN_GPUS, HOLD_TTL_S
 from topoagent.cluster.extender.wire import PodRef, WireError, gpus_wanted, pod_ref
 from topoagent.cluster.podwatch import finished, object_field, text_field
 from topoagent.log import log, log_event
@@ -108,7 +108,7 @@ def unschedulable(pod: Mapping[str, Any]) -> bool:
 
 
 class Holds:
-    def __init__(self, *, min_gpus: int = 8, after_s: float = HOLD_AFTER_S, ttl_s: float = 300.0, guard_s: float = HOLD_GUARD_S,
+    def __init__(self, *, min_gpus: int = HOLD_MIN_GPUS, after_s: float = HOLD_AFTER_S, ttl_s: float = HOLD_TTL_S, guard_s: float = HOLD_GUARD_S,
                  resource: str = "nvidia.com/gpu", clock: Callable[[], float] = time.monotonic) -> None:
         """``after_s`` 0: no holds (guards only); ``guard_s`` 0: no guards (holds only)."""
         self.min_gpus, self.after_s, self.ttl_s, self.guard_s = min_gpus, after_s, ttl_s, guard_s
