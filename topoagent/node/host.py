@@ -364,6 +364,14 @@ class Host:
             return self._inside(path, action)
         from topoagent.node.openat2 import open_in_root
 
+        guess = self._resolved_parent(path)
+        if guess is not None:
+            try:
+                return open_in_root(root_fd, guess, flags)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.EAGAIN):
+                    raise OSError(exc.errno, exc.strerror, path) from None
+                # The last component is a link (or the recording changed): resolve it all.
         for _ in range(2):
             try:
                 return open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
@@ -373,6 +381,24 @@ class Host:
                     raise OSError(exc.errno, exc.strerror, path) from None
                 self._forget_links()
         raise HostError(f"{path}: its symbolic links keep changing; not read")
+
+    def _resolved_parent(self, path: str) -> str | None:
+        """``path`` below the root with its directories resolved and its last component as
+        it is, for openat2 to try before that component is looked at: most reads end at a
+        plain file, and openat2 itself refuses a link there (ELOOP), so asking readlink(2)
+        about every file first would cost a system call per read for nothing.  None where
+        the whole path must be resolved first: it is cached already, its last component is
+        a known link, or it ends in ``.`` or ``..``."""
+        resolved = self._resolved.get(path)
+        if resolved is not None:
+            return resolved.lstrip("/") or "."
+        parent, _, name = path.rstrip("/").rpartition("/")
+        if name in ("", ".", ".."):
+            return None
+        leaf = f"{self._resolve(parent or '/').rstrip('/')}/{name}"
+        if self._links.get(leaf) is not None:
+            return None
+        return leaf.lstrip("/")
 
     def _open_dirs(self, resolved: str, path: str) -> int:
         """An O_PATH descriptor for a resolved directory, opened without following links."""
