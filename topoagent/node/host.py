@@ -458,16 +458,24 @@ class Host:
         chunks: list[bytes] = []
         size = 0
         try:
-            mode = os.fstat(fd).st_mode
+            status = os.fstat(fd)
+            mode = status.st_mode
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             if not stat.S_ISREG(mode):
                 raise NotAFile(f"{path}: not a regular file ({file_kind(mode)}); not read")
+            # A recording's file, on an ordinary file system, is read once as many bytes as
+            # fstat gave as its size are in: no read(2) more to meet the end (a thousand per
+            # replay).  A live file is read to its end: sysfs says 4,096 and procfs 0 (so a
+            # size of 0 is read to the end on a recording too: it may be a mounted procfs).
+            whole = -1
             if self.live:
                 # A regular file reads as before; O_NONBLOCK was for the open.  (A recording's
                 # files lie on an ordinary file system, where it changes no regular file's read.)
                 os.set_blocking(fd, True)
-            while size <= limit:
+            else:
+                whole = status.st_size or -1
+            while size <= limit and size != whole:
                 chunk = os.read(fd, min(READ_CHUNK_BYTES, limit + 1 - size))
                 if not chunk:
                     break
