@@ -32,6 +32,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
+from topoagent.node import openat2  # a small module; ctypes itself only once a recording is read
 from topoagent.smallfile import file_kind
 from topoagent.text import REPLACEMENT, is_safe, machine_data, machine_text
 
@@ -331,8 +332,6 @@ class Host:
     def _root_descriptor(self) -> int:
         """The root held open for openat2; -1 where the kernel has none (then walk)."""
         if self._root_fd is None:
-            from topoagent.node import openat2
-
             fd = os.open(self._root_text or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             if not openat2.available(fd):
                 os.close(fd)
@@ -362,19 +361,17 @@ class Host:
                 return fd
 
             return self._inside(path, action)
-        from topoagent.node.openat2 import open_in_root
-
         guess = self._resolved_parent(path)
         if guess is not None:
             try:
-                return open_in_root(root_fd, guess, flags)
+                return openat2.open_in_root(root_fd, guess, flags)
             except OSError as exc:
                 if exc.errno not in (errno.ELOOP, errno.EAGAIN):
                     raise OSError(exc.errno, exc.strerror, path) from None
                 # The last component is a link (or the recording changed): resolve it all.
         for _ in range(2):
             try:
-                return open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
+                return openat2.open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
             except OSError as exc:
                 # ELOOP: a symlink where the cache had none; EAGAIN: a rename raced the walk.
                 if exc.errno not in (errno.ELOOP, errno.EAGAIN):
@@ -404,10 +401,8 @@ class Host:
         """An O_PATH descriptor for a resolved directory, opened without following links."""
         root_fd = self._root_descriptor()
         if root_fd >= 0:
-            from topoagent.node.openat2 import open_in_root
-
             try:
-                return open_in_root(root_fd, resolved.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
+                return openat2.open_in_root(root_fd, resolved.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.EAGAIN):
                     raise _LinkMoved from None
