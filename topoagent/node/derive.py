@@ -13,8 +13,10 @@ Levels follow nvidia-smi's words:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from topoagent.collectors.nvml import NvmlInfo
-from topoagent.collectors.pci import PciDevice, PciTree
+from topoagent.collectors.pci import PciDevice, PciLink, PciTree
 from topoagent.node.facts import BRIDGE, GPU
 from topoagent.node.levels import NODE, PHB, PIX, PXB, SYS, LinkLevel, expected_gbps
 from topoagent.node.model import GpuTopo, NicTopo
@@ -63,17 +65,26 @@ def link_gbps(device: PciDevice) -> float | None:
     """
     if device.link is None:
         return None
-    return device.link.gbps(assume_max_speed=device.kind in (GPU, BRIDGE))
+    return _rated(device.link, device.kind in (GPU, BRIDGE))[0]
+
+
+@lru_cache(maxsize=1024)
+def _rated(link: PciLink, at_max_speed: bool) -> tuple[float | None, int | None]:
+    """(bandwidth, generation) of a link, counted at the speed it can train to or at the
+    speed it runs.  Remembered: a node has a handful of distinct links, and every pair's
+    path asks about several of them (1,300 times for the 153 pairs of a DGX A100)."""
+    return link.gbps(assume_max_speed=at_max_speed), link.max_gen if at_max_speed else link.current_gen
 
 
 def narrowest(devices: list[PciDevice]) -> tuple[int | None, int | None]:
     """(generation, width) of the slowest link among these devices."""
     best: tuple[float, int | None, int | None] | None = None
     for d in devices:
-        rate = link_gbps(d)
-        if rate is None or d.link is None:
+        if d.link is None:
             continue
-        gen = d.link.max_gen if d.kind in (GPU, BRIDGE) else d.link.current_gen
+        rate, gen = _rated(d.link, d.kind in (GPU, BRIDGE))
+        if rate is None:
+            continue
         if best is None or rate < best[0]:
             best = (rate, gen, d.link.current_width)
     return (best[1], best[2]) if best else (None, None)
