@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, TypeVar
 from topoagent.errors import TopoagentError
 from topoagent.node import openat2  # a small module; ctypes itself only once a recording is read
 from topoagent.smallfile import file_kind
-from topoagent.text import REPLACEMENT, is_safe, machine_data, machine_text
+from topoagent.text import REPLACEMENT, is_safe, machine_json, machine_text
 
 if TYPE_CHECKING:
     import tempfile
@@ -734,7 +734,7 @@ class Host:
         except OSError as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc.strerror or exc}") from None
         try:
-            data = machine_data(json.loads(text))  # JSON's escapes can carry any code point, NUL and lone surrogates too
+            data = machine_json(text)  # JSON's escapes can carry any code point, NUL and lone surrogates too
         except (ValueError, RecursionError) as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):
