@@ -63,7 +63,7 @@ class TopoMatrix:
 
     def __post_init__(self) -> None:
         # Merging looks both names of every pair up: 65,280 times on a 128-GPU node, where a
-        # scan of the devices each time took 40% of discovery.  The first of a name wins.
+        # scan of the devices each time took 40% of merging it.  The first of a name wins.
         for i, device in enumerate(self.devices):
             self._by_name.setdefault(device.name, i)
 
