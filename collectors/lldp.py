@@ -11,13 +11,12 @@ warning, never a failed discovery.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from topoagent.collectors.base import CollectorResult, SourceError, command_failed, command_missing, run_collector
 from topoagent.node.facts import PortNeighbour
 from topoagent.node.host import CommandNotFound, Host
-from topoagent.text import machine_data
+from topoagent.text import machine_json
 from topoagent.vocabulary import FabricSource, PeerKind
 
 NAME = "lldp"
@@ -92,7 +91,7 @@ def _kind(capabilities: Any, interface: str) -> PeerKind:
 def parse_lldpctl_json(text: str) -> tuple[PortNeighbour, ...]:
     """``lldpctl -f json`` -> one PortNeighbour per (interface, neighbour) heard."""
     try:
-        document = machine_data(json.loads(text))  # JSON's escapes reach past the Host's text guard
+        document = machine_json(text)  # JSON's escapes reach past the Host's text guard
     except (ValueError, RecursionError) as exc:
         raise LldpParseError(f"not JSON: {str(exc)[:120]}") from None
     if not isinstance(document, dict) or not isinstance(document.get("lldp"), dict | list):

@@ -10,7 +10,7 @@ A path is a set of *segments*, each a link more than one device may use:
 - ``socket-link:<socket>``: the socket interconnect, on the side of that socket.
 
 A **pair** on NVLink crosses none of them (its copies stay on NVLink).  A pair on PCIe
-crosses, like ``topoagent.node.derive.path_devices``, the links above each device and bridge
+crosses, like ``topoagent.node.derive.PathLinks``, the links above each device and bridge
 below the deepest bridge the two share; the host bridge unless they share a switch
 below it (both host bridges when their root complexes differ); and the socket link of
 both sockets when their NUMA nodes sit on different sockets.  A **GPU alone** (its host

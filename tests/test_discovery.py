@@ -88,6 +88,27 @@ def test_health_findings_lower_expected_bandwidth(tmp_path: Path) -> None:
     assert topo.pair(a, "NIC0").expected_gbps == 25.0  # capped by the 200 Gb/s port
 
 
+def test_expected_bandwidth_counts_the_links_a_pair_crosses_and_no_other(tmp_path: Path) -> None:
+    """Below a shared switch its upstream link is not crossed: only the ports under it are."""
+    from topoagent.node.levels import PHB, PIX, expected_gbps
+
+    node = FakeNode(tmp_path)
+    node.bridge("pci0000:00/0000:00:01.0")
+    switch = "pci0000:00/0000:00:01.0/0000:01:00.0"
+    node.bridge(switch, width=(4, 16))  # the switch's own link up: x4
+    node.bridge(f"{switch}/0000:02:00.0")
+    node.pci(f"{switch}/0000:02:00.0/0000:03:00.0", GPU_CLASS)  # A
+    node.bridge(f"{switch}/0000:02:01.0", width=(8, 16))  # the port above B: x8
+    node.pci(f"{switch}/0000:02:01.0/0000:04:00.0", GPU_CLASS)  # B
+    node.bridge("pci0000:00/0000:00:02.0")
+    node.pci("pci0000:00/0000:00:02.0/0000:05:00.0", GPU_CLASS)  # C: its own root port
+    node.nvml([nvml_gpu(i, f"0000:{a}", [], name="Tesla T4") for i, a in enumerate(("03:00.0", "04:00.0", "05:00.0"))])
+    topo = run(tmp_path)
+    assert topo.pair("GPU0", "GPU1").expected_gbps == expected_gbps(PIX, pcie_gen=4, pcie_width=8)
+    assert topo.pair("GPU0", "GPU2").expected_gbps == expected_gbps(PHB, pcie_gen=4, pcie_width=4)
+    assert topo.pair("GPU1", "GPU2").expected_gbps == expected_gbps(PHB, pcie_gen=4, pcie_width=4)
+
+
 def test_declared_matrix_disagreement_is_a_finding(tmp_path: Path) -> None:
     node = FakeNode(tmp_path)
     node.bridge("pci0000:00/0000:00:01.0")

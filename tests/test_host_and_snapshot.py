@@ -136,8 +136,11 @@ def test_a_node_file_is_read_whole_in_pieces_up_to_its_limit(tmp_path: Path) -> 
     (tmp_path / "big").write_bytes(b"x" * (300 << 10))
     host = Host(tmp_path)
     assert host.read_bytes("/big") == b"x" * (300 << 10)
+    assert host.read_bytes("/big", limit=300 << 10) == b"x" * (300 << 10)  # exactly its limit
     with pytest.raises(FileTooLarge):
         host.read_bytes("/big", limit=(300 << 10) - 1)
+    (tmp_path / "empty").write_bytes(b"")
+    assert host.read_bytes("/empty") == b""
 
 
 def test_snapshot_holds_only_what_discovery_reads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -58,6 +58,24 @@ def test_reads_follow_links_inside_the_root(tmp_path, way):
         assert missing.value.filename == "/sys/bus/pci/devices/0000:00:01.0/device"  # the node's path
 
 
+def test_a_link_at_the_end_of_the_path_is_followed_inside_the_root(tmp_path, way):
+    """openat2 is tried on the last component as it is, refusing a link there: the link is
+    then resolved by hand, inside the root, as one on the way is."""
+    root = recording(tmp_path)
+    device = root / "sys/devices/pci0000:00/0000:00:01.0"
+    os.symlink("vendor", device / "alias")
+    os.symlink("/etc/hostname", device / "absolute")
+    os.symlink("../../../../secret/vendor", device / "climbing")  # the root's /secret: none
+    with Host(root) as host:
+        for _ in range(2):  # the second time from the cache
+            assert host.read_text("/sys/bus/pci/devices/0000:00:01.0/alias") == "0x10de\n"
+            assert host.read_text("/sys/devices/pci0000:00/0000:00:01.0/absolute") == "replayed\n"
+            assert host.read_optional("/sys/devices/pci0000:00/0000:00:01.0/climbing") is None
+            assert host.exists("/sys/devices/pci0000:00/0000:00:01.0/alias")
+            assert host.islink("/sys/devices/pci0000:00/0000:00:01.0/alias")
+            assert host.listdir("/sys/bus/pci/devices/0000:00:01.0/..") == ["0000:00:01.0"]
+
+
 def test_a_link_planted_after_the_first_read_stays_inside_the_root(tmp_path, way):
     root = recording(tmp_path)
     with Host(root) as host:

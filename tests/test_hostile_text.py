@@ -54,6 +54,37 @@ def test_machine_text_replaces_what_cannot_be_safe_once() -> None:
     assert machine_text("NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
 
 
+@pytest.mark.parametrize("raw", [
+    '{"name": "A100\\udcff\\u0000\\u202eBG08"}',  # escapes: a surrogate, a NUL, an override
+    '{"name": "A100\udcff\u202eBG08"}',  # the same, raw in the text (a surrogate only a str can hold)
+    '{"name": "A100\\u001b[4mBG08", "ok": "\u0394"}',  # a terminal escape (JSON has no raw ESC)
+    '{"A100\u202e": ["x", {"k": "\\f"}]}',  # in a key; a form feed by escape, deep inside
+    '{"name": "A100\x7f\x85BG08"}',  # DEL and a C1 control, raw: JSON lets them stand unescaped
+])
+def test_machine_json_leaves_no_unsafe_string_in_what_it_parses(raw: str) -> None:
+    from topoagent.text import machine_data, machine_json
+
+    # No UTF encoding carries a lone surrogate: such a text comes as a str only.
+    texts: list[str | bytes] = [raw] if "\udcff" in raw else [raw, raw.encode(), raw.encode("utf-16")]
+    for text in texts:
+        parsed = machine_json(text)
+        assert parsed == machine_data(json.loads(text))
+        assert not any(UNSAFE.search(s) or "\x1b" in s for s in _strings(parsed))
+    assert machine_json(b'{"name": "NVIDIA A100-SXM4-40GB", "n": [1, 2.5, null]}') == {
+        "name": "NVIDIA A100-SXM4-40GB", "n": [1, 2.5, None]}
+
+
+def _strings(value: object) -> list[str]:
+    """Every string in parsed JSON, keys too."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings(k) + _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return []
+
+
 def test_a_served_agent_answers_every_page_with_one_hostile_gpu_name(tmp_path: Path, hostile_root: Path) -> None:
     agent = start_agent(tmp_path, root=hostile_root)
     try:

@@ -32,8 +32,9 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, TypeVar
 
 from topoagent.errors import TopoagentError
+from topoagent.node import openat2  # a small module; ctypes itself only once a recording is read
 from topoagent.smallfile import file_kind
-from topoagent.text import REPLACEMENT, is_safe, machine_data, machine_text
+from topoagent.text import REPLACEMENT, is_safe, machine_json, machine_text
 
 if TYPE_CHECKING:
     import tempfile
@@ -331,8 +332,6 @@ class Host:
     def _root_descriptor(self) -> int:
         """The root held open for openat2; -1 where the kernel has none (then walk)."""
         if self._root_fd is None:
-            from topoagent.node import openat2
-
             fd = os.open(self._root_text or "/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
             if not openat2.available(fd):
                 os.close(fd)
@@ -362,11 +361,17 @@ class Host:
                 return fd
 
             return self._inside(path, action)
-        from topoagent.node.openat2 import open_in_root
-
+        guess = self._resolved_parent(path)
+        if guess is not None:
+            try:
+                return openat2.open_in_root(root_fd, guess, flags)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.EAGAIN):
+                    raise OSError(exc.errno, exc.strerror, path) from None
+                # The last component is a link (or the recording changed): resolve it all.
         for _ in range(2):
             try:
-                return open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
+                return openat2.open_in_root(root_fd, self._resolve(path).lstrip("/") or ".", flags)
             except OSError as exc:
                 # ELOOP: a symlink where the cache had none; EAGAIN: a rename raced the walk.
                 if exc.errno not in (errno.ELOOP, errno.EAGAIN):
@@ -374,14 +379,30 @@ class Host:
                 self._forget_links()
         raise HostError(f"{path}: its symbolic links keep changing; not read")
 
+    def _resolved_parent(self, path: str) -> str | None:
+        """``path`` below the root with its directories resolved and its last component as
+        it is, for openat2 to try before that component is looked at: most reads end at a
+        plain file, and openat2 itself refuses a link there (ELOOP), so asking readlink(2)
+        about every file first would cost a system call per read for nothing.  None where
+        the whole path must be resolved first: it is cached already, its last component is
+        a known link, or it ends in ``.`` or ``..``."""
+        resolved = self._resolved.get(path)
+        if resolved is not None:
+            return resolved.lstrip("/") or "."
+        parent, _, name = path.rstrip("/").rpartition("/")
+        if name in ("", ".", ".."):
+            return None
+        leaf = f"{self._resolve(parent or '/').rstrip('/')}/{name}"
+        if self._links.get(leaf) is not None:
+            return None
+        return leaf.lstrip("/")
+
     def _open_dirs(self, resolved: str, path: str) -> int:
         """An O_PATH descriptor for a resolved directory, opened without following links."""
         root_fd = self._root_descriptor()
         if root_fd >= 0:
-            from topoagent.node.openat2 import open_in_root
-
             try:
-                return open_in_root(root_fd, resolved.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
+                return openat2.open_in_root(root_fd, resolved.lstrip("/") or ".", os.O_PATH | os.O_DIRECTORY)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.EAGAIN):
                     raise _LinkMoved from None
@@ -432,16 +453,24 @@ class Host:
         chunks: list[bytes] = []
         size = 0
         try:
-            mode = os.fstat(fd).st_mode
+            status = os.fstat(fd)
+            mode = status.st_mode
             if stat.S_ISDIR(mode):
                 raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
             if not stat.S_ISREG(mode):
                 raise NotAFile(f"{path}: not a regular file ({file_kind(mode)}); not read")
+            # A recording's file, on an ordinary file system, is read once as many bytes as
+            # fstat gave as its size are in: no read(2) more to meet the end (a thousand per
+            # replay).  A live file is read to its end: sysfs says 4,096 and procfs 0 (so a
+            # size of 0 is read to the end on a recording too: it may be a mounted procfs).
+            whole = -1
             if self.live:
                 # A regular file reads as before; O_NONBLOCK was for the open.  (A recording's
                 # files lie on an ordinary file system, where it changes no regular file's read.)
                 os.set_blocking(fd, True)
-            while size <= limit:
+            else:
+                whole = status.st_size or -1
+            while size <= limit and size != whole:
                 chunk = os.read(fd, min(READ_CHUNK_BYTES, limit + 1 - size))
                 if not chunk:
                     break
@@ -705,7 +734,7 @@ class Host:
         except OSError as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc.strerror or exc}") from None
         try:
-            data = machine_data(json.loads(text))  # JSON's escapes can carry any code point, NUL and lone surrogates too
+            data = machine_json(text)  # JSON's escapes can carry any code point, NUL and lone surrogates too
         except (ValueError, RecursionError) as exc:
             raise HostError(f"nvml.json: unreadable NVML recording: {exc}") from None
         if not isinstance(data, dict):

@@ -33,7 +33,7 @@ from topoagent.collectors.numa import NumaTopology
 from topoagent.collectors.nvidia_smi import TopoMatrix, first_numa_node
 from topoagent.collectors.nvml import NvmlGpu, NvmlInfo
 from topoagent.collectors.pci import PciDevice, PciTree
-from topoagent.node.derive import expected_for_pair, nvlink_levels, pcie_level
+from topoagent.node.derive import PathLinks, expected_for_pair, nvlink_levels, pcie_level
 from topoagent.node.fabric import build_fabric
 from topoagent.node.facts import GPU, NVSWITCH, CpuFacts, PeerMemory, PortNeighbour
 from topoagent.node.findings import (
@@ -282,6 +282,7 @@ def _pairs(
     # shared LinkLevel, which pickle sends once and the agent keeps once (the generated
     # 128-GPU node held 8,391 LinkLevel objects, 0.4 MiB; now 264).
     shared_levels: dict[LinkLevel, LinkLevel] = {}
+    paths = PathLinks(facts.tree) if facts.tree is not None else None
     pairs: list[Pair] = []
     for i, a in enumerate(names):
         for b in names[i + 1:]:
@@ -297,7 +298,7 @@ def _pairs(
                     ))
             else:
                 level, source = declared_level, DECLARED
-            expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, facts.tree)
+            expected = expected_for_pair(level, a, b, gpu_by_name, nic_by_name, pci_of, paths)
             if level is not None:
                 level = shared_levels.setdefault(level, level)
             if declared_level is not None:

@@ -41,11 +41,19 @@ def _bind() -> _Call | None:
     except (OSError, AttributeError):  # not a C library that has syscall(2)
         return None
     syscall.restype = ctypes.c_long
-    syscall.argtypes = (ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t)
+    # The arguments are passed as ready-made C values rather than converted through
+    # argtypes on every call (a replay opens a thousand files): syscall(2)'s number, a
+    # long, and the struct's size, a size_t, made once; an open_how per (flags, resolve),
+    # of which a replay uses a handful, made the first time each is asked for.
+    number, size = ctypes.c_long(_SYS_OPENAT2), ctypes.c_size_t(ctypes.sizeof(OpenHow))
+    hows: dict[tuple[int, int], tuple[OpenHow, object]] = {}  # the struct, and a pointer to it
 
     def call(dir_fd: int, path: bytes, flags: int, resolve: int) -> int:
-        how = OpenHow(flags, 0, resolve)
-        fd = syscall(_SYS_OPENAT2, dir_fd, path, ctypes.byref(how), ctypes.sizeof(how))
+        how = hows.get((flags, resolve))
+        if how is None:
+            made = OpenHow(flags, 0, resolve)
+            how = hows[(flags, resolve)] = (made, ctypes.byref(made))
+        fd: int = syscall(number, ctypes.c_int(dir_fd), path, how[1], size)
         if fd < 0:
             return -ctypes.get_errno()
         return fd

@@ -18,7 +18,6 @@ thresholds beside its reads); this module names no metric.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from topoagent.collectors.registry import COUNTER_SOURCES, FAMILIES, STUCK, THRE
 from topoagent.errors import TopoagentError
 from topoagent.node.host import HostError
 from topoagent.node.model import CollectorStatus, Finding
-from topoagent.text import machine_data
+from topoagent.text import machine_json
 from topoagent.vocabulary import FindingKind, Severity, Status
 
 if TYPE_CHECKING:
@@ -316,7 +315,7 @@ def recorded_samples(host: Host) -> list[Sample] | None:
     if host.live or not host.exists(TELEMETRY_FILE):
         return None
     try:
-        document = machine_data(json.loads(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES)))
+        document = machine_json(host.read_bytes(TELEMETRY_FILE, MAX_TELEMETRY_BYTES))
         samples: list[Sample] = []
         for entry in document.get("samples", []):
             taken_at = float(entry["monotonic_s"])
