@@ -11,8 +11,9 @@ the API server's published form.
 
 A watch runs in a thread of its own, blocked in a read for as long as the API server
 holds the stream (or its head).  Such a thread must end before the interpreter does: a
-thread still in the client when Python finalizes is killed by ``pthread_exit``, whose
-unwinding aborts the process (SIGABRT) in the client's compiled frames.  So each watch is
+thread that wakes in the client while Python finalizes is ended by ``pthread_exit``, whose
+unwinding aborts the process (SIGABRT) at the compiled frames of the client's argument
+checks (pydantic_core, under ``validate_call``).  So each watch is
 a ``WatchCall`` that the loop can cut at whichever step it has reached, and the watches
 use a client of their own, whose connections carry nothing else.
 """
@@ -262,7 +263,7 @@ class WatchCall:
                 if sock not in self._held:
                     self._held.append(sock)
                 return
-        _shut(sock)  # cut before it connected: nothing may be read on it
+        _shut(sock)  # cut already: the request fails at once
 
     def cut(self) -> None:
         with self._lock:
