@@ -36,7 +36,8 @@ Errors are ``Status`` objects; with ``pods_unavailable`` listing and watching po
 with ``fail_node_patches`` a Node patch answers 500, with ``node_watch_forbidden`` a Node
 watch 403 (RBAC without ``watch``).  ``hold_node_lists`` (an Event) makes a Node LIST take
 its snapshot, then wait for the event before it answers (a slow list); ``hold_node_watches``
-makes a Node watch wait for it before it answers at all; ``hold_pod_lists`` does so for a pods LIST.  ``fail_binding`` names pods whose binding fails (500);
+makes a Node watch wait for it before it answers at all, ``hold_pod_watches`` a pods watch
+(``watches`` counts them as they arrive); ``hold_pod_lists`` does so for a pods LIST.  ``fail_binding`` names pods whose binding fails (500);
 ``binding_delay_s`` holds each binding that long first, as a loaded API server does, so
 that concurrent binds of one pod overlap.
 """
@@ -116,6 +117,7 @@ class FakeApiServer:
         self.node_patch_times: list[tuple[str, float, Any]] = []  # (node, monotonic time, patch): when each landed
         self.pods_unavailable = False  # GET /api/v1/pods (list and watch) answers 503, as an API server restarting
         self.hold_pod_lists: threading.Event | None = None  # set: a pods LIST answers only once it is set (a hung API server)
+        self.hold_pod_watches: threading.Event | None = None  # set: the held pods watches answer
         self.node_events: list[tuple[int, bytes]] = []  # (resourceVersion, the event's line), the last KEPT_EVENTS
         self.node_compacted = 0  # a node watch from below this resourceVersion gets 410
         self.node_watches = 0  # node watch requests served
@@ -202,6 +204,10 @@ class FakeApiServer:
                 deadline = time.monotonic() + float(query.get("timeoutSeconds", ["1800"])[0])
                 with outer.lock:
                     outer.watches += 1
+                    held = outer.hold_pod_watches
+                if held is not None:
+                    held.wait()
+                with outer.lock:
                     generation = outer.watch_generation
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")

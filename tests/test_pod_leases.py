@@ -147,7 +147,7 @@ def test_a_pod_deleted_while_the_api_server_was_away_is_found_at_the_next_list(c
 def test_one_watch_event_is_read_within_a_bound() -> None:
     """An event larger than the bound ends the watch with KubeError (the caller lists
     again) instead of growing a buffer without end."""
-    from topoagent.cluster.extender.kube import Kube, KubeError
+    from topoagent.cluster.extender.kube import Kube, KubeError, WatchCall
 
     class Stream(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
@@ -165,7 +165,7 @@ def test_one_watch_event_is_read_within_a_bound() -> None:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        events = Kube(f"http://127.0.0.1:{server.server_address[1]}").watch_pods("1", 5, 64 * 1024, [])
+        events = Kube(f"http://127.0.0.1:{server.server_address[1]}").watch_pods("1", 5, 64 * 1024, WatchCall())
         assert next(iter(events))["object"]["metadata"]["uid"] == "a"
         with pytest.raises(KubeError, match="larger than 65536 bytes"):
             next(iter(events))

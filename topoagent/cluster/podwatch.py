@@ -31,14 +31,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from topoagent.cluster.extender.kube import KubeError
+from topoagent.cluster.extender.kube import KubeError, WatchCall
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
 from topoagent.documents.lease import owner_pod
 from topoagent.log import log_event
@@ -57,7 +55,7 @@ class PodApi(Protocol):
 
     def list_pods_page(self, limit: int, token: str | None, field_selector: str | None = None) -> dict[str, Any]: ...
 
-    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, opened: list[Any],
+    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, call: WatchCall,
                    field_selector: str | None = None) -> Iterable[dict[str, Any]]: ...
 
 
@@ -143,8 +141,6 @@ class PodWatch:
         self.suspects: dict[tuple[str, str], str] = {}  # (node, lease id) -> pod UID: not live at the last resync
         self.released = 0
         self.resyncs = 0
-        self._opened: list[Any] = []
-        self._stopping = threading.Event()
 
     def track(self, held: Held) -> None:
         """A lease taken for a pod that does not carry it (the device plugin's at Allocate):
@@ -163,32 +159,20 @@ class PodWatch:
         """List, watch, again, until cancelled; never raises for the API server's sake."""
         failing = False
         pause = 1.0  # between lists: one a second, doubling to MAX_PAUSE_S while the API server fails
-        try:
-            while True:
-                started = time.monotonic()
-                try:
-                    version = await self.resync()
-                    if failing:
-                        log_event("pod_watch_recovered", who=self.who)
-                    failing, pause = False, 1.0
-                    await self.watch(version)
-                except Exception as exc:  # the API server's errors, and any other: the watch must go on
-                    if not failing:  # once per outage, not once per retry
-                        error = str(exc) if isinstance(exc, KubeError) else f"{type(exc).__name__}: {exc}"
-                        log_event("pod_watch_failed", logging.WARNING, who=self.who, error=error[:300], retry=f"within {MAX_PAUSE_S:g} s")
-                    failing, pause = True, min(MAX_PAUSE_S, pause * 2)
-                await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        for resp in self._opened:
-            # Shut the socket down under the watch thread's blocked read (closing the response
-            # would wait for that read); else the daemon thread ends with the stream's timeout.
-            with contextlib.suppress(Exception):
-                resp.connection.sock.shutdown(socket.SHUT_RDWR)
-        self._opened.clear()
+        while True:
+            started = time.monotonic()
+            try:
+                version = await self.resync()
+                if failing:
+                    log_event("pod_watch_recovered", who=self.who)
+                failing, pause = False, 1.0
+                await self.watch(version)
+            except Exception as exc:  # the API server's errors, and any other: the watch must go on
+                if not failing:  # once per outage, not once per retry
+                    error = str(exc) if isinstance(exc, KubeError) else f"{type(exc).__name__}: {exc}"
+                    log_event("pod_watch_failed", logging.WARNING, who=self.who, error=error[:300], retry=f"within {MAX_PAUSE_S:g} s")
+                failing, pause = True, min(MAX_PAUSE_S, pause * 2)
+            await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
 
     # -- one event --------------------------------------------------------------------------
 
@@ -309,44 +293,47 @@ class PodWatch:
                 return text_field(meta, "resourceVersion"), live, annotated, ended
 
     async def watch(self, version: str) -> None:
-        """Events from ``version`` on, until the stream ends (resync_s at the latest)."""
+        """Events from ``version`` on, until the stream ends (resync_s at the latest).  However
+        it ends (cancelled included), its thread has ended too."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
-        self._stopping.clear()
-        self._opened.clear()  # the last watch's thread has ended: its response is closed
+        call = WatchCall()  # this watch's own: a late thread never feeds the next
 
         def pump() -> None:
             def put(item: tuple[str, Any]) -> None:
-                try:
-                    done = asyncio.run_coroutine_threadsafe(events.put(item), loop)
-                except RuntimeError:  # the loop closed: nobody to tell
+                if call.cut_off:  # stopped: nobody reads
                     return
-                while not self._stopping.is_set():  # waits while the queue is full; gives up when stopped
+                done = asyncio.run_coroutine_threadsafe(events.put(item), loop)
+                while not call.cut_off:  # waits while the queue is full; gives up when stopped
                     with contextlib.suppress(TimeoutError):
                         done.result(timeout=1.0)
                         return
+                done.cancel()
 
             try:
-                for event in self.api.watch_pods(version, max(1, int(self.resync_s)), MAX_EVENT_BYTES, self._opened, self.field_selector):
-                    if self._stopping.is_set():
+                for event in self.api.watch_pods(version, max(1, int(self.resync_s)), MAX_EVENT_BYTES, call, self.field_selector):
+                    if call.cut_off:
                         return
                     put(("event", event))
                 put(("end", None))
             except Exception as exc:  # the API server's errors, and the client's own
                 put(("error", exc))
 
-        threading.Thread(target=pump, name="pod-watch", daemon=True).start()
-        while True:
-            what, item = await events.get()
-            if what == "end":
-                return
-            if what == "error":
-                raise KubeError(str(item) or type(item).__name__)
-            kind, pod = item["type"], item["object"]
-            if kind == "ERROR":  # 410 Gone (too old a resourceVersion) and the like: list again
-                raise KubeError(f"watch pods: {cut_status(pod)}")
-            if kind in ("ADDED", "MODIFIED", "DELETED"):
-                await self.observe(kind, pod)
+        call.start(pump, "pod-watch")
+        try:
+            while True:
+                what, item = await events.get()
+                if what == "end":
+                    return
+                if what == "error":
+                    raise KubeError(str(item) or type(item).__name__)
+                kind, pod = item["type"], item["object"]
+                if kind == "ERROR":  # 410 Gone (too old a resourceVersion) and the like: list again
+                    raise KubeError(f"watch pods: {cut_status(pod)}")
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    await self.observe(kind, pod)
+        finally:
+            await call.stop()
 
 
 def cut_status(status: Mapping[str, Any]) -> str:

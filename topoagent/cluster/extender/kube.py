@@ -8,16 +8,28 @@ neither, so a bind that lost a race never leaves its (released) lease written on
 The pod watch (``topoagent.cluster.podwatch``) lists and watches pods through here too.
 The client is synchronous: each call runs in a thread.  Bodies are read as plain JSON,
 the API server's published form.
+
+A watch runs in a thread of its own, blocked in a read for as long as the API server
+holds the stream (or its head).  Such a thread must end before the interpreter does: a
+thread that wakes in the client while Python finalizes is ended by ``pthread_exit``, whose
+unwinding aborts the process (SIGABRT) at the compiled frames of the client's argument
+checks (pydantic_core, under ``validate_call``).  So each watch is
+a ``WatchCall`` that the loop can cut at whichever step it has reached, and the watches
+use a client of their own, whose connections carry nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Iterator
+import socket
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from topoagent.log import log_event
 from topoagent.text import cut
 
 
@@ -46,6 +58,7 @@ class Kube:
             config.load_incluster_config(client_configuration=configuration)
         self._client = client
         self._core = client.CoreV1Api(client.ApiClient(configuration))
+        self._watches = client.CoreV1Api(_cuttable(client.ApiClient(configuration)))
         self._exception = client.ApiException
         # urllib3's own errors (MaxRetryError: nothing listening) derive from neither OSError nor ValueError.
         self._transport_errors: tuple[type[Exception], ...] = (OSError, ValueError, urllib3.exceptions.HTTPError)
@@ -121,46 +134,50 @@ class Kube:
         return self._list_page("list pods", "PodList", self._core.list_pod_for_all_namespaces,
                                limit=limit, _continue=token or None, field_selector=field_selector)
 
-    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, opened: list[Any],
+    def watch_pods(self, resource_version: str, timeout_s: int, max_event_bytes: int, call: WatchCall,
                    field_selector: str | None = None) -> Iterator[dict[str, Any]]:
         """The watch events (``{"type", "object"}``) after ``resource_version``, until the
-        server ends the stream (at ``timeout_s`` at the latest).  ``opened`` receives the
-        response, so another thread can close it to stop the watch.  An event larger than
-        ``max_event_bytes`` ends the watch with KubeError: memory stays bounded."""
+        server ends the stream (at ``timeout_s`` at the latest), or another thread cuts
+        ``call``.  An event larger than ``max_event_bytes`` ends the watch with KubeError:
+        memory stays bounded."""
         what = "watch pods"
         try:
-            resp: Any = self._core.list_pod_for_all_namespaces(
-                watch=True, resource_version=resource_version, timeout_seconds=timeout_s, allow_watch_bookmarks=True,
-                field_selector=field_selector, _preload_content=False, _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
+            with call.opening():
+                resp: Any = self._watches.list_pod_for_all_namespaces(
+                    watch=True, resource_version=resource_version, timeout_seconds=timeout_s, allow_watch_bookmarks=True,
+                    field_selector=field_selector, _preload_content=False, _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
         except self._exception as exc:
             raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}") from None
         except self._transport_errors as exc:
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
-        opened.append(resp)
-        for line in self._lines(what, resp, max_event_bytes, tail_is_cut=False):
+        for line in self._lines(what, resp, call, max_event_bytes, tail_is_cut=False):
             yield _event(line)
 
     # -- the node table's watch: blocking, run in the table's own thread --------------------
 
-    def open_node_watch(self, resource_version: str, timeout_s: int) -> Any:
+    def open_node_watch(self, resource_version: str, timeout_s: int, call: WatchCall) -> Any:
         """The open stream of Node watch events after ``resource_version`` (the server ends it
-        at ``timeout_s``), for ``watch_lines``; KubeError when it cannot be opened."""
+        at ``timeout_s``), for ``watch_lines``; KubeError when it cannot be opened.  Cut
+        ``call`` meanwhile, it fails, or its stream ends at once."""
         what = "watch nodes"
         try:
-            return self._core.list_node(watch=True, resource_version=resource_version, timeout_seconds=timeout_s, allow_watch_bookmarks=True,
-                                        _preload_content=False, _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
+            with call.opening():
+                return self._watches.list_node(watch=True, resource_version=resource_version, timeout_seconds=timeout_s,
+                                               allow_watch_bookmarks=True, _preload_content=False,
+                                               _request_timeout=(self.timeout_s, timeout_s + self.timeout_s))
         except self._exception as exc:  # 410 Gone: the version is older than the server keeps
             raise KubeError(f"{what}: HTTP {exc.status}: {cut(_message(exc.body), 200)}", exc.status) from None
         except self._transport_errors as exc:
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
 
-    def watch_lines(self, resp: Any, max_event_bytes: int) -> Iterator[bytes | None]:
-        """Each event line of an open node watch, as it arrives; None for a line longer than
-        ``max_event_bytes`` (skipped unread: memory stays bounded, the stream goes on).
-        KubeError when the stream breaks, a line cut off by the end included."""
-        return self._lines("watch nodes", resp, max_event_bytes, tail_is_cut=True, skip_long=True)
+    def watch_lines(self, resp: Any, call: WatchCall, max_event_bytes: int) -> Iterator[bytes | None]:
+        """Each event line of an open node watch (opened for ``call``), as it arrives; None
+        for a line longer than ``max_event_bytes`` (skipped unread: memory stays bounded, the
+        stream goes on).  KubeError when the stream breaks, a line cut off by the end included."""
+        return self._lines("watch nodes", resp, call, max_event_bytes, tail_is_cut=True, skip_long=True)
 
-    def _lines(self, what: str, resp: Any, max_event_bytes: int, *, tail_is_cut: bool, skip_long: bool = False) -> Iterator[Any]:
+    def _lines(self, what: str, resp: Any, call: WatchCall, max_event_bytes: int, *, tail_is_cut: bool,
+               skip_long: bool = False) -> Iterator[Any]:
         buffer = b""
         skipping = False  # inside a line past max_event_bytes: dropped up to its newline
         try:
@@ -187,7 +204,115 @@ class Kube:
         except self._transport_errors as exc:  # the stream cut, or shut to stop the watch
             raise KubeError(f"{what}: {cut(str(exc) or type(exc).__name__, 200)}") from None
         finally:
+            call.let_go()  # back in the pool, the connection may carry the next watch: never cut it later
             resp.release_conn()
+
+
+# A connect under way cannot be cut (its socket is not the connection's yet): it ends
+# within the client's connect timeout (Kube's timeout_s, 5 s).
+STOP_WITHIN_S = 10.0
+_opening = threading.local()  # .call: the WatchCall this thread is opening, if any
+
+
+class WatchCall:
+    """One watch request and the thread that makes it.  ``stop`` ends both, at whichever step
+    the request has reached (connecting, waiting for the response's head, reading the
+    stream): its socket is shut down under the blocked call, which returns at once (closing
+    the response would wait for that read, and until the head comes there is no response),
+    and the thread is waited for.  The thread is not a daemon: whatever happens, the
+    interpreter waits for it rather than kill it in the client."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: list[socket.socket] = []  # the sockets that carried it (a retry takes another connection)
+        self._thread: threading.Thread | None = None
+        self.cut_off = False
+
+    def start(self, pump: Callable[[], None], name: str) -> None:
+        """Run ``pump`` (which makes the request, through ``opening``) in the watch's thread."""
+        self._thread = threading.Thread(target=pump, name=name)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Cut the request, and wait (``STOP_WITHIN_S`` at most) for the thread to end."""
+        self.cut()
+        thread = self._thread
+        if thread is None:
+            return
+        await asyncio.to_thread(thread.join, STOP_WITHIN_S)
+        if thread.is_alive():  # a bug: nothing the thread does should outlast its cut socket this long
+            log_event("watch_thread_not_stopped", logging.ERROR, thread=thread.name, within=f"{STOP_WITHIN_S:g} s",
+                      then="exit waits for it")
+
+    @contextlib.contextmanager
+    def opening(self) -> Iterator[None]:
+        """On the watch's thread, while it makes the request: the socket of each connection
+        the request uses is held, to be cut."""
+        _opening.call = self
+        try:
+            yield
+        except BaseException:
+            self.let_go()  # no stream: the connection went back to the pool, or is closed
+            raise
+        finally:
+            _opening.call = None
+
+    def hold(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self.cut_off:
+                if sock not in self._held:
+                    self._held.append(sock)
+                return
+        _shut(sock)  # cut already: the request fails at once
+
+    def cut(self) -> None:
+        with self._lock:
+            self.cut_off = True
+            held, self._held = self._held, []
+        for sock in held:
+            _shut(sock)
+
+    def let_go(self) -> None:
+        with self._lock:
+            self._held.clear()
+
+
+def _shut(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed meanwhile
+        sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Held:
+    """A connection whose socket the WatchCall its thread is opening, if any, holds: from the
+    moment it connects, and each time it carries a request (a kept-alive one carries
+    several).  The socket, not the connection: a response that ends with its connection
+    (HTTP/1.0, ``Connection: close``) takes the socket from it."""
+
+    sock: socket.socket | None
+
+    def connect(self) -> None:
+        super().connect()  # type: ignore[misc]
+        self._hold()
+
+    def request(self, *args: Any, **kwargs: Any) -> None:
+        self._hold()  # a kept-alive connection; a new one is held as it connects
+        super().request(*args, **kwargs)  # type: ignore[misc]
+
+    def _hold(self) -> None:
+        call = getattr(_opening, "call", None)
+        if call is not None and self.sock is not None:
+            call.hold(self.sock)
+
+
+def _cuttable(api_client: Any) -> Any:
+    """``api_client`` with connections a WatchCall can cut: each pool class of its pool
+    manager (plain, TLS, through a proxy) makes its connections with ``_Held`` mixed in."""
+    manager = api_client.rest_client.pool_manager
+    manager.pool_classes_by_scheme = {
+        scheme: type(f"Held{pool.__name__}", (pool,), {"ConnectionCls": type(f"Held{pool.ConnectionCls.__name__}", (_Held, pool.ConnectionCls), {})})
+        for scheme, pool in manager.pool_classes_by_scheme.items()
+    }
+    return api_client
 
 
 def _event(line: bytes) -> dict[str, Any]:

@@ -36,13 +36,11 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
-import threading
 import time
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Protocol
 
-from topoagent.cluster.extender.kube import KubeError
+from topoagent.cluster.extender.kube import KubeError, WatchCall
 from topoagent.cluster.extender.wire import NODE_NAME, node_address
 from topoagent.connections import Throttled
 
@@ -60,9 +58,9 @@ class NodeApi(Protocol):
 
     def list_nodes_page(self, limit: int, token: str | None) -> dict[str, Any]: ...
 
-    def open_node_watch(self, resource_version: str, timeout_s: int) -> Any: ...
+    def open_node_watch(self, resource_version: str, timeout_s: int, call: WatchCall) -> Any: ...
 
-    def watch_lines(self, resp: Any, max_event_bytes: int) -> Iterator[bytes | None]: ...
+    def watch_lines(self, resp: Any, call: WatchCall, max_event_bytes: int) -> Iterator[bytes | None]: ...
 
 
 class Gone(Exception):
@@ -92,7 +90,6 @@ class NodeTable:
         self.malformed = 0
         self._stale = False  # an event was skipped: the next watch starts with a list
         self._throttled = Throttled()
-        self._current: tuple[threading.Event, list[Any]] = (threading.Event(), [])  # the open watch's stop flag and response
 
     def __contains__(self, name: str) -> bool:
         return name in self._addresses
@@ -232,55 +229,41 @@ class NodeTable:
             await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
             pause = min(MAX_PAUSE_S, pause * 2) if failed else 1.0
 
-    def stop(self) -> None:
-        """End the open watch: its thread stops at its next line."""
-        stopping, opened = self._current
-        stopping.set()
-        for resp in opened:
-            # Shut the socket down under the watch thread's blocked read (closing the response
-            # would wait for that read); else the daemon thread ends with the stream's timeout.
-            with contextlib.suppress(Exception):
-                resp.connection.sock.shutdown(socket.SHUT_RDWR)
-        opened.clear()
-
     async def watch(self, version: str) -> str:
         """Apply the events after ``version`` until the server ends the stream; the last
-        resourceVersion seen.  Gone when the watch cannot go on from there."""
+        resourceVersion seen.  Gone when the watch cannot go on from there.  However it ends
+        (cancelled included), its thread has ended too."""
         assert self.api is not None
         api = self.api
         loop = asyncio.get_running_loop()
         items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
-        stopping, opened = self._current = (threading.Event(), [])  # this watch's own: a late thread never feeds the next
+        call = WatchCall()  # this watch's own: a late thread never feeds the next
 
         def pump() -> None:
             def put(item: tuple[str, Any]) -> None:
-                try:
-                    done = asyncio.run_coroutine_threadsafe(items.put(item), loop)
-                except RuntimeError:  # the loop closed: nobody to tell
+                if call.cut_off:  # stopped: nobody reads
                     return
-                while not stopping.is_set():  # waits while the queue is full; gives up when stopped
+                done = asyncio.run_coroutine_threadsafe(items.put(item), loop)
+                while not call.cut_off:  # waits while the queue is full; gives up when stopped
                     with contextlib.suppress(TimeoutError):
                         done.result(timeout=1.0)
                         return
                 done.cancel()
 
             try:
-                resp = api.open_node_watch(version, max(1, int(self.resync_s)))
-                opened.append(resp)
-                if stopping.is_set():  # stopped while it opened
-                    self.stop()
-                    return
+                # Stopped while it opens, the stream ends at once (its socket is shut): read
+                # to its end all the same, which hands the connection back.
+                resp = api.open_node_watch(version, max(1, int(self.resync_s)), call)
                 put(("open", None))
-                for line in api.watch_lines(resp, MAX_EVENT_BYTES):
-                    if stopping.is_set():
+                for line in api.watch_lines(resp, call, MAX_EVENT_BYTES):
+                    if call.cut_off:
                         return
                     put(("line", line))
                 put(("end", None))
             except Exception as exc:  # the API server's errors, and the client's own
-                if not stopping.is_set():
-                    put(("error", exc))
+                put(("error", exc))
 
-        threading.Thread(target=pump, name="node-watch", daemon=True).start()
+        call.start(pump, "node-watch")
         try:
             while True:
                 what, item = await items.get()
@@ -296,7 +279,7 @@ class NodeTable:
                     version = self._apply(item, version)
         finally:
             self.watching = False
-            self.stop()
+            await call.stop()
 
     def _apply(self, line: bytes | None, version: str) -> str:
         """One event line: the table changed, and the resourceVersion it brings."""
