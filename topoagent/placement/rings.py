@@ -185,20 +185,32 @@ class Rings:
                 if cycle and not (links[start] & left):
                     failed.add(state)
                     return False
-                if left & ~connected_components(left | 1 << last, links, 1 << last)[0]:
-                    failed.add(state)
-                    return False  # the rest cannot all be reached from here
                 # Each GPU still to visit has two path neighbours among the rest, the last
                 # visited and (a ring) the start -- but for the one that ends a path.
                 around = left | 1 << last | (1 << start if cycle else 0)
                 ends = 0
+                onward = links[last] & left
+                following = 0  # in a ring, GPUs linked to the last visited and to one other only
                 for v in bits(left):
-                    if (links[v] & around).bit_count() < 2:
+                    degree = (links[v] & around).bit_count()
+                    if degree < 2:
                         ends += 1
                         if cycle or ends > 1:
                             failed.add(state)
                             return False
-                options = list(bits(links[last] & left))
+                    elif cycle and degree == 2 and links[v] >> last & 1 and last != start:
+                        following |= 1 << v
+                if following:
+                    # The last GPU's ring neighbours are the one before it and the next: a
+                    # GPU whose two links are to it and one more must come next (one only).
+                    onward = following if following & (following - 1) == 0 else 0
+                    if not onward:
+                        failed.add(state)
+                        return False
+                if left & ~connected_components(left | 1 << last, links, 1 << last)[0]:
+                    failed.add(state)
+                    return False  # the rest cannot all be reached from here
+                options = list(bits(onward))
                 # Fewest onward options first (finds Hamiltonian paths fast), best link first.
                 options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
                 for v in options:
