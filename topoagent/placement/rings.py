@@ -13,7 +13,7 @@ from topoagent.placement.deadline import Ticker
 from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
 
 HAM_MEMO_MAX = 50_000  # past this the memo starts again empty, costing time, never answers
-HAM_FAILED_MAX = 200_000  # states one ring search remembers failing from; past it, again empty
+HAM_FAILED_MAX = 50_000  # states one ring search remembers failing from (a few MiB); past it, again empty
 # Most links among the candidates for which a ring search first splits them into blocks
 # (linear in the links; denser sets are cliques or near them and one block anyway).
 BLOCKS_EDGES_MAX = 1500
