@@ -388,3 +388,84 @@ def test_least_concave_fill_is_the_least_damage_of_any_split(parts, rem):
     splits = [a for a in product(*(range(c + 1) for _, c in parts)) if sum(a) == rem]
     least = min((sum(x * (r + c - x) for x, (r, c) in zip(a, parts)) for a in splits), default=0)
     assert bounds_module.least_concave_fill(parts, rem) == least
+
+
+def _rings_brute_force(mask: int, adjacency: list[int]) -> list[tuple[int, ...]]:
+    """Every ring through all of ``mask`` (each once per direction, from its lowest GPU)."""
+    from itertools import permutations
+
+    vs = _vertices(mask)
+    if len(vs) < 3:
+        return []
+    first, rest = vs[0], vs[1:]
+    return [
+        (first, *order)
+        for order in permutations(rest)
+        if all(adjacency[a] >> b & 1 for a, b in zip((first, *order), (*order, first)))
+    ]
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_graph())
+def test_ring_links_keep_every_link_a_ring_uses(graph):
+    """rings.ring_links drops only links no ring through the whole set uses, and says None
+    only where brute force finds no ring at all."""
+    adjacency, verts = graph
+    found = _rings_brute_force(verts, adjacency)
+    links = rings_module.ring_links(verts, adjacency)
+    if links is None:
+        assert not found
+        return
+    for ring in found:
+        for a, b in zip(ring, ring[1:] + ring[:1]):
+            assert links[a] >> b & 1 and links[b] >> a & 1, (ring, a, b)
+
+
+def _first_order_by_backtracking(ring_memo, mask: int, adjacency: list[int], cycle: bool):
+    """The order plain backtracking finds first, trying GPUs in the ring search's order
+    (its starts; fewest onward options first, best link first) and cutting nothing."""
+    rank, verts = ring_memo.rank, sorted(_vertices(mask), key=ring_memo.hier_pos.__getitem__)
+    k = len(verts)
+    if k == 1 or all(adjacency[v] & mask == mask & ~(1 << v) for v in verts):
+        return tuple(verts)
+    degree = {v: (adjacency[v] & mask).bit_count() for v in verts}
+    starts = verts[:1] if cycle else sorted(verts, key=degree.__getitem__)
+    if not cycle and degree[starts[0]] == 1:
+        starts = starts[:1]
+
+    def extend(path: list[int], left: int):
+        if not left:
+            return tuple(path) if k > 2 and (not cycle or adjacency[path[-1]] >> path[0] & 1) else None
+        last = path[-1]
+        options = sorted(_vertices(adjacency[last] & left), key=lambda v: ((adjacency[v] & left).bit_count(), -rank[last][v]))
+        for v in options:
+            got = extend([*path, v], left & ~(1 << v))
+            if got is not None:
+                return got
+        return None
+
+    for start in starts:
+        got = extend([start], mask & ~(1 << start))
+        if got is not None:
+            return got
+    return None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(4, 9), st.integers(0, 10**6), st.sampled_from([0.3, 0.5, 0.7]))
+def test_ring_search_finds_the_order_plain_backtracking_finds_first(n, seed, p):
+    """What the ring and path search cuts (links no ring uses, sets a GPU's removal splits,
+    the states it failed from before) holds no ring or path: on every subset of a small
+    irregular mesh, at every threshold, it answers with the very order backtracking that
+    cuts nothing finds first, or None where that finds none."""
+    from topoagent.placement.synthetic import irregular_mesh
+
+    matrix = irregular_mesh(n, seed=seed, p=p, socket_size=4)
+    prep = tables_module.prepare(matrix, None)
+    ring_memo = rings_module.Rings(prep)
+    for r in range(prep.n_ranks):
+        adjacency = ring_memo.adj(r)
+        for mask in range(1, 1 << n):
+            for cycle in (True, False):
+                expected = _first_order_by_backtracking(ring_memo, mask, adjacency, cycle)
+                assert ring_memo._ham_search(mask, adjacency, cycle, None) == expected, (r, bin(mask), cycle)

@@ -97,3 +97,44 @@ def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, mon
         req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
         check_answer(matrix, req, busy, place(matrix, req, busy), {})
     assert seen["cut"] >= 10 and seen["skipped"] >= 10, seen  # the bound was at work
+
+
+def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_and_bound, monkeypatch):
+    """A child that only leaves out a class outside every set of NUMA nodes its parent
+    kept takes the parent's list instead of working it out again (Search._branch's
+    spans_for): each such child, made to work it out after all, gets the very list it was
+    handed; and the answers are the optimum of every term."""
+    from topoagent.placement import search
+
+    branch, spans_left = search.Search._branch, search.Search._spans_left
+    handed: list = []
+    seen = {"compared": 0}
+
+    def recomputing(self, ci, taken, rem, cand, dmg, was=None, spans=None, spans_for=search._STALE):
+        if spans_for is search._STALE or spans_for is not self.best:
+            return branch(self, ci, taken, rem, cand, dmg, was, spans, spans_for)
+        handed.append(spans)
+        try:
+            return branch(self, ci, taken, rem, cand, dmg, was, spans, search._STALE)
+        finally:
+            if handed and handed[-1] is spans:
+                handed.pop()  # cut before its spans were worked out
+
+    def compared(self, *args):
+        got = spans_left(self, *args)
+        if handed:
+            assert got == handed.pop()
+            seen["compared"] += 1
+        return got
+
+    monkeypatch.setattr(search.Search, "_branch", recomputing)
+    monkeypatch.setattr(search.Search, "_spans_left", compared)
+    rng = random.Random(381)
+    for _ in range(40):
+        n = rng.randint(9, 12)
+        matrix = irregular_mesh(n, seed=rng.randrange(10**6), p=rng.choice((0.3, 0.45, 0.6)), socket_size=rng.choice((2, 3)))
+        k = rng.randint(3, n - 2)
+        busy = rng.sample(range(n), rng.randint(0, n - k))
+        req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
+        check_answer(matrix, req, busy, place(matrix, req, busy), {})
+    assert seen["compared"] >= 10, seen  # the lists were handed down

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
     from topoagent.placement.live import LiveCosts
 
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Anytime._first_set_at): about a millisecond
-FIRST_SET_UNIONS = 12  # pairs and triples of NUMA nodes tried there
+FIRST_SET_UNIONS = 60  # groups of NUMA nodes tried there (most refuted in a few steps)
+FIRST_SET_UNION_STEPS = 2_400  # steps of all those tries together
+FIRST_SET_COMBOS_MAX = 600  # groups of one size listed to pick those from (C(16, 3) = 560)
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 # Steps of those tries the clock is not read for (Anytime._unhurried): nearly all of them on
 # the 32- and 64-GPU meshes bench.placement's loaded study asks about (1-2 ms of a core there).
@@ -276,17 +278,24 @@ class Anytime:
                 best = found
         if best is not None or self.req.single_numa:
             return best
+        left = FIRST_SET_UNION_STEPS  # most unions are refuted in a few steps: many can be tried
         for union in self._unions(counts):
-            found = self._cheap_set(r, union & cand)
+            if left <= 0:
+                break
+            steps = StepBudget(min(FIRST_SET_STEPS, left), self.deadline)
+            given = steps.left
+            found = self._cheap_set(r, union & cand, steps)
             if found is not None:
                 return found
+            left -= given - steps.left
         return None
 
-    def _cheap_set(self, r: int, pool: int) -> Found | None:
-        """A set of ``pool`` at threshold ``r`` within FIRST_SET_STEPS steps, or None: grown
-        link by link, or, for a ring or path that must hold ``include``, the first set of a
-        best-fit descent."""
-        steps = StepBudget(FIRST_SET_STEPS, self.deadline)
+    def _cheap_set(self, r: int, pool: int, steps: StepBudget | None = None) -> Found | None:
+        """A set of ``pool`` at threshold ``r`` within ``steps`` (FIRST_SET_STEPS), or None:
+        grown link by link, or, for a ring or path that must hold ``include``, the first
+        set of a best-fit descent."""
+        if steps is None:
+            steps = StepBudget(FIRST_SET_STEPS, self.deadline)
         try:
             if self.include and self.req.pattern is not Pattern.ALLTOALL:
                 sub = Search(
@@ -298,15 +307,20 @@ class Anytime:
             return None
 
     def _unions(self, counts: list[int]) -> list[int]:
-        """Groups of NUMA nodes that can hold the job, as GPU masks, best first: pairs and
-        triples by the NUMA distance and count they span, most candidates first (the first
-        FIRST_SET_UNIONS of them), then the nodes nearest the one with most candidates,
-        one more at a time."""
+        """Groups of NUMA nodes that can hold the job, as GPU masks, best first: by the NUMA
+        distance and count they span, most candidates first (the first FIRST_SET_UNIONS of
+        them, the fewest nodes first: where a job needs four, four), then the nodes
+        nearest the one with most candidates, one more at a time."""
         prep = self.prep
         include = self.include
         live = [gi for gi, c in enumerate(counts) if c]
+        most = sorted((counts[gi] for gi in live), reverse=True)
         combos = []
-        for size in (2, 3):
+        for size in range(2, len(live) + 1):
+            if sum(most[:size]) < self.k:
+                continue  # no group of this many nodes holds the job
+            if math.comb(len(live), size) > FIRST_SET_COMBOS_MAX:
+                break
             for combo in combinations(live, size):
                 mask = sum(prep.numa_masks[gi] for gi in combo)
                 held = sum(counts[gi] for gi in combo)

@@ -13,6 +13,7 @@ from topoagent.placement.deadline import Ticker
 from topoagent.placement.tables import PerTables, Prepared, bits, connected_components
 
 HAM_MEMO_MAX = 50_000  # past this the memo starts again empty, costing time, never answers
+HAM_FAILED_MAX = 50_000  # states one ring search remembers failing from (a few MiB); past it, again empty
 # Most links among the candidates for which a ring search first splits them into blocks
 # (linear in the links; denser sets are cliques or near them and one block anyway).
 BLOCKS_EDGES_MAX = 1500
@@ -138,42 +139,78 @@ class Rings:
             return None
         if not cycle and sum(1 for d in degree.values() if d == 1) > 2:
             return None
-        if len(connected_components(mask, adj)) > 1:
+        if cycle:
+            # Links no ring can use go: every ring through a GPU with two links uses both.
+            # The rings are the same, so what is refuted below is refuted sooner.
+            reduced = ring_links(mask, adj)
+            if reduced is None:
+                return None
+            links = reduced
+        else:
+            links = adj
+        if len(connected_components(mask, links)) > 1:
             return None  # without this a split set is refuted only by trying every path
         # Taking one GPU out of a ring leaves a path: one piece (a path, at most two).  A
         # GPU whose removal splits the set further is refuted here in a few microseconds;
         # the path search below takes tens to learn it (most sets a sparse mesh refutes).
         for v in verts:
             rest = mask & ~(1 << v)
-            if len(connected_components(rest, adj)) > (1 if cycle else 2):
+            if len(connected_components(rest, links)) > (1 if cycle else 2):
                 return None
         starts = verts[:1] if cycle else sorted(verts, key=lambda v: degree[v])
         if not cycle and degree[starts[0]] == 1:
             starts = starts[:1]  # a GPU with one link ends every path: the one start to try
         rank = self.rank
+        # (visited, last) states, as one int, from which the rest cannot be completed: a
+        # path reaching one again by another order is cut at once.  Only ring or path
+        # searches that fail are cut, so the first order found is the one found before.
+        shift = mask.bit_length().bit_length()
+        failed: set[int] = set()
         for start in starts:
             path = [start]
+            if cycle:
+                failed.clear()  # a ring's completions depend on where it started
 
             def extend(last: int, visited: int) -> bool:
                 if deadline is not None:
                     deadline.tick()
                 if len(path) == k:
                     return not cycle or bool(adj[last] & (1 << start))
-                left = mask & ~visited
-                if cycle and not (adj[start] & left):
+                state = visited << shift | last
+                if state in failed:
                     return False
-                if left & ~connected_components(left | 1 << last, adj, 1 << last)[0]:
-                    return False  # the rest cannot all be reached from here
+                if len(failed) > HAM_FAILED_MAX:
+                    failed.clear()
+                left = mask & ~visited
+                if cycle and not (links[start] & left):
+                    failed.add(state)
+                    return False
                 # Each GPU still to visit has two path neighbours among the rest, the last
                 # visited and (a ring) the start -- but for the one that ends a path.
                 around = left | 1 << last | (1 << start if cycle else 0)
                 ends = 0
+                onward = links[last] & left
+                following = 0  # in a ring, GPUs linked to the last visited and to one other only
                 for v in bits(left):
-                    if (adj[v] & around).bit_count() < 2:
+                    degree = (links[v] & around).bit_count()
+                    if degree < 2:
                         ends += 1
                         if cycle or ends > 1:
+                            failed.add(state)
                             return False
-                options = list(bits(adj[last] & left))
+                    elif cycle and degree == 2 and links[v] >> last & 1 and last != start:
+                        following |= 1 << v
+                if following:
+                    # The last GPU's ring neighbours are the one before it and the next: a
+                    # GPU whose two links are to it and one more must come next (one only).
+                    onward = following if following & (following - 1) == 0 else 0
+                    if not onward:
+                        failed.add(state)
+                        return False
+                if left & ~connected_components(left | 1 << last, links, 1 << last)[0]:
+                    failed.add(state)
+                    return False  # the rest cannot all be reached from here
+                options = list(bits(onward))
                 # Fewest onward options first (finds Hamiltonian paths fast), best link first.
                 options.sort(key=lambda v: ((adj[v] & left).bit_count(), -rank[last][v]))
                 for v in options:
@@ -181,12 +218,53 @@ class Rings:
                     if extend(v, visited | (1 << v)):
                         return True
                     path.pop()
+                failed.add(state)
                 return False
 
             if extend(start, 1 << start):
                 return tuple(path)
         return None
 
+
+def ring_links(mask: int, adj: list[int]) -> list[int] | None:
+    """Per GPU of ``mask``, its links in ``mask`` that some ring through all of ``mask``
+    may use (the others' entries are 0), or None when no such ring can exist.
+
+    A GPU with two links uses both in every ring, and a GPU two of whose links are so
+    forced uses no other: its other links go, which may leave another GPU with two.
+    Forced links that close a cycle short of the whole set prove that there is none."""
+    links = [0] * len(adj)
+    for v in bits(mask):
+        links[v] = adj[v] & mask
+    forced = [0] * len(adj)
+    check = mask
+    while check:
+        low = check & -check
+        check ^= low
+        v = low.bit_length() - 1
+        have = links[v]
+        degree = have.bit_count()
+        if degree < 2:
+            return None
+        if degree != 2 or forced[v] == have:
+            continue
+        for u in bits(have & ~forced[v]):
+            forced[v] |= 1 << u
+            forced[u] |= 1 << v
+            f = forced[u].bit_count()
+            if f > 2:
+                return None
+            if f == 2 and links[u] != forced[u]:
+                for w in bits(links[u] & ~forced[u]):
+                    links[w] &= ~(1 << u)  # u's ring links are both forced: not this one
+                    check |= 1 << w
+                links[u] = forced[u]
+                check |= 1 << u
+    # Forced links are paths and cycles (none has more than two); a cycle is the whole ring.
+    for comp in connected_components(mask, forced):
+        if comp != mask and all(forced[v].bit_count() == 2 for v in bits(comp)):
+            return None
+    return links
 
 
 RINGS: PerTables[Rings] = PerTables(Rings)

@@ -37,6 +37,7 @@ SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past t
 SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
 SPANS_GPUS_MAX = 64  # past it (128 GPUs) a branch's per-set checks cost more than the deadline allows
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
+_STALE = object()  # Search._branch's spans_for when its parent's list may not be its own
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
 Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
@@ -438,11 +439,12 @@ class Search(Bounds):
 
     def _branch(
         self, ci: int, taken: int, rem: int, cand: int, dmg: int, was: Reach | None = None,
-        spans: list[Span] | None = None,
+        spans: list[Span] | None = None, spans_for: object = _STALE,
     ) -> None:
         """``was``: what the parent's ring check left (see _ring_completable), or None;
         ``spans``: the sets of NUMA nodes a set as good as the limit may still lie within
-        (see _spans_left), or None when not yet worked out."""
+        (see _spans_left), or None when not yet worked out; ``spans_for``: the best set
+        when they are exactly what this branch's _spans_left would return (_STALE: not)."""
         if self.ticker is not None:
             self.ticker.tick()
         if rem == 0:
@@ -477,8 +479,9 @@ class Search(Bounds):
             # equal set can win the tie-break), and leave the candidates as they are, so
             # every set that can win is still visited, in the same order, and the checks
             # above still see what they saw before: the same answer.
-            ties_lose = best is not None and limit is best.key and self._best_loss(best) == 0
-            spans = self._spans_left(taken, cand, rem, dmg, limit, not ties_lose, spans)
+            if spans_for is not best:
+                ties_lose = best is not None and limit is best.key and self._best_loss(best) == 0
+                spans = self._spans_left(taken, cand, rem, dmg, limit, not ties_lose, spans)
             if spans is not None:
                 if not spans:
                     return
@@ -500,6 +503,10 @@ class Search(Bounds):
         top = min(len(members), rem)
         if top >= 2 and not (allowed[members[0]] >> members[1] & 1):
             top = 1  # all pairs inside a class are alike: if one pair may not join, none may
+        # Leaving out a class none of whose candidates any of these sets can hold changes
+        # no set's check in _spans_left (the same members taken, the same candidates on
+        # each set's nodes): while the best set is the same, that child keeps the list.
+        outside = within != -1 and not (class_mask & cand & within)
         for c in range(top, -1, -1):
             pick = 0
             nxt = rest
@@ -509,7 +516,8 @@ class Search(Bounds):
             if pick & ~within:
                 continue  # every set holding it is worse than the limit
             added = self.class_damage(zones, taken, c) if c else 0
-            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans)
+            kept_for = best if c == 0 and outside else _STALE  # the best set the list was made for
+            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans, kept_for)
             if self.best is not None and self.stop_at_first:
                 return
 
