@@ -56,7 +56,8 @@ def test_machine_text_replaces_what_cannot_be_safe_once() -> None:
 
 @pytest.mark.parametrize("raw", [
     '{"name": "A100\\udcff\\u0000\\u202eBG08"}',  # escapes: a surrogate, a NUL, an override
-    '{"name": "A100\udcff\u202eBG08"}',  # the same, raw in the text (a surrogate only a str can hold)
+    '{"name": "A100\udcff\u202eBG08"}',  # the same, raw in the text
+    '{"name": "A100\udcffBG08"}',  # a raw surrogate alone (in UTF-8 bytes too: ED B3 BF)
     '{"name": "A100\\u001b[4mBG08", "ok": "\u0394"}',  # a terminal escape (JSON has no raw ESC)
     '{"A100\u202e": ["x", {"k": "\\f"}]}',  # in a key; a form feed by escape, deep inside
     '{"name": "A100\x7f\x85BG08"}',  # DEL and a C1 control, raw: JSON lets them stand unescaped
@@ -64,8 +65,8 @@ def test_machine_text_replaces_what_cannot_be_safe_once() -> None:
 def test_machine_json_leaves_no_unsafe_string_in_what_it_parses(raw: str) -> None:
     from topoagent.text import machine_data, machine_json
 
-    # No UTF encoding carries a lone surrogate: such a text comes as a str only.
-    texts: list[str | bytes] = [raw] if "\udcff" in raw else [raw, raw.encode(), raw.encode("utf-16")]
+    # As a str and as bytes; UTF-8 bytes carry a raw lone surrogate too (json.loads takes them).
+    texts: list[str | bytes] = [raw, raw.encode("utf-8", "surrogatepass")] + ([] if "\udcff" in raw else [raw.encode("utf-16")])
     for text in texts:
         parsed = machine_json(text)
         assert parsed == machine_data(json.loads(text))

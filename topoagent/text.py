@@ -79,9 +79,10 @@ def machine_json(text: str | bytes) -> Any:
     (ValueError, RecursionError) as they are.  A text without an escape (no backslash) and
     with nothing unsafe in it holds strings that are safe as they stand: it is returned as
     parsed, not walked string by string again (which took twice the parse of nvml.json)."""
-    data = json.loads(text)
-    # Bytes json.loads took are UTF-8, or UTF-16/32, whose NULs read as unsafe here.
-    raw = text.decode("utf-8", errors="replace") if isinstance(text, bytes) else text
+    # Bytes decoded as json.loads decodes them (surrogatepass: UTF-8 bytes can carry a lone
+    # surrogate), so the check reads exactly the text that is parsed.
+    raw = text.decode(json.detect_encoding(text), "surrogatepass") if isinstance(text, bytes) else text
+    data = json.loads(raw)
     return data if "\\" not in raw and is_safe(raw) else machine_data(data)
 
 
