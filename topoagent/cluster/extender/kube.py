@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import json
 import logging
 import socket
@@ -58,7 +59,9 @@ class Kube:
             config.load_incluster_config(client_configuration=configuration)
         self._client = client
         self._core = client.CoreV1Api(client.ApiClient(configuration))
-        self._watches = client.CoreV1Api(_cuttable(client.ApiClient(configuration)))
+        watching = copy.deepcopy(configuration)
+        watching.retries = False  # a cut watch ends at once, not after urllib3's retries: its loop opens the next
+        self._watches = client.CoreV1Api(_cuttable(client.ApiClient(watching)))
         self._exception = client.ApiException
         # urllib3's own errors (MaxRetryError: nothing listening) derive from neither OSError nor ValueError.
         self._transport_errors: tuple[type[Exception], ...] = (OSError, ValueError, urllib3.exceptions.HTTPError)
@@ -266,11 +269,11 @@ class WatchCall:
         _shut(sock)  # cut already: the request fails at once
 
     def cut(self) -> None:
-        with self._lock:
+        with self._lock:  # shut under the lock: let go of, a socket may carry the other watch next
             self.cut_off = True
-            held, self._held = self._held, []
-        for sock in held:
-            _shut(sock)
+            for sock in self._held:
+                _shut(sock)
+            self._held = []
 
     def let_go(self) -> None:
         with self._lock:
