@@ -420,8 +420,11 @@ def main() -> None:
     if args.starve and args.waits:
         c = local_cluster(list(STARVE_FIXTURES))
         for seed in args.seeds:
-            print(f"## {list(STARVE_PATTERN)} x {args.rounds}, {args.waits} (1-GPU pods live {SMALL_LIFE_S[args.waits]:g} s), "
-                  f"seed {seed}\n\n{starve_waits(c, args.waits, seed, args.rounds, args.holds, args.pop_from_backoff, args.hold_choice)}\n")
+            heading = "" if args.markdown else "## "
+            print(f"{heading}{list(STARVE_PATTERN)} x {args.rounds}, one a second, {', '.join(STARVE_FIXTURES)}; {args.waits} "
+                  f"(1-GPU pods live {SMALL_LIFE_S[args.waits]:g} s, 8-GPU pods {BIG_LIFE_S:g} s); seed {seed}; each pod's wait "
+                  f"and the node it was bound to"
+                  f"\n\n{starve_waits(c, args.waits, seed, args.rounds, args.holds, args.pop_from_backoff, args.hold_choice)}\n")
         return
     if args.starve:
         heading = "" if args.markdown else "## Holds (issue #39): "

@@ -82,6 +82,8 @@ GENERATORS: dict[str, Generator] = {
                               "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
     "holds-nopop-sustained": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--seeds", "0-8", "--rounds", "30",
                                         "--no-pop-from-backoff", "--holds", "off,guard,guard+30"), ("--seeds", "0-2")),
+    "holds-waits": Generator(("-m", "bench.cluster_replay", "--starve", "--markdown", "--waits", "overload", "--seeds", "0",
+                              "--holds", "off,guard")),
 }
 
 OPEN = re.compile(r"^<!-- figures:([a-z][a-z0-9-]*) -->$")
