@@ -377,9 +377,9 @@ def starve_waits(c: LocalCluster, load: str, seed: int, rounds: int, settings: l
     """Each pod of one stream under each setting: its wait and the node it was bound to, a
     markdown table (what the medians of ``starve_table`` are made of)."""
     jobs = starve_stream(load, seed, rounds)
+    logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines, as starve_run
     runs = []
     for setting in settings:
-        logging.getLogger("topoagent").setLevel(logging.ERROR)
         queue = ReplayQueue(c, setting, pop_from_backoff, choice)
         runs.append((queue.run(jobs), queue.bound_to))
     lines = ["| pod | GPUs | arrives s | " + " | ".join(f"{s.name()}: wait s, node" for s in settings) + " |",

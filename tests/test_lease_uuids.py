@@ -1,5 +1,6 @@
 """Leases hold GPUs by UUID: a re-numbering moves nothing, and a lease whose GPU left the
-node blocks nothing (it is listed as orphaned) instead of making every /place a 409."""
+node holds no other GPU for it (it is listed as orphaned and keeps only the GPUs it still has)
+instead of making every /place a 409."""
 
 from __future__ import annotations
 

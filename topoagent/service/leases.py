@@ -490,7 +490,8 @@ class LeaseStore:
         """Place ``request`` around what is leased or running, and lease the answer --
         one step under the lock, so two callers cannot get the same GPU."""
         _check(owner, ttl_s)
-        self.gpus_now = {g.uuid: g.index for g in matrix.gpus if g.uuid}
+        # The grant reads the node placement read (the loop may tell the store a newer one meanwhile).
+        where = self.gpus_now = {g.uuid: g.index for g in matrix.gpus if g.uuid}
         with self._locked():
             self._expire(self.monotonic())
             # Leases hold GPUs by UUID: a GPU that left the node is held by no lease here (the
@@ -505,7 +506,7 @@ class LeaseStore:
                 return answer
             uuid_of = {g.index: g.uuid or None for g in matrix.gpus}  # "" is no UUID
             uuids = tuple(uuid_of.get(i) for i in answer.indices)
-            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids), answer
+            return self._grant(owner, answer.indices, ttl_s, answer.satisfaction, uuids, where), answer
 
     def release(self, lease_id: str) -> bool:
         with self._locked():
@@ -538,7 +539,10 @@ class LeaseStore:
         ttl_s: float,
         satisfaction: float | None = None,
         uuids: tuple[str | None, ...] = (),
+        where: Mapping[str, int] | None = None,
     ) -> Lease:
+        """Grant the lease unless one of its GPUs is held: by the node ``where`` says (UUID ->
+        index; default: the store's latest, ``gpus_now``)."""
         problem = gpus_problem(gpus)
         if problem:
             raise LeaseError(problem)
@@ -548,7 +552,7 @@ class LeaseStore:
         # The book's own rule as loading applies it: never write what the next read would
         # quarantine as a GPU in two leases.  While the node is not known, a lease by UUID
         # is where it was recorded: a grant refuses on what may be stale (fail-closed).
-        where = self.gpus_now
+        where = self.gpus_now if where is None else where
         if where is None:
             where = {uuid: gpu for other in self._leases.values() for gpu, uuid in other.named() if uuid}
         claims = _Claims(where)
