@@ -29,14 +29,13 @@ owners of the leases read; per watch event, one pod object, at most ``max_event_
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
-from topoagent.cluster.extender.kube import KubeError, WatchCall
+from topoagent.cluster.extender.kube import KubeError, WatchCall, WatchThread
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
 from topoagent.documents.lease import owner_pod
 from topoagent.log import log_event
@@ -295,45 +294,16 @@ class PodWatch:
     async def watch(self, version: str) -> None:
         """Events from ``version`` on, until the stream ends (resync_s at the latest).  However
         it ends (cancelled included), its thread has ended too."""
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
-        call = WatchCall()  # this watch's own: a late thread never feeds the next
+        def stream(call: WatchCall) -> Iterable[dict[str, Any]]:
+            return self.api.watch_pods(version, max(1, int(self.resync_s)), MAX_EVENT_BYTES, call, self.field_selector)
 
-        def pump() -> None:
-            def put(item: tuple[str, Any]) -> None:
-                if call.cut_off:  # stopped: nobody reads
-                    return
-                done = asyncio.run_coroutine_threadsafe(events.put(item), loop)
-                while not call.cut_off:  # waits while the queue is full; gives up when stopped
-                    with contextlib.suppress(TimeoutError):
-                        done.result(timeout=1.0)
-                        return
-                done.cancel()
-
-            try:
-                for event in self.api.watch_pods(version, max(1, int(self.resync_s)), MAX_EVENT_BYTES, call, self.field_selector):
-                    if call.cut_off:
-                        return
-                    put(("event", event))
-                put(("end", None))
-            except Exception as exc:  # the API server's errors, and the client's own
-                put(("error", exc))
-
-        call.start(pump, "pod-watch")
-        try:
-            while True:
-                what, item = await events.get()
-                if what == "end":
-                    return
-                if what == "error":
-                    raise KubeError(str(item) or type(item).__name__)
-                kind, pod = item["type"], item["object"]
+        async with WatchThread(stream, "pod-watch") as events:
+            async for event in events:
+                kind, pod = event["type"], event["object"]
                 if kind == "ERROR":  # 410 Gone (too old a resourceVersion) and the like: list again
                     raise KubeError(f"watch pods: {cut_status(pod)}")
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     await self.observe(kind, pod)
-        finally:
-            await call.stop()
 
 
 def cut_status(status: Mapping[str, Any]) -> str:

@@ -15,7 +15,9 @@ thread that wakes in the client while Python finalizes is ended by ``pthread_exi
 unwinding aborts the process (SIGABRT) at the compiled frames of the client's argument
 checks (pydantic_core, under ``validate_call``).  So each watch is
 a ``WatchCall`` that the loop can cut at whichever step it has reached, and the watches
-use a client of their own, whose connections carry nothing else.
+use a client of their own, whose connections carry nothing else.  ``WatchThread`` runs a
+watch's stream in that thread and hands its items to the loop: the Node table and the pod
+watch both read their watches through it.
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
 
 from topoagent.log import log_event
 from topoagent.text import cut
 
+_T = TypeVar("_T")
 
 class KubeError(Exception):
     """The API server refused or could not be reached; the message says which call, ``status``
@@ -278,6 +281,67 @@ class WatchCall:
     def let_go(self) -> None:
         with self._lock:
             self._held.clear()
+
+
+class WatchThread(Generic[_T]):
+    """``stream(call)`` run in a watch's own thread, its items handed to the loop in order::
+
+        async with WatchThread(stream, "pod-watch") as items:
+            async for item in items: ...
+
+    The iteration ends where the stream does; where the stream raises, its exception is
+    raised in the loop as it is (a KubeError: the API server's; anything else: a bug of ours).
+    Leaving the block, however (cancelled included), cuts the call and waits for the thread.
+    Each watch has a WatchCall of its own: a late thread never feeds the next watch."""
+
+    QUEUED = 64  # items between the thread and the loop: bounded, the thread waits for the loop
+
+    def __init__(self, stream: Callable[[WatchCall], Iterable[_T]], name: str) -> None:
+        self._stream, self._name = stream, name
+        self._call = WatchCall()
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=self.QUEUED)
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def __aenter__(self) -> WatchThread[_T]:
+        self._loop = asyncio.get_running_loop()
+        self._call.start(self._pump, self._name)
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._call.stop()
+
+    def __aiter__(self) -> WatchThread[_T]:
+        return self
+
+    async def __anext__(self) -> _T:
+        what, item = await self._queue.get()
+        if what == "end":
+            raise StopAsyncIteration
+        if what == "error":
+            raise item
+        return item
+
+    def _pump(self) -> None:
+        try:
+            # Once cut, items are dropped, never the stream: its socket is shut, so it ends at
+            # once, and read to its end it hands its connection back.
+            for item in self._stream(self._call):
+                self._put(("item", item))
+            self._put(("end", None))
+        except Exception as exc:  # the API server's errors, and our bugs: raised in the loop
+            self._put(("error", exc))
+
+    def _put(self, item: tuple[str, Any]) -> None:
+        """Onto the queue, in the thread; never once cut: nobody reads, and the loop may be closing."""
+        if self._call.cut_off:
+            return
+        assert self._loop is not None
+        done = asyncio.run_coroutine_threadsafe(self._queue.put(item), self._loop)
+        while not self._call.cut_off:  # waits while the queue is full; gives up when cut
+            with contextlib.suppress(TimeoutError):
+                done.result(timeout=1.0)
+                return
+        done.cancel()
 
 
 def _shut(sock: socket.socket) -> None:

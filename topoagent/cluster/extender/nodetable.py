@@ -40,7 +40,7 @@ import time
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any, Protocol
 
-from topoagent.cluster.extender.kube import KubeError, WatchCall
+from topoagent.cluster.extender.kube import KubeError, WatchCall, WatchThread
 from topoagent.cluster.extender.wire import NODE_NAME, node_address
 from topoagent.connections import Throttled
 
@@ -234,52 +234,28 @@ class NodeTable:
         resourceVersion seen.  Gone when the watch cannot go on from there.  However it ends
         (cancelled included), its thread has ended too."""
         assert self.api is not None
-        api = self.api
-        loop = asyncio.get_running_loop()
-        items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=64)  # bounded: the thread waits for us
-        call = WatchCall()  # this watch's own: a late thread never feeds the next
+        api, timeout_s = self.api, max(1, int(self.resync_s))
 
-        def pump() -> None:
-            def put(item: tuple[str, Any]) -> None:
-                if call.cut_off:  # stopped: nobody reads
-                    return
-                done = asyncio.run_coroutine_threadsafe(items.put(item), loop)
-                while not call.cut_off:  # waits while the queue is full; gives up when stopped
-                    with contextlib.suppress(TimeoutError):
-                        done.result(timeout=1.0)
-                        return
-                done.cancel()
+        def stream(call: WatchCall) -> Iterator[tuple[str, bytes | None]]:
+            resp = api.open_node_watch(version, timeout_s, call)
+            yield "open", None
+            for line in api.watch_lines(resp, call, MAX_EVENT_BYTES):
+                yield "line", line
 
-            try:
-                # Stopped while it opens, the stream ends at once (its socket is shut): read
-                # to its end all the same, which hands the connection back.
-                resp = api.open_node_watch(version, max(1, int(self.resync_s)), call)
-                put(("open", None))
-                for line in api.watch_lines(resp, call, MAX_EVENT_BYTES):
-                    if call.cut_off:
-                        return
-                    put(("line", line))
-                put(("end", None))
-            except Exception as exc:  # the API server's errors, and the client's own
-                put(("error", exc))
-
-        call.start(pump, "node-watch")
         try:
-            while True:
-                what, item = await items.get()
-                if what == "open":
-                    self.watching = True
-                elif what == "end":
-                    return version
-                elif what == "error":
-                    status = getattr(item, "status", None)
-                    raise Gone("expired" if status == 410 else "broken", str(item) or type(item).__name__, status)
-                else:
-                    self._lines += 1  # before it applies: a list under way is older from here on
-                    version = self._apply(item, version)
-        finally:
-            self.watching = False
-            await call.stop()
+            async with WatchThread(stream, "node-watch") as items:
+                try:
+                    async for what, line in items:
+                        if what == "open":
+                            self.watching = True
+                        else:
+                            self._lines += 1  # before it applies: a list under way is older from here on
+                            version = self._apply(line, version)
+                finally:
+                    self.watching = False  # from the end of the stream on, not once its thread has ended
+            return version
+        except KubeError as exc:  # the client's own; any other exception is a bug, which run counts as one
+            raise Gone("expired" if exc.status == 410 else "broken", str(exc), exc.status) from None
 
     def _apply(self, line: bytes | None, version: str) -> str:
         """One event line: the table changed, and the resourceVersion it brings."""
