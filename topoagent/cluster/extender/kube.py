@@ -37,6 +37,7 @@ from topoagent.text import cut
 
 _T = TypeVar("_T")
 
+
 class KubeError(Exception):
     """The API server refused or could not be reached; the message says which call, ``status``
     the HTTP status of a refusal (None: no answer)."""
