@@ -37,7 +37,7 @@ SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past t
 SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
 SPANS_GPUS_MAX = 64  # past it (128 GPUs) a branch's per-set checks cost more than the deadline allows
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
-LACKS_KEPT_MAX = 20_000  # members taken whose lacking links _lacks keeps, in one search
+LACKS_KEPT_MAX = 4_096  # members taken whose lacking links _lacks keeps (a parent and its children share them)
 _STALE = object()  # Search._branch's spans_for when its parent's list may not be its own
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
