@@ -324,3 +324,43 @@ def test_warm_builds_the_tables_requests_read():
     for pattern in Pattern:
         assert small_table_if_built(prep, pattern, 1) is not None
         assert small_table_if_built(prep, pattern, 15) is not None
+
+
+def test_the_cheap_tries_on_groups_of_numa_nodes_keep_to_their_steps(monkeypatch):
+    """The cheap first sets tried on groups of NUMA nodes (Anytime._first_set_at) take
+    FIRST_SET_UNION_STEPS steps in all, and the try under way at most its own more -- a
+    grown path tops its steps up at each start, which must not hide what it took.  The
+    requests are the 64-GPU mesh study's (bench.placement_versus --mesh), where one took
+    nearly twice that budget before."""
+    from topoagent.placement import anytime
+
+    counted = {"in": False, "steps": 0, "most": 0}
+    tick = deadline_module.Deadline.tick
+    first_set_at = anytime.Anytime._first_set_at
+
+    def counting_tick(self):
+        counted["steps"] += counted["in"]
+        tick(self)
+
+    def counting_first_set_at(self, r):
+        counted["in"], counted["steps"] = True, 0
+        try:
+            return first_set_at(self, r)
+        finally:
+            counted["in"] = False
+            counted["most"] = max(counted["most"], counted["steps"])
+
+    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
+    monkeypatch.setattr(anytime.Anytime, "_first_set_at", counting_first_set_at)
+    matrix = irregular_mesh(64)
+    rng = random.Random(5)  # bench.placement_versus's draws
+    most_allowed = (
+        anytime.FIRST_SET_NODES * anytime.FIRST_SET_STEPS  # a best-fit descent on each NUMA node alone
+        + anytime.FIRST_SET_UNION_STEPS  # the groups
+        + anytime.FIRST_SET_NODES * anytime.FIRST_SET_STEPS + anytime.FIRST_SET_STEPS  # the last group's try
+    )
+    for _ in range(72):
+        k = rng.choice((1, 2, 4, 8, 16, 32))
+        busy = rng.sample(range(64), rng.randint(0, 64 - k))
+        place(matrix, Request(gpus=k, deadline_ms=10_000), busy)
+    assert anytime.FIRST_SET_UNION_STEPS < counted["most"] <= most_allowed, counted

@@ -138,3 +138,39 @@ def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_an
         req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
         check_answer(matrix, req, busy, place(matrix, req, busy), {})
     assert seen["compared"] >= 10, seen  # the lists were handed down
+
+
+def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(branch_and_bound, monkeypatch):
+    """The ring check (Search._ring_completable) starts from what an earlier check left --
+    the peel, the members checked and their links, the component -- and a branch's check
+    of its members among themselves is kept per members taken (Search._lacks): every check
+    that starts from an earlier one, worked out again from nothing with nothing kept, says
+    the same (whether the branch is cut, the candidates, the GPUs forced, what it leaves);
+    and the answers are the optimum of every term."""
+    from topoagent.placement import search
+
+    completable = search.Search._ring_completable
+    seen = {"compared": 0, "cut": 0}
+
+    def compared(self, taken, cand, rem, was):
+        got = completable(self, taken, cand, rem, was)
+        if was is not None:
+            kept, self.lacks_kept = self.lacks_kept, {}
+            try:
+                assert got == completable(self, taken, cand, rem, None), (taken, cand, rem, was)
+            finally:
+                self.lacks_kept = kept
+            seen["compared"] += 1
+            seen["cut"] += got is None
+        return got
+
+    monkeypatch.setattr(search.Search, "_ring_completable", compared)
+    rng = random.Random(381)  # the draws of the test above (brute force of some draws takes seconds)
+    for _ in range(40):
+        n = rng.randint(9, 12)
+        matrix = irregular_mesh(n, seed=rng.randrange(10**6), p=rng.choice((0.3, 0.45, 0.6)), socket_size=rng.choice((2, 3)))
+        k = rng.randint(3, n - 2)
+        busy = rng.sample(range(n), rng.randint(0, n - k))
+        req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
+        check_answer(matrix, req, busy, place(matrix, req, busy), {})
+    assert seen["compared"] >= 400 and seen["cut"] >= 40, seen  # checks started from earlier ones, and cut

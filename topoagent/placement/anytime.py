@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 FIRST_SET_STEPS = 400  # per cheap try at a threshold (Anytime._first_set_at): about a millisecond
 FIRST_SET_UNIONS = 60  # groups of NUMA nodes tried there (most refuted in a few steps)
-FIRST_SET_UNION_STEPS = 2_400  # steps of all those tries together
+FIRST_SET_UNION_STEPS = 5_000  # steps of all those tries together (a grown path tops up its own per start)
 FIRST_SET_COMBOS_MAX = 600  # groups of one size listed to pick those from (C(16, 3) = 560)
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 # Steps of those tries the clock is not read for (Anytime._unhurried): nearly all of them on
@@ -283,11 +283,10 @@ class Anytime:
             if left <= 0:
                 break
             steps = StepBudget(min(FIRST_SET_STEPS, left), self.deadline)
-            given = steps.left
             found = self._cheap_set(r, union & cand, steps)
             if found is not None:
                 return found
-            left -= given - steps.left
+            left -= steps.spent  # not what ``left`` lost: a grown path tops it up per start
         return None
 
     def _cheap_set(self, r: int, pool: int, steps: StepBudget | None = None) -> Found | None:

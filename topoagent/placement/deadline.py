@@ -108,9 +108,11 @@ class StepBudget:
 
     def __init__(self, steps: int, deadline: Deadline | None):
         self.left = steps
+        self.spent = 0  # steps taken: ``left`` may be topped up (each start of a grown path)
         self.deadline = deadline
 
     def tick(self) -> None:
+        self.spent += 1
         self.left -= 1
         if self.left < 0:
             raise StepsSpent

@@ -37,6 +37,7 @@ SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past t
 SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
 SPANS_GPUS_MAX = 64  # past it (128 GPUs) a branch's per-set checks cost more than the deadline allows
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
+LACKS_KEPT_MAX = 4_096  # members taken whose lacking links _lacks keeps (a parent and its children share them)
 _STALE = object()  # Search._branch's spans_for when its parent's list may not be its own
 
 # A set's score, terms (2)-(6) of the objective: NUMA distance, NUMA nodes, NICs, damage, live.
@@ -44,8 +45,9 @@ Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
 # A class of interchangeable GPUs: its mask, and its zone per level (placement.tables).
 GpuClass = tuple[int, tuple[int, ...]]
 # What a ring check leaves its branch's children: the GPUs that can still be in the set
-# (taken and candidates, peeled) and the component of their links holding what is taken.
-Reach = tuple[int, int]
+# (taken and candidates, peeled), the component of their links holding what is taken, the
+# members it checked, and the links of those of them with no link to spare in that reach.
+Reach = tuple[int, int, int, int]
 # A set of NUMA nodes (a bitmask of group numbers) a completion may lie within, and what
 # the ring check on their candidates left (None before the first).
 Span = tuple[int, Reach | None]
@@ -198,6 +200,7 @@ class Search(Bounds):
         self.h_adj = self.rings.level_adj(req.min_level) if req.min_level else None
         self.partner: tuple[dict[int, int], dict[int, int], dict[int, int]] | None = None
         self.groups_masks: dict[int, int] = {}  # NUMA groups (a bitmask) -> their GPUs
+        self.lacks_kept: dict[int, tuple[int, int] | None] = {}  # _lacks, per members taken
         # _spans_left: with one or two NUMA nodes its sets are what the checks before it
         # see already, or one node more, and it costs more than it cuts; at 128 GPUs its
         # checks made answers late (docs/benchmarks.md, the deadline block).
@@ -330,6 +333,7 @@ class Search(Bounds):
             if not comps:
                 return None
         self.need = need
+        self.lacks_kept = {}
         self.best = None
         self.cutoff = None if stop_at_first else cutoff
         self.stop_at_first = stop_at_first
@@ -524,9 +528,10 @@ class Search(Bounds):
     def _ring_completable(self, taken: int, cand: int, rem: int, was: Reach | None) -> tuple[int, int, Reach] | None:
         """The candidates that can still complete a ring or path at r through ``taken``,
         the GPUs every such completion holds, and what the children's checks start from;
-        None when none can.  ``was``: the parent's (reach, component), which the peel
-        and the component start from (a child's reach is the parent's less a few GPUs:
-        only their neighbours can have lost links) -- the same result as from nothing."""
+        None when none can.  ``was``: what an earlier check on this branch's path left
+        (see Reach), which the peel, the members' links and the component start from (a
+        child's reach is the parent's less a few GPUs: only their neighbours can have
+        lost links) -- the same result as from nothing."""
         # No ring/path at r can be completed: such a branch holds no set, so cutting it
         # changes no answer.  In a ring, the members taken lie in runs between the rem
         # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
@@ -561,39 +566,71 @@ class Search(Bounds):
         cand = reach & ~taken
         if cand.bit_count() < rem:
             return None
-        forced = 0
+        if was is not None and reach == was[0]:
+            # The same reach: the members it checked have the same links in it.
+            tight, left = was[3], taken & ~was[2]
+        else:
+            tight, left = 0, taken
+        while left:
+            low = left & -left
+            left ^= low
+            links = eff[low.bit_length() - 1] & reach
+            degree = links.bit_count()
+            if degree < need:
+                return None
+            if degree == need:
+                tight |= links  # every link it has left is one it needs
+        forced = tight & ~taken
+        if forced.bit_count() > rem:
+            return None
+        lacks = self._lacks(taken, rem, ends)
+        if lacks is None:
+            return None
+        short, lacking = lacks
+        if short > ends and not self._newcomers_cover(cand, lacking, rem, short - ends):
+            return None
+        if was is not None and not (was[1] & ~reach):
+            # The parent's component is whole in this reach, which lies inside the parent's:
+            # it is still the component, and what is taken outside it is cut off.
+            comp = was[1]
+            if taken & ~comp:
+                return None
+        else:
+            comp = connected_components(reach, eff, taken & -taken)[0]
+            if taken & ~comp or comp.bit_count() < self.k:
+                return None
+        return cand, forced, (reach, comp, taken, tight)
+
+    def _lacks(self, taken: int, rem: int, ends: int) -> tuple[int, int] | None:
+        """The ring links the members taken lack among themselves (2 each) and which members
+        lack any; None when they lie in more runs than ``rem`` newcomers can join, or lack
+        more links than those can bring.  It depends on ``taken`` alone, which a branch's
+        sets of NUMA nodes and its child leaving a class out share: it is kept per search."""
+        got = self.lacks_kept.get(taken, _STALE)
+        if got is not _STALE:
+            return got  # type: ignore[return-value]
+        eff = self.eff
+        assert eff is not None
         short = 0
         lacking = 0  # the members taken with fewer than 2 links among the taken
         left = taken
         while left:
             low = left & -left
             left ^= low
-            v = low.bit_length() - 1
-            links = eff[v] & reach
-            degree = links.bit_count()
-            if degree < need:
-                return None
-            if degree == need:
-                forced |= links  # every link it has left is one it needs
-            inside = (eff[v] & taken).bit_count()
+            inside = (eff[low.bit_length() - 1] & taken).bit_count()
             if inside < 2:
                 short += 2 - inside
                 lacking |= low
-        forced &= ~taken
-        if short > 2 * rem + ends or forced.bit_count() > rem:
-            return None
-        if short > ends and not self._newcomers_cover(cand, lacking, rem, short - ends):
-            return None
         runs = rem + ends // 2
-        if taken.bit_count() > runs and len(connected_components(taken, eff, most=runs)) > runs:
-            return None
-        if was is not None and reach == was[0] and not (taken & ~was[1]):
-            comp = was[1]  # the same reach, and what is taken inside the same component
-        else:
-            comp = connected_components(reach, eff, taken & -taken)[0]
-            if taken & ~comp or comp.bit_count() < self.k:
-                return None
-        return cand, forced, (reach, comp)
+        lacks: tuple[int, int] | None = (short, lacking)
+        if short > 2 * rem + ends or (
+            taken.bit_count() > runs and len(connected_components(taken, eff, most=runs)) > runs
+        ):
+            lacks = None
+        if len(self.lacks_kept) >= LACKS_KEPT_MAX:
+            self.lacks_kept.clear()
+        self.lacks_kept[taken] = lacks
+        return lacks
 
     def _spans_left(
         self, taken: int, cand: int, rem: int, dmg: int, limit: Key, strict: bool, spans: list[Span] | None
@@ -708,6 +745,19 @@ class Search(Bounds):
 
     def _leaf(self, taken: int, dmg: int) -> None:
         prep = self.prep
+        groups = prep.groups_of(taken)
+        nic = self.terms.nic_cost(taken, self.nics) if self.nics else NO_NICS
+        key = (self.terms.numa_span(groups), groups.bit_count(), nic, dmg, self._live_cost(taken))
+        # Scored before its order is looked for: a set that cannot replace the best one
+        # needs none (a ring's order is the costly part of a leaf).
+        best = self.best
+        loss: int | None = None
+        if best is not None and key >= best.key:
+            if key != best.key or self._best_loss(best) == 0:
+                return
+            loss = self._partner_loss(taken)  # (5), among the equals visited
+            if loss >= self._best_loss(best):
+                return
         order: tuple[int, ...] | None
         if self.check_order:
             assert self.r is not None  # check_order is only ever set with a level
@@ -721,13 +771,4 @@ class Search(Bounds):
                 return
         else:
             order = tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__))
-        groups = prep.groups_of(taken)
-        nic = self.terms.nic_cost(taken, self.nics) if self.nics else NO_NICS
-        key = (self.terms.numa_span(groups), groups.bit_count(), nic, dmg, self._live_cost(taken))
-        best = self.best
-        if best is None or key < best.key:
-            self.best = Found(taken, order, self.r, key)
-        elif key == best.key and self._best_loss(best) != 0:
-            loss = self._partner_loss(taken)  # (5), among the equals visited
-            if loss < self._best_loss(best):
-                self.best = Found(taken, order, self.r, key, loss)
+        self.best = Found(taken, order, self.r, key, loss)
