@@ -129,6 +129,12 @@ def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_an
 
     monkeypatch.setattr(search.Search, "_branch", recomputing)
     monkeypatch.setattr(search.Search, "_spans_left", compared)
+    place_small_meshes_checked()
+    assert seen["compared"] >= 10, seen  # the lists were handed down
+
+
+def place_small_meshes_checked() -> None:
+    """Forty requests on small irregular meshes (seeded), each answer checked against brute force."""
     rng = random.Random(381)
     for _ in range(40):
         n = rng.randint(9, 12)
@@ -137,7 +143,6 @@ def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_an
         busy = rng.sample(range(n), rng.randint(0, n - k))
         req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
         check_answer(matrix, req, busy, place(matrix, req, busy), {})
-    assert seen["compared"] >= 10, seen  # the lists were handed down
 
 
 def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(branch_and_bound, monkeypatch):
@@ -165,12 +170,5 @@ def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(
         return got
 
     monkeypatch.setattr(search.Search, "_ring_completable", compared)
-    rng = random.Random(381)  # the draws of the test above (brute force of some draws takes seconds)
-    for _ in range(40):
-        n = rng.randint(9, 12)
-        matrix = irregular_mesh(n, seed=rng.randrange(10**6), p=rng.choice((0.3, 0.45, 0.6)), socket_size=rng.choice((2, 3)))
-        k = rng.randint(3, n - 2)
-        busy = rng.sample(range(n), rng.randint(0, n - k))
-        req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
-        check_answer(matrix, req, busy, place(matrix, req, busy), {})
+    place_small_meshes_checked()  # the draws of the test above (brute force of some draws takes seconds)
     assert seen["compared"] >= 400 and seen["cut"] >= 40, seen  # checks started from earlier ones, and cut
