@@ -21,7 +21,7 @@ def way(request, monkeypatch, tmp_path):
         fd = os.open(tmp_path, os.O_PATH | os.O_DIRECTORY)
         try:
             if not openat2.available(fd):
-                pytest.skip(f"this kernel ({os.uname().release}) refuses openat2: the walk is all it has")
+                pytest.skip(reason=f"this kernel ({os.uname().release}) refuses openat2: the walk is all it has")
         finally:
             os.close(fd)
     return request.param

@@ -38,7 +38,7 @@ from typing import Any, Protocol, TypeVar
 from topoagent.cluster.extender.kube import KubeError, WatchCall, WatchThread
 from topoagent.cluster.extender.wire import LEASE_ANNOTATION
 from topoagent.documents.lease import owner_pod
-from topoagent.log import log_event
+from topoagent.log import event_line, log, log_event
 
 _T = TypeVar("_T")
 
@@ -166,10 +166,14 @@ class PodWatch:
                     log_event("pod_watch_recovered", who=self.who)
                 failing, pause = False, 1.0
                 await self.watch(version)
-            except Exception as exc:  # the API server's errors, and any other: the watch must go on
+            except KubeError as exc:  # the API server refused, or a stream broke: the watch goes on
                 if not failing:  # once per outage, not once per retry
-                    error = str(exc) if isinstance(exc, KubeError) else f"{type(exc).__name__}: {exc}"
-                    log_event("pod_watch_failed", logging.WARNING, who=self.who, error=error[:300], retry=f"within {MAX_PAUSE_S:g} s")
+                    log_event("pod_watch_failed", logging.WARNING, who=self.who, error=str(exc)[:300], retry=f"within {MAX_PAUSE_S:g} s")
+                failing, pause = True, min(MAX_PAUSE_S, pause * 2)
+            except Exception as exc:  # a bug of ours: said with its traceback, and the watch goes on
+                if not failing:
+                    log.error(event_line("pod_watch_failed", who=self.who, error=f"{type(exc).__name__}: {exc}"[:300],
+                                         retry=f"within {MAX_PAUSE_S:g} s"), exc_info=exc)
                 failing, pause = True, min(MAX_PAUSE_S, pause * 2)
             await asyncio.sleep(max(0.0, pause - (time.monotonic() - started)))
 

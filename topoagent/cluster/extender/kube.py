@@ -23,6 +23,7 @@ watch both read their watches through it.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import json
@@ -232,23 +233,28 @@ class WatchCall:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: list[socket.socket] = []  # the sockets that carried it (a retry takes another connection)
-        self._thread: threading.Thread | None = None
+        self._running: concurrent.futures.Future[None] | None = None
+        self._name = ""
         self.cut_off = False
 
-    def start(self, pump: Callable[[], None], name: str) -> None:
-        """Run ``pump`` (which makes the request, through ``opening``) in the watch's thread."""
-        self._thread = threading.Thread(target=pump, name=name)
-        self._thread.start()
+    def start(self, pump: Callable[[], None], name: str) -> concurrent.futures.Future[None]:
+        """Run ``pump`` (which makes the request, through ``opening``) in the watch's thread,
+        named ``name``; its outcome: None, or what ``pump`` raised, as it is (the executor
+        holds it: nothing of ours catches it on the way)."""
+        runner = concurrent.futures.ThreadPoolExecutor(max_workers=1, initializer=_named, initargs=(name,))
+        self._running, self._name = runner.submit(pump), name
+        runner.shutdown(wait=False)  # its one thread ends with pump
+        return self._running
 
     async def stop(self) -> None:
         """Cut the request, and wait (``STOP_WITHIN_S`` at most) for the thread to end."""
         self.cut()
-        thread = self._thread
-        if thread is None:
+        running = self._running
+        if running is None:
             return
-        await asyncio.to_thread(thread.join, STOP_WITHIN_S)
-        if thread.is_alive():  # a bug: nothing the thread does should outlast its cut socket this long
-            log_event("watch_thread_not_stopped", logging.ERROR, thread=thread.name, within=f"{STOP_WITHIN_S:g} s",
+        done, _ = await asyncio.to_thread(concurrent.futures.wait, [running], STOP_WITHIN_S)
+        if not done:  # a bug: nothing the thread does should outlast its cut socket this long
+            log_event("watch_thread_not_stopped", logging.ERROR, thread=self._name, within=f"{STOP_WITHIN_S:g} s",
                       then="exit waits for it")
 
     @contextlib.contextmanager
@@ -256,13 +262,14 @@ class WatchCall:
         """On the watch's thread, while it makes the request: the socket of each connection
         the request uses is held, to be cut."""
         _opening.call = self
+        opened = False
         try:
             yield
-        except BaseException:
-            self.let_go()  # no stream: the connection went back to the pool, or is closed
-            raise
+            opened = True
         finally:
             _opening.call = None
+            if not opened:
+                self.let_go()  # no stream: the connection went back to the pool, or is closed
 
     def hold(self, sock: socket.socket) -> None:
         with self._lock:
@@ -302,10 +309,11 @@ class WatchThread(Generic[_T]):
         self._call = WatchCall()
         self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=self.QUEUED)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._running: concurrent.futures.Future[None] | None = None
 
     async def __aenter__(self) -> WatchThread[_T]:
         self._loop = asyncio.get_running_loop()
-        self._call.start(self._pump, self._name)
+        self._running = self._call.start(self._pump, self._name)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -317,9 +325,11 @@ class WatchThread(Generic[_T]):
     async def __anext__(self) -> _T:
         what, item = await self._queue.get()
         if what == "end":
+            # How the stream ended: what it raised comes as it is (a KubeError: the API
+            # server's; anything else: a bug of ours).
+            assert self._running is not None
+            await asyncio.wrap_future(self._running)
             raise StopAsyncIteration
-        if what == "error":
-            raise item
         return item
 
     def _pump(self) -> None:
@@ -328,9 +338,8 @@ class WatchThread(Generic[_T]):
             # once, and read to its end it hands its connection back.
             for item in self._stream(self._call):
                 self._put(("item", item))
-            self._put(("end", None))
-        except Exception as exc:  # the API server's errors, and our bugs: raised in the loop
-            self._put(("error", exc))
+        finally:
+            self._put(("end", None))  # however it ended: its outcome says how
 
     def _put(self, item: tuple[str, Any]) -> None:
         """Onto the queue, in the thread; never once cut: nobody reads, and the loop may be closing."""
@@ -343,6 +352,11 @@ class WatchThread(Generic[_T]):
                 done.result(timeout=1.0)
                 return
         done.cancel()
+
+
+def _named(name: str) -> None:
+    """A watch's thread goes by the watch's name (an executor's would be ``name_0``)."""
+    threading.current_thread().name = name
 
 
 def _shut(sock: socket.socket) -> None:
