@@ -15,8 +15,8 @@ whole command), not wall time, since the machine is shared: `topoagent discover 
 --root DIR` against `lstopo-no-graphics --whole-io --of xml -` with HWLOC_FSROOT=DIR, on
 hwloc's own test recordings (../shared/hwloc/linux beside the checkout, and the one shipped
 in tests/data/hwloc, so a clean clone has one), alternated round by round, with the
-interpreter's own start (`python -c pass`) beside them as the floor no Python command goes
-under.  Beside each, in-process discovery of the same recording (a fresh Host each run, the
+interpreter's own start beside them: `python -c pass` (what a console script pays before its
+first line) and `python -I -S -c pass` (no site packages: the least any Python process costs).  Beside each, in-process discovery of the same recording (a fresh Host each run, the
 imports warm): what a running agent's rediscovery costs beyond any start-up.  With --rev REV
 the rounds also run that revision's `topoagent discover --json --root` (``git archive REV``
 unpacked into a temporary directory, its own bytecode cached first), so the block shows the
@@ -44,6 +44,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 # An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
 # would make every run compile every module again and time the compiler instead.
+# The interpreter with no site packages and no environment: the least any Python process costs.
+BARE = ("-I", "-S")
 CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(REPO)}
 
 
@@ -273,11 +275,12 @@ def recordings(runs: int, rev: str | None = None) -> tuple[list[dict[str, float 
             cpu_seconds(ours_argv, CHILD_ENV)  # bytecode caches written before the first timed run
             if rev is not None:
                 cpu_seconds(ours_argv, before_env, cwd=before_tree)
-            ours, theirs, floor, before = [], [], [], []
+            ours, theirs, floor, bare, before = [], [], [], [], []
             for _ in range(runs):  # alternated, so all of them see the same machine
                 ours.append(cpu_seconds(ours_argv, CHILD_ENV))
                 theirs.append(cpu_seconds([lstopo, *LSTOPO_ARGS], theirs_env))
                 floor.append(cpu_seconds([sys.executable, "-c", "pass"], CHILD_ENV))
+                bare.append(cpu_seconds([sys.executable, *BARE, "-c", "pass"], CHILD_ENV))
                 if rev is not None:
                     before.append(cpu_seconds(ours_argv, before_env, cwd=before_tree))
             in_median, _ = in_process_cpu(root, max(runs, 15))
@@ -287,6 +290,8 @@ def recordings(runs: int, rev: str | None = None) -> tuple[list[dict[str, float 
                 "floor_ms": statistics.median(floor) * 1e3,
                 "ratio": statistics.median(a / b for a, b in zip(ours, theirs)),
                 "floor_ratio": statistics.median(a / b for a, b in zip(floor, theirs)),
+                "bare_ms": statistics.median(bare) * 1e3,
+                "bare_ratio": statistics.median(a / b for a, b in zip(bare, theirs)),
                 "in_process_ms": in_median * 1e3, "in_process_ratio": in_median / statistics.median(theirs),
             }
             if before:
@@ -303,22 +308,24 @@ def recordings_markdown(rows: list[dict[str, float | str]], runs: int, in_proces
         f"CPU time (user + system, getrusage of each whole command), not wall time: the machine is shared."
         f" Medians of {runs} alternated rounds; ratios are medians of each round's ratio."
         " Peer: Debian's hwloc `lstopo-no-graphics --whole-io --of xml -` on the same unpacked recording"
-        " (HWLOC_FSROOT). `python -c pass` is the interpreter's own start under the same environment:"
-        " no Python command costs less."
+        " (HWLOC_FSROOT). `python -c pass` is the interpreter's own start under the same environment,"
+        " what a console script pays before its first line; `python -I -S -c pass` starts it without"
+        " site packages: no Python process costs less."
         + (f" The command{before} is the same command at git {commit}, run in the same rounds." if commit else "")
         + f" In-process: discovery of the same recording in a running interpreter (a fresh Host each run,"
         f" imports warm; median of {max(runs, 15)}), what an agent's rediscovery costs.",
         "",
         "| hwloc recording | lstopo | `topoagent discover --json --root` | ratio |"
         + (f" the command{before} | ratio |" if commit else "")
-        + " `python -c pass` | ratio | in-process discovery | ratio |",
-        "|---|---:|---:|---:|" + ("---:|---:|" if commit else "") + "---:|---:|---:|---:|",
+        + " `python -c pass` | ratio | `python -I -S -c pass` | ratio | in-process discovery | ratio |",
+        "|---|---:|---:|---:|" + ("---:|---:|" if commit else "") + "---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         shipped = " (shipped in tests/data/hwloc)" if r["shipped"] else ""
         was = f" {r['before_ms']:.0f} ms | {r['before_ratio']:.1f}× |" if commit else ""
         out.append(f"| {r['name']}{shipped} | {r['lstopo_ms']:.1f} ms | {r['ours_ms']:.0f} ms | {r['ratio']:.1f}× |{was}"
-                   f" {r['floor_ms']:.0f} ms | {r['floor_ratio']:.1f}× | {r['in_process_ms']:.1f} ms | {r['in_process_ratio']:.1f}× |")
+                   f" {r['floor_ms']:.0f} ms | {r['floor_ratio']:.1f}× | {r['bare_ms']:.1f} ms | {r['bare_ratio']:.1f}× |"
+                   f" {r['in_process_ms']:.1f} ms | {r['in_process_ratio']:.1f}× |")
     out += ["", f"In-process discovery of the recorded `dgx-a100` (a fresh Host each run, imports warm): "
             f"{in_process_ms[0]:.1f} ms CPU, median of {in_runs} runs; least {in_process_ms[1]:.1f} ms."]
     return out
@@ -346,6 +353,7 @@ def main() -> int:
                 was = f"; at {commit} {r['before_ms']:.0f} ms ({r['before_ratio']:.1f}x)" if commit else ""
                 print(f"{r['name']}: topoagent {r['ours_ms']:.0f} ms, lstopo {r['lstopo_ms']:.1f} ms CPU, ratio {r['ratio']:.1f}x{was};"
                       f" python -c pass {r['floor_ms']:.0f} ms ({r['floor_ratio']:.1f}x);"
+                      f" python -I -S -c pass {r['bare_ms']:.1f} ms ({r['bare_ratio']:.1f}x);"
                       f" in-process {r['in_process_ms']:.1f} ms ({r['in_process_ratio']:.1f}x)")
             print(f"in-process discovery of dgx-a100: {in_process_ms[0]:.1f} ms CPU (median of {in_runs}; least {in_process_ms[1]:.1f})")
         return 0
