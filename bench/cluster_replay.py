@@ -363,12 +363,20 @@ class ReplayQueue(KubeQueue):
         return Placed(job, best, got, lease)
 
 
-def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> StarveFigures:
-    """The figures of one stream under one setting."""
+def replay_starve(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool, choice: str) -> tuple[dict[int, float], dict[int, str]]:
+    """One stream under one setting through kube-scheduler's queue: each pod's wait and the
+    node it was bound to."""
     logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines: thousands of runs
-    waits = ReplayQueue(c, setting, pop_from_backoff, choice).run(jobs)
+    queue = ReplayQueue(c, setting, pop_from_backoff, choice)
+    waits = queue.run(jobs)
     if any(n.leases for n in c.nodes):
         raise AssertionError("leases left after the replay")
+    return waits, queue.bound_to
+
+
+def starve_run(c: LocalCluster, jobs: list[Job], setting: HoldSetting, pop_from_backoff: bool = True, choice: str = "ages") -> StarveFigures:
+    """The figures of one stream under one setting."""
+    waits, _ = replay_starve(c, jobs, setting, pop_from_backoff, choice)
     return starve_figures(jobs, waits)
 
 
@@ -377,11 +385,7 @@ def starve_waits(c: LocalCluster, load: str, seed: int, rounds: int, settings: l
     """Each pod of one stream under each setting: its wait and the node it was bound to, a
     markdown table (what the medians of ``starve_table`` are made of)."""
     jobs = starve_stream(load, seed, rounds)
-    logging.getLogger("topoagent").setLevel(logging.ERROR)  # the holds' log lines, as starve_run
-    runs = []
-    for setting in settings:
-        queue = ReplayQueue(c, setting, pop_from_backoff, choice)
-        runs.append((queue.run(jobs), queue.bound_to))
+    runs = [replay_starve(c, jobs, setting, pop_from_backoff, choice) for setting in settings]
     lines = ["| pod | GPUs | arrives s | " + " | ".join(f"{s.name()}: wait s, node" for s in settings) + " |",
              "|---:|---:|---:|" + "---:|" * len(settings)]
     for job in sorted(jobs, key=lambda j: j.id):
