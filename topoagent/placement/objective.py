@@ -113,6 +113,8 @@ from dataclasses import dataclass
 from topoagent.node.levels import LinkLevel
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.bounds import Bounds, terms
+from topoagent.placement.request import Request
+from topoagent.placement.search import Search
 from topoagent.placement.tables import bits, prepare
 
 
@@ -143,9 +145,6 @@ def evaluate_partner_loss(matrix: DistanceMatrix, busy: Iterable[int], chosen: I
     """Tie-break (7) for an arbitrary set: summed over the GPUs left free, how far the rank
     of each one's best free link falls.  Lets benchmarks say which of two sets equal on
     terms (1)-(6) the tie-break prefers."""
-    from topoagent.placement.request import Request
-    from topoagent.placement.search import Search  # not at the top: search's imports reach back here
-
     prep = prepare(matrix, None)
     pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
     chosen = list(chosen)
