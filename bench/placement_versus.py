@@ -21,14 +21,16 @@ its own growing results does not land in some timed call as a 50 ms outlier.
 
 With ``--mesh`` the children run the irregular-mesh study instead (#38): the deadline
 study's request stream (k from 1, 2, 4, 8, n/4, n/2, a random busy set each) on
-``synthetic.irregular_mesh`` of 32 and 64 GPUs under the service's 20 ms deadline, each
+``synthetic.irregular_mesh`` of 32 and 64 GPUs (``--sizes``) under the service's 20 ms deadline, each
 answer's CPU and wall time and whether it was proven optimal; ``--spinners N`` runs N
 busy loops beside every child; ``--cpu-only`` stands the deadlines' wall clock still in
 the children, so the CPU time the search gets alone stops it (the two revisions' deadlines
 read the clocks differently; this compares the searches).  The table gives per side the share proven (median over
 rounds), the answers late by the wall clock (past the deadline + 1 ms), and, over the
 requests both sides proved in every round, the median ratio new/old of the CPU time and
-how many answers differ.
+how many answers differ; below it, each differing answer scored by this tree's objective:
+worse or better on terms (1)-(6) (one side was not optimal: a bug) or a tie there that the
+tie-break settled differently (partner loss lower, higher or the same: search order).
 
 Children alternate old/new, then new/old, for ``--rounds`` rounds, so load on a shared
 machine hits both sides alike.  Per row the table gives the median over rounds of each
@@ -43,6 +45,7 @@ the ratios should sit near 1 (their spread is this machine's noise).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -162,7 +165,17 @@ MESH_SIZES = (32, 64)
 MESH_DEADLINE_MS = 20  # the service's default (request.SERVICE_DEADLINE_MS)
 
 
-def mesh_worker(samples: int, cpu_only: bool) -> None:
+def mesh_asks(n: int, samples: int) -> list[tuple[int, list[int]]]:
+    """The study's requests on n GPUs: (k, busy GPUs), bench.placement's deadline study draws."""
+    rng = random.Random(5)
+    asks = []
+    for _ in range(samples):
+        k = rng.choice(sorted({1, 2, 4, 8, max(1, n // 4), n // 2}))
+        asks.append((k, rng.sample(range(n), rng.randint(0, n - k))))
+    return asks
+
+
+def mesh_worker(samples: int, cpu_only: bool, sizes: tuple[int, ...] = MESH_SIZES) -> None:
     """The irregular-mesh study in this tree: per size, per request (cpu ms, wall ms, proven, GPUs).
     ``cpu_only``: the deadlines' wall clock stands still, so only the CPU time the search
     gets stops it -- how much search fits in 20 ms of a core, whatever the machine's load."""
@@ -173,14 +186,10 @@ def mesh_worker(samples: int, cpu_only: bool) -> None:
         deadline.wall_clock = lambda: 0.0
 
     out = {}
-    for n in MESH_SIZES:
+    for n in sizes:
         m = synthetic.irregular_mesh(n)
         placement.warm(m)
-        rng = random.Random(5)  # bench.placement's deadline study draws
-        asks = []
-        for _ in range(samples):
-            k = rng.choice(sorted({1, 2, 4, 8, max(1, n // 4), n // 2}))
-            asks.append((k, rng.sample(range(n), rng.randint(0, n - k))))
+        asks = mesh_asks(n, samples)
         gc.collect()
         gc.freeze()
         rows = []
@@ -195,6 +204,31 @@ def mesh_worker(samples: int, cpu_only: bool) -> None:
     json.dump(out, sys.stdout)
 
 
+def differing_class(matrix: Any, k: int, busy: list[int], old: list[int], new: list[int]) -> str:
+    """How ``new`` compares with ``old`` (the GPUs two revisions proved optimal for the same
+    request), scored by this tree: worse or better on terms (1)-(6) of the objective -- then
+    one of them was not optimal -- or equal there, a tie that the tie-break (7, partner loss;
+    then search order) settled differently."""
+    from topoagent import placement
+    from topoagent.placement.objective import evaluate_partner_loss
+
+    def score(gpus: list[int]) -> tuple[Any, ...]:
+        # Every GPU named: the search scores exactly this set (its best ring included).
+        answer = placement.place(matrix, placement.Request(gpus=k, include=tuple(gpus)), busy)
+        o = answer.objective
+        level = o.bottleneck_level.sort_key() if o.bottleneck_level is not None else ()
+        return (-(o.bandwidth_gbps or 0.0), level, o.numa_distance or 0, o.numa_nodes, o.nic_cost, o.damage,
+                o.unverified_gpus, o.nic_traffic_steps)
+
+    old_score, new_score = score(old), score(new)
+    if new_score != old_score:
+        return "worse on (1)-(6)" if new_score > old_score else "better on (1)-(6)"
+    old_loss, new_loss = (evaluate_partner_loss(matrix, busy, gpus) for gpus in (old, new))
+    if new_loss == old_loss:
+        return "tie, same partner loss"
+    return "tie, partner loss lower" if new_loss < old_loss else "tie, partner loss higher"
+
+
 def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: str, args: argparse.Namespace, took_s: float) -> None:
     counts = "CPU time alone (the wall clock stood still): how much search fits in 20 ms of a core" if args.cpu_only else "as shipped"
     print(f"Irregular NVLink mesh (synthetic.irregular_mesh), deadline_ms={MESH_DEADLINE_MS} counted {counts}:"
@@ -207,9 +241,13 @@ def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: 
     print("| GPUs | proven old | proven new | late old | late new | wall p99 old ms | wall p99 new ms | cpu new/old | both proved | answers differing |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     from bench.stats import percentile  # here, not at the top: a worker imports an older tree's bench
+    from topoagent.placement import synthetic
 
-    for n in MESH_SIZES:
+    classes: dict[int, collections.Counter[str]] = {}
+    for n in args.sizes:
         side = {s: [run[str(n)] for run in runs[s]] for s in ("old", "new")}
+        asks = mesh_asks(n, args.samples)
+        matrix = synthetic.irregular_mesh(n)
         proven = {s: [sum(r[2] for r in rows) / len(rows) for rows in side[s]] for s in side}
         late = {s: [sum(r[1] > MESH_DEADLINE_MS + 1 for r in rows) for rows in side[s]] for s in side}
         p99 = {s: statistics.median(percentile([r[1] for r in rows], 0.99) for rows in side[s]) for s in side}
@@ -218,7 +256,10 @@ def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: 
             olds, news = [rows[i] for rows in side["old"]], [rows[i] for rows in side["new"]]
             if all(r[2] for r in olds) and all(r[2] for r in news):
                 ratios.append(statistics.median(r[0] for r in news) / statistics.median(r[0] for r in olds))
-                differ += olds[0][3] != news[0][3]
+                if olds[0][3] != news[0][3]:
+                    differ += 1
+                    k, busy = asks[i]
+                    classes.setdefault(n, collections.Counter())[differing_class(matrix, k, busy, olds[0][3], news[0][3])] += 1
         spread = statistics.quantiles(ratios, n=10) if len(ratios) >= 2 else [1.0, 1.0]
 
         def shares(values: list[float]) -> str:
@@ -227,6 +268,9 @@ def mesh_report(runs: dict[str, list[dict[str, Any]]], old_name: str, new_name: 
         print(f"| {n} | {shares(proven['old'])} | {shares(proven['new'])} | {', '.join(map(str, late['old']))} |"
               f" {', '.join(map(str, late['new']))} | {p99['old']:.1f} | {p99['new']:.1f} |"
               f" {statistics.median(ratios) if ratios else float('nan'):.2f} ({spread[0]:.2f}-{spread[-1]:.2f}) | {len(ratios)} | {differ} |")
+    for n, counted in classes.items():
+        print(f"\n{n} GPUs, answers differing, scored by this tree: "
+              + "; ".join(f"{count}: {label}" for label, count in sorted(counted.items())))
     print(f"\nTook {took_s:.0f} s.")
 
 
@@ -266,15 +310,27 @@ def extract(commit: str, into: str) -> None:
         raise SystemExit(f"extracting {commit[:12]} failed: {untar.stderr.strip()}")
 
 
-def run_child(tree: Path, samples: int, mesh: bool = False, cpu_only: bool = False) -> dict[str, Any]:
+def run_child(
+    tree: Path, samples: int, mesh: bool = False, cpu_only: bool = False, sizes: tuple[int, ...] = MESH_SIZES
+) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     cmd = [sys.executable, "-P", str(Path(__file__).resolve()), "--worker", "--samples", str(samples), "--corpus", str(CORPUS)]
-    cmd += (["--mesh"] if mesh else []) + (["--cpu-only"] if cpu_only else [])
+    cmd += (["--mesh", "--sizes", ",".join(map(str, sizes))] if mesh else []) + (["--cpu-only"] if cpu_only else [])
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"the worker in {tree} failed (exit {done.returncode}):\n{done.stderr.strip()}")
     result: dict[str, Any] = json.loads(done.stdout)
     return result
+
+
+def sizes_arg(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU counts separated by commas, e.g. 32,64,128") from None
+    if not sizes or min(sizes) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: each size at least 2 GPUs")
+    return sizes
 
 
 def ratio(new: float, old: float) -> str:
@@ -292,7 +348,9 @@ def main() -> None:
     parser.add_argument("--samples", type=int, metavar="N", help=f"seeded busy sets per row, per child (default {SAMPLES}; {QUICK_SAMPLES} with --quick)")
     parser.add_argument("--rounds", type=int, default=3, metavar="R", help="old/new child pairs, alternating which side goes first (default 3)")
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_SAMPLES} busy sets per row unless --samples says otherwise")
-    parser.add_argument("--mesh", action="store_true", help="the irregular-mesh study at 32 and 64 GPUs under a 20 ms deadline (#38)")
+    parser.add_argument("--mesh", action="store_true", help="the irregular-mesh study (32 and 64 GPUs unless --sizes) under a 20 ms deadline (#38)")
+    parser.add_argument("--sizes", type=sizes_arg, default=MESH_SIZES, metavar="N,N",
+                        help=f"with --mesh: the mesh sizes in GPUs (default {','.join(map(str, MESH_SIZES))})")
     parser.add_argument("--spinners", type=int, default=0, metavar="N", help="busy loops running beside the children (default 0)")
     parser.add_argument("--cpu-only", action="store_true",
                         help="with --mesh: deadlines count the CPU time the search gets alone (the wall clock stands still)")
@@ -303,7 +361,7 @@ def main() -> None:
         args.samples = QUICK_SAMPLES if args.quick else SAMPLES
     if args.worker:
         if args.mesh:
-            mesh_worker(args.samples, args.cpu_only)
+            mesh_worker(args.samples, args.cpu_only, args.sizes)
         else:
             worker(args.samples, args.corpus)
         return
@@ -333,7 +391,7 @@ def main() -> None:
                 took = []
                 for side in order:
                     t0 = time.perf_counter()
-                    runs[side].append(run_child(trees[side], args.samples, args.mesh, args.cpu_only))
+                    runs[side].append(run_child(trees[side], args.samples, args.mesh, args.cpu_only, args.sizes))
                     took.append(f"{side} {time.perf_counter() - t0:.1f} s")
                 print(f"round {r + 1}/{args.rounds}: {', '.join(took)}", file=sys.stderr, flush=True)
     finally:

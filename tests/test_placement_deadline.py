@@ -364,3 +364,53 @@ def test_the_cheap_tries_on_groups_of_numa_nodes_keep_to_their_steps(monkeypatch
         busy = rng.sample(range(64), rng.randint(0, 64 - k))
         place(matrix, Request(gpus=k, deadline_ms=10_000), busy)
     assert anytime.FIRST_SET_UNION_STEPS < counted["most"] <= most_allowed, counted
+
+
+def test_the_idle_nodes_check_of_a_threshold_keeps_to_its_steps_and_changes_no_answer(monkeypatch):
+    """Before the search at a threshold, Anytime asks whether the idle node has any set there
+    at all (remembered per matrix).  The idle node has more sets than a busy one: for 26 of
+    64 GPUs of the mesh its check cost more than the request's whole deadline, unremembered,
+    so every such request ran out of time on it.  It has IDLE_CHECK_STEPS now, past which it
+    rules nothing out (remembered too), and the answer is the one found without a deadline."""
+    from topoagent.placement import anytime
+
+    busy = [0, 1, 2, 4, 5, 6, 7, 10, 11, 15, 16, 19, 23, 24, 25, 26, 28, 30, 31, 32, 33, 35, 40, 42, 43, 44, 45,
+            47, 48, 49, 51, 52, 54, 56, 58, 60, 62]
+    request = Request(gpus=26, deadline_ms=10_000)  # the clock stands still: only the steps stop a check
+    exact = place(irregular_mesh(64), replace(request, deadline_ms=None), busy)
+    assert isinstance(exact, Placement)
+
+    counted = {"in": False, "steps": 0, "checks": 0}
+    tick = deadline_module.Deadline.tick
+    feasible_on_idle_node = anytime.Anytime._feasible_on_idle_node
+
+    def counting_tick(self):
+        counted["steps"] += counted["in"]
+        tick(self)
+
+    def counting_check(self, r):
+        counted["in"] = True
+        counted["checks"] += 1
+        try:
+            return feasible_on_idle_node(self, r)
+        finally:
+            counted["in"] = False
+
+    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
+    monkeypatch.setattr(anytime.Anytime, "_feasible_on_idle_node", counting_check)
+    mesh = irregular_mesh(64)  # a matrix of its own: nothing remembered yet
+    first = place(mesh, request, busy)
+    assert counted["checks"] >= 1
+    assert 0 < counted["steps"] <= anytime.IDLE_CHECK_STEPS
+    assert first.proven_optimal and first.indices == exact.indices
+    counted["steps"] = 0
+    again = place(mesh, request, busy)  # what the check found, or that it ran out, is remembered
+    assert counted["steps"] == 0
+    assert again.proven_optimal and again.indices == exact.indices
+
+    shipped = anytime.IDLE_CHECK_STEPS
+    monkeypatch.setattr(anytime, "IDLE_CHECK_STEPS", 10**9)  # the check as it was: to the end
+    counted["steps"] = 0
+    whole = place(irregular_mesh(64), request, busy)
+    assert counted["steps"] > 10 * shipped  # tens of thousands of steps: a deadline's worth many times over
+    assert whole.indices == exact.indices

@@ -44,12 +44,16 @@ FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
 # Steps of those tries the clock is not read for (Anytime._unhurried): nearly all of them on
 # the 32- and 64-GPU meshes bench.placement's loaded study asks about (1-2 ms of a core there).
 BANDWIDTH_FIRST_STEPS = 2_000
+# Steps of the idle node's check at one threshold (Anytime._feasible_on_idle_node): a few
+# ms.  Past them the check says nothing and the search at the threshold decides alone.
+IDLE_CHECK_STEPS = 500
 
 
 IdleKey = tuple[Pattern, int, int]  # (pattern, k, threshold)
 
 
-# Per tables: whether any k GPUs of the idle node carry a pattern at a threshold.
+# Per tables: whether any k GPUs of the idle node may carry a pattern at a threshold
+# (False: none can; True: one does, or the check ran out of steps).
 _idle_feasible = PerTables[dict[IdleKey, bool]](lambda _prep: {}).of
 
 
@@ -223,11 +227,15 @@ class Anytime:
         return min(rank[a][b] for a, b in steps)
 
     def _feasible_on_idle_node(self, r: int) -> bool:
-        """Whether any k GPUs of the whole node carry the pattern at threshold ``r``.
+        """Whether any k GPUs of the whole node may carry the pattern at threshold ``r``.
 
         Busy GPUs and constraints only remove sets, so a threshold no set of the idle
         node reaches is skipped at once (remembered per matrix): without this the search
         would try every set before learning that, e.g., a DGX-1 has no all-NV2 ring of 4.
+        The idle node has more sets than a busy one: its check may cost more than the
+        search it would spare (up to a minute for 21 of 128 GPUs of an irregular mesh), so it
+        has IDLE_CHECK_STEPS; past them it rules nothing out, and that too is
+        remembered -- else every such request would spend its deadline on it again.
         """
         key: IdleKey = (self.req.pattern, self.k, r)
         memo = _idle_feasible(self.prep)
@@ -235,9 +243,13 @@ class Anytime:
         if got is None:
             idle = Search(
                 self.prep, Request(gpus=self.k, pattern=self.req.pattern), self.prep.all_mask, self.prep.all_mask, 0,
-                self.deadline,
+                self.deadline, steps=StepBudget(IDLE_CHECK_STEPS, self.deadline),
             )
-            got = memo[key] = idle.search_at(r, stop_at_first=True) is not None
+            try:
+                got = idle.search_at(r, stop_at_first=True) is not None
+            except StepsSpent:
+                got = True  # not ruled out: the search at ``r`` decides, as without this check
+            memo[key] = got
         return got
 
     def _ranks_present(self) -> list[int]:

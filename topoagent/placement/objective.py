@@ -113,6 +113,8 @@ from dataclasses import dataclass
 from topoagent.node.levels import LinkLevel
 from topoagent.node.matrix import DistanceMatrix
 from topoagent.placement.bounds import Bounds, terms
+from topoagent.placement.request import Request
+from topoagent.placement.search import Search
 from topoagent.placement.tables import bits, prepare
 
 
@@ -137,6 +139,18 @@ def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterabl
     pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
     busy_mask = sum(1 << pos_of[i] for i in busy)
     return Bounds(prep, prep.all_mask & ~busy_mask).damage_add(0, sum(1 << pos_of[i] for i in chosen))
+
+
+def evaluate_partner_loss(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
+    """Tie-break (7) for an arbitrary set: summed over the GPUs left free, how far the rank
+    of each one's best free link falls.  Lets benchmarks say which of two sets equal on
+    terms (1)-(6) the tie-break prefers."""
+    prep = prepare(matrix, None)
+    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
+    chosen = list(chosen)
+    free = prep.all_mask & ~sum(1 << pos_of[i] for i in busy)
+    search = Search(prep, Request(gpus=max(1, len(chosen))), free, free, 0)
+    return search._partner_loss(sum(1 << pos_of[i] for i in chosen))
 
 
 def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
