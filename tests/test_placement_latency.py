@@ -175,6 +175,25 @@ def test_warming_answers_ends_as_soon_as_the_agent_stops():
     assert len(built_answer_parts(prep)) > 8  # not stopped: every set's answer is built ahead
 
 
+def test_answers_built_ahead_share_what_the_pattern_does_not_change():
+    """The agent keeps every small set's answers for each pattern and NIC count: the ranks'
+    NICs, CPUs, environment and launch lines are one copy per set, not one per pattern
+    (four copies were most of an idle 8-GPU agent's answer memory)."""
+    node = discover_root(str(SNAPSHOTS / "dgx-a100")).topo_matrix()
+    matrix = DistanceMatrix.from_topo_matrix(node)
+    prep = warm(matrix)
+    warm_answers(matrix)
+    by_set: dict[tuple, list] = {}
+    for (order, _pattern, nics, loads), parts in built_answer_parts(prep).items():
+        by_set.setdefault((order, nics, loads), []).append(parts)
+    assert by_set and all(len(group) == len(Pattern) for group in by_set.values())
+    for group in by_set.values():
+        first = group[0]
+        for parts in group[1:]:
+            assert parts.env is first.env and parts.launch is first.launch and parts.gpus is first.gpus
+            assert parts.nic_reasons is first.nic_reasons and parts.numactl is first.numactl
+
+
 def test_a_request_building_timed_tables_keeps_to_its_deadline(monkeypatch):
     """Unwarmed, 128 GPUs: the build (tens of ms) reads the clock row by row; when time
     runs out the bandwidth-ordered tables give a valid set at once, marked not proven,

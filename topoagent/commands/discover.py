@@ -69,8 +69,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from topoagent.documents.schema import node_document
 
-        json.dump(node_document(topology), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        # One write: json.dump would hand stdout thousands of pieces, one call each.
+        sys.stdout.write(json.dumps(node_document(topology), indent=1) + "\n")
         return 0
     matrix = topology.topo_matrix()
     if matrix.devices:

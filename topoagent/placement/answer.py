@@ -121,17 +121,20 @@ PlacedKey = tuple[int, int, str | None, int | None, tuple[int, ...]]
 
 # (GPU positions in rank order, pattern, NICs asked, per NIC its traffic in steps or None).
 PartsKey = tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None]
+# The same without the pattern: what binding ranks to NICs and CPUs decides.
+BoundKey = tuple[tuple[int, ...], int, tuple[int, ...] | None]
 
 
 class AnswerMemo:
     """Per tables: the pieces of answers built so far (they hold no reference to the tables)."""
 
-    __slots__ = ("cpus", "links", "parts", "placed")
+    __slots__ = ("bound", "cpus", "links", "parts", "placed")
 
     def __init__(self) -> None:
         self.links: dict[tuple[int, int], PatternLink] = {}
         self.placed: dict[PlacedKey, PlacedGpu] = {}
         self.parts: dict[PartsKey, AnswerParts] = {}
+        self.bound: dict[BoundKey, BoundParts] = {}  # shared by the patterns' parts
         self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
 
 
@@ -225,6 +228,24 @@ class AnswerParts:
     ring: tuple[PatternLink, ...]  # allreduce: the ring through the ranks in order, for the estimate
 
 
+@dataclass(frozen=True, slots=True)
+class BoundParts:
+    """The pieces of AnswerParts that the pattern does not change: the ranks bound to NICs
+    and CPUs and what a job launches with.  Built once for the four patterns' parts, which
+    hold the same objects: warm_answers keeps every small set's parts for good, and four
+    copies of these were over half of what they held (an idle agent's largest cache)."""
+
+    gpus: tuple[PlacedGpu, ...]
+    numa_labels: tuple[int | str, ...]
+    cpus: str | None
+    nics: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    numactl: tuple[str, ...]
+    nic_reasons: tuple[Reason, ...]
+    nic_passed: tuple[tuple[int, int], ...]
+    launch: LaunchInput
+
+
 def answer_parts(
     prep: Prepared, order: tuple[int, ...], mask: int, pattern: Pattern, nics: int, live: LiveCosts | None = None
 ) -> AnswerParts:
@@ -243,7 +264,28 @@ def answer_parts(
     if links:
         pos_of = prep.pos_of
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
+    bound = _bound_parts(prep, order, mask, nics, loads)
+    # The ring through the ranks in order, which all-reduce's estimate reads (the other
+    # patterns' models read their own links: placement.tiers).
+    ring = links if pattern is Pattern.ALLREDUCE else []
+    parts = AnswerParts(
+        bound.gpus, tuple(links), bandwidth, worst, weakest, bound.numa_labels, bound.cpus, bound.nics,
+        bound.env, bound.numactl, bound.nic_reasons, bound.nic_passed, bound.launch,
+        tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
+    )
+    if len(memo) >= 50_000:
+        memo.clear()
+    memo[key] = parts
+    return parts
 
+
+def _bound_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int, loads: tuple[int, ...] | None) -> BoundParts:
+    """BoundParts for GPUs at positions ``order`` (cached by order, NICs asked and traffic)."""
+    key: BoundKey = (order, nics, loads)
+    memo = _memo(prep).bound
+    got = memo.get(key)
+    if got is not None:
+        return got
     nic_names = prep.nic_names
     job_nics, passed = _job_nics(prep, order, nics, loads)
     bindings, by_load, cpus_shared = bind_ranks(prep, order, job_nics, list(loads) if loads else None)
@@ -270,18 +312,14 @@ def answer_parts(
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
     if cpus_shared:
         nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    # The ring through the ranks in order, which all-reduce's estimate reads (the other
-    # patterns' models read their own links: placement.tiers).
-    ring = links if pattern is Pattern.ALLREDUCE else []
-    parts = AnswerParts(
-        tuple(placed), tuple(links), bandwidth, worst, weakest, numa_labels, cpus, chosen,
-        tuple(env), numactl, tuple(nic_reasons), tuple(passed), launch_input(prep, order, bindings),
-        tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
+    bound = BoundParts(
+        tuple(placed), numa_labels, cpus, chosen, tuple(env), numactl, tuple(nic_reasons), tuple(passed),
+        launch_input(prep, order, bindings),
     )
     if len(memo) >= 50_000:
         memo.clear()
-    memo[key] = parts
-    return parts
+    memo[key] = bound
+    return bound
 
 
 def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> list[PatternLink]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from topoagent.config import Config
 from topoagent.node.host import Host
 from topoagent.service.loop import run_in_daemon_thread
+from topoagent.service.memory import release_free_memory
 from topoagent.service.served import Board
 from topoagent.service.telemetry import History
 
@@ -84,6 +85,10 @@ class CounterLoop:
         if current is not None:
             self.board.version += 1
             self.board.publish(snapshot=current.with_telemetry(self.board.version, telemetry))
+        if recorded is not None:
+            # A recording's samples are parsed once, all at once (its telemetry.json: 2.7 MB
+            # on the 128-GPU node): give back that peak, which no warming's trim may follow.
+            release_free_memory()
 
     def close(self) -> None:
         if self._reader is not None:
