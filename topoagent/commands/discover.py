@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import TYPE_CHECKING
 
 from topoagent.collectors.nvidia_smi import render_topo_matrix
+from topoagent.documents import print_document
 from topoagent.errors import UsageError
 from topoagent.node.host import Host, HostError
 
@@ -69,8 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from topoagent.documents.schema import node_document
 
-        # One write: json.dump would hand stdout thousands of pieces, one call each.
-        sys.stdout.write(json.dumps(node_document(topology), indent=1) + "\n")
+        print_document(node_document(topology))
         return 0
     matrix = topology.topo_matrix()
     if matrix.devices:

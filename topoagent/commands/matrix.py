@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from topoagent.collectors.nvidia_smi import render_topo_matrix
 from topoagent.commands.sources import read_topo_matrix
+from topoagent.documents import print_document
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,8 +35,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         from topoagent.documents.schema import topo_matrix_document
 
-        json.dump(topo_matrix_document(topo), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        print_document(topo_matrix_document(topo))
     else:
         sys.stdout.write(render_topo_matrix(topo))
         for note in topo.notes:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Any, BinaryIO
 
 from topoagent.commands.sources import matrix_and_left_out
+from topoagent.documents import print_document
 from topoagent.documents.agent import answer_document, batch_error_document
 from topoagent.errors import TopoagentError, UsageError
 from topoagent.node.matrix import DistanceMatrix
@@ -335,8 +336,7 @@ def _run(args: argparse.Namespace) -> int:
     except RequestError as exc:
         raise UsageError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
     if args.json:
-        json.dump(answer_document(answer), sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        print_document(answer_document(answer))
     else:
         sys.stdout.write(render(answer))
     if isinstance(answer, NoFit):

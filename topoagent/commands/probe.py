@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from typing import TextIO
 
 from topoagent.commands.sources import matrix_from_nvidia_smi, matrix_from_root
+from topoagent.documents import print_document
 from topoagent.documents.agent import ProbedGpu, ProbedNode, ProbePairView, probe_round_document
 from topoagent.errors import UsageError
 from topoagent.node.matrix import DistanceMatrix
@@ -239,8 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         node = probed_node(args, matrix, probe_round)
         doc = probe_round_document(probe_round, pair_rows(matrix) if matrix is not None else None, findings, node)
-        json.dump(doc, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        print_document(doc)
     else:
         render_text(probe_round, matrix, findings, sys.stdout)
     if probe_round.failure is not None:
