@@ -6,7 +6,8 @@ Under a deadline (Anytime.run):
 2. bandwidth first, cheaply (a step budget each, proving nothing): by halving over the
    thresholds, the highest at which a ring, path or clique grows over all candidates,
    without looking at the clock (so an answer the deadline cuts has that bandwidth);
-   there, a set on one NUMA node or on a pair or triple of near ones;
+   there, a set on one NUMA node or on a group of NUMA nodes (past 64 GPUs, then on the
+   groups where a better one may lie, least damage first);
 3. the exact search (placement.search, the branch and bound): thresholds above that one,
    best first, then that one with the cheap set's key as a cutoff -- only branches
    strictly worse than that set are cut, and the optimum is no worse than it, so every
