@@ -317,6 +317,7 @@ class Anytime:
         BETTER_UNION_STEPS.  _unions lists them most candidates first, which finds a set
         soon but seldom a good one.  Still a cheap set: it only becomes the exact search's
         cutoff."""
+        self._offer(found)  # the answer, should the deadline stop these tries
         bb = self.bb
         cand = self.candidates | self.include
         groups_of = self.prep.groups_of
@@ -336,6 +337,7 @@ class Anytime:
             left -= steps.spent
             if got is not None and got.key < found.key:
                 found = got
+                self._offer(found)
         return found
 
     def _cheap_set(self, r: int, pool: int, steps: StepBudget | None = None, top_up: bool = True) -> Found | None:
