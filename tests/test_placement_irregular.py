@@ -16,6 +16,8 @@ from test_placement_exact import check_answer
 import topoagent.placement.ksets as ksets
 from topoagent.placement import Placement, Request, place
 from topoagent.placement.synthetic import irregular_mesh
+from topoagent.placement.tables import bits
+from topoagent.vocabulary import Pattern
 
 RECORDED = json.loads((Path(__file__).resolve().parent / "data" / "placement_answers_irregular.json").read_text())
 MESHES = RECORDED["meshes"]
@@ -133,16 +135,58 @@ def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_an
     assert seen["compared"] >= 10, seen  # the lists were handed down
 
 
-def place_small_meshes_checked() -> None:
-    """Forty requests on small irregular meshes (seeded), each answer checked against brute force."""
+def place_small_meshes_checked(checked: bool = True) -> list[tuple[int, ...] | None]:
+    """Forty requests on small irregular meshes (seeded), each answer checked against brute
+    force (unless not ``checked``); their GPUs in order (None: no placement)."""
     rng = random.Random(381)
+    answers = []
     for _ in range(40):
         n = rng.randint(9, 12)
         matrix = irregular_mesh(n, seed=rng.randrange(10**6), p=rng.choice((0.3, 0.45, 0.6)), socket_size=rng.choice((2, 3)))
         k = rng.randint(3, n - 2)
         busy = rng.sample(range(n), rng.randint(0, n - k))
         req = Request(gpus=k, pattern=rng.choice(("allreduce", "allreduce", "pipeline")))
-        check_answer(matrix, req, busy, place(matrix, req, busy), {})
+        answer = place(matrix, req, busy)
+        if checked:
+            check_answer(matrix, req, busy, answer, {})
+        answers.append(answer.indices if isinstance(answer, Placement) else None)
+    return answers
+
+
+def test_first_sets_from_better_groups_of_numa_nodes_change_no_answer(branch_and_bound, monkeypatch):
+    """On large meshes (BETTER_UNION_GPUS_MIN), once a group of NUMA nodes yields a cheap
+    first set, the groups where a better one may lie are tried too (Anytime._better_union).
+    What it keeps is a real set -- k free GPUs whose order carries the ring or path at the
+    threshold, scored as the search scores them -- better than the first, and it only
+    lowers the exact search's cutoff: every answer is the one found without it, and the
+    optimum of every term.  Run on small meshes of several NUMA nodes (the size limit
+    lowered), where it often finds a better set."""
+    from topoagent.placement import anytime
+
+    better_union = anytime.Anytime._better_union
+    seen = {"tried": 0, "better": 0}
+
+    def checked(self, r, found, unions):
+        got = better_union(self, r, found, unions)
+        seen["tried"] += 1
+        if got is not found:
+            seen["better"] += 1
+            assert got.key < found.key
+            assert got.mask.bit_count() == self.k and not got.mask & ~(self.candidates | self.include)
+            assert sorted(got.order) == sorted(bits(got.mask))
+            assert got.key == self.bb.found(got.mask, got.order, r).key
+            links = list(zip(got.order, got.order[1:]))
+            if self.req.pattern is Pattern.ALLREDUCE:
+                links.append((got.order[-1], got.order[0]))
+            assert all(self.prep.rank[a][b] >= r for a, b in links), (got.order, r)
+        return got
+
+    monkeypatch.setattr(anytime, "BETTER_UNION_GPUS_MIN", 0)
+    monkeypatch.setattr(anytime.Anytime, "_better_union", checked)
+    answers = place_small_meshes_checked()
+    assert seen["tried"] >= 10 and seen["better"] >= 3, seen
+    monkeypatch.setattr(anytime, "BETTER_UNION_GPUS_MIN", 10**9)
+    assert place_small_meshes_checked(checked=False) == answers
 
 
 def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(branch_and_bound, monkeypatch):

@@ -6,7 +6,8 @@ Under a deadline (Anytime.run):
 2. bandwidth first, cheaply (a step budget each, proving nothing): by halving over the
    thresholds, the highest at which a ring, path or clique grows over all candidates,
    without looking at the clock (so an answer the deadline cuts has that bandwidth);
-   there, a set on one NUMA node or on a pair or triple of near ones;
+   there, a set on one NUMA node or on a group of NUMA nodes (past 64 GPUs, then on the
+   groups where a better one may lie, least damage first);
 3. the exact search (placement.search, the branch and bound): thresholds above that one,
    best first, then that one with the cheap set's key as a cutoff -- only branches
    strictly worse than that set are cut, and the optimum is no worse than it, so every
@@ -41,6 +42,12 @@ FIRST_SET_UNIONS = 60  # groups of NUMA nodes tried there (most refuted in a few
 FIRST_SET_UNION_STEPS = 5_000  # steps of all those tries together (a grown path tops up its own per start)
 FIRST_SET_COMBOS_MAX = 600  # groups of one size listed to pick those from (C(16, 3) = 560)
 FIRST_SET_NODES = 4  # single NUMA nodes tried there, best fit first
+# Past this many GPUs, once a group of NUMA nodes yields a first set there, the groups where a
+# better one may lie are tried too (Anytime._better_union), least damage first: at 128 GPUs
+# the group tried first is often far from the best; at 64 and fewer the tries cost more
+# than they save (bench.placement_versus --mesh).
+BETTER_UNION_GPUS_MIN = 65
+BETTER_UNION_STEPS = 2_000  # steps of those tries together, FIRST_SET_STEPS each at most
 # Steps of those tries the clock is not read for (Anytime._unhurried): nearly all of them on
 # the 32- and 64-GPU meshes bench.placement's loaded study asks about (1-2 ms of a core there).
 BANDWIDTH_FIRST_STEPS = 2_000
@@ -291,20 +298,52 @@ class Anytime:
         if best is not None or self.req.single_numa:
             return best
         left = FIRST_SET_UNION_STEPS  # most unions are refuted in a few steps: many can be tried
-        for union in self._unions(counts):
+        unions = self._unions(counts)
+        for i, union in enumerate(unions):
             if left <= 0:
                 break
             steps = StepBudget(min(FIRST_SET_STEPS, left), self.deadline)
             found = self._cheap_set(r, union & cand, steps)
             if found is not None:
-                return found
+                return self._better_union(r, found, unions[i + 1 :]) if prep.n >= BETTER_UNION_GPUS_MIN else found
             left -= steps.spent  # not what ``left`` lost: a grown path tops it up per start
         return None
 
-    def _cheap_set(self, r: int, pool: int, steps: StepBudget | None = None) -> Found | None:
+    def _better_union(self, r: int, found: Found, unions: list[int]) -> Found:
+        """The best of ``found`` and the sets grown in those of ``unions`` (groups of NUMA
+        nodes not tried yet) where a set could beat it: spanning no more, and with as much
+        span the least damage a set there can do (Bounds.damage_bound) below its own --
+        least such damage first, FIRST_SET_STEPS each (no fresh steps per start), within
+        BETTER_UNION_STEPS.  _unions lists them most candidates first, which finds a set
+        soon but seldom a good one.  Still a cheap set: it only becomes the exact search's
+        cutoff."""
+        self._offer(found)  # the answer, should the deadline stop these tries
+        bb = self.bb
+        cand = self.candidates | self.include
+        groups_of = self.prep.groups_of
+        promising = []
+        for union in unions:
+            groups = groups_of(union)
+            at_least = (bb.terms.numa_span(groups), groups.bit_count(), bb.damage_bound(0, union & cand, self.k))
+            if at_least < found.key[:2] + found.key[3:4]:
+                promising.append((at_least, union))
+        promising.sort()
+        left = BETTER_UNION_STEPS
+        for at_least, union in promising:
+            if left <= 0 or at_least >= found.key[:2] + found.key[3:4]:
+                break
+            steps = StepBudget(min(FIRST_SET_STEPS, left), self.deadline)
+            got = self._cheap_set(r, union & cand, steps, top_up=False)
+            left -= steps.spent
+            if got is not None and got.key < found.key:
+                found = got
+                self._offer(found)
+        return found
+
+    def _cheap_set(self, r: int, pool: int, steps: StepBudget | None = None, top_up: bool = True) -> Found | None:
         """A set of ``pool`` at threshold ``r`` within ``steps`` (FIRST_SET_STEPS), or None:
         grown link by link, or, for a ring or path that must hold ``include``, the first
-        set of a best-fit descent."""
+        set of a best-fit descent.  ``top_up``: see _grow_path."""
         if steps is None:
             steps = StepBudget(FIRST_SET_STEPS, self.deadline)
         try:
@@ -313,7 +352,7 @@ class Anytime:
                     self.prep, self.req, self.free_all, pool & self.candidates, self.include, self.deadline, self.live, steps
                 )
                 return sub.search_at(r, stop_at_first=True)
-            return self._grow(r, pool, steps)
+            return self._grow(r, pool, steps, top_up)
         except StepsSpent:
             return None
 
@@ -351,7 +390,7 @@ class Anytime:
                 tries.append(union)
         return tries
 
-    def _grow(self, r: int, pool: int, steps: StepBudget) -> Found | None:
+    def _grow(self, r: int, pool: int, steps: StepBudget, top_up: bool = True) -> Found | None:
         """k GPUs of ``pool`` holding the pattern at threshold ``r``, grown from one GPU
         (every ``include`` GPU first): a path extended depth first by the GPU with fewest
         onward links (closing the ring at the end), or for all-to-all a clique grown by
@@ -368,7 +407,7 @@ class Anytime:
             return self._grow_clique(r, pool, eff, steps)
         if self.include:
             return None  # a path through every named GPU: left to the exact search
-        return self._grow_path(r, pool, eff, cycle, steps)
+        return self._grow_path(r, pool, eff, cycle, steps, top_up)
 
     def _growable(self, pool: int, eff: list[int], cycle: bool, steps: StepBudget) -> int:
         """Only GPUs with enough links in the pool (a ring member 2, a path's 1, a clique's
@@ -416,11 +455,13 @@ class Anytime:
                 return self.bb.found(taken, tuple(sorted(bits(taken), key=prep.hier_pos.__getitem__)), r)
         return None
 
-    def _grow_path(self, r: int, pool: int, eff: list[int], cycle: bool, steps: StepBudget) -> Found | None:
+    def _grow_path(
+        self, r: int, pool: int, eff: list[int], cycle: bool, steps: StepBudget, top_up: bool = True
+    ) -> Found | None:
         """A ring or path: extended depth first, fewest onward links first, from one start
         per NUMA node (fewest candidates first: best fit, the path keeps to its start's
-        node first), each with its own steps, the best set kept; then, if none grew, every
-        other GPU, most links first, on the steps left."""
+        node first), each with its own steps (``top_up``; else all on ``steps``), the best
+        set kept; then, if none grew, every other GPU, most links first, on the steps left."""
         prep = self.prep
         k = self.k
         h = self.h_adj
@@ -462,11 +503,11 @@ class Anytime:
             try:
                 grown = extend(start, room)
             except StepsSpent:
-                if start in per_node:
+                if start in per_node and top_up:
                     steps.left = FIRST_SET_STEPS
                     continue
                 raise
-            if start in per_node:
+            if start in per_node and top_up:
                 steps.left = FIRST_SET_STEPS
             taken = sum(1 << v for v in path)
             if grown and self._meets(taken, None):
