@@ -520,8 +520,17 @@ class Search(Bounds):
             if pick & ~within:
                 continue  # every set holding it is worse than the limit
             added = self.class_damage(zones, taken, c) if c else 0
-            kept_for = best if c == 0 and outside else _STALE  # the best set the list was made for
-            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans, kept_for)
+            after = ci + 1
+            kept_for: object = _STALE  # the best set the list was made for
+            if c == 0 and outside:
+                kept_for = best
+                # The chain of children that leave out, one by one, the classes after it that
+                # none of these sets can hold either: straight to its end, which sees what
+                # it saw at the end of the chain (the candidates less those classes).
+                while after < len(classes) and not (classes[after][0] & nxt & within):
+                    nxt &= ~classes[after][0]
+                    after += 1
+            self._branch(after, taken | pick, rem - c, nxt, dmg + added, reach, spans, kept_for)
             if self.best is not None and self.stop_at_first:
                 return
 
