@@ -167,12 +167,12 @@ def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(
     completable = search.Search._ring_completable
     seen = {"compared": 0, "cut": 0}
 
-    def compared(self, taken, cand, rem, was):
-        got = completable(self, taken, cand, rem, was)
+    def compared(self, taken, cand, rem, was, forcing=False):
+        got = completable(self, taken, cand, rem, was, forcing)
         if was is not None:
             kept, self.lacks_kept = self.lacks_kept, {}
             try:
-                assert got == completable(self, taken, cand, rem, None), (taken, cand, rem, was)
+                assert got == completable(self, taken, cand, rem, None, forcing), (taken, cand, rem, was)
             finally:
                 self.lacks_kept = kept
             seen["compared"] += 1

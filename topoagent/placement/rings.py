@@ -267,5 +267,77 @@ def ring_links(mask: int, adj: list[int]) -> list[int] | None:
     return links
 
 
+def ring_may_hold(taken: int, reach: int, adj: list[int], k: int, tight: int) -> bool:
+    """Whether a ring of ``k`` GPUs within ``reach`` through all of ``taken`` may exist, by
+    forcing (False: none does; True: none was ruled out).  ``reach`` holds ``taken``.
+
+    A member of the ring with two links uses both: their far ends are members too, and a
+    member two of whose links are so forced uses no other, which may leave a GPU with
+    fewer than two (a member: no ring; any other: not in one) or a member with two.  It
+    starts from ``tight``, the members taken with two links in ``reach`` (every member
+    with more is looked at when it gains a forced link or loses one).  It
+    fails when a GPU is forced three links, the members pass ``k``, or forced links close
+    a cycle short of ``k``.  The search's ring check forces the links of the members
+    taken only; this carries on, which inside one set of NUMA nodes rules out most of
+    what a sparse mesh's rings cannot complete."""
+    must = taken
+    forced: dict[int, int] = {}  # GPU -> its forced links
+    dropped: dict[int, int] = {}  # GPU -> links it cannot use (a forced member's others)
+    check = tight  # the rest are looked at once they gain a forced link or lose one
+    while check:
+        low = check & -check
+        check ^= low
+        if not reach & low:
+            continue
+        v = low.bit_length() - 1
+        links = adj[v] & reach & ~dropped.get(v, 0)
+        degree = links.bit_count()
+        if degree < 2:
+            if must & low:
+                return False
+            reach ^= low  # in no ring: its neighbours lose a link
+            check |= links
+            continue
+        if not must & low:
+            continue
+        have = forced.get(v, 0)
+        if degree == 2 and have != links:
+            for u in bits(links & ~have):
+                have |= 1 << u
+                far = forced[u] = forced.get(u, 0) | low
+                if far.bit_count() > 2:
+                    return False
+                must |= 1 << u
+                check |= 1 << u
+            forced[v] = have
+            if have.bit_count() > 2:
+                return False
+        if have.bit_count() == 2 and links != have:
+            spare = links & ~have
+            dropped[v] = dropped.get(v, 0) | spare
+            for w in bits(spare):
+                dropped[w] = dropped.get(w, 0) | low
+            check |= spare
+    if must.bit_count() > k:
+        return False
+    # Forced links are paths and cycles (none has more than two); a cycle is the whole ring.
+    seen = 0
+    for v, have in forced.items():
+        if seen >> v & 1 or have.bit_count() != 2:
+            continue
+        cycle, prev, at = 1 << v, v, (have & -have).bit_length() - 1
+        while at != v:
+            cycle |= 1 << at
+            nxt = forced[at] & ~(1 << prev)
+            if not nxt:
+                break  # a path's end: no cycle through v
+            prev, at = at, nxt.bit_length() - 1
+        else:
+            if cycle.bit_count() < k or must & ~cycle:
+                return False
+        seen |= cycle
+    return True
+
+
 RINGS: PerTables[Rings] = PerTables(Rings)
 rings = RINGS.of  # rings(prep): the adjacency and ring memo of these tables
