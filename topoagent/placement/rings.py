@@ -275,14 +275,17 @@ def ring_may_hold(taken: int, reach: int, adj: list[int], k: int, tight: int) ->
     member two of whose links are so forced uses no other, which may leave a GPU with
     fewer than two (a member: no ring; any other: not in one) or a member with two.  It
     starts from ``tight``, the members taken with two links in ``reach`` (every member
-    with more is looked at when it gains a forced link or loses one).  It
-    fails when a GPU is forced three links, the members pass ``k``, or forced links close
-    a cycle short of ``k``.  The search's ring check forces the links of the members
-    taken only; this carries on, which inside one set of NUMA nodes rules out most of
-    what a sparse mesh's rings cannot complete."""
+    with more is looked at when it gains a forced link or loses one).  It fails when a
+    GPU is forced a third link, the members pass ``k``, or a forced link closes a cycle
+    short of ``k`` or one that leaves a member out.  The search's ring check forces the
+    links of the members taken only; this carries on, which inside a few NUMA nodes of
+    a sparse mesh rules out many sets the plain checks pass."""
     must = taken
     forced: dict[int, int] = {}  # GPU -> its forced links
     dropped: dict[int, int] = {}  # GPU -> links it cannot use (a forced member's others)
+    # Forced links are paths (none has more than two): each path's far end and length
+    # per end, so that a link closing one is seen as it is forced.
+    far_end: dict[int, tuple[int, int]] = {}
     check = tight  # the rest are looked at once they gain a forced link or lose one
     while check:
         low = check & -check
@@ -302,40 +305,42 @@ def ring_may_hold(taken: int, reach: int, adj: list[int], k: int, tight: int) ->
             continue
         have = forced.get(v, 0)
         if degree == 2 and have != links:
-            for u in bits(links & ~have):
-                have |= 1 << u
-                far = forced[u] = forced.get(u, 0) | low
-                if far.bit_count() > 2:
-                    return False
-                must |= 1 << u
-                check |= 1 << u
+            new = links & ~have
+            while new:
+                bit = new & -new
+                new ^= bit
+                u = bit.bit_length() - 1
+                have |= bit
+                other = forced.get(u, 0)
+                if other.bit_count() == 2:
+                    return False  # a third forced link
+                forced[u] = other | low
+                # Join the paths ending at v and u: a cycle when they are one path.
+                end_v, end_u = far_end.get(v, (v, 1)), far_end.get(u, (u, 1))
+                if end_v[0] == u:
+                    if end_v[1] < k or (must | bit).bit_count() > end_v[1]:
+                        return False  # a cycle short of k, or members off the only ring
+                else:
+                    length = end_v[1] + end_u[1]
+                    far_end[end_v[0]] = (end_u[0], length)
+                    far_end[end_u[0]] = (end_v[0], length)
+                if not must & bit:
+                    must |= bit
+                    if must.bit_count() > k:
+                        return False
+                check |= bit
             forced[v] = have
             if have.bit_count() > 2:
                 return False
         if have.bit_count() == 2 and links != have:
             spare = links & ~have
             dropped[v] = dropped.get(v, 0) | spare
-            for w in bits(spare):
+            while spare:
+                bit = spare & -spare
+                spare ^= bit
+                w = bit.bit_length() - 1
                 dropped[w] = dropped.get(w, 0) | low
-            check |= spare
-    if must.bit_count() > k:
-        return False
-    # Forced links are paths and cycles (none has more than two); a cycle is the whole ring.
-    seen = 0
-    for v, have in forced.items():
-        if seen >> v & 1 or have.bit_count() != 2:
-            continue
-        cycle, prev, at = 1 << v, v, (have & -have).bit_length() - 1
-        while at != v:
-            cycle |= 1 << at
-            nxt = forced[at] & ~(1 << prev)
-            if not nxt:
-                break  # a path's end: no cycle through v
-            prev, at = at, nxt.bit_length() - 1
-        else:
-            if cycle.bit_count() < k or must & ~cycle:
-                return False
-        seen |= cycle
+                check |= bit
     return True
 
 
