@@ -579,11 +579,28 @@ class Search(Bounds):
         cand = reach & ~taken
         if cand.bit_count() < rem:
             return None
-        if was is not None and reach == was[0]:
+        if was is None:
+            tight_members, tight, left = 0, 0, taken
+        elif reach == was[0]:
             # The same reach: the members it checked have the same links in it.
             tight_members, tight, left = was[3], was[4], taken & ~was[2]
         else:
-            tight_members, tight, left = 0, 0, taken
+            # Only the members next to what left the reach can have lost links: the others
+            # keep theirs (and, with two, the same two).
+            gone = was[0] & ~reach
+            near = 0
+            while gone:
+                low = gone & -gone
+                gone ^= low
+                near |= eff[low.bit_length() - 1]
+            left = taken & (near | ~was[2])
+            tight_members = was[3] & ~left
+            tight = 0
+            keep = tight_members
+            while keep:
+                low = keep & -keep
+                keep ^= low
+                tight |= eff[low.bit_length() - 1] & reach
         while left:
             low = left & -left
             left ^= low
