@@ -421,6 +421,44 @@ def test_ring_links_keep_every_link_a_ring_uses(graph):
             assert links[a] >> b & 1 and links[b] >> a & 1, (ring, a, b)
 
 
+def test_ring_may_hold_rules_out_only_what_has_no_ring():
+    """rings.ring_may_hold (the forcing a ring check carries on) says False only where brute
+    force finds no ring of k GPUs inside ``reach`` through all of ``taken`` -- and it does
+    say so where every member taken has two links or more there, which is all the plain
+    degree check sees."""
+    import random
+
+    rng = random.Random(38)
+    ruled_out = 0
+    for _ in range(600):
+        n = rng.randint(4, 9)
+        density = rng.choice((0.3, 0.45, 0.6))
+        adjacency = [0] * n
+        for i in range(n):
+            for j in range(i + 1, n):
+                if rng.random() < density:
+                    adjacency[i] |= 1 << j
+                    adjacency[j] |= 1 << i
+        reach = rng.randrange(1, 1 << n)
+        vs = _vertices(reach)
+        if len(vs) < 3:
+            continue
+        k = rng.randint(3, len(vs))
+        taken = sum(1 << v for v in rng.sample(vs, rng.randint(1, k)))
+        if any((adjacency[v] & reach).bit_count() < 2 for v in _vertices(taken)):
+            continue  # the plain check rules it out already
+        tight = sum(1 << v for v in _vertices(taken) if (adjacency[v] & reach).bit_count() == 2)
+        others = _vertices(reach & ~taken)
+        ring = any(
+            _rings_brute_force(taken | sum(1 << v for v in extra), adjacency)
+            for extra in combinations(others, k - taken.bit_count())
+        )
+        if not rings_module.ring_may_hold(taken, reach, adjacency, k, tight):
+            assert not ring, (adjacency, reach, taken, k)
+            ruled_out += 1
+    assert ruled_out >= 20, ruled_out
+
+
 def _first_order_by_backtracking(ring_memo, mask: int, adjacency: list[int], cycle: bool):
     """The order plain backtracking finds first, trying GPUs in the ring search's order
     (its starts; fewest onward options first, best link first) and cutting nothing."""

@@ -102,19 +102,29 @@ def test_spans_cut_and_skip_only_what_holds_no_set_as_good(branch_and_bound, mon
 
 
 def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_and_bound, monkeypatch):
-    """A child that only leaves out a class outside every set of NUMA nodes its parent
-    kept takes the parent's list instead of working it out again (Search._branch's
-    spans_for): each such child, made to work it out after all, gets the very list it was
-    handed; and the answers are the optimum of every term."""
+    """A child that only leaves out classes outside every set of NUMA nodes its parent
+    kept (one, or the run of them that follows, at once) takes the parent's list instead
+    of working it out again (Search._branch's spans_for): each such child, made to work it
+    out after all, gets the very list it was handed; and the answers are the optimum of
+    every term."""
     from topoagent.placement import search
 
     branch, spans_left = search.Search._branch, search.Search._spans_left
     handed: list = []
-    seen = {"compared": 0}
+    seen = {"compared": 0, "runs": 0}
+    parents: list[int] = []  # the class each branch on the path was handed
 
     def recomputing(self, ci, taken, rem, cand, dmg, was=None, spans=None, spans_for=search._STALE):
         if spans_for is search._STALE or spans_for is not self.best:
-            return branch(self, ci, taken, rem, cand, dmg, was, spans, spans_for)
+            parents.append(ci)
+            try:
+                return branch(self, ci, taken, rem, cand, dmg, was, spans, spans_for)
+            finally:
+                parents.pop()
+        if parents and was is not None:
+            # Past classes after the one the parent branched on that held its candidates: a run.
+            had = [i for i in range(parents[-1], ci) if self.classes[i][0] & was[0] & ~was[2]]
+            seen["runs"] += len(had) > 1
         handed.append(spans)
         try:
             return branch(self, ci, taken, rem, cand, dmg, was, spans, search._STALE)
@@ -132,7 +142,7 @@ def test_a_branch_handed_its_parents_spans_gets_what_it_would_work_out(branch_an
     monkeypatch.setattr(search.Search, "_branch", recomputing)
     monkeypatch.setattr(search.Search, "_spans_left", compared)
     place_small_meshes_checked()
-    assert seen["compared"] >= 10, seen  # the lists were handed down
+    assert seen["compared"] >= 10 and seen["runs"] >= 1, seen  # the lists were handed down, past runs of classes
 
 
 def place_small_meshes_checked(checked: bool = True) -> list[tuple[int, ...] | None]:
@@ -201,12 +211,12 @@ def test_a_ring_check_from_its_parents_gets_what_it_would_work_out_from_nothing(
     completable = search.Search._ring_completable
     seen = {"compared": 0, "cut": 0}
 
-    def compared(self, taken, cand, rem, was):
-        got = completable(self, taken, cand, rem, was)
+    def compared(self, taken, cand, rem, was, forcing=False):
+        got = completable(self, taken, cand, rem, was, forcing)
         if was is not None:
             kept, self.lacks_kept = self.lacks_kept, {}
             try:
-                assert got == completable(self, taken, cand, rem, None), (taken, cand, rem, was)
+                assert got == completable(self, taken, cand, rem, None, forcing), (taken, cand, rem, was)
             finally:
                 self.lacks_kept = kept
             seen["compared"] += 1

@@ -93,7 +93,9 @@ partitions:
   set could lie within (its span and count no worse than the best's): the ring checks
   and the bounds above on those nodes' candidates alone.  A set of nodes whose candidates hold no ring, or whose bounds say
   every completion there is worse, drops out; the branch is cut when none is left, and
-  takes no GPU outside them.  On an irregular mesh the bounds alone would favour sockets
+  takes no GPU outside them (a run of classes with none there is left out at once).  For
+  rings of 16 GPUs or fewer each set's ring check also follows the links a ring is forced
+  to use (rings.ring_may_hold).  On an irregular mesh the bounds alone would favour sockets
   where no ring fits.  Only branches holding nothing as good as the best are cut (nothing
   better once no tie can win the tie-break below), so the answer is the same.
 

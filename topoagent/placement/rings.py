@@ -267,5 +267,82 @@ def ring_links(mask: int, adj: list[int]) -> list[int] | None:
     return links
 
 
+def ring_may_hold(taken: int, reach: int, adj: list[int], k: int, tight: int) -> bool:
+    """Whether a ring of ``k`` GPUs within ``reach`` through all of ``taken`` may exist, by
+    forcing (False: none does; True: none was ruled out).  ``reach`` holds ``taken``.
+
+    A member of the ring with two links uses both: their far ends are members too, and a
+    member two of whose links are so forced uses no other, which may leave a GPU with
+    fewer than two (a member: no ring; any other: not in one) or a member with two.  It
+    starts from ``tight``, the members taken with two links in ``reach`` (every member
+    with more is looked at when it gains a forced link or loses one).  It fails when a
+    GPU is forced a third link, the members pass ``k``, or a forced link closes a cycle
+    short of ``k`` or one that leaves a member out.  The search's ring check forces the
+    links of the members taken only; this carries on, which inside a few NUMA nodes of
+    a sparse mesh rules out many sets the plain checks pass."""
+    must = taken
+    forced: dict[int, int] = {}  # GPU -> its forced links
+    dropped: dict[int, int] = {}  # GPU -> links it cannot use (a forced member's others)
+    # Forced links are paths (none has more than two): each path's far end and length
+    # per end, so that a link closing one is seen as it is forced.
+    far_end: dict[int, tuple[int, int]] = {}
+    check = tight  # the rest are looked at once they gain a forced link or lose one
+    while check:
+        low = check & -check
+        check ^= low
+        if not reach & low:
+            continue
+        v = low.bit_length() - 1
+        links = adj[v] & reach & ~dropped.get(v, 0)
+        degree = links.bit_count()
+        if degree < 2:
+            if must & low:
+                return False
+            reach ^= low  # in no ring: its neighbours lose a link
+            check |= links
+            continue
+        if not must & low:
+            continue
+        have = forced.get(v, 0)
+        if degree == 2 and have != links:
+            new = links & ~have
+            while new:
+                bit = new & -new
+                new ^= bit
+                u = bit.bit_length() - 1
+                have |= bit
+                other = forced.get(u, 0)
+                if other.bit_count() == 2:
+                    return False  # a third forced link
+                forced[u] = other | low
+                # Join the paths ending at v and u: a cycle when they are one path.
+                end_v, end_u = far_end.get(v, (v, 1)), far_end.get(u, (u, 1))
+                if end_v[0] == u:
+                    if end_v[1] < k or (must | bit).bit_count() > end_v[1]:
+                        return False  # a cycle short of k, or members off the only ring
+                else:
+                    length = end_v[1] + end_u[1]
+                    far_end[end_v[0]] = (end_u[0], length)
+                    far_end[end_u[0]] = (end_v[0], length)
+                if not must & bit:
+                    must |= bit
+                    if must.bit_count() > k:
+                        return False
+                check |= bit
+            forced[v] = have
+            if have.bit_count() > 2:
+                return False
+        if have.bit_count() == 2 and links != have:
+            spare = links & ~have
+            dropped[v] = dropped.get(v, 0) | spare
+            while spare:
+                bit = spare & -spare
+                spare ^= bit
+                w = bit.bit_length() - 1
+                dropped[w] = dropped.get(w, 0) | low
+                check |= bit
+    return True
+
+
 RINGS: PerTables[Rings] = PerTables(Rings)
 rings = RINGS.of  # rings(prep): the adjacency and ring memo of these tables

@@ -21,7 +21,7 @@ from topoagent.placement.deadline import Deadline, DeadlineReached, StepBudget, 
 from topoagent.placement.ksets import Row, has_small_table, small_table
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.request import Request
-from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks, rings
+from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks, ring_may_hold, rings
 from topoagent.placement.tables import PerTables, Prepared, bits, connected_components, prepare, timed
 from topoagent.vocabulary import Pattern
 
@@ -37,6 +37,7 @@ SPANS_MAX = 64  # sets of NUMA nodes _spans_left checks a branch against; past t
 SPANS_NODES_MIN = 3  # NUMA nodes a node needs for _spans_left to run
 SPANS_GPUS_MAX = 64  # past it (128 GPUs) a branch's per-set checks cost more than the deadline allows
 SPANS_OPEN_MAX = 12  # NUMA nodes it lists the sets of (2^12) before the limit filters them
+FORCING_GPUS_MAX = 16  # the largest ring _spans_left checks by forcing (see there)
 LACKS_KEPT_MAX = 4_096  # members taken whose lacking links _lacks keeps (a parent and its children share them)
 _STALE = object()  # Search._branch's spans_for when its parent's list may not be its own
 
@@ -46,8 +47,8 @@ Key = tuple[int, int, tuple[int, float], int, tuple[int, int]]
 GpuClass = tuple[int, tuple[int, ...]]
 # What a ring check leaves its branch's children: the GPUs that can still be in the set
 # (taken and candidates, peeled), the component of their links holding what is taken, the
-# members it checked, and the links of those of them with no link to spare in that reach.
-Reach = tuple[int, int, int, int]
+# members it checked, those of them with no link to spare in that reach, and their links.
+Reach = tuple[int, int, int, int, int]
 # A set of NUMA nodes (a bitmask of group numbers) a completion may lie within, and what
 # the ring check on their candidates left (None before the first).
 Span = tuple[int, Reach | None]
@@ -520,18 +521,30 @@ class Search(Bounds):
             if pick & ~within:
                 continue  # every set holding it is worse than the limit
             added = self.class_damage(zones, taken, c) if c else 0
-            kept_for = best if c == 0 and outside else _STALE  # the best set the list was made for
-            self._branch(ci + 1, taken | pick, rem - c, nxt, dmg + added, reach, spans, kept_for)
+            after = ci + 1
+            kept_for: object = _STALE  # the best set the list was made for
+            if c == 0 and outside:
+                kept_for = best
+                # The chain of children that leave out, one by one, the classes after it that
+                # none of these sets can hold either: straight to its end, which sees what
+                # it saw at the end of the chain (the candidates less those classes).
+                while after < len(classes) and not (classes[after][0] & nxt & within):
+                    nxt &= ~classes[after][0]
+                    after += 1
+            self._branch(after, taken | pick, rem - c, nxt, dmg + added, reach, spans, kept_for)
             if self.best is not None and self.stop_at_first:
                 return
 
-    def _ring_completable(self, taken: int, cand: int, rem: int, was: Reach | None) -> tuple[int, int, Reach] | None:
+    def _ring_completable(
+        self, taken: int, cand: int, rem: int, was: Reach | None, forcing: bool = False
+    ) -> tuple[int, int, Reach] | None:
         """The candidates that can still complete a ring or path at r through ``taken``,
         the GPUs every such completion holds, and what the children's checks start from;
         None when none can.  ``was``: what an earlier check on this branch's path left
         (see Reach), which the peel, the members' links and the component start from (a
         child's reach is the parent's less a few GPUs: only their neighbours can have
-        lost links) -- the same result as from nothing."""
+        lost links) -- the same result as from nothing.  ``forcing``: a ring's check
+        carries the forcing of links on (rings.ring_may_hold), which costs more."""
         # No ring/path at r can be completed: such a branch holds no set, so cutting it
         # changes no answer.  In a ring, the members taken lie in runs between the rem
         # GPUs still to come (at most rem runs, a path rem + 1), each run inside one
@@ -566,11 +579,28 @@ class Search(Bounds):
         cand = reach & ~taken
         if cand.bit_count() < rem:
             return None
-        if was is not None and reach == was[0]:
+        if was is None:
+            tight_members, tight, left = 0, 0, taken
+        elif reach == was[0]:
             # The same reach: the members it checked have the same links in it.
-            tight, left = was[3], taken & ~was[2]
+            tight_members, tight, left = was[3], was[4], taken & ~was[2]
         else:
-            tight, left = 0, taken
+            # Only the members next to what left the reach can have lost links: the others
+            # keep theirs (and, with two, the same two).
+            gone = was[0] & ~reach
+            near = 0
+            while gone:
+                low = gone & -gone
+                gone ^= low
+                near |= eff[low.bit_length() - 1]
+            left = taken & (near | ~was[2])
+            tight_members = was[3] & ~left
+            tight = 0
+            keep = tight_members
+            while keep:
+                low = keep & -keep
+                keep ^= low
+                tight |= eff[low.bit_length() - 1] & reach
         while left:
             low = left & -left
             left ^= low
@@ -579,6 +609,7 @@ class Search(Bounds):
             if degree < need:
                 return None
             if degree == need:
+                tight_members |= low
                 tight |= links  # every link it has left is one it needs
         forced = tight & ~taken
         if forced.bit_count() > rem:
@@ -599,7 +630,9 @@ class Search(Bounds):
             comp = connected_components(reach, eff, taken & -taken)[0]
             if taken & ~comp or comp.bit_count() < self.k:
                 return None
-        return cand, forced, (reach, comp, taken, tight)
+        if forcing and tight_members and not ring_may_hold(taken, reach, eff, self.k, tight_members):
+            return None
+        return cand, forced, (reach, comp, taken, tight_members, tight)
 
     def _lacks(self, taken: int, rem: int, ends: int) -> tuple[int, int] | None:
         """The ring links the members taken lack among themselves (2 each) and which members
@@ -670,12 +703,16 @@ class Search(Bounds):
         if len(tried) > SPANS_MAX:
             return None
         kept: list[Span] = []
+        # Forcing on each set's candidates (rings.ring_may_hold): a ring of a few NUMA
+        # nodes' sparse links is often ruled out by it; past FORCING_GPUS_MAX none was, at
+        # a cost (docs/benchmarks.md).
+        forcing = self.req.pattern is Pattern.ALLREDUCE and self.k <= FORCING_GPUS_MAX
         for groups, sub, was in tried:
             # Each set's ring check costs about a branch: the deadline counts it as a step
             # (up to SPANS_MAX of them in one branch, milliseconds at 128 GPUs).
             if self.deadline is not None:
                 self.deadline.tick()
-            got = self._ring_completable(taken, sub, rem, was)
+            got = self._ring_completable(taken, sub, rem, was, forcing)
             if got is None:
                 continue
             sub, forced, reach = got
