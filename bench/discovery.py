@@ -42,10 +42,10 @@ from topoagent.node.host import Host
 
 REPO = Path(__file__).resolve().parents[1]
 
-# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
-# would make every run compile every module again and time the compiler instead.
 # The interpreter with no site packages and no environment: the least any Python process costs.
 BARE = ("-I", "-S")
+# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
+# would make every run compile every module again and time the compiler instead.
 CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(REPO)}
 
 
