@@ -16,7 +16,8 @@ whole command), not wall time, since the machine is shared: `topoagent discover 
 hwloc's own test recordings (../shared/hwloc/linux beside the checkout, and the one shipped
 in tests/data/hwloc, so a clean clone has one), alternated round by round, with the
 interpreter's own start beside them: `python -c pass` (what a console script pays before its
-first line) and `python -I -S -c pass` (no site packages: the least any Python process costs).  Beside each, in-process discovery of the same recording (a fresh Host each run, the
+first line) and `python -I -S -c pass` (no site packages: the least any Python process
+costs).  Beside each, in-process discovery of the same recording (a fresh Host each run, the
 imports warm): what a running agent's rediscovery costs beyond any start-up.  With --rev REV
 the rounds also run that revision's `topoagent discover --json --root` (``git archive REV``
 unpacked into a temporary directory, its own bytecode cached first), so the block shows the
@@ -42,10 +43,10 @@ from topoagent.node.host import Host
 
 REPO = Path(__file__).resolve().parents[1]
 
-# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
-# would make every run compile every module again and time the compiler instead.
 # The interpreter with no site packages and no environment: the least any Python process costs.
 BARE = ("-I", "-S")
+# An installed agent runs from compiled bytecode; a shell with PYTHONDONTWRITEBYTECODE
+# would make every run compile every module again and time the compiler instead.
 CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"} | {"PYTHONPATH": str(REPO)}
 
 

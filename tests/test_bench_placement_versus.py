@@ -75,6 +75,8 @@ def test_the_mesh_study_draws_the_same_requests_every_time():
 
 def test_sizes_are_gpu_counts_separated_by_commas():
     assert sizes_arg("32,64,128") == (32, 64, 128)
-    for bad in ("", "32,,64", "sixty-four", "1"):
+    assert sizes_arg("8") == (8,)
+    assert all(k <= 8 for k, _ in mesh_asks(8, 200))  # the least size: every request fits it
+    for bad in ("", "32,,64", "sixty-four", "1", "4", "32,7"):  # below 8 the study's requests could not fit
         with pytest.raises(argparse.ArgumentTypeError):
             sizes_arg(bad)

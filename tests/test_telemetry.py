@@ -442,3 +442,43 @@ def test_a_recordings_counters_once_parsed_give_their_memory_back(monkeypatch):
             loop.close()
     assert board.served.snapshot is not None and board.served.snapshot.telemetry is not None
     assert trims == [board.version]  # once, after the new counters were served
+
+
+def test_a_recordings_parsed_samples_are_gone_before_their_memory_is_given_back(monkeypatch):
+    # Memory given back while the parsed samples are still held leaves them in the heap (the
+    # history keeps only what it parsed of them): the trim waits till they are gone.
+    import asyncio
+    import weakref
+
+    import topoagent.service.counter_loop as counter_loop
+    import topoagent.service.telemetry as telemetry
+    from topoagent.config import Config
+    from topoagent.node.discovery import discover_sync
+    from topoagent.node.host import Host
+    from topoagent.service.served import Board, Snapshot
+
+    class Samples(list):  # a list a weak reference can watch
+        pass
+
+    parsed: list[weakref.ref] = []
+    recorded_samples = telemetry.recorded_samples
+
+    def watched(host):
+        samples = Samples(recorded_samples(host))
+        parsed.append(weakref.ref(samples))
+        return samples
+
+    held_at_trim: list[bool] = []
+    monkeypatch.setattr(telemetry, "recorded_samples", watched)
+    monkeypatch.setattr(counter_loop, "release_free_memory", lambda: held_at_trim.append(parsed[-1]() is not None))
+    with Host(SNAPSHOTS / "dgx-a100") as host:
+        node = discover_sync(host)
+        board = Board()
+        board.publish(snapshot=Snapshot(1, node, node.distance_matrix(), 0.0, node.collectors, {}))
+        loop = counter_loop.CounterLoop(board, Config, lambda: host)
+        try:
+            asyncio.run(loop.read())
+        finally:
+            loop.close()
+    assert board.served.snapshot is not None and board.served.snapshot.telemetry is not None
+    assert held_at_trim == [False]

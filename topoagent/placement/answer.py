@@ -122,19 +122,19 @@ PlacedKey = tuple[int, int, str | None, int | None, tuple[int, ...]]
 # (GPU positions in rank order, pattern, NICs asked, per NIC its traffic in steps or None).
 PartsKey = tuple[tuple[int, ...], Pattern, int, tuple[int, ...] | None]
 # The same without the pattern: what binding ranks to NICs and CPUs decides.
-BoundKey = tuple[tuple[int, ...], int, tuple[int, ...] | None]
+BindingKey = tuple[tuple[int, ...], int, tuple[int, ...] | None]
 
 
 class AnswerMemo:
     """Per tables: the pieces of answers built so far (they hold no reference to the tables)."""
 
-    __slots__ = ("bound", "cpus", "links", "parts", "placed")
+    __slots__ = ("bindings", "cpus", "links", "parts", "placed")
 
     def __init__(self) -> None:
         self.links: dict[tuple[int, int], PatternLink] = {}
         self.placed: dict[PlacedKey, PlacedGpu] = {}
         self.parts: dict[PartsKey, AnswerParts] = {}
-        self.bound: dict[BoundKey, BoundParts] = {}  # shared by the patterns' parts
+        self.bindings: dict[BindingKey, BindingParts] = {}  # shared by the patterns' parts
         self.cpus: dict[int, str | None] = {}  # by which CPU lists are in play
 
 
@@ -229,7 +229,7 @@ class AnswerParts:
 
 
 @dataclass(frozen=True, slots=True)
-class BoundParts:
+class BindingParts:
     """The pieces of AnswerParts that the pattern does not change: the ranks bound to NICs
     and CPUs and what a job launches with.  Built once for the four patterns' parts, which
     hold the same objects: warm_answers keeps every small set's parts for good, and four
@@ -264,13 +264,13 @@ def answer_parts(
     if links:
         pos_of = prep.pos_of
         weakest = min(links, key=lambda ln: prep.rank[pos_of[ln.a_index]][pos_of[ln.b_index]])
-    bound = _bound_parts(prep, order, mask, nics, loads)
+    shared = _binding_parts(prep, order, mask, nics, loads)
     # The ring through the ranks in order, which all-reduce's estimate reads (the other
     # patterns' models read their own links: placement.tiers).
     ring = links if pattern is Pattern.ALLREDUCE else []
     parts = AnswerParts(
-        bound.gpus, tuple(links), bandwidth, worst, weakest, bound.numa_labels, bound.cpus, bound.nics,
-        bound.env, bound.numactl, bound.nic_reasons, bound.nic_passed, bound.launch,
+        shared.gpus, tuple(links), bandwidth, worst, weakest, shared.numa_labels, shared.cpus, shared.nics,
+        shared.env, shared.numactl, shared.nic_reasons, shared.nic_passed, shared.launch,
         tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
     if len(memo) >= 50_000:
@@ -279,10 +279,10 @@ def answer_parts(
     return parts
 
 
-def _bound_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int, loads: tuple[int, ...] | None) -> BoundParts:
-    """BoundParts for GPUs at positions ``order`` (cached by order, NICs asked and traffic)."""
-    key: BoundKey = (order, nics, loads)
-    memo = _memo(prep).bound
+def _binding_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int, loads: tuple[int, ...] | None) -> BindingParts:
+    """BindingParts for GPUs at positions ``order`` (cached by order, NICs asked and traffic)."""
+    key: BindingKey = (order, nics, loads)
+    memo = _memo(prep).bindings
     got = memo.get(key)
     if got is not None:
         return got
@@ -312,14 +312,14 @@ def _bound_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int, l
         nic_reasons.append(Reason(ReasonCode.NCCL_HCA_LEAVES_OUT, {"names": tuple(unnamed)}))
     if cpus_shared:
         nic_reasons.append(Reason(ReasonCode.CPUS_SHARED, {"gpus": cpus_shared}))
-    bound = BoundParts(
+    parts = BindingParts(
         tuple(placed), numa_labels, cpus, chosen, tuple(env), numactl, tuple(nic_reasons), tuple(passed),
         launch_input(prep, order, bindings),
     )
     if len(memo) >= 50_000:
         memo.clear()
-    memo[key] = bound
-    return bound
+    memo[key] = parts
+    return parts
 
 
 def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> list[PatternLink]:

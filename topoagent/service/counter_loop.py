@@ -87,8 +87,10 @@ class CounterLoop:
             self.board.publish(snapshot=current.with_telemetry(self.board.version, telemetry))
         if recorded is not None:
             # A recording's samples are parsed once, all at once (its telemetry.json: 2.7 MB
-            # on the 128-GPU node): give back that peak, which no warming's trim may follow.
-            release_free_memory()
+            # on the 128-GPU node): give back that peak, which no warming's trim may follow --
+            # once this read has returned, as the samples are held till then (by its locals,
+            # and by the finished thread's future the loop is still waking it up from).
+            asyncio.get_running_loop().call_soon(release_free_memory)
 
     def close(self) -> None:
         if self._reader is not None:
