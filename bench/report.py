@@ -60,7 +60,8 @@ GENERATORS: dict[str, Generator] = {
     "meshversus": Generator(("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4"),
                             ("--rounds", "2")),
     "meshversus-cpu": Generator(
-        ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--samples", "100", "--rounds", "4", "--cpu-only"),
+        ("-m", "bench.placement_versus", "--rev", "37da41e", "--mesh", "--sizes", "32,64,128", "--samples", "100", "--rounds", "4",
+         "--cpu-only"),
         ("--rounds", "2"),
     ),
     "meshversus-loaded": Generator(

@@ -311,12 +311,14 @@ class Anytime:
 
     def _better_union(self, r: int, found: Found, unions: list[int]) -> Found:
         """The best of ``found`` and the sets grown in those of ``unions`` (groups of NUMA
-        nodes not tried yet) where a set could beat it: spanning no more, and with as much
-        span the least damage a set there can do (Bounds.damage_bound) below its own --
-        least such damage first, FIRST_SET_STEPS each (no fresh steps per start), within
-        BETTER_UNION_STEPS.  _unions lists them most candidates first, which finds a set
-        soon but seldom a good one.  Still a cheap set: it only becomes the exact search's
-        cutoff."""
+        nodes not tried yet) that look more promising: the group's own NUMA span and count
+        no worse than the set's, and with as much the least damage a set there can do
+        (Bounds.damage_bound) below its own -- least such damage first, FIRST_SET_STEPS each
+        (no fresh steps per start), within BETTER_UNION_STEPS.  A choice of where to look,
+        not a bound (a set may use fewer of a group's nodes; the NIC term is left out): what
+        is found there is kept only if its whole key is better.  _unions lists the groups
+        most candidates first, which finds a set soon but seldom a good one.  Still a cheap
+        set: it only becomes the exact search's cutoff."""
         self._offer(found)  # the answer, should the deadline stop these tries
         bb = self.bb
         cand = self.candidates | self.include

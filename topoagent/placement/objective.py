@@ -152,7 +152,7 @@ def evaluate_partner_loss(matrix: DistanceMatrix, busy: Iterable[int], chosen: I
     chosen = list(chosen)
     free = prep.all_mask & ~sum(1 << pos_of[i] for i in busy)
     search = Search(prep, Request(gpus=max(1, len(chosen))), free, free, 0)
-    return search._partner_loss(sum(1 << pos_of[i] for i in chosen))
+    return search.partner_loss(sum(1 << pos_of[i] for i in chosen))
 
 
 def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:

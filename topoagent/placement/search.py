@@ -235,12 +235,12 @@ class Search(Bounds):
                 best_loss = None
                 group = (rank, span, numa)
             elif key == best.key and best_loss != 0:
-                # (5) among equals: leave each free GPU its best free partner.
+                # (7) among equals: leave each free GPU its best free partner.
                 if best_loss is None:
-                    best_loss = self._partner_loss(best.mask)
+                    best_loss = self.partner_loss(best.mask)
                     if best_loss == 0:
                         continue  # nothing to improve on
-                loss = self._partner_loss(mask)
+                loss = self.partner_loss(mask)
                 if loss < best_loss:
                     best = Found(mask, order, rank, key)
                     best_loss = loss
@@ -251,11 +251,11 @@ class Search(Bounds):
 
     def _best_loss(self, best: Found) -> int:
         if best.loss is None:
-            best.loss = self._partner_loss(best.mask)
+            best.loss = self.partner_loss(best.mask)
         return best.loss
 
-    def _partner_loss(self, mask: int) -> int:
-        """Tie-break (5): how much taking ``mask`` lowers, summed over the GPUs left free,
+    def partner_loss(self, mask: int) -> int:
+        """Tie-break (7): how much taking ``mask`` lowers, summed over the GPUs left free,
         the rank of each one's best link to another free GPU.  Only GPUs whose best free
         partners all go with ``mask`` lose anything, so only those are looked at."""
         if self.partner is None:
@@ -792,7 +792,7 @@ class Search(Bounds):
         if best is not None and key >= best.key:
             if key != best.key or self._best_loss(best) == 0:
                 return
-            loss = self._partner_loss(taken)  # (5), among the equals visited
+            loss = self.partner_loss(taken)  # (7), among the equals visited
             if loss >= self._best_loss(best):
                 return
         order: tuple[int, ...] | None
