@@ -326,6 +326,34 @@ def test_warm_builds_the_tables_requests_read():
         assert small_table_if_built(prep, pattern, 15) is not None
 
 
+def steps_taken_inside(monkeypatch, method: str) -> list[int]:
+    """The steps (Deadline.tick calls) taken inside each call of ``Anytime.<method>``, one
+    entry per call, as the calls come."""
+    from topoagent.placement import anytime
+
+    per_call: list[int] = []
+    inside = [False]
+    tick = deadline_module.Deadline.tick
+    counted = getattr(anytime.Anytime, method)
+
+    def counting_tick(self):
+        if inside[0]:
+            per_call[-1] += 1
+        tick(self)
+
+    def counting(self, *args):
+        inside[0] = True
+        per_call.append(0)
+        try:
+            return counted(self, *args)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
+    monkeypatch.setattr(anytime.Anytime, method, counting)
+    return per_call
+
+
 def test_the_cheap_tries_on_groups_of_numa_nodes_keep_to_their_steps(monkeypatch):
     """The cheap first sets tried on groups of NUMA nodes (Anytime._first_set_at) take
     FIRST_SET_UNION_STEPS steps in all, and the try under way at most its own more -- a
@@ -334,24 +362,7 @@ def test_the_cheap_tries_on_groups_of_numa_nodes_keep_to_their_steps(monkeypatch
     nearly twice that budget before."""
     from topoagent.placement import anytime
 
-    counted = {"in": False, "steps": 0, "most": 0}
-    tick = deadline_module.Deadline.tick
-    first_set_at = anytime.Anytime._first_set_at
-
-    def counting_tick(self):
-        counted["steps"] += counted["in"]
-        tick(self)
-
-    def counting_first_set_at(self, r):
-        counted["in"], counted["steps"] = True, 0
-        try:
-            return first_set_at(self, r)
-        finally:
-            counted["in"] = False
-            counted["most"] = max(counted["most"], counted["steps"])
-
-    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
-    monkeypatch.setattr(anytime.Anytime, "_first_set_at", counting_first_set_at)
+    steps = steps_taken_inside(monkeypatch, "_first_set_at")
     matrix = irregular_mesh(64)
     rng = random.Random(5)  # bench.placement_versus's draws
     most_allowed = (
@@ -363,7 +374,7 @@ def test_the_cheap_tries_on_groups_of_numa_nodes_keep_to_their_steps(monkeypatch
         k = rng.choice((1, 2, 4, 8, 16, 32))
         busy = rng.sample(range(64), rng.randint(0, 64 - k))
         place(matrix, Request(gpus=k, deadline_ms=10_000), busy)
-    assert anytime.FIRST_SET_UNION_STEPS < counted["most"] <= most_allowed, counted
+    assert anytime.FIRST_SET_UNION_STEPS < max(steps) <= most_allowed, max(steps)
 
 
 def test_the_idle_nodes_check_of_a_threshold_keeps_to_its_steps_and_changes_no_answer(monkeypatch):
@@ -380,37 +391,20 @@ def test_the_idle_nodes_check_of_a_threshold_keeps_to_its_steps_and_changes_no_a
     exact = place(irregular_mesh(64), replace(request, deadline_ms=None), busy)
     assert isinstance(exact, Placement)
 
-    counted = {"in": False, "steps": 0, "checks": 0}
-    tick = deadline_module.Deadline.tick
-    feasible_on_idle_node = anytime.Anytime._feasible_on_idle_node
-
-    def counting_tick(self):
-        counted["steps"] += counted["in"]
-        tick(self)
-
-    def counting_check(self, r):
-        counted["in"] = True
-        counted["checks"] += 1
-        try:
-            return feasible_on_idle_node(self, r)
-        finally:
-            counted["in"] = False
-
-    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
-    monkeypatch.setattr(anytime.Anytime, "_feasible_on_idle_node", counting_check)
+    steps = steps_taken_inside(monkeypatch, "_feasible_on_idle_node")
     mesh = irregular_mesh(64)  # a matrix of its own: nothing remembered yet
     first = place(mesh, request, busy)
-    assert counted["checks"] >= 1
-    assert 0 < counted["steps"] <= anytime.IDLE_CHECK_STEPS
+    assert len(steps) >= 1
+    assert 0 < sum(steps) <= anytime.IDLE_CHECK_STEPS
     assert first.proven_optimal and first.indices == exact.indices
-    counted["steps"] = 0
+    steps.clear()
     again = place(mesh, request, busy)  # what the check found, or that it ran out, is remembered
-    assert counted["steps"] == 0
+    assert sum(steps) == 0
     assert again.proven_optimal and again.indices == exact.indices
 
     shipped = anytime.IDLE_CHECK_STEPS
     monkeypatch.setattr(anytime, "IDLE_CHECK_STEPS", 10**9)  # the check as it was: to the end
-    counted["steps"] = 0
+    steps.clear()
     whole = place(irregular_mesh(64), request, busy)
-    assert counted["steps"] > 10 * shipped  # tens of thousands of steps: a deadline's worth many times over
+    assert sum(steps) > 10 * shipped  # tens of thousands of steps: a deadline's worth many times over
     assert whole.indices == exact.indices
