@@ -327,21 +327,23 @@ def test_warm_builds_the_tables_requests_read():
 
 
 def steps_taken_inside(monkeypatch, method: str) -> list[int]:
-    """The steps (Deadline.tick calls) taken inside each call of ``Anytime.<method>``, one
+    """The steps of a step budget (StepBudget.tick or tick_light calls, the last one that
+    finds the budget spent left out) taken inside each call of ``Anytime.<method>``, one
     entry per call, as the calls come."""
     from topoagent.placement import anytime
 
     per_call: list[int] = []
     inside = [False]
-    tick = deadline_module.Deadline.tick
     counted = getattr(anytime.Anytime, method)
 
-    def counting_tick(self):
-        if inside[0]:
-            per_call[-1] += 1
-        tick(self)
+    def counting(tick):
+        def counting_tick(self):
+            tick(self)
+            if inside[0]:
+                per_call[-1] += 1
+        return counting_tick
 
-    def counting(self, *args):
+    def counting_call(self, *args):
         inside[0] = True
         per_call.append(0)
         try:
@@ -349,8 +351,9 @@ def steps_taken_inside(monkeypatch, method: str) -> list[int]:
         finally:
             inside[0] = False
 
-    monkeypatch.setattr(deadline_module.Deadline, "tick", counting_tick)
-    monkeypatch.setattr(anytime.Anytime, method, counting)
+    monkeypatch.setattr(deadline_module.StepBudget, "tick", counting(deadline_module.StepBudget.tick))
+    monkeypatch.setattr(deadline_module.StepBudget, "tick_light", counting(deadline_module.StepBudget.tick_light))
+    monkeypatch.setattr(anytime.Anytime, method, counting_call)
     return per_call
 
 

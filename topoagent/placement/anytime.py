@@ -422,7 +422,7 @@ class Anytime:
         while peeled:
             peeled = False
             for v in bits(pool):
-                steps.tick()
+                steps.tick_light()
                 if (eff[v] & pool).bit_count() < need:
                     pool &= ~(1 << v)
                     peeled = True
@@ -470,19 +470,33 @@ class Anytime:
         numa_masks, numa_of = prep.numa_masks, prep.numa_of
         single = self.req.single_numa
         path: list[int] = []
+        home = 0  # the start's NUMA node's GPUs
+        # extend() orders a GPU's options by one int each, packing (away from the start's
+        # node, onward links, the GPU): ints sort far faster than tuples from a key function,
+        # and this is the cheap tries' hot loop.
+        width = prep.n.bit_length()
+        gpu_bits = (1 << width) - 1
 
         def extend(last: int, room: int) -> bool:
             """``room``: the GPUs that may still join (unvisited; with a min_level, close
             to every GPU on the path)."""
-            steps.tick()
+            steps.tick_light()
             if len(path) == k:
                 return not cycle or bool(eff[last] >> path[0] & 1)
-            left = room
-            options = eff[last] & left
+            options = eff[last] & room
             if cycle and len(path) == k - 1:
                 options &= eff[path[0]]
-            # Fewest onward links first (long paths are found fast), same NUMA node first.
-            for v in sorted(bits(options), key=lambda u: (numa_of[u] != numa_of[path[0]], (eff[u] & left).bit_count())):
+            # Same NUMA node as the start first, then fewest onward links (long paths are
+            # found fast), then the lowest index: bits() inlined.
+            order = []
+            while options:
+                low = options & -options
+                options ^= low
+                u = low.bit_length() - 1
+                order.append(((0 if home & low else 1) << width | (eff[u] & room).bit_count()) << width | u)
+            order.sort()
+            for key in order:
+                v = key & gpu_bits
                 path.append(v)
                 if extend(v, room & ~(1 << v) & (h[v] if h is not None else room)):
                     return True
@@ -499,6 +513,7 @@ class Anytime:
             if best is not None and start not in per_node:
                 break
             path[:] = [start]
+            home = numa_masks[numa_of[start]]
             room = pool & ~(1 << start) & (h[start] if h is not None else pool)
             if single:
                 room &= numa_masks[numa_of[start]]
