@@ -141,6 +141,31 @@ def test_unread_steps_that_run_to_the_deadline_stop_there(monkeypatch):
             deadline.tick()
 
 
+@pytest.mark.parametrize("dear_s", [1e-6, 3e-5, 1e-4])
+def test_cheap_steps_read_the_clocks_less_often_and_still_stop_in_time(monkeypatch, dear_s):
+    """Steps of a microsecond read the CPU clock every CHECK_EVERY_MOST steps while the stop
+    is far, and every CHECK_EVERY near it; steps that turn dearer half way (30 us, a branch
+    at 64 GPUs; 100 us, one at 128) are read before the stop all the same: the search stops
+    no later past it than CHECK_EVERY such steps, as when every fourth step read it."""
+    cpu = {"now": 0.0, "reads": 0}
+
+    def clock() -> float:
+        cpu["reads"] += 1
+        return cpu["now"]
+
+    monkeypatch.setattr(deadline_module, "clock", clock)
+    deadline = deadline_module.Deadline(0.02)
+    steps = 0
+    with pytest.raises(deadline_module.DeadlineReached):
+        while True:
+            cpu["now"] += 1e-6 if cpu["now"] < 0.01 else dear_s
+            steps += 1
+            deadline.tick()
+    assert deadline.at <= cpu["now"] <= deadline.at + deadline_module.Deadline.CHECK_EVERY * dear_s
+    if dear_s == 1e-6:
+        assert cpu["reads"] < steps / deadline_module.Deadline.CHECK_EVERY / 2
+
+
 def assert_valid(matrix: DistanceMatrix, request: Request, busy: list[int], answer: Placement) -> None:
     """Every GPU free, k distinct ones, include and exclude met."""
     assert len(set(answer.indices)) == request.gpus
@@ -204,6 +229,9 @@ def test_deadline_answers_on_an_irregular_mesh_have_the_exact_bandwidth(monkeypa
         cases.append((k, rng.choice(["allreduce", "pipeline", "alltoall"]), rng.sample(range(32), rng.randint(0, 28 - k))))
     exact = [place(mesh, Request(gpus=k, pattern=pattern), busy) for k, pattern, busy in cases]
     monkeypatch.setattr(deadline_module, "clock", StepClock(4e-5))  # 20 ms: about 1,800 steps
+    # (A read every CHECK_EVERY steps throughout: a clock that moves per read, not per step,
+    # would otherwise look cheap to the deadline's stride and give more steps.)
+    monkeypatch.setattr(deadline_module.Deadline, "CHECK_EVERY_MOST", deadline_module.Deadline.CHECK_EVERY)
     unproven = 0
     for (k, pattern, busy), best in zip(cases, exact):
         request = Request(gpus=k, pattern=pattern, deadline_ms=20)

@@ -1,8 +1,9 @@
 """The clock a search keeps to: a request's Deadline, and the step budgets of its cheap tries.
 
 A search calls ``tick()`` once per step (a branch, or one extension of a ring or path);
-a Deadline reads the clocks every CHECK_EVERY steps and raises DeadlineReached when its
-time is up, a StepBudget raises StepsSpent when its steps are.
+a Deadline reads the clocks every CHECK_EVERY steps (up to CHECK_EVERY_MOST while steps
+are cheap and the stop far) and raises DeadlineReached when its time is up, a StepBudget
+raises StepsSpent when its steps are.
 
 A deadline is the wall-clock time the caller waits for the answer.  After the search
 stops, building the answer takes CPU time of its own (ANSWER_RESERVE_*), and on a busy
@@ -38,9 +39,18 @@ class Deadline:
     """A wall-clock time a search stops before, leaving the time to build the answer at
     the share of a core the thread gets (module docstring).  The clocks are read every
     CHECK_EVERY steps (a step is one branch or one Hamiltonian extension: a few to a
-    hundred microseconds at 128 GPUs): cheap next to the search, finer than 0.5 ms."""
+    hundred microseconds at 128 GPUs): cheap next to the search, finer than 0.5 ms.
+    Where steps are cheap and the stop is far, every up to CHECK_EVERY_MOST steps
+    (about READ_EVERY_S of CPU apart): the CPU clock costs about half a microsecond a
+    read, a few percent of a search.  The stop is far while the thread has more than
+    FAR_S of CPU left before it -- more than CHECK_EVERY_MOST of the dearest steps take --
+    so steps dearer than those measured are still read before it, and near it the reads
+    are every CHECK_EVERY steps: no later than with that stride alone."""
 
     CHECK_EVERY = 4
+    CHECK_EVERY_MOST = 16
+    READ_EVERY_S = 0.0005
+    FAR_S = 0.002
     # The CPU time building the answer from the set takes: ~0.1 ms for one GPU and 1-5 ms
     # for 64 (ranks, bindings, launch forms).
     ANSWER_RESERVE_S = 0.0015
@@ -53,7 +63,7 @@ class Deadline:
         self.wall_from = self.wall_read = wall_clock()
         self.waited = 0.0  # the longest stretch between two reads the thread spent off a core
         self.at = self.cpu_from + seconds - self.reserve
-        self.left = self.CHECK_EVERY
+        self.every = self.left = self.CHECK_EVERY  # steps between reads, and left to the next
         self.reached = False
         self.unread = 0.0  # steps left before the clocks are read again (a cheap first answer's)
         self.unread_to_deadline = False  # those steps stop at the deadline less the reserve all the same
@@ -62,9 +72,9 @@ class Deadline:
     def tick(self) -> None:
         self.left -= 1
         if self.left <= 0:
-            self.left = self.CHECK_EVERY
             if self.unread > 0:
-                self.unread -= self.CHECK_EVERY
+                self.left = self.every
+                self.unread -= self.every
                 # Unhurried, but never past the deadline less the reserve where asked: a step
                 # costs up to ~100 us at 128 GPUs, and thousands could run far past 20 ms.
                 if self.unread_to_deadline and wall_clock() - self.wall_from >= self.seconds - self.reserve:
@@ -79,20 +89,27 @@ class Deadline:
         if self.reached:
             raise DeadlineReached
         cpu, now = clock(), wall_clock()
-        self.waited = max(self.waited, (now - self.wall_read) - (cpu - self.cpu_read))
+        steps = self.every - self.left  # since the last read: all of them from tick(), fewer from a coarse caller
+        spent = cpu - self.cpu_read
+        self.waited = max(self.waited, (now - self.wall_read) - spent)
         self.cpu_read, self.wall_read = cpu, now
         wall = now - self.wall_from
-        # The margin is half the deadline at most: before then it need not be worked out.
-        if cpu >= self.at or (wall >= self.seconds / 2 and wall + self.margin(cpu - self.cpu_from, wall) >= self.seconds):
+        share = max(min((cpu - self.cpu_from) / wall, 1.0), LEAST_SHARE) if wall > 0 else 1.0
+        # The CPU time the thread has before the search must stop, by either clock.
+        cpu_left = min(self.at - cpu, (self.seconds - wall - self.margin(share)) * share)
+        if cpu_left <= 0:
             self.reached = True
             raise DeadlineReached
+        every = self.CHECK_EVERY
+        if cpu_left > self.FAR_S and steps > 0:
+            every = self.CHECK_EVERY_MOST if spent <= 0 else int(self.READ_EVERY_S * steps / spent)
+            every = max(self.CHECK_EVERY, min(every, self.CHECK_EVERY_MOST))
+        self.every = self.left = every
 
-    def margin(self, cpu: float, wall: float) -> float:
-        """How long before the deadline the search stops, having had ``cpu`` seconds of a
-        core in ``wall``: the reserve of CPU time stretched by that share, and the longest
-        wait seen; half the deadline at most."""
-        share = cpu / wall if wall > 0 else 1.0
-        return min(self.reserve / max(min(share, 1.0), LEAST_SHARE) + self.waited, self.seconds / 2)
+    def margin(self, share: float) -> float:
+        """How long before the deadline the search stops at this share of a core: the
+        reserve of CPU time stretched by it, and the longest wait seen; half the deadline at most."""
+        return min(self.reserve / share + self.waited, self.seconds / 2)
 
 
 def no_check() -> None:
