@@ -121,8 +121,8 @@ class StepsSpent(Exception):
 
 
 # A deadline's step is a branch or a ring's extension (up to ~100 us at 128 GPUs); this
-# many light steps (StepBudget.tick_light) count as one: its clocks are still read every
-# few tens of microseconds while a cheap set grows.
+# many light steps (StepBudget.tick_light) count as one: while a cheap set grows its clocks
+# are still read every few tens of microseconds near the stop (Deadline.READ_EVERY_S apart at most far from it).
 LIGHT_STEPS_PER_TICK = 4
 
 
@@ -147,7 +147,7 @@ class StepBudget:
         """tick() for a step of a few bit operations (a cheap set grown one GPU at a time,
         a few microseconds): the budget counts every one, the deadline one in
         LIGHT_STEPS_PER_TICK -- its clock reads (the CPU clock alone about half a
-        microsecond) would otherwise cost a sixth of such steps."""
+        microsecond) would otherwise cost a tenth or more of such steps."""
         self.spent += 1
         self.left -= 1
         if self.left < 0:
