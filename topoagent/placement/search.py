@@ -22,7 +22,7 @@ from topoagent.placement.ksets import Row, has_small_table, small_table
 from topoagent.placement.latency import LATENCY_BOUND_MESSAGE_BYTES
 from topoagent.placement.request import Request
 from topoagent.placement.rings import BLOCKS_EDGES_MAX, biconnected_blocks, ring_may_hold, rings
-from topoagent.placement.tables import PerTables, Prepared, bits, connected_components, prepare, timed
+from topoagent.placement.tables import PerTables, Prepared, bits, connected_components, neighbours, prepare, timed
 from topoagent.vocabulary import Pattern
 
 if TYPE_CHECKING:
@@ -562,13 +562,7 @@ class Search(Bounds):
         if was is None:
             check = cand
         else:
-            gone = was[0] & ~reach
-            check = 0
-            while gone:
-                low = gone & -gone
-                gone ^= low
-                check |= eff[low.bit_length() - 1]
-            check &= cand
+            check = neighbours(was[0] & ~reach, eff) & cand
         while check:
             low = check & -check
             check ^= low
@@ -587,20 +581,10 @@ class Search(Bounds):
         else:
             # Only the members next to what left the reach can have lost links: the others
             # keep theirs (and, with two, the same two).
-            gone = was[0] & ~reach
-            near = 0
-            while gone:
-                low = gone & -gone
-                gone ^= low
-                near |= eff[low.bit_length() - 1]
+            near = neighbours(was[0] & ~reach, eff)
             left = taken & (near | ~was[2])
             tight_members = was[3] & ~left
-            tight = 0
-            keep = tight_members
-            while keep:
-                low = keep & -keep
-                keep ^= low
-                tight |= eff[low.bit_length() - 1] & reach
+            tight = neighbours(tight_members, eff) & reach
         while left:
             low = left & -left
             left ^= low
@@ -645,23 +629,13 @@ class Search(Bounds):
         eff = self.eff
         assert eff is not None
         verts = comp & reach
-        gone = comp & ~reach
-        targets = 0
-        while gone:
-            low = gone & -gone
-            gone ^= low
-            targets |= eff[low.bit_length() - 1]
+        targets = neighbours(comp & ~reach, eff)
         targets &= verts
         if not targets:
             return 0
         seen = frontier = targets & -targets
         while frontier and targets & ~seen:
-            nxt = 0
-            while frontier:
-                low = frontier & -frontier
-                frontier ^= low
-                nxt |= eff[low.bit_length() - 1]
-            frontier = nxt & verts & ~seen
+            frontier = neighbours(frontier, eff) & verts & ~seen
             seen |= frontier
         return verts if not targets & ~seen else 0
 
@@ -764,13 +738,7 @@ class Search(Bounds):
         most min(2, its links to ``lacking``)."""
         eff = self.eff
         assert eff is not None
-        near = 0  # the candidates linked to a member that lacks links
-        left = lacking
-        while left:
-            low = left & -left
-            left ^= low
-            near |= eff[low.bit_length() - 1]
-        near &= cand
+        near = neighbours(lacking, eff) & cand  # the candidates linked to a member that lacks links
         ones = near.bit_count()
         if min(ones, rem) >= short:
             return True  # one link each is enough

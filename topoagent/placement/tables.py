@@ -32,6 +32,16 @@ def bits(mask: int) -> Iterator[int]:
         mask ^= low
 
 
+def neighbours(mask: int, adjacency: list[int]) -> int:
+    """Every GPU linked to one of ``mask``'s (bits() inlined: the search calls this per branch)."""
+    near = 0
+    while mask:
+        low = mask & -mask
+        mask ^= low
+        near |= adjacency[low.bit_length() - 1]
+    return near
+
+
 def connected_components(verts: int, adjacency: list[int], start: int = 0, most: int | None = None) -> list[int]:
     """The connected components (as GPU bitmasks) of the graph restricted to ``verts``;
     with ``start`` (a GPU's bit), only the one holding it; with ``most``, the first ``most``
@@ -44,12 +54,7 @@ def connected_components(verts: int, adjacency: list[int], start: int = 0, most:
             break
         comp = frontier = remaining & -remaining
         while frontier:
-            reach = 0
-            while frontier:  # the hot loop of the search: bits() inlined
-                low = frontier & -frontier
-                frontier ^= low
-                reach |= adjacency[low.bit_length() - 1]
-            frontier = reach & verts & ~comp
+            frontier = neighbours(frontier, adjacency) & verts & ~comp
             comp |= frontier
         comps.append(comp)
         remaining = 0 if start else remaining & ~comp
