@@ -141,6 +141,31 @@ def test_unread_steps_that_run_to_the_deadline_stop_there(monkeypatch):
             deadline.tick()
 
 
+def test_unread_steps_after_cheap_steps_stop_at_the_deadline_as_soon(monkeypatch):
+    """Cheap steps far from the stop stretch the reads to CHECK_EVERY_MOST steps apart; the
+    cheap tries' unread steps that follow (Anytime._unhurried, to_deadline) still see the
+    wall clock's stop within CHECK_EVERY steps: they are not read by the CPU clock, so the
+    stride the CPU clock allowed says nothing of what they cost (up to ~100 us each)."""
+    from types import SimpleNamespace
+
+    from topoagent.placement.anytime import Anytime
+
+    wall = StepClock(0.0)  # moved by hand
+    monkeypatch.setattr(deadline_module, "clock", StepClock(1e-6))  # a microsecond a read: far from the stop
+    monkeypatch.setattr(deadline_module, "wall_clock", wall)
+    deadline = deadline_module.Deadline(0.02)
+    while deadline.every < deadline_module.Deadline.CHECK_EVERY_MOST:
+        deadline.tick()
+    assert deadline.left == deadline.every  # just read, the next read is a whole stride away
+    with Anytime._unhurried(SimpleNamespace(deadline=deadline), 10_000, to_deadline=True):
+        for _ in range(3):
+            deadline.tick()
+        wall.now += 0.02
+        with pytest.raises(deadline_module.DeadlineReached):
+            for _ in range(deadline_module.Deadline.CHECK_EVERY):
+                deadline.tick()
+
+
 @pytest.mark.parametrize("dear_s", [1e-6, 3e-5, 1e-4])
 def test_cheap_steps_read_the_clocks_less_often_and_still_stop_in_time(monkeypatch, dear_s):
     """Steps of a microsecond read the CPU clock every CHECK_EVERY_MOST steps while the stop

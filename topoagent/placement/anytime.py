@@ -204,11 +204,11 @@ class Anytime:
         if deadline is None:
             yield
             return
-        deadline.unread, deadline.unread_to_deadline = steps, to_deadline
+        deadline.leave_unread(steps, to_deadline)
         try:
             yield
         finally:
-            deadline.unread, deadline.unread_to_deadline = 0.0, False
+            deadline.leave_unread(0.0)
 
     def _offer(self, found: Found | None) -> Found | None:
         """Keep ``found`` as the best so far when its own order's bandwidth is higher, or

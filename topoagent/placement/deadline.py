@@ -73,8 +73,8 @@ class Deadline:
         self.left -= 1
         if self.left <= 0:
             if self.unread > 0:
-                self.left = self.every
                 self.unread -= self.every
+                self.every = self.left = self.CHECK_EVERY  # (leave_unread)
                 # Unhurried, but never past the deadline less the reserve where asked: a step
                 # costs up to ~100 us at 128 GPUs, and thousands could run far past 20 ms.
                 if self.unread_to_deadline and wall_clock() - self.wall_from >= self.seconds - self.reserve:
@@ -82,6 +82,15 @@ class Deadline:
                     raise DeadlineReached
                 return
             self.check()
+
+    def leave_unread(self, steps: float, to_deadline: bool = False) -> None:
+        """Leave the CPU clock unread for the next ``steps`` steps (a cheap first answer's:
+        Anytime._unhurried); ``to_deadline``: the wall clock still stops them at the deadline
+        less the reserve.  That is read every CHECK_EVERY steps from now on: the stride a
+        far stop allowed was measured on other steps, and these are not measured at all."""
+        self.unread, self.unread_to_deadline = steps, to_deadline
+        if steps > 0:
+            self.every = self.left = min(self.left, self.CHECK_EVERY)
 
     def check(self) -> None:
         """Read the clocks now: for work in coarse steps (a GPU's row of a matrix's tables,
