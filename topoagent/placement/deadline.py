@@ -1,7 +1,8 @@
 """The clock a search keeps to: a request's Deadline, and the step budgets of its cheap tries.
 
-A search calls ``tick()`` once per step (a branch, or one extension of a ring or path);
-a Deadline reads the clocks every CHECK_EVERY steps (up to CHECK_EVERY_MOST while steps
+A search calls ``tick()`` once per step (a branch, or one extension of a ring or path;
+a cheap try's steps of a few bit operations call StepBudget.tick_light, which ticks the
+Deadline once in LIGHT_STEPS_PER_TICK); a Deadline reads the clocks every CHECK_EVERY steps (up to CHECK_EVERY_MOST while steps
 are cheap and the stop far) and raises DeadlineReached when its time is up, a StepBudget
 raises StepsSpent when its steps are.
 
