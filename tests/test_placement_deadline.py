@@ -116,7 +116,7 @@ def test_the_clocks_left_unread_for_a_first_answer_are_read_after_its_steps(monk
     that many: a search that runs on past them is stopped as any other."""
     monkeypatch.setattr(deadline_module, "clock", StepClock(1.0))  # every read is past the deadline
     deadline = deadline_module.Deadline(0.02)
-    deadline.unread = 40
+    deadline.leave_unread(40)
     for _ in range(40):
         deadline.tick()  # not read: no DeadlineReached
     with pytest.raises(deadline_module.DeadlineReached):
@@ -132,7 +132,7 @@ def test_unread_steps_that_run_to_the_deadline_stop_there(monkeypatch):
     monkeypatch.setattr(deadline_module, "clock", StepClock(0.0))  # the CPU clock never says stop
     monkeypatch.setattr(deadline_module, "wall_clock", wall)
     deadline = deadline_module.Deadline(0.02)
-    deadline.unread, deadline.unread_to_deadline = 10_000, True
+    deadline.leave_unread(10_000, to_deadline=True)
     for _ in range(40):
         deadline.tick()
     wall.now += 0.02
