@@ -242,7 +242,7 @@ def _noted(
     """``answer`` with what the node's state says about it: unhealthy GPUs left out, GPUs
     of unknown links taken, and the live signals (term 6)."""
     matrix = prep.matrix
-    taken = sum(1 << prep.pos_of[i] for i in answer.indices)
+    taken = prep.gpus_mask(answer.indices)
     notes = []
     if unhealthy:
         causes = tuple(f"GPU{g.index}: {g.unhealthy}" for g in (matrix.gpus[v] for v in bits(unhealthy)))

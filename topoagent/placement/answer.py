@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 from topoagent.node.cpulist import format_cpulist
 from topoagent.node.levels import LevelKind, LinkLevel
@@ -140,6 +141,18 @@ class AnswerMemo:
 
 ANSWERS: PerTables[AnswerMemo] = PerTables(lambda _prep: AnswerMemo())
 _memo = ANSWERS.of
+MEMO_ENTRIES_MAX = 50_000  # per kind of piece: past it the kind starts afresh (memory stays bounded)
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+def _remember(memo: dict[_K, _V], key: _K, piece: _V) -> _V:
+    """``piece`` kept in ``memo`` under ``key``, and given back."""
+    if len(memo) >= MEMO_ENTRIES_MAX:
+        memo.clear()
+    memo[key] = piece
+    return piece
 
 
 def built_answer_parts(prep: Prepared) -> dict[PartsKey, AnswerParts]:
@@ -198,9 +211,7 @@ def placed_gpu(prep: Prepared, pos: int, rank_no: int, binding: RankBinding, job
             None if binding.nic is None else nic_names[binding.nic], rank_numactl(prep, binding),
             None if binding.nic is None else prep.matrix.nics[binding.nic].rail,
         )
-        if len(memo) >= 50_000:
-            memo.clear()
-        memo[key] = got
+        _remember(memo, key, got)
     return got
 
 
@@ -273,10 +284,7 @@ def answer_parts(
         shared.env, shared.numactl, shared.nic_reasons, shared.nic_passed, shared.launch,
         tier_met(prep, mask, tuple(links)), satisfaction(tuple(links)), tuple(ring),
     )
-    if len(memo) >= 50_000:
-        memo.clear()
-    memo[key] = parts
-    return parts
+    return _remember(memo, key, parts)
 
 
 def _binding_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int, loads: tuple[int, ...] | None) -> BindingParts:
@@ -316,10 +324,7 @@ def _binding_parts(prep: Prepared, order: tuple[int, ...], mask: int, nics: int,
         tuple(placed), numa_labels, cpus, chosen, tuple(env), numactl, tuple(nic_reasons), tuple(passed),
         launch_input(prep, order, bindings),
     )
-    if len(memo) >= 50_000:
-        memo.clear()
-    memo[key] = parts
-    return parts
+    return _remember(memo, key, parts)
 
 
 def _pattern_links(prep: Prepared, order: tuple[int, ...], pattern: Pattern) -> list[PatternLink]:

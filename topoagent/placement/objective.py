@@ -138,9 +138,7 @@ class Objective:
 def evaluate_damage(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
     """Objective term (5) for an arbitrary set: lets tests and benchmarks compare policies."""
     prep = prepare(matrix, None)
-    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
-    busy_mask = sum(1 << pos_of[i] for i in busy)
-    return Bounds(prep, prep.all_mask & ~busy_mask).damage_add(0, sum(1 << pos_of[i] for i in chosen))
+    return Bounds(prep, prep.all_mask & ~prep.gpus_mask(busy)).damage_add(0, prep.gpus_mask(chosen))
 
 
 def evaluate_partner_loss(matrix: DistanceMatrix, busy: Iterable[int], chosen: Iterable[int]) -> int:
@@ -148,11 +146,10 @@ def evaluate_partner_loss(matrix: DistanceMatrix, busy: Iterable[int], chosen: I
     of each one's best free link falls.  Lets benchmarks say which of two sets equal on
     terms (1)-(6) the tie-break prefers."""
     prep = prepare(matrix, None)
-    pos_of = {g.index: pos for pos, g in enumerate(matrix.gpus)}
-    chosen = list(chosen)
-    free = prep.all_mask & ~sum(1 << pos_of[i] for i in busy)
-    search = Search(prep, Request(gpus=max(1, len(chosen))), free, free, 0)
-    return search.partner_loss(sum(1 << pos_of[i] for i in chosen))
+    taken = prep.gpus_mask(chosen)
+    free = prep.all_mask & ~prep.gpus_mask(busy)
+    search = Search(prep, Request(gpus=max(1, taken.bit_count())), free, free, 0)
+    return search.partner_loss(taken)
 
 
 def numa_groups(matrix: DistanceMatrix) -> list[tuple[int, ...]]:
@@ -166,7 +163,7 @@ def numa_distance(matrix: DistanceMatrix, indices: Iterable[int]) -> int | None:
     prep = prepare(matrix, None)
     if prep.numa_dist is None:
         return None
-    return terms(prep).numa_span(prep.groups_of(sum(1 << prep.pos_of[i] for i in indices)))
+    return terms(prep).numa_span(prep.groups_of(prep.gpus_mask(indices)))
 
 
 def edge_key(matrix: DistanceMatrix, a_index: int, b_index: int, now: float | None = None) -> tuple[float, tuple[int, ...]]:

@@ -629,8 +629,7 @@ class Search(Bounds):
         eff = self.eff
         assert eff is not None
         verts = comp & reach
-        targets = neighbours(comp & ~reach, eff)
-        targets &= verts
+        targets = neighbours(comp & ~reach, eff) & verts
         if not targets:
             return 0
         seen = frontier = targets & -targets

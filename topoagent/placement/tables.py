@@ -11,7 +11,7 @@ nvidia-smi indices appear only where a request or an answer is read or written.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any, Generic, NamedTuple, TypeVar
@@ -124,6 +124,10 @@ class Prepared:
     gpu_cpus: list[frozenset[int] | None]
     cpu_list_bit: list[int]
     pos_of: dict[int, int]
+
+    def gpus_mask(self, indices: Iterable[int]) -> int:
+        """The GPUs of these nvidia-smi indices (all on the node), as a bitmask of positions."""
+        return sum(1 << self.pos_of[i] for i in indices)
 
     def groups_of(self, mask: int) -> int:
         """The NUMA groups (a bitmask of group numbers) the GPUs ``mask`` touch."""
